@@ -1,0 +1,1 @@
+"""The ``kvdock`` command line."""

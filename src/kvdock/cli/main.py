@@ -1,0 +1,127 @@
+"""``kvdock serve | status | register | lookup``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+from kvdock import __version__
+from kvdock.config import DEFAULT_HTTP_URL, DEFAULT_URL, load_server_config, parse_size
+from kvdock.errors import ConfigError, KVDockError
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvdock.server.launch import serve
+
+    cli = {k: getattr(args, k) for k in ("host", "port", "http_port", "chunk_size", "l1_size", "session_ttl", "admin_token", "log_level")}
+    cli["no_shm"] = True if args.no_shm else None
+    config = load_server_config(cli, config_file=args.config)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(config))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvdock.sdk.http import get_json
+
+    print(json.dumps(get_json(args.http_url, "/status", args.timeout), indent=2))
+    return 0
+
+
+def _register(args: argparse.Namespace) -> int:
+    from kvdock import layout
+    from kvdock.sdk import make_layout, register_layout
+
+    geo = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+    if args.hf_config:
+        try:
+            hf = layout.hf_config_geometry(json.loads(Path(args.hf_config).read_text()))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot use {args.hf_config}: {e}") from None
+        # explicit flags win over the config file
+        geo = {k: v if v is not None else getattr(hf, k) for k, v in geo.items()}
+    missing = [k for k, v in geo.items() if v is None]
+    if missing:
+        raise ConfigError(f"missing {', '.join('--' + k.replace('_', '-') for k in missing)} (or give --hf-config)")
+    lay = make_layout(args.model, tokens_per_block=args.tokens_per_block, kv_format=args.kv_format, world_size=args.world_size, **geo)  # type: ignore[arg-type]
+    reg = register_layout(args.url, args.http_url, lay, args.timeout)
+    print(json.dumps({"model_name": reg.model_name, "created": reg.created, "chunk_nbytes": reg.chunk_nbytes}))
+    return 0
+
+
+def _lookup(args: argparse.Namespace) -> int:
+    from kvdock import sdk
+
+    tokens = [int(t) for t in args.tokens.replace(",", " ").split()]
+    with sdk.connect(args.url, args.http_url, args.model, args.timeout) as ctx:
+        print(json.dumps({"hit_tokens": sdk.lookup(ctx, tokens, args.cache_salt), "tokens": len(tokens)}))
+    return 0
+
+
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=DEFAULT_URL, help=f"ZMQ control URL (default {DEFAULT_URL})")
+    p.add_argument("--http-url", default=DEFAULT_HTTP_URL, help=f"HTTP URL (default {DEFAULT_HTTP_URL})")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvdock", description="kvdock KV-cache server and tools")
+    parser.add_argument("--version", action="version", version=f"kvdock {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run a server", description="Run a kvdock server. Each flag has a KVDOCK_<NAME> env variable and a key in the --config TOML file; CLI > env > file > default.")
+    s.add_argument("--config", help="TOML config file (also KVDOCK_CONFIG)")
+    s.add_argument("--host", help="bind address for ZMQ and HTTP (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="ZMQ control port (default 5555)")
+    s.add_argument("--http-port", type=int, help="HTTP port (default 9000)")
+    s.add_argument("--chunk-size", type=int, help="tokens per stored chunk (default 256)")
+    s.add_argument("--l1-size", type=parse_size, help="L1 pool size, e.g. 2GiB (default: 1/4 of available memory)")
+    s.add_argument("--no-shm", action="store_true", help="share no memory: every client uses the inline transport")
+    s.add_argument("--session-ttl", type=float, help="seconds before a silent session's pins are released (default 30)")
+    s.add_argument("--admin-token", help="token required by HTTP admin actions")
+    s.add_argument("--log-level", help="DEBUG, INFO (default), WARNING")
+    s.set_defaults(func=_serve)
+
+    st = sub.add_parser("status", help="print a server's /status")
+    _client_flags(st)
+    st.set_defaults(func=_status)
+
+    r = sub.add_parser("register", help="register a model's KV layout without an engine")
+    _client_flags(r)
+    r.add_argument("--model", required=True, help="model name clients will use")
+    r.add_argument("--hf-config", help="HuggingFace config.json to read the geometry from")
+    r.add_argument("--num-layers", type=int)
+    r.add_argument("--num-kv-heads", type=int)
+    r.add_argument("--head-dim", type=int)
+    r.add_argument("--dtype", help="float32, bfloat16, float16, ...")
+    r.add_argument("--tokens-per-block", type=int, default=16)
+    r.add_argument("--kv-format", default="NHD", help="NHD or HND")
+    r.add_argument("--world-size", type=int, default=1)
+    r.set_defaults(func=_register)
+
+    lk = sub.add_parser("lookup", help="how many leading tokens are cached")
+    _client_flags(lk)
+    lk.add_argument("--model", required=True)
+    lk.add_argument("--cache-salt", default="")
+    lk.add_argument("tokens", help="token ids, comma or space separated")
+    lk.set_defaults(func=_lookup)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (KVDockError, OSError) as e:
+        print(f"kvdock {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

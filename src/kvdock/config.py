@@ -1,0 +1,138 @@
+"""Server configuration: one frozen dataclass, defaults here only, precedence CLI > env > file > default.
+
+Every field ``name`` has an environment variable ``KVDOCK_<NAME>`` and a key ``name`` in the
+optional TOML config file (``--config`` / ``KVDOCK_CONFIG``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvdock.errors import ConfigError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 5555
+DEFAULT_HTTP_PORT = 9000
+DEFAULT_URL = f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}"
+DEFAULT_HTTP_URL = f"http://{DEFAULT_HOST}:{DEFAULT_HTTP_PORT}"
+L1_AUTO_FRACTION = 0.25  # of available memory, when --l1-size is not given
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``"2GiB"``, ``"512MiB"``, ``"1.5G"``, ``"4096"`` into bytes; ConfigError otherwise."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
+    if not m:
+        raise ConfigError(f"not a size: {text!r} (try 2GiB, 512MiB, 1G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def format_size(n: int) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def _parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"not a boolean: {text!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    http_port: int = DEFAULT_HTTP_PORT
+    chunk_size: int = 256
+    l1_size: int = 0  # bytes; 0 = L1_AUTO_FRACTION of available memory
+    no_shm: bool = False
+    session_ttl: float = 30.0
+    admin_token: str = ""
+    log_level: str = "INFO"
+
+    @property
+    def zmq_url(self) -> str:
+        return f"tcp://{_url_host(self.host)}:{self.port}"
+
+    def validate(self) -> ServerConfig:
+        """Return self, or raise ConfigError for values that cannot work."""
+        if self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
+        if self.l1_size < 0:
+            raise ConfigError(f"l1_size must be positive, got {self.l1_size}")
+        if self.session_ttl <= 0:
+            raise ConfigError(f"session_ttl must be positive, got {self.session_ttl}")
+        for name in ("port", "http_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{name} out of range: {getattr(self, name)}")
+        return self
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+_PARSERS: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": _parse_bool}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    try:
+        if name == "l1_size":
+            return parse_size(value)
+        field = next(f for f in fields(ServerConfig) if f.name == name)
+        return _PARSERS[str(field.type)](value)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"invalid value for {name}: {value!r} ({e})") from None
+
+
+def load_server_config(
+    cli: Mapping[str, Any], env: Mapping[str, str] | None = None, config_file: str | Path | None = None
+) -> ServerConfig:
+    """Merge CLI values (None = not given) over ``KVDOCK_*`` env over the TOML file over defaults."""
+    env = os.environ if env is None else env
+    names = {f.name for f in fields(ServerConfig)}
+    merged: dict[str, Any] = {}
+    path = config_file or env.get("KVDOCK_CONFIG")
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from None
+        unknown = set(data) - names
+        if unknown:
+            raise ConfigError(f"unknown keys in {path}: {', '.join(sorted(unknown))}")
+        merged.update({k: _coerce(k, v) for k, v in data.items()})
+    for name in names:
+        if f"KVDOCK_{name.upper()}" in env:
+            merged[name] = _coerce(name, env[f"KVDOCK_{name.upper()}"])
+    merged.update({k: _coerce(k, v) for k, v in cli.items() if v is not None and k in names})
+    return dataclasses.replace(ServerConfig(), **merged).validate()
+
+
+def auto_l1_size() -> int:
+    """The default L1 size: a fraction of available memory, bounded by free space in /dev/shm."""
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        avail = int(re.search(r"MemAvailable:\s+(\d+) kB", meminfo).group(1)) * 1024  # type: ignore[union-attr]
+    except (OSError, AttributeError):
+        pass
+    st = os.statvfs("/dev/shm")
+    size = min(int(avail * L1_AUTO_FRACTION), int(st.f_bavail * st.f_frsize * 0.9))
+    return size // 2**20 * 2**20

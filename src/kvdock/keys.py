@@ -1,0 +1,87 @@
+"""Chunk keys: prefix-chained blake3 hashes of token ids (pure, no I/O).
+
+Contract (never change silently, stored objects depend on it):
+
+* token ids are encoded as unsigned 32-bit little-endian integers;
+* ``h_0 = blake3(b"kvdock/chunk-key/v1")`` and
+  ``h_i = blake3(h_{i-1} || tokens of chunk i)`` (32-byte digests);
+* so a chunk's hash names the whole prefix up to and including it.
+
+An object's identity is ``ObjectKey(model, rank, salt, chunk)``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from blake3 import blake3
+
+TOKEN_DTYPE = np.dtype("<u4")
+MAX_TOKEN_ID = 2**32 - 1
+SEED = blake3(b"kvdock/chunk-key/v1").digest()
+
+
+class ObjectKey(NamedTuple):
+    """Identity of one stored chunk."""
+
+    model: str
+    rank: int
+    salt: str
+    chunk: bytes
+
+
+def chunk_hashes(tokens: np.ndarray, chunk_size: int) -> list[bytes]:
+    """Return one chained hash per whole chunk of ``tokens`` (a trailing partial chunk is ignored).
+
+    ``tokens`` must be a 1-D array of dtype ``TOKEN_DTYPE``.
+    """
+    assert tokens.dtype == TOKEN_DTYPE and tokens.ndim == 1
+    n = len(tokens) // chunk_size
+    raw = tokens.view(np.uint8)
+    step = chunk_size * TOKEN_DTYPE.itemsize
+    prev = SEED
+    out: list[bytes] = []
+    for i in range(n):
+        h = blake3(prev)
+        h.update(raw[i * step : (i + 1) * step].data)
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def tokens_from_bytes(data: bytes) -> np.ndarray:
+    """Decode the wire form of token ids; raises ValueError on a ragged buffer."""
+    if len(data) % TOKEN_DTYPE.itemsize:
+        raise ValueError(f"token buffer of {len(data)} bytes is not a whole number of uint32")
+    return np.frombuffer(data, dtype=TOKEN_DTYPE)
+
+
+def normalize_tokens(tokens: object) -> np.ndarray:
+    """Validate token ids (a sequence, numpy array or torch tensor of integers) into a uint32 array.
+
+    Raises TypeError for non-integers (bools and floats included) and ValueError for ids outside
+    ``0 .. 2**32-1`` or input that is not one-dimensional.
+    """
+    if hasattr(tokens, "detach") and hasattr(tokens, "numpy"):  # torch.Tensor without importing torch
+        tokens = tokens.detach().cpu().numpy()  # type: ignore[attr-defined]
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got an array of {arr.dtype}")
+    else:
+        try:
+            seq = list(tokens)  # type: ignore[call-overload]
+        except TypeError:
+            raise TypeError(f"token ids must be a sequence of integers, got {type(tokens).__name__}") from None
+        for t in seq:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise TypeError(f"token ids must be integers, got {type(t).__name__} {t!r}")
+        arr = np.array(seq, dtype=np.int64) if seq else np.zeros(0, dtype=np.int64)
+        if any(int(t) > MAX_TOKEN_ID for t in seq):
+            raise ValueError(f"token id out of range 0..{MAX_TOKEN_ID}")
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {tuple(arr.shape)}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
+        raise ValueError(f"token id out of range 0..{MAX_TOKEN_ID}")
+    return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)

@@ -1,0 +1,223 @@
+"""One request and one reply type per op. Field names are part of the wire contract."""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+Transport = Literal["shm", "inline"]
+
+
+class _Msg(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+# --- shared structs -----------------------------------------------------------------------------
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    name: str = "sdk"
+    version: str = ""
+    attention_backend: str = ""
+
+
+class ModelLayout(msgspec.Struct, frozen=True):
+    """What an engine (or the SDK) registers for a model; shown under /status cache_context_meta."""
+
+    model_name: str
+    world_size: int
+    num_layers: int
+    dtype: str
+    tokens_per_block: int
+    engine_kv_format: str
+    engine_kv_concrete_shape: list[int]
+    engine: EngineInfo = EngineInfo()
+
+
+class SlotRef(msgspec.Struct, frozen=True, array_like=True):
+    """Chunk ``index`` of a request lives at byte ``offset`` of the L1 pool."""
+
+    index: int
+    offset: int
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+
+class Ping(_Msg):
+    pass
+
+
+class RegisterModel(_Msg):
+    protocol_version: int
+    layout: ModelLayout
+
+
+class RegisterClient(_Msg):
+    """Bind a client to one model and rank; ``shm_proof`` is the pool nonce if the client mapped it."""
+
+    protocol_version: int
+    instance_id: str
+    model_name: str
+    kv_rank: int = 0
+    shm_proof: str = ""
+
+
+class Lookup(_Msg):
+    client_id: str
+    tokens: bytes  # uint32 little-endian
+    cache_salt: str = ""
+
+
+class PrepareStore(_Msg):
+    client_id: str
+    session_id: str
+    tokens: bytes
+    cache_salt: str = ""
+    overwrite: bool = False
+
+
+class CommitStore(_Msg):
+    """Makes the listed chunks visible; inline clients send one frame per chunk, in order."""
+
+    client_id: str
+    session_id: str
+    chunks: list[int]
+
+
+class PrepareRetrieve(_Msg):
+    client_id: str
+    session_id: str
+    tokens: bytes
+    cache_salt: str = ""
+
+
+class CommitRetrieve(_Msg):
+    client_id: str
+    session_id: str
+
+
+class EndSession(_Msg):
+    client_id: str
+    session_id: str
+
+
+class CheckIntegrity(_Msg):
+    pass
+
+
+Request = Union[
+    Ping,
+    RegisterModel,
+    RegisterClient,
+    Lookup,
+    PrepareStore,
+    CommitStore,
+    PrepareRetrieve,
+    CommitRetrieve,
+    EndSession,
+    CheckIntegrity,
+]
+
+# --- replies ------------------------------------------------------------------------------------
+
+
+class Error(_Msg):
+    code: str
+    message: str
+
+
+class Pong(_Msg):
+    protocol_version: int
+    server_version: str
+
+
+class ModelRegistered(_Msg):
+    created: bool
+    slot_nbytes: int
+
+
+class ClientRegistered(_Msg):
+    client_id: str
+    transport: Transport
+    chunk_size: int
+    slot_nbytes: int
+
+
+class LookupResult(_Msg):
+    hit_tokens: int
+
+
+class StorePrepared(_Msg):
+    """Slots to fill for chunks that are new (or all, when overwriting); ``deduped`` were already
+    stored; ``pool_full`` chunks (the tail) found no room."""
+
+    slots: list[SlotRef]
+    deduped: int
+    pool_full: int
+
+
+class StoreCommitted(_Msg):
+    committed: int
+
+
+class RetrievePrepared(_Msg):
+    """The leading ``len(slots)`` chunks are pinned; inline replies carry one frame per slot."""
+
+    slots: list[SlotRef]
+
+
+class Done(_Msg):
+    pass
+
+
+class IntegrityReport(_Msg):
+    ok: bool
+    problems: list[str]
+
+
+Reply = Union[
+    Error,
+    Pong,
+    ModelRegistered,
+    ClientRegistered,
+    LookupResult,
+    StorePrepared,
+    StoreCommitted,
+    RetrievePrepared,
+    Done,
+    IntegrityReport,
+]
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Transport",
+    "EngineInfo",
+    "ModelLayout",
+    "SlotRef",
+    "Ping",
+    "RegisterModel",
+    "RegisterClient",
+    "Lookup",
+    "PrepareStore",
+    "CommitStore",
+    "PrepareRetrieve",
+    "CommitRetrieve",
+    "EndSession",
+    "CheckIntegrity",
+    "Request",
+    "Error",
+    "Pong",
+    "ModelRegistered",
+    "ClientRegistered",
+    "LookupResult",
+    "StorePrepared",
+    "StoreCommitted",
+    "RetrievePrepared",
+    "Done",
+    "IntegrityReport",
+    "Reply",
+]

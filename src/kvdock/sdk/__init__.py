@@ -1,0 +1,43 @@
+"""kvdock SDK: move KV caches in and out of a kvdock server from a CPU-only process.
+
+    import kvdock.sdk as kvd
+
+    ctx = kvd.connect("tcp://127.0.0.1:5555", "http://127.0.0.1:9000", "my-model")
+    kv = kvd.retrieve(ctx, tokens)          # [2, L, hit_tokens, D] or None
+    ok = kvd.store(ctx, kv, other_tokens)   # True if anything new was stored
+    kvd.close(ctx)
+"""
+
+from kvdock.errors import (
+    InvalidInputError,
+    KVCacheSDKError,
+    PoolFullError,
+    ServerError,
+    ServerUnavailableError,
+    UnknownModelError,
+)
+from kvdock.sdk.context import KVCacheContext, close, connect
+from kvdock.sdk.ops import StoreResult, check_server_integrity, lookup, retrieve, store, store_chunks
+from kvdock.sdk.registration import ModelRegistration, make_layout, register_layout, register_model
+
+__all__ = [
+    "InvalidInputError",
+    "KVCacheContext",
+    "KVCacheSDKError",
+    "ModelRegistration",
+    "PoolFullError",
+    "ServerError",
+    "ServerUnavailableError",
+    "StoreResult",
+    "UnknownModelError",
+    "check_server_integrity",
+    "close",
+    "connect",
+    "lookup",
+    "make_layout",
+    "register_layout",
+    "register_model",
+    "retrieve",
+    "store",
+    "store_chunks",
+]

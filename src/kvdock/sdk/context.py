@@ -1,0 +1,214 @@
+"""KVCacheContext: one SDK connection to one server for one model, and the handshake that makes it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import torch
+
+from kvdock import layout
+from kvdock.errors import (
+    InvalidInputError,
+    KVCacheSDKError,
+    ServerError,
+    ServerUnavailableError,
+    UnknownModelError,
+)
+from kvdock.protocol import messages as m
+from kvdock.sdk.http import get_json
+from kvdock.sdk.transfer import InlineTransfer, ShmTransfer, Transfer
+from kvdock.shm import PoolSegment
+from kvdock.transport.client import ControlClient, ControlTimeout, Response
+
+log = logging.getLogger("kvdock.sdk")
+
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in layout.DTYPE_SIZES}
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` or ``"bfloat16"`` → ``"bfloat16"``; InvalidInputError if unsupported."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return layout.check_dtype(name)
+    except ValueError as e:
+        raise InvalidInputError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model as the server's /status describes it."""
+
+    model_name: str
+    world_size: int
+    tokens_per_block: int
+    kv_format: str
+    geometry: layout.Geometry
+
+
+def find_model(status: dict[str, Any], model_name: str) -> ModelInfo:
+    """Decode ``model_name``'s entry of /status (format-aware); UnknownModelError lists the known ones."""
+    entries = {e["model_name"]: e for e in status.get("cache_context_meta", [])}
+    entry = entries.get(model_name)
+    if entry is None:
+        known = ", ".join(sorted(entries)) or "none"
+        raise UnknownModelError(f"model {model_name!r} is not registered with the server; registered models: {known}")
+    lay = entry["kv_cache_layout"]
+    try:
+        dec = layout.decode_shape(lay["engine_kv_format"], lay["engine_kv_concrete_shape"])
+        dtype = layout.check_dtype(lay["dtype"])
+    except ValueError as e:
+        raise KVCacheSDKError(f"cannot decode the layout of {model_name!r}: {e}") from None
+    if dec.block_size != lay["tokens_per_block"]:
+        raise KVCacheSDKError(
+            f"{model_name!r}: block size {dec.block_size} decoded from {lay['engine_kv_format']} "
+            f"{lay['engine_kv_concrete_shape']} != tokens_per_block {lay['tokens_per_block']}"
+        )
+    geo = layout.Geometry(lay["num_layers"], dec.num_kv_heads, dec.head_dim, dtype)
+    return ModelInfo(model_name, entry["world_size"], lay["tokens_per_block"], lay["engine_kv_format"], geo)
+
+
+class Connection:
+    """A control-plane client that turns timeouts and Error replies into SDK errors."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._client = ControlClient(url, timeout)
+
+    def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = ()) -> Response:
+        try:
+            resp = self._client.call(msg, payload)
+        except ControlTimeout as e:
+            raise ServerUnavailableError(f"kvdock server at {self.url}: {e}") from None
+        if isinstance(resp.reply, m.Error):
+            if resp.reply.code == "registration" and "unknown model" in resp.reply.message:
+                raise UnknownModelError(resp.reply.message)
+            raise ServerError(resp.reply.code, resp.reply.message)
+        return resp
+
+    def send_nowait(self, msg: msgspec.Struct) -> None:
+        self._client.send_nowait(msg)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class KVCacheContext:
+    """A connected SDK context (from :func:`connect`). Close it with :func:`close` or ``with``.
+
+    Not meant to be shared between threads without care: calls are serialized, copies are not."""
+
+    def __init__(
+        self, url: str, http_url: str, model: ModelInfo, chunk_size: int, conn: Connection, client_id: str, transfer: Transfer
+    ) -> None:
+        self.url = url
+        self.http_url = http_url
+        self.model = model
+        self.model_name = model.model_name
+        self.chunk_size = chunk_size
+        self.geometry = model.geometry
+        self.dtype = TORCH_DTYPES[model.geometry.dtype]
+        self.client_id = client_id
+        self._conn = conn
+        self._transfer = transfer
+        self._closed = False
+
+    @property
+    def transport(self) -> str:
+        """``"shm"`` or ``"inline"``: what the server granted this client."""
+        return self._transfer.name  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = ()) -> Response:
+        """Send one control message (KVCacheSDKError if closed, unreachable or refused)."""
+        if self._closed:
+            raise KVCacheSDKError("this KVCacheContext is closed")
+        return self._conn.call(msg, payload)
+
+    def end_session(self, session_id: str) -> None:
+        """Best-effort release of a session's pins and reservations (used in ``finally``)."""
+        if not self._closed:
+            self._conn.send_nowait(m.EndSession(self.client_id, session_id))
+
+    @staticmethod
+    def new_session_id() -> str:
+        return uuid.uuid4().hex
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._transfer.close()
+        self._conn.close()
+
+    def __enter__(self) -> KVCacheContext:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else self.transport
+        return f"KVCacheContext({self.model_name!r} at {self.url}, chunk_size={self.chunk_size}, {state})"
+
+
+def connect(url: str, http_url: str, model_name: str, timeout: float = 60.0) -> KVCacheContext:
+    """Connect to a server for ``model_name`` (which must be registered there).
+
+    Reads /config and /status, decodes the model's geometry, maps the shared-memory pool when it
+    can and registers as a client. Raises ServerUnavailableError, UnknownModelError or
+    KVCacheSDKError (unsupported layout)."""
+    config = get_json(http_url, "/config", timeout)
+    model = find_model(get_json(http_url, "/status", timeout), model_name)
+    chunk_size = int(config["chunk_size"])
+    if model.world_size != 1:
+        raise KVCacheSDKError(f"{model_name!r} has world_size {model.world_size}; the SDK supports world_size 1 only")
+    if chunk_size % model.tokens_per_block:
+        raise KVCacheSDKError(f"chunk_size {chunk_size} is not a multiple of tokens_per_block {model.tokens_per_block}")
+    segment = _try_attach(config)
+    conn = Connection(url, timeout)
+    try:
+        reply = conn.call(
+            m.RegisterClient(m.PROTOCOL_VERSION, str(os.getpid()), model_name, 0, segment.nonce if segment else "")
+        ).reply
+        if reply.chunk_size != chunk_size or reply.slot_nbytes != model.geometry.chunk_nbytes(chunk_size):
+            raise KVCacheSDKError(f"{url} and {http_url} do not describe the same server (chunk size or layout differ)")
+    except BaseException:
+        conn.close()
+        if segment:
+            segment.close()
+        raise
+    transfer: Transfer
+    if reply.transport == "shm" and segment is not None:
+        transfer = ShmTransfer(model.geometry, chunk_size, TORCH_DTYPES[model.geometry.dtype], segment)
+    else:
+        if segment is not None:
+            segment.close()
+        transfer = InlineTransfer(model.geometry, chunk_size, TORCH_DTYPES[model.geometry.dtype])
+    return KVCacheContext(url, http_url, model, chunk_size, conn, reply.client_id, transfer)
+
+
+def _try_attach(config: dict[str, Any]) -> PoolSegment | None:
+    l1 = config.get("l1", {})
+    if not l1.get("shm_enabled") or not l1.get("shm_name"):
+        return None
+    try:
+        return PoolSegment.attach(l1["shm_name"])
+    except (OSError, ValueError) as e:
+        log.info("cannot map the server's shared memory (%s); using the inline transport", e)
+        return None
+
+
+def close(ctx: KVCacheContext) -> None:
+    """Close ``ctx`` (unmap the pool, close sockets). Harmless to call twice."""
+    ctx.close()

@@ -1,0 +1,1 @@
+"""The kvdock server: model registry, request handlers, HTTP API, metrics and the launcher."""

@@ -1,0 +1,204 @@
+"""One function per control-plane op. Each takes the server state, the decoded request and its
+payload frames, and returns the reply and its payload frames. Raising RequestError (or
+SessionError / RegistrationError) turns into an Error reply; the server keeps serving."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdock import __version__
+from kvdock import keys as keymod
+from kvdock.errors import SessionError
+from kvdock.protocol import messages as m
+from kvdock.server.metrics import Metrics
+from kvdock.server.registry import ClientEntry, Registry, RegistrationError
+from kvdock.shm import PoolSegment
+from kvdock.storage import StorageManager
+
+Payload = list[memoryview]
+
+
+class RequestError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class ServerState:
+    chunk_size: int
+    segment: PoolSegment
+    shm_enabled: bool
+    manager: StorageManager
+    registry: Registry
+    metrics: Metrics = field(default_factory=Metrics)
+
+
+Result = tuple[Any, list[Any]]
+
+
+def _client(state: ServerState, client_id: str) -> ClientEntry:
+    client = state.registry.clients.get(client_id)
+    if client is None:
+        raise RequestError("unknown_client", f"client {client_id!r} is not registered (call RegisterClient first)")
+    return client
+
+
+def _keys(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -> list[keymod.ObjectKey]:
+    try:
+        arr = keymod.tokens_from_bytes(tokens)
+    except ValueError as e:
+        raise RequestError("bad_request", str(e)) from None
+    model = client.model.layout.model_name
+    return [keymod.ObjectKey(model, client.kv_rank, salt, h) for h in keymod.chunk_hashes(arr, state.chunk_size)]
+
+
+def ping(state: ServerState, req: m.Ping, payload: Payload) -> Result:
+    return m.Pong(m.PROTOCOL_VERSION, __version__), []
+
+
+def _check_version(version: int) -> None:
+    if version != m.PROTOCOL_VERSION:
+        raise RequestError(
+            "protocol_version", f"client speaks protocol {version}, server speaks {m.PROTOCOL_VERSION}"
+        )
+
+
+def register_model(state: ServerState, req: m.RegisterModel, payload: Payload) -> Result:
+    _check_version(req.protocol_version)
+    entry, created = state.registry.register_model(req.layout)
+    return m.ModelRegistered(created, entry.slot_nbytes), []
+
+
+def register_client(state: ServerState, req: m.RegisterClient, payload: Payload) -> Result:
+    _check_version(req.protocol_version)
+    use_shm = state.shm_enabled and req.shm_proof == state.segment.nonce
+    client = state.registry.register_client(req.instance_id, req.model_name, req.kv_rank, "shm" if use_shm else "inline")
+    return m.ClientRegistered(client.client_id, client.transport, state.chunk_size, client.model.slot_nbytes), []
+
+
+def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Result:
+    keys = _keys(state, _client(state, req.client_id), req.tokens, req.cache_salt)
+    hits = state.manager.lookup(keys)
+    state.metrics.lookups.inc()
+    _count_hits(state, hits, len(keys))
+    return m.LookupResult(hits * state.chunk_size), []
+
+
+def _count_hits(state: ServerState, hit_chunks: int, asked_chunks: int) -> None:
+    state.metrics.hit_tokens.inc(hit_chunks * state.chunk_size)
+    state.metrics.miss_tokens.inc((asked_chunks - hit_chunks) * state.chunk_size)
+
+
+def prepare_store(state: ServerState, req: m.PrepareStore, payload: Payload) -> Result:
+    client = _client(state, req.client_id)
+    keys = _keys(state, client, req.tokens, req.cache_salt)
+    plan = state.manager.prepare_store(client.client_id, req.session_id, keys, client.model.slot_nbytes, req.overwrite)
+    state.metrics.deduped_chunks.inc(plan.deduped)
+    state.metrics.pool_full_chunks.inc(plan.pool_full)
+    slots = [m.SlotRef(i, obj.offset) for i, obj in plan.slots]
+    return m.StorePrepared(slots, plan.deduped, plan.pool_full), []
+
+
+def commit_store(state: ServerState, req: m.CommitStore, payload: Payload) -> Result:
+    client = _client(state, req.client_id)
+    if client.transport == "inline":
+        _write_inline(state, client, req, payload)
+    elif payload:
+        raise RequestError("bad_request", "shared-memory clients send no payload frames")
+    n = state.manager.commit_store(client.client_id, req.session_id, req.chunks)
+    state.metrics.stores.inc()
+    state.metrics.stored_chunks.inc(n)
+    state.metrics.stored_bytes.inc(n * client.model.slot_nbytes)
+    return m.StoreCommitted(n), []
+
+
+def _write_inline(state: ServerState, client: ClientEntry, req: m.CommitStore, payload: Payload) -> None:
+    objs = state.manager.reservations(client.client_id, req.session_id, req.chunks)
+    nbytes = client.model.slot_nbytes
+    bad = len(payload) != len(objs) or any(len(p) != nbytes for p in payload)
+    if bad:
+        state.manager.end_session(client.client_id, req.session_id)  # abort: nothing half-written stays
+        sizes = sorted({len(p) for p in payload})
+        raise RequestError(
+            "bad_payload", f"expected {len(objs)} frames of {nbytes} bytes, got {len(payload)} of sizes {sizes}"
+        )
+    buf = state.segment.buf
+    for obj, frame in zip(objs, payload):
+        buf[obj.offset : obj.offset + nbytes] = frame
+
+
+def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payload) -> Result:
+    client = _client(state, req.client_id)
+    keys = _keys(state, client, req.tokens, req.cache_salt)
+    hits = state.manager.prepare_retrieve(client.client_id, req.session_id, keys)
+    _count_hits(state, len(hits), len(keys))
+    nbytes = client.model.slot_nbytes
+    out: list[Any] = []
+    if client.transport == "inline":
+        # zero-copy: the objects stay pinned until CommitRetrieve, after the client has the bytes
+        out = [state.segment.buf[o.offset : o.offset + nbytes] for o in hits]
+    return m.RetrievePrepared([m.SlotRef(i, o.offset) for i, o in enumerate(hits)]), out
+
+
+def commit_retrieve(state: ServerState, req: m.CommitRetrieve, payload: Payload) -> Result:
+    client = _client(state, req.client_id)
+    pinned = state.manager.session_pins(client.client_id, req.session_id)
+    state.manager.commit_retrieve(client.client_id, req.session_id)
+    state.metrics.retrieves.inc()
+    state.metrics.retrieved_bytes.inc(pinned * client.model.slot_nbytes)
+    return m.Done(), []
+
+
+def end_session(state: ServerState, req: m.EndSession, payload: Payload) -> Result:
+    state.manager.end_session(_client(state, req.client_id).client_id, req.session_id)
+    return m.Done(), []
+
+
+def check_integrity(state: ServerState, req: m.CheckIntegrity, payload: Payload) -> Result:
+    try:
+        state.manager.check_integrity()
+    except AssertionError as e:
+        return m.IntegrityReport(False, [str(e) or "assertion failed"]), []
+    return m.IntegrityReport(True, []), []
+
+
+HANDLERS: dict[type, Callable[[ServerState, Any, Payload], Result]] = {
+    m.Ping: ping,
+    m.RegisterModel: register_model,
+    m.RegisterClient: register_client,
+    m.Lookup: lookup,
+    m.PrepareStore: prepare_store,
+    m.CommitStore: commit_store,
+    m.PrepareRetrieve: prepare_retrieve,
+    m.CommitRetrieve: commit_retrieve,
+    m.EndSession: end_session,
+    m.CheckIntegrity: check_integrity,
+}
+
+
+def handle(state: ServerState, req: Any, payload: Payload) -> Result:
+    """Run the handler of ``req``; expected failures become an Error reply."""
+    state.metrics.requests.labels(type(req).__name__).inc()
+    try:
+        return HANDLERS[type(req)](state, req, payload)
+    except RequestError as e:
+        code, msg = e.code, str(e)
+    except SessionError as e:
+        code, msg = "session", str(e)
+    except RegistrationError as e:
+        code, msg = "registration", str(e)
+    state.metrics.errors.labels(code).inc()
+    return m.Error(code, msg), []
+
+
+def refresh_gauges(state: ServerState) -> None:
+    alloc = state.manager.l1.allocator
+    state.metrics.l1_used.set(alloc.used_bytes)
+    state.metrics.l1_capacity.set(alloc.capacity)
+    state.metrics.l1_objects.set(len(state.manager.l1))
+    state.metrics.sessions.set(state.manager.session_count)
+
+

@@ -1,0 +1,122 @@
+"""HTTP API: read-only discovery and operations, plus token-guarded admin actions.
+
+GET  /config   chunk size, protocol, transports, the L1 pool's shared-memory name and size
+GET  /status   health, uptime, sessions, clients, pool usage, registered models (cache_context_meta)
+GET  /healthz  200 "ok"
+GET  /metrics  Prometheus text
+POST /admin/clear   drop every READY object from L1 (Bearer token if admin_token is set)
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from kvdock import __version__
+from kvdock.config import ServerConfig
+from kvdock.protocol.messages import PROTOCOL_VERSION
+from kvdock.server.handlers import ServerState, refresh_gauges
+
+STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)
+CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", ServerConfig)
+STARTED: web.AppKey[float] = web.AppKey("started", float)
+
+
+def config_doc(state: ServerState, config: ServerConfig) -> dict[str, Any]:
+    return {
+        "server_version": __version__,
+        "protocol_version": PROTOCOL_VERSION,
+        "chunk_size": state.chunk_size,
+        "zmq_url": config.zmq_url,
+        "session_ttl": config.session_ttl,
+        "transports": ["shm", "inline"] if state.shm_enabled else ["inline"],
+        "l1": {
+            "shm_enabled": state.shm_enabled,
+            "shm_name": state.segment.name if state.shm_enabled else None,
+            "size_bytes": state.manager.l1.allocator.capacity,
+        },
+    }
+
+
+def status_doc(state: ServerState, started: float) -> dict[str, Any]:
+    alloc = state.manager.l1.allocator
+    return {
+        "health": "ok",
+        "server_version": __version__,
+        "uptime_s": round(time.monotonic() - started, 3),
+        "sessions": state.manager.session_count,
+        "clients": len(state.registry.clients),
+        "l1": {
+            "capacity_bytes": alloc.capacity,
+            "used_bytes": alloc.used_bytes,
+            "free_bytes": alloc.free_bytes,
+            "objects": len(state.manager.l1),
+            "evictions": state.manager.l1.evictions,
+        },
+        "cache_context_meta": [
+            {
+                "model_name": e.layout.model_name,
+                "world_size": e.layout.world_size,
+                "kv_cache_layout": {
+                    "num_layers": e.layout.num_layers,
+                    "dtype": e.layout.dtype,
+                    "tokens_per_block": e.layout.tokens_per_block,
+                    "engine_kv_format": e.layout.engine_kv_format,
+                    "engine_kv_concrete_shape": list(e.layout.engine_kv_concrete_shape),
+                },
+                "engine": msgspec.to_builtins(e.layout.engine),
+                "chunk_nbytes": e.slot_nbytes,
+            }
+            for e in state.registry.models.values()
+        ],
+    }
+
+
+async def _config(request: web.Request) -> web.Response:
+    return web.json_response(config_doc(request.app[STATE], request.app[CONFIG]))
+
+
+async def _status(request: web.Request) -> web.Response:
+    return web.json_response(status_doc(request.app[STATE], request.app[STARTED]))
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    refresh_gauges(state)
+    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+def _authorize(request: web.Request) -> None:
+    token = request.app[CONFIG].admin_token
+    if not token:
+        return
+    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise web.HTTPUnauthorized(text="admin token required (Authorization: Bearer <token>)")
+
+
+async def _clear(request: web.Request) -> web.Response:
+    _authorize(request)
+    removed = request.app[STATE].manager.l1.clear()
+    return web.json_response({"removed": removed})
+
+
+def make_app(state: ServerState, config: ServerConfig) -> web.Application:
+    app = web.Application()
+    app[STATE] = state
+    app[CONFIG] = config
+    app[STARTED] = time.monotonic()
+    app.router.add_get("/config", _config)
+    app.router.add_get("/status", _status)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/admin/clear", _clear)
+    return app

@@ -1,0 +1,93 @@
+"""Registered models and clients."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from kvdock import layout
+from kvdock.protocol.messages import ModelLayout, Transport
+
+
+class RegistrationError(ValueError):
+    """A layout or client registration that the server refuses; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    layout: ModelLayout
+    geometry: layout.Geometry
+    slot_nbytes: int
+
+
+@dataclass(frozen=True)
+class ClientEntry:
+    client_id: str
+    instance_id: str
+    model: ModelEntry
+    kv_rank: int
+    transport: Transport
+
+
+class Registry:
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.models: dict[str, ModelEntry] = {}
+        self.clients: dict[str, ClientEntry] = {}
+
+    def register_model(self, lay: ModelLayout) -> tuple[ModelEntry, bool]:
+        """Validate and add ``lay``; returns (entry, created). Same geometry again is a no-op;
+        a different geometry for a known name raises RegistrationError."""
+        entry = self._entry(lay)
+        old = self.models.get(lay.model_name)
+        if old is not None:
+            if old.geometry != entry.geometry or old.layout.tokens_per_block != lay.tokens_per_block or (
+                old.layout.world_size != lay.world_size
+            ):
+                raise RegistrationError(
+                    f"model {lay.model_name!r} is already registered with a different geometry: "
+                    f"{_describe(old.layout)} (new: {_describe(lay)})"
+                )
+            return old, False
+        self.models[lay.model_name] = entry
+        return entry, True
+
+    def _entry(self, lay: ModelLayout) -> ModelEntry:
+        if not lay.model_name:
+            raise RegistrationError("model_name must not be empty")
+        try:
+            layout.check_dtype(lay.dtype)
+            dec = layout.decode_shape(lay.engine_kv_format, lay.engine_kv_concrete_shape)
+        except ValueError as e:
+            raise RegistrationError(str(e)) from None
+        if lay.num_layers <= 0 or lay.world_size <= 0 or lay.tokens_per_block <= 0:
+            raise RegistrationError("num_layers, world_size and tokens_per_block must be positive")
+        if dec.block_size != lay.tokens_per_block:
+            raise RegistrationError(
+                f"block size {dec.block_size} in the {lay.engine_kv_format} shape "
+                f"{lay.engine_kv_concrete_shape} != tokens_per_block {lay.tokens_per_block}"
+            )
+        if self.chunk_size % lay.tokens_per_block:
+            raise RegistrationError(
+                f"chunk_size {self.chunk_size} is not a multiple of tokens_per_block {lay.tokens_per_block}"
+            )
+        geo = layout.Geometry(lay.num_layers, dec.num_kv_heads, dec.head_dim, lay.dtype)
+        return ModelEntry(lay, geo, geo.chunk_nbytes(self.chunk_size))
+
+    def register_client(self, instance_id: str, model_name: str, kv_rank: int, transport: Transport) -> ClientEntry:
+        model = self.models.get(model_name)
+        if model is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise RegistrationError(f"unknown model {model_name!r}; registered models: {known}")
+        if not 0 <= kv_rank < model.layout.world_size:
+            raise RegistrationError(f"kv_rank {kv_rank} out of range for world_size {model.layout.world_size}")
+        client = ClientEntry(secrets.token_hex(8), instance_id, model, kv_rank, transport)
+        self.clients[client.client_id] = client
+        return client
+
+
+def _describe(lay: ModelLayout) -> str:
+    return (
+        f"layers={lay.num_layers} dtype={lay.dtype} {lay.engine_kv_format}{list(lay.engine_kv_concrete_shape)} "
+        f"tokens_per_block={lay.tokens_per_block} world_size={lay.world_size}"
+    )

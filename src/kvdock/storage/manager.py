@@ -1,0 +1,192 @@
+"""StorageManager: store/retrieve bookkeeping over the L1 store, with sessions that own every pin
+and reservation and lose them when their lease runs out.
+
+A session lives from a prepare to its commit (or END_SESSION, or lease expiry). Each request on a
+session renews its lease. Nothing here touches slot memory: callers copy bytes between the
+prepare and the commit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvdock.errors import SessionError
+from kvdock.keys import ObjectKey
+from kvdock.storage.memory import L1Object, L1Store
+
+
+@dataclass(eq=False)
+class Session:
+    client_id: str
+    session_id: str
+    deadline: float
+    reserved: dict[int, L1Object] = field(default_factory=dict)  # chunk index -> reservation
+    pinned: list[L1Object] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """Outcome of a prepare-store: ``slots`` (chunk index, object) to fill; ``deduped`` chunks were
+    already stored (or being stored by someone else); ``pool_full`` chunks found no room."""
+
+    slots: list[tuple[int, L1Object]]
+    deduped: int
+    pool_full: int
+
+
+class StorageManager:
+    """Not thread-safe: call from the server's event loop only."""
+
+    def __init__(self, l1: L1Store, session_ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.l1 = l1
+        self.session_ttl = session_ttl
+        self._clock = clock
+        self._sessions: dict[tuple[str, str], Session] = {}
+        self.expired_sessions = 0
+
+    @property
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    def lookup(self, keys: list[ObjectKey]) -> int:
+        """Number of leading chunks of ``keys`` that are READY in L1."""
+        n = 0
+        for key in keys:
+            if self.l1.get(key) is None:
+                break
+            n += 1
+        return n
+
+    def prepare_store(
+        self, client_id: str, session_id: str, keys: list[ObjectKey], nbytes: int, overwrite: bool = False
+    ) -> StorePlan:
+        """Reserve slots for the chunks of ``keys`` that need writing, in order, until the pool is full.
+
+        Opens a session when at least one slot is reserved. Raises SessionError if the session id is
+        already in use."""
+        sid = (client_id, session_id)
+        if sid in self._sessions:
+            raise SessionError(f"session {session_id!r} is already open")
+        slots: list[tuple[int, L1Object]] = []
+        deduped = pool_full = 0
+        for i, key in enumerate(keys):
+            if self.l1.is_reserved(key) or (not overwrite and self.l1.get(key) is not None):
+                deduped += 1
+            elif pool_full:
+                pool_full += 1
+            else:
+                obj = self.l1.reserve(key, nbytes)
+                if obj is None:
+                    pool_full += 1
+                else:
+                    slots.append((i, obj))
+        if slots:
+            self._sessions[sid] = Session(client_id, session_id, self._deadline(), reserved=dict(slots))
+        return StorePlan(slots, deduped, pool_full)
+
+    def reservations(self, client_id: str, session_id: str, indexes: list[int]) -> list[L1Object]:
+        """The reserved objects for chunk ``indexes`` of a store session (renews its lease).
+
+        Raises SessionError for an unknown session or an index it did not reserve."""
+        session = self._get(client_id, session_id)
+        try:
+            return [session.reserved[i] for i in indexes]
+        except KeyError as e:
+            raise SessionError(f"chunk {e.args[0]} was not reserved by session {session_id!r}") from None
+
+    def commit_store(self, client_id: str, session_id: str, indexes: list[int]) -> int:
+        """Make the listed chunks READY, drop the session's other reservations, end the session."""
+        objs = self.reservations(client_id, session_id, indexes)
+        for obj in objs:
+            self.l1.commit(obj)
+        committed = set(indexes)
+        session = self._sessions[(client_id, session_id)]
+        session.reserved = {i: o for i, o in session.reserved.items() if i not in committed}
+        self.end_session(client_id, session_id)
+        return len(objs)
+
+    def prepare_retrieve(self, client_id: str, session_id: str, keys: list[ObjectKey]) -> list[L1Object]:
+        """Pin the leading READY run of ``keys``; opens a session holding the pins when non-empty."""
+        sid = (client_id, session_id)
+        if sid in self._sessions:
+            raise SessionError(f"session {session_id!r} is already open")
+        hits: list[L1Object] = []
+        for key in keys:
+            obj = self.l1.get(key)
+            if obj is None:
+                break
+            self.l1.pin(obj)
+            hits.append(obj)
+        if hits:
+            self._sessions[sid] = Session(client_id, session_id, self._deadline(), pinned=hits)
+        return hits
+
+    def session_pins(self, client_id: str, session_id: str) -> int:
+        """How many objects a session pins (SessionError if there is no such session)."""
+        return len(self._get(client_id, session_id).pinned)
+
+    def commit_retrieve(self, client_id: str, session_id: str) -> None:
+        """Release a retrieve session's pins (its objects become most recently used)."""
+        self._get(client_id, session_id)
+        self.end_session(client_id, session_id)
+
+    def end_session(self, client_id: str, session_id: str) -> bool:
+        """Abort uncommitted reservations and release pins; False if there was no such session."""
+        session = self._sessions.pop((client_id, session_id), None)
+        if session is None:
+            return False
+        self._release(session)
+        return True
+
+    def end_client(self, client_id: str) -> int:
+        """End every session of a client (it re-registered after a restart); returns how many."""
+        mine = [s for s in self._sessions.values() if s.client_id == client_id]
+        for s in mine:
+            self.end_session(s.client_id, s.session_id)
+        return len(mine)
+
+    def expire(self) -> int:
+        """End every session whose lease ran out; returns how many."""
+        now = self._clock()
+        dead = [s for s in self._sessions.values() if s.deadline < now]
+        for s in dead:
+            self.end_session(s.client_id, s.session_id)
+        self.expired_sessions += len(dead)
+        return len(dead)
+
+    def _release(self, session: Session) -> None:
+        for obj in session.reserved.values():
+            self.l1.abort(obj)
+        for obj in session.pinned:
+            self.l1.unpin(obj)
+        session.reserved.clear()
+        session.pinned.clear()
+
+    def _get(self, client_id: str, session_id: str) -> Session:
+        session = self._sessions.get((client_id, session_id))
+        if session is None:
+            raise SessionError(f"no open session {session_id!r} (never opened, already ended, or its lease ran out)")
+        session.deadline = self._deadline()
+        return session
+
+    def _deadline(self) -> float:
+        return self._clock() + self.session_ttl
+
+    def check_integrity(self) -> None:
+        """Assert L1 invariants, and that pins and reservations are exactly those of open sessions."""
+        self.l1.check_integrity()
+        pins: dict[int, int] = {}
+        for s in self._sessions.values():
+            assert s.reserved or s.pinned, "an open session holds nothing"
+            for obj in s.pinned:
+                pins[id(obj)] = pins.get(id(obj), 0) + 1
+            for obj in s.reserved.values():
+                assert self.l1.is_reserved(obj.key)
+        for obj in self.l1.pinned_objects():
+            assert pins.pop(id(obj), 0) == obj.pins, "pin count does not match the sessions holding it"
+        assert not pins, "a session pins an object the store does not know"
+        assert self.l1.reserved_count() == sum(len(s.reserved) for s in self._sessions.values()), (
+            "a reservation belongs to no session"
+        )

@@ -1,0 +1,174 @@
+"""L1 object store: object states, pin counts and LRU eviction over a :class:`SlotAllocator`.
+
+Invariants (checked by :meth:`L1Store.check_integrity`):
+
+* an object is RESERVED (being written, invisible) or READY (visible to lookups);
+* at most one READY and one RESERVED object per key;
+* the LRU list holds exactly the READY, unpinned, live objects, least recently used first;
+* an object replaced by an overwrite (or deleted) while pinned is no longer *live*: it keeps its
+  slot until its last pin is released, then the slot is freed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvdock.keys import ObjectKey
+from kvdock.shm.slots import SlotAllocator, aligned
+
+
+class State(enum.Enum):
+    RESERVED = 1
+    READY = 2
+
+
+@dataclass(eq=False, slots=True)
+class L1Object:
+    key: ObjectKey
+    offset: int
+    nbytes: int
+    state: State = State.RESERVED
+    pins: int = 0
+    live: bool = True
+
+
+class L1Store:
+    """Objects of the L1 pool. Not thread-safe: the server calls it from its event loop only."""
+
+    def __init__(self, allocator: SlotAllocator, on_evict: Callable[[L1Object], None] | None = None) -> None:
+        self.allocator = allocator
+        self._ready: dict[ObjectKey, L1Object] = {}
+        self._reserved: dict[ObjectKey, L1Object] = {}
+        self._lru: OrderedDict[ObjectKey, L1Object] = OrderedDict()
+        self._retired: set[L1Object] = set()  # not live, still pinned
+        self._on_evict = on_evict
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    def get(self, key: ObjectKey) -> L1Object | None:
+        """The READY object for ``key`` or None."""
+        return self._ready.get(key)
+
+    def is_reserved(self, key: ObjectKey) -> bool:
+        return key in self._reserved
+
+    def pinned_objects(self) -> list[L1Object]:
+        """Every object with at least one pin, live or retired."""
+        return [o for o in self._ready.values() if o.pins] + list(self._retired)
+
+    def reserved_count(self) -> int:
+        return len(self._reserved)
+
+    def lru_keys(self) -> list[ObjectKey]:
+        """Evictable keys, least recently used first."""
+        return list(self._lru)
+
+    def reserve(self, key: ObjectKey, nbytes: int) -> L1Object | None:
+        """Reserve a slot for a new version of ``key``, evicting LRU objects of the same slot size if
+        needed. Returns None when nothing can make room ("pool full"); pinned data is never evicted.
+        Precondition: ``key`` has no pending reservation."""
+        assert key not in self._reserved, "key already reserved"
+        offset = self.allocator.alloc(nbytes)
+        while offset is None:
+            if not self._evict_one(aligned(nbytes)):
+                return None
+            offset = self.allocator.alloc(nbytes)
+        obj = L1Object(key, offset, nbytes)
+        self._reserved[key] = obj
+        return obj
+
+    def _evict_one(self, slot_size: int) -> bool:
+        for key, obj in self._lru.items():
+            if aligned(obj.nbytes) == slot_size:
+                del self._lru[key]
+                del self._ready[key]
+                obj.live = False
+                self.allocator.free(obj.offset)
+                self.evictions += 1
+                if self._on_evict:
+                    self._on_evict(obj)
+                return True
+        return False
+
+    def commit(self, obj: L1Object) -> None:
+        """RESERVED → READY (most recently used). Replaces an older READY version of the key."""
+        assert obj.state is State.RESERVED and self._reserved.get(obj.key) is obj
+        del self._reserved[obj.key]
+        old = self._ready.get(obj.key)
+        if old is not None:
+            self._retire(old)
+        obj.state = State.READY
+        self._ready[obj.key] = obj
+        self._lru[obj.key] = obj
+
+    def abort(self, obj: L1Object) -> None:
+        """Drop a reservation and free its slot."""
+        assert obj.state is State.RESERVED and self._reserved.get(obj.key) is obj
+        del self._reserved[obj.key]
+        obj.live = False
+        self.allocator.free(obj.offset)
+
+    def pin(self, obj: L1Object) -> None:
+        assert obj.state is State.READY and obj.live
+        if obj.pins == 0:
+            del self._lru[obj.key]
+        obj.pins += 1
+
+    def unpin(self, obj: L1Object) -> None:
+        """Release one pin; the object becomes most recently used (or is freed if no longer live)."""
+        assert obj.pins > 0
+        obj.pins -= 1
+        if obj.pins:
+            return
+        if obj.live:
+            self._lru[obj.key] = obj
+        else:
+            self._retired.discard(obj)
+            self.allocator.free(obj.offset)
+
+    def remove(self, key: ObjectKey) -> bool:
+        """Delete the READY object of ``key`` (its slot is freed now, or at its last unpin)."""
+        obj = self._ready.pop(key, None)
+        if obj is None:
+            return False
+        self._retire(obj)
+        return True
+
+    def clear(self) -> int:
+        """Delete every READY object; returns how many. Reservations in flight are kept."""
+        keys = list(self._ready)
+        for key in keys:
+            self.remove(key)
+        return len(keys)
+
+    def _retire(self, obj: L1Object) -> None:
+        if self._ready.get(obj.key) is obj:
+            del self._ready[obj.key]
+        obj.live = False
+        if obj.pins:
+            self._retired.add(obj)
+        else:
+            del self._lru[obj.key]
+            self.allocator.free(obj.offset)
+
+    def check_integrity(self) -> None:
+        """Assert the invariants in the module docstring and the allocator's own."""
+        self.allocator.check_integrity()
+        for key, obj in self._ready.items():
+            assert obj.key == key and obj.state is State.READY and obj.live
+            assert (key in self._lru) == (obj.pins == 0), f"LRU membership wrong for pins={obj.pins}"
+        for key, obj in self._lru.items():
+            assert self._ready.get(key) is obj and obj.pins == 0, "LRU holds a pinned or stale object"
+        for key, obj in self._reserved.items():
+            assert obj.key == key and obj.state is State.RESERVED and obj.pins == 0
+        for obj in self._retired:
+            assert not obj.live and obj.pins > 0
+        offsets = [o.offset for o in (*self._ready.values(), *self._reserved.values(), *self._retired)]
+        assert len(offsets) == len(set(offsets)), "two objects share a slot"
+        total = sum(aligned(o.nbytes) for o in (*self._ready.values(), *self._reserved.values(), *self._retired))
+        assert total == self.allocator.used_bytes, f"objects hold {total} bytes, allocator says {self.allocator.used_bytes}"

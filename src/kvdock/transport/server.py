@@ -1,0 +1,49 @@
+"""asyncio ROUTER endpoint for the server's control plane."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+Buffer = bytes | memoryview
+
+
+@dataclass
+class Incoming:
+    """One request as received: who sent it, its sequence tag, header and payload buffers."""
+
+    identity: bytes
+    seq: bytes
+    header: memoryview | None  # None when the frames did not even have the envelope shape
+    payload: list[memoryview]
+
+
+class ControlServer:
+    """Binds a ROUTER socket; receives requests and sends replies. Never decodes messages."""
+
+    def __init__(self, url: str) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # Without a cap, one client that sends a huge garbage frame could exhaust memory.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * 2**30)
+        self._sock.bind(url)
+        self.url = url
+
+    async def recv(self) -> Incoming:
+        frames = await self._sock.recv_multipart(copy=False)
+        identity = frames[0].bytes
+        if len(frames) < 3:
+            return Incoming(identity, frames[1].bytes if len(frames) > 1 else b"", None, [])
+        return Incoming(identity, frames[1].bytes, frames[2].buffer, [f.buffer for f in frames[3:]])
+
+    async def send(self, identity: bytes, seq: bytes, header: bytes, payload: Sequence[Buffer] = ()) -> None:
+        """Send a reply; payload buffers are sent zero-copy and must stay unchanged until delivered."""
+        await self._sock.send_multipart([identity, seq, header, *payload], copy=False)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()

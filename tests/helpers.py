@@ -13,6 +13,23 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+MODEL = "tiny"
+GEOMETRY = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 8}
+CHUNK = 16  # chunk_size of test servers
+
+
+def make_kv(tokens: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
+    """Deterministic random KV_2LTD for the test model."""
+    g = torch.Generator().manual_seed(seed)
+    d = GEOMETRY["num_kv_heads"] * GEOMETRY["head_dim"]
+    return torch.randn(2, GEOMETRY["num_layers"], tokens, d, generator=g).to(dtype)
+
+
+def make_tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -39,6 +56,10 @@ class ServerProc:
     def get(self, path: str) -> dict:
         with urllib.request.urlopen(self.http_url + path, timeout=5) as r:
             return json.loads(r.read())
+
+    def text(self, path: str) -> str:
+        with urllib.request.urlopen(self.http_url + path, timeout=5) as r:
+            return r.read().decode()
 
     def log(self) -> str:
         return self.log_path.read_text()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kvdock import __version__
-from kvdock.config import DEFAULT_HTTP_URL, DEFAULT_URL, load_server_config, parse_size
+from kvdock.config import DEFAULT_HTTP_URL, DEFAULT_URL, load_server_config
 from kvdock.errors import ConfigError, KVDockError
 
 
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="ZMQ control port (default 5555)")
     s.add_argument("--http-port", type=int, help="HTTP port (default 9000)")
     s.add_argument("--chunk-size", type=int, help="tokens per stored chunk (default 256)")
-    s.add_argument("--l1-size", type=parse_size, help="L1 pool size, e.g. 2GiB (default: 1/4 of available memory)")
+    s.add_argument("--l1-size", help="L1 pool size, e.g. 2GiB (default: 1/4 of available memory)")
     s.add_argument("--no-shm", action="store_true", help="share no memory: every client uses the inline transport")
     s.add_argument("--session-ttl", type=float, help="seconds before a silent session's pins are released (default 30)")
     s.add_argument("--admin-token", help="token required by HTTP admin actions")

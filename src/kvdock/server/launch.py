@@ -9,7 +9,7 @@ import signal
 
 from aiohttp import web
 
-from kvdock.config import ServerConfig, auto_l1_size, format_size
+from kvdock.config import L1_AUTO_FRACTION, ServerConfig, auto_l1_size, format_size
 from kvdock.errors import ProtocolError
 from kvdock.protocol import decode_request, encode
 from kvdock.protocol.messages import Error
@@ -31,6 +31,8 @@ def build_state(config: ServerConfig) -> ServerState:
     if stale:
         log.info("removed %d stale shared-memory segment(s) of dead servers: %s", len(stale), ", ".join(stale))
     size = config.l1_size or auto_l1_size()
+    if not config.l1_size:
+        log.info("L1 size: %s (auto: %d%% of available memory; set --l1-size to choose)", format_size(size), L1_AUTO_FRACTION * 100)
     segment = PoolSegment.anonymous(size) if config.no_shm else PoolSegment.create(size)
     metrics = Metrics()
     l1 = L1Store(SlotAllocator(HEADER_SIZE, size), on_evict=lambda obj: metrics.evictions.inc())
@@ -69,8 +71,17 @@ async def _reap(state: ServerState, ttl: float) -> None:
 
 
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGINT/SIGTERM (or cancellation)."""
+    """Run until SIGINT/SIGTERM. The shared-memory segment is unlinked on every way out, start-up
+    failures (port in use) included."""
     state = build_state(config)
+    try:
+        await _run(state, config, ready)
+    finally:
+        state.segment.unlink()
+        state.segment.close()
+
+
+async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | None) -> None:
     control = ControlServer(config.zmq_url)
     runner = web.AppRunner(make_app(state, config), access_log=None)
     await runner.setup()
@@ -101,5 +112,3 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     finally:
         await runner.cleanup()
         control.close()
-        state.segment.unlink()
-        state.segment.close()

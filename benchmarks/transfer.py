@@ -1,0 +1,431 @@
+#!/usr/bin/env python
+"""Transfer benchmark: SDK store/retrieve throughput and one-chunk latency on both transports.
+
+Starts two real ``kvdock serve`` subprocesses on free loopback ports -- one with the shared-memory
+transport, one with ``--no-shm`` (inline ZMQ frames) -- registers a model on each, and measures
+through the public SDK (``kvdock.sdk``):
+
+* store and retrieve throughput of a whole ``[2, L, T, D]`` tensor, cold (first call against the
+  fresh server) and warm (median of ``--reps`` calls; warm stores use ``overwrite=True`` on the
+  same tokens, so every chunk really is written again);
+* beside each, a physical baseline over the same bytes, measured in this process in the same run:
+
+  - store baseline: ``dst.copy_(src)`` chunk by chunk from the same strided ``[2, L, c, D]`` views
+    of the source tensor that store copies, into already-allocated, already-touched contiguous
+    chunk buffers;
+  - retrieve baseline: a fresh ``torch.empty([2, L, T, D])`` filled chunk by chunk from contiguous
+    chunk buffers (what returning a fresh tensor costs: allocation + page faults + copy);
+
+  cold baseline = first run on freshly allocated buffers, warm = median of ``--reps``;
+* p50/p99 latency of a one-chunk (512 KiB) retrieve and store (``overwrite=True``), and of a
+  bare control-plane round trip (``lookup``) for reference.
+
+GB = 1e9 bytes. The servers are stopped with SIGTERM at the end, also on error or Ctrl-C.
+
+    python benchmarks/transfer.py                 # default: 32 layers x 8 heads x 128, bf16, 4096 tokens
+    python benchmarks/transfer.py --quick         # smoke test, a few seconds
+    python benchmarks/transfer.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import kvdock
+import kvdock.sdk as kvd
+from kvdock.sdk.context import TORCH_DTYPES
+
+MODEL = "bench-transfer"
+LAT_MODEL = "bench-latency"
+# one 256-token chunk of this model is 2 * 4 * 256 * 128 * 2 B = 512 KiB
+LAT_GEOMETRY = {"num_layers": 4, "num_kv_heads": 1, "head_dim": 128, "dtype": "bfloat16"}
+
+
+# --------------------------------------------------------------------------- servers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    http_port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _spawn(name: str, logdir: Path, l1_size: str, chunk_size: int, extra: list[str]) -> Server:
+    port, http_port = _free_port(), _free_port()
+    log_path = logdir / f"server-{name}.log"
+    args = [
+        sys.executable, "-m", "kvdock.cli.main", "serve",
+        "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
+        "--l1-size", l1_size, "--chunk-size", str(chunk_size), "--log-level", "WARNING", *extra,
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return Server(name, proc, port, http_port, log_path)
+
+
+def _wait_up(srv: Server, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if srv.proc.poll() is not None:
+            raise RuntimeError(f"{srv.name} server exited with {srv.proc.returncode}:\n{srv.log()}")
+        try:
+            urllib.request.urlopen(srv.http_url + "/healthz", timeout=1).read()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{srv.name} server did not come up within {timeout:.0f}s:\n{srv.log()}")
+
+
+@contextmanager
+def servers(transports: list[str], l1_size: str, chunk_size: int) -> Iterator[dict[str, Server]]:
+    """Start one server per transport (in parallel: each pre-faults its pool); SIGTERM them on exit."""
+    with tempfile.TemporaryDirectory(prefix="kvdock-bench-") as tmp:
+        started: dict[str, Server] = {}
+        try:
+            for t in transports:
+                started[t] = _spawn(t, Path(tmp), l1_size, chunk_size, ["--no-shm"] if t == "inline" else [])
+            for srv in started.values():
+                _wait_up(srv)
+            yield started
+        finally:
+            for srv in started.values():
+                rc = srv.stop()
+                if rc not in (0, None):
+                    print(f"warning: {srv.name} server exited with {rc}; log:\n{srv.log()}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- measuring helpers
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    r = fn()
+    return time.perf_counter() - t0, r
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def _pct(values: list[float], q: float) -> float:
+    """Percentile by linear interpolation (numpy's default)."""
+    return float(np.percentile(np.asarray(values), q))
+
+
+def _tokens(n: int, start: int) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int64)
+
+
+def _make_kv(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+
+
+def _baseline_store(kv: torch.Tensor, dst: list[torch.Tensor], c: int) -> None:
+    # the same strided [2, L, c, D] views of kv that store copies, into contiguous chunk buffers
+    for i, d in enumerate(dst):
+        d.copy_(kv[:, :, i * c : (i + 1) * c])
+
+
+def _baseline_retrieve(src: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, c: int) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype)  # fresh, untouched: as retrieve returns
+    for i, s in enumerate(src):
+        out[:, :, i * c : (i + 1) * c].copy_(s)
+    return out
+
+
+# --------------------------------------------------------------------------- throughput
+
+
+def bench_throughput(srv: Server, transport: str, kv: torch.Tensor, chunk: int, reps: int) -> list[dict[str, Any]]:
+    n_chunks = kv.shape[2] // chunk
+    kv = kv[:, :, : n_chunks * chunk]
+    nbytes = kv.numel() * kv.element_size()
+    tokens = _tokens(kv.shape[2], 1_000_000)
+    rows: list[dict[str, Any]] = []
+
+    with kvd.connect(srv.url, srv.http_url, MODEL) as ctx:
+        if ctx.transport != transport:
+            raise RuntimeError(f"{srv.name} server granted transport {ctx.transport!r}, expected {transport!r}")
+
+        # ---- store
+        def sdk_store(overwrite: bool) -> None:
+            r = kvd.store_chunks(ctx, kv, tokens, overwrite=overwrite)
+            if r.stored_chunks != n_chunks:
+                raise RuntimeError(f"{transport}: store wrote {r.stored_chunks}/{n_chunks} chunks ({r})")
+
+        t_cold, _ = _timed(lambda: sdk_store(False))
+        dst = [torch.empty((2, kv.shape[1], chunk, kv.shape[3]), dtype=kv.dtype) for _ in range(n_chunks)]
+        for d in dst:
+            d.zero_()  # allocated and touched
+        b_cold, _ = _timed(lambda: _baseline_store(kv, dst, chunk))
+        warm, b_warm = [], []
+        for _ in range(reps):  # interleaved, so both see the same machine state
+            warm.append(_timed(lambda: sdk_store(True))[0])
+            b_warm.append(_timed(lambda: _baseline_store(kv, dst, chunk))[0])
+        rows.append(_row(transport, "store", nbytes, t_cold, warm, b_cold, b_warm, "overwrite=True, same tokens"))
+
+        # ---- retrieve
+        def sdk_retrieve() -> torch.Tensor:
+            out = kvd.retrieve(ctx, tokens)
+            if out is None or out.shape != kv.shape:
+                raise RuntimeError(f"{transport}: retrieve returned {None if out is None else tuple(out.shape)}")
+            return out
+
+        t_cold, out = _timed(sdk_retrieve)
+        if not torch.equal(out.view(torch.uint8), kv.contiguous().view(torch.uint8)):
+            raise RuntimeError(f"{transport}: CORRECTNESS FAILURE: retrieved KV differs from the stored KV")
+        del out
+        b_cold, out = _timed(lambda: _baseline_retrieve(dst, tuple(kv.shape), kv.dtype, chunk))
+        if not torch.equal(out, kv):
+            raise RuntimeError("baseline retrieve is wrong (benchmark bug)")
+        del out
+        warm, b_warm = [], []
+        for _ in range(reps):
+            t, out = _timed(sdk_retrieve)
+            del out  # free before the next allocation, as a caller that drops the result would
+            warm.append(t)
+            t, out = _timed(lambda: _baseline_retrieve(dst, tuple(kv.shape), kv.dtype, chunk))
+            del out
+            b_warm.append(t)
+        rows.append(_row(transport, "retrieve", nbytes, t_cold, warm, b_cold, b_warm, "fresh output tensor each call"))
+
+        problems = kvd.check_server_integrity(ctx)
+        if problems:
+            raise RuntimeError(f"{transport}: server integrity check failed: {problems}")
+    return rows
+
+
+def _row(transport: str, op: str, nbytes: int, cold: float, warm: list[float], b_cold: float,
+         b_warm: list[float], note: str) -> dict[str, Any]:
+    w, bw = statistics.median(warm), statistics.median(b_warm)
+    return {
+        "transport": transport, "op": op, "bytes": nbytes, "note": note,
+        "cold_s": cold, "warm_s": warm, "baseline_cold_s": b_cold, "baseline_warm_s": b_warm,
+        "cold_gbps": _gbps(nbytes, cold), "warm_gbps": _gbps(nbytes, w),
+        "baseline_cold_gbps": _gbps(nbytes, b_cold), "baseline_warm_gbps": _gbps(nbytes, bw),
+        "ratio_cold": b_cold / cold, "ratio_warm": bw / w,
+    }
+
+
+# --------------------------------------------------------------------------- latency
+
+
+def bench_latency(srv: Server, transport: str, chunk: int, iters: int) -> dict[str, Any]:
+    with kvd.connect(srv.url, srv.http_url, LAT_MODEL) as ctx:
+        geo = ctx.geometry
+        kv = _make_kv((2, geo.num_layers, chunk, geo.hidden_dim), ctx.dtype, seed=7)
+        tokens = _tokens(chunk, 5_000_000)
+        if not kvd.store(ctx, kv, tokens):
+            raise RuntimeError(f"{transport}: latency prime store wrote nothing")
+        warmup = max(10, iters // 20)
+
+        def series(fn: Callable[[], Any]) -> list[float]:
+            for _ in range(warmup):
+                fn()
+            return [_timed(fn)[0] * 1e3 for _ in range(iters)]
+
+        def one_retrieve() -> None:
+            out = kvd.retrieve(ctx, tokens)
+            if out is None or out.shape[2] != chunk:
+                raise RuntimeError(f"{transport}: one-chunk retrieve missed")
+
+        def one_store() -> None:
+            if kvd.store_chunks(ctx, kv, tokens, overwrite=True).stored_chunks != 1:
+                raise RuntimeError(f"{transport}: one-chunk store wrote nothing")
+
+        def one_lookup() -> None:
+            if kvd.lookup(ctx, tokens) != chunk:
+                raise RuntimeError(f"{transport}: lookup missed")
+
+        out = kvd.retrieve(ctx, tokens)
+        if out is None or not torch.equal(out, kv):
+            raise RuntimeError(f"{transport}: CORRECTNESS FAILURE on the one-chunk retrieve")
+        res: dict[str, Any] = {"transport": transport, "chunk_bytes": kv.numel() * kv.element_size(), "iters": iters}
+        for op, fn in (("retrieve", one_retrieve), ("store", one_store), ("lookup_rtt", one_lookup)):
+            ms = series(fn)
+            res[op] = {"p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99), "mean_ms": statistics.fmean(ms)}
+    return res
+
+
+# --------------------------------------------------------------------------- output
+
+
+def print_table(rows: list[dict[str, Any]], lat: list[dict[str, Any]], nbytes: int) -> None:
+    print()
+    print(f"Throughput over {nbytes / 1e9:.3f} GB ({nbytes / 2**30:.3f} GiB) per call; GB = 1e9 bytes.")
+    print("Warm store = median of overwrite=True stores of the same tokens (every chunk rewritten).")
+    print("ratio = SDK GB/s / baseline GB/s (1.00 = as fast as the bare copy).")
+    hdr = ("transport", "op", "cold GB/s", "warm GB/s", "baseline cold", "baseline warm", "ratio cold", "ratio warm")
+    lines = [hdr] + [
+        (r["transport"], r["op"], f"{r['cold_gbps']:.2f}", f"{r['warm_gbps']:.2f}", f"{r['baseline_cold_gbps']:.2f}",
+         f"{r['baseline_warm_gbps']:.2f}", f"{r['ratio_cold']:.2f}", f"{r['ratio_warm']:.2f}")
+        for r in rows
+    ]
+    _print_md(lines)
+    if lat:
+        print()
+        print(f"One-chunk latency ({lat[0]['chunk_bytes'] // 1024} KiB, {lat[0]['iters']} iterations; "
+              "store uses overwrite=True; lookup = one control round trip, no data):")
+        lines = [("transport", "op", "p50 ms", "p99 ms", "mean ms")]
+        for r in lat:
+            for op in ("retrieve", "store", "lookup_rtt"):
+                s = r[op]
+                lines.append((r["transport"], op, f"{s['p50_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['mean_ms']:.3f}"))
+        _print_md(lines)
+
+
+def _print_md(lines: list[tuple[str, ...]]) -> None:
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
+    fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    print(fmt(lines[0]))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in lines[1:]:
+        print(fmt(row))
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="kvdock transfer benchmark: SDK store/retrieve GB/s vs a bare torch copy, on the "
+        "shared-memory and the inline (--no-shm) transports, plus one-chunk latency.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--num-layers", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES))
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per throughput transfer (whole chunks count)")
+    p.add_argument("--chunk-size", type=int, default=256, help="server chunk size in tokens")
+    p.add_argument("--l1-size", default="2GiB", help="L1 pool of each server")
+    p.add_argument("--reps", type=int, default=5, help="warm repetitions (median reported)")
+    p.add_argument("--lat-iters", type=int, default=500, help="iterations per latency series (0 = skip)")
+    p.add_argument("--transports", default="shm,inline", help="comma-separated subset of shm,inline")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for this process (default: leave torch's default)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: 2 layers, 1024 tokens, 256MiB pools, 3 reps, 100 latency iterations")
+    p.add_argument("--json", metavar="PATH", help="also write all results as JSON to PATH")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_layers, args.tokens, args.l1_size, args.reps, args.lat_iters = 2, 1024, "256MiB", 3, 100
+    args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    if not args.transports or set(args.transports) - {"shm", "inline"}:
+        p.error("--transports must be a comma-separated subset of shm,inline")
+    if args.tokens < args.chunk_size:
+        p.error("--tokens must be at least one chunk")
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # SIGTERM to the benchmark: unwind through the finally blocks so the servers are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    dtype = TORCH_DTYPES[args.dtype]
+    hidden = args.num_kv_heads * args.head_dim
+    tokens = args.tokens // args.chunk_size * args.chunk_size
+    shape = (2, args.num_layers, tokens, hidden)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    env = {
+        "kvdock": kvdock.__version__, "torch": torch.__version__, "python": platform.python_version(),
+        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+        "kernel": platform.release(),
+    }
+    print(f"kvdock transfer benchmark: KV {list(shape)} {args.dtype} = {nbytes / 2**20:.0f} MiB, "
+          f"chunk {args.chunk_size} tokens = {nbytes // (tokens // args.chunk_size) / 2**20:.2f} MiB, "
+          f"{args.reps} warm reps; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} CPUs", flush=True)
+
+    t0 = time.perf_counter()
+    kv = _make_kv(shape, dtype, seed=1)
+    rows: list[dict[str, Any]] = []
+    lat: list[dict[str, Any]] = []
+    with servers(args.transports, args.l1_size, args.chunk_size) as srvs:
+        print(f"servers up: {', '.join(f'{t} {s.url}' for t, s in srvs.items())}", flush=True)
+        for t, srv in srvs.items():
+            kvd.register_model(srv.url, srv.http_url, MODEL, num_layers=args.num_layers,
+                               num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+            kvd.register_model(srv.url, srv.http_url, LAT_MODEL, **LAT_GEOMETRY)  # type: ignore[arg-type]
+        for t, srv in srvs.items():
+            print(f"[{t}] throughput ...", flush=True)
+            rows += bench_throughput(srv, t, kv, args.chunk_size, args.reps)
+            print(f"[{t}] correctness: retrieved == stored (torch.equal): OK", flush=True)
+            if args.lat_iters > 0:
+                print(f"[{t}] latency ...", flush=True)
+                lat.append(bench_latency(srv, t, args.chunk_size, args.lat_iters))
+
+    print_table(rows, lat, nbytes)
+    elapsed = time.perf_counter() - t0
+    print(f"\ntotal {elapsed:.1f}s")
+    if args.json:
+        doc = {
+            "config": {k: v for k, v in vars(args).items() if k != "json"} | {"shape": list(shape), "bytes": nbytes},
+            "env": env, "throughput": rows, "latency": lat, "elapsed_s": elapsed,
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Every failure a user can cause or meet is a KVCacheSDKError with a message that says what to do."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import CHUNK, GEOMETRY, MODEL, free_port, make_kv, make_tokens
+
+import kvdock.sdk as kvd
+from kvdock.errors import KVCacheSDKError
+
+
+def test_unreachable_http_names_the_url() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(kvd.ServerUnavailableError, match=f"127.0.0.1:{url.rsplit(':', 1)[1]}/config"):
+        kvd.connect(f"tcp://127.0.0.1:{free_port()}", url, MODEL, timeout=2)
+
+
+def test_silent_zmq_endpoint_times_out_naming_the_url(server) -> None:
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.raises(kvd.ServerUnavailableError, match=f"{dead}.*no reply.*1.0s"):
+        kvd.connect(dead, server.http_url, MODEL, timeout=1.0)
+
+
+def test_unknown_model_lists_registered_ones(server) -> None:
+    kvd.register_model(server.url, server.http_url, "other", num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32")
+    with pytest.raises(kvd.UnknownModelError, match=r"'nope' is not registered.*registered models: other, tiny"):
+        kvd.connect(server.url, server.http_url, "nope", timeout=5)
+    assert issubclass(kvd.UnknownModelError, KVCacheSDKError)
+
+
+@pytest.mark.parametrize(
+    ("kv", "match"),
+    [
+        (make_kv(CHUNK)[0], r"KV_2LTD \[2, num_layers=3, tokens, D=16\].*got \[3, 16, 16\]"),
+        (make_kv(CHUNK).transpose(1, 2), r"got \[2, 16, 3, 16\]"),
+        (torch.zeros(3, 3, CHUNK, 16, dtype=torch.bfloat16), r"got \[3, 3, 16, 16\]"),
+        (make_kv(CHUNK, torch.float32), r"dtype torch.float32 does not match 'tiny''s torch.bfloat16"),
+        (make_kv(CHUNK + 1), r"kv has 17 tokens but 16 token ids"),
+        ("not a tensor", r"kv must be a torch.Tensor, got str"),
+    ],
+)
+def test_bad_kv_is_refused_and_nothing_is_stored(ctx, kv, match: str) -> None:
+    tokens = make_tokens(CHUNK)
+    with pytest.raises(kvd.InvalidInputError, match=match):
+        kvd.store(ctx, kv, tokens)
+    assert kvd.lookup(ctx, tokens) == 0
+
+
+@pytest.mark.parametrize(
+    ("tokens", "match"),
+    [
+        ([1.0] * CHUNK, "must be integers, got float"),
+        ([True] * CHUNK, "must be integers, got bool"),
+        (["a"] * CHUNK, "must be integers, got str"),
+        ([-1] + [0] * (CHUNK - 1), "out of range"),
+        ([2**32] + [0] * (CHUNK - 1), "out of range"),
+        (np.zeros((2, CHUNK // 2), dtype=np.int64), "one-dimensional"),
+        (torch.zeros(CHUNK, dtype=torch.float32), "must be integers"),
+        (42, "must be a sequence of integers, got int"),
+    ],
+)
+def test_bad_token_ids_are_refused(ctx, tokens, match: str) -> None:
+    with pytest.raises(kvd.InvalidInputError, match=match):
+        kvd.store(ctx, make_kv(CHUNK), tokens)
+    with pytest.raises(kvd.InvalidInputError, match=match):
+        kvd.retrieve(ctx, tokens)
+    with pytest.raises(kvd.InvalidInputError, match=match):
+        kvd.lookup(ctx, tokens)
+
+
+def test_closed_context_raises_and_double_close_is_harmless(server) -> None:
+    ctx = kvd.connect(server.url, server.http_url, MODEL, timeout=5)
+    kvd.close(ctx)
+    kvd.close(ctx)
+    assert ctx.closed
+    with pytest.raises(KVCacheSDKError, match="closed"):
+        kvd.retrieve(ctx, make_tokens(CHUNK))
+    with pytest.raises(KVCacheSDKError, match="closed"):
+        kvd.store(ctx, make_kv(CHUNK), make_tokens(CHUNK))
+    with kvd.connect(server.url, server.http_url, MODEL, timeout=5) as c2:
+        assert not c2.closed
+    assert c2.closed
+
+
+def test_pool_full_is_a_clear_error(make_server) -> None:
+    srv = make_server(l1_size="8KiB")  # two slots of 4 KiB
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        # hold both slots pinned by an open retrieve session
+        kv = make_kv(2 * CHUNK, seed=1)
+        assert kvd.store(c, kv, make_tokens(2 * CHUNK))
+        from kvdock.protocol import messages as m
+        from kvdock.keys import normalize_tokens
+
+        pinned = c.call(m.PrepareRetrieve(c.client_id, "hold", normalize_tokens(make_tokens(2 * CHUNK)).tobytes()))
+        assert len(pinned.reply.slots) == 2
+        with pytest.raises(kvd.PoolFullError, match="no room for 1 chunk"):
+            kvd.store(c, make_kv(CHUNK, seed=2), make_tokens(CHUNK, start=500))
+        c.call(m.CommitRetrieve(c.client_id, "hold"))
+        assert kvd.store(c, make_kv(CHUNK, seed=2), make_tokens(CHUNK, start=500)) is True
+        assert kvd.check_server_integrity(c) == []
+
+
+def test_registration_same_geometry_is_harmless_different_is_refused(server) -> None:
+    again = kvd.register_model(server.url, server.http_url, MODEL, dtype=torch.bfloat16, **GEOMETRY)
+    assert again.created is False and again.chunk_nbytes == 2 * 3 * CHUNK * 16 * 2
+    with pytest.raises(kvd.ServerError, match="already registered with a different geometry.*layers=3"):
+        kvd.register_model(server.url, server.http_url, MODEL, dtype="float32", **GEOMETRY)
+    with pytest.raises(kvd.ServerError, match="chunk_size 16 is not a multiple of tokens_per_block 32"):
+        kvd.register_model(server.url, server.http_url, "big-block", dtype="float32", **GEOMETRY, tokens_per_block=32)
+    with pytest.raises(kvd.InvalidInputError, match="unsupported KV dtype 'int8'"):
+        kvd.register_model(server.url, server.http_url, "x", dtype="int8", **GEOMETRY)
+    with pytest.raises(kvd.InvalidInputError, match="num_layers must be a positive integer"):
+        kvd.register_model(server.url, server.http_url, "x", dtype="float32", num_layers=0, num_kv_heads=1, head_dim=4)
+    with pytest.raises(kvd.InvalidInputError, match="unknown KV format 'XYZ'"):
+        kvd.register_model(server.url, server.http_url, "x", dtype="float32", **GEOMETRY, kv_format="XYZ")
+    # the model that was there is unchanged
+    with kvd.connect(server.url, server.http_url, MODEL, timeout=5) as c:
+        assert c.dtype == torch.bfloat16
+
+
+def test_hnd_registration_decodes_the_same_geometry(server) -> None:
+    kvd.register_model(server.url, server.http_url, "hnd", dtype="float16", num_layers=2, num_kv_heads=4,
+                       head_dim=8, kv_format="HND", tokens_per_block=8)
+    entry = next(e for e in server.get("/status")["cache_context_meta"] if e["model_name"] == "hnd")
+    assert entry["kv_cache_layout"]["engine_kv_concrete_shape"] == [2, 1, 4, 8, 8]
+    with kvd.connect(server.url, server.http_url, "hnd", timeout=5) as c:
+        assert (c.geometry.num_kv_heads, c.geometry.head_dim, c.geometry.hidden_dim) == (4, 8, 32)
+        kv = torch.randn(2, 2, CHUNK, 32).to(torch.float16)
+        assert kvd.store(c, kv, make_tokens(CHUNK))
+        assert torch.equal(kvd.retrieve(c, make_tokens(CHUNK)), kv)

@@ -1,0 +1,104 @@
+"""Start-up and shutdown: the shared-memory segment is private, unlinked on SIGINT/SIGTERM, and a
+dead server's segment is cleaned up by the next start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import free_port, start_server
+
+SHM = Path("/dev/shm")
+
+
+def _segment(srv) -> Path:
+    name = srv.get("/config")["l1"]["shm_name"]
+    assert name.startswith("kvdock-") and len(name) == len("kvdock-") + 32
+    return SHM / name
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_segment_is_private_prefaulted_and_unlinked_on_signal(tmp_path, sig) -> None:
+    srv = start_server(tmp_path, l1_size="32MiB")
+    path = _segment(srv)
+    st = path.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_size == 32 * 2**20 + 4096
+    assert st.st_blocks * 512 >= st.st_size  # allocated up front, not sparse
+    assert srv.stop(sig) == 0
+    assert not path.exists()
+    assert "shutting down" in srv.log()
+
+
+def test_stale_segment_of_killed_server_is_removed_at_next_start(tmp_path) -> None:
+    dead = start_server(tmp_path, l1_size="8MiB")
+    path = _segment(dead)
+    dead.stop(signal.SIGKILL)
+    assert path.exists()
+    srv = start_server(tmp_path, l1_size="8MiB")
+    try:
+        assert not path.exists()
+        assert f"removed 1 stale shared-memory segment(s) of dead servers: {path.name}" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_live_servers_segments_are_left_alone(tmp_path) -> None:
+    a = start_server(tmp_path, l1_size="8MiB")
+    b = start_server(tmp_path, l1_size="8MiB")
+    try:
+        assert _segment(a).exists() and _segment(b).exists() and _segment(a) != _segment(b)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_busy_port_fails_cleanly_without_leaking_memory(tmp_path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        before = set(os.listdir(SHM))
+        r = subprocess.run(
+            [sys.executable, "-m", "kvdock.cli.main", "serve", "--l1-size", "8MiB", "--port", str(free_port()),
+             "--http-port", str(busy)],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert r.returncode == 2
+    assert "address already in use" in r.stderr
+    assert set(os.listdir(SHM)) - before == set()
+
+
+def test_no_shm_server_shares_no_memory(tmp_path) -> None:
+    before = set(os.listdir(SHM))
+    srv = start_server(tmp_path, "--no-shm", l1_size="8MiB")
+    try:
+        cfg = srv.get("/config")
+        assert cfg["transports"] == ["inline"]
+        assert cfg["l1"] == {"shm_enabled": False, "shm_name": None, "size_bytes": 8 * 2**20}
+        assert set(os.listdir(SHM)) - before == set()
+    finally:
+        srv.stop()
+
+
+def test_default_l1_size_is_printed(tmp_path) -> None:
+    port, http_port = free_port(), free_port()
+    env = {**os.environ, "KVDOCK_L1_SIZE": "0"}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvdock.cli.main", "serve", "--port", str(port), "--http-port", str(http_port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert "L1 size:" in line and "auto: 25% of available memory" in line, line
+        assert "kvdock serving" in p.stdout.readline()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0

@@ -1,0 +1,311 @@
+"""kvdock.shm.segment: creating, attaching, unlinking and reaping /dev/shm pool segments."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvdock.shm import segment as seg_mod
+from kvdock.shm.segment import HEADER_SIZE, MAGIC, PREFIX, SHM_DIR, PoolSegment, cleanup_stale
+
+NAME_RE = re.compile(r"kvdock-[0-9a-f]{32}")
+
+
+@pytest.fixture
+def created() -> Iterator[list[PoolSegment]]:
+    """Segments appended here are closed and unlinked at teardown, whatever happens."""
+    segs: list[PoolSegment] = []
+    yield segs
+    for s in segs:
+        s.close()
+        s.unlink()
+
+
+def _create(created: list[PoolSegment], data_size: int = 2 * 4096) -> PoolSegment:
+    s = PoolSegment.create(data_size)
+    created.append(s)
+    return s
+
+
+def _header(path: Path) -> tuple:
+    with open(path, "rb") as f:
+        return seg_mod._HEADER.unpack(f.read(seg_mod._HEADER.size))
+
+
+def _rewrite_header(path: Path, **changes: int) -> None:
+    magic, ver, pid, start, nonce, size = _header(path)
+    pid = changes.get("pid", pid)
+    start = changes.get("start", start)
+    with open(path, "r+b") as f:
+        f.write(seg_mod._HEADER.pack(magic, ver, pid, start, nonce, size))
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert not Path(f"/proc/{p.pid}").exists()
+    return p.pid
+
+
+@contextlib.contextmanager
+def _stray_file(name: str, content: bytes) -> Iterator[Path]:
+    path = SHM_DIR / name
+    path.write_bytes(content)
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+# ---------------------------------------------------------------- create / attach / unlink
+
+
+def test_create_makes_private_file_with_unguessable_name(created: list[PoolSegment]) -> None:
+    s = _create(created, 3 * 4096)
+    assert NAME_RE.fullmatch(s.name), s.name
+    assert s.name.startswith(PREFIX) and PREFIX == "kvdock-"
+    path = SHM_DIR / s.name
+    assert SHM_DIR == Path("/dev/shm")
+    st = path.stat()
+    assert stat.S_ISREG(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_uid == os.getuid()
+    assert st.st_size == HEADER_SIZE + 3 * 4096
+    assert s.size == HEADER_SIZE + 3 * 4096
+    assert s.data_size == 3 * 4096
+    assert s.owner is True
+    assert len(s.buf) == s.size and not s.buf.readonly
+
+
+def test_names_and_nonces_differ_between_segments(created: list[PoolSegment]) -> None:
+    a, b = _create(created), _create(created)
+    assert a.name != b.name
+    assert a.nonce != b.nonce
+    assert re.fullmatch(r"[0-9a-f]{64}", a.nonce)
+
+
+def test_header_records_magic_pid_start_time_and_size(created: list[PoolSegment]) -> None:
+    s = _create(created, 4096)
+    magic, ver, pid, start, nonce, size = _header(SHM_DIR / s.name)
+    assert magic == MAGIC == b"KVDOCKL1"
+    assert ver == 1
+    assert pid == os.getpid()
+    assert start == seg_mod._proc_start_time(os.getpid()) and start > 0
+    assert nonce.hex() == s.nonce
+    assert size == HEADER_SIZE + 4096
+
+
+def test_data_area_starts_zeroed(created: list[PoolSegment]) -> None:
+    s = _create(created, 2 * 4096)
+    assert bytes(s.buf[HEADER_SIZE:]) == b"\x00" * (2 * 4096)
+
+
+def test_attach_sees_the_same_bytes_both_ways(created: list[PoolSegment]) -> None:
+    s = _create(created, 2 * 4096)
+    s.buf[HEADER_SIZE : HEADER_SIZE + 5] = b"hello"
+    other = PoolSegment.attach(s.name)
+    created.append(other)  # unlink twice is harmless
+    assert other.owner is False
+    assert other.name == s.name and other.size == s.size and other.data_size == s.data_size
+    assert other.nonce == s.nonce
+    assert bytes(other.buf[HEADER_SIZE : HEADER_SIZE + 5]) == b"hello"
+    other.buf[s.size - 3 : s.size] = b"xyz"
+    assert bytes(s.buf[s.size - 3 : s.size]) == b"xyz"
+    # numpy views of both mappings agree too
+    arr_a = np.frombuffer(s.buf, dtype=np.uint8)
+    arr_b = np.frombuffer(other.buf, dtype=np.uint8)
+    arr_a[HEADER_SIZE + 100] = 42
+    assert arr_b[HEADER_SIZE + 100] == 42
+    del arr_a, arr_b
+
+
+def test_attach_from_another_process_sees_the_bytes(created: list[PoolSegment]) -> None:
+    s = _create(created, 4096)
+    s.buf[HEADER_SIZE : HEADER_SIZE + 4] = b"ping"
+    code = (
+        "import sys; from kvdock.shm.segment import PoolSegment, HEADER_SIZE\n"
+        f"s = PoolSegment.attach({s.name!r})\n"
+        "print(bytes(s.buf[HEADER_SIZE:HEADER_SIZE + 4]).decode(), s.nonce)\n"
+        "s.buf[HEADER_SIZE + 4:HEADER_SIZE + 8] = b'pong'\n"
+        "s.close()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["ping", s.nonce]
+    assert bytes(s.buf[HEADER_SIZE + 4 : HEADER_SIZE + 8]) == b"pong"
+    # the attaching process exiting must not unlink the segment
+    assert (SHM_DIR / s.name).exists()
+
+
+def test_unlink_removes_the_file_and_is_idempotent(created: list[PoolSegment]) -> None:
+    s = _create(created)
+    path = SHM_DIR / s.name
+    assert path.exists()
+    s.unlink()
+    assert not path.exists()
+    s.unlink()  # no error
+    with pytest.raises(FileNotFoundError):
+        PoolSegment.attach(s.name)
+
+
+def test_mapping_survives_unlink_until_close(created: list[PoolSegment]) -> None:
+    s = _create(created)
+    s.unlink()
+    s.buf[HEADER_SIZE] = 7
+    assert s.buf[HEADER_SIZE] == 7
+
+
+def test_close_is_harmless_twice_and_with_live_exports(created: list[PoolSegment]) -> None:
+    s = _create(created)
+    s.buf[HEADER_SIZE : HEADER_SIZE + 3] = b"abc"
+    view = np.frombuffer(s.buf, dtype=np.uint8)
+    s.close()
+    s.close()
+    assert bytes(view[HEADER_SIZE : HEADER_SIZE + 3]) == b"abc"  # the mapping lives while exported
+    del view
+    s2 = _create(created)
+    s2.close()
+    s2.close()
+    with pytest.raises(ValueError):
+        s2.buf[0]  # released view
+
+
+@pytest.mark.parametrize("name", ["", "foo", "kvdock", "x-kvdock-abc", "kvdock-../etc/passwd", "kvdock-a/b"])
+def test_attach_rejects_foreign_names(name: str) -> None:
+    with pytest.raises(ValueError, match="not a kvdock segment name"):
+        PoolSegment.attach(name)
+
+
+def test_attach_missing_segment_is_os_error() -> None:
+    with pytest.raises(OSError):
+        PoolSegment.attach(PREFIX + "0" * 32)
+
+
+def test_attach_rejects_too_small_file() -> None:
+    with _stray_file(PREFIX + "test-small-" + os.urandom(4).hex(), b"KVDOCKL1") as path:
+        with pytest.raises(ValueError, match="too small"):
+            PoolSegment.attach(path.name)
+
+
+def test_attach_rejects_file_without_magic() -> None:
+    with _stray_file(PREFIX + "test-nomagic-" + os.urandom(4).hex(), b"\x00" * (2 * HEADER_SIZE)) as path:
+        with pytest.raises(ValueError, match="no kvdock header"):
+            PoolSegment.attach(path.name)
+
+
+def test_anonymous_segment() -> None:
+    s = PoolSegment.anonymous(2 * 4096)
+    try:
+        assert s.name == ""
+        assert s.size == HEADER_SIZE + 2 * 4096 and s.data_size == 2 * 4096
+        s.buf[HEADER_SIZE] = 9
+        assert s.buf[HEADER_SIZE] == 9
+        s.unlink()  # a no-op, must not touch /dev/shm
+    finally:
+        s.close()
+
+
+def test_create_too_large_is_os_error_and_leaves_nothing() -> None:
+    st = os.statvfs(SHM_DIR)
+    too_big = st.f_blocks * st.f_frsize + 2**30
+    before = set(SHM_DIR.glob(PREFIX + "*"))
+    with pytest.raises(OSError):
+        PoolSegment.create(too_big)
+    leaked = set(SHM_DIR.glob(PREFIX + "*")) - before
+    # other processes may create segments meanwhile: only ours (this pid) count as leaks
+    assert not [p for p in leaked if _header(p)[2] == os.getpid()]
+
+
+# ---------------------------------------------------------------- cleanup_stale
+
+
+def test_proc_start_time() -> None:
+    assert isinstance(seg_mod._proc_start_time(os.getpid()), int)
+    assert seg_mod._proc_start_time(_dead_pid()) is None
+
+
+def test_cleanup_keeps_a_live_segment(created: list[PoolSegment]) -> None:
+    s = _create(created)
+    removed = cleanup_stale()
+    assert s.name not in removed
+    assert (SHM_DIR / s.name).exists()
+
+
+def test_cleanup_removes_segment_of_sigkilled_creator() -> None:
+    code = (
+        "import sys, time; from kvdock.shm.segment import PoolSegment\n"
+        "s = PoolSegment.create(4096)\n"
+        "print(s.name, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    name = ""
+    try:
+        assert proc.stdout is not None
+        name = proc.stdout.readline().strip()
+        assert NAME_RE.fullmatch(name), name
+        path = SHM_DIR / name
+        assert _header(path)[2] == proc.pid
+        assert name not in cleanup_stale()  # creator still alive: kept
+        assert path.exists()
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert path.exists()  # SIGKILL leaves the segment behind
+        assert name in cleanup_stale()
+        assert not path.exists()
+        assert name not in cleanup_stale()  # nothing left to remove
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if name:
+            with contextlib.suppress(FileNotFoundError, OSError):
+                (SHM_DIR / name).unlink()
+
+
+def test_cleanup_removes_segment_whose_header_pid_is_dead(created: list[PoolSegment]) -> None:
+    stale = _create(created)
+    live = _create(created)
+    _rewrite_header(SHM_DIR / stale.name, pid=_dead_pid())
+    removed = cleanup_stale()
+    assert stale.name in removed
+    assert live.name not in removed
+    assert not (SHM_DIR / stale.name).exists()
+    assert (SHM_DIR / live.name).exists()
+
+
+def test_cleanup_removes_segment_when_pid_was_reused(created: list[PoolSegment]) -> None:
+    # same pid as a live process, but another start time: the creator is gone, the pid recycled
+    s = _create(created)
+    start = seg_mod._proc_start_time(os.getpid())
+    assert start is not None
+    _rewrite_header(SHM_DIR / s.name, start=start + 1)
+    assert s.name in cleanup_stale()
+    assert not (SHM_DIR / s.name).exists()
+
+
+def test_cleanup_with_unknown_start_time_trusts_live_pid(created: list[PoolSegment]) -> None:
+    s = _create(created)
+    _rewrite_header(SHM_DIR / s.name, start=0)
+    assert s.name not in cleanup_stale()
+    assert (SHM_DIR / s.name).exists()
+
+
+def test_cleanup_ignores_files_that_are_not_kvdock_pools() -> None:
+    with (
+        _stray_file(PREFIX + "test-short-" + os.urandom(4).hex(), b"KVD") as short,
+        _stray_file(PREFIX + "test-foreign-" + os.urandom(4).hex(), b"\x01" * HEADER_SIZE) as foreign,
+    ):
+        removed = cleanup_stale()
+        assert short.name not in removed and foreign.name not in removed
+        assert short.exists() and foreign.exists()

@@ -1,0 +1,201 @@
+"""kvdock.shm.slots: page-aligned slot allocation, reuse by size, integrity checks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvdock.shm.slots import ALIGN, SlotAllocator, aligned
+
+P = ALIGN  # one page
+
+
+def test_align_is_a_page() -> None:
+    assert ALIGN == 4096
+
+
+@pytest.mark.parametrize(("n", "expected"), [(1, P), (P - 1, P), (P, P), (P + 1, 2 * P), (3 * P, 3 * P), (0, 0)])
+def test_aligned(n: int, expected: int) -> None:
+    assert aligned(n) == expected
+
+
+def test_base_must_be_page_aligned() -> None:
+    with pytest.raises(AssertionError):
+        SlotAllocator(base=100, capacity=4 * P)
+
+
+def test_fresh_allocator() -> None:
+    a = SlotAllocator(base=P, capacity=4 * P)
+    assert a.used_bytes == 0
+    assert a.free_bytes == 4 * P
+    a.check_integrity()
+
+
+def test_alloc_carves_consecutive_page_aligned_slots() -> None:
+    a = SlotAllocator(base=P, capacity=10 * P)
+    offs = [a.alloc(100), a.alloc(P), a.alloc(P + 1), a.alloc(1)]
+    assert offs == [P, 2 * P, 3 * P, 5 * P]
+    assert all(o is not None and o % ALIGN == 0 for o in offs)
+    assert a.used_bytes == 5 * P
+    assert a.free_bytes == 5 * P
+    a.check_integrity()
+
+
+def test_alloc_returns_none_when_full_and_state_is_unchanged() -> None:
+    a = SlotAllocator(base=0, capacity=3 * P)
+    assert [a.alloc(P), a.alloc(P), a.alloc(P)] == [0, P, 2 * P]
+    assert a.alloc(1) is None
+    assert a.used_bytes == 3 * P
+    assert a.free_bytes == 0
+    a.check_integrity()
+
+
+def test_alloc_none_when_slot_bigger_than_remaining() -> None:
+    a = SlotAllocator(base=0, capacity=3 * P)
+    assert a.alloc(2 * P) == 0
+    assert a.alloc(2 * P) is None
+    assert a.alloc(P) == 2 * P  # the smaller size still fits
+    a.check_integrity()
+
+
+def test_capacity_not_a_page_multiple_does_not_overrun() -> None:
+    a = SlotAllocator(base=0, capacity=2 * P + 100)
+    assert a.alloc(P) == 0
+    assert a.alloc(P) == P
+    assert a.alloc(1) is None  # only 100 bytes left, a slot is a page
+    a.check_integrity()
+
+
+def test_free_then_alloc_same_size_reuses_offset() -> None:
+    a = SlotAllocator(base=0, capacity=3 * P)
+    x, y, z = a.alloc(10), a.alloc(10), a.alloc(10)
+    assert (x, y, z) == (0, P, 2 * P)
+    a.free(y)
+    assert a.used_bytes == 2 * P
+    a.check_integrity()
+    assert a.alloc(P) == P  # same aligned size (10 and 4096 round to one page)
+    assert a.used_bytes == 3 * P
+    a.check_integrity()
+
+
+def test_freed_slot_is_not_reused_for_another_size() -> None:
+    a = SlotAllocator(base=0, capacity=4 * P)
+    small = a.alloc(P)
+    big = a.alloc(2 * P)
+    assert (small, big) == (0, P)
+    a.free(small)
+    # one page free on the list and one page never carved: a 2-page slot fits nowhere
+    assert a.alloc(2 * P) is None
+    assert a.alloc(P) == 0  # the freed page, not the bump pointer
+    assert a.alloc(P) == 3 * P  # now from the bump
+    assert a.alloc(P) is None
+    a.check_integrity()
+
+
+def test_freed_big_slot_reused_for_big_only() -> None:
+    a = SlotAllocator(base=0, capacity=3 * P)
+    big = a.alloc(2 * P)
+    a.free(big)
+    assert a.alloc(2 * P) == big
+    a.free(big)
+    assert a.alloc(P) == 2 * P  # bump, not the free 2-page slot
+    assert a.alloc(P) is None
+    assert a.free_bytes == 2 * P  # free by accounting, but carved for another size
+    a.check_integrity()
+
+
+def test_free_list_is_lifo() -> None:
+    a = SlotAllocator(base=0, capacity=3 * P)
+    offs = [a.alloc(P) for _ in range(3)]
+    for o in offs:
+        a.free(o)
+    assert [a.alloc(P) for _ in range(3)] == list(reversed(offs))
+    a.check_integrity()
+
+
+def test_double_free_and_unknown_offset_raise() -> None:
+    a = SlotAllocator(base=0, capacity=2 * P)
+    o = a.alloc(P)
+    assert o is not None
+    a.free(o)
+    with pytest.raises(KeyError):
+        a.free(o)
+    with pytest.raises(KeyError):
+        a.free(12345)
+    a.check_integrity()
+
+
+def test_random_sequences_keep_integrity() -> None:
+    rng = random.Random(1234)
+    a = SlotAllocator(base=2 * P, capacity=64 * P)
+    held: dict[int, int] = {}
+    sizes = [1, P, P + 1, 3 * P]
+    for _ in range(2000):
+        if held and rng.random() < 0.45:
+            off = rng.choice(list(held))
+            a.free(off)
+            del held[off]
+        else:
+            n = rng.choice(sizes)
+            off = a.alloc(n)
+            if off is not None:
+                assert off not in held
+                assert off % ALIGN == 0
+                assert 2 * P <= off and off + aligned(n) <= 66 * P
+                held[off] = aligned(n)
+        assert a.used_bytes == sum(held.values())
+        assert a.free_bytes == 64 * P - a.used_bytes
+        a.check_integrity()
+    # held slots never overlap
+    spans = sorted((o, o + s) for o, s in held.items())
+    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+
+
+# ---------------------------------------------------------------- corruption is detected
+
+
+def _populated() -> tuple[SlotAllocator, list[int]]:
+    a = SlotAllocator(base=0, capacity=8 * P)
+    offs = [a.alloc(P) for _ in range(4)]
+    a.free(offs[1])
+    a.check_integrity()
+    return a, [o for o in offs if o is not None]
+
+
+def test_corrupt_used_offset_also_on_free_list() -> None:
+    a, offs = _populated()
+    a._free[P].append(offs[0])
+    with pytest.raises(AssertionError, match="both used and free"):
+        a.check_integrity()
+
+
+def test_corrupt_offset_twice_on_free_list() -> None:
+    a, offs = _populated()
+    a._free[P].append(offs[1])
+    with pytest.raises(AssertionError, match="free list twice"):
+        a.check_integrity()
+
+
+def test_corrupt_used_bytes_counter() -> None:
+    a, _ = _populated()
+    a.used_bytes += 1
+    with pytest.raises(AssertionError):
+        a.check_integrity()
+
+
+def test_corrupt_lost_slot() -> None:
+    a, offs = _populated()
+    del a._used[offs[0]]
+    a.used_bytes -= P
+    with pytest.raises(AssertionError, match="carved"):
+        a.check_integrity()
+
+
+def test_corrupt_slot_outside_pool() -> None:
+    a = SlotAllocator(base=0, capacity=2 * P)
+    a._used[2 * P] = P
+    a.used_bytes += P
+    a._bump += P
+    with pytest.raises(AssertionError):
+        a.check_integrity()

@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import statistics
@@ -148,6 +149,19 @@ def servers(transports: list[str], l1_size: str, chunk_size: int) -> Iterator[di
 
 
 # --------------------------------------------------------------------------- measuring helpers
+
+
+def _cpu_busy_s() -> float:
+    """CPU-seconds all CPUs spent busy since boot (/proc/stat: everything but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU-seconds of this process and its reaped children (the servers, once stopped)."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -396,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.reps} warm reps; torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} CPUs", flush=True)
 
-    t0 = time.perf_counter()
+    t0, busy0, own0 = time.perf_counter(), _cpu_busy_s(), _own_cpu_s()
     kv = _make_kv(shape, dtype, seed=1)
     rows: list[dict[str, Any]] = []
     lat: list[dict[str, Any]] = []
@@ -414,9 +428,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{t}] latency ...", flush=True)
                 lat.append(bench_latency(srv, t, args.chunk_size, args.lat_iters))
 
-    print_table(rows, lat, nbytes)
     elapsed = time.perf_counter() - t0
-    print(f"\ntotal {elapsed:.1f}s")
+    # CPU time used on this machine by processes other than the benchmark and its servers
+    foreign = max(0.0, (_cpu_busy_s() - busy0) - (_own_cpu_s() - own0))
+    env["foreign_cpu_s"] = foreign
+    env["foreign_cpu_share"] = foreign / (elapsed * (os.cpu_count() or 1))
+    print_table(rows, lat, nbytes)
+    print(f"\ntotal {elapsed:.1f}s; other processes used {foreign:.1f} CPU-s "
+          f"({100 * env['foreign_cpu_share']:.0f}% of the machine) meanwhile")
+    if env["foreign_cpu_share"] > 0.05:
+        print("WARNING: the machine was not quiet; multi-threaded copies suffer most from that "
+              "(try --threads 1, or rerun on an idle machine)")
     if args.json:
         doc = {
             "config": {k: v for k, v in vars(args).items() if k != "json"} | {"shape": list(shape), "bytes": nbytes},

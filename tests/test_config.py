@@ -177,7 +177,16 @@ def test_unrelated_env_variables_are_ignored() -> None:
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("1", True), ("true", True), ("YES", True), ("On", True), ("0", False), ("false", False), ("no", False), ("", False)],
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        ("On", True),
+        ("0", False),
+        ("false", False),
+        ("no", False),
+        ("", False),
+    ],
 )
 def test_bool_env_values(value: str, expected: bool) -> None:
     assert load_server_config({}, env={"KVDOCK_NO_SHM": value}).no_shm is expected

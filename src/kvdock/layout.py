@@ -17,7 +17,9 @@ HND     ``[2, num_blocks, num_kv_heads, block_size, head_dim]``  vLLM HND layout
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 KV_2LTD = "KV_2LTD"
 
@@ -64,7 +66,7 @@ def decode_shape(kv_format: str, shape: list[int] | tuple[int, ...]) -> DecodedS
     axes = _axes(kv_format)
     if len(shape) != len(axes):
         raise ValueError(f"format {kv_format} expects a {len(axes)}-d shape {axes}, got {list(shape)}")
-    dims = dict(zip(axes, shape))
+    dims = dict(zip(axes, shape, strict=False))
     if dims["kv"] != 2 or any(int(s) <= 0 for s in shape):
         raise ValueError(f"invalid {kv_format} shape {list(shape)}: axis 0 must be 2 (K, V) and all sizes > 0")
     return DecodedShape(num_kv_heads=int(dims["heads"]), block_size=int(dims["block"]), head_dim=int(dims["dim"]))
@@ -110,17 +112,17 @@ class HFGeometry:
     dtype: str
 
 
-def hf_config_geometry(cfg: dict[str, object]) -> HFGeometry:
+def hf_config_geometry(cfg: Mapping[str, Any]) -> HFGeometry:
     """KV geometry from a HuggingFace ``config.json`` dict (text configs; multimodal ones nest it
-    under ``text_config``). ValueError when a required field is missing."""
+    under ``text_config``). ValueError when a required field is missing or the dtype unsupported."""
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
-        cfg = cfg["text_config"]  # type: ignore[assignment]
+        cfg = cfg["text_config"]
     try:
-        layers = int(cfg["num_hidden_layers"])  # type: ignore[call-overload]
-        heads = int(cfg["num_attention_heads"])  # type: ignore[call-overload]
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
     except KeyError as e:
         raise ValueError(f"config.json has no {e.args[0]!r}") from None
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)  # type: ignore[call-overload]
-    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads  # type: ignore[call-overload]
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
-    return HFGeometry(layers, kv_heads, int(head_dim), check_dtype(dtype))  # type: ignore[call-overload]
+    return HFGeometry(layers, kv_heads, head_dim, check_dtype(dtype))

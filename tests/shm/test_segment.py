@@ -76,7 +76,7 @@ def test_create_makes_private_file_with_unguessable_name(created: list[PoolSegme
     assert NAME_RE.fullmatch(s.name), s.name
     assert s.name.startswith(PREFIX) and PREFIX == "kvdock-"
     path = SHM_DIR / s.name
-    assert SHM_DIR == Path("/dev/shm")
+    assert Path("/dev/shm") == SHM_DIR
     st = path.stat()
     assert stat.S_ISREG(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o600
@@ -192,15 +192,15 @@ def test_attach_missing_segment_is_os_error() -> None:
 
 
 def test_attach_rejects_too_small_file() -> None:
-    with _stray_file(PREFIX + "test-small-" + os.urandom(4).hex(), b"KVDOCKL1") as path:
-        with pytest.raises(ValueError, match="too small"):
-            PoolSegment.attach(path.name)
+    name = PREFIX + "test-small-" + os.urandom(4).hex()
+    with _stray_file(name, b"KVDOCKL1"), pytest.raises(ValueError, match="too small"):
+        PoolSegment.attach(name)
 
 
 def test_attach_rejects_file_without_magic() -> None:
-    with _stray_file(PREFIX + "test-nomagic-" + os.urandom(4).hex(), b"\x00" * (2 * HEADER_SIZE)) as path:
-        with pytest.raises(ValueError, match="no kvdock header"):
-            PoolSegment.attach(path.name)
+    name = PREFIX + "test-nomagic-" + os.urandom(4).hex()
+    with _stray_file(name, b"\x00" * (2 * HEADER_SIZE)), pytest.raises(ValueError, match="no kvdock header"):
+        PoolSegment.attach(name)
 
 
 def test_anonymous_segment() -> None:
@@ -217,6 +217,7 @@ def test_anonymous_segment() -> None:
 
 def test_create_too_large_is_os_error_and_leaves_nothing() -> None:
     st = os.statvfs(SHM_DIR)
+    assert st.f_blocks > 0, "/dev/shm has no size limit; this test would exhaust memory"
     too_big = st.f_blocks * st.f_frsize + 2**30
     before = set(SHM_DIR.glob(PREFIX + "*"))
     with pytest.raises(OSError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -142,14 +143,14 @@ def test_random_sequences_keep_integrity() -> None:
             if off is not None:
                 assert off not in held
                 assert off % ALIGN == 0
-                assert 2 * P <= off and off + aligned(n) <= 66 * P
+                assert off >= 2 * P and off + aligned(n) <= 66 * P
                 held[off] = aligned(n)
         assert a.used_bytes == sum(held.values())
         assert a.free_bytes == 64 * P - a.used_bytes
         a.check_integrity()
     # held slots never overlap
     spans = sorted((o, o + s) for o, s in held.items())
-    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+    assert all(e1 <= s2 for (_, e1), (s2, _) in itertools.pairwise(spans))
 
 
 # ---------------------------------------------------------------- corruption is detected

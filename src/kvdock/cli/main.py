@@ -17,7 +17,10 @@ from kvdock.errors import ConfigError, KVDockError
 def _serve(args: argparse.Namespace) -> int:
     from kvdock.server.launch import serve
 
-    cli = {k: getattr(args, k) for k in ("host", "port", "http_port", "chunk_size", "l1_size", "session_ttl", "admin_token", "log_level")}
+    cli = {
+        k: getattr(args, k)
+        for k in ("host", "port", "http_port", "chunk_size", "l1_size", "session_ttl", "admin_token", "log_level")
+    }
     cli["no_shm"] = True if args.no_shm else None
     config = load_server_config(cli, config_file=args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -47,7 +50,9 @@ def _register(args: argparse.Namespace) -> int:
     missing = [k for k, v in geo.items() if v is None]
     if missing:
         raise ConfigError(f"missing {', '.join('--' + k.replace('_', '-') for k in missing)} (or give --hf-config)")
-    lay = make_layout(args.model, tokens_per_block=args.tokens_per_block, kv_format=args.kv_format, world_size=args.world_size, **geo)  # type: ignore[arg-type]
+    lay = make_layout(
+        args.model, tokens_per_block=args.tokens_per_block, kv_format=args.kv_format, world_size=args.world_size, **geo
+    )  # type: ignore[arg-type]
     reg = register_layout(args.url, args.http_url, lay, args.timeout)
     print(json.dumps({"model_name": reg.model_name, "created": reg.created, "chunk_nbytes": reg.chunk_nbytes}))
     return 0
@@ -73,7 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvdock {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run a server", description="Run a kvdock server. Each flag has a KVDOCK_<NAME> env variable and a key in the --config TOML file; CLI > env > file > default.")
+    s = sub.add_parser(
+        "serve",
+        help="run a server",
+        description=(
+            "Run a kvdock server. Each flag has a KVDOCK_<NAME> env variable and a key in the "
+            "--config TOML file; CLI > env > file > default."
+        ),
+    )
     s.add_argument("--config", help="TOML config file (also KVDOCK_CONFIG)")
     s.add_argument("--host", help="bind address for ZMQ and HTTP (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="ZMQ control port (default 5555)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 import msgspec
 
@@ -47,16 +47,16 @@ class SlotRef(msgspec.Struct, frozen=True, array_like=True):
 # --- requests -----------------------------------------------------------------------------------
 
 
-class Ping(_Msg):
+class Ping(_Msg, frozen=True):
     pass
 
 
-class RegisterModel(_Msg):
+class RegisterModel(_Msg, frozen=True):
     protocol_version: int
     layout: ModelLayout
 
 
-class RegisterClient(_Msg):
+class RegisterClient(_Msg, frozen=True):
     """Bind a client to one model and rank; ``shm_proof`` is the pool nonce if the client mapped it."""
 
     protocol_version: int
@@ -66,13 +66,13 @@ class RegisterClient(_Msg):
     shm_proof: str = ""
 
 
-class Lookup(_Msg):
+class Lookup(_Msg, frozen=True):
     client_id: str
     tokens: bytes  # uint32 little-endian
     cache_salt: str = ""
 
 
-class PrepareStore(_Msg):
+class PrepareStore(_Msg, frozen=True):
     client_id: str
     session_id: str
     tokens: bytes
@@ -80,7 +80,7 @@ class PrepareStore(_Msg):
     overwrite: bool = False
 
 
-class CommitStore(_Msg):
+class CommitStore(_Msg, frozen=True):
     """Makes the listed chunks visible; inline clients send one frame per chunk, in order."""
 
     client_id: str
@@ -88,70 +88,70 @@ class CommitStore(_Msg):
     chunks: list[int]
 
 
-class PrepareRetrieve(_Msg):
+class PrepareRetrieve(_Msg, frozen=True):
     client_id: str
     session_id: str
     tokens: bytes
     cache_salt: str = ""
 
 
-class CommitRetrieve(_Msg):
+class CommitRetrieve(_Msg, frozen=True):
     client_id: str
     session_id: str
 
 
-class EndSession(_Msg):
+class EndSession(_Msg, frozen=True):
     client_id: str
     session_id: str
 
 
-class CheckIntegrity(_Msg):
+class CheckIntegrity(_Msg, frozen=True):
     pass
 
 
-Request = Union[
-    Ping,
-    RegisterModel,
-    RegisterClient,
-    Lookup,
-    PrepareStore,
-    CommitStore,
-    PrepareRetrieve,
-    CommitRetrieve,
-    EndSession,
-    CheckIntegrity,
-]
+Request = (
+    Ping
+    | RegisterModel
+    | RegisterClient
+    | Lookup
+    | PrepareStore
+    | CommitStore
+    | PrepareRetrieve
+    | CommitRetrieve
+    | EndSession
+    | CheckIntegrity
+)
 
 # --- replies ------------------------------------------------------------------------------------
 
 
-class Error(_Msg):
+class Error(_Msg, frozen=True):
     code: str
     message: str
 
 
-class Pong(_Msg):
+class Pong(_Msg, frozen=True):
     protocol_version: int
     server_version: str
 
 
-class ModelRegistered(_Msg):
+class ModelRegistered(_Msg, frozen=True):
     created: bool
     slot_nbytes: int
 
 
-class ClientRegistered(_Msg):
+class ClientRegistered(_Msg, frozen=True):
     client_id: str
     transport: Transport
     chunk_size: int
     slot_nbytes: int
 
 
-class LookupResult(_Msg):
+class LookupResult(_Msg, frozen=True):
     hit_tokens: int
 
 
-class StorePrepared(_Msg):
+class StorePrepared(_Msg, frozen=True):
     """Slots to fill for chunks that are new (or all, when overwriting); ``deduped`` were already
     stored; ``pool_full`` chunks (the tail) found no room."""
 
@@ -160,37 +160,37 @@ class StorePrepared(_Msg):
     pool_full: int
 
 
-class StoreCommitted(_Msg):
+class StoreCommitted(_Msg, frozen=True):
     committed: int
 
 
-class RetrievePrepared(_Msg):
+class RetrievePrepared(_Msg, frozen=True):
     """The leading ``len(slots)`` chunks are pinned; inline replies carry one frame per slot."""
 
     slots: list[SlotRef]
 
 
-class Done(_Msg):
+class Done(_Msg, frozen=True):
     pass
 
 
-class IntegrityReport(_Msg):
+class IntegrityReport(_Msg, frozen=True):
     ok: bool
     problems: list[str]
 
 
-Reply = Union[
-    Error,
-    Pong,
-    ModelRegistered,
-    ClientRegistered,
-    LookupResult,
-    StorePrepared,
-    StoreCommitted,
-    RetrievePrepared,
-    Done,
-    IntegrityReport,
-]
+Reply = (
+    Error
+    | Pong
+    | ModelRegistered
+    | ClientRegistered
+    | LookupResult
+    | StorePrepared
+    | StoreCommitted
+    | RetrievePrepared
+    | Done
+    | IntegrityReport
+)
 
 __all__ = [
     "PROTOCOL_VERSION",

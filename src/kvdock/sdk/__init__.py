@@ -1,11 +1,11 @@
 """kvdock SDK: move KV caches in and out of a kvdock server from a CPU-only process.
 
-    import kvdock.sdk as kvd
+import kvdock.sdk as kvd
 
-    ctx = kvd.connect("tcp://127.0.0.1:5555", "http://127.0.0.1:9000", "my-model")
-    kv = kvd.retrieve(ctx, tokens)          # [2, L, hit_tokens, D] or None
-    ok = kvd.store(ctx, kv, other_tokens)   # True if anything new was stored
-    kvd.close(ctx)
+ctx = kvd.connect("tcp://127.0.0.1:5555", "http://127.0.0.1:9000", "my-model")
+kv = kvd.retrieve(ctx, tokens)          # [2, L, hit_tokens, D] or None
+ok = kvd.store(ctx, kv, other_tokens)   # True if anything new was stored
+kvd.close(ctx)
 """
 
 from kvdock.errors import (

@@ -106,7 +106,14 @@ class KVCacheContext:
     Not meant to be shared between threads without care: calls are serialized, copies are not."""
 
     def __init__(
-        self, url: str, http_url: str, model: ModelInfo, chunk_size: int, conn: Connection, client_id: str, transfer: Transfer
+        self,
+        url: str,
+        http_url: str,
+        model: ModelInfo,
+        chunk_size: int,
+        conn: Connection,
+        client_id: str,
+        transfer: Transfer,
     ) -> None:
         self.url = url
         self.http_url = http_url
@@ -154,7 +161,9 @@ class KVCacheContext:
     def __enter__(self) -> KVCacheContext:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -39,7 +39,9 @@ def _check_kv(ctx: KVCacheContext, kv: object, num_tokens: int) -> torch.Tensor:
             f"{ctx.model_name!r}, got {list(kv.shape)}"
         )
     if kv.shape[2] != num_tokens:
-        raise InvalidInputError(f"kv has {kv.shape[2]} tokens but {num_tokens} token ids were given (want {list(want)})")
+        raise InvalidInputError(
+            f"kv has {kv.shape[2]} tokens but {num_tokens} token ids were given (want {list(want)})"
+        )
     if kv.dtype != ctx.dtype:
         raise InvalidInputError(f"kv dtype {kv.dtype} does not match {ctx.model_name!r}'s {ctx.dtype}")
     return kv if kv.device.type == "cpu" else kv.cpu()
@@ -54,7 +56,9 @@ class StoreResult:
     pool_full_chunks: int
 
 
-def store_chunks(ctx: KVCacheContext, kv: object, tokens: object, cache_salt: str = "", overwrite: bool = False) -> StoreResult:
+def store_chunks(
+    ctx: KVCacheContext, kv: object, tokens: object, cache_salt: str = "", overwrite: bool = False
+) -> StoreResult:
     """Like :func:`store`, returning the per-chunk outcome. Raises PoolFullError only when no new
     chunk could be stored for lack of room."""
     arr = _tokens(tokens)

@@ -47,8 +47,13 @@ def make_layout(
     engine: m.EngineInfo | None = None,
 ) -> m.ModelLayout:
     """Build a ModelLayout from explicit geometry; InvalidInputError for impossible values."""
-    for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                    ("tokens_per_block", tokens_per_block), ("world_size", world_size)):
+    for name, v in (
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("tokens_per_block", tokens_per_block),
+        ("world_size", world_size),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
     try:
@@ -86,8 +91,14 @@ def register_model(
     Registering the same geometry again is harmless (``created=False``); a different geometry
     raises ServerError (code ``registration``)."""
     lay = make_layout(
-        model_name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-        tokens_per_block=tokens_per_block, kv_format=kv_format, world_size=world_size,
+        model_name,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        tokens_per_block=tokens_per_block,
+        kv_format=kv_format,
+        world_size=world_size,
     )
     return register_layout(url, http_url, lay, timeout)
 

@@ -71,7 +71,7 @@ class InlineTransfer(Transfer):
     name = "inline"
 
     def write(self, slots: Sequence[SlotRef], kv: torch.Tensor) -> list[memoryview]:
-        return [memoryview(self._span(kv, s.index).contiguous().view(torch.uint8).numpy()) for s in slots]
+        return [self._span(kv, s.index).contiguous().view(torch.uint8).numpy().data for s in slots]
 
     def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], out: torch.Tensor) -> None:
         assert len(frames) == len(slots), f"{len(frames)} frames for {len(slots)} slots"

@@ -13,7 +13,7 @@ from kvdock import keys as keymod
 from kvdock.errors import SessionError
 from kvdock.protocol import messages as m
 from kvdock.server.metrics import Metrics
-from kvdock.server.registry import ClientEntry, Registry, RegistrationError
+from kvdock.server.registry import ClientEntry, RegistrationError, Registry
 from kvdock.shm import PoolSegment
 from kvdock.storage import StorageManager
 
@@ -61,9 +61,7 @@ def ping(state: ServerState, req: m.Ping, payload: Payload) -> Result:
 
 def _check_version(version: int) -> None:
     if version != m.PROTOCOL_VERSION:
-        raise RequestError(
-            "protocol_version", f"client speaks protocol {version}, server speaks {m.PROTOCOL_VERSION}"
-        )
+        raise RequestError("protocol_version", f"client speaks protocol {version}, server speaks {m.PROTOCOL_VERSION}")
 
 
 def register_model(state: ServerState, req: m.RegisterModel, payload: Payload) -> Result:
@@ -75,7 +73,9 @@ def register_model(state: ServerState, req: m.RegisterModel, payload: Payload) -
 def register_client(state: ServerState, req: m.RegisterClient, payload: Payload) -> Result:
     _check_version(req.protocol_version)
     use_shm = state.shm_enabled and req.shm_proof == state.segment.nonce
-    client = state.registry.register_client(req.instance_id, req.model_name, req.kv_rank, "shm" if use_shm else "inline")
+    client = state.registry.register_client(
+        req.instance_id, req.model_name, req.kv_rank, "shm" if use_shm else "inline"
+    )
     return m.ClientRegistered(client.client_id, client.transport, state.chunk_size, client.model.slot_nbytes), []
 
 
@@ -126,7 +126,7 @@ def _write_inline(state: ServerState, client: ClientEntry, req: m.CommitStore, p
             "bad_payload", f"expected {len(objs)} frames of {nbytes} bytes, got {len(payload)} of sizes {sizes}"
         )
     buf = state.segment.buf
-    for obj, frame in zip(objs, payload):
+    for obj, frame in zip(objs, payload, strict=False):
         buf[obj.offset : obj.offset + nbytes] = frame
 
 
@@ -200,5 +200,3 @@ def refresh_gauges(state: ServerState) -> None:
     state.metrics.l1_capacity.set(alloc.capacity)
     state.metrics.l1_objects.set(len(state.manager.l1))
     state.metrics.sessions.set(state.manager.session_count)
-
-

@@ -32,7 +32,11 @@ def build_state(config: ServerConfig) -> ServerState:
         log.info("removed %d stale shared-memory segment(s) of dead servers: %s", len(stale), ", ".join(stale))
     size = config.l1_size or auto_l1_size()
     if not config.l1_size:
-        log.info("L1 size: %s (auto: %d%% of available memory; set --l1-size to choose)", format_size(size), L1_AUTO_FRACTION * 100)
+        log.info(
+            "L1 size: %s (auto: %d%% of available memory; set --l1-size to choose)",
+            format_size(size),
+            L1_AUTO_FRACTION * 100,
+        )
     segment = PoolSegment.anonymous(size) if config.no_shm else PoolSegment.create(size)
     metrics = Metrics()
     l1 = L1Store(SlotAllocator(HEADER_SIZE, size), on_evict=lambda obj: metrics.evictions.inc())
@@ -101,7 +105,10 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        tasks = [asyncio.create_task(_serve_control(state, control)), asyncio.create_task(_reap(state, config.session_ttl))]
+        tasks = [
+            asyncio.create_task(_serve_control(state, control)),
+            asyncio.create_task(_reap(state, config.session_ttl)),
+        ]
         if ready is not None:
             ready.set()
         await stop.wait()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from kvdock import layout
+from kvdock.layout import Geometry, check_dtype, decode_shape
 from kvdock.protocol.messages import ModelLayout, Transport
 
 
@@ -16,7 +16,7 @@ class RegistrationError(ValueError):
 @dataclass(frozen=True)
 class ModelEntry:
     layout: ModelLayout
-    geometry: layout.Geometry
+    geometry: Geometry
     slot_nbytes: int
 
 
@@ -41,8 +41,10 @@ class Registry:
         entry = self._entry(lay)
         old = self.models.get(lay.model_name)
         if old is not None:
-            if old.geometry != entry.geometry or old.layout.tokens_per_block != lay.tokens_per_block or (
-                old.layout.world_size != lay.world_size
+            if (
+                old.geometry != entry.geometry
+                or old.layout.tokens_per_block != lay.tokens_per_block
+                or (old.layout.world_size != lay.world_size)
             ):
                 raise RegistrationError(
                     f"model {lay.model_name!r} is already registered with a different geometry: "
@@ -56,8 +58,8 @@ class Registry:
         if not lay.model_name:
             raise RegistrationError("model_name must not be empty")
         try:
-            layout.check_dtype(lay.dtype)
-            dec = layout.decode_shape(lay.engine_kv_format, lay.engine_kv_concrete_shape)
+            check_dtype(lay.dtype)
+            dec = decode_shape(lay.engine_kv_format, lay.engine_kv_concrete_shape)
         except ValueError as e:
             raise RegistrationError(str(e)) from None
         if lay.num_layers <= 0 or lay.world_size <= 0 or lay.tokens_per_block <= 0:
@@ -71,7 +73,7 @@ class Registry:
             raise RegistrationError(
                 f"chunk_size {self.chunk_size} is not a multiple of tokens_per_block {lay.tokens_per_block}"
             )
-        geo = layout.Geometry(lay.num_layers, dec.num_kv_heads, dec.head_dim, lay.dtype)
+        geo = Geometry(lay.num_layers, dec.num_kv_heads, dec.head_dim, lay.dtype)
         return ModelEntry(lay, geo, geo.chunk_nbytes(self.chunk_size))
 
     def register_client(self, instance_id: str, model_name: str, kv_rank: int, transport: Transport) -> ClientEntry:

@@ -11,6 +11,7 @@ it mapped the same segment by echoing the nonce when it registers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -114,10 +115,8 @@ class PoolSegment:
     def unlink(self) -> None:
         if not self.name:
             return
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(SHM_DIR / self.name)
-        except FileNotFoundError:
-            pass
 
 
 def cleanup_stale() -> list[str]:

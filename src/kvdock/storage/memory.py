@@ -171,4 +171,6 @@ class L1Store:
         offsets = [o.offset for o in (*self._ready.values(), *self._reserved.values(), *self._retired)]
         assert len(offsets) == len(set(offsets)), "two objects share a slot"
         total = sum(aligned(o.nbytes) for o in (*self._ready.values(), *self._reserved.values(), *self._retired))
-        assert total == self.allocator.used_bytes, f"objects hold {total} bytes, allocator says {self.allocator.used_bytes}"
+        assert total == self.allocator.used_bytes, (
+            f"objects hold {total} bytes, allocator says {self.allocator.used_bytes}"
+        )

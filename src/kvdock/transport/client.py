@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -69,11 +70,8 @@ class ControlClient:
 
     def send_nowait(self, msg: msgspec.Struct) -> None:
         """Send without waiting; the reply is dropped when it arrives (used for best-effort cleanup)."""
-        with self._lock:
-            try:
-                self._sock.send_multipart([self._next_seq(), encode(msg)], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        with self._lock, contextlib.suppress(zmq.ZMQError):
+            self._sock.send_multipart([self._next_seq(), encode(msg)], flags=zmq.NOBLOCK)
 
     def _next_seq(self) -> bytes:
         self._seq += 1

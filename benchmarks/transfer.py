@@ -16,7 +16,9 @@ through the public SDK (``kvdock.sdk``):
   - retrieve baseline: a fresh ``torch.empty([2, L, T, D])`` filled chunk by chunk from contiguous
     chunk buffers (what returning a fresh tensor costs: allocation + page faults + copy);
 
-  cold baseline = first run on freshly allocated buffers, warm = median of ``--reps``;
+  cold baseline = first run, warm = median of ``--reps`` (warm SDK and baseline runs interleave);
+  every cold measurement, SDK and baseline alike, follows ``--cold-pause`` seconds of idle so that
+  both start from the same memory state (see the flag's help);
 * p50/p99 latency of a one-chunk (512 KiB) retrieve and store (``overwrite=True``), and of a
   bare control-plane round trip (``lookup``) for reference.
 
@@ -107,9 +109,23 @@ def _spawn(name: str, logdir: Path, l1_size: str, chunk_size: int, extra: list[s
     port, http_port = _free_port(), _free_port()
     log_path = logdir / f"server-{name}.log"
     args = [
-        sys.executable, "-m", "kvdock.cli.main", "serve",
-        "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
-        "--l1-size", l1_size, "--chunk-size", str(chunk_size), "--log-level", "WARNING", *extra,
+        sys.executable,
+        "-m",
+        "kvdock.cli.main",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--http-port",
+        str(http_port),
+        "--l1-size",
+        l1_size,
+        "--chunk-size",
+        str(chunk_size),
+        "--log-level",
+        "WARNING",
+        *extra,
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
     with open(log_path, "wb") as log:
@@ -152,10 +168,11 @@ def servers(transports: list[str], l1_size: str, chunk_size: int) -> Iterator[di
 
 
 def _cpu_busy_s() -> float:
-    """CPU-seconds all CPUs spent busy since boot (/proc/stat: everything but idle and iowait)."""
+    """CPU-seconds all CPUs spent in user and system mode since boot (/proc/stat; irq, softirq
+    and steal are left out: loopback TCP of our own inline transport lands in softirq)."""
     with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        user, nice, system = (int(x) for x in f.readline().split()[1:4])
+    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
 
 
 def _own_cpu_s() -> float:
@@ -204,7 +221,9 @@ def _baseline_retrieve(src: list[torch.Tensor], shape: tuple[int, ...], dtype: t
 # --------------------------------------------------------------------------- throughput
 
 
-def bench_throughput(srv: Server, transport: str, kv: torch.Tensor, chunk: int, reps: int) -> list[dict[str, Any]]:
+def bench_throughput(
+    srv: Server, transport: str, kv: torch.Tensor, chunk: int, reps: int, cold_pause: float
+) -> list[dict[str, Any]]:
     n_chunks = kv.shape[2] // chunk
     kv = kv[:, :, : n_chunks * chunk]
     nbytes = kv.numel() * kv.element_size()
@@ -221,10 +240,12 @@ def bench_throughput(srv: Server, transport: str, kv: torch.Tensor, chunk: int, 
             if r.stored_chunks != n_chunks:
                 raise RuntimeError(f"{transport}: store wrote {r.stored_chunks}/{n_chunks} chunks ({r})")
 
+        time.sleep(cold_pause)
         t_cold, _ = _timed(lambda: sdk_store(False))
         dst = [torch.empty((2, kv.shape[1], chunk, kv.shape[3]), dtype=kv.dtype) for _ in range(n_chunks)]
         for d in dst:
             d.zero_()  # allocated and touched
+        time.sleep(cold_pause)
         b_cold, _ = _timed(lambda: _baseline_store(kv, dst, chunk))
         warm, b_warm = [], []
         for _ in range(reps):  # interleaved, so both see the same machine state
@@ -239,10 +260,12 @@ def bench_throughput(srv: Server, transport: str, kv: torch.Tensor, chunk: int, 
                 raise RuntimeError(f"{transport}: retrieve returned {None if out is None else tuple(out.shape)}")
             return out
 
+        time.sleep(cold_pause)
         t_cold, out = _timed(sdk_retrieve)
         if not torch.equal(out.view(torch.uint8), kv.contiguous().view(torch.uint8)):
             raise RuntimeError(f"{transport}: CORRECTNESS FAILURE: retrieved KV differs from the stored KV")
         del out
+        time.sleep(cold_pause)
         b_cold, out = _timed(lambda: _baseline_retrieve(dst, tuple(kv.shape), kv.dtype, chunk))
         if not torch.equal(out, kv):
             raise RuntimeError("baseline retrieve is wrong (benchmark bug)")
@@ -263,15 +286,25 @@ def bench_throughput(srv: Server, transport: str, kv: torch.Tensor, chunk: int, 
     return rows
 
 
-def _row(transport: str, op: str, nbytes: int, cold: float, warm: list[float], b_cold: float,
-         b_warm: list[float], note: str) -> dict[str, Any]:
+def _row(
+    transport: str, op: str, nbytes: int, cold: float, warm: list[float], b_cold: float, b_warm: list[float], note: str
+) -> dict[str, Any]:
     w, bw = statistics.median(warm), statistics.median(b_warm)
     return {
-        "transport": transport, "op": op, "bytes": nbytes, "note": note,
-        "cold_s": cold, "warm_s": warm, "baseline_cold_s": b_cold, "baseline_warm_s": b_warm,
-        "cold_gbps": _gbps(nbytes, cold), "warm_gbps": _gbps(nbytes, w),
-        "baseline_cold_gbps": _gbps(nbytes, b_cold), "baseline_warm_gbps": _gbps(nbytes, bw),
-        "ratio_cold": b_cold / cold, "ratio_warm": bw / w,
+        "transport": transport,
+        "op": op,
+        "bytes": nbytes,
+        "note": note,
+        "cold_s": cold,
+        "warm_s": warm,
+        "baseline_cold_s": b_cold,
+        "baseline_warm_s": b_warm,
+        "cold_gbps": _gbps(nbytes, cold),
+        "warm_gbps": _gbps(nbytes, w),
+        "baseline_cold_gbps": _gbps(nbytes, b_cold),
+        "baseline_warm_gbps": _gbps(nbytes, bw),
+        "ratio_cold": b_cold / cold,
+        "ratio_warm": bw / w,
     }
 
 
@@ -325,15 +358,25 @@ def print_table(rows: list[dict[str, Any]], lat: list[dict[str, Any]], nbytes: i
     print("ratio = SDK GB/s / baseline GB/s (1.00 = as fast as the bare copy).")
     hdr = ("transport", "op", "cold GB/s", "warm GB/s", "baseline cold", "baseline warm", "ratio cold", "ratio warm")
     lines = [hdr] + [
-        (r["transport"], r["op"], f"{r['cold_gbps']:.2f}", f"{r['warm_gbps']:.2f}", f"{r['baseline_cold_gbps']:.2f}",
-         f"{r['baseline_warm_gbps']:.2f}", f"{r['ratio_cold']:.2f}", f"{r['ratio_warm']:.2f}")
+        (
+            r["transport"],
+            r["op"],
+            f"{r['cold_gbps']:.2f}",
+            f"{r['warm_gbps']:.2f}",
+            f"{r['baseline_cold_gbps']:.2f}",
+            f"{r['baseline_warm_gbps']:.2f}",
+            f"{r['ratio_cold']:.2f}",
+            f"{r['ratio_warm']:.2f}",
+        )
         for r in rows
     ]
     _print_md(lines)
     if lat:
         print()
-        print(f"One-chunk latency ({lat[0]['chunk_bytes'] // 1024} KiB, {lat[0]['iters']} iterations; "
-              "store uses overwrite=True; lookup = one control round trip, no data):")
+        print(
+            f"One-chunk latency ({lat[0]['chunk_bytes'] // 1024} KiB, {lat[0]['iters']} iterations; "
+            "store uses overwrite=True; lookup = one control round trip, no data):"
+        )
         lines = [("transport", "op", "p50 ms", "p99 ms", "mean ms")]
         for r in lat:
             for op in ("retrieve", "store", "lookup_rtt"):
@@ -344,7 +387,7 @@ def print_table(rows: list[dict[str, Any]], lat: list[dict[str, Any]], nbytes: i
 
 def _print_md(lines: list[tuple[str, ...]]) -> None:
     widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
-    fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"  # noqa: E731
     print(fmt(lines[0]))
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in lines[1:]:
@@ -369,15 +412,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--l1-size", default="2GiB", help="L1 pool of each server")
     p.add_argument("--reps", type=int, default=5, help="warm repetitions (median reported)")
     p.add_argument("--lat-iters", type=int, default=500, help="iterations per latency series (0 = skip)")
+    p.add_argument(
+        "--cold-pause",
+        type=float,
+        default=3.0,
+        help="seconds of idle before each cold measurement (SDK and baseline alike), so both start from "
+        "the same memory state: on VMs with free page reporting the kernel hands freed memory back to the "
+        "host after ~2 s, and touching it again costs ~8x more per page fault",
+    )
     p.add_argument("--transports", default="shm,inline", help="comma-separated subset of shm,inline")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads for this process (default: leave torch's default)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: 2 layers, 1024 tokens, 256MiB pools, 3 reps, 100 latency iterations")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for this process (default: leave torch's default)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: defaults become 2 layers, 1024 tokens, 256MiB pools, 3 reps, 100 latency "
+        "iterations, no cold pause (flags given explicitly still win); 8 MiB transfers sit in cache and "
+        "per-call round trips dominate, so its ratios mean little",
+    )
     p.add_argument("--json", metavar="PATH", help="also write all results as JSON to PATH")
+    if p.parse_known_args(argv)[0].quick:
+        p.set_defaults(num_layers=2, tokens=1024, l1_size="256MiB", reps=3, lat_iters=100, cold_pause=0.0)
     args = p.parse_args(argv)
-    if args.quick:
-        args.num_layers, args.tokens, args.l1_size, args.reps, args.lat_iters = 2, 1024, "256MiB", 3, 100
     args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if not args.transports or set(args.transports) - {"shm", "inline"}:
         p.error("--transports must be a comma-separated subset of shm,inline")
@@ -400,15 +460,22 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens // args.chunk_size * args.chunk_size
     shape = (2, args.num_layers, tokens, hidden)
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    env = {
-        "kvdock": kvdock.__version__, "torch": torch.__version__, "python": platform.python_version(),
-        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+    env: dict[str, Any] = {
+        "kvdock": kvdock.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
         "kernel": platform.release(),
     }
-    print(f"kvdock transfer benchmark: KV {list(shape)} {args.dtype} = {nbytes / 2**20:.0f} MiB, "
-          f"chunk {args.chunk_size} tokens = {nbytes // (tokens // args.chunk_size) / 2**20:.2f} MiB, "
-          f"{args.reps} warm reps; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} CPUs", flush=True)
+    print(
+        f"kvdock transfer benchmark: KV {list(shape)} {args.dtype} = {nbytes / 2**20:.0f} MiB, "
+        f"chunk {args.chunk_size} tokens = {nbytes // (tokens // args.chunk_size) / 2**20:.2f} MiB, "
+        f"{args.reps} warm reps; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{os.cpu_count()} CPUs",
+        flush=True,
+    )
 
     t0, busy0, own0 = time.perf_counter(), _cpu_busy_s(), _own_cpu_s()
     kv = _make_kv(shape, dtype, seed=1)
@@ -416,13 +483,20 @@ def main(argv: list[str] | None = None) -> int:
     lat: list[dict[str, Any]] = []
     with servers(args.transports, args.l1_size, args.chunk_size) as srvs:
         print(f"servers up: {', '.join(f'{t} {s.url}' for t, s in srvs.items())}", flush=True)
-        for t, srv in srvs.items():
-            kvd.register_model(srv.url, srv.http_url, MODEL, num_layers=args.num_layers,
-                               num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+        for srv in srvs.values():
+            kvd.register_model(
+                srv.url,
+                srv.http_url,
+                MODEL,
+                num_layers=args.num_layers,
+                num_kv_heads=args.num_kv_heads,
+                head_dim=args.head_dim,
+                dtype=args.dtype,
+            )
             kvd.register_model(srv.url, srv.http_url, LAT_MODEL, **LAT_GEOMETRY)  # type: ignore[arg-type]
         for t, srv in srvs.items():
             print(f"[{t}] throughput ...", flush=True)
-            rows += bench_throughput(srv, t, kv, args.chunk_size, args.reps)
+            rows += bench_throughput(srv, t, kv, args.chunk_size, args.reps, args.cold_pause)
             print(f"[{t}] correctness: retrieved == stored (torch.equal): OK", flush=True)
             if args.lat_iters > 0:
                 print(f"[{t}] latency ...", flush=True)
@@ -434,15 +508,22 @@ def main(argv: list[str] | None = None) -> int:
     env["foreign_cpu_s"] = foreign
     env["foreign_cpu_share"] = foreign / (elapsed * (os.cpu_count() or 1))
     print_table(rows, lat, nbytes)
-    print(f"\ntotal {elapsed:.1f}s; other processes used {foreign:.1f} CPU-s "
-          f"({100 * env['foreign_cpu_share']:.0f}% of the machine) meanwhile")
+    print(
+        f"\ntotal {elapsed:.1f}s; other processes used {foreign:.1f} CPU-s "
+        f"({100 * env['foreign_cpu_share']:.0f}% of the machine) meanwhile"
+    )
     if env["foreign_cpu_share"] > 0.05:
-        print("WARNING: the machine was not quiet; multi-threaded copies suffer most from that "
-              "(try --threads 1, or rerun on an idle machine)")
+        print(
+            "WARNING: the machine was not quiet; multi-threaded copies suffer most from that "
+            "(try --threads 1, or rerun on an idle machine)"
+        )
     if args.json:
         doc = {
             "config": {k: v for k, v in vars(args).items() if k != "json"} | {"shape": list(shape), "bytes": nbytes},
-            "env": env, "throughput": rows, "latency": lat, "elapsed_s": elapsed,
+            "env": env,
+            "throughput": rows,
+            "latency": lat,
+            "elapsed_s": elapsed,
         }
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")

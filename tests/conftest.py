@@ -8,9 +8,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import CHUNK, GEOMETRY, MODEL, ServerProc, start_server  # noqa: E402
-
-import kvdock.sdk as kvd  # noqa: E402
+import kvdock.sdk as kvd
+from helpers import CHUNK, GEOMETRY, MODEL, ServerProc, start_server
 
 
 @pytest.fixture

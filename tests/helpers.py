@@ -80,9 +80,19 @@ def start_server(tmp_path: Path, *extra: str, l1_size: str = "64MiB", chunk_size
     port, http_port = free_port(), free_port()
     log_path = tmp_path / f"server-{port}.log"
     args = [
-        sys.executable, "-m", "kvdock.cli.main", "serve",
-        "--port", str(port), "--http-port", str(http_port),
-        "--l1-size", l1_size, "--chunk-size", str(chunk_size), *extra,
+        sys.executable,
+        "-m",
+        "kvdock.cli.main",
+        "serve",
+        "--port",
+        str(port),
+        "--http-port",
+        str(http_port),
+        "--l1-size",
+        l1_size,
+        "--chunk-size",
+        str(chunk_size),
+        *extra,
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
     with open(log_path, "wb") as log:

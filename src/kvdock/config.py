@@ -99,15 +99,35 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-_PARSERS: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": _parse_bool}
+_ACCEPTED: dict[str, tuple[type, ...]] = {
+    "int": (int, str),
+    "float": (int, float, str),
+    "str": (str,),
+    "bool": (bool, str),
+}
 
 
 def _coerce(name: str, value: Any) -> Any:
+    """Type-check one value from the CLI, env (strings) or TOML file (typed) for field ``name``."""
+    kind = next(str(f.type) for f in fields(ServerConfig) if f.name == name)
+    if name == "l1_size":
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        ok: tuple[type, ...] = (int, str)
+    else:
+        ok = _ACCEPTED[kind]
+    if not isinstance(value, ok) or (isinstance(value, bool) and kind != "bool"):
+        raise ConfigError(f"invalid value for {name}: {value!r} (expected {kind})")
+    return _convert(name, kind, value)
+
+
+def _convert(name: str, kind: str, value: Any) -> Any:
     try:
         if name == "l1_size":
             return parse_size(value)
-        field = next(f for f in fields(ServerConfig) if f.name == name)
-        return _PARSERS[str(field.type)](value)
+        if kind == "bool":
+            return _parse_bool(value)
+        return {"int": int, "float": float, "str": str}[kind](value)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"invalid value for {name}: {value!r} ({e})") from None
 

@@ -70,6 +70,8 @@ def normalize_tokens(tokens: object) -> np.ndarray:
         if arr.dtype.kind not in "iu":
             raise TypeError(f"token ids must be integers, got an array of {arr.dtype}")
     else:
+        if isinstance(tokens, (str, bytes, bytearray)):
+            raise TypeError(f"token ids must be a sequence of integers, got {type(tokens).__name__}")
         try:
             seq = list(tokens)  # type: ignore[call-overload]
         except TypeError:
@@ -77,9 +79,9 @@ def normalize_tokens(tokens: object) -> np.ndarray:
         for t in seq:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
                 raise TypeError(f"token ids must be integers, got {type(t).__name__} {t!r}")
-        arr = np.array(seq, dtype=np.int64) if seq else np.zeros(0, dtype=np.int64)
-        if any(int(t) > MAX_TOKEN_ID for t in seq):
+        if any(not 0 <= int(t) <= MAX_TOKEN_ID for t in seq):  # before numpy, which overflows on huge ints
             raise ValueError(f"token id out of range 0..{MAX_TOKEN_ID}")
+        arr = np.array(seq, dtype=np.int64) if seq else np.zeros(0, dtype=np.int64)
     if arr.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional, got shape {tuple(arr.shape)}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):

@@ -8,23 +8,39 @@ import subprocess
 import sys
 
 import torch
-from helpers import CHUNK, free_port, make_tokens, start_server
 
 import kvdock.sdk as kvd
+from helpers import CHUNK, free_port, make_tokens, start_server
 
 
 def kvdock(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvdock.cli.main", *args], capture_output=True, text=True,
-                          timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvdock.cli.main", *args], capture_output=True, text=True, timeout=60, env=env
+    )
 
 
 def test_register_from_hf_config_then_status_and_lookup(server, tmp_path) -> None:
-    cfg = {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-           "hidden_size": 64, "torch_dtype": "float16"}
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "hidden_size": 64,
+        "torch_dtype": "float16",
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    r = kvdock("register", "--url", server.url, "--http-url", server.http_url, "--model", "llama-tiny",
-               "--hf-config", str(path))
+    r = kvdock(
+        "register",
+        "--url",
+        server.url,
+        "--http-url",
+        server.http_url,
+        "--model",
+        "llama-tiny",
+        "--hf-config",
+        str(path),
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == {"model_name": "llama-tiny", "created": True, "chunk_nbytes": 2 * 4 * CHUNK * 16 * 2}
     r = kvdock("status", "--http-url", server.http_url)
@@ -43,9 +59,20 @@ def test_register_from_hf_config_then_status_and_lookup(server, tmp_path) -> Non
 def test_register_errors_are_one_clear_line(server, tmp_path) -> None:
     r = kvdock("register", "--url", server.url, "--http-url", server.http_url, "--model", "m", "--num-layers", "2")
     assert r.returncode == 2
-    assert r.stderr.strip() == "kvdock register: error: missing --num-kv-heads, --head-dim, --dtype (or give --hf-config)"
-    r = kvdock("register", "--url", server.url, "--http-url", server.http_url, "--model", "m",
-               "--hf-config", str(tmp_path / "nope.json"))
+    assert (
+        r.stderr.strip() == "kvdock register: error: missing --num-kv-heads, --head-dim, --dtype (or give --hf-config)"
+    )
+    r = kvdock(
+        "register",
+        "--url",
+        server.url,
+        "--http-url",
+        server.http_url,
+        "--model",
+        "m",
+        "--hf-config",
+        str(tmp_path / "nope.json"),
+    )
     assert r.returncode == 2 and "cannot use" in r.stderr and "nope.json" in r.stderr
     dead = f"http://127.0.0.1:{free_port()}"
     r = kvdock("status", "--http-url", dead, "--timeout", "2")
@@ -60,8 +87,12 @@ def test_serve_precedence_cli_over_env_over_file(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
     env.update(KVDOCK_CONFIG=str(conf), KVDOCK_CHUNK_SIZE="32")
     port, http_port = free_port(), free_port()
-    p = subprocess.Popen([sys.executable, "-m", "kvdock.cli.main", "serve", "--port", str(port), "--http-port",
-                          str(http_port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvdock.cli.main", "serve", "--port", str(port), "--http-port", str(http_port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         srv = _wait(p, port, http_port, tmp_path)
         cfg = srv.get("/config")

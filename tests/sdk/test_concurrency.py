@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 import torch
-from helpers import MODEL
 
 import kvdock.sdk as kvd
+from helpers import MODEL
 
 WORKER = textwrap.dedent(
     """
@@ -50,12 +50,16 @@ WORKER = textwrap.dedent(
 def test_four_concurrent_clients(make_server, transport: str) -> None:
     srv = make_server(*(["--no-shm"] if transport == "inline" else []))
     procs = [
-        subprocess.Popen([sys.executable, "-c", WORKER, srv.url, srv.http_url, MODEL, str(w)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, srv.url, srv.http_url, MODEL, str(w)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for w in range(4)
     ]
     outs = [p.communicate(timeout=240) for p in procs]
-    for w, (p, (out, err)) in enumerate(zip(procs, outs)):
+    for w, (p, (out, err)) in enumerate(zip(procs, outs, strict=False)):
         assert p.returncode == 0, f"worker {w} failed:\n{err}"
         assert out.strip() == f"ok {w}"
     status = srv.get("/status")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import CHUNK, GEOMETRY, MODEL, free_port, make_kv, make_tokens
 
 import kvdock.sdk as kvd
+from helpers import CHUNK, GEOMETRY, MODEL, free_port, make_kv, make_tokens
 from kvdock.errors import KVCacheSDKError
 
 
@@ -90,8 +90,8 @@ def test_pool_full_is_a_clear_error(make_server) -> None:
         # hold both slots pinned by an open retrieve session
         kv = make_kv(2 * CHUNK, seed=1)
         assert kvd.store(c, kv, make_tokens(2 * CHUNK))
-        from kvdock.protocol import messages as m
         from kvdock.keys import normalize_tokens
+        from kvdock.protocol import messages as m
 
         pinned = c.call(m.PrepareRetrieve(c.client_id, "hold", normalize_tokens(make_tokens(2 * CHUNK)).tobytes()))
         assert len(pinned.reply.slots) == 2
@@ -105,7 +105,7 @@ def test_pool_full_is_a_clear_error(make_server) -> None:
 def test_registration_same_geometry_is_harmless_different_is_refused(server) -> None:
     again = kvd.register_model(server.url, server.http_url, MODEL, dtype=torch.bfloat16, **GEOMETRY)
     assert again.created is False and again.chunk_nbytes == 2 * 3 * CHUNK * 16 * 2
-    with pytest.raises(kvd.ServerError, match="already registered with a different geometry.*layers=3"):
+    with pytest.raises(kvd.ServerError, match=r"already registered with a different geometry.*layers=3"):
         kvd.register_model(server.url, server.http_url, MODEL, dtype="float32", **GEOMETRY)
     with pytest.raises(kvd.ServerError, match="chunk_size 16 is not a multiple of tokens_per_block 32"):
         kvd.register_model(server.url, server.http_url, "big-block", dtype="float32", **GEOMETRY, tokens_per_block=32)
@@ -121,8 +121,17 @@ def test_registration_same_geometry_is_harmless_different_is_refused(server) -> 
 
 
 def test_hnd_registration_decodes_the_same_geometry(server) -> None:
-    kvd.register_model(server.url, server.http_url, "hnd", dtype="float16", num_layers=2, num_kv_heads=4,
-                       head_dim=8, kv_format="HND", tokens_per_block=8)
+    kvd.register_model(
+        server.url,
+        server.http_url,
+        "hnd",
+        dtype="float16",
+        num_layers=2,
+        num_kv_heads=4,
+        head_dim=8,
+        kv_format="HND",
+        tokens_per_block=8,
+    )
     entry = next(e for e in server.get("/status")["cache_context_meta"] if e["model_name"] == "hnd")
     assert entry["kv_cache_layout"]["engine_kv_concrete_shape"] == [2, 1, 4, 8, 8]
     with kvd.connect(server.url, server.http_url, "hnd", timeout=5) as c:

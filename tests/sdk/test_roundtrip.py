@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CHUNK, MODEL, make_kv, make_tokens
 
 import kvdock.sdk as kvd
+from helpers import CHUNK, MODEL, make_kv, make_tokens
 
 
 @pytest.fixture(params=["shm", "inline"])

@@ -7,9 +7,9 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import CHUNK, MODEL, make_kv, make_tokens
 
 import kvdock.sdk as kvd
+from helpers import CHUNK, MODEL, make_kv, make_tokens
 
 
 def test_config_and_status_documents(server, ctx) -> None:
@@ -20,12 +20,22 @@ def test_config_and_status_documents(server, ctx) -> None:
     assert kvd.store(ctx, make_kv(2 * CHUNK), make_tokens(2 * CHUNK))
     st = server.get("/status")
     assert st["health"] == "ok" and st["sessions"] == 0 and st["clients"] == 1
-    assert st["l1"] == {"capacity_bytes": 64 * 2**20, "used_bytes": 8192, "free_bytes": 64 * 2**20 - 8192,
-                        "objects": 2, "evictions": 0}
+    assert st["l1"] == {
+        "capacity_bytes": 64 * 2**20,
+        "used_bytes": 8192,
+        "free_bytes": 64 * 2**20 - 8192,
+        "objects": 2,
+        "evictions": 0,
+    }
     (meta,) = st["cache_context_meta"]
     assert meta["model_name"] == MODEL and meta["world_size"] == 1
-    assert meta["kv_cache_layout"] == {"num_layers": 3, "dtype": "bfloat16", "tokens_per_block": 16,
-                                       "engine_kv_format": "NHD", "engine_kv_concrete_shape": [2, 1, 16, 2, 8]}
+    assert meta["kv_cache_layout"] == {
+        "num_layers": 3,
+        "dtype": "bfloat16",
+        "tokens_per_block": 16,
+        "engine_kv_format": "NHD",
+        "engine_kv_concrete_shape": [2, 1, 16, 2, 8],
+    }
     assert meta["chunk_nbytes"] == 3072
 
 

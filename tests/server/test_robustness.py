@@ -9,9 +9,9 @@ import msgspec
 import pytest
 import torch
 import zmq
-from helpers import CHUNK, MODEL, make_kv, make_tokens
 
 import kvdock.sdk as kvd
+from helpers import CHUNK, MODEL, make_kv, make_tokens
 from kvdock.keys import normalize_tokens
 from kvdock.protocol import decode_reply, encode
 from kvdock.protocol import messages as m
@@ -57,7 +57,9 @@ def test_garbage_frames_get_error_replies(server, ctx, dealer) -> None:
     reply = decode_reply(_ask(dealer, b"x", encode(m.Lookup("who?", b"\0\0\0\0")))[1])
     assert reply == m.Error("unknown_client", "client 'who?' is not registered (call RegisterClient first)")
     reply = decode_reply(_ask(dealer, b"x", encode(m.Lookup(ctx.client_id, b"\0\0\0")))[1])
-    assert isinstance(reply, m.Error) and reply.code == "bad_request" and "not a whole number of uint32" in reply.message
+    assert (
+        isinstance(reply, m.Error) and reply.code == "bad_request" and "not a whole number of uint32" in reply.message
+    )
     reply = decode_reply(_ask(dealer, b"x", encode(m.CommitStore(ctx.client_id, "never-opened", [0])))[1])
     assert isinstance(reply, m.Error) and reply.code == "session"
     reply = decode_reply(_ask(dealer, b"x", encode(m.RegisterClient(99, "i", MODEL)))[1])
@@ -79,7 +81,9 @@ def test_inline_commit_with_wrong_frames_stores_nothing(make_server) -> None:
         tokens = normalize_tokens(make_tokens(2 * CHUNK)).tobytes()
         prep = c.call(m.PrepareStore(c.client_id, "s", tokens)).reply
         assert [s.index for s in prep.slots] == [0, 1]
-        with pytest.raises(kvd.ServerError, match=r"bad_payload: expected 2 frames of 3072 bytes, got 2 of sizes \[10\]"):
+        with pytest.raises(
+            kvd.ServerError, match=r"bad_payload: expected 2 frames of 3072 bytes, got 2 of sizes \[10\]"
+        ):
             c.call(m.CommitStore(c.client_id, "s", [0, 1]), [memoryview(b"x" * 10)] * 2)
         assert kvd.lookup(c, make_tokens(2 * CHUNK)) == 0
         assert srv.get("/status")["l1"]["used_bytes"] == 0  # the reservations were released

@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
-from helpers import CHUNK, MODEL, make_kv, make_tokens
 
 import kvdock.sdk as kvd
+from helpers import CHUNK, MODEL, make_kv, make_tokens
 
 CHILD = textwrap.dedent(
     """
@@ -37,7 +37,9 @@ CHILD = textwrap.dedent(
 
 
 def _run_child(srv, what: str) -> subprocess.Popen[str]:
-    p = subprocess.Popen([sys.executable, "-c", CHILD, srv.url, srv.http_url, MODEL, what], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", CHILD, srv.url, srv.http_url, MODEL, what], stdout=subprocess.PIPE, text=True
+    )
     assert p.stdout is not None
     assert p.stdout.readline().strip() == "4"
     return p

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 from kvdock.errors import SessionError
@@ -177,6 +175,26 @@ def test_prepare_store_evicts_lru_unpinned(h: Harness) -> None:
     assert h.mgr.lookup([K(1)]) == 1 and h.mgr.lookup([K(4)]) == 1
 
 
+def test_store_never_evicts_the_prefix_it_extends() -> None:
+    h = Harness(slots=2)
+    h.store("c", "s0", [K(1), K(2)])  # LRU: K1, K2
+    plan = h.mgr.prepare_store("c", "s", [K(1), K(3)], NB)  # K1 is pinned while K3 needs a slot
+    h.check()
+    assert (_idx(plan), plan.deduped, plan.pool_full) == ([1], 1, 0)
+    assert h.evicted == [K(2)]
+    h.mgr.commit_store("c", "s", [1])
+    h.check()
+    assert h.mgr.lookup([K(1), K(3)]) == 2
+    assert h.l1.lru_keys() == [K(3), K(1)]  # K1 released after K3 was committed
+    # one slot, everything of the prefix kept: the new chunk does not fit
+    h1 = Harness(slots=1)
+    h1.store("c", "s0", [K(1)])
+    plan = h1.mgr.prepare_store("c", "s", [K(1), K(2)], NB)
+    assert (_idx(plan), plan.deduped, plan.pool_full) == ([], 1, 1)
+    assert h1.mgr.session_count == 0 and h1.mgr.lookup([K(1)]) == 1
+    h1.check()
+
+
 def test_commit_store_of_a_subset_drops_the_rest(h: Harness) -> None:
     plan = h.mgr.prepare_store("c", "s", [K(1), K(2), K(3)], NB)
     dropped = plan.slots[1][1]
@@ -211,11 +229,11 @@ def test_commit_store_of_an_unreserved_chunk_is_a_session_error(h: Harness) -> N
 
 
 def test_commit_store_with_a_repeated_index_keeps_integrity(h: Harness) -> None:
-    # a client-supplied chunk list like [0, 0] must be refused (SessionError) or committed once;
-    # either way no reservation may leak and the manager must stay consistent
+    # a client-supplied chunk list like [0, 0] is refused before anything changes
     h.mgr.prepare_store("c", "s", [K(1), K(2)], NB)
-    with contextlib.suppress(SessionError):
+    with pytest.raises(SessionError, match=r"chunk indexes repeat in \[0, 0\]"):
         h.mgr.commit_store("c", "s", [0, 0])
+    assert h.l1.reserved_count() == 2 and h.mgr.lookup([K(1)]) == 0
     h.check()
     h.mgr.end_session("c", "s")
     h.check()

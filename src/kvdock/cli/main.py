@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -24,8 +25,14 @@ def _serve(args: argparse.Namespace) -> int:
     cli["no_shm"] = True if args.no_shm else None
     config = load_server_config(cli, config_file=args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # until the event loop installs its own handlers, SIGTERM unwinds like Ctrl-C (cleanup runs)
+    signal.signal(signal.SIGTERM, _interrupt)
     asyncio.run(serve(config))
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -142,10 +142,14 @@ class KVCacheContext:
             raise KVCacheSDKError("this KVCacheContext is closed")
         return self._conn.call(msg, payload)
 
-    def end_session(self, session_id: str) -> None:
-        """Best-effort release of a session's pins and reservations (used in ``finally``)."""
+    def notify(self, msg: msgspec.Struct) -> None:
+        """Send a message whose reply nobody waits for (dropped on arrival); no-op once closed."""
         if not self._closed:
-            self._conn.send_nowait(m.EndSession(self.client_id, session_id))
+            self._conn.send_nowait(msg)
+
+    def end_session(self, session_id: str) -> None:
+        """Best-effort release of a session's pins and reservations (used on error paths)."""
+        self.notify(m.EndSession(self.client_id, session_id))
 
     @staticmethod
     def new_session_id() -> str:

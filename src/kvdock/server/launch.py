@@ -91,6 +91,10 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.http_port).start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         log.info(
             "kvdock serving: zmq %s, http http://%s:%d, chunk_size %d, L1 %s (%s%s)",
             config.zmq_url,
@@ -101,10 +105,6 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
             "shared memory " if state.shm_enabled else "private memory, inline transport only",
             state.segment.name,
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         tasks = [
             asyncio.create_task(_serve_control(state, control)),
             asyncio.create_task(_reap(state, config.session_ttl)),

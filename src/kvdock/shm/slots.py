@@ -32,6 +32,7 @@ class SlotAllocator:
 
     def alloc(self, nbytes: int) -> int | None:
         """Return the offset of a free slot of ``nbytes`` (rounded up to a page), or None if none fits."""
+        assert nbytes > 0, "zero-size slot"
         size = aligned(nbytes)
         free = self._free.get(size)
         if free:

@@ -64,16 +64,22 @@ class StorageManager:
     ) -> StorePlan:
         """Reserve slots for the chunks of ``keys`` that need writing, in order, until the pool is full.
 
-        Opens a session when at least one slot is reserved. Raises SessionError if the session id is
-        already in use."""
+        Chunks already stored are pinned until the commit, so that making room for the new chunks
+        never evicts the prefix they extend. Opens a session when at least one slot is reserved.
+        Raises SessionError if the session id is already in use."""
         sid = (client_id, session_id)
         if sid in self._sessions:
             raise SessionError(f"session {session_id!r} is already open")
         slots: list[tuple[int, L1Object]] = []
+        kept: list[L1Object] = []  # stored chunks of this prefix, pinned so the store cannot evict them
         deduped = pool_full = 0
         for i, key in enumerate(keys):
-            if self.l1.is_reserved(key) or (not overwrite and self.l1.get(key) is not None):
+            present = self.l1.get(key)
+            if self.l1.is_reserved(key) or (not overwrite and present is not None):
                 deduped += 1
+                if present is not None and not pool_full:
+                    self.l1.pin(present)
+                    kept.append(present)
             elif pool_full:
                 pool_full += 1
             else:
@@ -83,7 +89,10 @@ class StorageManager:
                 else:
                     slots.append((i, obj))
         if slots:
-            self._sessions[sid] = Session(client_id, session_id, self._deadline(), reserved=dict(slots))
+            self._sessions[sid] = Session(client_id, session_id, self._deadline(), reserved=dict(slots), pinned=kept)
+        else:
+            for obj in kept:
+                self.l1.unpin(obj)
         return StorePlan(slots, deduped, pool_full)
 
     def reservations(self, client_id: str, session_id: str, indexes: list[int]) -> list[L1Object]:
@@ -91,6 +100,8 @@ class StorageManager:
 
         Raises SessionError for an unknown session or an index it did not reserve."""
         session = self._get(client_id, session_id)
+        if len(set(indexes)) != len(indexes):
+            raise SessionError(f"chunk indexes repeat in {indexes}")
         try:
             return [session.reserved[i] for i in indexes]
         except KeyError as e:
@@ -120,7 +131,7 @@ class StorageManager:
             self.l1.pin(obj)
             hits.append(obj)
         if hits:
-            self._sessions[sid] = Session(client_id, session_id, self._deadline(), pinned=hits)
+            self._sessions[sid] = Session(client_id, session_id, self._deadline(), pinned=list(hits))
         return hits
 
     def session_pins(self, client_id: str, session_id: str) -> int:

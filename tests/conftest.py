@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,6 +11,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import kvdock.sdk as kvd
 from helpers import CHUNK, GEOMETRY, MODEL, ServerProc, start_server
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Servers started without --disk-dir use $XDG_CACHE_HOME: keep the tests' L2 out of ~/.cache."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
 
 
 @pytest.fixture
@@ -40,3 +53,11 @@ def server(make_server: Callable[..., ServerProc]) -> ServerProc:
 def ctx(server: ServerProc) -> Iterator[kvd.KVCacheContext]:
     with kvd.connect(server.url, server.http_url, MODEL, timeout=10) as c:
         yield c
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisProc]:
+    """A real redis-server on a free loopback port, killed at teardown (restartable)."""
+    r = RedisProc(free_port()).start()
+    yield r
+    r.stop()

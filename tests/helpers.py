@@ -92,6 +92,8 @@ def start_server(tmp_path: Path, *extra: str, l1_size: str = "64MiB", chunk_size
         l1_size,
         "--chunk-size",
         str(chunk_size),
+        # no L2 unless a test asks for one: the default directory is shared by the whole machine
+        *([] if any(a.startswith(("--disk", "--no-disk")) for a in extra) else ["--no-disk"]),
         *extra,
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
@@ -109,3 +111,37 @@ def start_server(tmp_path: Path, *extra: str, l1_size: str = "64MiB", chunk_size
             time.sleep(0.05)
     srv.stop()
     raise RuntimeError(f"server did not come up:\n{srv.log()}")
+
+
+@dataclass
+class RedisProc:
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisProc:
+        """Start redis-server (no persistence) on ``port`` and wait until it answers PING."""
+        import redis
+
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                client.close()
+                return self
+            except redis.RedisError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

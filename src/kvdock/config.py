@@ -23,6 +23,8 @@ DEFAULT_HTTP_PORT = 9000
 DEFAULT_URL = f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}"
 DEFAULT_HTTP_URL = f"http://{DEFAULT_HOST}:{DEFAULT_HTTP_PORT}"
 L1_AUTO_FRACTION = 0.25  # of available memory, when --l1-size is not given
+DISK_AUTO_FRACTION = 0.2  # of the free space in the disk dir, when --disk-size is not given
+SIZE_FIELDS = ("l1_size", "disk_size")
 
 _UNITS = {
     "": 1,
@@ -74,6 +76,10 @@ class ServerConfig:
     l1_size: int = 0  # bytes; 0 = L1_AUTO_FRACTION of available memory
     no_shm: bool = False
     session_ttl: float = 30.0
+    disk_dir: str = ""  # L2 directory; "" = DEFAULT_DISK_DIR
+    disk_size: int = 0  # bytes; 0 = DISK_AUTO_FRACTION of the free space there
+    no_disk: bool = False
+    redis_url: str = ""  # L3; "" = off
     admin_token: str = ""
     log_level: str = "INFO"
 
@@ -85,8 +91,11 @@ class ServerConfig:
         """Return self, or raise ConfigError for values that cannot work."""
         if self.chunk_size <= 0:
             raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
-        if self.l1_size < 0:
-            raise ConfigError(f"l1_size must be positive, got {self.l1_size}")
+        for name in SIZE_FIELDS:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if self.session_ttl <= 0:
             raise ConfigError(f"session_ttl must be positive, got {self.session_ttl}")
         for name in ("port", "http_port"):
@@ -110,7 +119,7 @@ _ACCEPTED: dict[str, tuple[type, ...]] = {
 def _coerce(name: str, value: Any) -> Any:
     """Type-check one value from the CLI, env (strings) or TOML file (typed) for field ``name``."""
     kind = next(str(f.type) for f in fields(ServerConfig) if f.name == name)
-    if name == "l1_size":
+    if name in SIZE_FIELDS:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         ok: tuple[type, ...] = (int, str)
@@ -123,7 +132,7 @@ def _coerce(name: str, value: Any) -> Any:
 
 def _convert(name: str, kind: str, value: Any) -> Any:
     try:
-        if name == "l1_size":
+        if name in SIZE_FIELDS:
             return parse_size(value)
         if kind == "bool":
             return _parse_bool(value)
@@ -167,3 +176,17 @@ def auto_l1_size() -> int:
     st = os.statvfs("/dev/shm")
     size = min(int(avail * L1_AUTO_FRACTION), int(st.f_bavail * st.f_frsize * 0.9))
     return size // 2**20 * 2**20
+
+
+def default_disk_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvdock" / "l2"
+
+
+def auto_disk_size(directory: Path) -> int:
+    """The default L2 budget: a fraction of the free space where ``directory`` lives."""
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    st = os.statvfs(probe)
+    return int(st.f_bavail * st.f_frsize * DISK_AUTO_FRACTION) // 2**20 * 2**20

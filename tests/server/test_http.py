@@ -84,7 +84,7 @@ def test_admin_clear_needs_the_token(make_server) -> None:
         assert _post(srv.http_url + "/admin/clear")[0] == 401
         assert _post(srv.http_url + "/admin/clear", "wrong")[0] == 401
         assert torch.equal(kvd.retrieve(c, make_tokens(2 * CHUNK)), kv)
-        assert _post(srv.http_url + "/admin/clear", "s3cret") == (200, '{"removed": 2}')
+        assert _post(srv.http_url + "/admin/clear", "s3cret") == (200, '{"removed": 2, "removed_l2": 0}')
         assert kvd.lookup(c, make_tokens(2 * CHUNK)) == 0
         assert kvd.check_server_integrity(c) == []
 

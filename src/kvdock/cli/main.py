@@ -18,11 +18,10 @@ from kvdock.errors import ConfigError, KVDockError
 def _serve(args: argparse.Namespace) -> int:
     from kvdock.server.launch import serve
 
-    cli = {
-        k: getattr(args, k)
-        for k in ("host", "port", "http_port", "chunk_size", "l1_size", "session_ttl", "admin_token", "log_level")
-    }
+    names = "host port http_port chunk_size l1_size session_ttl admin_token log_level disk_dir disk_size redis_url"
+    cli: dict[str, object] = {k: getattr(args, k) for k in names.split()}
     cli["no_shm"] = True if args.no_shm else None
+    cli["no_disk"] = True if args.no_disk else None
     config = load_server_config(cli, config_file=args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # until the event loop installs its own handlers, SIGTERM unwinds like Ctrl-C (cleanup runs)
@@ -101,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--l1-size", help="L1 pool size, e.g. 2GiB (default: 1/4 of available memory)")
     s.add_argument("--no-shm", action="store_true", help="share no memory: every client uses the inline transport")
     s.add_argument("--session-ttl", type=float, help="seconds before a silent session's pins are released (default 30)")
+    s.add_argument("--disk-dir", help="L2 directory, kept across restarts (default ~/.cache/kvdock/l2)")
+    s.add_argument("--disk-size", help="L2 budget, e.g. 100GiB (default: 1/5 of the free space there)")
+    s.add_argument("--no-disk", action="store_true", help="no L2 tier")
+    s.add_argument("--redis-url", help="L3 Redis/Valkey shared by servers: redis://[:PASSWORD@]HOST:PORT/DB, rediss://")
     s.add_argument("--admin-token", help="token required by HTTP admin actions")
     s.add_argument("--log-level", help="DEBUG, INFO (default), WARNING")
     s.set_defaults(func=_serve)

@@ -67,9 +67,29 @@ class RegisterClient(_Msg, frozen=True):
 
 
 class Lookup(_Msg, frozen=True):
+    """Count the cached prefix in every tier. With ``prefetch``, also open retrieve session
+    ``session_id``: pin what L1 holds and start loading the rest from L2/L3 into L1."""
+
     client_id: str
     tokens: bytes  # uint32 little-endian
     cache_salt: str = ""
+    prefetch: bool = False
+    session_id: str = ""
+
+
+class QueryPrefetchStatus(_Msg, frozen=True):
+    """Idempotent: how far a session's prefetch got, without waiting."""
+
+    client_id: str
+    session_id: str
+
+
+class WaitPrefetch(_Msg, frozen=True):
+    """Like QueryPrefetchStatus, but answers when the prefetch is done or ``timeout_s`` passed."""
+
+    client_id: str
+    session_id: str
+    timeout_s: float
 
 
 class PrepareStore(_Msg, frozen=True):
@@ -89,10 +109,14 @@ class CommitStore(_Msg, frozen=True):
 
 
 class PrepareRetrieve(_Msg, frozen=True):
+    """Pin the cached prefix and hand out its slots. Chunks only in L2/L3 are loaded into L1
+    first, waiting at most ``wait_s`` (a session opened by a prefetching Lookup is reused)."""
+
     client_id: str
     session_id: str
     tokens: bytes
     cache_salt: str = ""
+    wait_s: float = 30.0
 
 
 class CommitRetrieve(_Msg, frozen=True):
@@ -114,6 +138,8 @@ Request = (
     | RegisterModel
     | RegisterClient
     | Lookup
+    | QueryPrefetchStatus
+    | WaitPrefetch
     | PrepareStore
     | CommitStore
     | PrepareRetrieve
@@ -151,6 +177,13 @@ class LookupResult(_Msg, frozen=True):
     hit_tokens: int
 
 
+class PrefetchStatus(_Msg, frozen=True):
+    """``loaded_tokens`` of the prefix are pinned in L1 for the session; ``done`` once it stopped."""
+
+    done: bool
+    loaded_tokens: int
+
+
 class StorePrepared(_Msg, frozen=True):
     """Slots to fill for chunks that are new (or all, when overwriting); ``deduped`` were already
     stored; ``pool_full`` chunks (the tail) found no room."""
@@ -185,6 +218,7 @@ Reply = (
     | ModelRegistered
     | ClientRegistered
     | LookupResult
+    | PrefetchStatus
     | StorePrepared
     | StoreCommitted
     | RetrievePrepared
@@ -202,6 +236,8 @@ __all__ = [
     "RegisterModel",
     "RegisterClient",
     "Lookup",
+    "QueryPrefetchStatus",
+    "WaitPrefetch",
     "PrepareStore",
     "CommitStore",
     "PrepareRetrieve",
@@ -214,6 +250,7 @@ __all__ = [
     "ModelRegistered",
     "ClientRegistered",
     "LookupResult",
+    "PrefetchStatus",
     "StorePrepared",
     "StoreCommitted",
     "RetrievePrepared",

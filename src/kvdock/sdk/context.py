@@ -123,6 +123,7 @@ class KVCacheContext:
         self.geometry = model.geometry
         self.dtype = TORCH_DTYPES[model.geometry.dtype]
         self.client_id = client_id
+        self.timeout = conn.timeout
         self._conn = conn
         self._transfer = transfer
         self._closed = False

@@ -104,7 +104,8 @@ def retrieve(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> torch
     if not whole:
         return None
     sid = ctx.new_session_id()
-    resp = ctx.call(m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt))
+    # the server loads chunks that only L2/L3 hold into L1 first; it must answer before we give up
+    resp = ctx.call(m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2))
     slots = resp.reply.slots
     if not slots:
         return None
@@ -122,7 +123,8 @@ def retrieve(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> torch
 
 
 def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:
-    """How many leading tokens of ``tokens`` are cached (a multiple of chunk_size); moves no data."""
+    """How many leading tokens of ``tokens`` are cached in any tier (a multiple of chunk_size);
+    moves no data."""
     whole = _whole_chunks(ctx, _tokens(tokens))
     if not whole:
         return 0

@@ -1,21 +1,20 @@
-"""One function per control-plane op. Each takes the server state, the decoded request and its
-payload frames, and returns the reply and its payload frames. Raising RequestError (or
-SessionError / RegistrationError) turns into an Error reply; the server keeps serving."""
+"""Handlers of the registration and store ops, and the server state they share. Each takes the
+state, the decoded request and its payload frames, and returns the reply and its payload frames.
+Raising RequestError (or SessionError / RegistrationError) turns into an Error reply."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvdock import __version__
 from kvdock import keys as keymod
-from kvdock.errors import SessionError
 from kvdock.protocol import messages as m
 from kvdock.server.metrics import Metrics
-from kvdock.server.registry import ClientEntry, RegistrationError, Registry
+from kvdock.server.registry import ClientEntry, Registry
 from kvdock.shm import PoolSegment
 from kvdock.storage import StorageManager
+from kvdock.storage.tiers import Tiers
 
 Payload = list[memoryview]
 
@@ -33,20 +32,21 @@ class ServerState:
     shm_enabled: bool
     manager: StorageManager
     registry: Registry
+    tiers: Tiers
     metrics: Metrics = field(default_factory=Metrics)
 
 
 Result = tuple[Any, list[Any]]
 
 
-def _client(state: ServerState, client_id: str) -> ClientEntry:
+def client_of(state: ServerState, client_id: str) -> ClientEntry:
     client = state.registry.clients.get(client_id)
     if client is None:
         raise RequestError("unknown_client", f"client {client_id!r} is not registered (call RegisterClient first)")
     return client
 
 
-def _keys(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -> list[keymod.ObjectKey]:
+def keys_of(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -> list[keymod.ObjectKey]:
     try:
         arr = keymod.tokens_from_bytes(tokens)
     except ValueError as e:
@@ -79,22 +79,14 @@ def register_client(state: ServerState, req: m.RegisterClient, payload: Payload)
     return m.ClientRegistered(client.client_id, client.transport, state.chunk_size, client.model.slot_nbytes), []
 
 
-def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Result:
-    keys = _keys(state, _client(state, req.client_id), req.tokens, req.cache_salt)
-    hits = state.manager.lookup(keys)
-    state.metrics.lookups.inc()
-    _count_hits(state, hits, len(keys))
-    return m.LookupResult(hits * state.chunk_size), []
-
-
-def _count_hits(state: ServerState, hit_chunks: int, asked_chunks: int) -> None:
+def count_hits(state: ServerState, hit_chunks: int, asked_chunks: int) -> None:
     state.metrics.hit_tokens.inc(hit_chunks * state.chunk_size)
     state.metrics.miss_tokens.inc((asked_chunks - hit_chunks) * state.chunk_size)
 
 
 def prepare_store(state: ServerState, req: m.PrepareStore, payload: Payload) -> Result:
-    client = _client(state, req.client_id)
-    keys = _keys(state, client, req.tokens, req.cache_salt)
+    client = client_of(state, req.client_id)
+    keys = keys_of(state, client, req.tokens, req.cache_salt)
     plan = state.manager.prepare_store(client.client_id, req.session_id, keys, client.model.slot_nbytes, req.overwrite)
     state.metrics.deduped_chunks.inc(plan.deduped)
     state.metrics.pool_full_chunks.inc(plan.pool_full)
@@ -103,7 +95,7 @@ def prepare_store(state: ServerState, req: m.PrepareStore, payload: Payload) -> 
 
 
 def commit_store(state: ServerState, req: m.CommitStore, payload: Payload) -> Result:
-    client = _client(state, req.client_id)
+    client = client_of(state, req.client_id)
     if client.transport == "inline":
         _write_inline(state, client, req, payload)
     elif payload:
@@ -130,68 +122,17 @@ def _write_inline(state: ServerState, client: ClientEntry, req: m.CommitStore, p
         buf[obj.offset : obj.offset + nbytes] = frame
 
 
-def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payload) -> Result:
-    client = _client(state, req.client_id)
-    keys = _keys(state, client, req.tokens, req.cache_salt)
-    hits = state.manager.prepare_retrieve(client.client_id, req.session_id, keys)
-    _count_hits(state, len(hits), len(keys))
-    nbytes = client.model.slot_nbytes
-    out: list[Any] = []
-    if client.transport == "inline":
-        # zero-copy: the objects stay pinned until CommitRetrieve, after the client has the bytes
-        out = [state.segment.buf[o.offset : o.offset + nbytes] for o in hits]
-    return m.RetrievePrepared([m.SlotRef(i, o.offset) for i, o in enumerate(hits)]), out
-
-
-def commit_retrieve(state: ServerState, req: m.CommitRetrieve, payload: Payload) -> Result:
-    client = _client(state, req.client_id)
-    pinned = state.manager.session_pins(client.client_id, req.session_id)
-    state.manager.commit_retrieve(client.client_id, req.session_id)
-    state.metrics.retrieves.inc()
-    state.metrics.retrieved_bytes.inc(pinned * client.model.slot_nbytes)
-    return m.Done(), []
-
-
 def end_session(state: ServerState, req: m.EndSession, payload: Payload) -> Result:
-    state.manager.end_session(_client(state, req.client_id).client_id, req.session_id)
+    state.manager.end_session(client_of(state, req.client_id).client_id, req.session_id)
     return m.Done(), []
 
 
 def check_integrity(state: ServerState, req: m.CheckIntegrity, payload: Payload) -> Result:
     try:
-        state.manager.check_integrity()
+        state.tiers.check_integrity()
     except AssertionError as e:
         return m.IntegrityReport(False, [str(e) or "assertion failed"]), []
     return m.IntegrityReport(True, []), []
-
-
-HANDLERS: dict[type, Callable[[ServerState, Any, Payload], Result]] = {
-    m.Ping: ping,
-    m.RegisterModel: register_model,
-    m.RegisterClient: register_client,
-    m.Lookup: lookup,
-    m.PrepareStore: prepare_store,
-    m.CommitStore: commit_store,
-    m.PrepareRetrieve: prepare_retrieve,
-    m.CommitRetrieve: commit_retrieve,
-    m.EndSession: end_session,
-    m.CheckIntegrity: check_integrity,
-}
-
-
-def handle(state: ServerState, req: Any, payload: Payload) -> Result:
-    """Run the handler of ``req``; expected failures become an Error reply."""
-    state.metrics.requests.labels(type(req).__name__).inc()
-    try:
-        return HANDLERS[type(req)](state, req, payload)
-    except RequestError as e:
-        code, msg = e.code, str(e)
-    except SessionError as e:
-        code, msg = "session", str(e)
-    except RegistrationError as e:
-        code, msg = "registration", str(e)
-    state.metrics.errors.labels(code).inc()
-    return m.Error(code, msg), []
 
 
 def refresh_gauges(state: ServerState) -> None:

@@ -4,11 +4,13 @@ GET  /config   chunk size, protocol, transports, the L1 pool's shared-memory nam
 GET  /status   health, uptime, sessions, clients, pool usage, registered models (cache_context_meta)
 GET  /healthz  200 "ok"
 GET  /metrics  Prometheus text
-POST /admin/clear   drop every READY object from L1 (Bearer token if admin_token is set)
+POST /admin/clear   drop every object from L1 and L2 (Bearer token if admin_token is set); the
+                    shared L3 is left alone
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import time
 from typing import Any
@@ -57,6 +59,7 @@ def status_doc(state: ServerState, started: float) -> dict[str, Any]:
             "objects": len(state.manager.l1),
             "evictions": state.manager.l1.evictions,
         },
+        "tiers": tiers_doc(state),
         "cache_context_meta": [
             {
                 "model_name": e.layout.model_name,
@@ -74,6 +77,31 @@ def status_doc(state: ServerState, started: float) -> dict[str, Any]:
             for e in state.registry.models.values()
         ],
     }
+
+
+def tiers_doc(state: ServerState) -> dict[str, Any]:
+    t = state.tiers
+    doc: dict[str, Any] = {}
+    if t.disk is not None:
+        doc["l2"] = {
+            "kind": "disk",
+            "path": str(t.disk.root),
+            "up": True,
+            "capacity_bytes": t.disk.capacity,
+            "used_bytes": t.disk.used_bytes,
+            "objects": len(t.disk),
+            **dataclasses.asdict(t.counters["l2"]),
+        }
+    if t.redis is not None:
+        doc["l3"] = {
+            "kind": "redis",
+            "url": t.redis.display_url,
+            "up": t.redis.up,
+            "last_error": t.redis.last_error,
+            **dataclasses.asdict(t.counters["l3"]),
+        }
+    doc["writeback_backlog_bytes"] = t.backlog_bytes
+    return doc
 
 
 async def _config(request: web.Request) -> web.Response:
@@ -105,8 +133,9 @@ def _authorize(request: web.Request) -> None:
 
 async def _clear(request: web.Request) -> web.Response:
     _authorize(request)
-    removed = request.app[STATE].manager.l1.clear()
-    return web.json_response({"removed": removed})
+    state = request.app[STATE]
+    removed = state.manager.l1.clear()
+    return web.json_response({"removed": removed, "removed_l2": state.tiers.clear_disk()})
 
 
 def make_app(state: ServerState, config: ServerConfig) -> web.Application:

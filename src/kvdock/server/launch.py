@@ -4,20 +4,34 @@ SIGINT/SIGTERM (the shared-memory segment is unlinked)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
+from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
-from kvdock.config import L1_AUTO_FRACTION, ServerConfig, auto_l1_size, format_size
-from kvdock.errors import ProtocolError
+from kvdock.config import (
+    L1_AUTO_FRACTION,
+    ServerConfig,
+    auto_disk_size,
+    auto_l1_size,
+    default_disk_dir,
+    format_size,
+)
+from kvdock.errors import ConfigError, ProtocolError
 from kvdock.protocol import decode_request, encode
 from kvdock.protocol.messages import Error
-from kvdock.server.handlers import ServerState, handle
+from kvdock.server.dispatch import handle
+from kvdock.server.handlers import ServerState
 from kvdock.server.http import make_app
 from kvdock.server.registry import Registry
 from kvdock.shm import HEADER_SIZE, PoolSegment, SlotAllocator, cleanup_stale
 from kvdock.storage import L1Store, StorageManager
+from kvdock.storage.disk import DiskInUseError, DiskStore
+from kvdock.storage.redis import RedisStore
+from kvdock.storage.tiers import Tiers
 from kvdock.transport.server import ControlServer, Incoming
 
 log = logging.getLogger("kvdock.server")
@@ -38,14 +52,55 @@ def build_state(config: ServerConfig) -> ServerState:
             L1_AUTO_FRACTION * 100,
         )
     segment = PoolSegment.anonymous(size) if config.no_shm else PoolSegment.create(size)
-    metrics = Metrics()
-    l1 = L1Store(SlotAllocator(HEADER_SIZE, size), on_evict=lambda obj: metrics.evictions.inc())
-    manager = StorageManager(l1, config.session_ttl)
+    try:
+        metrics = Metrics()
+        l1 = L1Store(SlotAllocator(HEADER_SIZE, size), on_evict=lambda obj: metrics.evictions.inc(), memory=segment.buf)
+        manager = StorageManager(l1, config.session_ttl)
+        registry = Registry(config.chunk_size)
+        tiers = Tiers(manager, registry.layout_of, _open_disk(config), _open_redis(config))
+    except BaseException:
+        segment.unlink()
+        segment.close()
+        raise
     metrics.l1_capacity.set(size)
-    return ServerState(config.chunk_size, segment, not config.no_shm, manager, Registry(config.chunk_size), metrics)
+    state = ServerState(config.chunk_size, segment, not config.no_shm, manager, registry, tiers, metrics)
+    metrics.watch_tiers(tiers)
+    return state
+
+
+def _open_disk(config: ServerConfig) -> DiskStore | None:
+    if config.no_disk:
+        return None
+    root = Path(config.disk_dir) if config.disk_dir else default_disk_dir()
+    size = config.disk_size or auto_disk_size(root)
+    try:
+        disk = DiskStore(root, size)
+    except DiskInUseError as e:
+        raise ConfigError(f"{e}; give another --disk-dir, or --no-disk") from None
+    report = disk.scan()
+    log.info(
+        "L2 disk %s: %s budget, %d object(s) found (%s used), %d torn file(s) and %d temp file(s) removed",
+        root,
+        format_size(size),
+        report.loaded,
+        format_size(disk.used_bytes),
+        report.torn,
+        report.temp_files,
+    )
+    return disk
+
+
+def _open_redis(config: ServerConfig) -> RedisStore | None:
+    if not config.redis_url:
+        return None
+    store = RedisStore(config.redis_url)
+    if store.probe():
+        log.info("L3 redis %s: connected", store.display_url)
+    return store
 
 
 async def _serve_control(state: ServerState, control: ControlServer) -> None:
+    waiting: set[asyncio.Task[None]] = set()  # replies that wait for a lower tier
     while True:
         msg: Incoming = await control.recv()
         try:
@@ -57,17 +112,36 @@ async def _serve_control(state: ServerState, control: ControlServer) -> None:
             await control.send(msg.identity, msg.seq, encode(Error("malformed", str(e))))
             continue
         try:
-            reply, payload = handle(state, req, msg.payload)
+            out = handle(state, req, msg.payload)
         except Exception as e:  # a bug must not take the server down for everyone else
-            log.exception("internal error handling %s", type(req).__name__)
-            state.metrics.errors.labels("internal").inc()
-            reply, payload = Error("internal", f"{type(e).__name__}: {e}"), []
+            out = _internal_error(state, req, e)
+        if inspect.isawaitable(out):
+            task = asyncio.create_task(_reply_later(state, control, msg, req, out))
+            waiting.add(task)
+            task.add_done_callback(waiting.discard)
+            continue
+        reply, payload = out
         await control.send(msg.identity, msg.seq, encode(reply), payload)
+
+
+async def _reply_later(state: ServerState, control: ControlServer, msg: Incoming, req: object, pending: Any) -> None:
+    try:
+        reply, payload = await pending
+    except Exception as e:
+        reply, payload = _internal_error(state, req, e)
+    await control.send(msg.identity, msg.seq, encode(reply), payload)
+
+
+def _internal_error(state: ServerState, req: object, e: Exception) -> tuple[Error, list[Any]]:
+    log.exception("internal error handling %s", type(req).__name__)
+    state.metrics.errors.labels("internal").inc()
+    return Error("internal", f"{type(e).__name__}: {e}"), []
 
 
 async def _reap(state: ServerState, ttl: float) -> None:
     while True:
         await asyncio.sleep(min(1.0, ttl / 4))
+        await state.tiers.probe()
         n = state.manager.expire()
         if n:
             state.metrics.expired_sessions.inc(n)
@@ -81,6 +155,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     try:
         await _run(state, config, ready)
     finally:
+        state.tiers.close()  # finishes queued write-downs first
         state.segment.unlink()
         state.segment.close()
 

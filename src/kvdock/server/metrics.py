@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import fields
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvdock.storage.tiers import TierCounters, Tiers
 
 # the *_created series double the output and nobody graphs them
 disable_created_metrics()
@@ -30,5 +37,51 @@ class Metrics:
         self.l1_objects = Gauge("kvdock_l1_objects", "READY objects in L1", registry=r)
         self.sessions = Gauge("kvdock_sessions", "Open sessions", registry=r)
 
+    def watch_tiers(self, tiers: Tiers) -> None:
+        """Export the lower tiers' counters and usage at every scrape."""
+        self.registry.register(_TierCollector(tiers))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_HELP = {
+    "hits": "Objects promoted into L1 from the tier",
+    "bytes_read": "Bytes read from the tier into L1",
+    "read_seconds": "Seconds spent reading from the tier (divide by hits for the mean latency)",
+    "writes": "Objects written down to the tier",
+    "bytes_written": "Bytes written down to the tier",
+    "write_seconds": "Seconds spent writing to the tier",
+    "write_errors": "Failed writes to the tier",
+    "writes_skipped": "Objects not written down (tier down, too big, or backlog full)",
+    "corrupted": "Torn or corrupted objects found in the tier (deleted, never returned)",
+}
+
+
+class _TierCollector(Collector):
+    def __init__(self, tiers: Tiers) -> None:
+        self.tiers = tiers
+
+    def collect(self) -> Iterator[Metric]:
+        t = self.tiers
+        enabled = {"l2": t.disk is not None, "l3": t.redis is not None}
+        for f in fields(TierCounters):
+            fam = CounterMetricFamily(f"kvdock_tier_{f.name}", _HELP[f.name], labels=["tier"])
+            for tier, counters in t.counters.items():
+                if enabled[tier]:
+                    fam.add_metric([tier], getattr(counters, f.name))
+            yield fam
+        up = GaugeMetricFamily("kvdock_tier_up", "1 if the tier is reachable", labels=["tier"])
+        used = GaugeMetricFamily("kvdock_tier_used_bytes", "Bytes stored in the tier", labels=["tier"])
+        cap = GaugeMetricFamily("kvdock_tier_capacity_bytes", "Byte budget of the tier", labels=["tier"])
+        objs = GaugeMetricFamily("kvdock_tier_objects", "Objects in the tier", labels=["tier"])
+        if t.disk is not None:
+            up.add_metric(["l2"], 1)
+            used.add_metric(["l2"], t.disk.used_bytes)
+            cap.add_metric(["l2"], t.disk.capacity)
+            objs.add_metric(["l2"], len(t.disk))
+        if t.redis is not None:
+            up.add_metric(["l3"], 1 if t.redis.up else 0)
+        backlog = GaugeMetricFamily("kvdock_writeback_backlog_bytes", "Pinned bytes waiting to be written down")
+        backlog.add_metric([], t.backlog_bytes)
+        yield from (up, used, cap, objs, backlog)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvdock.layout import Geometry, check_dtype, decode_shape
 from kvdock.protocol.messages import ModelLayout, Transport
+from kvdock.storage.tiers import ObjectLayout
 
 
 class RegistrationError(ValueError):
@@ -75,6 +76,13 @@ class Registry:
             )
         geo = Geometry(lay.num_layers, dec.num_kv_heads, dec.head_dim, lay.dtype)
         return ModelEntry(lay, geo, geo.chunk_nbytes(self.chunk_size))
+
+    def layout_of(self, model_name: str) -> ObjectLayout | None:
+        """How one chunk of ``model_name`` is laid out (for the lower tiers' object headers)."""
+        entry = self.models.get(model_name)
+        if entry is None:
+            return None
+        return ObjectLayout(entry.geometry.dtype, list(entry.geometry.chunk_shape(self.chunk_size)), entry.slot_nbytes)
 
     def register_client(self, instance_id: str, model_name: str, kv_rank: int, transport: Transport) -> ClientEntry:
         model = self.models.get(model_name)

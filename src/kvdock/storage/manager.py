@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvdock.errors import SessionError
 from kvdock.keys import ObjectKey
@@ -24,6 +25,8 @@ class Session:
     deadline: float
     reserved: dict[int, L1Object] = field(default_factory=dict)  # chunk index -> reservation
     pinned: list[L1Object] = field(default_factory=list)
+    job: Any = None  # a prefetch job filling ``pinned`` from lower tiers (owned by the tiers)
+    open: bool = True
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,10 @@ class StorageManager:
         self._clock = clock
         self._sessions: dict[tuple[str, str], Session] = {}
         self.expired_sessions = 0
+        self._bg_pins: dict[L1Object, int] = {}  # pins held by background copies to lower tiers
+        self._loading: set[L1Object] = set()  # reservations being filled from lower tiers
+        self.on_commit: Callable[[list[L1Object]], None] | None = None
+        self.on_session_end: Callable[[Session], None] | None = None
 
     @property
     def session_count(self) -> int:
@@ -112,6 +119,8 @@ class StorageManager:
         objs = self.reservations(client_id, session_id, indexes)
         for obj in objs:
             self.l1.commit(obj)
+        if self.on_commit and objs:
+            self.on_commit(objs)
         committed = set(indexes)
         session = self._sessions[(client_id, session_id)]
         session.reserved = {i: o for i, o in session.reserved.items() if i not in committed}
@@ -134,6 +143,67 @@ class StorageManager:
             self._sessions[sid] = Session(client_id, session_id, self._deadline(), pinned=list(hits))
         return hits
 
+    def open_retrieve(self, client_id: str, session_id: str, keys: list[ObjectKey]) -> Session:
+        """Open a retrieve session pinning the leading READY run of ``keys`` (possibly none: a
+        prefetch may add more with :meth:`add_pin`). SessionError if the id is in use."""
+        if (client_id, session_id) in self._sessions:
+            raise SessionError(f"session {session_id!r} is already open")
+        hits = self.prepare_retrieve(client_id, session_id, keys)
+        session = self._sessions.get((client_id, session_id))
+        if session is None:
+            session = Session(client_id, session_id, self._deadline())
+            self._sessions[(client_id, session_id)] = session
+        assert session.pinned == hits
+        return session
+
+    def has_session(self, client_id: str, session_id: str) -> bool:
+        return (client_id, session_id) in self._sessions
+
+    def find(self, client_id: str, session_id: str) -> Session:
+        """The open session (its lease renewed); SessionError if there is none."""
+        return self._get(client_id, session_id)
+
+    def add_pin(self, session: Session, obj: L1Object) -> bool:
+        """Pin ``obj`` for an open session (appended to its pinned run); False if it has ended."""
+        if not session.open:
+            return False
+        self.l1.pin(obj)
+        session.pinned.append(obj)
+        return True
+
+    def pin_background(self, obj: L1Object) -> None:
+        """Pin a READY object while a worker copies it to a lower tier."""
+        self.l1.pin(obj)
+        self._bg_pins[obj] = self._bg_pins.get(obj, 0) + 1
+
+    def unpin_background(self, obj: L1Object) -> None:
+        n = self._bg_pins.pop(obj)
+        if n > 1:
+            self._bg_pins[obj] = n - 1
+        self.l1.unpin(obj)
+
+    def reserve_load(self, key: ObjectKey, nbytes: int) -> L1Object | None:
+        """Reserve a slot to fill from a lower tier; None if the key is being written or no room."""
+        if self.l1.is_reserved(key):
+            return None
+        obj = self.l1.reserve(key, nbytes)
+        if obj is not None:
+            self._loading.add(obj)
+        return obj
+
+    def finish_load(self, obj: L1Object, ok: bool) -> L1Object | None:
+        """Commit a filled slot (promotion into L1, most recently used) or drop it."""
+        self._loading.remove(obj)
+        if not ok:
+            self.l1.abort(obj)
+            return None
+        self.l1.commit(obj)
+        return obj
+
+    @property
+    def background_pins(self) -> int:
+        return sum(self._bg_pins.values())
+
     def session_pins(self, client_id: str, session_id: str) -> int:
         """How many objects a session pins (SessionError if there is no such session)."""
         return len(self._get(client_id, session_id).pinned)
@@ -148,6 +218,9 @@ class StorageManager:
         session = self._sessions.pop((client_id, session_id), None)
         if session is None:
             return False
+        session.open = False
+        if self.on_session_end:
+            self.on_session_end(session)
         self._release(session)
         return True
 
@@ -190,14 +263,18 @@ class StorageManager:
         self.l1.check_integrity()
         pins: dict[int, int] = {}
         for s in self._sessions.values():
-            assert s.reserved or s.pinned, "an open session holds nothing"
+            assert s.reserved or s.pinned or s.job is not None, "an open session holds nothing"
+            assert s.open
             for obj in s.pinned:
                 pins[id(obj)] = pins.get(id(obj), 0) + 1
             for obj in s.reserved.values():
                 assert self.l1.is_reserved(obj.key)
+        for obj, n in self._bg_pins.items():
+            pins[id(obj)] = pins.get(id(obj), 0) + n
+        for obj in self._loading:
+            assert self.l1.is_reserved(obj.key), "a load's slot is not reserved"
         for obj in self.l1.pinned_objects():
             assert pins.pop(id(obj), 0) == obj.pins, "pin count does not match the sessions holding it"
         assert not pins, "a session pins an object the store does not know"
-        assert self.l1.reserved_count() == sum(len(s.reserved) for s in self._sessions.values()), (
-            "a reservation belongs to no session"
-        )
+        owned = sum(len(s.reserved) for s in self._sessions.values()) + len(self._loading)
+        assert self.l1.reserved_count() == owned, "a reservation belongs to no session or load"

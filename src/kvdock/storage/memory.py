@@ -38,8 +38,14 @@ class L1Object:
 class L1Store:
     """Objects of the L1 pool. Not thread-safe: the server calls it from its event loop only."""
 
-    def __init__(self, allocator: SlotAllocator, on_evict: Callable[[L1Object], None] | None = None) -> None:
+    def __init__(
+        self,
+        allocator: SlotAllocator,
+        on_evict: Callable[[L1Object], None] | None = None,
+        memory: memoryview | None = None,
+    ) -> None:
         self.allocator = allocator
+        self._memory = memory  # the pool's bytes, for workers that copy to and from lower tiers
         self._ready: dict[ObjectKey, L1Object] = {}
         self._reserved: dict[ObjectKey, L1Object] = {}
         self._lru: OrderedDict[ObjectKey, L1Object] = OrderedDict()
@@ -56,6 +62,11 @@ class L1Store:
 
     def is_reserved(self, key: ObjectKey) -> bool:
         return key in self._reserved
+
+    def view(self, obj: L1Object) -> memoryview:
+        """The slot bytes of ``obj`` (the store must have been given the pool's memory)."""
+        assert self._memory is not None, "this store has no memory attached"
+        return self._memory[obj.offset : obj.offset + obj.nbytes]
 
     def pinned_objects(self) -> list[L1Object]:
         """Every object with at least one pin, live or retired."""

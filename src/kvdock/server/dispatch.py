@@ -1,0 +1,60 @@
+"""Routing a decoded request to its handler; expected failures become Error replies."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvdock.errors import SessionError
+from kvdock.protocol import messages as m
+from kvdock.server import handlers as h
+from kvdock.server import retrieval as r
+from kvdock.server.handlers import Payload, RequestError, Result, ServerState
+from kvdock.server.registry import RegistrationError
+
+Handler = Callable[[ServerState, Any, Payload], "Result | Awaitable[Result]"]
+
+HANDLERS: dict[type, Handler] = {
+    m.Ping: h.ping,
+    m.RegisterModel: h.register_model,
+    m.RegisterClient: h.register_client,
+    m.Lookup: r.lookup,
+    m.QueryPrefetchStatus: r.query_prefetch_status,
+    m.WaitPrefetch: r.wait_prefetch,
+    m.PrepareStore: h.prepare_store,
+    m.CommitStore: h.commit_store,
+    m.PrepareRetrieve: r.prepare_retrieve,
+    m.CommitRetrieve: r.commit_retrieve,
+    m.EndSession: h.end_session,
+    m.CheckIntegrity: h.check_integrity,
+}
+
+
+def handle(state: ServerState, req: Any, payload: Payload) -> Result | Awaitable[Result]:
+    """Run the handler of ``req``; expected failures become an Error reply. Ops that wait for a
+    lower tier return an awaitable (the caller must not block the loop on it)."""
+    state.metrics.requests.labels(type(req).__name__).inc()
+    try:
+        out = HANDLERS[type(req)](state, req, payload)
+    except EXPECTED as e:
+        return error_reply(state, e)
+    if inspect.isawaitable(out):
+        return _guard(state, out)
+    return out
+
+
+async def _guard(state: ServerState, pending: Awaitable[Result]) -> Result:
+    try:
+        return await pending
+    except EXPECTED as e:
+        return error_reply(state, e)
+
+
+EXPECTED = (RequestError, SessionError, RegistrationError)
+
+
+def error_reply(state: ServerState, e: Exception) -> Result:
+    code = str({SessionError: "session", RegistrationError: "registration"}.get(type(e)) or getattr(e, "code", "error"))
+    state.metrics.errors.labels(code).inc()
+    return m.Error(code, str(e)), []

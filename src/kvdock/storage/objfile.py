@@ -1,0 +1,96 @@
+"""The self-describing byte form of one object, shared by the disk (L2) and Redis (L3) tiers.
+
+    [8s magic "KVDOCKO1"][u32 header length][msgpack ObjectHeader][zero padding to 4 KiB][payload]
+
+The payload starts on a 4 KiB boundary (page-aligned reads straight into an L1 slot). The header
+names the object (model, rank, salt, chunk hash), its layout (dtype and KV_2LTD chunk shape) and
+the blake3 checksum of the payload, so a reader can refuse anything torn, corrupted or foreign.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+from blake3 import blake3
+
+from kvdock.keys import ObjectKey
+
+MAGIC = b"KVDOCKO1"
+ALIGN = 4096
+_PREFIX = struct.Struct("<8sI")
+
+
+class CorruptObject(ValueError):
+    """Bytes that are not a valid object, or not the object they were expected to be."""
+
+
+class ObjectHeader(msgspec.Struct, frozen=True, array_like=True):
+    model: str
+    rank: int
+    salt: str
+    chunk: bytes
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    checksum: bytes
+
+    @property
+    def key(self) -> ObjectKey:
+        return ObjectKey(self.model, self.rank, self.salt, self.chunk)
+
+
+def checksum(data: memoryview | bytes) -> bytes:
+    return blake3(data, max_threads=blake3.AUTO).digest()
+
+
+def encode_header(key: ObjectKey, dtype: str, shape: list[int], payload: memoryview) -> bytes:
+    """The padded header block for ``payload`` (computes its checksum)."""
+    body = msgspec.msgpack.encode(
+        ObjectHeader(key.model, key.rank, key.salt, key.chunk, dtype, shape, len(payload), checksum(payload))
+    )
+    raw = _PREFIX.pack(MAGIC, len(body)) + body
+    return raw + b"\0" * (-len(raw) % ALIGN)
+
+
+def decode_header(block: bytes | memoryview) -> tuple[ObjectHeader, int]:
+    """Parse a header block; returns the header and the payload's offset. CorruptObject if invalid.
+
+    ``block`` must hold at least the whole padded header (read ``header_size_hint`` first)."""
+    if len(block) < _PREFIX.size:
+        raise CorruptObject("too short for a header")
+    magic, n = _PREFIX.unpack_from(block, 0)
+    if magic != MAGIC:
+        raise CorruptObject("bad magic")
+    end = _PREFIX.size + n
+    if len(block) < end:
+        raise CorruptObject("header truncated")
+    try:
+        header = msgspec.msgpack.decode(bytes(block[_PREFIX.size : end]), type=ObjectHeader)
+    except msgspec.DecodeError as e:
+        raise CorruptObject(f"bad header: {e}") from None
+    return header, end + (-end % ALIGN)
+
+
+def header_size_hint(first: bytes | memoryview) -> int:
+    """How many bytes the header block spans, from its first 12 bytes (CorruptObject if not ours)."""
+    if len(first) < _PREFIX.size:
+        raise CorruptObject("too short for a header")
+    magic, n = _PREFIX.unpack_from(first, 0)
+    if magic != MAGIC:
+        raise CorruptObject("bad magic")
+    end = _PREFIX.size + n
+    return end + (-end % ALIGN)
+
+
+def check(header: ObjectHeader, key: ObjectKey, dtype: str, shape: list[int], nbytes: int) -> None:
+    """CorruptObject unless ``header`` describes exactly this object and layout."""
+    if header.key != key:
+        raise CorruptObject("object identity differs")
+    if header.dtype != dtype or list(header.shape) != list(shape) or header.nbytes != nbytes:
+        raise CorruptObject(f"layout differs: {header.dtype}{header.shape} vs {dtype}{shape}")
+
+
+def verify_payload(header: ObjectHeader, payload: memoryview) -> None:
+    if checksum(payload) != header.checksum:
+        raise CorruptObject("checksum mismatch")

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, ServerProc, start_server
+from helpers import CHUNK, GEOMETRY, MODEL, RedisProc, ServerProc, free_port, start_server
 
 
 @pytest.fixture(autouse=True, scope="session")

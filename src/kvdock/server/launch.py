@@ -56,8 +56,9 @@ def build_state(config: ServerConfig) -> ServerState:
         metrics = Metrics()
         l1 = L1Store(SlotAllocator(HEADER_SIZE, size), on_evict=lambda obj: metrics.evictions.inc(), memory=segment.buf)
         manager = StorageManager(l1, config.session_ttl)
-        registry = Registry(config.chunk_size)
-        tiers = Tiers(manager, registry.layout_of, _open_disk(config), _open_redis(config))
+        disk = _open_disk(config)
+        registry = Registry(config.chunk_size, disk.root / "models.msgpack" if disk is not None else None)
+        tiers = Tiers(manager, registry.layout_of, disk, _open_redis(config))
     except BaseException:
         segment.unlink()
         segment.close()

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
 
 from kvdock.layout import Geometry, check_dtype, decode_shape
 from kvdock.protocol.messages import ModelLayout, Transport
 from kvdock.storage.tiers import ObjectLayout
+
+log = logging.getLogger(__name__)
 
 
 class RegistrationError(ValueError):
@@ -31,10 +38,37 @@ class ClientEntry:
 
 
 class Registry:
-    def __init__(self, chunk_size: int) -> None:
+    """Models and clients. With ``persist_path`` (in the L2 directory), model registrations are
+    saved there and reloaded at start, so a restarted server serves its disk cache to SDK
+    clients before any engine registers again."""
+
+    def __init__(self, chunk_size: int, persist_path: Path | None = None) -> None:
         self.chunk_size = chunk_size
         self.models: dict[str, ModelEntry] = {}
         self.clients: dict[str, ClientEntry] = {}
+        self._persist_path = persist_path
+        if persist_path is not None and persist_path.exists():
+            self._load(persist_path)
+
+    def _load(self, path: Path) -> None:
+        try:
+            layouts = msgspec.msgpack.decode(path.read_bytes(), type=list[ModelLayout])
+        except (OSError, msgspec.DecodeError) as e:
+            log.warning("ignoring unreadable model registrations in %s: %s", path, e)
+            return
+        for lay in layouts:
+            try:
+                self.models[lay.model_name] = self._entry(lay)
+            except RegistrationError as e:  # e.g. the chunk size changed since
+                log.warning("not restoring model %r: %s", lay.model_name, e)
+        log.info("restored %d model registration(s) from %s", len(self.models), path)
+
+    def _save(self) -> None:
+        if self._persist_path is None:
+            return
+        tmp = self._persist_path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.msgpack.encode([e.layout for e in self.models.values()]))
+        os.replace(tmp, self._persist_path)
 
     def register_model(self, lay: ModelLayout) -> tuple[ModelEntry, bool]:
         """Validate and add ``lay``; returns (entry, created). Same geometry again is a no-op;
@@ -53,6 +87,7 @@ class Registry:
                 )
             return old, False
         self.models[lay.model_name] = entry
+        self._save()
         return entry, True
 
     def _entry(self, lay: ModelLayout) -> ModelEntry:

@@ -1,0 +1,353 @@
+"""HuggingFace transformers engine: register a model, save a prefill's KV, load a cached prefix.
+
+import kvdock.integrations.hf as kvhf
+
+ctx = kvhf.connect(model, "tcp://127.0.0.1:5555", "http://127.0.0.1:9000")  # registers the layout
+res = kvhf.generate(model, ctx, input_ids, max_new_tokens=32)  # loads, generates, saves the prompt
+res.output_ids, res.hit_tokens, res.ttft_s
+
+Layout. transformers keeps, per layer, keys and values ``[batch, kv_heads, seq, head_dim]`` (keys
+after RoPE). kvdock stores ``KV_2LTD`` ``[2, L, T, D]`` with ``D = kv_heads * head_dim`` and
+``D index = head * head_dim + dim``; :func:`save_kv` and :func:`load_kv` convert between the two.
+The model is registered in the ``HND`` engine format.
+
+Models. Decoder-only models whose every layer has a plain K/V cache: full attention and sliding-
+window attention (Llama, Qwen2, Qwen3, Mistral, ...), in any dtype kvdock stores. Models with
+other layer kinds (linear attention / SSM, chunked attention, KV sharing, MLA's K/V of different
+widths, indexer caches) are refused with :class:`~kvdock.errors.InvalidInputError`.
+
+Sliding windows. A transformers ``DynamicCache(config=...)`` keeps only the last ``window - 1``
+tokens of a sliding-window layer, so it cannot give back a whole prefix. This module therefore
+always uses caches of plain full layers (``DynamicCache()``): every layer keeps all its keys and
+the model's own sliding-window mask limits what each query sees, which gives the same result as
+the windowed cache (tested against full recompute). :func:`save_kv` refuses a sliding layer that
+dropped tokens, with a message saying how to prefill instead — never stores a wrong prefix.
+
+Whole-prompt cap (DESIGN.md §3). :func:`load_kv` never covers the whole prompt: it loads at most
+the last whole chunk strictly below ``len(tokens)``, so at least one prompt token is computed
+(``generate`` silently recomputes everything, against a full cache, otherwise).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation.streamers import BaseStreamer
+
+import kvdock.sdk as kvd
+from kvdock.errors import InvalidInputError
+from kvdock.keys import normalize_tokens
+from kvdock.protocol.messages import EngineInfo
+from kvdock.sdk.http import get_json
+
+KV_FORMAT = "HND"
+_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+_PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # exact types: subclasses carry more state
+# config attributes whose presence means the cache is not one plain K/V pair per layer
+_UNSUPPORTED_ATTRS = ("attention_chunk_size", "kv_lora_rank", "kv_sharing_modes", "num_kv_shared_layers")
+
+__all__ = ["GenerateResult", "connect", "generate", "load_kv", "save_kv"]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The KV geometry of a transformers model, read off its config and parameters."""
+
+    model_type: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    attention_backend: str
+
+
+def _spec(model: object) -> _Spec:
+    """Validate ``model`` and derive its KV geometry; InvalidInputError if it is not supported."""
+    if not isinstance(model, PreTrainedModel):
+        raise InvalidInputError(
+            f"model must be a transformers PreTrainedModel (e.g. LlamaForCausalLM), got {type(model).__name__}"
+        )
+    cfg = model.config
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise InvalidInputError(f"{type(model).__name__} is an encoder-decoder model; only decoder-only models")
+    tc = cfg.get_text_config(decoder=True)
+    kind = str(getattr(tc, "model_type", "") or type(model).__name__)
+    try:
+        num_layers = int(tc.num_hidden_layers)
+        heads = int(tc.num_attention_heads)
+        head_dim = int(getattr(tc, "head_dim", None) or int(tc.hidden_size) // heads)
+        kv_heads = int(getattr(tc, "num_key_value_heads", None) or heads)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise InvalidInputError(f"cannot read the KV geometry of {kind!r} from its config: {e}") from None
+    layer_types = getattr(tc, "layer_types", None)
+    if layer_types is not None:
+        other = sorted(set(layer_types) - _LAYER_TYPES)
+        if other:
+            raise InvalidInputError(
+                f"{kind!r} has layers of type {other}; kvdock's transformers integration supports only "
+                f"{sorted(_LAYER_TYPES)} layers (hybrid and non-standard caches are refused)"
+            )
+        if len(layer_types) != num_layers:
+            raise InvalidInputError(f"{kind!r}: {len(layer_types)} layer_types for {num_layers} layers")
+    for attr in _UNSUPPORTED_ATTRS:
+        if getattr(tc, attr, None):
+            raise InvalidInputError(f"{kind!r} sets {attr}; its KV cache is not one plain K/V pair per layer")
+    v_head_dim = getattr(tc, "v_head_dim", None)
+    if v_head_dim not in (None, head_dim):
+        raise InvalidInputError(f"{kind!r}: values are {v_head_dim}-wide but keys {head_dim}-wide; unsupported")
+    attn = str(getattr(cfg, "_attn_implementation", None) or "")
+    return _Spec(kind, num_layers, kv_heads, head_dim, model.dtype, attn)
+
+
+def _check_ctx(ctx: object) -> kvd.KVCacheContext:
+    if not isinstance(ctx, kvd.KVCacheContext):
+        raise InvalidInputError(f"ctx must be a kvdock.sdk.KVCacheContext, got {type(ctx).__name__}")
+    return ctx
+
+
+def _check_pair(model: object, ctx: object) -> _Spec:
+    """``model`` is supported and ``ctx`` was registered with the same geometry and dtype."""
+    spec = _spec(model)
+    geo = _check_ctx(ctx).geometry
+    mine = (spec.num_layers, spec.num_kv_heads, spec.head_dim, str(spec.dtype).removeprefix("torch."))
+    theirs = (geo.num_layers, geo.num_kv_heads, geo.head_dim, geo.dtype)
+    if mine != theirs:
+        raise InvalidInputError(
+            f"the model (layers, kv_heads, head_dim, dtype) = {mine} does not match {ctx.model_name!r} "  # type: ignore[attr-defined]
+            f"registered as {theirs}"
+        )
+    return spec
+
+
+def _tokens(tokens: object) -> list[int]:
+    try:
+        return normalize_tokens(tokens).tolist()  # type: ignore[no-any-return]
+    except (TypeError, ValueError) as e:
+        raise InvalidInputError(str(e)) from None
+
+
+def connect(
+    model: PreTrainedModel, url: str, http_url: str, model_name: str | None = None, timeout: float = 60.0
+) -> kvd.KVCacheContext:
+    """Register ``model``'s KV layout with the server and return a connected SDK context.
+
+    The geometry (layers, KV heads, head_dim) comes from the model's text config, the dtype from the
+    model. ``model_name`` defaults to ``config._name_or_path``, else ``config.model_type``.
+    ``tokens_per_block`` is that of an existing registration of the name, else 16 (or the chunk
+    size when 16 does not divide it). A plain ``kvdock.sdk.connect(url, http_url, model_name)``
+    finds the model afterwards. Raises InvalidInputError (unsupported model),
+    ServerUnavailableError, or ServerError (the name is registered with another geometry)."""
+    spec = _spec(model)
+    cfg = model.config
+    name = model_name or str(getattr(cfg, "_name_or_path", "") or "") or spec.model_type
+    chunk = int(get_json(http_url, "/config", timeout)["chunk_size"])
+    tpb = 16 if chunk % 16 == 0 else chunk
+    for entry in get_json(http_url, "/status", timeout).get("cache_context_meta", []):
+        if entry.get("model_name") == name:
+            tpb = int(entry["kv_cache_layout"]["tokens_per_block"])
+    engine = EngineInfo(name="transformers", version=transformers.__version__, attention_backend=spec.attention_backend)
+    lay = kvd.make_layout(
+        name,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=spec.dtype,
+        tokens_per_block=tpb,
+        kv_format=KV_FORMAT,
+        engine=engine,
+    )
+    kvd.register_layout(url, http_url, lay, timeout)
+    return kvd.connect(url, http_url, name, timeout)
+
+
+def _cache_to_2ltd(ctx: kvd.KVCacheContext, cache: object, total: int, n: int, row: int) -> torch.Tensor:
+    """Positions ``[0, n)`` of batch row ``row`` of ``cache`` as ``KV_2LTD``; the cache must hold
+    at least ``total`` positions on every layer."""
+    if not isinstance(cache, DynamicCache):
+        raise InvalidInputError(f"cache must be a transformers DynamicCache, got {type(cache).__name__}")
+    geo = ctx.geometry
+    if len(cache.layers) != geo.num_layers:
+        raise InvalidInputError(f"cache has {len(cache.layers)} layers, {ctx.model_name!r} has {geo.num_layers}")
+    if isinstance(row, bool) or not isinstance(row, int) or row < 0:
+        raise InvalidInputError(f"row must be a non-negative int, got {row!r}")
+    out = torch.empty((2, geo.num_layers, n, geo.hidden_dim), dtype=ctx.dtype)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) not in _PLAIN_LAYERS or not isinstance(layer, DynamicLayer):
+            raise InvalidInputError(
+                f"cache layer {i} is a {type(layer).__name__}; only DynamicLayer / DynamicSlidingWindowLayer hold "
+                "a plain K/V pair kvdock can store"
+            )
+        keys, values = layer.keys, layer.values
+        if not layer.is_initialized or keys is None or values is None:
+            raise InvalidInputError(f"cache layer {i} holds no KV (was the prompt run through the model?)")
+        held, seen = int(keys.shape[-2]), layer.get_seq_length()
+        if held != seen:
+            raise InvalidInputError(
+                f"cache layer {i} is a sliding-window layer that kept only the last {held} of {seen} tokens, so the "
+                "prefix cannot be saved; prefill with a full cache (cache=DynamicCache(), no config) or use "
+                "kvdock.integrations.hf.generate"
+            )
+        want = (geo.num_kv_heads, geo.head_dim)
+        for what, t in (("keys", keys), ("values", values)):
+            if t.dim() != 4 or (t.shape[1], t.shape[3]) != want:
+                raise InvalidInputError(
+                    f"cache layer {i} {what} have shape {list(t.shape)}; want [batch, {want[0]}, seq, {want[1]}]"
+                )
+            if t.dtype != ctx.dtype:
+                raise InvalidInputError(f"cache layer {i} {what} are {t.dtype}; {ctx.model_name!r} is {ctx.dtype}")
+        if row >= keys.shape[0]:
+            raise InvalidInputError(f"row {row} is out of range for a cache of batch size {keys.shape[0]}")
+        if held < total:
+            raise InvalidInputError(f"cache layer {i} holds {held} positions but {total} tokens were given")
+        for kv, t in ((0, keys), (1, values)):
+            out[kv, i].view(n, geo.num_kv_heads, geo.head_dim).copy_(t[row, :, :n].transpose(0, 1))
+    return out
+
+
+def save_kv(ctx: kvd.KVCacheContext, cache: DynamicCache, tokens: object, cache_salt: str = "", row: int = 0) -> bool:
+    """Store positions ``[0, len(tokens))`` of batch row ``row`` of ``cache`` under ``tokens``.
+
+    ``cache`` is a transformers ``DynamicCache`` of plain layers holding at least ``len(tokens)``
+    positions (keys after RoPE, as the model left them). Only whole chunks are stored; returns
+    True when at least one chunk was newly stored, False when all were already there or
+    ``tokens`` is shorter than a chunk (then the server is not contacted). Raises
+    InvalidInputError (not a DynamicCache, other layer kinds, a sliding-window layer that dropped
+    tokens, wrong shape / dtype / row / length), and the SDK's errors."""
+    ctx = _check_ctx(ctx)
+    toks = _tokens(tokens)
+    n = len(toks) // ctx.chunk_size * ctx.chunk_size
+    kv = _cache_to_2ltd(ctx, cache, len(toks), n, row)
+    if n == 0:
+        return False
+    return kvd.store(ctx, kv, toks[:n], cache_salt)
+
+
+def load_kv(
+    ctx: kvd.KVCacheContext, tokens: object, cache_salt: str = "", *, device: torch.device | str | None = None
+) -> tuple[DynamicCache | None, int]:
+    """The cached prefix of ``tokens`` as a fresh ``DynamicCache`` (batch 1) and its length.
+
+    Never the whole prompt: at most the last whole chunk strictly below ``len(tokens)`` is loaded,
+    so the caller computes at least one token. Returns ``(None, 0)`` when nothing is cached or the
+    prompt has no whole chunk below its last token. Every layer is a plain full ``DynamicLayer``
+    (see the module docstring for sliding-window models), on ``device`` (default CPU), in the
+    registered dtype. Pass it to ``model.generate(input_ids, cache=...)`` (transformers 5.x;
+    ``past_key_values=`` before the rename) with the whole prompt as ``input_ids``."""
+    ctx = _check_ctx(ctx)
+    toks = _tokens(tokens)
+    cap = (len(toks) - 1) // ctx.chunk_size * ctx.chunk_size if toks else 0
+    if cap == 0:
+        return None, 0
+    kv = kvd.retrieve(ctx, toks[:cap], cache_salt)
+    if kv is None:
+        return None, 0
+    geo, hit = ctx.geometry, int(kv.shape[2])
+    assert 0 < hit <= cap, (hit, cap)
+    cache = DynamicCache()
+    for i in range(geo.num_layers):
+        k, v = (kv[j, i].view(hit, geo.num_kv_heads, geo.head_dim).transpose(0, 1).unsqueeze(0) for j in (0, 1))
+        cache.update(k.to(device or "cpu"), v.to(device or "cpu"), i)
+    return cache, hit
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """What :func:`generate` did.
+
+    ``output_ids``: ``[1, prompt + new]``, what ``model.generate`` returned (its ``sequences``);
+    ``hit_tokens``: prompt tokens loaded from kvdock instead of computed; ``ttft_s``: seconds from
+    the call to the first new token (kvdock retrieve, cache build, prefill and first decode step)."""
+
+    output_ids: torch.Tensor
+    hit_tokens: int
+    ttft_s: float
+
+
+class _FirstTokenClock(BaseStreamer):
+    """A streamer that notes when ``generate`` hands over the first new token, then passes every
+    call on to the caller's own streamer. ``generate`` puts the prompt first, then each token."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self) -> None:
+        if self.inner is not None:
+            self.inner.end()
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    """transformers 5.x renamed ``past_key_values`` to ``cache``; use whichever the model takes."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _prompt(input_ids: object, device: torch.device) -> torch.Tensor:
+    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(_tokens(input_ids))
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0 or ids.is_floating_point():
+        raise InvalidInputError(
+            f"input_ids must be one non-empty prompt of token ids, [T] or [1, T]; got {list(ids.shape)} {ids.dtype} "
+            "(batches: call generate once per prompt)"
+        )
+    return ids.to(device=device, dtype=torch.long)
+
+
+def generate(
+    model: PreTrainedModel, ctx: kvd.KVCacheContext, input_ids: object, cache_salt: str = "", **generate_kwargs: Any
+) -> GenerateResult:
+    """Generate from one prompt, loading its cached prefix from kvdock and saving its KV after.
+
+    1. :func:`load_kv` (capped below the whole prompt); 2. ``model.generate(input_ids, cache=...)``
+    with ``generate_kwargs`` (transformers computes only the uncached tail of the prompt);
+    3. :func:`save_kv` of the prompt's positions of the same cache (the prompt's whole chunks not
+    already stored; skipped when there are none, or when ``generate`` produced no token so the
+    prompt was never prefilled). Greedy decoding and sampling are supported; beam search and
+    ``num_return_sequences > 1`` are refused, as is passing a cache. A ``streamer`` is honoured:
+    the timing streamer passes everything on to it. ``ttft_s`` is measured from the start of
+    this call to the moment ``generate`` hands the first new token to the streamer (the whole
+    call when no token was produced). Raises InvalidInputError (model, prompt, arguments, or a
+    model that does not match ``ctx``'s registration) and the SDK's errors."""
+    _check_pair(model, ctx)
+    model_generate: Any = getattr(model, "generate", None)
+    if not callable(model_generate):
+        raise InvalidInputError(f"{type(model).__name__} cannot generate (use a *ForCausalLM model)")
+    for key in ("cache", "past_key_values"):
+        if key in generate_kwargs:
+            raise InvalidInputError(f"do not pass {key}=: kvdock's generate builds the cache from the stored prefix")
+    gen_cfg = generate_kwargs.get("generation_config") or model.generation_config
+    for key in ("num_beams", "num_return_sequences"):
+        value = generate_kwargs.get(key, getattr(gen_cfg, key, 1))
+        if value not in (None, 1):
+            raise InvalidInputError(f"{key}={value} is not supported (one sequence per prompt only)")
+    ids = _prompt(input_ids, model.device)
+    tokens = ids[0].tolist()
+    clock = _FirstTokenClock(generate_kwargs.pop("streamer", None))
+
+    start = time.perf_counter()
+    cache, hit = load_kv(ctx, tokens, cache_salt, device=model.device)
+    if cache is None:
+        cache = DynamicCache()  # plain layers, so sliding-window layers keep the whole prompt to save
+    out = model_generate(ids, streamer=clock, **{_cache_kwarg(model): cache}, **generate_kwargs)
+    done = time.perf_counter()
+
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    whole = len(tokens) // ctx.chunk_size * ctx.chunk_size
+    if whole > hit and cache.get_seq_length() >= len(tokens):
+        save_kv(ctx, cache, tokens, cache_salt)
+    return GenerateResult(sequences, hit, (clock.first_token_at or done) - start)

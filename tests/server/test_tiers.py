@@ -1,0 +1,193 @@
+"""L2 disk and L3 Redis with real processes: restarts, corruption, two servers on one Redis,
+Redis going away and coming back, and an L1 smaller than the working set."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvdock.sdk as kvd
+from helpers import CHUNK, MODEL, ServerProc, make_kv, make_tokens
+from kvdock.keys import ObjectKey, chunk_hashes
+from kvdock.storage.disk import object_name
+
+
+def wait_for(cond, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def tier(srv: ServerProc, name: str) -> dict:
+    return srv.get("/status")["tiers"][name]
+
+
+def wait_written(srv: ServerProc, name: str, n: int) -> None:
+    wait_for(
+        lambda: tier(srv, name)["writes"] >= n and srv.get("/status")["tiers"]["writeback_backlog_bytes"] == 0,
+        f"{n} writes to {name}",
+    )
+
+
+def chunk_file(disk: Path, tokens: list[int], i: int, salt: str = "") -> Path:
+    h = chunk_hashes(np.array(tokens, dtype="<u4"), CHUNK)[i]
+    name = object_name(ObjectKey(MODEL, 0, salt, h))
+    return disk / name[:2] / f"{name}.kv"
+
+
+def test_disk_survives_sigkill_and_restart(make_server, tmp_path) -> None:
+    disk = tmp_path / "l2"
+    srv = make_server("--disk-dir", str(disk))
+    kv, tokens = make_kv(4 * CHUNK, seed=1), make_tokens(4 * CHUNK)
+    salted = make_kv(2 * CHUNK, seed=2)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        assert kvd.store(c, kv, tokens)
+        assert kvd.store(c, salted, tokens[: 2 * CHUNK], cache_salt="s")
+    wait_written(srv, "l2", 6)
+    srv.stop(signal.SIGKILL)
+    again = make_server("--disk-dir", str(disk), register=None)  # the registration is restored from disk
+    assert "L2 disk" in again.log() and "6 object(s) found" in again.log()
+    with kvd.connect(again.url, again.http_url, MODEL, timeout=5) as c:
+        assert again.get("/status")["l1"]["objects"] == 0
+        assert kvd.lookup(c, tokens) == 4 * CHUNK
+        out = kvd.retrieve(c, tokens)
+        assert out is not None and torch.equal(out, kv)
+        assert torch.equal(kvd.retrieve(c, tokens[: 2 * CHUNK], cache_salt="s"), salted)
+        assert kvd.retrieve(c, tokens, cache_salt="other") is None
+        assert kvd.check_server_integrity(c) == []
+    t = tier(again, "l2")
+    assert (t["hits"], t["objects"], t["corrupted"]) == (6, 6, 0)
+    assert again.get("/status")["l1"]["objects"] == 6  # promoted into L1
+
+
+def test_corrupted_and_torn_files_are_detected_never_returned(make_server, tmp_path) -> None:
+    disk = tmp_path / "l2"
+    srv = make_server("--disk-dir", str(disk))
+    kv, tokens = make_kv(4 * CHUNK, seed=3), make_tokens(4 * CHUNK, start=100)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        assert kvd.store(c, kv, tokens)
+    wait_written(srv, "l2", 4)
+    srv.stop(signal.SIGKILL)
+    bad = chunk_file(disk, tokens, 2)
+    data = bytearray(bad.read_bytes())
+    data[-100] ^= 0xFF  # flip a payload byte
+    bad.write_bytes(bytes(data))
+    torn = chunk_file(disk, tokens, 3)
+    torn.write_bytes(torn.read_bytes()[:-10])
+    again = make_server("--disk-dir", str(disk), register=None)
+    assert "3 object(s) found" in again.log() and "1 torn file(s)" in again.log()
+    assert not torn.exists()
+    with kvd.connect(again.url, again.http_url, MODEL, timeout=5) as c:
+        out = kvd.retrieve(c, tokens)
+        assert out is not None and out.shape[2] == 2 * CHUNK  # the prefix before the corrupted chunk
+        assert torch.equal(out, kv[:, :, : 2 * CHUNK])
+        assert not bad.exists()
+        assert kvd.lookup(c, tokens) == 2 * CHUNK
+        assert kvd.check_server_integrity(c) == []
+        # storing again repairs it
+        assert kvd.store_chunks(c, kv, tokens).stored_chunks == 2
+        assert torch.equal(kvd.retrieve(c, tokens), kv)
+    assert tier(again, "l2")["corrupted"] == 1
+    assert 'kvdock_tier_corrupted_total{tier="l2"} 1.0' in again.text("/metrics")
+
+
+def test_two_servers_share_one_redis(make_server, redis_server) -> None:
+    a = make_server("--redis-url", redis_server.url)
+    b = make_server("--redis-url", redis_server.url)
+    kv, tokens = make_kv(3 * CHUNK, seed=4), make_tokens(3 * CHUNK, start=7)
+    with kvd.connect(a.url, a.http_url, MODEL, timeout=5) as ca:
+        assert kvd.store(ca, kv, tokens)
+        assert kvd.store(ca, make_kv(CHUNK, seed=5), tokens[:CHUNK], cache_salt="x")
+    wait_written(a, "l3", 4)
+    with kvd.connect(b.url, b.http_url, MODEL, timeout=5) as cb:
+        assert b.get("/status")["l1"]["objects"] == 0
+        assert kvd.lookup(cb, tokens) == 3 * CHUNK
+        assert kvd.lookup(cb, tokens, cache_salt="y") == 0
+        out = kvd.retrieve(cb, tokens)
+        assert out is not None and torch.equal(out, kv)
+        assert torch.equal(kvd.retrieve(cb, tokens[:CHUNK], cache_salt="x"), make_kv(CHUNK, seed=5))
+        assert kvd.check_server_integrity(cb) == []
+    t = tier(b, "l3")
+    assert t["up"] is True and t["hits"] == 4 and t["bytes_read"] == 4 * 3072
+    metrics = b.text("/metrics")
+    assert 'kvdock_tier_up{tier="l3"} 1.0' in metrics and 'kvdock_tier_hits_total{tier="l3"} 4.0' in metrics
+
+
+def test_redis_going_away_degrades_to_l1_l2_and_comes_back(make_server, redis_server, tmp_path) -> None:
+    srv = make_server("--redis-url", redis_server.url, "--disk-dir", str(tmp_path / "l2"))
+    other = make_server("--redis-url", redis_server.url)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        first, tok1 = make_kv(2 * CHUNK, seed=6), make_tokens(2 * CHUNK, start=1)
+        assert kvd.store(c, first, tok1)
+        wait_written(srv, "l3", 2)
+        redis_server.stop()
+        second, tok2 = make_kv(2 * CHUNK, seed=7), make_tokens(2 * CHUNK, start=2)
+        assert kvd.store(c, second, tok2)  # stores keep succeeding
+        wait_for(lambda: tier(srv, "l3")["up"] is False, "L3 marked down")
+        assert tier(srv, "l3")["last_error"]
+        assert torch.equal(kvd.retrieve(c, tok1), first)  # L1 still serves
+        kvd.store(c, make_kv(2 * CHUNK, seed=8), make_tokens(2 * CHUNK, start=3))
+        assert kvd.lookup(c, make_tokens(2 * CHUNK, start=99)) == 0  # a miss answers, without L3
+        wait_written(srv, "l2", 3 * 2)
+        redis_server.start()
+        wait_for(lambda: tier(srv, "l3")["up"] is True, "L3 back up", timeout=40)
+        third, tok3 = make_kv(2 * CHUNK, seed=9), make_tokens(2 * CHUNK, start=4)
+        assert kvd.store(c, third, tok3)
+        wait_written(srv, "l3", 4)
+        assert kvd.check_server_integrity(c) == []
+    assert srv.log().count("is down") == 1 and "is back" in srv.log()
+    with kvd.connect(other.url, other.http_url, MODEL, timeout=5) as co:
+        assert torch.equal(kvd.retrieve(co, tok3), third)  # written after Redis came back
+        assert kvd.retrieve(co, tok1) is None  # lost with Redis's memory (no persistence)
+
+
+def test_l1_smaller_than_working_set_retrieves_via_l2(make_server, tmp_path) -> None:
+    srv = make_server("--disk-dir", str(tmp_path / "l2"), l1_size="16KiB")  # four slots
+    batches = [(make_kv(2 * CHUNK, seed=20 + i), make_tokens(2 * CHUNK, start=1000 * (i + 1))) for i in range(6)]
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        for i, (kv, tokens) in enumerate(batches):
+            assert kvd.store(c, kv, tokens)
+            wait_written(srv, "l2", 2 * (i + 1))
+        assert srv.get("/status")["l1"]["objects"] == 4
+        for _ in range(2):
+            for kv, tokens in batches:
+                out = kvd.retrieve(c, tokens)
+                assert out is not None and torch.equal(out, kv)
+        assert kvd.check_server_integrity(c) == []
+    status = srv.get("/status")
+    assert status["l1"]["evictions"] > 0 and status["tiers"]["l2"]["hits"] >= 8
+    assert status["sessions"] == 0
+
+
+def test_lookup_prefetch_and_status_ops(make_server, tmp_path) -> None:
+    from kvdock.keys import normalize_tokens
+    from kvdock.protocol import messages as m
+
+    disk = tmp_path / "l2"
+    srv = make_server("--disk-dir", str(disk))
+    kv, tokens = make_kv(3 * CHUNK, seed=30), make_tokens(3 * CHUNK)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        assert kvd.store(c, kv, tokens)
+        wait_written(srv, "l2", 3)
+    srv.stop(signal.SIGKILL)
+    srv = make_server("--disk-dir", str(disk), register=None)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        raw = normalize_tokens(tokens).tobytes()
+        r = c.call(m.Lookup(c.client_id, raw, prefetch=True, session_id="p")).reply
+        assert r.hit_tokens == 3 * CHUNK
+        done = c.call(m.WaitPrefetch(c.client_id, "p", 10.0)).reply
+        assert done == m.PrefetchStatus(True, 3 * CHUNK)
+        assert c.call(m.QueryPrefetchStatus(c.client_id, "p")).reply == done  # idempotent
+        assert c.call(m.QueryPrefetchStatus(c.client_id, "p")).reply == done
+        prep = c.call(m.PrepareRetrieve(c.client_id, "p", raw)).reply
+        assert len(prep.slots) == 3
+        c.call(m.CommitRetrieve(c.client_id, "p"))
+        with pytest.raises(kvd.ServerError, match="session"):
+            c.call(m.QueryPrefetchStatus(c.client_id, "p"))
+        assert kvd.check_server_integrity(c) == []

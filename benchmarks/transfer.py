@@ -37,16 +37,12 @@ import os
 import platform
 import resource
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +53,9 @@ import kvdock
 import kvdock.sdk as kvd
 from kvdock.sdk.context import TORCH_DTYPES
 
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Server, gbps, spawn, timed, wait_up
+
 MODEL = "bench-transfer"
 LAT_MODEL = "bench-latency"
 # one 256-token chunk of this model is 2 * 4 * 256 * 128 * 2 B = 512 KiB
@@ -66,86 +65,6 @@ LAT_GEOMETRY = {"num_layers": 4, "num_kv_heads": 1, "head_dim": 128, "dtype": "b
 # --------------------------------------------------------------------------- servers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    name: str
-    proc: subprocess.Popen[bytes]
-    port: int
-    http_port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def _spawn(name: str, logdir: Path, l1_size: str, chunk_size: int, extra: list[str]) -> Server:
-    port, http_port = _free_port(), _free_port()
-    log_path = logdir / f"server-{name}.log"
-    args = [
-        sys.executable,
-        "-m",
-        "kvdock.cli.main",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--http-port",
-        str(http_port),
-        "--l1-size",
-        l1_size,
-        "--chunk-size",
-        str(chunk_size),
-        "--log-level",
-        "WARNING",
-        *extra,
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return Server(name, proc, port, http_port, log_path)
-
-
-def _wait_up(srv: Server, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if srv.proc.poll() is not None:
-            raise RuntimeError(f"{srv.name} server exited with {srv.proc.returncode}:\n{srv.log()}")
-        try:
-            urllib.request.urlopen(srv.http_url + "/healthz", timeout=1).read()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{srv.name} server did not come up within {timeout:.0f}s:\n{srv.log()}")
-
-
 @contextmanager
 def servers(transports: list[str], l1_size: str, chunk_size: int) -> Iterator[dict[str, Server]]:
     """Start one server per transport (in parallel: each pre-faults its pool); SIGTERM them on exit."""
@@ -153,9 +72,10 @@ def servers(transports: list[str], l1_size: str, chunk_size: int) -> Iterator[di
         started: dict[str, Server] = {}
         try:
             for t in transports:
-                started[t] = _spawn(t, Path(tmp), l1_size, chunk_size, ["--no-shm"] if t == "inline" else [])
+                extra = ["--no-disk", *(["--no-shm"] if t == "inline" else [])]  # L1 only: no write-down
+                started[t] = spawn(t, Path(tmp), l1_size, chunk_size, extra)
             for srv in started.values():
-                _wait_up(srv)
+                wait_up(srv)
             yield started
         finally:
             for srv in started.values():
@@ -179,16 +99,6 @@ def _own_cpu_s() -> float:
     """CPU-seconds of this process and its reaped children (the servers, once stopped)."""
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
-
-
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    r = fn()
-    return time.perf_counter() - t0, r
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -241,16 +151,16 @@ def bench_throughput(
                 raise RuntimeError(f"{transport}: store wrote {r.stored_chunks}/{n_chunks} chunks ({r})")
 
         time.sleep(cold_pause)
-        t_cold, _ = _timed(lambda: sdk_store(False))
+        t_cold, _ = timed(lambda: sdk_store(False))
         dst = [torch.empty((2, kv.shape[1], chunk, kv.shape[3]), dtype=kv.dtype) for _ in range(n_chunks)]
         for d in dst:
             d.zero_()  # allocated and touched
         time.sleep(cold_pause)
-        b_cold, _ = _timed(lambda: _baseline_store(kv, dst, chunk))
+        b_cold, _ = timed(lambda: _baseline_store(kv, dst, chunk))
         warm, b_warm = [], []
         for _ in range(reps):  # interleaved, so both see the same machine state
-            warm.append(_timed(lambda: sdk_store(True))[0])
-            b_warm.append(_timed(lambda: _baseline_store(kv, dst, chunk))[0])
+            warm.append(timed(lambda: sdk_store(True))[0])
+            b_warm.append(timed(lambda: _baseline_store(kv, dst, chunk))[0])
         rows.append(_row(transport, "store", nbytes, t_cold, warm, b_cold, b_warm, "overwrite=True, same tokens"))
 
         # ---- retrieve
@@ -261,21 +171,21 @@ def bench_throughput(
             return out
 
         time.sleep(cold_pause)
-        t_cold, out = _timed(sdk_retrieve)
+        t_cold, out = timed(sdk_retrieve)
         if not torch.equal(out.view(torch.uint8), kv.contiguous().view(torch.uint8)):
             raise RuntimeError(f"{transport}: CORRECTNESS FAILURE: retrieved KV differs from the stored KV")
         del out
         time.sleep(cold_pause)
-        b_cold, out = _timed(lambda: _baseline_retrieve(dst, tuple(kv.shape), kv.dtype, chunk))
+        b_cold, out = timed(lambda: _baseline_retrieve(dst, tuple(kv.shape), kv.dtype, chunk))
         if not torch.equal(out, kv):
             raise RuntimeError("baseline retrieve is wrong (benchmark bug)")
         del out
         warm, b_warm = [], []
         for _ in range(reps):
-            t, out = _timed(sdk_retrieve)
+            t, out = timed(sdk_retrieve)
             del out  # free before the next allocation, as a caller that drops the result would
             warm.append(t)
-            t, out = _timed(lambda: _baseline_retrieve(dst, tuple(kv.shape), kv.dtype, chunk))
+            t, out = timed(lambda: _baseline_retrieve(dst, tuple(kv.shape), kv.dtype, chunk))
             del out
             b_warm.append(t)
         rows.append(_row(transport, "retrieve", nbytes, t_cold, warm, b_cold, b_warm, "fresh output tensor each call"))
@@ -299,10 +209,10 @@ def _row(
         "warm_s": warm,
         "baseline_cold_s": b_cold,
         "baseline_warm_s": b_warm,
-        "cold_gbps": _gbps(nbytes, cold),
-        "warm_gbps": _gbps(nbytes, w),
-        "baseline_cold_gbps": _gbps(nbytes, b_cold),
-        "baseline_warm_gbps": _gbps(nbytes, bw),
+        "cold_gbps": gbps(nbytes, cold),
+        "warm_gbps": gbps(nbytes, w),
+        "baseline_cold_gbps": gbps(nbytes, b_cold),
+        "baseline_warm_gbps": gbps(nbytes, bw),
         "ratio_cold": b_cold / cold,
         "ratio_warm": bw / w,
     }
@@ -323,7 +233,7 @@ def bench_latency(srv: Server, transport: str, chunk: int, iters: int) -> dict[s
         def series(fn: Callable[[], Any]) -> list[float]:
             for _ in range(warmup):
                 fn()
-            return [_timed(fn)[0] * 1e3 for _ in range(iters)]
+            return [timed(fn)[0] * 1e3 for _ in range(iters)]
 
         def one_retrieve() -> None:
             out = kvd.retrieve(ctx, tokens)

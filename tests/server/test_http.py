@@ -89,6 +89,28 @@ def test_admin_clear_needs_the_token(make_server) -> None:
         assert kvd.check_server_integrity(c) == []
 
 
+def test_admin_clear_one_tier(make_server, tmp_path) -> None:
+    import time
+
+    srv = make_server("--disk-dir", str(tmp_path / "l2"))
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        kv = make_kv(2 * CHUNK)
+        assert kvd.store(c, kv, make_tokens(2 * CHUNK))
+        deadline = time.monotonic() + 10
+        while srv.get("/status")["tiers"]["l2"]["objects"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert _post(srv.http_url + "/admin/clear?tier=bogus")[0] == 400
+        assert _post(srv.http_url + "/admin/clear?tier=l1") == (200, '{"removed": 2, "removed_l2": 0}')
+        assert srv.get("/status")["l1"]["objects"] == 0
+        assert torch.equal(kvd.retrieve(c, make_tokens(2 * CHUNK)), kv)  # back from L2
+        assert _post(srv.http_url + "/admin/clear?tier=l2") == (200, '{"removed": 0, "removed_l2": 2}')
+        assert srv.get("/status")["tiers"]["l2"]["objects"] == 0
+        assert list((tmp_path / "l2").glob("*/*.kv")) == []
+        assert kvd.lookup(c, make_tokens(2 * CHUNK)) == 2 * CHUNK  # still in L1
+        assert kvd.check_server_integrity(c) == []
+
+
 @pytest.mark.parametrize("path", ["/status", "/config"])
 def test_http_binds_loopback_by_default(server, path: str) -> None:
     assert server.get(path)  # reachable on 127.0.0.1

@@ -4,8 +4,8 @@ GET  /config   chunk size, protocol, transports, the L1 pool's shared-memory nam
 GET  /status   health, uptime, sessions, clients, pool usage, registered models (cache_context_meta)
 GET  /healthz  200 "ok"
 GET  /metrics  Prometheus text
-POST /admin/clear   drop every object from L1 and L2 (Bearer token if admin_token is set); the
-                    shared L3 is left alone
+POST /admin/clear   drop every object from L1 and L2, or one of them with ?tier=l1 / ?tier=l2
+                    (Bearer token if admin_token is set); the shared L3 is left alone
 """
 
 from __future__ import annotations
@@ -134,8 +134,12 @@ def _authorize(request: web.Request) -> None:
 async def _clear(request: web.Request) -> web.Response:
     _authorize(request)
     state = request.app[STATE]
-    removed = state.manager.l1.clear()
-    return web.json_response({"removed": removed, "removed_l2": state.tiers.clear_disk()})
+    tier = request.query.get("tier", "all")
+    if tier not in ("all", "l1", "l2"):
+        raise web.HTTPBadRequest(text=f"tier must be all, l1 or l2, got {tier!r}")
+    removed = state.manager.l1.clear() if tier in ("all", "l1") else 0
+    removed_l2 = state.tiers.clear_disk() if tier in ("all", "l2") else 0
+    return web.json_response({"removed": removed, "removed_l2": removed_l2})
 
 
 def make_app(state: ServerState, config: ServerConfig) -> web.Application:

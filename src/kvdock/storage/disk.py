@@ -75,7 +75,10 @@ class DiskStore:
         self.pending_bytes = 0  # room promised to writes in flight
 
     def close(self) -> None:
-        os.close(self._lock_fd)
+        """Release the directory lock; harmless twice."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def __len__(self) -> int:
         return len(self._index)

@@ -47,7 +47,7 @@ class RedisStore:
         """The URL without its password."""
         if "@" in self.url:
             scheme, rest = self.url.split("://", 1)
-            return f"{scheme}://***@{rest.split('@', 1)[1]}"
+            return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
         return self.url
 
     def available(self) -> bool:

@@ -127,6 +127,9 @@ class Tiers:
             if promised > self.disk.capacity:
                 counters.writes_skipped += 1
                 return
+            # the older version's entry goes now: its file is replaced by this write's rename, and
+            # no other write may evict (unlink) that path in the meantime
+            self.disk.remove(obj.key)
             evicted = self.disk.make_room(promised)
             path = self.disk.path_for(obj.key)
         self.manager.pin_background(obj)

@@ -115,12 +115,13 @@ def _check_ctx(ctx: object) -> kvd.KVCacheContext:
 def _check_pair(model: object, ctx: object) -> _Spec:
     """``model`` is supported and ``ctx`` was registered with the same geometry and dtype."""
     spec = _spec(model)
-    geo = _check_ctx(ctx).geometry
+    c = _check_ctx(ctx)
+    geo = c.geometry
     mine = (spec.num_layers, spec.num_kv_heads, spec.head_dim, str(spec.dtype).removeprefix("torch."))
     theirs = (geo.num_layers, geo.num_kv_heads, geo.head_dim, geo.dtype)
     if mine != theirs:
         raise InvalidInputError(
-            f"the model (layers, kv_heads, head_dim, dtype) = {mine} does not match {ctx.model_name!r} "  # type: ignore[attr-defined]
+            f"the model (layers, kv_heads, head_dim, dtype) = {mine} does not match {c.model_name!r} "
             f"registered as {theirs}"
         )
     return spec
@@ -300,7 +301,7 @@ def _prompt(input_ids: object, device: torch.device) -> torch.Tensor:
     ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(_tokens(input_ids))
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
-    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0 or ids.is_floating_point():
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
         raise InvalidInputError(
             f"input_ids must be one non-empty prompt of token ids, [T] or [1, T]; got {list(ids.shape)} {ids.dtype} "
             "(batches: call generate once per prompt)"
@@ -318,18 +319,25 @@ def generate(
     3. :func:`save_kv` of the prompt's positions of the same cache (the prompt's whole chunks not
     already stored; skipped when there are none, or when ``generate`` produced no token so the
     prompt was never prefilled). Greedy decoding and sampling are supported; beam search and
-    ``num_return_sequences > 1`` are refused, as is passing a cache. A ``streamer`` is honoured:
-    the timing streamer passes everything on to it. ``ttft_s`` is measured from the start of
-    this call to the moment ``generate`` hands the first new token to the streamer (the whole
-    call when no token was produced). Raises InvalidInputError (model, prompt, arguments, or a
-    model that does not match ``ctx``'s registration) and the SDK's errors."""
+    ``num_return_sequences > 1`` are refused, as are a cache, ``position_ids``, ``inputs_embeds``
+    and a padded ``attention_mask`` (the prefix's keys sit at positions ``0..hit``). A
+    ``streamer`` is honoured: the timing streamer passes everything on to it. ``ttft_s`` is
+    measured from the start of this call (before the kvdock retrieve) to the moment ``generate``
+    hands the first new token to the streamer (the whole call when no token was produced).
+    Raises InvalidInputError (model, prompt, arguments, or a model that does not match ``ctx``'s
+    registration) and the SDK's errors."""
     _check_pair(model, ctx)
     model_generate: Any = getattr(model, "generate", None)
     if not callable(model_generate):
         raise InvalidInputError(f"{type(model).__name__} cannot generate (use a *ForCausalLM model)")
-    for key in ("cache", "past_key_values"):
+    for key in ("cache", "past_key_values", "position_ids", "inputs_embeds"):
         if key in generate_kwargs:
-            raise InvalidInputError(f"do not pass {key}=: kvdock's generate builds the cache from the stored prefix")
+            raise InvalidInputError(
+                f"do not pass {key}=: kvdock's generate derives it from input_ids and the stored prefix"
+            )
+    mask = generate_kwargs.get("attention_mask")
+    if mask is not None and not bool(torch.as_tensor(mask).all()):
+        raise InvalidInputError("attention_mask must be all ones: the stored prefix assumes an unpadded prompt")
     gen_cfg = generate_kwargs.get("generation_config") or model.generation_config
     for key in ("num_beams", "num_return_sequences"):
         value = generate_kwargs.get(key, getattr(gen_cfg, key, 1))

@@ -131,7 +131,8 @@ def rotary_params(model_or_config: Any, layer_type: str | None = None, seq_len: 
     _check_supported(config)
     params = _rope_parameters(config, layer_type)
     rope_type = str(params["rope_type"])
-    if isinstance(model_or_config, torch.nn.Module) and layer_type is None and rope_type not in _LENGTH_DEPENDENT:
+    nested = _rope_is_nested(config)
+    if isinstance(model_or_config, torch.nn.Module) and not nested and rope_type not in _LENGTH_DEPENDENT:
         module = _find_rotary_module(model_or_config)
         if module is not None and getattr(module, "rope_type", rope_type) == rope_type:
             inv = getattr(module, "inv_freq")  # noqa: B009 -- typed as Tensor by _find_rotary_module
@@ -147,7 +148,7 @@ def rotary_params(model_or_config: Any, layer_type: str | None = None, seq_len: 
     if fn is None:
         raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
     kwargs: dict[str, Any] = {"seq_len": seq_len}
-    if layer_type is not None and _rope_is_nested(config):
+    if layer_type is not None and nested:
         kwargs["layer_type"] = layer_type
     inv, scaling = fn(config, torch.device("cpu"), **kwargs)
     return RotaryParams(inv.detach().to(torch.float32), float(scaling), rope_type)

@@ -45,7 +45,6 @@ import kvdock.sdk as kvd
 from kvdock.errors import InvalidInputError
 from kvdock.keys import normalize_tokens
 from kvdock.protocol.messages import EngineInfo
-from kvdock.sdk.http import get_json
 
 KV_FORMAT = "HND"
 _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
@@ -148,9 +147,9 @@ def connect(
     spec = _spec(model)
     cfg = model.config
     name = model_name or str(getattr(cfg, "_name_or_path", "") or "") or spec.model_type
-    chunk = int(get_json(http_url, "/config", timeout)["chunk_size"])
+    chunk = int(kvd.server_config(http_url, timeout)["chunk_size"])
     tpb = 16 if chunk % 16 == 0 else chunk
-    for entry in get_json(http_url, "/status", timeout).get("cache_context_meta", []):
+    for entry in kvd.server_status(http_url, timeout).get("cache_context_meta", []):
         if entry.get("model_name") == name:
             tpb = int(entry["kv_cache_layout"]["tokens_per_block"])
     engine = EngineInfo(name="transformers", version=transformers.__version__, attention_backend=spec.attention_backend)

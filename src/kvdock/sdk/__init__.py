@@ -17,6 +17,7 @@ from kvdock.errors import (
     UnknownModelError,
 )
 from kvdock.sdk.context import KVCacheContext, close, connect
+from kvdock.sdk.http import server_config, server_status
 from kvdock.sdk.ops import StoreResult, check_server_integrity, lookup, retrieve, store, store_chunks
 from kvdock.sdk.registration import ModelRegistration, make_layout, register_layout, register_model
 
@@ -38,6 +39,8 @@ __all__ = [
     "register_layout",
     "register_model",
     "retrieve",
+    "server_config",
+    "server_status",
     "store",
     "store_chunks",
 ]

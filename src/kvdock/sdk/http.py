@@ -24,3 +24,13 @@ def get_json(http_url: str, path: str, timeout: float) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise ServerUnavailableError(f"{url} did not return a JSON object")
     return doc
+
+
+def server_config(http_url: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The server's ``GET /config`` document (chunk_size, transports, L1 pool)."""
+    return get_json(http_url, "/config", timeout)
+
+
+def server_status(http_url: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The server's ``GET /status`` document (registered models under ``cache_context_meta``)."""
+    return get_json(http_url, "/status", timeout)

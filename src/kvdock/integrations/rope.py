@@ -11,6 +11,11 @@ That makes moving cached KV to new positions (dropping tokens, splicing) exact f
     keys_q = rerotate_keys(keys_p, p, q, model)          # [..., T, head_dim]
     kv_q = rerotate_kv(kv_p, p, q, model)                 # KV_2LTD [2, L, T, kv_heads * head_dim]
 
+    old, new = positions_after_drop(kv.shape[2], 256, 1024)   # drop tokens [256, 1024)
+    compact = rerotate_kv(kv[:, :, old], old, new, model.config)  # store under the kept tokens
+
+``model_or_config`` is a transformers model or its config (an SDK process needs only the config).
+
 Values carry no position and are never changed. (Exact is per layer: a layer's *unrotated* keys
 depend on the hidden states of the layers below, which saw the old context. Only layer 0's keys
 are a function of token and position alone.)
@@ -19,8 +24,9 @@ Where the rotary parameters come from, in order:
 
 * a model: its rotary module's ``inv_freq`` buffer and ``attention_scaling`` -- what its forward
   pass really multiplies with (a model cast with ``.to(bfloat16)`` has a bfloat16 ``inv_freq``,
-  and so do its keys);
-* a config (or a model whose rotary module cannot be found, or a per-layer-type config):
+  and its keys were rotated with those rounded frequencies);
+* a config (or a model whose rotary module cannot be found, a per-layer-type config, or a
+  dynamic/longrope model):
   ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS[rope_type]`` -- the function the model's
   rotary module calls at init -- or, for ``rope_type == "default"``, the standard
   ``theta ** (-2i / dim)`` with ``partial_rotary_factor``.
@@ -29,13 +35,16 @@ Where the rotary parameters come from, in order:
 computed with; they are computed for ``from_seq_len`` (default ``max(from_positions) + 1``, i.e.
 one prefill of the sequence) and ``to_seq_len`` (default ``max(to_positions) + 1``). HF's dynamic
 rotary module keeps state across calls, so keys computed after a *longer* earlier sequence differ;
-pass ``from_seq_len`` then. Angles are computed in float32 exactly as HF does
+pass ``from_seq_len`` then. (A longrope model cast with ``.to(bfloat16)`` uses its rounded buffer
+for the short factors; re-rotation uses float32 frequencies, so expect bfloat16-sized differences
+there.) Angles are computed in float32 exactly as HF does
 (``position.float() * inv_freq``), their difference in float64, and the rotation in float32; the
 result is cast back to the keys' dtype.
 
 Refused with ValueError (never silently wrong): models with interleaved ("rotate every two") RoPE
 (GPT-J, Cohere, GLM), models with layers that use no RoPE (``no_rope_layers``), unknown RoPE types,
-and nested per-layer-type RoPE parameters without a ``layer_type``.
+and :func:`rerotate_keys` without a ``layer_type`` on a per-layer-type config (:func:`rerotate_kv`
+picks each layer's type from ``config.layer_types``).
 """
 
 from __future__ import annotations

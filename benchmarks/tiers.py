@@ -34,24 +34,25 @@ from pathlib import Path
 import torch
 
 import kvdock.sdk as kvd
+from kvdock.server.process import ServerProcess, free_port, launch_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Server, free_port, gbps, spawn, timed, wait_up
+from common import gbps, timed
 
 MODEL = "bench-tiers"
 
 
-def status(srv: Server) -> dict:
+def status(srv: ServerProcess) -> dict:
     with urllib.request.urlopen(srv.http_url + "/status", timeout=10) as r:
         return json.loads(r.read())
 
 
-def clear_l1(srv: Server) -> None:
+def clear_l1(srv: ServerProcess) -> None:
     req = urllib.request.Request(srv.http_url + "/admin/clear?tier=l1", method="POST")
     urllib.request.urlopen(req, timeout=10).read()
 
 
-def wait_written(srv: Server, tier: str, n: int, timeout: float = 300) -> float:
+def wait_written(srv: ServerProcess, tier: str, n: int, timeout: float = 300) -> float:
     t0 = time.perf_counter()
     while True:
         st = status(srv)["tiers"]
@@ -111,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         disk = Path(tmp) / "l2"
         url = f"redis://127.0.0.1:{rport}/0"
         common = ["--log-level", "WARNING", "--redis-url", url]
-        a = spawn("a", Path(tmp), args.l1_size, args.chunk_size, [*common, "--disk-dir", str(disk)])
-        b = spawn("b", Path(tmp), args.l1_size, args.chunk_size, [*common, "--no-disk"])
+        a = launch_server(*common, "--disk-dir", str(disk), l1_size=args.l1_size, chunk_size=args.chunk_size)
+        b = launch_server(*common, "--no-disk", l1_size=args.l1_size, chunk_size=args.chunk_size)
         try:
             for srv in (a, b):
-                wait_up(srv)
+                srv.wait_ready()
                 kvd.register_model(
                     srv.url,
                     srv.http_url,

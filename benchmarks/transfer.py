@@ -52,9 +52,10 @@ import torch
 import kvdock
 import kvdock.sdk as kvd
 from kvdock.sdk.context import TORCH_DTYPES
+from kvdock.server.process import ServerProcess, launch_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Server, gbps, spawn, timed, wait_up
+from common import gbps, timed
 
 MODEL = "bench-transfer"
 LAT_MODEL = "bench-latency"
@@ -66,22 +67,25 @@ LAT_GEOMETRY = {"num_layers": 4, "num_kv_heads": 1, "head_dim": 128, "dtype": "b
 
 
 @contextmanager
-def servers(transports: list[str], l1_size: str, chunk_size: int) -> Iterator[dict[str, Server]]:
+def servers(transports: list[str], l1_size: str, chunk_size: int) -> Iterator[dict[str, ServerProcess]]:
     """Start one server per transport (in parallel: each pre-faults its pool); SIGTERM them on exit."""
     with tempfile.TemporaryDirectory(prefix="kvdock-bench-") as tmp:
-        started: dict[str, Server] = {}
+        started: dict[str, ServerProcess] = {}
         try:
             for t in transports:
                 extra = ["--no-disk", *(["--no-shm"] if t == "inline" else [])]  # L1 only: no write-down
-                started[t] = spawn(t, Path(tmp), l1_size, chunk_size, extra)
+                log_path = Path(tmp) / f"server-{t}.log"
+                started[t] = launch_server(
+                    *extra, "--log-level", "WARNING", l1_size=l1_size, chunk_size=chunk_size, log_path=log_path
+                )
             for srv in started.values():
-                wait_up(srv)
+                srv.wait_ready()
             yield started
         finally:
-            for srv in started.values():
+            for name, srv in started.items():
                 rc = srv.stop()
                 if rc not in (0, None):
-                    print(f"warning: {srv.name} server exited with {rc}; log:\n{srv.log()}", file=sys.stderr)
+                    print(f"warning: {name} server exited with {rc}; log:\n{srv.log()}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------- measuring helpers
@@ -132,7 +136,7 @@ def _baseline_retrieve(src: list[torch.Tensor], shape: tuple[int, ...], dtype: t
 
 
 def bench_throughput(
-    srv: Server, transport: str, kv: torch.Tensor, chunk: int, reps: int, cold_pause: float
+    srv: ServerProcess, transport: str, kv: torch.Tensor, chunk: int, reps: int, cold_pause: float
 ) -> list[dict[str, Any]]:
     n_chunks = kv.shape[2] // chunk
     kv = kv[:, :, : n_chunks * chunk]
@@ -142,7 +146,7 @@ def bench_throughput(
 
     with kvd.connect(srv.url, srv.http_url, MODEL) as ctx:
         if ctx.transport != transport:
-            raise RuntimeError(f"{srv.name} server granted transport {ctx.transport!r}, expected {transport!r}")
+            raise RuntimeError(f"{transport} server granted transport {ctx.transport!r}, expected {transport!r}")
 
         # ---- store
         def sdk_store(overwrite: bool) -> None:
@@ -221,7 +225,7 @@ def _row(
 # --------------------------------------------------------------------------- latency
 
 
-def bench_latency(srv: Server, transport: str, chunk: int, iters: int) -> dict[str, Any]:
+def bench_latency(srv: ServerProcess, transport: str, chunk: int, iters: int) -> dict[str, Any]:
     with kvd.connect(srv.url, srv.http_url, LAT_MODEL) as ctx:
         geo = ctx.geometry
         kv = _make_kv((2, geo.num_layers, chunk, geo.hidden_dim), ctx.dtype, seed=7)

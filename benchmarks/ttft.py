@@ -41,14 +41,9 @@ import json
 import os
 import platform
 import resource
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -56,6 +51,7 @@ from typing import Any
 import torch
 
 import kvdock.sdk as kvd
+from kvdock.server.process import start_server
 
 MODEL = "bench-ttft"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,40 +60,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @contextmanager
 def kvdock_server(chunk_size: int, l1_size: str) -> Iterator[tuple[str, str]]:
     """A ``kvdock serve`` subprocess on free loopback ports (no disk tier); SIGTERM on exit."""
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
-
-    port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "kvdock.cli.main", "serve", "--port", str(port), "--http-port", str(http_port)]
-    cmd += ["--chunk-size", str(chunk_size), "--l1-size", l1_size, "--no-disk"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        http_url = f"http://127.0.0.1:{http_port}"
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"kvdock serve did not come up:\n{log.read().decode()}")
-                try:
-                    with urllib.request.urlopen(http_url + "/healthz", timeout=1) as r:
-                        r.read()
-                    break
-                except OSError:
-                    time.sleep(0.05)
-            yield f"tcp://127.0.0.1:{port}", http_url
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    with start_server("--no-disk", l1_size=l1_size, chunk_size=chunk_size) as srv:
+        yield srv.url, srv.http_url
 
 
 def build_model(args: argparse.Namespace) -> Any:

@@ -5,15 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+import kvdock.sdk as kvd
+from kvdock.server.process import start_server
 
 TINY_NAME = "kvdock-example-tiny-llama"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -138,17 +134,6 @@ def preview(model: Model, name: str, ids: list[int]) -> dict[str, Any]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get_json(url: str, timeout: float = 5.0) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())  # type: ignore[no-any-return]
-
-
 @contextmanager
 def server(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
     """(url, http_url, chunk_size) of ``--url``/``--http-url``, or of a ``kvdock serve`` subprocess
@@ -157,40 +142,18 @@ def server(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
         if not (args.url and args.http_url):
             raise die("--url and --http-url go together")
         try:
-            chunk = int(_get_json(args.http_url + "/config")["chunk_size"])
-        except OSError as e:
+            chunk = int(kvd.server_config(args.http_url)["chunk_size"])
+        except kvd.KVCacheSDKError as e:
             raise die(f"no kvdock server answers at {args.http_url}: {e}") from None
         yield args.url, args.http_url, chunk
         return
-    port, http_port = _free_port(), _free_port()
-    cmd = [sys.executable, "-m", "kvdock.cli.main", "serve", "--port", str(port), "--http-port", str(http_port)]
-    cmd += ["--chunk-size", str(args.chunk_size), "--l1-size", args.l1_size, "--no-disk"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
-    with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            http_url = f"http://127.0.0.1:{http_port}"
-            deadline = time.monotonic() + 60
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    out.seek(0)
-                    raise die(f"kvdock serve did not come up ({' '.join(cmd)}):\n{out.read().decode()}")
-                try:
-                    with urllib.request.urlopen(http_url + "/healthz", timeout=1.0) as r:
-                        r.read()
-                    break
-                except OSError:
-                    time.sleep(0.05)
-            log(f"started kvdock serve on tcp://127.0.0.1:{port} / {http_url} (chunk {args.chunk_size})")
-            yield f"tcp://127.0.0.1:{port}", http_url, args.chunk_size
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    try:
+        srv = start_server("--no-disk", l1_size=args.l1_size, chunk_size=args.chunk_size, timeout=60)
+    except RuntimeError as e:
+        raise die(str(e)) from None
+    with srv:
+        log(f"started kvdock serve on {srv.url} / {srv.http_url} (chunk {args.chunk_size})")
+        yield srv.url, srv.http_url, args.chunk_size
 
 
 def warm_up(model: Any, gen: dict[str, Any], num_tokens: int = 24) -> None:

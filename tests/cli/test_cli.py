@@ -10,7 +10,7 @@ import sys
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, free_port, make_tokens, start_server
+from helpers import CHUNK, ServerProc, free_port, make_tokens, start_server
 
 
 def kvdock(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -118,17 +118,4 @@ def test_serve_rejects_bad_config(tmp_path) -> None:
 
 
 def _wait(p, port: int, http_port: int, tmp_path):
-    import time
-    import urllib.request
-
-    from helpers import ServerProc
-
-    srv = ServerProc(p, port, http_port, tmp_path / "none.log")
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(srv.http_url + "/healthz", timeout=1)
-            return srv
-        except OSError:
-            assert p.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
+    return ServerProc(p, port, http_port, tmp_path / "none.log").wait_ready(30)

@@ -1,0 +1,126 @@
+"""A ``kvdock serve`` child process on free loopback ports: what tests, benchmarks and examples
+use to run a real server. Only the standard library; never imported by the server itself.
+
+    with start_server("--no-disk", l1_size="1GiB") as srv:
+        ctx = kvdock.sdk.connect(srv.url, srv.http_url, ...)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[bytes]
+    port: int
+    http_port: int
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def text(self, path: str, timeout: float = 10.0) -> str:
+        with urllib.request.urlopen(self.http_url + path, timeout=timeout) as r:
+            return str(r.read().decode())
+
+    def get(self, path: str, timeout: float = 10.0) -> dict[str, Any]:
+        """GET a JSON document (``/status``, ``/config``) from the server."""
+        doc: dict[str, Any] = json.loads(self.text(path, timeout))
+        return doc
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
+        """Block until ``/healthz`` answers; RuntimeError (with the log) if the server exits or
+        does not come up in time (a large pool takes a while to pre-fault)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvdock serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                self.text("/healthz", timeout=1)
+                return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"kvdock serve did not come up within {timeout:.0f}s:\n{self.log()}") from None
+                time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send ``sig`` (SIGKILL after ``timeout``) and return the exit code; harmless twice."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def launch_server(
+    *extra: str, l1_size: str = "256MiB", chunk_size: int = 256, log_path: Path | None = None
+) -> ServerProcess:
+    """Start ``kvdock serve`` on free loopback ports without waiting for it (see wait_ready).
+
+    ``extra`` are more CLI flags. KVDOCK_* variables of this process are not passed on, so only
+    the flags decide. The output goes to ``log_path`` (default: a temporary file)."""
+    port, http_port = free_port(), free_port()
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"kvdock-serve-{port}-", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
+    args = [
+        sys.executable, "-m", "kvdock.cli.main", "serve",
+        "--port", str(port), "--http-port", str(http_port),
+        "--l1-size", l1_size, "--chunk-size", str(chunk_size), *extra,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return ServerProcess(proc, port, http_port, log_path, args)
+
+
+def start_server(
+    *extra: str, l1_size: str = "256MiB", chunk_size: int = 256, log_path: Path | None = None, timeout: float = 120.0
+) -> ServerProcess:
+    """launch_server, then wait_ready."""
+    return launch_server(*extra, l1_size=l1_size, chunk_size=chunk_size, log_path=log_path).wait_ready(timeout)

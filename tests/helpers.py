@@ -55,21 +55,35 @@ def start_server(tmp_path: Path, *extra: str, l1_size: str = "64MiB", chunk_size
 class RedisProc:
     port: int
     proc: subprocess.Popen[bytes] | None = None
+    password: str = ""
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisProc:
         """Start redis-server (no persistence) on ``port`` and wait until it answers PING."""
         import redis
 
+        auth = ["--requirepass", self.password] if self.password else []
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                *auth,
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2, password=self.password or None)
         deadline = time.monotonic() + 20
         while True:
             try:

@@ -93,8 +93,8 @@ def test_corrupted_and_torn_files_are_detected_never_returned(make_server, tmp_p
         # storing again repairs it
         assert kvd.store_chunks(c, kv, tokens).stored_chunks == 2
         assert torch.equal(kvd.retrieve(c, tokens), kv)
-    assert tier(again, "l2")["corrupted"] == 1
-    assert 'kvdock_tier_corrupted_total{tier="l2"} 1.0' in again.text("/metrics")
+    assert tier(again, "l2")["corrupted"] == 2  # one torn (found at start-up), one failing its checksum
+    assert 'kvdock_tier_corrupted_total{tier="l2"} 2.0' in again.text("/metrics")
 
 
 def test_two_servers_share_one_redis(make_server, redis_server) -> None:
@@ -191,3 +191,31 @@ def test_lookup_prefetch_and_status_ops(make_server, tmp_path) -> None:
         with pytest.raises(kvd.ServerError, match="session"):
             c.call(m.QueryPrefetchStatus(c.client_id, "p"))
         assert kvd.check_server_integrity(c) == []
+
+
+def test_redis_with_password_and_unreachable_redis_at_start(make_server, tmp_path) -> None:
+    from helpers import RedisProc, free_port
+
+    secured = RedisProc(free_port(), password="s3cret pass@word").start()
+    try:
+        wrong = secured.url.replace("s3cret", "wrong")
+        good = make_server("--redis-url", secured.url)
+        bad = make_server("--redis-url", wrong)
+        dead = make_server("--redis-url", f"redis://127.0.0.1:{free_port()}/0")
+        kv, tokens = make_kv(2 * CHUNK, seed=40), make_tokens(2 * CHUNK, start=40)
+        with kvd.connect(good.url, good.http_url, MODEL, timeout=5) as c:
+            assert kvd.store(c, kv, tokens)
+        wait_written(good, "l3", 2)
+        assert tier(good, "l3")["url"] == f"redis://***@127.0.0.1:{secured.port}/0"  # no password shown
+        for srv in (bad, dead):
+            wait_for(lambda s=srv: tier(s, "l3")["up"] is False, "L3 down")
+            with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+                assert kvd.retrieve(c, tokens) is None  # L3 unusable: a miss, not an error
+                assert kvd.store(c, kv, tokens)  # L1 serves
+                assert torch.equal(kvd.retrieve(c, tokens), kv)
+            assert "wrong" not in srv.get("/status")["tiers"]["l3"]["url"]
+        assert tier(bad, "l3")["last_error"].startswith("AuthenticationError: invalid username-password pair")
+        assert "ConnectionError" in tier(dead, "l3")["last_error"]
+        assert 'kvdock_tier_up{tier="l3"} 0.0' in dead.text("/metrics")
+    finally:
+        secured.stop()

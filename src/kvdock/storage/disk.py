@@ -73,6 +73,7 @@ class DiskStore:
         self._index: OrderedDict[ObjectKey, DiskEntry] = OrderedDict()  # least recently used first
         self.used_bytes = 0
         self.pending_bytes = 0  # room promised to writes in flight
+        self.last_scan = ScanReport(0, 0, 0)
 
     def close(self) -> None:
         """Release the directory lock; harmless twice."""
@@ -119,7 +120,8 @@ class DiskStore:
         evicted = self.make_room(0)  # the budget may have shrunk since the last run
         for old in evicted:
             old.path.unlink(missing_ok=True)
-        return ScanReport(len(self._index), torn, temps)
+        self.last_scan = ScanReport(len(self._index), torn, temps)
+        return self.last_scan
 
     def get(self, key: ObjectKey) -> DiskEntry | None:
         """The entry for ``key`` (now most recently used) or None."""

@@ -78,6 +78,8 @@ class Tiers:
         self.disk = disk
         self.redis = redis
         self.counters = {"l2": TierCounters(), "l3": TierCounters()}
+        if disk is not None:  # torn files the start-up scan deleted count as corrupted
+            self.counters["l2"].corrupted = disk.last_scan.torn
         # pinned bytes waiting for write-down; past this, new objects are not written down
         self.max_backlog_bytes = max_backlog_bytes or manager.l1.allocator.capacity
         self.backlog_bytes = 0

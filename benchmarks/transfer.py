@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import signal
 import statistics
 import sys
@@ -55,7 +54,7 @@ from kvdock.sdk.context import TORCH_DTYPES
 from kvdock.server.process import ServerProcess, launch_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import gbps, timed
+from common import cpu_busy_s, gbps, own_cpu_s, timed
 
 MODEL = "bench-transfer"
 LAT_MODEL = "bench-latency"
@@ -89,20 +88,6 @@ def servers(transports: list[str], l1_size: str, chunk_size: int) -> Iterator[di
 
 
 # --------------------------------------------------------------------------- measuring helpers
-
-
-def _cpu_busy_s() -> float:
-    """CPU-seconds all CPUs spent in user and system mode since boot (/proc/stat; irq, softirq
-    and steal are left out: loopback TCP of our own inline transport lands in softirq)."""
-    with open("/proc/stat") as f:
-        user, nice, system = (int(x) for x in f.readline().split()[1:4])
-    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    """CPU-seconds of this process and its reaped children (the servers, once stopped)."""
-    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -391,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    t0, busy0, own0 = time.perf_counter(), _cpu_busy_s(), _own_cpu_s()
+    t0, busy0, own0 = time.perf_counter(), cpu_busy_s(), own_cpu_s()
     kv = _make_kv(shape, dtype, seed=1)
     rows: list[dict[str, Any]] = []
     lat: list[dict[str, Any]] = []
@@ -418,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
     elapsed = time.perf_counter() - t0
     # CPU time used on this machine by processes other than the benchmark and its servers
-    foreign = max(0.0, (_cpu_busy_s() - busy0) - (_own_cpu_s() - own0))
+    foreign = max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0))
     env["foreign_cpu_s"] = foreign
     env["foreign_cpu_share"] = foreign / (elapsed * (os.cpu_count() or 1))
     print_table(rows, lat, nbytes)

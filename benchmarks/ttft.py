@@ -40,18 +40,21 @@ import inspect
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import kvdock.sdk as kvd
 from kvdock.server.process import start_server
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_busy_s, own_cpu_s, timed
 
 MODEL = "bench-ttft"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,24 +90,6 @@ def _cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def timed(fn: Any) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
-def _cpu_busy_s() -> float:
-    with open("/proc/stat") as f:
-        user, nice, system = (int(x) for x in f.readline().split()[1:4])
-    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
-
-
-@torch.no_grad()
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import kvdock.integrations.hf as kvhf
 
@@ -273,10 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    busy0, own0, t0 = _cpu_busy_s(), _own_cpu_s(), time.perf_counter()
+    busy0, own0, t0 = cpu_busy_s(), own_cpu_s(), time.perf_counter()
     result = run(args)
     wall = time.perf_counter() - t0
-    other = max(0.0, (_cpu_busy_s() - busy0) - (_own_cpu_s() - own0))
+    other = max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0))
     print_report(result, args, other, wall)
     if other > 0.05 * wall * (os.cpu_count() or 1):
         print("warning: other processes used the CPUs during the run; the timings are not clean", file=sys.stderr)

@@ -53,16 +53,27 @@ def encode_header(key: ObjectKey, dtype: str, shape: list[int], payload: memoryv
     return raw + b"\0" * (-len(raw) % ALIGN)
 
 
-def decode_header(block: bytes | memoryview) -> tuple[ObjectHeader, int]:
-    """Parse a header block; returns the header and the payload's offset. CorruptObject if invalid.
-
-    ``block`` must hold at least the whole padded header (read ``header_size_hint`` first)."""
+def _body_end(block: bytes | memoryview) -> int:
+    """Where the msgpack header body ends, from the fixed prefix (CorruptObject if not ours)."""
     if len(block) < _PREFIX.size:
         raise CorruptObject("too short for a header")
     magic, n = _PREFIX.unpack_from(block, 0)
     if magic != MAGIC:
         raise CorruptObject("bad magic")
-    end = _PREFIX.size + n
+    return int(_PREFIX.size + n)
+
+
+def header_size_hint(first: bytes | memoryview) -> int:
+    """How many bytes the padded header block spans, from its first 12 bytes."""
+    end = _body_end(first)
+    return end + (-end % ALIGN)
+
+
+def decode_header(block: bytes | memoryview) -> tuple[ObjectHeader, int]:
+    """Parse a header block; returns the header and the payload's offset. CorruptObject if invalid.
+
+    ``block`` must hold at least the whole padded header (read ``header_size_hint`` first)."""
+    end = _body_end(block)
     if len(block) < end:
         raise CorruptObject("header truncated")
     try:
@@ -70,17 +81,6 @@ def decode_header(block: bytes | memoryview) -> tuple[ObjectHeader, int]:
     except msgspec.DecodeError as e:
         raise CorruptObject(f"bad header: {e}") from None
     return header, end + (-end % ALIGN)
-
-
-def header_size_hint(first: bytes | memoryview) -> int:
-    """How many bytes the header block spans, from its first 12 bytes (CorruptObject if not ours)."""
-    if len(first) < _PREFIX.size:
-        raise CorruptObject("too short for a header")
-    magic, n = _PREFIX.unpack_from(first, 0)
-    if magic != MAGIC:
-        raise CorruptObject("bad magic")
-    end = _PREFIX.size + n
-    return end + (-end % ALIGN)
 
 
 def check(header: ObjectHeader, key: ObjectKey, dtype: str, shape: list[int], nbytes: int) -> None:

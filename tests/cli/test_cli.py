@@ -119,3 +119,30 @@ def test_serve_rejects_bad_config(tmp_path) -> None:
 
 def _wait(p, port: int, http_port: int, tmp_path):
     return ServerProc(p, port, http_port, tmp_path / "none.log").wait_ready(30)
+
+
+def test_store_and_retrieve_commands_round_trip_files(server, tmp_path) -> None:
+    kv = torch.randn(2, 3, 3 * CHUNK, 16).to(torch.bfloat16)
+    torch.save(kv, tmp_path / "kv.pt")
+    (tmp_path / "tokens.json").write_text(json.dumps(make_tokens(3 * CHUNK, start=5)))
+    flags = ["--url", server.url, "--http-url", server.http_url, "--model", "tiny"]
+    r = kvdock("store", *flags, "--kv", str(tmp_path / "kv.pt"), "--tokens-file", str(tmp_path / "tokens.json"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"stored_chunks": 3, "deduped_chunks": 0, "pool_full_chunks": 0}
+    r = kvdock("store", *flags, "--kv", str(tmp_path / "kv.pt"), "--tokens-file", str(tmp_path / "tokens.json"))
+    assert json.loads(r.stdout) == {"stored_chunks": 0, "deduped_chunks": 3, "pool_full_chunks": 0}
+    toks = ",".join(map(str, make_tokens(4 * CHUNK, start=5)))
+    r = kvdock("retrieve", *flags, "--out", str(tmp_path / "out.pt"), toks)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["hit_tokens"] == 3 * CHUNK
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True), kv)
+    r = kvdock("retrieve", *flags, "--out", str(tmp_path / "miss.pt"), "1,2,3")
+    assert r.returncode == 1 and json.loads(r.stdout) == {"hit_tokens": 0, "tokens": 3, "out": None}
+    assert not (tmp_path / "miss.pt").exists()
+    (tmp_path / "bad.pt").write_bytes(b"not a tensor")
+    r = kvdock("store", *flags, "--kv", str(tmp_path / "bad.pt"), "1,2")
+    assert r.returncode == 2 and "cannot load a tensor from" in r.stderr
+    r = kvdock("store", *flags, "--kv", str(tmp_path / "kv.pt"), "1,2")
+    assert r.returncode == 2 and "kv has 48 tokens but 2 token ids were given" in r.stderr
+    r = kvdock("lookup", *flags, "1,x")
+    assert r.returncode == 2 and "token ids must be integers" in r.stderr

@@ -1,4 +1,4 @@
-"""``kvdock serve | status | register | lookup``."""
+"""``kvdock serve | status | register | lookup | retrieve | store``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import pickle
 import signal
 import sys
 from pathlib import Path
@@ -64,10 +65,67 @@ def _register(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_ids(args: argparse.Namespace) -> list[int]:
+    """Token ids from the positional argument, or ``--tokens-file`` (a JSON list)."""
+    if args.tokens_file:
+        try:
+            ids = json.loads(Path(args.tokens_file).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read token ids from {args.tokens_file}: {e}") from None
+        if not isinstance(ids, list):
+            raise ConfigError(f"{args.tokens_file} must hold a JSON list of token ids")
+        return ids
+    if not args.tokens:
+        raise ConfigError("give token ids (comma or space separated) or --tokens-file")
+    try:
+        return [int(t) for t in args.tokens.replace(",", " ").split()]
+    except ValueError as e:
+        raise ConfigError(f"token ids must be integers: {e}") from None
+
+
+def _retrieve(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvdock import sdk
+
+    tokens = _token_ids(args)
+    with sdk.connect(args.url, args.http_url, args.model, args.timeout) as ctx:
+        kv = sdk.retrieve(ctx, tokens, args.cache_salt)
+    hit = 0 if kv is None else kv.shape[2]
+    if kv is not None:
+        torch.save(kv, args.out)
+    print(json.dumps({"hit_tokens": hit, "tokens": len(tokens), "out": args.out if kv is not None else None}))
+    return 0 if kv is not None else 1
+
+
+def _store(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvdock import sdk
+
+    tokens = _token_ids(args)
+    try:
+        kv = torch.load(args.kv, weights_only=True)  # tensors only: no code from the file runs
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        raise ConfigError(f"cannot load a tensor from {args.kv}: {e}") from None
+    with sdk.connect(args.url, args.http_url, args.model, args.timeout) as ctx:
+        r = sdk.store_chunks(ctx, kv, tokens, args.cache_salt, overwrite=args.overwrite)
+    print(
+        json.dumps(
+            {
+                "stored_chunks": r.stored_chunks,
+                "deduped_chunks": r.deduped_chunks,
+                "pool_full_chunks": r.pool_full_chunks,
+            }
+        )
+    )
+    return 0
+
+
 def _lookup(args: argparse.Namespace) -> int:
     from kvdock import sdk
 
-    tokens = [int(t) for t in args.tokens.replace(",", " ").split()]
+    tokens = _token_ids(args)
     with sdk.connect(args.url, args.http_url, args.model, args.timeout) as ctx:
         print(json.dumps({"hit_tokens": sdk.lookup(ctx, tokens, args.cache_salt), "tokens": len(tokens)}))
     return 0
@@ -125,12 +183,24 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--world-size", type=int, default=1)
     r.set_defaults(func=_register)
 
-    lk = sub.add_parser("lookup", help="how many leading tokens are cached")
-    _client_flags(lk)
-    lk.add_argument("--model", required=True)
-    lk.add_argument("--cache-salt", default="")
-    lk.add_argument("tokens", help="token ids, comma or space separated")
-    lk.set_defaults(func=_lookup)
+    def token_cmd(name: str, help: str, func: object) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help, description=help)
+        _client_flags(c)
+        c.add_argument("--model", required=True)
+        c.add_argument("--cache-salt", default="")
+        c.add_argument("tokens", nargs="?", help="token ids, comma or space separated")
+        c.add_argument("--tokens-file", help="a JSON list of token ids instead")
+        c.set_defaults(func=func)
+        return c
+
+    token_cmd("lookup", "how many leading tokens are cached (in any tier)", _lookup)
+    rt = token_cmd(
+        "retrieve", "save the cached prefix's KV [2, L, T, D] to a file (torch.save); exit 1 on a miss", _retrieve
+    )
+    rt.add_argument("--out", required=True, help="where to write the tensor (.pt)")
+    so = token_cmd("store", "store a KV tensor file ([2, L, T, D], torch.save) under token ids", _store)
+    so.add_argument("--kv", required=True, help="the tensor file (.pt)")
+    so.add_argument("--overwrite", action="store_true", help="replace chunks that are already stored")
     return parser
 
 

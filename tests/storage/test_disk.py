@@ -258,9 +258,12 @@ def test_make_room_respects_pending_bytes(tmp_path: Path) -> None:
         assert s.used_bytes == FILE and s.pending_bytes == 3 * FILE
         s.release(FILE)
         assert s.pending_bytes == 2 * FILE
-        # more promised than the whole budget: everything is evicted, the promise still recorded
-        assert [e.key for e in s.make_room(3 * FILE)] == [K(2)]
-        assert len(s) == 0 and s.used_bytes == 0 and s.pending_bytes == 5 * FILE
+        # writes in flight plus this one exceed the whole budget: refused, nothing evicted
+        assert s.make_room(3 * FILE) is None
+        assert len(s) == 1 and s.used_bytes == FILE and s.pending_bytes == 2 * FILE
+        # what fits alongside the writes in flight evicts the rest
+        assert [e.key for e in s.make_room(2 * FILE)] == [K(2)]
+        assert len(s) == 0 and s.used_bytes == 0 and s.pending_bytes == 4 * FILE
     finally:
         s.close()
 

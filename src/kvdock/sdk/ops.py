@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvdock.errors import InvalidInputError, KVCacheSDKError, PoolFullError
+from kvdock.errors import InvalidInputError, KVCacheSDKError, PoolFullError, ServerUnavailableError
 from kvdock.keys import normalize_tokens
 from kvdock.protocol import messages as m
 from kvdock.sdk.context import KVCacheContext
+from kvdock.transport.client import Response
 
 log = logging.getLogger("kvdock.sdk")
 
@@ -47,6 +48,15 @@ def _check_kv(ctx: KVCacheContext, kv: object, num_tokens: int) -> torch.Tensor:
     return kv if kv.device.type == "cpu" else kv.cpu()
 
 
+def _prepare(ctx: KVCacheContext, sid: str, msg: m.PrepareStore | m.PrepareRetrieve) -> Response:
+    """A prepare whose reply may never come (timeout): release whatever it may have opened."""
+    try:
+        return ctx.call(msg)
+    except ServerUnavailableError:
+        ctx.end_session(sid)
+        raise
+
+
 @dataclass(frozen=True)
 class StoreResult:
     """What a store did, chunk by chunk: written, already there (dedup), refused (pool full)."""
@@ -67,7 +77,7 @@ def store_chunks(
     if not whole:
         return StoreResult(0, 0, 0)
     sid = ctx.new_session_id()
-    prep = ctx.call(m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite)).reply
+    prep = _prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite)).reply
     if not prep.slots:
         if prep.pool_full:
             raise PoolFullError(
@@ -105,7 +115,7 @@ def retrieve(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> torch
         return None
     sid = ctx.new_session_id()
     # the server loads chunks that only L2/L3 hold into L1 first; it must answer before we give up
-    resp = ctx.call(m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2))
+    resp = _prepare(ctx, sid, m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2))
     slots = resp.reply.slots
     if not slots:
         return None

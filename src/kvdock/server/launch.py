@@ -105,24 +105,33 @@ async def _serve_control(state: ServerState, control: ControlServer) -> None:
     while True:
         msg: Incoming = await control.recv()
         try:
-            if msg.header is None:
-                raise ProtocolError("expected frames [seq, header, *payload]")
-            req = decode_request(msg.header)
-        except ProtocolError as e:
-            state.metrics.errors.labels("malformed").inc()
-            await control.send(msg.identity, msg.seq, encode(Error("malformed", str(e))))
-            continue
-        try:
-            out = handle(state, req, msg.payload)
-        except Exception as e:  # a bug must not take the server down for everyone else
-            out = _internal_error(state, req, e)
-        if inspect.isawaitable(out):
-            task = asyncio.create_task(_reply_later(state, control, msg, req, out))
-            waiting.add(task)
-            task.add_done_callback(waiting.discard)
-            continue
-        reply, payload = out
-        await control.send(msg.identity, msg.seq, encode(reply), payload)
+            await _serve_one(state, control, msg, waiting)
+        except Exception:  # e.g. a reply that cannot be sent: log it, keep serving everyone else
+            log.exception("control plane")
+
+
+async def _serve_one(
+    state: ServerState, control: ControlServer, msg: Incoming, waiting: set[asyncio.Task[None]]
+) -> None:
+    try:
+        if msg.header is None:
+            raise ProtocolError("expected frames [seq, header, *payload]")
+        req = decode_request(msg.header)
+    except ProtocolError as e:
+        state.metrics.errors.labels("malformed").inc()
+        await control.send(msg.identity, msg.seq, encode(Error("malformed", str(e))))
+        return
+    try:
+        out = handle(state, req, msg.payload)
+    except Exception as e:  # a bug must not take the server down for everyone else
+        out = _internal_error(state, req, e)
+    if inspect.isawaitable(out):
+        task = asyncio.create_task(_reply_later(state, control, msg, req, out))
+        waiting.add(task)
+        task.add_done_callback(waiting.discard)
+        return
+    reply, payload = out
+    await control.send(msg.identity, msg.seq, encode(reply), payload)
 
 
 async def _reply_later(state: ServerState, control: ControlServer, msg: Incoming, req: object, pending: Any) -> None:
@@ -130,7 +139,10 @@ async def _reply_later(state: ServerState, control: ControlServer, msg: Incoming
         reply, payload = await pending
     except Exception as e:
         reply, payload = _internal_error(state, req, e)
-    await control.send(msg.identity, msg.seq, encode(reply), payload)
+    try:
+        await control.send(msg.identity, msg.seq, encode(reply), payload)
+    except Exception:
+        log.exception("sending a deferred reply")
 
 
 def _internal_error(state: ServerState, req: object, e: Exception) -> tuple[Error, list[Any]]:
@@ -142,8 +154,12 @@ def _internal_error(state: ServerState, req: object, e: Exception) -> tuple[Erro
 async def _reap(state: ServerState, ttl: float) -> None:
     while True:
         await asyncio.sleep(min(1.0, ttl / 4))
-        await state.tiers.probe()
-        n = state.manager.expire()
+        try:
+            await state.tiers.probe()
+            n = state.manager.expire()
+        except Exception:  # keep reaping: a dead reaper would leave every lease open forever
+            log.exception("lease reaper")
+            continue
         if n:
             state.metrics.expired_sessions.inc(n)
             log.warning("%d session(s) lease expired; their pins and reservations were released", n)

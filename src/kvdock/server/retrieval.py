@@ -13,7 +13,7 @@ import contextlib
 from typing import Any
 
 from kvdock.protocol import messages as m
-from kvdock.server.handlers import Payload, Result, ServerState, client_of, count_hits, keys_of
+from kvdock.server.handlers import Payload, RequestError, Result, ServerState, client_of, count_hits, keys_of
 from kvdock.server.registry import ClientEntry
 from kvdock.storage.manager import Session
 from kvdock.storage.tiers import PrefetchJob
@@ -77,6 +77,8 @@ def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payloa
     mgr = state.manager
     if mgr.has_session(client.client_id, req.session_id):  # opened by a prefetching Lookup
         session = mgr.find(client.client_id, req.session_id)
+        if session.keys != keys:
+            raise RequestError("bad_request", f"session {req.session_id!r} was opened for other tokens or cache_salt")
     else:
         session = mgr.open_retrieve(client.client_id, req.session_id, keys)
         if len(session.pinned) < len(keys) and state.tiers.enabled:
@@ -96,6 +98,7 @@ async def _retrieve_when_loaded(
 
 
 def _retrieve_reply(state: ServerState, client: ClientEntry, session: Session, asked: int) -> Result:
+    state.manager.renew(session)  # the client's copy gets a whole lease, however long the wait was
     hits = list(session.pinned)
     count_hits(state, len(hits), asked)
     if not hits:
@@ -104,8 +107,9 @@ def _retrieve_reply(state: ServerState, client: ClientEntry, session: Session, a
     nbytes = client.model.slot_nbytes
     out: list[Any] = []
     if client.transport == "inline":
-        # zero-copy: the objects stay pinned until CommitRetrieve, after the client has the bytes
-        out = [state.segment.buf[o.offset : o.offset + nbytes] for o in hits]
+        # Copied: zmq sends in the background, and a client too slow to read its reply within the
+        # lease would otherwise receive slots already reused for other objects.
+        out = [bytes(state.segment.buf[o.offset : o.offset + nbytes]) for o in hits]
     return m.RetrievePrepared([m.SlotRef(i, o.offset) for i, o in enumerate(hits)]), out
 
 

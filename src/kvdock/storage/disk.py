@@ -117,7 +117,7 @@ class DiskStore:
         for _, entry in sorted(found, key=lambda t: t[0]):
             self._index[entry.key] = entry
             self.used_bytes += entry.file_size
-        evicted = self.make_room(0)  # the budget may have shrunk since the last run
+        evicted = self.make_room(0) or []  # the budget may have shrunk since the last run
         for old in evicted:
             old.path.unlink(missing_ok=True)
         self.last_scan = ScanReport(len(self._index), torn, temps)
@@ -133,9 +133,12 @@ class DiskStore:
     def contains(self, key: ObjectKey) -> bool:
         return key in self._index
 
-    def make_room(self, file_size: int) -> list[DiskEntry]:
+    def make_room(self, file_size: int) -> list[DiskEntry] | None:
         """Drop least recently used entries until ``file_size`` more bytes fit; returns them (the
-        caller deletes their files). Bytes are promised to the write until :meth:`add`/:meth:`release`."""
+        caller deletes their files), or None (nothing dropped) when writes already in flight leave
+        no room. Bytes are promised to the write until :meth:`add`/:meth:`release`."""
+        if self.pending_bytes + file_size > self.capacity:
+            return None
         evicted = []
         while self._index and self.used_bytes + self.pending_bytes + file_size > self.capacity:
             _, entry = self._index.popitem(last=False)

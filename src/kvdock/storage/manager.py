@@ -26,6 +26,8 @@ class Session:
     reserved: dict[int, L1Object] = field(default_factory=dict)  # chunk index -> reservation
     pinned: list[L1Object] = field(default_factory=list)
     job: Any = None  # a prefetch job filling ``pinned`` from lower tiers (owned by the tiers)
+    busy: bool = False  # a prefetch is running: the lease does not expire meanwhile
+    keys: list[ObjectKey] = field(default_factory=list)  # what a retrieve session was opened for
     open: bool = True
 
 
@@ -82,6 +84,8 @@ class StorageManager:
         deduped = pool_full = 0
         for i, key in enumerate(keys):
             present = self.l1.get(key)
+            if overwrite:
+                self._supersede_load(key)
             if self.l1.is_reserved(key) or (not overwrite and present is not None):
                 deduped += 1
                 if present is not None and not pool_full:
@@ -154,7 +158,12 @@ class StorageManager:
             session = Session(client_id, session_id, self._deadline())
             self._sessions[(client_id, session_id)] = session
         assert session.pinned == hits
+        session.keys = list(keys)
         return session
+
+    def renew(self, session: Session) -> None:
+        """Restart a session's lease (after a long wait on its behalf)."""
+        session.deadline = self._deadline()
 
     def has_session(self, client_id: str, session_id: str) -> bool:
         return (client_id, session_id) in self._sessions
@@ -182,6 +191,13 @@ class StorageManager:
             self._bg_pins[obj] = n - 1
         self.l1.unpin(obj)
 
+    def _supersede_load(self, key: ObjectKey) -> None:
+        """An overwrite wins over a load of the older version in flight: the load's slot is set
+        aside (its worker may still be writing) and freed when the load finishes."""
+        obj = self.l1.reservation(key)
+        if obj is not None and obj in self._loading:
+            self.l1.detach(obj)
+
     def reserve_load(self, key: ObjectKey, nbytes: int) -> L1Object | None:
         """Reserve a slot to fill from a lower tier; None if the key is being written or no room."""
         if self.l1.is_reserved(key):
@@ -194,7 +210,7 @@ class StorageManager:
     def finish_load(self, obj: L1Object, ok: bool) -> L1Object | None:
         """Commit a filled slot (promotion into L1, most recently used) or drop it."""
         self._loading.remove(obj)
-        if not ok:
+        if not ok or self.l1.reservation(obj.key) is not obj:  # failed, or superseded by an overwrite
             self.l1.abort(obj)
             return None
         self.l1.commit(obj)
@@ -234,7 +250,7 @@ class StorageManager:
     def expire(self) -> int:
         """End every session whose lease ran out; returns how many."""
         now = self._clock()
-        dead = [s for s in self._sessions.values() if s.deadline < now]
+        dead = [s for s in self._sessions.values() if s.deadline < now and not s.busy]
         for s in dead:
             self.end_session(s.client_id, s.session_id)
         self.expired_sessions += len(dead)
@@ -272,7 +288,7 @@ class StorageManager:
         for obj, n in self._bg_pins.items():
             pins[id(obj)] = pins.get(id(obj), 0) + n
         for obj in self._loading:
-            assert self.l1.is_reserved(obj.key), "a load's slot is not reserved"
+            assert obj.live and obj.state.name == "RESERVED", "a load's slot is not reserved"
         for obj in self.l1.pinned_objects():
             assert pins.pop(id(obj), 0) == obj.pins, "pin count does not match the sessions holding it"
         assert not pins, "a session pins an object the store does not know"

@@ -50,6 +50,7 @@ class L1Store:
         self._reserved: dict[ObjectKey, L1Object] = {}
         self._lru: OrderedDict[ObjectKey, L1Object] = OrderedDict()
         self._retired: set[L1Object] = set()  # not live, still pinned
+        self._detached: set[L1Object] = set()  # reservations set aside, still holding a slot
         self._on_evict = on_evict
         self.evictions = 0
 
@@ -73,7 +74,11 @@ class L1Store:
         return [o for o in self._ready.values() if o.pins] + list(self._retired)
 
     def reserved_count(self) -> int:
-        return len(self._reserved)
+        """Reservations, detached ones included."""
+        return len(self._reserved) + len(self._detached)
+
+    def reservation(self, key: ObjectKey) -> L1Object | None:
+        return self._reserved.get(key)
 
     def lru_keys(self) -> list[ObjectKey]:
         """Evictable keys, least recently used first."""
@@ -118,11 +123,22 @@ class L1Store:
         self._lru[obj.key] = obj
 
     def abort(self, obj: L1Object) -> None:
-        """Drop a reservation and free its slot."""
-        assert obj.state is State.RESERVED and self._reserved.get(obj.key) is obj
-        del self._reserved[obj.key]
+        """Drop a reservation (or a detached one) and free its slot."""
+        assert obj.state is State.RESERVED
+        if obj in self._detached:
+            self._detached.remove(obj)
+        else:
+            assert self._reserved.get(obj.key) is obj
+            del self._reserved[obj.key]
         obj.live = False
         self.allocator.free(obj.offset)
+
+    def detach(self, obj: L1Object) -> None:
+        """Set a reservation aside: it keeps its slot (a worker may still be writing into it) but no
+        longer blocks its key; it can only be aborted."""
+        assert obj.state is State.RESERVED and self._reserved.get(obj.key) is obj
+        del self._reserved[obj.key]
+        self._detached.add(obj)
 
     def pin(self, obj: L1Object) -> None:
         assert obj.state is State.READY and obj.live
@@ -179,9 +195,12 @@ class L1Store:
             assert obj.key == key and obj.state is State.RESERVED and obj.pins == 0
         for obj in self._retired:
             assert not obj.live and obj.pins > 0
-        offsets = [o.offset for o in (*self._ready.values(), *self._reserved.values(), *self._retired)]
+        for obj in self._detached:
+            assert obj.state is State.RESERVED and obj.pins == 0
+        held = (*self._ready.values(), *self._reserved.values(), *self._retired, *self._detached)
+        offsets = [o.offset for o in held]
         assert len(offsets) == len(set(offsets)), "two objects share a slot"
-        total = sum(aligned(o.nbytes) for o in (*self._ready.values(), *self._reserved.values(), *self._retired))
+        total = sum(aligned(o.nbytes) for o in held)
         assert total == self.allocator.used_bytes, (
             f"objects hold {total} bytes, allocator says {self.allocator.used_bytes}"
         )

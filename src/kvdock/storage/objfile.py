@@ -46,9 +46,16 @@ def checksum(data: memoryview | bytes) -> bytes:
 
 def encode_header(key: ObjectKey, dtype: str, shape: list[int], payload: memoryview) -> bytes:
     """The padded header block for ``payload`` (computes its checksum)."""
-    body = msgspec.msgpack.encode(
-        ObjectHeader(key.model, key.rank, key.salt, key.chunk, dtype, shape, len(payload), checksum(payload))
-    )
+    return _block(ObjectHeader(key.model, key.rank, key.salt, key.chunk, dtype, shape, len(payload), checksum(payload)))
+
+
+def header_block_size(key: ObjectKey, dtype: str, shape: list[int], nbytes: int) -> int:
+    """The size encode_header will produce for such an object (the checksum has a fixed size)."""
+    return len(_block(ObjectHeader(key.model, key.rank, key.salt, key.chunk, dtype, shape, nbytes, bytes(32))))
+
+
+def _block(header: ObjectHeader) -> bytes:
+    body = msgspec.msgpack.encode(header)
     raw = _PREFIX.pack(MAGIC, len(body)) + body
     return raw + b"\0" * (-len(raw) % ALIGN)
 

@@ -80,9 +80,11 @@ class Tiers:
         self.counters = {"l2": TierCounters(), "l3": TierCounters()}
         if disk is not None:  # torn files the start-up scan deleted count as corrupted
             self.counters["l2"].corrupted = disk.last_scan.torn
-        # pinned bytes waiting for write-down; past this, new objects are not written down
+        # bytes waiting for write-down to one tier; past this, new objects skip that tier
         self.max_backlog_bytes = max_backlog_bytes or manager.l1.allocator.capacity
-        self.backlog_bytes = 0
+        self.backlog = {"l2": 0, "l3": 0}  # per tier
+        self._generation: dict[str, int] = {}
+        self._latest: dict[str, dict[ObjectKey, int]] = {"l2": {}, "l3": {}}  # newest queued write per key
         self._pools = {
             name: (ThreadPoolExecutor(1, f"kvdock-{name}-w"), ThreadPoolExecutor(1, f"kvdock-{name}-r"))
             for name, tier in (("l2", disk), ("l3", redis))
@@ -92,6 +94,10 @@ class Tiers:
         self._loop: asyncio.AbstractEventLoop | None = None
         manager.on_commit = self.write_down
         manager.on_session_end = self._session_ended
+
+    @property
+    def backlog_bytes(self) -> int:
+        return sum(self.backlog.values())
 
     @property
     def enabled(self) -> bool:
@@ -117,33 +123,40 @@ class Tiers:
 
     def _write_one(self, loop: asyncio.AbstractEventLoop, name: str, obj: L1Object, lay: ObjectLayout) -> None:
         counters = self.counters[name]
-        if self.backlog_bytes + obj.nbytes > self.max_backlog_bytes or (name == "l3" and not self._redis_up()):
-            counters.writes_skipped += 1
-            return
+        evicted: list[DiskEntry] | None = []
         promised = 0
-        evicted: list[DiskEntry] = []
-        path = None
         if name == "l2":
             assert self.disk is not None
-            promised = objfile.ALIGN + obj.nbytes
-            if promised > self.disk.capacity:
+            # The older version's entry goes now, written or skipped: its file is replaced by this
+            # write's rename (or deleted), and no other write may evict (unlink) that path meanwhile.
+            stale = self.disk.remove(obj.key)
+            promised = objfile.header_block_size(obj.key, lay.dtype, lay.shape, lay.nbytes) + obj.nbytes
+            if self.backlog[name] + obj.nbytes <= self.max_backlog_bytes:
+                evicted = self.disk.make_room(promised)
+            else:
+                evicted = None
+            if evicted is None:
                 counters.writes_skipped += 1
+                if obj.key in self._latest[name]:  # a queued older write must not re-index its file
+                    self._latest[name][obj.key] = -1
+                if stale is not None:  # never serve the older version after this overwrite
+                    self._pools[name][0].submit(stale.path.unlink, missing_ok=True)
                 return
-            # the older version's entry goes now: its file is replaced by this write's rename, and
-            # no other write may evict (unlink) that path in the meantime
-            self.disk.remove(obj.key)
-            evicted = self.disk.make_room(promised)
-            path = self.disk.path_for(obj.key)
+        elif self.backlog[name] + obj.nbytes > self.max_backlog_bytes or not self._redis_up():
+            counters.writes_skipped += 1
+            return
+        path = self.disk.path_for(obj.key) if self.disk is not None and name == "l2" else None
+        generation = self._generation[name] = self._generation.get(name, 0) + 1
+        self._latest[name][obj.key] = generation
         self.manager.pin_background(obj)
-        self.backlog_bytes += obj.nbytes
+        self.backlog[name] += obj.nbytes
         view = self.manager.l1.view(obj)
 
         def work() -> tuple[int, float]:
             t0 = time.perf_counter()
             header = objfile.encode_header(obj.key, lay.dtype, lay.shape, view)
-            if name == "l2":
-                assert path is not None
-                for e in evicted:
+            if path is not None:
+                for e in evicted or []:
                     e.path.unlink(missing_ok=True)
                 size = diskmod.write_object(path, header, view)
             else:
@@ -154,19 +167,25 @@ class Tiers:
 
         def finished(fut: Future[tuple[int, float]]) -> None:
             self.manager.unpin_background(obj)
-            self.backlog_bytes -= obj.nbytes
+            self.backlog[name] -= obj.nbytes
+            newest = self._latest[name].get(obj.key) == generation
+            if newest:
+                del self._latest[name][obj.key]
             err = fut.exception()
             if err is None:
                 size, seconds = fut.result()
                 counters.writes += 1
                 counters.bytes_written += size
                 counters.write_seconds += seconds
-                if name == "l2":
-                    assert self.disk is not None and path is not None
-                    self.disk.add(DiskEntry(obj.key, path, size), promised)
+                if path is not None:
+                    assert self.disk is not None
+                    if newest:
+                        self.disk.add(DiskEntry(obj.key, path, size), promised)
+                    else:  # a newer version of the key is queued and will own the path
+                        self.disk.release(promised)
                 return
             counters.write_errors += 1
-            if name == "l2":
+            if path is not None:
                 assert self.disk is not None
                 self.disk.release(promised)
                 log.error("L2 write of %s failed: %s", path, err)
@@ -212,6 +231,7 @@ class Tiers:
         until the first miss. The job's ``done`` event is set when it stops."""
         job = PrefetchJob(session)
         session.job = job
+        session.busy = True  # its lease waits for the job
         job.task = asyncio.get_running_loop().create_task(self._prefetch(job, keys))
         return job
 
@@ -226,6 +246,8 @@ class Tiers:
         except Exception:
             log.exception("prefetch failed")
         finally:
+            job.session.busy = False
+            self.manager.renew(job.session)
             job.done.set()
 
     def _session_ended(self, session: Session) -> None:
@@ -254,8 +276,14 @@ class Tiers:
             slot = self.manager.reserve_load(key, lay.nbytes)
             if slot is None:
                 return None
-            ok = await self._fill(slot, entry, lay)
-            return self.manager.finish_load(slot, ok)
+            ok = False
+            try:
+                ok = await self._fill(slot, entry, lay)
+            except Exception:
+                log.exception("loading %s into L1 failed", key.chunk.hex()[:16])
+            finally:
+                loaded = self.manager.finish_load(slot, ok)  # always: the slot must not leak
+            return loaded
         finally:
             del self._loads[key]
             done.set_result(None)
@@ -305,7 +333,10 @@ class Tiers:
         if isinstance(err, objfile.CorruptObject):
             self.counters["l2"].corrupted += 1
             log.warning("L2: %s is corrupted (%s); deleted", entry.path, err)
-        entry.path.unlink(missing_ok=True)
+        try:
+            entry.path.unlink(missing_ok=True)
+        except OSError as e:
+            log.error("L2: cannot delete %s: %s", entry.path, e)
 
     # --- operations --------------------------------------------------------------------------
 
@@ -336,4 +367,4 @@ class Tiers:
         self.manager.check_integrity()
         if self.disk is not None:
             self.disk.check_integrity()
-        assert self.backlog_bytes >= 0
+        assert min(self.backlog.values()) >= 0

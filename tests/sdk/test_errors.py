@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -72,7 +74,12 @@ def test_bad_token_ids_are_refused(ctx, tokens, match: str) -> None:
 
 def test_closed_context_raises_and_double_close_is_harmless(server) -> None:
     ctx = kvd.connect(server.url, server.http_url, MODEL, timeout=5)
+    assert server.get("/status")["clients"] == 1
     kvd.close(ctx)
+    deadline = time.monotonic() + 5  # CloseClient is sent without waiting for its reply
+    while server.get("/status")["clients"] != 0:
+        assert time.monotonic() < deadline, "the server did not forget the closed client"
+        time.sleep(0.02)
     kvd.close(ctx)
     assert ctx.closed
     with pytest.raises(KVCacheSDKError, match="closed"):

@@ -133,6 +133,12 @@ class CheckIntegrity(_Msg, frozen=True):
     pass
 
 
+class CloseClient(_Msg, frozen=True):
+    """The client is going away: end its sessions and forget it."""
+
+    client_id: str
+
+
 Request = (
     Ping
     | RegisterModel
@@ -146,6 +152,7 @@ Request = (
     | CommitRetrieve
     | EndSession
     | CheckIntegrity
+    | CloseClient
 )
 
 # --- replies ------------------------------------------------------------------------------------
@@ -244,6 +251,7 @@ __all__ = [
     "CommitRetrieve",
     "EndSession",
     "CheckIntegrity",
+    "CloseClient",
     "Request",
     "Error",
     "Pong",

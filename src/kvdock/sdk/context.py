@@ -96,8 +96,8 @@ class Connection:
     def send_nowait(self, msg: msgspec.Struct) -> None:
         self._client.send_nowait(msg)
 
-    def close(self) -> None:
-        self._client.close()
+    def close(self, linger_s: float = 0.0) -> None:
+        self._client.close(linger_s)
 
 
 class KVCacheContext:
@@ -157,11 +157,13 @@ class KVCacheContext:
         return uuid.uuid4().hex
 
     def close(self) -> None:
+        """Tell the server this client is gone, unmap the pool, close the sockets. Harmless twice."""
         if self._closed:
             return
+        self._conn.send_nowait(m.CloseClient(self.client_id))
         self._closed = True
         self._transfer.close()
-        self._conn.close()
+        self._conn.close(linger_s=0.5)  # long enough for CloseClient to leave
 
     def __enter__(self) -> KVCacheContext:
         return self

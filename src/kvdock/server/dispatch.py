@@ -28,6 +28,7 @@ HANDLERS: dict[type, Handler] = {
     m.CommitRetrieve: r.commit_retrieve,
     m.EndSession: h.end_session,
     m.CheckIntegrity: h.check_integrity,
+    m.CloseClient: h.close_client,
 }
 
 

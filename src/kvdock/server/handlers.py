@@ -127,6 +127,13 @@ def end_session(state: ServerState, req: m.EndSession, payload: Payload) -> Resu
     return m.Done(), []
 
 
+def close_client(state: ServerState, req: m.CloseClient, payload: Payload) -> Result:
+    client = client_of(state, req.client_id)
+    state.manager.end_client(client.client_id)
+    del state.registry.clients[client.client_id]
+    return m.Done(), []
+
+
 def check_integrity(state: ServerState, req: m.CheckIntegrity, payload: Payload) -> Result:
     try:
         state.tiers.check_integrity()

@@ -77,10 +77,12 @@ class ControlClient:
         self._seq += 1
         return self._seq.to_bytes(8, "little")
 
-    def close(self) -> None:
-        """Close the socket and context; harmless to call twice."""
-        if self._closed:
-            return
-        self._closed = True
-        self._sock.close(linger=0)
-        self._ctx.term()
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket and context, waiting up to ``linger_s`` for queued messages to leave;
+        harmless to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sock.close(linger=int(linger_s * 1000))
+            self._ctx.term()

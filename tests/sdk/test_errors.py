@@ -146,3 +146,37 @@ def test_hnd_registration_decodes_the_same_geometry(server) -> None:
         kv = torch.randn(2, 2, CHUNK, 32).to(torch.float16)
         assert kvd.store(c, kv, make_tokens(CHUNK))
         assert torch.equal(kvd.retrieve(c, make_tokens(CHUNK)), kv)
+
+
+def test_context_survives_a_server_restart(make_server, tmp_path) -> None:
+    from kvdock.server.process import start_server
+
+    disk = str(tmp_path / "l2")
+    srv = make_server("--disk-dir", disk)
+    kv, tokens = make_kv(2 * CHUNK, seed=9), make_tokens(2 * CHUNK, start=9)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        assert kvd.store(c, kv, tokens)
+        old_id = c.client_id
+        deadline = time.monotonic() + 10
+        while srv.get("/status")["tiers"]["l2"]["objects"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        srv.stop()
+        again = start_server(
+            "--disk-dir",
+            disk,
+            l1_size="64MiB",
+            chunk_size=CHUNK,
+            port=srv.port,
+            http_port=srv.http_port,
+            log_path=tmp_path / "again.log",
+            timeout=30,
+        )
+        try:
+            out = kvd.retrieve(c, tokens)  # registers again, maps the new pool, loads from L2
+            assert out is not None and torch.equal(out, kv)
+            assert c.client_id != old_id and c.transport == "shm"
+            assert kvd.store(c, make_kv(CHUNK, seed=10), make_tokens(CHUNK, start=500))
+            assert kvd.check_server_integrity(c) == []
+        finally:
+            assert again.stop() == 0

@@ -100,6 +100,9 @@ class Connection:
         self._client.close(linger_s)
 
 
+_RESTARTABLE = (m.Lookup, m.PrepareStore, m.PrepareRetrieve)
+
+
 class KVCacheContext:
     """A connected SDK context (from :func:`connect`). Close it with :func:`close` or ``with``.
 
@@ -138,10 +141,29 @@ class KVCacheContext:
         return self._closed
 
     def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = ()) -> Response:
-        """Send one control message (KVCacheSDKError if closed, unreachable or refused)."""
+        """Send one control message (KVCacheSDKError if closed, unreachable or refused).
+
+        If the server restarted meanwhile (it no longer knows this client), a request that starts
+        a flow (lookup, prepare) registers again and is retried once; a layout that changed with
+        the restart raises KVCacheSDKError."""
         if self._closed:
             raise KVCacheSDKError("this KVCacheContext is closed")
-        return self._conn.call(msg, payload)
+        try:
+            return self._conn.call(msg, payload)
+        except ServerError as e:
+            if e.code != "unknown_client" or not isinstance(msg, _RESTARTABLE):
+                raise
+        self._reconnect()
+        return self._conn.call(msgspec.structs.replace(msg, client_id=self.client_id), payload)
+
+    def _reconnect(self) -> None:
+        reg = _register(self._conn, self.http_url, self.model_name)
+        if reg.model != self.model or reg.chunk_size != self.chunk_size:
+            reg.transfer.close()
+            raise KVCacheSDKError(f"the server at {self.url} restarted with another layout for {self.model_name!r}")
+        log.info("server %s restarted; registered again", self.url)
+        old, self._transfer, self.client_id = self._transfer, reg.transfer, reg.client_id
+        old.close()
 
     def notify(self, msg: msgspec.Struct) -> None:
         """Send a message whose reply nobody waits for (dropped on arrival); no-op once closed."""
@@ -184,6 +206,26 @@ def connect(url: str, http_url: str, model_name: str, timeout: float = 60.0) -> 
     Reads /config and /status, decodes the model's geometry, maps the shared-memory pool when it
     can and registers as a client. Raises ServerUnavailableError, UnknownModelError or
     KVCacheSDKError (unsupported layout)."""
+    conn = Connection(url, timeout)
+    try:
+        reg = _register(conn, http_url, model_name)
+    except BaseException:
+        conn.close()
+        raise
+    return KVCacheContext(url, http_url, reg.model, reg.chunk_size, conn, reg.client_id, reg.transfer)
+
+
+@dataclass
+class _Registration:
+    model: ModelInfo
+    chunk_size: int
+    client_id: str
+    transfer: Transfer
+
+
+def _register(conn: Connection, http_url: str, model_name: str) -> _Registration:
+    """The handshake of DESIGN.md section 4 over ``conn`` (used again after a server restart)."""
+    timeout = conn.timeout
     config = get_json(http_url, "/config", timeout)
     model = find_model(get_json(http_url, "/status", timeout), model_name)
     chunk_size = int(config["chunk_size"])
@@ -192,26 +234,27 @@ def connect(url: str, http_url: str, model_name: str, timeout: float = 60.0) -> 
     if chunk_size % model.tokens_per_block:
         raise KVCacheSDKError(f"chunk_size {chunk_size} is not a multiple of tokens_per_block {model.tokens_per_block}")
     segment = _try_attach(config)
-    conn = Connection(url, timeout)
     try:
         reply = conn.call(
             m.RegisterClient(m.PROTOCOL_VERSION, str(os.getpid()), model_name, 0, segment.nonce if segment else "")
         ).reply
         if reply.chunk_size != chunk_size or reply.slot_nbytes != model.geometry.chunk_nbytes(chunk_size):
-            raise KVCacheSDKError(f"{url} and {http_url} do not describe the same server (chunk size or layout differ)")
+            raise KVCacheSDKError(
+                f"{conn.url} and {http_url} do not describe the same server (chunk size or layout differ)"
+            )
     except BaseException:
-        conn.close()
         if segment:
             segment.close()
         raise
+    dtype = TORCH_DTYPES[model.geometry.dtype]
     transfer: Transfer
     if reply.transport == "shm" and segment is not None:
-        transfer = ShmTransfer(model.geometry, chunk_size, TORCH_DTYPES[model.geometry.dtype], segment)
+        transfer = ShmTransfer(model.geometry, chunk_size, dtype, segment)
     else:
         if segment is not None:
             segment.close()
-        transfer = InlineTransfer(model.geometry, chunk_size, TORCH_DTYPES[model.geometry.dtype])
-    return KVCacheContext(url, http_url, model, chunk_size, conn, reply.client_id, transfer)
+        transfer = InlineTransfer(model.geometry, chunk_size, dtype)
+    return _Registration(model, chunk_size, reply.client_id, transfer)
 
 
 def _try_attach(config: dict[str, Any]) -> PoolSegment | None:

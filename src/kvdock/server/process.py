@@ -97,13 +97,19 @@ class ServerProcess:
 
 
 def launch_server(
-    *extra: str, l1_size: str = "256MiB", chunk_size: int = 256, log_path: Path | None = None
+    *extra: str,
+    l1_size: str = "256MiB",
+    chunk_size: int = 256,
+    log_path: Path | None = None,
+    port: int = 0,
+    http_port: int = 0,
 ) -> ServerProcess:
     """Start ``kvdock serve`` on free loopback ports without waiting for it (see wait_ready).
 
     ``extra`` are more CLI flags. KVDOCK_* variables of this process are not passed on, so only
-    the flags decide. The output goes to ``log_path`` (default: a temporary file)."""
-    port, http_port = free_port(), free_port()
+    the flags decide. The output goes to ``log_path`` (default: a temporary file). Ports default
+    to free ones (give them to restart a server where its clients expect it)."""
+    port, http_port = port or free_port(), http_port or free_port()
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"kvdock-serve-{port}-", suffix=".log")
         os.close(fd)
@@ -119,8 +125,6 @@ def launch_server(
     return ServerProcess(proc, port, http_port, log_path, args)
 
 
-def start_server(
-    *extra: str, l1_size: str = "256MiB", chunk_size: int = 256, log_path: Path | None = None, timeout: float = 120.0
-) -> ServerProcess:
-    """launch_server, then wait_ready."""
-    return launch_server(*extra, l1_size=l1_size, chunk_size=chunk_size, log_path=log_path).wait_ready(timeout)
+def start_server(*extra: str, timeout: float = 120.0, **kwargs: Any) -> ServerProcess:
+    """launch_server (same arguments), then wait_ready."""
+    return launch_server(*extra, **kwargs).wait_ready(timeout)

@@ -4,6 +4,7 @@ Raising RequestError (or SessionError / RegistrationError) turns into an Error r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,15 @@ class ServerState:
 
 
 Result = tuple[Any, list[Any]]
+
+
+class HeldPayload(list[memoryview]):
+    """Payload frames that are views of slots: the sender must call ``release`` once zmq is done
+    with them (the slots are pinned until then, whatever happens to the session)."""
+
+    def __init__(self, views: list[memoryview], release: Callable[[], None]) -> None:
+        super().__init__(views)
+        self.release = release
 
 
 def client_of(state: ServerState, client_id: str) -> ClientEntry:

@@ -24,7 +24,7 @@ from kvdock.errors import ConfigError, ProtocolError
 from kvdock.protocol import decode_request, encode
 from kvdock.protocol.messages import Error
 from kvdock.server.dispatch import handle
-from kvdock.server.handlers import ServerState
+from kvdock.server.handlers import HeldPayload, ServerState
 from kvdock.server.http import make_app
 from kvdock.server.registry import Registry
 from kvdock.shm import HEADER_SIZE, PoolSegment, SlotAllocator, cleanup_stale
@@ -126,21 +126,48 @@ async def _serve_one(
     except Exception as e:  # a bug must not take the server down for everyone else
         out = _internal_error(state, req, e)
     if inspect.isawaitable(out):
-        task = asyncio.create_task(_reply_later(state, control, msg, req, out))
+        task = asyncio.create_task(_reply_later(state, control, msg, req, out, waiting))
         waiting.add(task)
         task.add_done_callback(waiting.discard)
         return
     reply, payload = out
-    await control.send(msg.identity, msg.seq, encode(reply), payload)
+    await _send(control, msg, reply, payload, waiting)
 
 
-async def _reply_later(state: ServerState, control: ControlServer, msg: Incoming, req: object, pending: Any) -> None:
+async def _send(
+    control: ControlServer, msg: Incoming, reply: Any, payload: Any, waiting: set[asyncio.Task[None]]
+) -> None:
+    """Send a reply; held slot views are released when zmq is done with them (in a task, so the
+    loop serves others meanwhile)."""
+    if not isinstance(payload, HeldPayload):
+        await control.send(msg.identity, msg.seq, encode(reply), payload)
+        return
+
+    async def send_then_release() -> None:
+        try:
+            await control.send_tracked(msg.identity, msg.seq, encode(reply), payload)
+        finally:
+            payload.release()
+
+    task = asyncio.create_task(send_then_release())
+    waiting.add(task)
+    task.add_done_callback(waiting.discard)
+
+
+async def _reply_later(
+    state: ServerState,
+    control: ControlServer,
+    msg: Incoming,
+    req: object,
+    pending: Any,
+    waiting: set[asyncio.Task[None]],
+) -> None:
     try:
         reply, payload = await pending
     except Exception as e:
         reply, payload = _internal_error(state, req, e)
     try:
-        await control.send(msg.identity, msg.seq, encode(reply), payload)
+        await _send(control, msg, reply, payload, waiting)
     except Exception:
         log.exception("sending a deferred reply")
 

@@ -13,7 +13,16 @@ import contextlib
 from typing import Any
 
 from kvdock.protocol import messages as m
-from kvdock.server.handlers import Payload, RequestError, Result, ServerState, client_of, count_hits, keys_of
+from kvdock.server.handlers import (
+    HeldPayload,
+    Payload,
+    RequestError,
+    Result,
+    ServerState,
+    client_of,
+    count_hits,
+    keys_of,
+)
 from kvdock.server.registry import ClientEntry
 from kvdock.storage.manager import Session
 from kvdock.storage.tiers import PrefetchJob
@@ -107,9 +116,17 @@ def _retrieve_reply(state: ServerState, client: ClientEntry, session: Session, a
     nbytes = client.model.slot_nbytes
     out: list[Any] = []
     if client.transport == "inline":
-        # Copied: zmq sends in the background, and a client too slow to read its reply within the
-        # lease would otherwise receive slots already reused for other objects.
-        out = [bytes(state.segment.buf[o.offset : o.offset + nbytes]) for o in hits]
+        # Zero-copy: zmq sends the slots themselves, in the background. They get pins of their own,
+        # released when zmq is done with them, so a client too slow to read its reply within the
+        # lease still receives these objects' bytes, never slots reused for others.
+        for o in hits:
+            state.manager.pin_background(o)
+
+        def release() -> None:
+            for o in hits:
+                state.manager.unpin_background(o)
+
+        out = HeldPayload([state.segment.buf[o.offset : o.offset + nbytes] for o in hits], release)
     return m.RetrievePrepared([m.SlotRef(i, o.offset) for i, o in enumerate(hits)]), out
 
 

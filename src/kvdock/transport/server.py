@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,8 +42,19 @@ class ControlServer:
         return Incoming(identity, frames[1].bytes, frames[2].buffer, [f.buffer for f in frames[3:]])
 
     async def send(self, identity: bytes, seq: bytes, header: bytes, payload: Sequence[Buffer] = ()) -> None:
-        """Send a reply; payload buffers are sent zero-copy and must stay unchanged until delivered."""
+        """Send a reply; payload buffers are sent zero-copy and must stay unchanged until delivered
+        (use send_tracked when they may change afterwards)."""
         await self._sock.send_multipart([identity, seq, header, *payload], copy=False)
+
+    async def send_tracked(self, identity: bytes, seq: bytes, header: bytes, payload: Sequence[Buffer]) -> None:
+        """Send a reply zero-copy and return once zmq no longer needs the payload buffers (they
+        were written to the peer's socket, or dropped because the peer went away)."""
+        tracker = await self._sock.send_multipart([identity, seq, header, *payload], copy=False, track=True)
+        assert tracker is not None
+        delay = 0.0005
+        while not tracker.done:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     def close(self) -> None:
         self._sock.close(linger=0)

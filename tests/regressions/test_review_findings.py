@@ -11,88 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from kvdock.keys import ObjectKey
 from kvdock.shm.slots import ALIGN, SlotAllocator
 from kvdock.storage.disk import DiskStore
 from kvdock.storage.manager import StorageManager
-from kvdock.storage.memory import L1Object, L1Store
-from kvdock.storage.tiers import ObjectLayout, Tiers
-
-SHAPE = [2, 3, 16, 10]
-NB = 2 * 3 * 16 * 10 * 4  # float32 chunk: 3840 bytes, one 4 KiB slot
-LAYOUT = ObjectLayout(dtype="float32", shape=SHAPE, nbytes=NB)
-FILE = ALIGN + NB
+from kvdock.storage.memory import L1Store
+from kvdock.storage.tiers import Tiers
+from tierworld import NB, K, World, payload, until
+from tierworld import run as run_world
 
 
-def K(i: int, salt: str = "") -> ObjectKey:
-    return ObjectKey("tiny", 0, salt, bytes([i]) * 32)
-
-
-def payload(key: ObjectKey, version: int = 0) -> bytes:
-    i = key.chunk[0]
-    return bytes((j * 11 + i * 29 + version * 71 + 3) % 256 for j in range(NB))
-
-
-def layout_of(model: str) -> ObjectLayout | None:
-    return LAYOUT if model == "tiny" else None
-
-
-class World:
-    def __init__(self, tmp_path: Path, slots: int = 8, disk_files: int = 32, max_backlog_bytes: int | None = None):
-        self.mem = bytearray(slots * ALIGN)
-        self.l1 = L1Store(SlotAllocator(0, slots * ALIGN), memory=memoryview(self.mem))
-        self.mgr = StorageManager(self.l1, session_ttl=60.0)
-        self.disk = DiskStore(tmp_path / "l2", capacity=disk_files * FILE)
-        assert self.disk.scan().loaded == 0
-        self.tiers = Tiers(self.mgr, layout_of, self.disk, None, max_backlog_bytes=max_backlog_bytes)
-        self._sid = 0
-
-    def store(self, keys: list[ObjectKey], version: int = 0, overwrite: bool = False) -> list[L1Object]:
-        self._sid += 1
-        sid = f"store-{self._sid}"
-        plan = self.mgr.prepare_store("c", sid, keys, NB, overwrite)
-        assert plan.pool_full == 0 and len(plan.slots) == len(keys), plan
-        for i, obj in plan.slots:
-            self.l1.view(obj)[:] = payload(keys[i], version)
-        self.mgr.commit_store("c", sid, [i for i, _ in plan.slots])
-        return [obj for _, obj in plan.slots]
-
-    async def drain(self) -> None:
-        for _ in range(2000):
-            if self.tiers.backlog_bytes == 0 and self.mgr.background_pins == 0:
-                return
-            await asyncio.sleep(0.005)
-        raise AssertionError("write-down did not finish")
-
-    async def prefetch(self, sid: str, keys: list[ObjectKey]):
-        session = self.mgr.open_retrieve("c", sid, keys)
-        job = self.tiers.start_prefetch(session, keys)
-        await asyncio.wait_for(job.done.wait(), 10)
-        return session
-
-    def block(self, which: int = 0) -> threading.Event:
-        gate = threading.Event()
-        self.tiers._pools["l2"][which].submit(gate.wait, 10)
-        return gate
-
-
-def run(tmp_path: Path, body: Callable[[World], Awaitable[None]], **kw) -> None:
-    async def main() -> None:
-        w = World(tmp_path, **kw)
-        try:
-            await body(w)
-        finally:
-            w.tiers.close()
-
-    asyncio.run(main())
-
-
-async def until(cond: Callable[[], bool]) -> None:
-    for _ in range(2000):
-        if cond():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition never became true")
+def run(tmp_path: Path, body: Callable[[World], Awaitable[None]], **kw: object) -> None:
+    run_world(tmp_path, body, check=False, **kw)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,7 +60,7 @@ def test_overwrite_during_prefetch_load_is_silently_dropped(tmp_path: Path) -> N
         w.store([K(1)], version=1)
         await w.drain()
         w.l1.remove(K(1))  # only L2 holds it now
-        gate = w.block(1)  # hold the reader thread so the load stays in flight
+        gate = w.block("l2", 1)  # hold the reader thread so the load stays in flight
         session = w.mgr.open_retrieve("c", "r", [K(1)])
         job = w.tiers.start_prefetch(session, [K(1)])
         await until(lambda: w.l1.is_reserved(K(1)))

@@ -101,3 +101,22 @@ def test_store_accepts_non_contiguous_kv_and_tensor_tokens(tctx: kvd.KVCacheCont
     tokens = torch.arange(2 * CHUNK, dtype=torch.int64) + 777
     assert kvd.store(tctx, kv, tokens)
     assert torch.equal(kvd.retrieve(tctx, tokens.tolist()), kv)
+
+
+def test_retrieve_into_a_reused_buffer(tctx: kvd.KVCacheContext) -> None:
+    kv = make_kv(3 * CHUNK, tctx.dtype, seed=11)
+    tokens = make_tokens(3 * CHUNK, start=300)
+    assert kvd.store(tctx, kv, tokens)
+    buf = torch.full((2, 3, 5 * CHUNK, 16), 7, dtype=tctx.dtype)
+    longer = tokens + make_tokens(2 * CHUNK, start=9_000)
+    got = kvd.retrieve(tctx, longer, out=buf)
+    assert got is not None and got.shape == (2, 3, 3 * CHUNK, 16)
+    assert got.data_ptr() == buf.data_ptr()  # a view of the caller's buffer
+    assert torch.equal(got, kv) and torch.equal(buf[:, :, 3 * CHUNK :], torch.full_like(buf[:, :, 3 * CHUNK :], 7))
+    assert kvd.retrieve(tctx, make_tokens(CHUNK, start=123_456), out=buf) is None
+    with pytest.raises(kvd.InvalidInputError, match="out holds 32 tokens, fewer than the 80 asked for"):
+        kvd.retrieve(tctx, longer, out=buf[:, :, : 2 * CHUNK])
+    with pytest.raises(kvd.InvalidInputError, match="out must be a CPU tensor of"):
+        kvd.retrieve(tctx, tokens, out=buf.to(torch.float16))
+    with pytest.raises(kvd.InvalidInputError, match=r"out must be \[2, 3, tokens, 16\], got \[3, 3, 80, 16\]"):
+        kvd.retrieve(tctx, tokens, out=torch.zeros(3, 3, 80, 16, dtype=tctx.dtype))

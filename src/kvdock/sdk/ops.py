@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvdock.errors import InvalidInputError, KVCacheSDKError, PoolFullError, ServerUnavailableError
-from kvdock.keys import normalize_tokens
+from kvdock.keys import TOKEN_DTYPE, normalize_tokens
 from kvdock.protocol import messages as m
 from kvdock.sdk.context import KVCacheContext
 from kvdock.transport.client import Response
@@ -107,10 +107,19 @@ def store(ctx: KVCacheContext, kv: torch.Tensor, tokens: object, cache_salt: str
     return store_chunks(ctx, kv, tokens, cache_salt, overwrite).stored_chunks > 0
 
 
-def retrieve(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> torch.Tensor | None:
+def retrieve(
+    ctx: KVCacheContext, tokens: object, cache_salt: str = "", *, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """The KV of the longest cached whole-chunk prefix of ``tokens`` as a new contiguous CPU tensor
-    ``[2, L, hit_tokens, D]``, or None (empty or sub-chunk input, or nothing cached)."""
+    ``[2, L, hit_tokens, D]``, or None (empty or sub-chunk input, or nothing cached).
+
+    With ``out`` (a CPU tensor ``[2, L, T, D]`` of the model's dtype, T at least the whole-chunk
+    length of ``tokens``), the KV is written into it instead and the view ``out[:, :, :hit_tokens]``
+    is returned: reusing one buffer avoids the page faults of a fresh tensor, the main cost of a
+    large retrieve. Raises InvalidInputError for an unusable ``out``."""
     whole = _whole_chunks(ctx, _tokens(tokens))
+    if out is not None:
+        _check_out(ctx, out, len(whole) // TOKEN_DTYPE.itemsize)
     if not whole:
         return None
     sid = ctx.new_session_id()
@@ -119,9 +128,11 @@ def retrieve(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> torch
     slots = resp.reply.slots
     if not slots:
         return None
+    hit = len(slots) * ctx.chunk_size
     try:
         geo = ctx.geometry
-        out = torch.empty((2, geo.num_layers, len(slots) * ctx.chunk_size, geo.hidden_dim), dtype=ctx.dtype)
+        shape = (2, geo.num_layers, hit, geo.hidden_dim)
+        out = torch.empty(shape, dtype=ctx.dtype) if out is None else out[:, :, :hit]
         ctx._transfer.read(slots, resp.buffers(), out)
     except BaseException:
         ctx.end_session(sid)
@@ -130,6 +141,18 @@ def retrieve(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> torch
     # session's lease covers a lost one. Not waiting saves a round trip per retrieve.
     ctx.notify(m.CommitRetrieve(ctx.client_id, sid))
     return out
+
+
+def _check_out(ctx: KVCacheContext, out: object, num_tokens: int) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise InvalidInputError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    geo = ctx.geometry
+    if out.dim() != 4 or out.shape[0] != 2 or out.shape[1] != geo.num_layers or out.shape[3] != geo.hidden_dim:
+        raise InvalidInputError(f"out must be [2, {geo.num_layers}, tokens, {geo.hidden_dim}], got {list(out.shape)}")
+    if out.shape[2] < num_tokens:
+        raise InvalidInputError(f"out holds {out.shape[2]} tokens, fewer than the {num_tokens} asked for")
+    if out.dtype != ctx.dtype or out.device.type != "cpu":
+        raise InvalidInputError(f"out must be a CPU tensor of {ctx.dtype}, got {out.dtype} on {out.device}")
 
 
 def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
 import os
 import platform
@@ -86,10 +85,6 @@ def build_model(args: argparse.Namespace) -> Any:
     return model.eval()
 
 
-def _cache_kwarg(model: Any) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import kvdock.integrations.hf as kvhf
 
@@ -129,9 +124,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         in_memory_s = []
         for _ in range(args.reps):
             fresh = copy.deepcopy(cache)  # generate appends to the cache it is given
-            t, _ = timed(lambda: model.generate(prompt, **{_cache_kwarg(model): fresh}, **gen))  # noqa: B023
+            t, _ = timed(lambda: model.generate(prompt, **{kvhf.cache_kwarg(model): fresh}, **gen))  # noqa: B023
             in_memory_s.append(t)
-        kw = {_cache_kwarg(model): cache, "output_logits": True, "return_dict_in_generate": True}
+        kw = {kvhf.cache_kwarg(model): cache, "output_logits": True, "return_dict_in_generate": True}
         out = model.generate(prompt, **kw, **gen)
         ref_logits, got_logits = ref.logits[0][0].float(), out.logits[0][0].float()
         top2 = ref_logits.topk(2).values

@@ -52,7 +52,7 @@ _PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # exact types: subcla
 # config attributes whose presence means the cache is not one plain K/V pair per layer
 _UNSUPPORTED_ATTRS = ("attention_chunk_size", "kv_lora_rank", "kv_sharing_modes", "num_kv_shared_layers")
 
-__all__ = ["GenerateResult", "connect", "generate", "load_kv", "save_kv"]
+__all__ = ["GenerateResult", "cache_kwarg", "connect", "generate", "load_kv", "save_kv"]
 
 
 @dataclass(frozen=True)
@@ -291,8 +291,9 @@ class _FirstTokenClock(BaseStreamer):
             self.inner.end()
 
 
-def _cache_kwarg(model: PreTrainedModel) -> str:
-    """transformers 5.x renamed ``past_key_values`` to ``cache``; use whichever the model takes."""
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The name under which ``model.generate``/``forward`` take a prefilled cache: transformers 5.x
+    renamed ``past_key_values`` to ``cache``; whichever the model takes."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -350,7 +351,7 @@ def generate(
     cache, hit = load_kv(ctx, tokens, cache_salt, device=model.device)
     if cache is None:
         cache = DynamicCache()  # plain layers, so sliding-window layers keep the whole prompt to save
-    out = model_generate(ids, streamer=clock, **{_cache_kwarg(model): cache}, **generate_kwargs)
+    out = model_generate(ids, streamer=clock, **{cache_kwarg(model): cache}, **generate_kwargs)
     done = time.perf_counter()
 
     sequences = out if isinstance(out, torch.Tensor) else out.sequences

@@ -160,6 +160,7 @@ class KVCacheContext:
         reg = _register(self._conn, self.http_url, self.model_name)
         if reg.model != self.model or reg.chunk_size != self.chunk_size:
             reg.transfer.close()
+            self._conn.send_nowait(m.CloseClient(reg.client_id))  # the server registered it already
             raise KVCacheSDKError(f"the server at {self.url} restarted with another layout for {self.model_name!r}")
         log.info("server %s restarted; registered again", self.url)
         old, self._transfer, self.client_id = self._transfer, reg.transfer, reg.client_id

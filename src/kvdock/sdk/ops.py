@@ -132,8 +132,14 @@ def retrieve(
     try:
         geo = ctx.geometry
         shape = (2, geo.num_layers, hit, geo.hidden_dim)
+        given = out is not None
         out = torch.empty(shape, dtype=ctx.dtype) if out is None else out[:, :, :hit]
-        ctx._transfer.read(slots, resp.buffers(), out)
+        try:
+            ctx._transfer.read(slots, resp.buffers(), out)
+        except RuntimeError as e:
+            if not given:
+                raise
+            raise InvalidInputError(f"cannot write into out: {e}") from None
     except BaseException:
         ctx.end_session(sid)
         raise
@@ -153,6 +159,10 @@ def _check_out(ctx: KVCacheContext, out: object, num_tokens: int) -> None:
         raise InvalidInputError(f"out holds {out.shape[2]} tokens, fewer than the {num_tokens} asked for")
     if out.dtype != ctx.dtype or out.device.type != "cpu":
         raise InvalidInputError(f"out must be a CPU tensor of {ctx.dtype}, got {out.dtype} on {out.device}")
+    if out.requires_grad:
+        raise InvalidInputError("out must not require grad (retrieve writes into it in place)")
+    if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape, strict=True)):
+        raise InvalidInputError("out must not have overlapping elements (a stride of 0, e.g. from expand())")
 
 
 def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:

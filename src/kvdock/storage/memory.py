@@ -141,7 +141,9 @@ class L1Store:
         self._detached.add(obj)
 
     def pin(self, obj: L1Object) -> None:
-        assert obj.state is State.READY and obj.live
+        """One more pin. A retired object (replaced or deleted while pinned) can take more pins only
+        while it still has some: its bytes are intact until the last one goes."""
+        assert obj.state is State.READY and (obj.live or obj.pins > 0)
         if obj.pins == 0:
             del self._lru[obj.key]
         obj.pins += 1

@@ -100,7 +100,8 @@ def test_retrieve_out_unusable_buffer_is_an_invalid_input_error(ctx: kvd.KVCache
         out = torch.zeros(2, ctx.geometry.num_layers, 1, d, dtype=ctx.dtype).expand(-1, -1, n, -1)
     else:
         out = torch.zeros(2, ctx.geometry.num_layers, n, d, dtype=ctx.dtype, requires_grad=True)
-    with pytest.raises(kvd.KVCacheSDKError):
+    match = "overlapping elements" if kind == "overlapping" else "must not require grad"
+    with pytest.raises(kvd.InvalidInputError, match=match):
         kvd.retrieve(ctx, tokens, out=out)
 
 

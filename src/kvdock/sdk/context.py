@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -130,6 +131,7 @@ class KVCacheContext:
         self._conn = conn
         self._transfer = transfer
         self._closed = False
+        self._reconnect_lock = threading.Lock()
 
     @property
     def transport(self) -> str:
@@ -148,12 +150,15 @@ class KVCacheContext:
         the restart raises KVCacheSDKError."""
         if self._closed:
             raise KVCacheSDKError("this KVCacheContext is closed")
+        stale_id = self.client_id
         try:
             return self._conn.call(msg, payload)
         except ServerError as e:
             if e.code != "unknown_client" or not isinstance(msg, _RESTARTABLE):
                 raise
-        self._reconnect()
+        with self._reconnect_lock:  # threads sharing this context register again only once
+            if self.client_id == stale_id:
+                self._reconnect()
         return self._conn.call(msgspec.structs.replace(msg, client_id=self.client_id), payload)
 
     def _reconnect(self) -> None:

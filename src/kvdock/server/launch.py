@@ -26,6 +26,7 @@ from kvdock.protocol.messages import Error
 from kvdock.server.dispatch import handle
 from kvdock.server.handlers import HeldPayload, ServerState
 from kvdock.server.http import make_app
+from kvdock.server.metrics import Metrics
 from kvdock.server.registry import Registry
 from kvdock.shm import HEADER_SIZE, PoolSegment, SlotAllocator, cleanup_stale
 from kvdock.storage import L1Store, StorageManager
@@ -39,8 +40,6 @@ log = logging.getLogger("kvdock.server")
 
 def build_state(config: ServerConfig) -> ServerState:
     """Create the pool (shared or private) and the storage stack for ``config``."""
-    from kvdock.server.metrics import Metrics
-
     stale = cleanup_stale()
     if stale:
         log.info("removed %d stale shared-memory segment(s) of dead servers: %s", len(stale), ", ".join(stale))

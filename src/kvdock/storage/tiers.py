@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,6 +55,22 @@ class TierCounters:
     write_errors: int = 0
     writes_skipped: int = 0  # tier down, object too big, or write-down backlog full
     corrupted: int = 0  # torn or failing its checksum: deleted, never returned
+
+
+class _SharedHeader:
+    """An object's header block, computed once (it checksums the whole payload) by whichever
+    tier's writer thread needs it first."""
+
+    def __init__(self, key: ObjectKey, lay: ObjectLayout, view: memoryview) -> None:
+        self._args = (key, lay.dtype, lay.shape, view)
+        self._lock = threading.Lock()
+        self._block: bytes | None = None
+
+    def get(self) -> bytes:
+        with self._lock:
+            if self._block is None:
+                self._block = objfile.encode_header(*self._args)
+            return self._block
 
 
 @dataclass(eq=False)
@@ -118,10 +135,13 @@ class Tiers:
         for obj in objs:
             lay = self.layout_of(obj.key.model)
             assert lay is not None and lay.nbytes == obj.nbytes
+            header = _SharedHeader(obj.key, lay, self.manager.l1.view(obj))
             for name in self._pools:
-                self._write_one(loop, name, obj, lay)
+                self._write_one(loop, name, obj, lay, header)
 
-    def _write_one(self, loop: asyncio.AbstractEventLoop, name: str, obj: L1Object, lay: ObjectLayout) -> None:
+    def _write_one(
+        self, loop: asyncio.AbstractEventLoop, name: str, obj: L1Object, lay: ObjectLayout, header: _SharedHeader
+    ) -> None:
         counters = self.counters[name]
         evicted: list[DiskEntry] | None = []
         promised = 0
@@ -154,15 +174,15 @@ class Tiers:
 
         def work() -> tuple[int, float]:
             t0 = time.perf_counter()
-            header = objfile.encode_header(obj.key, lay.dtype, lay.shape, view)
+            block = header.get()
             if path is not None:
                 for e in evicted or []:
                     e.path.unlink(missing_ok=True)
-                size = diskmod.write_object(path, header, view)
+                size = diskmod.write_object(path, block, view)
             else:
                 assert self.redis is not None
-                self.redis.put(obj.key, header, view)
-                size = len(header) + len(view)
+                self.redis.put(obj.key, block, view)
+                size = len(block) + len(view)
             return size, time.perf_counter() - t0
 
         def finished(fut: Future[tuple[int, float]]) -> None:

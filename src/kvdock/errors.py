@@ -1,15 +1,28 @@
-"""The exception tree of kvdock.
+"""The exception tree of kvdock: every exception kvdock defines lives here.
 
     KVDockError                     root of everything kvdock raises on purpose
     ├── ConfigError                 bad flag, env variable or config file value
     ├── ProtocolError               a message that cannot be decoded or is out of place
+    ├── ControlTimeout              (transport) no reply within the timeout
+    ├── DiskInUseError              (storage) another live server holds the L2 directory
+    ├── CorruptObject               (storage) bytes that are not the object they claim to be
+    ├── RequestError                (server) a request refused with an ErrorCode
+    │   ├── SessionError            no such session
+    │   └── RegistrationError       a model or client registration refused
     └── KVCacheSDKError             every failure an SDK user can cause or meet
         ├── ServerUnavailableError  server unreachable or not answering in time
         ├── UnknownModelError       model not registered with the server
-        ├── InvalidInputError       wrong shape, dtype, length or token ids
+        ├── InvalidInputError       wrong shape, dtype, length, token ids or absurd sizes
         ├── PoolFullError           the server's L1 pool had no room for a store
-        └── ServerError             the server answered a request with an error
+        ├── StoreConflictError      chunks are being written by another client right now
+        ├── LeaseExpiredError       a transfer outlived its lease; its bytes were not used
+        ├── PermissionDeniedError   an admin action without the right token
+        └── ServerError             any other refusal; ``code`` says which
 
+Server-side errors travel as an ``Error(code, message)`` reply with a code of
+:class:`kvdock.protocol.codes.ErrorCode`; ``kvdock.protocol.codes.SDK_ERRORS`` is the one table that
+turns a code back into an SDK exception (codes not in it become ServerError). This module imports
+nothing of kvdock.
 Broken internal invariants are ``AssertionError``s, never one of these.
 """
 
@@ -28,8 +41,45 @@ class ProtocolError(KVDockError):
     """A control-plane message could not be decoded or is not valid here."""
 
 
+class ControlTimeout(KVDockError, TimeoutError):
+    """No reply arrived within the timeout."""
+
+
+class DiskInUseError(KVDockError, RuntimeError):
+    """Another live server holds the L2 directory."""
+
+
+class CorruptObject(KVDockError, ValueError):
+    """Bytes that are not a valid object, or not the object they were expected to be."""
+
+
+class RequestError(KVDockError):
+    """A request the server refuses; becomes an ``Error(code, message)`` reply."""
+
+    default_code = "bad_request"  # an ErrorCode value
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = str(code or self.default_code)
+
+
+class SessionError(RequestError):
+    """A request names a session that does not exist (never opened, ended, or its lease ran out)."""
+
+    default_code = "session"
+
+
+class RegistrationError(RequestError, ValueError):
+    """A layout or client registration that the server refuses; the message says why."""
+
+    default_code = "registration"
+
+
 class KVCacheSDKError(KVDockError):
-    """Any failure reported by the SDK (``kvdock.sdk``)."""
+    """Any failure reported by the SDK (``kvdock.sdk``). ``code`` is the server's error code
+    when the server refused the request, else None."""
+
+    code: str | None = None
 
 
 class ServerUnavailableError(KVCacheSDKError):
@@ -48,6 +98,20 @@ class PoolFullError(KVCacheSDKError):
     """The server had no room in its L1 pool for any new chunk of a store."""
 
 
+class StoreConflictError(KVCacheSDKError):
+    """Chunks of a store are being written by another client (its reservation is still open), so
+    this store could neither write nor dedup them. Retry later."""
+
+
+class LeaseExpiredError(KVCacheSDKError):
+    """A transfer took longer than its lease (the process was paused?): the server reused its
+    slots, so the bytes were discarded. Nothing wrong was returned or stored; retry."""
+
+
+class PermissionDeniedError(KVCacheSDKError):
+    """The server requires the admin token for this action, and it was missing or wrong."""
+
+
 class ServerError(KVCacheSDKError):
     """The server refused a request; ``code`` is the server's error code."""
 
@@ -56,6 +120,3 @@ class ServerError(KVCacheSDKError):
         self.code = code
         self.message = message
 
-
-class SessionError(KVDockError):
-    """A request names a session that does not exist (never opened, ended, or its lease ran out)."""

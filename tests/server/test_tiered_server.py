@@ -188,7 +188,7 @@ def test_lookup_prefetch_and_status_ops(make_server, tmp_path) -> None:
         prep = c.call(m.PrepareRetrieve(c.client_id, "p", raw)).reply
         assert len(prep.slots) == 3
         c.call(m.CommitRetrieve(c.client_id, "p"))
-        with pytest.raises(kvd.ServerError, match="session"):
+        with pytest.raises(kvd.LeaseExpiredError, match=r"no open session 'p'"):
             c.call(m.QueryPrefetchStatus(c.client_id, "p"))
         assert kvd.check_server_integrity(c) == []
 

@@ -6,7 +6,8 @@ message: they travel in shared-memory slots, or as raw ZMQ frames after the mess
 """
 
 from kvdock.protocol.codec import decode_reply, decode_request, encode
+from kvdock.protocol.codes import ErrorCode
 from kvdock.protocol.messages import *  # noqa: F403
 from kvdock.protocol.messages import PROTOCOL_VERSION, Reply, Request
 
-__all__ = ["PROTOCOL_VERSION", "Reply", "Request", "decode_reply", "decode_request", "encode"]
+__all__ = ["PROTOCOL_VERSION", "ErrorCode", "Reply", "Request", "decode_reply", "decode_request", "encode"]

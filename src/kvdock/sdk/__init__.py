@@ -11,9 +11,12 @@ kvd.close(ctx)
 from kvdock.errors import (
     InvalidInputError,
     KVCacheSDKError,
+    LeaseExpiredError,
+    PermissionDeniedError,
     PoolFullError,
     ServerError,
     ServerUnavailableError,
+    StoreConflictError,
     UnknownModelError,
 )
 from kvdock.sdk.context import KVCacheContext, close, connect
@@ -25,10 +28,13 @@ __all__ = [
     "InvalidInputError",
     "KVCacheContext",
     "KVCacheSDKError",
+    "LeaseExpiredError",
+    "PermissionDeniedError",
     "ModelRegistration",
     "PoolFullError",
     "ServerError",
     "ServerUnavailableError",
+    "StoreConflictError",
     "StoreResult",
     "UnknownModelError",
     "check_server_integrity",

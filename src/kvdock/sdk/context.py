@@ -18,11 +18,12 @@ from kvdock import layout
 from kvdock.errors import (
     InvalidInputError,
     KVCacheSDKError,
-    ServerError,
     ServerUnavailableError,
     UnknownModelError,
 )
+from kvdock.protocol import ErrorCode
 from kvdock.protocol import messages as m
+from kvdock.protocol.codes import sdk_error
 from kvdock.sdk.http import get_json
 from kvdock.sdk.transfer import InlineTransfer, ShmTransfer, Transfer
 from kvdock.shm import PoolSegment
@@ -89,9 +90,7 @@ class Connection:
         except ControlTimeout as e:
             raise ServerUnavailableError(f"kvdock server at {self.url}: {e}") from None
         if isinstance(resp.reply, m.Error):
-            if resp.reply.code == "registration" and "unknown model" in resp.reply.message:
-                raise UnknownModelError(resp.reply.message)
-            raise ServerError(resp.reply.code, resp.reply.message)
+            raise sdk_error(resp.reply.code, resp.reply.message)
         return resp
 
     def send_nowait(self, msg: msgspec.Struct) -> None:
@@ -153,8 +152,8 @@ class KVCacheContext:
         stale_id = self.client_id
         try:
             return self._conn.call(msg, payload)
-        except ServerError as e:
-            if e.code != "unknown_client" or not isinstance(msg, _RESTARTABLE):
+        except KVCacheSDKError as e:
+            if e.code != ErrorCode.UNKNOWN_CLIENT or not isinstance(msg, _RESTARTABLE):
                 raise
         with self._reconnect_lock:  # threads sharing this context register again only once
             if self.client_id == stale_id:

@@ -6,12 +6,11 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvdock.errors import SessionError
+from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
 from kvdock.server import handlers as h
 from kvdock.server import retrieval as r
-from kvdock.server.handlers import Payload, RequestError, Result, ServerState
-from kvdock.server.registry import RegistrationError
+from kvdock.server.handlers import Payload, Result, ServerState
 
 Handler = Callable[[ServerState, Any, Payload], "Result | Awaitable[Result]"]
 
@@ -52,10 +51,9 @@ async def _guard(state: ServerState, pending: Awaitable[Result]) -> Result:
         return error_reply(state, e)
 
 
-EXPECTED = (RequestError, SessionError, RegistrationError)
+EXPECTED = (RequestError,)
 
 
-def error_reply(state: ServerState, e: Exception) -> Result:
-    code = str({SessionError: "session", RegistrationError: "registration"}.get(type(e)) or getattr(e, "code", "error"))
-    state.metrics.errors.labels(code).inc()
-    return m.Error(code, str(e)), []
+def error_reply(state: ServerState, e: RequestError) -> Result:
+    state.metrics.errors.labels(e.code).inc()
+    return m.Error(e.code, str(e)), []

@@ -10,7 +10,9 @@ from typing import Any
 
 from kvdock import __version__
 from kvdock import keys as keymod
+from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
+from kvdock.protocol.codes import ErrorCode
 from kvdock.server.metrics import Metrics
 from kvdock.server.registry import ClientEntry, Registry
 from kvdock.shm import PoolSegment
@@ -18,12 +20,6 @@ from kvdock.storage import StorageManager
 from kvdock.storage.tiers import Tiers
 
 Payload = list[memoryview]
-
-
-class RequestError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -52,7 +48,8 @@ class HeldPayload(list[memoryview]):
 def client_of(state: ServerState, client_id: str) -> ClientEntry:
     client = state.registry.clients.get(client_id)
     if client is None:
-        raise RequestError("unknown_client", f"client {client_id!r} is not registered (call RegisterClient first)")
+        msg = f"client {client_id!r} is not registered (call RegisterClient first)"
+        raise RequestError(msg, ErrorCode.UNKNOWN_CLIENT)
     return client
 
 
@@ -60,7 +57,7 @@ def keys_of(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -
     try:
         arr = keymod.tokens_from_bytes(tokens)
     except ValueError as e:
-        raise RequestError("bad_request", str(e)) from None
+        raise RequestError(str(e)) from None
     model = client.model.layout.model_name
     return [keymod.ObjectKey(model, client.kv_rank, salt, h) for h in keymod.chunk_hashes(arr, state.chunk_size)]
 
@@ -71,7 +68,9 @@ def ping(state: ServerState, req: m.Ping, payload: Payload) -> Result:
 
 def _check_version(version: int) -> None:
     if version != m.PROTOCOL_VERSION:
-        raise RequestError("protocol_version", f"client speaks protocol {version}, server speaks {m.PROTOCOL_VERSION}")
+        raise RequestError(
+            f"client speaks protocol {version}, server speaks {m.PROTOCOL_VERSION}", ErrorCode.PROTOCOL_VERSION
+        )
 
 
 def register_model(state: ServerState, req: m.RegisterModel, payload: Payload) -> Result:
@@ -109,7 +108,7 @@ def commit_store(state: ServerState, req: m.CommitStore, payload: Payload) -> Re
     if client.transport == "inline":
         _write_inline(state, client, req, payload)
     elif payload:
-        raise RequestError("bad_request", "shared-memory clients send no payload frames")
+        raise RequestError("shared-memory clients send no payload frames")
     n = state.manager.commit_store(client.client_id, req.session_id, req.chunks)
     state.metrics.stores.inc()
     state.metrics.stored_chunks.inc(n)
@@ -125,7 +124,7 @@ def _write_inline(state: ServerState, client: ClientEntry, req: m.CommitStore, p
         state.manager.end_session(client.client_id, req.session_id)  # abort: nothing half-written stays
         sizes = sorted({len(p) for p in payload})
         raise RequestError(
-            "bad_payload", f"expected {len(objs)} frames of {nbytes} bytes, got {len(payload)} of sizes {sizes}"
+            f"expected {len(objs)} frames of {nbytes} bytes, got {len(payload)} of sizes {sizes}", ErrorCode.BAD_PAYLOAD
         )
     buf = state.segment.buf
     for obj, frame in zip(objs, payload, strict=False):

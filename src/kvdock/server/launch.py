@@ -21,7 +21,7 @@ from kvdock.config import (
     format_size,
 )
 from kvdock.errors import ConfigError, ProtocolError
-from kvdock.protocol import decode_request, encode
+from kvdock.protocol import ErrorCode, decode_request, encode
 from kvdock.protocol.messages import Error
 from kvdock.server.dispatch import handle
 from kvdock.server.handlers import HeldPayload, ServerState
@@ -117,8 +117,8 @@ async def _serve_one(
             raise ProtocolError("expected frames [seq, header, *payload]")
         req = decode_request(msg.header)
     except ProtocolError as e:
-        state.metrics.errors.labels("malformed").inc()
-        await control.send(msg.identity, msg.seq, encode(Error("malformed", str(e))))
+        state.metrics.errors.labels(ErrorCode.MALFORMED.value).inc()
+        await control.send(msg.identity, msg.seq, encode(Error(ErrorCode.MALFORMED.value, str(e))))
         return
     try:
         out = handle(state, req, msg.payload)
@@ -173,8 +173,8 @@ async def _reply_later(
 
 def _internal_error(state: ServerState, req: object, e: Exception) -> tuple[Error, list[Any]]:
     log.exception("internal error handling %s", type(req).__name__)
-    state.metrics.errors.labels("internal").inc()
-    return Error("internal", f"{type(e).__name__}: {e}"), []
+    state.metrics.errors.labels(ErrorCode.INTERNAL.value).inc()
+    return Error(ErrorCode.INTERNAL.value, f"{type(e).__name__}: {e}"), []
 
 
 async def _reap(state: ServerState, ttl: float) -> None:

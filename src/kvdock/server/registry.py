@@ -10,15 +10,13 @@ from pathlib import Path
 
 import msgspec
 
+from kvdock.errors import RegistrationError
 from kvdock.layout import Geometry, check_dtype, decode_shape
+from kvdock.protocol.codes import ErrorCode
 from kvdock.protocol.messages import ModelLayout, Transport
 from kvdock.storage.tiers import ObjectLayout
 
 log = logging.getLogger(__name__)
-
-
-class RegistrationError(ValueError):
-    """A layout or client registration that the server refuses; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +121,8 @@ class Registry:
         model = self.models.get(model_name)
         if model is None:
             known = ", ".join(sorted(self.models)) or "none"
-            raise RegistrationError(f"unknown model {model_name!r}; registered models: {known}")
+            msg = f"unknown model {model_name!r}; registered models: {known}"
+            raise RegistrationError(msg, ErrorCode.UNKNOWN_MODEL)
         if not 0 <= kv_rank < model.layout.world_size:
             raise RegistrationError(f"kv_rank {kv_rank} out of range for world_size {model.layout.world_size}")
         client = ClientEntry(secrets.token_hex(8), instance_id, model, kv_rank, transport)

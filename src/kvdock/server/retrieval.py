@@ -12,11 +12,11 @@ import asyncio
 import contextlib
 from typing import Any
 
+from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
 from kvdock.server.handlers import (
     HeldPayload,
     Payload,
-    RequestError,
     Result,
     ServerState,
     client_of,
@@ -87,7 +87,7 @@ def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payloa
     if mgr.has_session(client.client_id, req.session_id):  # opened by a prefetching Lookup
         session = mgr.find(client.client_id, req.session_id)
         if session.keys != keys:
-            raise RequestError("bad_request", f"session {req.session_id!r} was opened for other tokens or cache_salt")
+            raise RequestError(f"session {req.session_id!r} was opened for other tokens or cache_salt")
     else:
         session = mgr.open_retrieve(client.client_id, req.session_id, keys)
         if len(session.pinned) < len(keys) and state.tiers.enabled:

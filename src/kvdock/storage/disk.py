@@ -24,16 +24,13 @@ from pathlib import Path
 
 from blake3 import blake3
 
+from kvdock.errors import DiskInUseError
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
-
-
-class DiskInUseError(RuntimeError):
-    """Another live server holds the directory."""
 
 
 @dataclass(slots=True)

@@ -14,15 +14,14 @@ import struct
 import msgspec
 from blake3 import blake3
 
+from kvdock.errors import CorruptObject
 from kvdock.keys import ObjectKey
+
+__all__ = ["CorruptObject"]  # re-exported for the tiers' readers
 
 MAGIC = b"KVDOCKO1"
 ALIGN = 4096
 _PREFIX = struct.Struct("<8sI")
-
-
-class CorruptObject(ValueError):
-    """Bytes that are not a valid object, or not the object they were expected to be."""
 
 
 class ObjectHeader(msgspec.Struct, frozen=True, array_like=True):

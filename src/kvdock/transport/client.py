@@ -12,13 +12,12 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvdock.errors import ControlTimeout
 from kvdock.protocol import decode_reply, encode
 
+__all__ = ["ControlClient", "ControlTimeout", "Response"]
+
 Buffer = bytes | memoryview
-
-
-class ControlTimeout(TimeoutError):
-    """No reply arrived within the timeout."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark scripts: timing helpers (servers come from kvdock.server.process)."""
+"""Shared pieces of the benchmark scripts: timing helpers (servers come from kvdock.testing)."""
 
 from __future__ import annotations
 

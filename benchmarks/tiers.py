@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import kvdock.sdk as kvd
-from kvdock.server.process import ServerProcess, free_port, launch_server
+from kvdock.testing import ServerProcess, free_port, launch_server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import gbps, timed

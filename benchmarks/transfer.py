@@ -51,7 +51,7 @@ import torch
 import kvdock
 import kvdock.sdk as kvd
 from kvdock.sdk.context import TORCH_DTYPES
-from kvdock.server.process import ServerProcess, launch_server
+from kvdock.testing import ServerProcess, launch_server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_busy_s, gbps, own_cpu_s, timed

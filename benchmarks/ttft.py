@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 import kvdock.sdk as kvd
-from kvdock.server.process import start_server
+from kvdock.testing import start_server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_busy_s, own_cpu_s, timed

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import kvdock.sdk as kvd
-from kvdock.server.process import start_server
+from kvdock.testing import start_server
 
 TINY_NAME = "kvdock-example-tiny-llama"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -30,8 +30,10 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProc]]:
     """Factory: start a server (extra CLI flags as args), stopped and checked at teardown."""
     started: list[ServerProc] = []
 
-    def make(*extra: str, l1_size: str = "64MiB", register: str | None = "bfloat16") -> ServerProc:
-        srv = start_server(tmp_path, *extra, l1_size=l1_size, chunk_size=CHUNK)
+    def make(
+        *extra: str, l1_size: str = "64MiB", register: str | None = "bfloat16", **kw: object
+    ) -> ServerProc:
+        srv = start_server(tmp_path, *extra, l1_size=l1_size, chunk_size=CHUNK, **kw)  # type: ignore[arg-type]
         started.append(srv)
         if register:
             kvd.register_model(srv.url, srv.http_url, MODEL, dtype=register, **GEOMETRY, timeout=10)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from kvdock.server.process import ServerProcess, free_port
-from kvdock.server.process import start_server as start
+from kvdock.testing import ServerProcess, free_port
+from kvdock.testing import start_server as start
 
 __all__ = [
     "CHUNK",
@@ -43,12 +43,30 @@ def make_tokens(n: int, start: int = 0) -> list[int]:
 ServerProc = ServerProcess
 
 
-def start_server(tmp_path: Path, *extra: str, l1_size: str = "64MiB", chunk_size: int = 16) -> ServerProcess:
+def start_server(
+    tmp_path: Path,
+    *extra: str,
+    l1_size: str = "64MiB",
+    chunk_size: int = 16,
+    env: dict[str, str] | None = None,
+    port: int = 0,
+    http_port: int = 0,
+) -> ServerProcess:
     """Start ``kvdock serve`` with a small pool and small chunks; raises if it does not come up.
     No L2 unless the test asks for one: the default directory is shared by the whole machine."""
     disk = [] if any(a.startswith(("--disk", "--no-disk")) for a in extra) else ["--no-disk"]
     log_path = tmp_path / f"server-{time.monotonic_ns()}.log"
-    return start(*disk, *extra, l1_size=l1_size, chunk_size=chunk_size, log_path=log_path, timeout=30)
+    return start(
+        *disk,
+        *extra,
+        l1_size=l1_size,
+        chunk_size=chunk_size,
+        log_path=log_path,
+        timeout=30,
+        env=env,
+        port=port,
+        http_port=http_port,
+    )
 
 
 @dataclass

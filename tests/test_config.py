@@ -84,6 +84,9 @@ def test_defaults_with_nothing_given() -> None:
     assert cfg.l1_size == 0
     assert cfg.no_shm is False
     assert cfg.session_ttl == 30.0
+    assert cfg.client_ttl == 300.0
+    assert cfg.max_models == 64
+    assert cfg.max_request_tokens == 1_048_576 == 2**20
     assert cfg.admin_token == ""
     assert cfg.log_level == "INFO"
 
@@ -226,6 +229,9 @@ def test_malformed_toml(tmp_path: Path) -> None:
         ({"KVDOCK_SESSION_TTL": "soon"}, "invalid value for session_ttl: 'soon'"),
         ({"KVDOCK_NO_SHM": "maybe"}, "invalid value for no_shm: 'maybe'"),
         ({"KVDOCK_L1_SIZE": "lots"}, "not a size: 'lots'"),
+        ({"KVDOCK_CLIENT_TTL": "never"}, "invalid value for client_ttl: 'never'"),
+        ({"KVDOCK_MAX_REQUEST_TOKENS": "1e6"}, "invalid value for max_request_tokens: '1e6'"),
+        ({"KVDOCK_MAX_MODELS": "many"}, "invalid value for max_models: 'many'"),
     ],
 )
 def test_bad_env_values(env: dict[str, str], pattern: str) -> None:
@@ -244,6 +250,11 @@ def test_bad_env_values(env: dict[str, str], pattern: str) -> None:
         ({"port": 65536}, "port out of range: 65536"),
         ({"port": -1}, "port out of range"),
         ({"http_port": 70000}, "http_port out of range: 70000"),
+        ({"client_ttl": 0}, "client_ttl must be positive, got 0"),
+        ({"client_ttl": -5}, "client_ttl must be positive, got -5.0"),
+        ({"max_models": 0}, "max_models must be positive, got 0"),
+        ({"max_request_tokens": 0}, "max_request_tokens must be positive, got 0"),
+        ({"max_request_tokens": -1}, "max_request_tokens must be positive, got -1"),
     ],
 )
 def test_values_that_cannot_work(cli: dict[str, object], pattern: str) -> None:
@@ -293,4 +304,33 @@ def test_integral_float_size_in_file_is_accepted(tmp_path: Path) -> None:
 @pytest.mark.parametrize("body", ["no_shm = 1", "no_shm = 0", "admin_token = 5"])
 def test_non_boolean_numbers_for_flags_are_config_errors(tmp_path: Path, body: str) -> None:
     with pytest.raises(ConfigError, match=r"invalid value for (no_shm|admin_token): .* \(expected (bool|str)\)"):
+        load_server_config({}, env={}, config_file=_write(tmp_path, body + "\n"))
+
+
+# ---------------------------------------------------------------- registration and request limits
+
+
+def test_limits_from_file_env_and_cli(tmp_path: Path) -> None:
+    path = _write(tmp_path, "client_ttl = 60\nmax_models = 8\nmax_request_tokens = 4096\n")
+    cfg = load_server_config({}, env={}, config_file=path)
+    assert (cfg.client_ttl, cfg.max_models, cfg.max_request_tokens) == (60.0, 8, 4096)
+    assert isinstance(cfg.client_ttl, float)
+    env = {"KVDOCK_CLIENT_TTL": "1.5", "KVDOCK_MAX_MODELS": "9", "KVDOCK_MAX_REQUEST_TOKENS": "8192"}
+    cfg = load_server_config({}, env=env, config_file=path)
+    assert (cfg.client_ttl, cfg.max_models, cfg.max_request_tokens) == (1.5, 9, 8192)
+    cli = {"client_ttl": "2", "max_models": None, "max_request_tokens": 16384}
+    cfg = load_server_config(cli, env=env, config_file=path)
+    assert (cfg.client_ttl, cfg.max_models, cfg.max_request_tokens) == (2.0, 9, 16384)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ("max_request_tokens = 1.5", "max_request_tokens"),
+        ('client_ttl = "soon"', "client_ttl"),
+        ("max_models = true", "max_models"),
+    ],
+)
+def test_wrongly_typed_limits_in_file(tmp_path: Path, body: str, field: str) -> None:
+    with pytest.raises(ConfigError, match=f"invalid value for {field}"):
         load_server_config({}, env={}, config_file=_write(tmp_path, body + "\n"))

@@ -1,5 +1,5 @@
-"""A test harness for kvdock.storage.tiers, in-process: a real L1Store over bytearray memory, a
-StorageManager, a DiskStore in a temporary directory and, when asked, a RedisStore."""
+"""A test harness for the storage manager and its lanes, in-process: a real L1Store over bytearray
+memory, a StorageManager, a DiskTier in a temporary directory and, when asked, a RedisTier."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from pathlib import Path
 
 from kvdock.keys import ObjectKey
 from kvdock.shm.slots import ALIGN, SlotAllocator
-from kvdock.storage.disk import DiskStore
-from kvdock.storage.manager import Session, StorageManager
+from kvdock.storage.disk import DiskTier
+from kvdock.storage.lane import TierLane
+from kvdock.storage.manager import StorageManager
 from kvdock.storage.memory import L1Object, L1Store
-from kvdock.storage.redis import RedisStore
-from kvdock.storage.tiers import ObjectLayout, Tiers
+from kvdock.storage.redis import RedisTier
+from kvdock.storage.sessions import Session
+from kvdock.storage.tier import ObjectLayout
 
 SHAPE = [2, 3, 16, 10]
 NB = 2 * 3 * 16 * 10 * 4  # float32 KV_2LTD chunk: 3840 bytes, one 4 KiB slot
@@ -39,28 +41,24 @@ class World:
     """L1 (``slots`` slots of real memory) + manager + L2 in tmp_path + optional L3."""
 
     def __init__(
-        self,
-        tmp_path: Path,
-        slots: int = 8,
-        disk_files: int = 32,
-        redis_url: str | None = None,
-        max_backlog_bytes: int | None = None,
+        self, tmp_path: Path, slots: int = 8, disk_files: int = 32, redis_url: str | None = None, disk: bool = True
     ) -> None:
         self.mem = bytearray(slots * ALIGN)
         self.l1 = L1Store(SlotAllocator(0, slots * ALIGN), memory=memoryview(self.mem))
-        self.mgr = StorageManager(self.l1, session_ttl=60.0)
-        self.disk = DiskStore(tmp_path / "l2", capacity=disk_files * FILE)
-        assert self.disk.scan().loaded == 0
-        self.redis = RedisStore(redis_url, timeout=2.0) if redis_url else None
-        self.tiers = Tiers(self.mgr, layout_of, self.disk, self.redis, max_backlog_bytes=max_backlog_bytes)
+        self.disk = DiskTier(tmp_path / "l2", capacity=disk_files * FILE) if disk else None
+        assert self.disk is None or self.disk.scan().loaded == 0
+        self.redis = RedisTier(redis_url, timeout=2.0) if redis_url else None
+        self.lanes = {t.name: TierLane(t, self.l1) for t in (self.disk, self.redis) if t is not None}
+        self.mgr = StorageManager(self.l1, 60.0, list(self.lanes.values()), layout_of)
         self._sid = 0
 
     def check(self) -> None:
-        self.tiers.check_integrity()
+        self.mgr.check_integrity()
 
     def store(self, keys: list[ObjectKey], version: int = 0, overwrite: bool = False) -> list[L1Object]:
         """Store ``keys`` (all new, or overwritten) through the manager: prepare, fill, commit.
         Must run in the event loop."""
+        assert not overwrite, "an overwrite waits for its deletions: use store_async"
         self._sid += 1
         sid = f"store-{self._sid}"
         plan = self.mgr.prepare_store("c", sid, keys, NB, overwrite)
@@ -72,14 +70,26 @@ class World:
         self.check()
         return [obj for _, obj in plan.slots]
 
+    async def store_async(self, keys: list[ObjectKey], version: int = 0, overwrite: bool = False) -> int:
+        """Like :meth:`store`, waiting for an overwrite's deletions as the server does; returns how
+        many chunks were committed (raises RequestError if the overwrite is refused)."""
+        self._sid += 1
+        sid = f"store-{self._sid}"
+        plan = self.mgr.prepare_store("c", sid, keys, NB, overwrite)
+        for i, obj in plan.slots:
+            self.l1.view(obj)[:] = payload(keys[i], version)
+        if not plan.slots:
+            return 0
+        ok = await self.mgr.wait_deletes("c", sid)
+        n = self.mgr.commit_store("c", sid, [i for i, _ in plan.slots], ok)
+        self.check()
+        return n
+
     async def drain(self) -> None:
         """Wait until every queued write-down finished."""
-        for _ in range(2000):
-            if self.tiers.backlog_bytes == 0 and self.mgr.background_pins == 0:
-                self.check()
-                return
-            await asyncio.sleep(0.005)
-        raise AssertionError(f"write-down did not finish: backlog {self.tiers.backlog_bytes}")
+        for lane in self.lanes.values():
+            assert await lane.drain(10.0), f"{lane.name}: write-down did not finish"
+        self.check()
 
     def evict_l1(self, keys: list[ObjectKey]) -> None:
         for k in keys:
@@ -88,9 +98,10 @@ class World:
 
     async def prefetch(self, sid: str, keys: list[ObjectKey]) -> Session:
         session = self.mgr.open_retrieve("c", sid, keys)
-        job = self.tiers.start_prefetch(session, keys)
+        job = self.mgr.start_prefetch(session)
         self.check()
-        await asyncio.wait_for(job.done.wait(), 10)
+        if job is not None:
+            await asyncio.wait_for(job.done.wait(), 10)
         self.check()
         return session
 
@@ -102,7 +113,8 @@ class World:
     def block(self, tier: str = "l2", which: int = 0) -> threading.Event:
         """Occupy a tier's writer (0) or reader (1) thread until the returned event is set."""
         gate = threading.Event()
-        self.tiers._pools[tier][which].submit(gate.wait, 10)
+        lane = self.lanes[tier]
+        (lane._writer if which == 0 else lane._reader).submit(gate.wait, 10)
         return gate
 
 
@@ -118,7 +130,7 @@ def run(tmp_path: Path, body: Callable[[World], Awaitable[None]], check: bool = 
                 await w.drain()
                 w.check()
         finally:
-            w.tiers.close()
+            w.mgr.close()
 
     asyncio.run(main())
 

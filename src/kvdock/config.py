@@ -26,6 +26,14 @@ L1_AUTO_FRACTION = 0.25  # of available memory, when --l1-size is not given
 DISK_AUTO_FRACTION = 0.2  # of the free space in the disk dir, when --disk-size is not given
 SIZE_FIELDS = ("l1_size", "disk_size")
 
+# Hard bounds on what one model registration may declare (checked by the server and the SDK).
+MAX_NUM_LAYERS = 4096
+MAX_NUM_KV_HEADS = 4096
+MAX_HEAD_DIM = 16384
+MAX_WORLD_SIZE = 1024
+MAX_NAME_LEN = 200  # characters of a model name and of each engine string
+MAX_CLIENTS = 10_000  # live client registrations; past it RegisterClient fails with ErrorCode.LIMIT
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -76,6 +84,9 @@ class ServerConfig:
     l1_size: int = 0  # bytes; 0 = L1_AUTO_FRACTION of available memory
     no_shm: bool = False
     session_ttl: float = 30.0
+    client_ttl: float = 300.0  # seconds before a silent client's registration is forgotten
+    max_models: int = 64  # model registrations the server keeps
+    max_request_tokens: int = 2**20  # token ids one request may name
     disk_dir: str = ""  # L2 directory; "" = DEFAULT_DISK_DIR
     disk_size: int = 0  # bytes; 0 = DISK_AUTO_FRACTION of the free space there
     no_disk: bool = False
@@ -96,8 +107,9 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
-        if self.session_ttl <= 0:
-            raise ConfigError(f"session_ttl must be positive, got {self.session_ttl}")
+        for name in ("session_ttl", "client_ttl", "max_models", "max_request_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} out of range: {getattr(self, name)}")

@@ -12,6 +12,7 @@ An object's identity is ``ObjectKey(model, rank, salt, chunk)``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Set
 from typing import NamedTuple
 
 import numpy as np
@@ -60,10 +61,13 @@ def tokens_from_bytes(data: bytes) -> np.ndarray:
 def normalize_tokens(tokens: object) -> np.ndarray:
     """Validate token ids (a sequence, numpy array or torch tensor of integers) into a uint32 array.
 
-    Raises TypeError for non-integers (bools and floats included) and ValueError for ids outside
-    ``0 .. 2**32-1`` or input that is not one-dimensional.
+    Raises TypeError for non-integers (bools and floats included) and for mappings and sets (their
+    order is not a token order), and ValueError for ids outside ``0 .. 2**32-1``, input that is not
+    one-dimensional, or a tensor on the meta device (it holds no values).
     """
     if hasattr(tokens, "detach") and hasattr(tokens, "numpy"):  # torch.Tensor without importing torch
+        if getattr(tokens, "is_meta", False):
+            raise ValueError("token ids are on the meta device, which holds no values; pass a CPU or GPU tensor")
         tokens = tokens.detach().cpu().numpy()  # type: ignore[attr-defined]
     if isinstance(tokens, np.ndarray):
         arr = tokens
@@ -72,6 +76,11 @@ def normalize_tokens(tokens: object) -> np.ndarray:
     else:
         if isinstance(tokens, (str, bytes, bytearray)):
             raise TypeError(f"token ids must be a sequence of integers, got {type(tokens).__name__}")
+        if isinstance(tokens, (Mapping, Set)):
+            raise TypeError(
+                f"token ids must be a sequence of integers, got a {type(tokens).__name__} "
+                "(its order is not a token order; pass a list)"
+            )
         try:
             seq = list(tokens)  # type: ignore[call-overload]
         except TypeError:

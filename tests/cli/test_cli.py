@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -85,7 +87,7 @@ def test_serve_precedence_cli_over_env_over_file(tmp_path) -> None:
     conf = tmp_path / "kvdock.toml"
     conf.write_text('chunk_size = 64\nsession_ttl = 7.5\nl1_size = "8MiB"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
-    env.update(KVDOCK_CONFIG=str(conf), KVDOCK_CHUNK_SIZE="32")
+    env.update(KVDOCK_CONFIG=str(conf), KVDOCK_CHUNK_SIZE="32", KVDOCK_CLIENT_TTL="9", KVDOCK_MAX_REQUEST_TOKENS="512")
     port, http_port = free_port(), free_port()
     p = subprocess.Popen(
         [sys.executable, "-m", "kvdock.cli.main", "serve", "--port", str(port), "--http-port", str(http_port)],
@@ -97,13 +99,18 @@ def test_serve_precedence_cli_over_env_over_file(tmp_path) -> None:
         srv = _wait(p, port, http_port, tmp_path)
         cfg = srv.get("/config")
         assert (cfg["chunk_size"], cfg["session_ttl"], cfg["l1"]["size_bytes"]) == (32, 7.5, 8 * 2**20)
+        assert (cfg["client_ttl"], cfg["max_request_tokens"]) == (9.0, 512)
     finally:
         p.terminate()
         p.wait(30)
-    srv = start_server(tmp_path, "--config", str(conf), "--session-ttl", "3", l1_size="4MiB", chunk_size=16)
+    conf.write_text('chunk_size = 64\nsession_ttl = 7.5\nl1_size = "8MiB"\nclient_ttl = 11\nmax_request_tokens = 256\n')
+    srv = start_server(
+        tmp_path, "--config", str(conf), "--session-ttl", "3", "--client-ttl", "4.5", l1_size="4MiB", chunk_size=16
+    )
     try:
         cfg = srv.get("/config")
         assert (cfg["chunk_size"], cfg["session_ttl"], cfg["l1"]["size_bytes"]) == (16, 3.0, 4 * 2**20)
+        assert (cfg["client_ttl"], cfg["max_request_tokens"]) == (4.5, 256)
     finally:
         srv.stop()
 
@@ -146,3 +153,61 @@ def test_store_and_retrieve_commands_round_trip_files(server, tmp_path) -> None:
     assert r.returncode == 2 and "kv has 48 tokens but 2 token ids were given" in r.stderr
     r = kvdock("lookup", *flags, "1,x")
     assert r.returncode == 2 and "token ids must be integers" in r.stderr
+
+
+def _no_kvdock_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
+
+
+def test_serve_help_lists_the_limit_flags() -> None:
+    r = kvdock("serve", "--help")
+    assert r.returncode == 0
+    for flag in ("--client-ttl", "--max-models", "--max-request-tokens", "--admin-token"):
+        assert flag in r.stdout, flag
+    r = kvdock("serve", "--max-request-tokens", "0")
+    assert r.returncode == 2 and r.stderr.strip() == "kvdock serve: error: max_request_tokens must be positive, got 0"
+
+
+def test_register_needs_the_admin_token_when_the_server_has_one(make_server) -> None:
+    srv = make_server("--admin-token", "s3cret", register=None)
+    flags = ["register", "--url", srv.url, "--http-url", srv.http_url, "--model", "m", "--num-layers", "2"]
+    flags += ["--num-kv-heads", "2", "--head-dim", "8", "--dtype", "float16"]
+    r = kvdock(*flags, env=_no_kvdock_env())
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        "kvdock register: error: registering a model needs the server's admin token (admin_token= in the SDK, "
+        "--admin-token or KVDOCK_ADMIN_TOKEN for kvdock register)"
+    )
+    r = kvdock(*flags, "--admin-token", "wrong", env=_no_kvdock_env())
+    assert r.returncode == 2 and "needs the server's admin token" in r.stderr
+    r = kvdock(*flags, "--admin-token", "s3cret", env=_no_kvdock_env())
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"model_name": "m", "created": True, "chunk_nbytes": 2 * 2 * CHUNK * 16 * 2}
+    r = kvdock(*flags, env={**_no_kvdock_env(), "KVDOCK_ADMIN_TOKEN": "s3cret"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["created"] is False
+    r = kvdock(*flags, "--admin-token", "wrong", env={**_no_kvdock_env(), "KVDOCK_ADMIN_TOKEN": "s3cret"})
+    assert r.returncode == 2  # the flag wins over the environment
+
+
+def test_register_refuses_absurd_geometry_at_once() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = kvdock(
+        "register", "--url", f"tcp://127.0.0.1:{free_port()}", "--http-url", dead, "--model", "huge",
+        "--num-layers", str(2**40), "--num-kv-heads", str(2**20), "--head-dim", str(2**20), "--dtype", "bfloat16",
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip() == "kvdock register: error: num_layers must be between 1 and 4096, got 1099511627776"
+
+
+def test_the_test_launcher_is_kvdock_testing_and_standard_library_only() -> None:
+    import kvdock
+    import kvdock.testing
+
+    src = Path(kvdock.testing.__file__)
+    assert src.parent == Path(kvdock.__file__).parent
+    assert not (src.parent / "server" / "process.py").exists()
+    tree = ast.parse(src.read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported - {"__future__"} <= sys.stdlib_module_names, imported - sys.stdlib_module_names

@@ -149,7 +149,7 @@ def test_hnd_registration_decodes_the_same_geometry(server) -> None:
 
 
 def test_context_survives_a_server_restart(make_server, tmp_path) -> None:
-    from kvdock.server.process import start_server
+    from kvdock.testing import start_server
 
     disk = str(tmp_path / "l2")
     srv = make_server("--disk-dir", disk)
@@ -180,3 +180,220 @@ def test_context_survives_a_server_restart(make_server, tmp_path) -> None:
             assert kvd.check_server_integrity(c) == []
         finally:
             assert again.stop() == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad arguments that used to escape as bare exceptions (NotImplementedError, zmq.error.ZMQError) or
+# be accepted (a dict's keys used as tokens, a non-str salt refused by the server as "malformed"):
+# each is an InvalidInputError, raised before anything is sent, that says what is expected.
+
+
+def _raises_exactly(message: str, fn, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(kvd.InvalidInputError) as info:
+        fn(*args, **kwargs)
+    assert info.type is kvd.InvalidInputError
+    assert str(info.value) == message
+
+
+def test_kv_on_the_meta_device_is_refused(ctx) -> None:
+    kv = torch.empty(2, 3, CHUNK, 16, dtype=torch.bfloat16, device="meta")
+    _raises_exactly(
+        "kv is on the meta device, which holds no data; pass a tensor with values (CPU or GPU)",
+        kvd.store,
+        ctx,
+        kv,
+        make_tokens(CHUNK),
+    )
+    assert kvd.lookup(ctx, make_tokens(CHUNK)) == 0
+
+
+def test_tokens_on_the_meta_device_are_refused(ctx) -> None:
+    tokens = torch.zeros(CHUNK, dtype=torch.long, device="meta")
+    msg = "token ids are on the meta device, which holds no values; pass a CPU or GPU tensor"
+    _raises_exactly(msg, kvd.store, ctx, make_kv(CHUNK), tokens)
+    _raises_exactly(msg, kvd.retrieve, ctx, tokens)
+    _raises_exactly(msg, kvd.lookup, ctx, tokens)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "kind"),
+    [({i: 0 for i in range(CHUNK)}, "dict"), (set(range(CHUNK)), "set"), (frozenset(range(CHUNK)), "frozenset")],
+)
+def test_mappings_and_sets_are_not_token_ids(ctx, tokens, kind: str) -> None:
+    msg = f"token ids must be a sequence of integers, got a {kind} (its order is not a token order; pass a list)"
+    _raises_exactly(msg, kvd.store, ctx, make_kv(CHUNK), tokens)
+    _raises_exactly(msg, kvd.retrieve, ctx, tokens)
+    _raises_exactly(msg, kvd.lookup, ctx, tokens)
+    assert kvd.lookup(ctx, list(range(CHUNK))) == 0  # the keys were not stored either
+
+
+@pytest.mark.parametrize(
+    ("salt", "message"),
+    [
+        (5, 'cache_salt must be a str ("" for none), got int 5'),
+        (None, 'cache_salt must be a str ("" for none), got NoneType None'),
+        (b"salt", "cache_salt must be a str (\"\" for none), got bytes b'salt'"),
+        ("\udc80", "cache_salt must be valid text (it is sent as UTF-8): surrogates not allowed"),
+    ],
+)
+def test_a_cache_salt_that_is_not_text_is_refused(ctx, salt, message: str) -> None:
+    tokens = make_tokens(CHUNK)
+    _raises_exactly(message, kvd.store, ctx, make_kv(CHUNK), tokens, salt)
+    _raises_exactly(message, kvd.retrieve, ctx, tokens, salt)
+    _raises_exactly(message, kvd.lookup, ctx, tokens, salt)
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (1, "overwrite must be True or False, got int 1"),
+        ("yes", "overwrite must be True or False, got str 'yes'"),
+        (None, "overwrite must be True or False, got NoneType None"),
+    ],
+)
+def test_overwrite_must_be_a_bool(ctx, flag, message: str) -> None:
+    _raises_exactly(message, kvd.store, ctx, make_kv(CHUNK), make_tokens(CHUNK), overwrite=flag)
+    assert kvd.lookup(ctx, make_tokens(CHUNK)) == 0
+    assert kvd.store(ctx, make_kv(CHUNK), make_tokens(CHUNK), overwrite=np.bool_(True)) is True
+
+
+EXPECTED_URL = "expected 'tcp://HOST:PORT' (e.g. 'tcp://127.0.0.1:5555') or 'ipc://PATH'"
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        (
+            "127.0.0.1:5555",
+            f"url '127.0.0.1:5555' has no supported scheme: {EXPECTED_URL}; did you mean 'tcp://127.0.0.1:5555'?",
+        ),
+        ("http://127.0.0.1:5555", f"url 'http://127.0.0.1:5555' has no supported scheme: {EXPECTED_URL}"),
+        ("inproc://kvdock", f"url 'inproc://kvdock' has no supported scheme: {EXPECTED_URL}"),
+        ("tcp://127.0.0.1", f"url 'tcp://127.0.0.1' needs a host and a port 1..65535: {EXPECTED_URL}"),
+        ("tcp://:5555", f"url 'tcp://:5555' needs a host and a port 1..65535: {EXPECTED_URL}"),
+        ("tcp://127.0.0.1:99999", f"url 'tcp://127.0.0.1:99999' needs a host and a port 1..65535: {EXPECTED_URL}"),
+        ("ipc://", f"url 'ipc://' names no path: {EXPECTED_URL}"),
+        (5555, f"url must be a str, {EXPECTED_URL}; got int"),
+    ],
+)
+def test_a_url_zmq_cannot_use_is_refused_saying_what_is_expected(server, url, message: str) -> None:
+    _raises_exactly(message, kvd.connect, url, server.http_url, MODEL, timeout=2)
+    _raises_exactly(
+        message,
+        kvd.register_model,
+        url,
+        server.http_url,
+        "x",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=4,
+        dtype="float32",
+    )
+
+
+def test_an_http_url_without_a_scheme_is_refused(server) -> None:
+    bare = server.http_url.removeprefix("http://")
+    _raises_exactly(
+        f"http_url {bare!r} is not an HTTP URL: expected 'http://HOST:PORT' (e.g. 'http://127.0.0.1:9000'); "
+        f"did you mean 'http://{bare}'?",
+        kvd.connect,
+        server.url,
+        bare,
+        MODEL,
+    )
+
+
+@pytest.mark.parametrize(
+    ("timeout", "message"),
+    [
+        ("10", "timeout must be a number of seconds, got str '10'"),
+        (None, "timeout must be a number of seconds, got NoneType None"),
+        (True, "timeout must be a number of seconds, got bool True"),
+        (0, "timeout must be a number of seconds in (0, 86400], got 0"),
+        (-1.5, "timeout must be a number of seconds in (0, 86400], got -1.5"),
+        (float("nan"), "timeout must be a number of seconds in (0, 86400], got nan"),
+        (float("inf"), "timeout must be a number of seconds in (0, 86400], got inf"),
+        (10**9, "timeout must be a number of seconds in (0, 86400], got 1000000000"),
+    ],
+)
+def test_a_timeout_that_is_not_a_sane_number_of_seconds_is_refused(server, timeout, message: str) -> None:
+    _raises_exactly(message, kvd.connect, server.url, server.http_url, MODEL, timeout=timeout)
+
+
+def test_a_model_name_that_is_not_a_str_is_refused(server) -> None:
+    _raises_exactly("model_name must be a non-empty str, got int 7", kvd.connect, server.url, server.http_url, 7)
+    _raises_exactly("model_name must be a non-empty str, got str ''", kvd.connect, server.url, server.http_url, "")
+
+
+def test_something_else_than_a_context_is_refused(server) -> None:
+    msg = "ctx must be a KVCacheContext from kvdock.sdk.connect(), got str"
+    _raises_exactly(msg, kvd.lookup, "ctx", make_tokens(CHUNK))
+    _raises_exactly(msg, kvd.retrieve, "ctx", make_tokens(CHUNK))
+    _raises_exactly(msg, kvd.store, "ctx", make_kv(CHUNK), make_tokens(CHUNK))
+    _raises_exactly(msg, kvd.check_server_integrity, "ctx")
+    _raises_exactly(msg, kvd.close, "ctx")
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_kv_that_requires_grad_is_stored_as_its_values(make_server, transport: str) -> None:
+    srv = make_server(*(["--no-shm"] if transport == "inline" else []))
+    kv = make_kv(CHUNK, torch.float32).to(torch.bfloat16).requires_grad_()
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        assert kvd.store(c, kv, make_tokens(CHUNK))
+        assert torch.equal(kvd.retrieve(c, make_tokens(CHUNK)), kv.detach())
+
+
+# ---------------------------------------------------------------- regressions
+
+
+@pytest.mark.parametrize("kind", ["overlapping", "requires_grad"])
+def test_retrieve_out_unusable_buffer_is_an_invalid_input_error(ctx: kvd.KVCacheContext, kind: str) -> None:
+    """Regression: retrieve(..., out=buf) only checked shape, dtype and device: a buffer whose
+    elements overlap (an expand()ed tensor) or that requires grad failed inside copy_ with a bare
+    RuntimeError instead of the promised InvalidInputError."""
+    n = 2 * CHUNK
+    tokens = make_tokens(n)
+    assert kvd.store(ctx, make_kv(n), tokens)
+    d = ctx.geometry.hidden_dim
+    if kind == "overlapping":
+        out = torch.zeros(2, ctx.geometry.num_layers, 1, d, dtype=ctx.dtype).expand(-1, -1, n, -1)
+    else:
+        out = torch.zeros(2, ctx.geometry.num_layers, n, d, dtype=ctx.dtype, requires_grad=True)
+    match = "overlapping elements" if kind == "overlapping" else "must not require grad"
+    with pytest.raises(kvd.InvalidInputError, match=match):
+        kvd.retrieve(ctx, tokens, out=out)
+
+
+def test_failed_reregistration_leaks_no_server_side_clients(make_server, tmp_path) -> None:
+    """Regression: after a server restart the context registered a new client BEFORE it checked
+    that the layout and chunk size still matched; on a mismatch it raised but never told the
+    server to forget that registration, so every later call leaked one more server-side client."""
+    from kvdock.testing import start_server
+
+    srv = make_server()
+    kv, tokens = make_kv(4 * CHUNK), make_tokens(4 * CHUNK)
+    c = kvd.connect(srv.url, srv.http_url, MODEL, timeout=5)
+    try:
+        assert kvd.store(c, kv, tokens)
+        assert srv.stop() == 0
+        again = start_server(
+            "--no-disk",
+            l1_size="64MiB",
+            chunk_size=2 * CHUNK,  # restarted with another chunk size
+            port=srv.port,
+            http_port=srv.http_port,
+            log_path=tmp_path / "again.log",
+            timeout=30,
+        )
+        try:
+            kvd.register_model(again.url, again.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
+            for _ in range(3):
+                with pytest.raises(kvd.KVCacheSDKError, match="another layout"):
+                    kvd.lookup(c, tokens)
+            c.close()
+            time.sleep(0.5)
+            assert again.get("/status")["clients"] == 0, "failed re-registrations stay registered on the server"
+        finally:
+            assert again.stop() == 0
+    finally:
+        c.close()

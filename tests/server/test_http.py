@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -9,12 +11,13 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, MODEL, make_kv, make_tokens
+from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens
+from kvdock.protocol.messages import PROTOCOL_VERSION
 
 
 def test_config_and_status_documents(server, ctx) -> None:
     cfg = server.get("/config")
-    assert cfg["chunk_size"] == CHUNK and cfg["protocol_version"] == 1
+    assert cfg["chunk_size"] == CHUNK and cfg["protocol_version"] == PROTOCOL_VERSION
     assert cfg["zmq_url"] == server.url and cfg["transports"] == ["shm", "inline"]
     assert cfg["l1"]["shm_enabled"] is True and cfg["l1"]["size_bytes"] == 64 * 2**20
     assert kvd.store(ctx, make_kv(2 * CHUNK), make_tokens(2 * CHUNK))
@@ -26,6 +29,8 @@ def test_config_and_status_documents(server, ctx) -> None:
         "free_bytes": 64 * 2**20 - 8192,
         "objects": 2,
         "evictions": 0,
+        "quarantined_bytes": 0,
+        "unsent_reply_bytes": 0,
     }
     (meta,) = st["cache_context_meta"]
     assert meta["model_name"] == MODEL and meta["world_size"] == 1
@@ -65,10 +70,12 @@ def test_healthz_and_metrics(server, ctx) -> None:
         assert line in text.splitlines(), line
 
 
-def _post(url: str, token: str | None = None) -> tuple[int, str]:
+def _post(url: str, token: str | None = None, authorization: str | None = None) -> tuple[int, str]:
     req = urllib.request.Request(url, method="POST")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
+    if authorization is not None:
+        req.add_header("Authorization", authorization)
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
             return r.status, r.read().decode()
@@ -77,7 +84,8 @@ def _post(url: str, token: str | None = None) -> tuple[int, str]:
 
 
 def test_admin_clear_needs_the_token(make_server) -> None:
-    srv = make_server("--admin-token", "s3cret")
+    srv = make_server("--admin-token", "s3cret", register=None)
+    kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10, admin_token="s3cret")
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
         kv = make_kv(2 * CHUNK)
         assert kvd.store(c, kv, make_tokens(2 * CHUNK))
@@ -116,3 +124,83 @@ def test_http_binds_loopback_by_default(server, path: str) -> None:
     assert server.get(path)  # reachable on 127.0.0.1
     assert "--host" not in server.args
     assert server.get("/config")["zmq_url"].startswith("tcp://127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    ["s3cret", "bearer s3cret", "Bearer  s3cret", "Bearer:s3cret", "Basic s3cret", "Bearer", "Bearer s3cret2", ""],
+)
+def test_admin_token_must_be_given_exactly_as_bearer(make_server, authorization: str) -> None:
+    srv = make_server("--admin-token", "s3cret", register=None)
+    assert _post(srv.http_url + "/admin/clear", authorization=authorization) == (
+        401,
+        "admin token required (Authorization: Bearer <token>)",
+    )
+    assert _post(srv.http_url + "/admin/clear", authorization="Bearer s3cret") == (
+        200,
+        '{"removed": 0, "removed_l2": 0}',
+    )
+
+
+def _raw_http(port: int, request: bytes) -> tuple[bytes, int]:
+    """Send raw bytes, return (the reply, how many tries it took). The server answers a request it
+    cannot parse before reading all of it and then closes, so the kernel may reset the connection
+    and lose the reply: try again (each try is one more request in the server's log)."""
+    for tries in range(1, 6):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            chunks = []
+            try:
+                s.sendall(request)
+                while chunk := s.recv(65536):
+                    chunks.append(chunk)
+            except (ConnectionResetError, BrokenPipeError):
+                pass
+        if chunks:
+            return b"".join(chunks), tries
+    raise AssertionError("no reply in 5 tries")
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "detail"),
+    [
+        (
+            b"GET /" + b"a" * 80_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+            "400 Got more than 8190 bytes when reading: bytearray(b'/aaaaa",
+        ),
+        (
+            b"GET /status HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 80_000 + b"\r\n\r\n",
+            "400 Got more than 8190 bytes when reading: b'bbbbb",
+        ),
+    ],
+)
+def test_an_oversized_request_gets_a_400_and_one_short_log_line(server, request_bytes: bytes, detail: str) -> None:
+    reply, tries = _raw_http(server.http_port, request_bytes)
+    assert reply.startswith(b"HTTP/1.0 400 Bad Request\r\n"), reply[:200]
+    deadline = time.monotonic() + 10
+    while server.log().count("Error handling request") < tries:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
+    assert server.text("/healthz") == "ok"  # still serving
+    log = server.log()
+    assert "Traceback" not in log
+    lines = [ln for ln in log.splitlines() if "aiohttp" in ln]
+    assert len(lines) == tries  # one line per bad request, nothing else
+    for line in lines:
+        assert " WARNING aiohttp.server: Error handling request from 127.0.0.1: " + detail in line, line
+        assert line.endswith("...") and len(line) < 250, line
+
+
+def test_status_shows_the_client_count_and_no_client_id(server) -> None:
+    with (
+        kvd.connect(server.url, server.http_url, MODEL, timeout=5) as a,
+        kvd.connect(server.url, server.http_url, MODEL, timeout=5) as b,
+    ):
+        text = server.text("/status")
+        st = server.get("/status")
+        assert st["clients"] == 2
+        assert a.client_id not in text and b.client_id not in text
+        metrics = server.text("/metrics").splitlines()
+        assert "kvdock_clients 2.0" in metrics and "kvdock_models 1.0" in metrics
+    assert server.get("/status")["clients"] == 0
+    cfg = server.get("/config")
+    assert (cfg["client_ttl"], cfg["max_request_tokens"]) == (300.0, 1048576)

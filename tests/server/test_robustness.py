@@ -63,7 +63,7 @@ def test_garbage_frames_get_error_replies(server, ctx, dealer) -> None:
     reply = decode_reply(_ask(dealer, b"x", encode(m.CommitStore(ctx.client_id, "never-opened", [0])))[1])
     assert isinstance(reply, m.Error) and reply.code == "session"
     reply = decode_reply(_ask(dealer, b"x", encode(m.RegisterClient(99, "i", MODEL)))[1])
-    assert reply == m.Error("protocol_version", "client speaks protocol 99, server speaks 1")
+    assert reply == m.Error("protocol_version", f"client speaks protocol 99, server speaks {m.PROTOCOL_VERSION}")
     metrics = server.text("/metrics")
     assert 'kvdock_errors_total{code="malformed"} 6.0' in metrics, metrics
     # raw bytes that are not even ZMTP (libzmq may read them as ZMTP 1.0 frames: more malformed requests)

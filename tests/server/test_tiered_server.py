@@ -219,3 +219,21 @@ def test_redis_with_password_and_unreachable_redis_at_start(make_server, tmp_pat
         assert 'kvdock_tier_up{tier="l3"} 0.0' in dead.text("/metrics")
     finally:
         secured.stop()
+
+
+def test_a_slow_disk_never_fails_a_store(make_server, tmp_path: Path) -> None:
+    """Queued write-downs hold no pin: with a 16-slot L1 and a disk far slower than the stores,
+    every store succeeds whole, and what L1 evicts before its turn is counted as skipped."""
+    srv = make_server(
+        "--disk-dir", str(tmp_path / "l2"), l1_size="64KiB", env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.05"}
+    )
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        for i in range(40):
+            kv = make_kv(4 * CHUNK, seed=i)
+            assert kvd.store_chunks(c, kv, make_tokens(4 * CHUNK, start=i * 10_000)) == kvd.StoreResult(4, 0, 0, 0)
+        last = make_tokens(4 * CHUNK, start=39 * 10_000)
+        assert torch.equal(kvd.retrieve(c, last), make_kv(4 * CHUNK, seed=39))
+        wait_for(lambda: srv.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, "the write-down queue")
+        l2 = tier(srv, "l2")
+        assert l2["writes_skipped"] > 0 and l2["writes"] + l2["writes_skipped"] == 160, l2
+        assert kvd.check_server_integrity(c) == []

@@ -16,7 +16,17 @@ import numpy as np
 import pytest
 
 from kvdock.shm import segment as seg_mod
-from kvdock.shm.segment import HEADER_SIZE, MAGIC, PREFIX, SHM_DIR, PoolSegment, cleanup_stale
+from kvdock.shm.segment import (
+    HEADER_SIZE,
+    MAGIC,
+    PAGE,
+    PREFIX,
+    SHM_DIR,
+    VERSION,
+    PoolSegment,
+    cleanup_stale,
+    table_bytes,
+)
 
 NAME_RE = re.compile(r"kvdock-[0-9a-f]{32}")
 
@@ -43,11 +53,13 @@ def _header(path: Path) -> tuple:
 
 
 def _rewrite_header(path: Path, **changes: int) -> None:
-    magic, ver, pid, start, nonce, size = _header(path)
+    magic, ver, pid, start, nonce, size, table, data = _header(path)
     pid = changes.get("pid", pid)
     start = changes.get("start", start)
+    table = changes.get("table", table)
+    data = changes.get("data", data)
     with open(path, "r+b") as f:
-        f.write(seg_mod._HEADER.pack(magic, ver, pid, start, nonce, size))
+        f.write(seg_mod._HEADER.pack(magic, ver, pid, start, nonce, size, table, data))
 
 
 def _dead_pid() -> int:
@@ -81,8 +93,9 @@ def test_create_makes_private_file_with_unguessable_name(created: list[PoolSegme
     assert stat.S_ISREG(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o600
     assert st.st_uid == os.getuid()
-    assert st.st_size == HEADER_SIZE + 3 * 4096
-    assert s.size == HEADER_SIZE + 3 * 4096
+    # layout: header, generation table, slot area
+    assert st.st_size == HEADER_SIZE + table_bytes(3 * 4096) + 3 * 4096 == 5 * 4096
+    assert s.size == HEADER_SIZE + table_bytes(3 * 4096) + 3 * 4096
     assert s.data_size == 3 * 4096
     assert s.owner is True
     assert len(s.buf) == s.size and not s.buf.readonly
@@ -97,52 +110,55 @@ def test_names_and_nonces_differ_between_segments(created: list[PoolSegment]) ->
 
 def test_header_records_magic_pid_start_time_and_size(created: list[PoolSegment]) -> None:
     s = _create(created, 4096)
-    magic, ver, pid, start, nonce, size = _header(SHM_DIR / s.name)
+    magic, ver, pid, start, nonce, size, table, data = _header(SHM_DIR / s.name)
     assert magic == MAGIC == b"KVDOCKL1"
-    assert ver == 1
+    assert ver == VERSION == 2
     assert pid == os.getpid()
     assert start == seg_mod._proc_start_time(os.getpid()) and start > 0
     assert nonce.hex() == s.nonce
-    assert size == HEADER_SIZE + 4096
+    assert size == HEADER_SIZE + table_bytes(4096) + 4096
+    assert (table, data) == (HEADER_SIZE, HEADER_SIZE + table_bytes(4096)) == (s.table_offset, s.data_offset)
 
 
-def test_data_area_starts_zeroed(created: list[PoolSegment]) -> None:
+def test_table_and_data_area_start_zeroed(created: list[PoolSegment]) -> None:
     s = _create(created, 2 * 4096)
-    assert bytes(s.buf[HEADER_SIZE:]) == b"\x00" * (2 * 4096)
+    assert bytes(s.buf[s.data_offset :]) == b"\x00" * (2 * 4096)
+    assert bytes(s.buf[s.table_offset : s.data_offset]) == b"\x00" * table_bytes(2 * 4096)
 
 
 def test_attach_sees_the_same_bytes_both_ways(created: list[PoolSegment]) -> None:
     s = _create(created, 2 * 4096)
-    s.buf[HEADER_SIZE : HEADER_SIZE + 5] = b"hello"
+    s.buf[s.data_offset : s.data_offset + 5] = b"hello"
     other = PoolSegment.attach(s.name)
     created.append(other)  # unlink twice is harmless
     assert other.owner is False
     assert other.name == s.name and other.size == s.size and other.data_size == s.data_size
     assert other.nonce == s.nonce
-    assert bytes(other.buf[HEADER_SIZE : HEADER_SIZE + 5]) == b"hello"
+    assert bytes(other.buf[s.data_offset : s.data_offset + 5]) == b"hello"
     other.buf[s.size - 3 : s.size] = b"xyz"
     assert bytes(s.buf[s.size - 3 : s.size]) == b"xyz"
     # numpy views of both mappings agree too
     arr_a = np.frombuffer(s.buf, dtype=np.uint8)
     arr_b = np.frombuffer(other.buf, dtype=np.uint8)
-    arr_a[HEADER_SIZE + 100] = 42
-    assert arr_b[HEADER_SIZE + 100] == 42
+    arr_a[s.data_offset + 100] = 42
+    assert arr_b[s.data_offset + 100] == 42
     del arr_a, arr_b
 
 
 def test_attach_from_another_process_sees_the_bytes(created: list[PoolSegment]) -> None:
     s = _create(created, 4096)
-    s.buf[HEADER_SIZE : HEADER_SIZE + 4] = b"ping"
+    s.buf[s.data_offset : s.data_offset + 4] = b"ping"
     code = (
-        "import sys; from kvdock.shm.segment import PoolSegment, HEADER_SIZE\n"
+        "import sys; from kvdock.shm.segment import PoolSegment\n"
         f"s = PoolSegment.attach({s.name!r})\n"
-        "print(bytes(s.buf[HEADER_SIZE:HEADER_SIZE + 4]).decode(), s.nonce)\n"
-        "s.buf[HEADER_SIZE + 4:HEADER_SIZE + 8] = b'pong'\n"
+        "d = s.data_offset\n"
+        "print(bytes(s.buf[d:d + 4]).decode(), s.nonce)\n"
+        "s.buf[d + 4:d + 8] = b'pong'\n"
         "s.close()\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["ping", s.nonce]
-    assert bytes(s.buf[HEADER_SIZE + 4 : HEADER_SIZE + 8]) == b"pong"
+    assert bytes(s.buf[s.data_offset + 4 : s.data_offset + 8]) == b"pong"
     # the attaching process exiting must not unlink the segment
     assert (SHM_DIR / s.name).exists()
 
@@ -161,17 +177,17 @@ def test_unlink_removes_the_file_and_is_idempotent(created: list[PoolSegment]) -
 def test_mapping_survives_unlink_until_close(created: list[PoolSegment]) -> None:
     s = _create(created)
     s.unlink()
-    s.buf[HEADER_SIZE] = 7
-    assert s.buf[HEADER_SIZE] == 7
+    s.buf[s.data_offset] = 7
+    assert s.buf[s.data_offset] == 7
 
 
 def test_close_is_harmless_twice_and_with_live_exports(created: list[PoolSegment]) -> None:
     s = _create(created)
-    s.buf[HEADER_SIZE : HEADER_SIZE + 3] = b"abc"
+    s.buf[s.data_offset : s.data_offset + 3] = b"abc"
     view = np.frombuffer(s.buf, dtype=np.uint8)
     s.close()
     s.close()
-    assert bytes(view[HEADER_SIZE : HEADER_SIZE + 3]) == b"abc"  # the mapping lives while exported
+    assert bytes(view[s.data_offset : s.data_offset + 3]) == b"abc"  # the mapping lives while exported
     del view
     s2 = _create(created)
     s2.close()
@@ -199,7 +215,7 @@ def test_attach_rejects_too_small_file() -> None:
 
 def test_attach_rejects_file_without_magic() -> None:
     name = PREFIX + "test-nomagic-" + os.urandom(4).hex()
-    with _stray_file(name, b"\x00" * (2 * HEADER_SIZE)), pytest.raises(ValueError, match="no kvdock header"):
+    with _stray_file(name, b"\x00" * (2 * HEADER_SIZE)), pytest.raises(ValueError, match="has no kvdock v2 header"):
         PoolSegment.attach(name)
 
 
@@ -207,12 +223,66 @@ def test_anonymous_segment() -> None:
     s = PoolSegment.anonymous(2 * 4096)
     try:
         assert s.name == ""
-        assert s.size == HEADER_SIZE + 2 * 4096 and s.data_size == 2 * 4096
-        s.buf[HEADER_SIZE] = 9
-        assert s.buf[HEADER_SIZE] == 9
+        assert s.size == HEADER_SIZE + table_bytes(2 * 4096) + 2 * 4096 and s.data_size == 2 * 4096
+        s.buf[s.data_offset] = 9
+        assert s.buf[s.data_offset] == 9
         s.unlink()  # a no-op, must not touch /dev/shm
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------- the generation table
+
+
+@pytest.mark.parametrize(
+    ("data_size", "expected"),
+    [(4096, PAGE), (512 * 4096, PAGE), (512 * 4096 + 1, 2 * PAGE), (513 * 4096, 2 * PAGE), (3 * 4096 + 5, PAGE)],
+)
+def test_table_bytes_is_one_u64_per_page_rounded_to_pages(data_size: int, expected: int) -> None:
+    assert table_bytes(data_size) == expected
+    assert table_bytes(data_size) // 8 >= -(-data_size // PAGE)
+
+
+@pytest.mark.parametrize("data_size", [4096, 3 * 4096, 600 * 4096])
+def test_table_and_slot_area_are_page_aligned(created: list[PoolSegment], data_size: int) -> None:
+    for s in (_create(created, data_size), PoolSegment.anonymous(data_size)):
+        try:
+            assert s.table_offset == HEADER_SIZE and s.table_offset % PAGE == 0
+            assert s.data_offset == s.table_offset + table_bytes(data_size) and s.data_offset % PAGE == 0
+            assert s.data_size == data_size and s.size == s.data_offset + data_size
+            gens = s.generations()
+            assert gens.dtype == np.dtype("<u8") and len(gens) == table_bytes(data_size) // 8
+            assert len(gens) >= data_size // PAGE and not gens.any()
+            del gens
+        finally:
+            if not s.name:
+                s.close()
+
+
+def test_generations_view_the_mapping_across_attaches(created: list[PoolSegment]) -> None:
+    s = _create(created, 4 * 4096)
+    other = PoolSegment.attach(s.name)
+    created.append(other)
+    mine, theirs = s.generations(), other.generations()
+    assert (other.table_offset, other.data_offset) == (s.table_offset, s.data_offset)
+    mine[1] = 7  # the server bumps a slot's generation ...
+    assert theirs[1] == 7  # ... and a client that attached sees it
+    theirs[3] += 2
+    assert mine[3] == 2
+    # the table lives in the mapping: little-endian u64 at table_offset + 8 * page index
+    assert bytes(s.buf[s.table_offset + 8 : s.table_offset + 16]) == (7).to_bytes(8, "little")
+    assert bytes(s.buf[s.data_offset : s.data_offset + 8]) == b"\0" * 8  # not in the slot area
+    del mine, theirs
+
+
+def test_attach_refuses_an_impossible_layout(created: list[PoolSegment]) -> None:
+    s = _create(created, 4096)
+    _rewrite_header(SHM_DIR / s.name, data=s.size + PAGE)
+    with pytest.raises(ValueError, match="impossible layout"):
+        PoolSegment.attach(s.name)
+    _rewrite_header(SHM_DIR / s.name, table=0, data=s.data_offset)
+    with pytest.raises(ValueError, match="impossible layout"):
+        PoolSegment.attach(s.name)
 
 
 def test_create_too_large_is_os_error_and_leaves_nothing() -> None:

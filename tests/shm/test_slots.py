@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from kvdock.shm.slots import ALIGN, SlotAllocator, aligned
@@ -115,7 +116,7 @@ def test_free_list_is_lifo() -> None:
     a.check_integrity()
 
 
-def test_double_free_and_unknown_offset_raise() -> None:
+def test_double_free_raises() -> None:
     a = SlotAllocator(base=0, capacity=2 * P)
     o = a.alloc(P)
     assert o is not None
@@ -123,8 +124,67 @@ def test_double_free_and_unknown_offset_raise() -> None:
     with pytest.raises(KeyError):
         a.free(o)
     with pytest.raises(KeyError):
-        a.free(12345)
+        a.free(P)  # inside the pool, never allocated
     a.check_integrity()
+
+
+def test_a_refused_free_changes_nothing() -> None:
+    a = SlotAllocator(base=0, capacity=2 * P)
+    o = a.alloc(P)
+    assert o is not None
+    a.free(o)
+    with pytest.raises(KeyError):
+        a.free(o)
+    assert a.generation(o) == 1, "the refused double free bumped the generation"
+    with pytest.raises(KeyError):
+        a.free(12345)  # the old contract: an unknown offset is a KeyError
+    a.check_integrity()
+
+
+# ---------------------------------------------------------------- generations
+
+
+def test_free_bumps_the_generation_of_the_slots_page_and_alloc_does_not() -> None:
+    a = SlotAllocator(base=0, capacity=4 * P)
+    x, y = a.alloc(P), a.alloc(2 * P)
+    assert (x, y) == (0, P)
+    assert a.generation(x) == a.generation(y) == 0
+    a.free(y)
+    assert a.generation(y) == 1 and a.generation(x) == 0
+    assert a.generation(2 * P) == 0  # only the slot's first page carries its generation
+    assert a.alloc(2 * P) == y and a.generation(y) == 1  # reuse: the generation stays as freed
+    a.free(y)
+    a.free(x)
+    assert (a.generation(x), a.generation(y)) == (1, 2)
+    a.check_integrity()
+
+
+def test_generation_is_per_page_from_base() -> None:
+    a = SlotAllocator(base=3 * P, capacity=3 * P)
+    offs = [a.alloc(P) for _ in range(3)]
+    assert offs == [3 * P, 4 * P, 5 * P]
+    a.free(4 * P)
+    assert [a.generation(o) for o in offs] == [0, 1, 0]
+    assert list(a._gens) == [0, 1, 0]
+
+
+def test_a_table_given_by_the_caller_is_the_one_written() -> None:
+    table = np.zeros(8, dtype="<u8")  # e.g. a view of the segment's generation table
+    a = SlotAllocator(base=2 * P, capacity=4 * P, generations=table)
+    offs = [a.alloc(P) for _ in range(4)]
+    a.free(offs[2])
+    a.free(offs[0])
+    assert a.alloc(P) == offs[0]  # LIFO reuse
+    a.free(offs[0])
+    assert list(table) == [2, 0, 1, 0, 0, 0, 0, 0]
+    table[1] = 41  # and it is read back from there, not from a copy
+    assert a.generation(offs[1]) == 41
+
+
+def test_a_table_too_small_for_the_pool_is_refused() -> None:
+    with pytest.raises(AssertionError, match="generation table too small"):
+        SlotAllocator(base=0, capacity=4 * P + 1, generations=np.zeros(4, dtype="<u8"))
+    SlotAllocator(base=0, capacity=4 * P, generations=np.zeros(4, dtype="<u8")).check_integrity()
 
 
 def test_random_sequences_keep_integrity() -> None:

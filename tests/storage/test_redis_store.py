@@ -1,8 +1,9 @@
-"""kvdock.storage.redis: the L3 store against a real redis-server (put/get, namespaces, corruption,
-outage and reconnect, URL display)."""
+"""kvdock.storage.redis: the L3 tier against a real redis-server (write_from / read_into,
+namespaces, corruption, outage and reconnect, URL display)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -10,13 +11,15 @@ import redis as redis_py
 
 from helpers import RedisProc
 from kvdock.keys import ObjectKey
-from kvdock.storage import objfile
-from kvdock.storage.objfile import ALIGN, CorruptObject
-from kvdock.storage.redis import ERRORS, RedisStore, redis_key
+from kvdock.storage import TIER_KINDS, objfile
+from kvdock.storage.objfile import ALIGN
+from kvdock.storage.redis import ERRORS, RedisTier, redis_key
+from kvdock.storage.tier import ObjectLayout
 
 DTYPE = "float32"
 SHAPE = [2, 3, 16, 10]
 NB = 2 * 3 * 16 * 10 * 4
+LAYOUT = ObjectLayout(DTYPE, SHAPE, NB)
 
 
 def K(i: int, model: str = "tiny", rank: int = 0, salt: str = "") -> ObjectKey:
@@ -27,20 +30,21 @@ def payload(i: int) -> bytes:
     return bytes((j * 5 + i * 17) % 256 for j in range(NB))
 
 
-def put(store: RedisStore, key: ObjectKey, data: bytes | None = None) -> bytes:
+def put(store: RedisTier, key: ObjectKey, data: bytes | None = None) -> bytes:
     data = payload(key.chunk[0]) if data is None else data
-    store.put(key, objfile.encode_header(key, DTYPE, SHAPE, memoryview(data)), memoryview(data))
+    size = store.write_from(key, objfile.encode_header(key, DTYPE, SHAPE, memoryview(data)), memoryview(data))
+    assert size == ALIGN + len(data)
     return data
 
 
-def get(store: RedisStore, key: ObjectKey) -> bytes | None:
+def get(store: RedisTier, key: ObjectKey) -> bytes | None:
     out = memoryview(bytearray(NB))
-    return bytes(out) if store.get_into(key, out, DTYPE, SHAPE) else None
+    return bytes(out) if store.read_into(key, out, LAYOUT) else None
 
 
 @pytest.fixture
-def store(redis_server: RedisProc) -> Iterator[RedisStore]:
-    s = RedisStore(redis_server.url, timeout=2.0)
+def store(redis_server: RedisProc) -> Iterator[RedisTier]:
+    s = RedisTier(redis_server.url, timeout=2.0)
     yield s
     s.close()
 
@@ -52,32 +56,37 @@ def raw(redis_server: RedisProc) -> Iterator[redis_py.Redis]:
     c.close()
 
 
-def test_put_then_get_is_byte_exact(store: RedisStore, raw: redis_py.Redis) -> None:
+def test_l3_is_the_redis_tier_kind() -> None:
+    assert TIER_KINDS["l3"] is RedisTier and RedisTier.name == "l3"
+
+
+def test_put_then_get_is_byte_exact(store: RedisTier, raw: redis_py.Redis) -> None:
     data = put(store, K(1))
     assert get(store, K(1)) == data
     value = raw.get(redis_key(K(1)))
     assert value is not None and len(value) == ALIGN + NB and value[ALIGN:] == data
     assert raw.keys("kvdock:tmp:*") == []  # the temporary key was renamed away
     assert raw.dbsize() == 1
+    assert store.counters.corrupted == 0
 
 
-def test_get_into_fills_a_slice_only(store: RedisStore) -> None:
+def test_read_into_fills_a_slice_only(store: RedisTier) -> None:
     data = put(store, K(2))
     pool = bytearray(b"\x55" * (2 * ALIGN))
-    assert store.get_into(K(2), memoryview(pool)[ALIGN : ALIGN + NB], DTYPE, SHAPE)
+    assert store.read_into(K(2), memoryview(pool)[ALIGN : ALIGN + NB], LAYOUT)
     assert pool[ALIGN : ALIGN + NB] == data
     assert pool[:ALIGN] == b"\x55" * ALIGN and pool[ALIGN + NB :] == b"\x55" * (ALIGN - NB)
 
 
-def test_put_replaces_an_older_value(store: RedisStore) -> None:
+def test_put_replaces_an_older_value(store: RedisTier) -> None:
     put(store, K(1), payload(1))
     put(store, K(1), payload(99))
     assert get(store, K(1)) == payload(99)
 
 
-def test_missing_key_returns_false_and_leaves_out_alone(store: RedisStore) -> None:
+def test_missing_key_returns_false_and_leaves_out_alone(store: RedisTier) -> None:
     out = memoryview(bytearray(b"\x07" * NB))
-    assert store.get_into(K(9), out, DTYPE, SHAPE) is False
+    assert store.read_into(K(9), out, LAYOUT) is False
     assert bytes(out) == b"\x07" * NB
 
 
@@ -94,7 +103,7 @@ def test_key_format() -> None:
     [K(1, salt="tenant-b"), K(1, model="other"), K(1, rank=1), K(2)],
     ids=["salt", "model", "rank", "chunk"],
 )
-def test_identities_do_not_collide(store: RedisStore, raw: redis_py.Redis, other: ObjectKey) -> None:
+def test_identities_do_not_collide(store: RedisTier, raw: redis_py.Redis, other: ObjectKey) -> None:
     mine = K(1, salt="tenant-a") if other.salt == "tenant-b" else K(1)
     data = put(store, mine)
     assert redis_key(other) != redis_key(mine)
@@ -109,46 +118,72 @@ def test_ambiguous_fields_do_not_collide() -> None:
     assert redis_key(ObjectKey("m", 1, "2", b"\1" * 32)) != redis_key(ObjectKey("m", 12, "", b"\1" * 32))
 
 
-@pytest.mark.parametrize(
-    "mangle",
-    [
-        lambda v: b"garbage",
-        lambda v: b"",
-        lambda v: b"\0" * len(v),
-        lambda v: v[:-1],
-        lambda v: v + b"\0",
-        lambda v: v[: ALIGN // 2],
-        lambda v: v[:ALIGN] + bytes([v[ALIGN] ^ 1]) + v[ALIGN + 1 :],
-        lambda v: v[:20] + b"\xff" * 10 + v[30:],
-    ],
-    ids=["garbage", "empty", "zeros", "short", "long", "half-header", "flipped", "header-bytes"],
-)
-def test_corrupted_value_raises(store: RedisStore, raw: redis_py.Redis, mangle) -> None:  # type: ignore[no-untyped-def]
+MANGLES = [
+    lambda v: b"garbage",
+    lambda v: b"",
+    lambda v: b"\0" * len(v),
+    lambda v: v[:-1],
+    lambda v: v + b"\0",
+    lambda v: v[: ALIGN // 2],
+    lambda v: v[:ALIGN] + bytes([v[ALIGN] ^ 1]) + v[ALIGN + 1 :],
+    lambda v: v[:20] + b"\xff" * 10 + v[30:],
+]
+MANGLE_IDS = ["garbage", "empty", "zeros", "short", "long", "half-header", "flipped", "header-bytes"]
+
+
+@pytest.mark.parametrize("mangle", MANGLES, ids=MANGLE_IDS)
+def test_corrupted_value_is_a_counted_miss(
+    store: RedisTier, raw: redis_py.Redis, mangle, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    # changed on purpose: read_into reports a corrupted value as absent (and counts it) instead of
+    # raising CorruptObject, and never touches ``out`` with it
     put(store, K(1))
     value = raw.get(redis_key(K(1)))
     assert value is not None
     raw.set(redis_key(K(1)), mangle(value))
-    out = memoryview(bytearray(NB))
-    with pytest.raises(CorruptObject):
-        store.get_into(K(1), out, DTYPE, SHAPE)
+    out = memoryview(bytearray(b"\x07" * NB))
+    with caplog.at_level(logging.WARNING, "kvdock.storage.redis"):
+        assert store.read_into(K(1), out, LAYOUT) is False
+    assert bytes(out) == b"\x07" * NB
+    assert store.counters.corrupted == 1
+    assert "L3: corrupted value for " + K(1).chunk.hex()[:16] in caplog.text
 
 
-def test_foreign_value_under_the_key_raises(store: RedisStore, raw: redis_py.Redis) -> None:
-    """A valid object of another identity or layout stored under our key is refused."""
+def test_corrupted_value_is_removed_from_the_tier(store: RedisTier, raw: redis_py.Redis) -> None:
+    put(store, K(1))
+    put(store, K(2))
+    raw.set(redis_key(K(1)), b"garbage")
+    assert store.read_into(K(1), memoryview(bytearray(NB)), LAYOUT) is False
+    assert store.count_present([K(1), K(2)]) == 0, "a lookup still counts the corrupted object"
+    assert not raw.exists(redis_key(K(1)))
+
+
+def test_foreign_value_under_the_key_is_refused(
+    store: RedisTier, raw: redis_py.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A valid object of another identity or layout stored under our key is refused (a counted miss)."""
     data = payload(1)
+    caplog.set_level(logging.WARNING, "kvdock.storage.redis")
     raw.set(redis_key(K(1)), objfile.encode_header(K(2), DTYPE, SHAPE, memoryview(data)) + data)
-    with pytest.raises(CorruptObject, match="identity differs"):
-        get(store, K(1))
+    assert get(store, K(1)) is None
+    assert "(object identity differs)" in caplog.text
     raw.set(redis_key(K(1)), objfile.encode_header(K(1), "bfloat16", SHAPE, memoryview(data)) + data)
-    with pytest.raises(CorruptObject, match="layout differs"):
-        get(store, K(1))
-    with pytest.raises(CorruptObject, match="layout differs"):  # a slot of another size
-        store.get_into(K(1), memoryview(bytearray(NB - 4)), "bfloat16", SHAPE)
+    caplog.clear()
+    assert get(store, K(1)) is None
+    assert "(layout differs: bfloat16[2, 3, 16, 10] vs float32[2, 3, 16, 10])" in caplog.text
+    caplog.clear()
+    assert raw.get(redis_key(K(1))) is None  # a refused value is deleted, so lookups stop counting it
+    raw.set(redis_key(K(1)), objfile.encode_header(K(1), DTYPE, SHAPE, memoryview(data)) + data)
+    other = ObjectLayout("bfloat16", SHAPE, NB - 4)  # a slot of another size
+    assert store.read_into(K(1), memoryview(bytearray(NB - 4)), other) is False
+    assert "layout differs" in caplog.text
+    assert store.counters.corrupted == 3
 
 
-def test_count_present_counts_the_leading_run(store: RedisStore) -> None:
+def test_count_present_counts_the_leading_run(store: RedisTier) -> None:
     for i in (1, 2, 3, 5):
         put(store, K(i))
+    assert store.knows(K(1)) is None  # no local index: count_present asks the server
     assert store.count_present([]) == 0
     assert store.count_present([K(1), K(2), K(3), K(4), K(5)]) == 3
     assert store.count_present([K(4), K(1), K(2)]) == 0
@@ -157,11 +192,21 @@ def test_count_present_counts_the_leading_run(store: RedisStore) -> None:
     store.delete(K(2))
     assert store.count_present([K(1), K(2), K(3)]) == 1
     assert get(store, K(2)) is None
+    store.delete(K(2))  # absent: harmless
 
 
-def test_outage_marks_down_and_probe_reconnects(redis_server: RedisProc, store: RedisStore) -> None:
+def test_clear_never_clears_the_shared_tier(store: RedisTier, raw: redis_py.Redis) -> None:
+    put(store, K(1))
+    assert store.clear() == 0
+    assert raw.dbsize() == 1 and get(store, K(1)) is not None
+
+
+def test_outage_marks_down_and_probe_reconnects(
+    redis_server: RedisProc, store: RedisTier, caplog: pytest.LogCaptureFixture
+) -> None:
     data = put(store, K(1))
-    assert store.up and store.available() and store.probe() and store.last_error == ""
+    store.probe()
+    assert store.up() and store.last_error == "" and not store.probe_due()
     redis_server.stop()
 
     calls = [
@@ -170,29 +215,32 @@ def test_outage_marks_down_and_probe_reconnects(redis_server: RedisProc, store: 
         lambda: store.count_present([K(1)]),
         lambda: store.delete(K(1)),
     ]
-    for call in calls:
-        with pytest.raises(ERRORS) as info:
-            call()
-        store.failed(info.value)
-        assert not store.up and not store.available()
-        assert store.last_error.startswith(type(info.value).__name__ + ": ")
+    with caplog.at_level(logging.WARNING, "kvdock.storage.redis"):
+        for call in calls:
+            with pytest.raises(ERRORS) as info:
+                call()
+            store.failed(info.value)
+            assert not store.up()
+            assert store.last_error.startswith(type(info.value).__name__ + ": ")
+    assert caplog.text.count("is down") == 1  # logged on the transition only
     assert not store.probe_due()  # backoff: 1 + 2 + 4 + 8 s
     assert store._backoff == 16.0
+    assert store.status() == {"kind": "redis", "up": False, "url": store.display_url, "last_error": store.last_error}
 
     store._retry_at = 0
     assert store.probe_due()
-    assert store.probe() is False and not store.up
-    assert store.last_error and not store.probe_due()
+    store.probe()
+    assert not store.up() and store.last_error and not store.probe_due()
 
     redis_server.start()  # same port, empty (no persistence)
-    assert store.probe() is True
-    assert store.up and store.available() and store._backoff == 1.0 and not store.probe_due()
-    assert get(store, K(1)) is None  # the restarted server lost the data; the store works again
+    store.probe()
+    assert store.up() and store._backoff == 1.0 and not store.probe_due()
+    assert get(store, K(1)) is None  # the restarted server lost the data; the tier works again
     put(store, K(1), data)
     assert get(store, K(1)) == data
 
 
-def test_backoff_is_capped(store: RedisStore) -> None:
+def test_backoff_is_capped(store: RedisTier) -> None:
     for _ in range(10):
         store.failed(ConnectionError("x"))
     assert store._backoff == 30.0
@@ -200,18 +248,20 @@ def test_backoff_is_capped(store: RedisStore) -> None:
 
 
 def test_display_url_hides_the_password() -> None:
-    assert RedisStore("redis://:s3cret@10.0.0.1:6379/0").display_url == "redis://***@10.0.0.1:6379/0"
-    assert RedisStore("rediss://user:s3cret@h:6380/2").display_url == "rediss://***@h:6380/2"
-    assert RedisStore("redis://10.0.0.1:6379/0").display_url == "redis://10.0.0.1:6379/0"
+    assert RedisTier("redis://:s3cret@10.0.0.1:6379/0").display_url == "redis://***@10.0.0.1:6379/0"
+    assert RedisTier("rediss://user:s3cret@h:6380/2").display_url == "rediss://***@h:6380/2"
+    assert RedisTier("redis://10.0.0.1:6379/0").display_url == "redis://10.0.0.1:6379/0"
+    assert "s3cret" not in str(RedisTier("redis://:s3cret@10.0.0.1:6379/0").status())
 
 
 def test_display_url_of_a_password_with_an_at_sign(redis_server: RedisProc, raw: redis_py.Redis) -> None:
     """redis-py parses ``redis://:p@ss@host`` as password ``p@ss`` (the host follows the last ``@``):
     a server really accepts it, and no part of the password may show."""
     raw.config_set("requirepass", "p@ss")
-    store = RedisStore(f"redis://:p@ss@127.0.0.1:{redis_server.port}/0", timeout=2.0)
+    store = RedisTier(f"redis://:p@ss@127.0.0.1:{redis_server.port}/0", timeout=2.0)
     try:
-        assert store.probe() is True  # the URL works: this is the password
+        store.probe()
+        assert store.up() and store.last_error == ""  # the URL works: this is the password
         assert "ss" not in store.display_url, store.display_url
         assert store.display_url == f"redis://***@127.0.0.1:{redis_server.port}/0"
     finally:

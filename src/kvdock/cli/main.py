@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import pickle
 import signal
 import sys
@@ -19,7 +20,10 @@ from kvdock.errors import ConfigError, KVDockError
 def _serve(args: argparse.Namespace) -> int:
     from kvdock.server.launch import serve
 
-    names = "host port http_port chunk_size l1_size session_ttl admin_token log_level disk_dir disk_size redis_url"
+    names = (
+        "host port http_port chunk_size l1_size session_ttl client_ttl max_models max_request_tokens admin_token "
+        "log_level disk_dir disk_size redis_url"
+    )
     cli: dict[str, object] = {k: getattr(args, k) for k in names.split()}
     cli["no_shm"] = True if args.no_shm else None
     cli["no_disk"] = True if args.no_disk else None
@@ -60,7 +64,8 @@ def _register(args: argparse.Namespace) -> int:
     lay = make_layout(
         args.model, tokens_per_block=args.tokens_per_block, kv_format=args.kv_format, world_size=args.world_size, **geo
     )  # type: ignore[arg-type]
-    reg = register_layout(args.url, args.http_url, lay, args.timeout)
+    token = args.admin_token if args.admin_token is not None else os.environ.get("KVDOCK_ADMIN_TOKEN", "")
+    reg = register_layout(args.url, args.http_url, lay, args.timeout, token)
     print(json.dumps({"model_name": reg.model_name, "created": reg.created, "chunk_nbytes": reg.chunk_nbytes}))
     return 0
 
@@ -158,11 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--l1-size", help="L1 pool size, e.g. 2GiB (default: 1/4 of available memory)")
     s.add_argument("--no-shm", action="store_true", help="share no memory: every client uses the inline transport")
     s.add_argument("--session-ttl", type=float, help="seconds before a silent session's pins are released (default 30)")
+    s.add_argument(
+        "--client-ttl", type=float, help="seconds before a silent client's registration is forgotten (default 300)"
+    )
+    s.add_argument("--max-models", type=int, help="model registrations the server keeps (default 64)")
+    s.add_argument("--max-request-tokens", type=int, help="token ids one request may name (default 1048576 = 2**20)")
     s.add_argument("--disk-dir", help="L2 directory, kept across restarts (default ~/.cache/kvdock/l2)")
     s.add_argument("--disk-size", help="L2 budget, e.g. 100GiB (default: 1/5 of the free space there)")
     s.add_argument("--no-disk", action="store_true", help="no L2 tier")
     s.add_argument("--redis-url", help="L3 Redis/Valkey shared by servers: redis://[:PASSWORD@]HOST:PORT/DB, rediss://")
-    s.add_argument("--admin-token", help="token required by HTTP admin actions")
+    s.add_argument(
+        "--admin-token", help="token required (Authorization: Bearer) by HTTP admin actions and to register models"
+    )
     s.add_argument("--log-level", help="DEBUG, INFO (default), WARNING")
     s.set_defaults(func=_serve)
 
@@ -181,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tokens-per-block", type=int, default=16)
     r.add_argument("--kv-format", default="NHD", help="NHD or HND")
     r.add_argument("--world-size", type=int, default=1)
+    r.add_argument("--admin-token", help="the server's admin token, if it has one (default: $KVDOCK_ADMIN_TOKEN)")
     r.set_defaults(func=_register)
 
     def token_cmd(name: str, help: str, func: object) -> argparse.ArgumentParser:

@@ -134,7 +134,12 @@ def _tokens(tokens: object) -> list[int]:
 
 
 def connect(
-    model: PreTrainedModel, url: str, http_url: str, model_name: str | None = None, timeout: float = 60.0
+    model: PreTrainedModel,
+    url: str,
+    http_url: str,
+    model_name: str | None = None,
+    timeout: float = 60.0,
+    admin_token: str = "",
 ) -> kvd.KVCacheContext:
     """Register ``model``'s KV layout with the server and return a connected SDK context.
 
@@ -142,8 +147,10 @@ def connect(
     model. ``model_name`` defaults to ``config._name_or_path``, else ``config.model_type``.
     ``tokens_per_block`` is that of an existing registration of the name, else 16 (or the chunk
     size when 16 does not divide it). A plain ``kvdock.sdk.connect(url, http_url, model_name)``
-    finds the model afterwards. Raises InvalidInputError (unsupported model),
-    ServerUnavailableError, or ServerError (the name is registered with another geometry)."""
+    finds the model afterwards. ``admin_token`` is needed when the server has one (registering a
+    model is an admin action there). Raises InvalidInputError (unsupported model),
+    ServerUnavailableError, PermissionDeniedError (token missing or wrong), or ServerError (the
+    name is registered with another geometry)."""
     spec = _spec(model)
     cfg = model.config
     name = model_name or str(getattr(cfg, "_name_or_path", "") or "") or spec.model_type
@@ -163,7 +170,7 @@ def connect(
         kv_format=KV_FORMAT,
         engine=engine,
     )
-    kvd.register_layout(url, http_url, lay, timeout)
+    kvd.register_layout(url, http_url, lay, timeout, admin_token)
     return kvd.connect(url, http_url, name, timeout)
 
 

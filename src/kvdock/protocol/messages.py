@@ -6,7 +6,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 Transport = Literal["shm", "inline"]
 
@@ -38,10 +38,12 @@ class ModelLayout(msgspec.Struct, frozen=True):
 
 
 class SlotRef(msgspec.Struct, frozen=True, array_like=True):
-    """Chunk ``index`` of a request lives at byte ``offset`` of the L1 pool."""
+    """Chunk ``index`` of a request lives at byte ``offset`` of the L1 pool; ``gen`` is the slot's
+    generation when it was handed out (a reader checks it is unchanged after copying)."""
 
     index: int
     offset: int
+    gen: int = 0
 
 
 # --- requests -----------------------------------------------------------------------------------
@@ -54,16 +56,22 @@ class Ping(_Msg, frozen=True):
 class RegisterModel(_Msg, frozen=True):
     protocol_version: int
     layout: ModelLayout
+    admin_token: str = ""  # required (the server's --admin-token) when the server has one
 
 
 class RegisterClient(_Msg, frozen=True):
-    """Bind a client to one model and rank; ``shm_proof`` is the pool nonce if the client mapped it."""
+    """Bind a client to one model and rank; ``shm_proof`` is the pool nonce if the client mapped it.
+    ``pid`` and ``pid_start`` (its start time in clock ticks, from /proc) name the client process:
+    shared memory is granted only when the server sees that very process, so that it can tell
+    when a paused writer is gone."""
 
     protocol_version: int
     instance_id: str
     model_name: str
     kv_rank: int = 0
     shm_proof: str = ""
+    pid: int = 0
+    pid_start: int = 0
 
 
 class Lookup(_Msg, frozen=True):
@@ -193,11 +201,13 @@ class PrefetchStatus(_Msg, frozen=True):
 
 class StorePrepared(_Msg, frozen=True):
     """Slots to fill for chunks that are new (or all, when overwriting); ``deduped`` were already
-    stored; ``pool_full`` chunks (the tail) found no room."""
+    stored; ``in_flight`` are being written by another client now (not stored, not reserved);
+    ``pool_full`` chunks found no room."""
 
     slots: list[SlotRef]
     deduped: int
     pool_full: int
+    in_flight: int = 0
 
 
 class StoreCommitted(_Msg, frozen=True):
@@ -205,7 +215,8 @@ class StoreCommitted(_Msg, frozen=True):
 
 
 class RetrievePrepared(_Msg, frozen=True):
-    """The leading ``len(slots)`` chunks are pinned; inline replies carry one frame per slot."""
+    """The leading ``len(slots)`` chunks are pinned (shared memory). Inline replies carry one
+    frame holding the chunks in order; each slot's ``offset`` is its chunk's offset in it."""
 
     slots: list[SlotRef]
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -24,9 +26,11 @@ from kvdock.errors import (
 from kvdock.protocol import ErrorCode
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import sdk_error
+from kvdock.sdk import validate
 from kvdock.sdk.http import get_json
 from kvdock.sdk.transfer import InlineTransfer, ShmTransfer, Transfer
 from kvdock.shm import PoolSegment
+from kvdock.shm.segment import proc_start_time
 from kvdock.transport.client import ControlClient, ControlTimeout, Response
 
 log = logging.getLogger("kvdock.sdk")
@@ -77,17 +81,23 @@ def find_model(status: dict[str, Any], model_name: str) -> ModelInfo:
 
 
 class Connection:
-    """A control-plane client that turns timeouts and Error replies into SDK errors."""
+    """A control-plane client that turns timeouts and Error replies into SDK errors. Threads may
+    share it: each call waits only for its own reply."""
 
     def __init__(self, url: str, timeout: float) -> None:
-        self.url = url
-        self.timeout = timeout
-        self._client = ControlClient(url, timeout)
+        self.url = validate.url(url)
+        self.timeout = validate.timeout(timeout)
+        try:
+            self._client = ControlClient(url, self.timeout)
+        except ValueError as e:
+            raise InvalidInputError(str(e)) from None
 
     def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = ()) -> Response:
         try:
             resp = self._client.call(msg, payload)
         except ControlTimeout as e:
+            if self._client.closed:
+                raise KVCacheSDKError(f"the connection to {self.url} is closed (KVCacheContext.close())") from None
             raise ServerUnavailableError(f"kvdock server at {self.url}: {e}") from None
         if isinstance(resp.reply, m.Error):
             raise sdk_error(resp.reply.code, resp.reply.message)
@@ -101,12 +111,31 @@ class Connection:
 
 
 _RESTARTABLE = (m.Lookup, m.PrepareStore, m.PrepareRetrieve)
+CLOSE_WAIT_S = 10.0  # how long close() waits for copies in progress before it stops waiting
+
+
+class _TransferRef:
+    """The transfer of one registration and how many threads are copying through it. Once
+    retired (by close() or a re-registration) it is closed by whoever sees it unused last."""
+
+    __slots__ = ("client_id", "retired", "transfer", "users")
+
+    def __init__(self, transfer: Transfer, client_id: str) -> None:
+        self.transfer = transfer
+        self.client_id = client_id
+        self.users = 0
+        self.retired = False
 
 
 class KVCacheContext:
     """A connected SDK context (from :func:`connect`). Close it with :func:`close` or ``with``.
 
-    Not meant to be shared between threads without care: calls are serialized, copies are not."""
+    Threads may share a context. Control messages of different threads overlap (a request the
+    server holds delays no other thread). Copies through the shared-memory pool go through
+    :meth:`transfer`, a reference-counted guard: :meth:`close` and a re-registration after a
+    server restart swap the transfer out, and the old one is unmapped only when the last thread
+    copying through it has left, so a copy never runs on unmapped memory. A thread that starts a
+    copy after close() gets KVCacheSDKError."""
 
     def __init__(
         self,
@@ -128,18 +157,62 @@ class KVCacheContext:
         self.client_id = client_id
         self.timeout = conn.timeout
         self._conn = conn
-        self._transfer = transfer
+        self._ref = _TransferRef(transfer, client_id)
+        self._refs = threading.Condition(threading.Lock())  # guards _ref, its counts, _closed
+        self._answered = threading.local()  # .client_id: what this thread's last call was answered as
         self._closed = False
         self._reconnect_lock = threading.Lock()
 
     @property
     def transport(self) -> str:
         """``"shm"`` or ``"inline"``: what the server granted this client."""
-        return self._transfer.name  # type: ignore[attr-defined, no-any-return]
+        return self._ref.transfer.name  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def _transfer(self) -> Transfer:
+        """The current transfer, unguarded (for tests that poke at slots); copies use transfer()."""
+        return self._ref.transfer
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @contextlib.contextmanager
+    def transfer(self) -> Iterator[Transfer]:
+        """``with ctx.transfer() as t:`` — the transfer to copy through, kept mapped until the
+        block ends even if another thread closes the context or registers again meanwhile.
+
+        KVCacheSDKError if the context is closed, or if this thread's last request was answered
+        for an older registration than the current one (the server restarted in between, so the
+        slots it handed out are not in the pool now mapped)."""
+        with self._refs:
+            if self._closed:
+                raise KVCacheSDKError("this KVCacheContext is closed")
+            ref = self._ref
+            answered = getattr(self._answered, "client_id", None)
+            if answered is not None and answered != ref.client_id:
+                raise KVCacheSDKError(
+                    f"the server at {self.url} restarted during this transfer (nothing was copied); retry"
+                )
+            ref.users += 1
+        try:
+            yield ref.transfer
+        finally:
+            with self._refs:
+                ref.users -= 1
+                last = ref.retired and ref.users == 0
+                self._refs.notify_all()
+            if last:
+                ref.transfer.close()
+
+    def _retire(self, new: _TransferRef | None) -> None:
+        """Swap the current transfer for ``new`` (under _refs); close the old one if unused."""
+        old = self._ref
+        if new is not None:
+            self._ref = new
+        old.retired = True
+        if old.users == 0:
+            old.transfer.close()
 
     def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = ()) -> Response:
         """Send one control message (KVCacheSDKError if closed, unreachable or refused).
@@ -149,16 +222,21 @@ class KVCacheContext:
         the restart raises KVCacheSDKError."""
         if self._closed:
             raise KVCacheSDKError("this KVCacheContext is closed")
-        stale_id = self.client_id
+        stale_id = getattr(msg, "client_id", self.client_id)
         try:
-            return self._conn.call(msg, payload)
+            resp = self._conn.call(msg, payload)
         except KVCacheSDKError as e:
             if e.code != ErrorCode.UNKNOWN_CLIENT or not isinstance(msg, _RESTARTABLE):
                 raise
-        with self._reconnect_lock:  # threads sharing this context register again only once
-            if self.client_id == stale_id:
-                self._reconnect()
-        return self._conn.call(msgspec.structs.replace(msg, client_id=self.client_id), payload)
+            resp = None
+        if resp is None:
+            with self._reconnect_lock:  # threads sharing this context register again only once
+                if self.client_id == stale_id:
+                    self._reconnect()
+            msg = msgspec.structs.replace(msg, client_id=self.client_id)
+            resp = self._conn.call(msg, payload)
+        self._answered.client_id = getattr(msg, "client_id", None)
+        return resp
 
     def _reconnect(self) -> None:
         reg = _register(self._conn, self.http_url, self.model_name)
@@ -166,9 +244,16 @@ class KVCacheContext:
             reg.transfer.close()
             self._conn.send_nowait(m.CloseClient(reg.client_id))  # the server registered it already
             raise KVCacheSDKError(f"the server at {self.url} restarted with another layout for {self.model_name!r}")
+        with self._refs:
+            closed = self._closed
+            if not closed:
+                self._retire(_TransferRef(reg.transfer, reg.client_id))
+                self.client_id = reg.client_id
+        if closed:  # close() ran meanwhile: this registration is not wanted
+            reg.transfer.close()
+            self._conn.send_nowait(m.CloseClient(reg.client_id))
+            raise KVCacheSDKError("this KVCacheContext is closed")
         log.info("server %s restarted; registered again", self.url)
-        old, self._transfer, self.client_id = self._transfer, reg.transfer, reg.client_id
-        old.close()
 
     def notify(self, msg: msgspec.Struct) -> None:
         """Send a message whose reply nobody waits for (dropped on arrival); no-op once closed."""
@@ -183,13 +268,23 @@ class KVCacheContext:
     def new_session_id() -> str:
         return uuid.uuid4().hex
 
-    def close(self) -> None:
-        """Tell the server this client is gone, unmap the pool, close the sockets. Harmless twice."""
-        if self._closed:
-            return
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Stop new requests and copies, wait up to ``wait_s`` for copies in progress in other
+        threads, then tell the server this client is gone, unmap the pool (or leave that to the
+        last copy still running) and close the sockets. Requests of other threads still waiting
+        for a reply get KVCacheSDKError. Harmless twice."""
+        with self._refs:
+            if self._closed:
+                return
+            self._closed = True
+            deadline = time.monotonic() + wait_s
+            while self._ref.users and (left := deadline - time.monotonic()) > 0:
+                self._refs.wait(left)
+            if self._ref.users:
+                log.warning("closing a KVCacheContext while %d copies still run; unmapped after them", self._ref.users)
+            self._retire(None)
+        # only now: the server must not release a copy's pins while it runs
         self._conn.send_nowait(m.CloseClient(self.client_id))
-        self._closed = True
-        self._transfer.close()
         self._conn.close(linger_s=0.5)  # long enough for CloseClient to leave
 
     def __enter__(self) -> KVCacheContext:
@@ -210,7 +305,10 @@ def connect(url: str, http_url: str, model_name: str, timeout: float = 60.0) -> 
 
     Reads /config and /status, decodes the model's geometry, maps the shared-memory pool when it
     can and registers as a client. Raises ServerUnavailableError, UnknownModelError or
-    KVCacheSDKError (unsupported layout)."""
+    KVCacheSDKError (unsupported layout), InvalidInputError for unusable arguments."""
+    validate.url(url)
+    validate.http_url(http_url)
+    validate.model_name(model_name)
     conn = Connection(url, timeout)
     try:
         reg = _register(conn, http_url, model_name)
@@ -241,7 +339,15 @@ def _register(conn: Connection, http_url: str, model_name: str) -> _Registration
     segment = _try_attach(config)
     try:
         reply = conn.call(
-            m.RegisterClient(m.PROTOCOL_VERSION, str(os.getpid()), model_name, 0, segment.nonce if segment else "")
+            m.RegisterClient(
+                m.PROTOCOL_VERSION,
+                str(os.getpid()),
+                model_name,
+                0,
+                segment.nonce if segment else "",
+                pid=os.getpid(),
+                pid_start=proc_start_time(os.getpid()) or 0,
+            )
         ).reply
         if reply.chunk_size != chunk_size or reply.slot_nbytes != model.geometry.chunk_nbytes(chunk_size):
             raise KVCacheSDKError(
@@ -275,4 +381,4 @@ def _try_attach(config: dict[str, Any]) -> PoolSegment | None:
 
 def close(ctx: KVCacheContext) -> None:
     """Close ``ctx`` (unmap the pool, close sockets). Harmless to call twice."""
-    ctx.close()
+    validate.context(ctx).close()

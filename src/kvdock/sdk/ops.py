@@ -3,49 +3,32 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvdock.errors import InvalidInputError, KVCacheSDKError, PoolFullError, ServerUnavailableError
-from kvdock.keys import TOKEN_DTYPE, normalize_tokens
+from kvdock.errors import (
+    InvalidInputError,
+    KVCacheSDKError,
+    LeaseExpiredError,
+    PoolFullError,
+    ServerUnavailableError,
+    StoreConflictError,
+)
+from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
+from kvdock.sdk import validate
 from kvdock.sdk.context import KVCacheContext
 from kvdock.transport.client import Response
 
 log = logging.getLogger("kvdock.sdk")
 
 
-def _tokens(tokens: object) -> np.ndarray:
-    try:
-        return normalize_tokens(tokens)
-    except (TypeError, ValueError) as e:
-        raise InvalidInputError(str(e)) from None
-
-
 def _whole_chunks(ctx: KVCacheContext, arr: np.ndarray) -> bytes:
     n = len(arr) // ctx.chunk_size * ctx.chunk_size
     return arr[:n].tobytes()
-
-
-def _check_kv(ctx: KVCacheContext, kv: object, num_tokens: int) -> torch.Tensor:
-    if not isinstance(kv, torch.Tensor):
-        raise InvalidInputError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-    geo = ctx.geometry
-    want = (2, geo.num_layers, num_tokens, geo.hidden_dim)
-    if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] != geo.num_layers or kv.shape[3] != geo.hidden_dim:
-        raise InvalidInputError(
-            f"kv must be KV_2LTD [2, num_layers={geo.num_layers}, tokens, D={geo.hidden_dim}] for "
-            f"{ctx.model_name!r}, got {list(kv.shape)}"
-        )
-    if kv.shape[2] != num_tokens:
-        raise InvalidInputError(
-            f"kv has {kv.shape[2]} tokens but {num_tokens} token ids were given (want {list(want)})"
-        )
-    if kv.dtype != ctx.dtype:
-        raise InvalidInputError(f"kv dtype {kv.dtype} does not match {ctx.model_name!r}'s {ctx.dtype}")
-    return kv if kv.device.type == "cpu" else kv.cpu()
 
 
 def _prepare(ctx: KVCacheContext, sid: str, msg: m.PrepareStore | m.PrepareRetrieve) -> Response:
@@ -59,43 +42,75 @@ def _prepare(ctx: KVCacheContext, sid: str, msg: m.PrepareStore | m.PrepareRetri
 
 @dataclass(frozen=True)
 class StoreResult:
-    """What a store did, chunk by chunk: written, already there (dedup), refused (pool full)."""
+    """What a store did, chunk by chunk: written, already there (dedup), refused (pool full), or
+    being written by another client when this store stopped waiting for it (``in_flight``: not
+    stored by this call, and not known to be stored at all)."""
 
     stored_chunks: int
     deduped_chunks: int
     pool_full_chunks: int
+    in_flight_chunks: int = 0
+
+
+CONFLICT_WAIT_S = 2.0  # how long a store waits for another client's write of the same chunks
 
 
 def store_chunks(
     ctx: KVCacheContext, kv: object, tokens: object, cache_salt: str = "", overwrite: bool = False
 ) -> StoreResult:
     """Like :func:`store`, returning the per-chunk outcome. Raises PoolFullError only when no new
-    chunk could be stored for lack of room."""
-    arr = _tokens(tokens)
-    kv_t = _check_kv(ctx, kv, len(arr))
+    chunk could be stored for lack of room.
+
+    Chunks that another client is writing at that moment are neither written nor counted as
+    deduped: the store waits (up to ``CONFLICT_WAIT_S``) for that write to finish and asks again,
+    then reports what is still unresolved as ``in_flight_chunks``. An overwrite does not wait."""
+    ctx = validate.context(ctx)
+    arr = validate.tokens(tokens)
+    kv_t = validate.kv(ctx, kv, len(arr))
+    cache_salt, overwrite = validate.cache_salt(cache_salt), validate.overwrite(overwrite)
     whole = _whole_chunks(ctx, arr)
     if not whole:
         return StoreResult(0, 0, 0)
+    total = len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size
+    stored = 0
+    deadline = time.monotonic() + min(CONFLICT_WAIT_S, ctx.timeout)
+    delay = 0.005
+    while True:
+        prep, n = _store_once(ctx, kv_t, whole, cache_salt, overwrite)
+        stored += n
+        if not prep.in_flight or overwrite or time.monotonic() + delay > deadline:
+            break
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+    if not stored and prep.pool_full and not prep.slots:
+        raise PoolFullError(
+            f"the server's L1 pool has no room for {prep.pool_full} chunk(s) of {ctx.model_name!r} "
+            "(everything else is pinned or of another slot size)"
+        )
+    if prep.pool_full:
+        log.warning("pool full: stored %d chunk(s), %d did not fit", stored, prep.pool_full)
+    unresolved = prep.pool_full + prep.in_flight
+    return StoreResult(stored, total - stored - unresolved, prep.pool_full, prep.in_flight)
+
+
+def _store_once(
+    ctx: KVCacheContext, kv: torch.Tensor, whole: bytes, cache_salt: str, overwrite: bool
+) -> tuple[m.StorePrepared, int]:
+    """One PrepareStore / copy / CommitStore; returns the plan and how many chunks were committed."""
     sid = ctx.new_session_id()
     prep = _prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite)).reply
     if not prep.slots:
-        if prep.pool_full:
-            raise PoolFullError(
-                f"the server's L1 pool has no room for {prep.pool_full} chunk(s) of {ctx.model_name!r} "
-                "(everything else is pinned or of another slot size)"
-            )
-        return StoreResult(0, prep.deduped, 0)
+        return prep, 0
     committed = False
     try:
-        payload = ctx._transfer.write(prep.slots, kv_t)
+        with ctx.transfer() as t:
+            payload = t.write(prep.slots, kv)
         n = ctx.call(m.CommitStore(ctx.client_id, sid, [s.index for s in prep.slots]), payload).reply.committed
         committed = True
     finally:
         if not committed:
             ctx.end_session(sid)
-    if prep.pool_full:
-        log.warning("pool full: stored %d chunk(s), %d did not fit", n, prep.pool_full)
-    return StoreResult(n, prep.deduped, prep.pool_full)
+    return prep, int(n)
 
 
 def store(ctx: KVCacheContext, kv: torch.Tensor, tokens: object, cache_salt: str = "", overwrite: bool = False) -> bool:
@@ -103,8 +118,15 @@ def store(ctx: KVCacheContext, kv: torch.Tensor, tokens: object, cache_salt: str
 
     Returns True when at least one chunk was newly written, False when every whole chunk was
     already stored (or there is no whole chunk). ``overwrite=True`` replaces stored chunks.
-    Raises InvalidInputError (shape, dtype, length, token ids), PoolFullError, KVCacheSDKError."""
-    return store_chunks(ctx, kv, tokens, cache_salt, overwrite).stored_chunks > 0
+    Raises InvalidInputError (shape, dtype, length, token ids), PoolFullError, StoreConflictError
+    (nothing written because another client is still writing those chunks), KVCacheSDKError."""
+    result = store_chunks(ctx, kv, tokens, cache_salt, overwrite)
+    if not result.stored_chunks and result.in_flight_chunks:
+        raise StoreConflictError(
+            f"{result.in_flight_chunks} chunk(s) are being written by another client (its store has not "
+            f"committed within {CONFLICT_WAIT_S:g}s); nothing was stored by this call, retry later"
+        )
+    return result.stored_chunks > 0
 
 
 def retrieve(
@@ -116,12 +138,23 @@ def retrieve(
     With ``out`` (a CPU tensor ``[2, L, T, D]`` of the model's dtype, T at least the whole-chunk
     length of ``tokens``), the KV is written into it instead and the view ``out[:, :, :hit_tokens]``
     is returned: reusing one buffer avoids the page faults of a fresh tensor, the main cost of a
-    large retrieve. Raises InvalidInputError for an unusable ``out``."""
-    whole = _whole_chunks(ctx, _tokens(tokens))
+    large retrieve. Raises InvalidInputError for an unusable ``out``; LeaseExpiredError if the
+    copy outlived its lease twice in a row (the process was paused: nothing wrong is returned)."""
+    ctx = validate.context(ctx)
+    whole = _whole_chunks(ctx, validate.tokens(tokens))
+    cache_salt = validate.cache_salt(cache_salt)
     if out is not None:
-        _check_out(ctx, out, len(whole) // TOKEN_DTYPE.itemsize)
+        validate.out(ctx, out, len(whole) // TOKEN_DTYPE.itemsize)
     if not whole:
         return None
+    try:
+        return _retrieve_once(ctx, whole, cache_salt, out)
+    except LeaseExpiredError:
+        log.warning("a retrieve outlived its lease; trying once more")
+        return _retrieve_once(ctx, whole, cache_salt, out)
+
+
+def _retrieve_once(ctx: KVCacheContext, whole: bytes, cache_salt: str, out: torch.Tensor | None) -> torch.Tensor | None:
     sid = ctx.new_session_id()
     # the server loads chunks that only L2/L3 hold into L1 first; it must answer before we give up
     resp = _prepare(ctx, sid, m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2))
@@ -135,7 +168,9 @@ def retrieve(
         given = out is not None
         out = torch.empty(shape, dtype=ctx.dtype) if out is None else out[:, :, :hit]
         try:
-            ctx._transfer.read(slots, resp.buffers(), out)
+            with ctx.transfer() as t:
+                t.read(slots, resp.buffers(), out)
+                commits = t.commits_reads
         except RuntimeError as e:
             if not given:
                 raise
@@ -145,30 +180,17 @@ def retrieve(
         raise
     # Releasing the pins needs no answer: messages on one socket arrive in order, and the
     # session's lease covers a lost one. Not waiting saves a round trip per retrieve.
-    ctx.notify(m.CommitRetrieve(ctx.client_id, sid))
+    if commits:
+        ctx.notify(m.CommitRetrieve(ctx.client_id, sid))
     return out
-
-
-def _check_out(ctx: KVCacheContext, out: object, num_tokens: int) -> None:
-    if not isinstance(out, torch.Tensor):
-        raise InvalidInputError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    geo = ctx.geometry
-    if out.dim() != 4 or out.shape[0] != 2 or out.shape[1] != geo.num_layers or out.shape[3] != geo.hidden_dim:
-        raise InvalidInputError(f"out must be [2, {geo.num_layers}, tokens, {geo.hidden_dim}], got {list(out.shape)}")
-    if out.shape[2] < num_tokens:
-        raise InvalidInputError(f"out holds {out.shape[2]} tokens, fewer than the {num_tokens} asked for")
-    if out.dtype != ctx.dtype or out.device.type != "cpu":
-        raise InvalidInputError(f"out must be a CPU tensor of {ctx.dtype}, got {out.dtype} on {out.device}")
-    if out.requires_grad:
-        raise InvalidInputError("out must not require grad (retrieve writes into it in place)")
-    if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape, strict=True)):
-        raise InvalidInputError("out must not have overlapping elements (a stride of 0, e.g. from expand())")
 
 
 def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:
     """How many leading tokens of ``tokens`` are cached in any tier (a multiple of chunk_size);
     moves no data."""
-    whole = _whole_chunks(ctx, _tokens(tokens))
+    ctx = validate.context(ctx)
+    whole = _whole_chunks(ctx, validate.tokens(tokens))
+    cache_salt = validate.cache_salt(cache_salt)
     if not whole:
         return 0
     return int(ctx.call(m.Lookup(ctx.client_id, whole, cache_salt)).reply.hit_tokens)
@@ -176,7 +198,7 @@ def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:
 
 def check_server_integrity(ctx: KVCacheContext) -> list[str]:
     """Ask the server to run its ``check_integrity()``; returns the problems found (empty = sound)."""
-    report = ctx.call(m.CheckIntegrity()).reply
+    report = validate.context(ctx).call(m.CheckIntegrity()).reply
     if not isinstance(report, m.IntegrityReport):
         raise KVCacheSDKError(f"unexpected reply {type(report).__name__}")
     return list(report.problems)

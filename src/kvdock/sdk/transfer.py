@@ -2,7 +2,10 @@
 
 Two transports behind one interface, so store/retrieve never branch on the transport:
 
-* :class:`ShmTransfer` copies straight into / out of slots of the mapped L1 pool (one copy);
+* :class:`ShmTransfer` copies straight into / out of slots of the mapped L1 pool (one copy), and
+  after a read checks that every slot's generation is still the one the server handed out: if
+  the lease ran out during the copy (the process was paused) and a slot was reused, the copy is
+  refused with LeaseExpiredError instead of returning another object's bytes;
 * :class:`InlineTransfer` turns chunks into raw ZMQ frames and back (no pickling, ever).
 """
 
@@ -13,12 +16,17 @@ from collections.abc import Sequence
 
 import torch
 
+from kvdock.errors import KVCacheSDKError, LeaseExpiredError
 from kvdock.layout import Geometry
 from kvdock.protocol.messages import SlotRef
 from kvdock.shm import PoolSegment
+from kvdock.shm.slots import ALIGN
 
 
 class Transfer:
+    name = ""
+    commits_reads = True  # the server waits for CommitRetrieve to release a read's pins
+
     def __init__(self, geometry: Geometry, chunk_size: int, dtype: torch.dtype) -> None:
         self.chunk_size = chunk_size
         self.dtype = dtype
@@ -34,7 +42,8 @@ class Transfer:
         raise NotImplementedError
 
     def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], out: torch.Tensor) -> None:
-        """Fill ``out`` (``[2, L, len(slots)*chunk, D]``) from the slots or the reply's frames."""
+        """Fill ``out`` (``[2, L, len(slots)*chunk, D]``) from the slots or the reply's frames.
+        LeaseExpiredError if the slots were reused meanwhile (``out`` then holds garbage)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -48,6 +57,8 @@ class ShmTransfer(Transfer):
         super().__init__(geometry, chunk_size, dtype)
         self._segment = segment
         self._pool: torch.Tensor | None = torch.frombuffer(segment.buf, dtype=torch.uint8)
+        self._gens = segment.generations()
+        self._base = segment.data_offset
 
     def _slot(self, offset: int) -> torch.Tensor:
         assert self._pool is not None, "transfer closed"
@@ -61,22 +72,40 @@ class ShmTransfer(Transfer):
     def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], out: torch.Tensor) -> None:
         for j, s in enumerate(slots):
             self._span(out, j).copy_(self._slot(s.offset))
+        # seqlock read side: the copies above are complete (copy_ returned) before these loads
+        gens = self._gens
+        moved = [s.index for s in slots if int(gens[(s.offset - self._base) // ALIGN]) != s.gen]
+        if moved:
+            raise LeaseExpiredError(
+                f"the lease of this retrieve ran out during the copy and {len(moved)} slot(s) were reused "
+                "(was the process paused?); the bytes were discarded"
+            )
 
     def close(self) -> None:
         self._pool = None
+        del self._gens
         self._segment.close()
 
 
 class InlineTransfer(Transfer):
     name = "inline"
+    commits_reads = False  # the server copied the bytes into the reply and released them at once
 
     def write(self, slots: Sequence[SlotRef], kv: torch.Tensor) -> list[memoryview]:
         return [self._span(kv, s.index).contiguous().view(torch.uint8).numpy().data for s in slots]
 
     def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], out: torch.Tensor) -> None:
-        assert len(frames) == len(slots), f"{len(frames)} frames for {len(slots)} slots"
+        """The reply has one frame with the chunks in order (``slot.offset`` into it)."""
+        size = len(slots) * self.chunk_nbytes
+        if len(frames) != 1 or len(frames[0]) != size:
+            got = [len(f) for f in frames]
+            raise KVCacheSDKError(
+                f"malformed inline reply: frames of {got} bytes for {len(slots)} chunks of {self.chunk_nbytes}"
+            )
         with warnings.catch_warnings():
-            # the frames are read-only; we only read them, once, into ``out``
+            # the frame is read-only; we only read it, once, into ``out``
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            for j, f in enumerate(frames):
-                self._span(out, j).copy_(torch.frombuffer(f, dtype=self.dtype).view(self.chunk_shape))
+            whole = torch.frombuffer(frames[0], dtype=torch.uint8)
+        for j, s in enumerate(slots):
+            chunk = whole[s.offset : s.offset + self.chunk_nbytes].view(self.dtype).view(self.chunk_shape)
+            self._span(out, j).copy_(chunk)

@@ -10,9 +10,10 @@ from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
 from kvdock.server import handlers as h
 from kvdock.server import retrieval as r
-from kvdock.server.handlers import Payload, Result, ServerState
+from kvdock.server import storing as st
+from kvdock.server.state import Outcome, Payload, Reply, ServerState
 
-Handler = Callable[[ServerState, Any, Payload], "Result | Awaitable[Result]"]
+Handler = Callable[[ServerState, Any, Payload], Outcome]
 
 HANDLERS: dict[type, Handler] = {
     m.Ping: h.ping,
@@ -21,17 +22,17 @@ HANDLERS: dict[type, Handler] = {
     m.Lookup: r.lookup,
     m.QueryPrefetchStatus: r.query_prefetch_status,
     m.WaitPrefetch: r.wait_prefetch,
-    m.PrepareStore: h.prepare_store,
-    m.CommitStore: h.commit_store,
+    m.PrepareStore: st.prepare_store,
+    m.CommitStore: st.commit_store,
     m.PrepareRetrieve: r.prepare_retrieve,
     m.CommitRetrieve: r.commit_retrieve,
-    m.EndSession: h.end_session,
+    m.EndSession: st.end_session,
     m.CheckIntegrity: h.check_integrity,
     m.CloseClient: h.close_client,
 }
 
 
-def handle(state: ServerState, req: Any, payload: Payload) -> Result | Awaitable[Result]:
+def handle(state: ServerState, req: Any, payload: Payload) -> Outcome:
     """Run the handler of ``req``; expected failures become an Error reply. Ops that wait for a
     lower tier return an awaitable (the caller must not block the loop on it)."""
     state.metrics.requests.labels(type(req).__name__).inc()
@@ -44,7 +45,7 @@ def handle(state: ServerState, req: Any, payload: Payload) -> Result | Awaitable
     return out
 
 
-async def _guard(state: ServerState, pending: Awaitable[Result]) -> Result:
+async def _guard(state: ServerState, pending: Awaitable[Reply]) -> Reply:
     try:
         return await pending
     except EXPECTED as e:
@@ -54,6 +55,6 @@ async def _guard(state: ServerState, pending: Awaitable[Result]) -> Result:
 EXPECTED = (RequestError,)
 
 
-def error_reply(state: ServerState, e: RequestError) -> Result:
+def error_reply(state: ServerState, e: RequestError) -> Reply:
     state.metrics.errors.labels(e.code).inc()
-    return m.Error(e.code, str(e)), []
+    return Reply(m.Error(e.code, str(e)))

@@ -1,52 +1,24 @@
-"""Handlers of the registration and store ops, and the server state they share. Each takes the
-state, the decoded request and its payload frames, and returns the reply and its payload frames.
-Raising RequestError (or SessionError / RegistrationError) turns into an Error reply."""
+"""Handlers of the registration and client ops, and the request helpers every handler uses.
+
+Each handler takes the state, the decoded request and its payload frames, and returns a
+:class:`~kvdock.server.state.Reply` (or an awaitable of one, for ops that wait). Raising
+RequestError (or SessionError / RegistrationError) turns into an Error reply."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from kvdock import __version__
 from kvdock import keys as keymod
 from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
-from kvdock.server.metrics import Metrics
-from kvdock.server.registry import ClientEntry, Registry
-from kvdock.shm import PoolSegment
-from kvdock.storage import StorageManager
-from kvdock.storage.tiers import Tiers
-
-Payload = list[memoryview]
-
-
-@dataclass
-class ServerState:
-    chunk_size: int
-    segment: PoolSegment
-    shm_enabled: bool
-    manager: StorageManager
-    registry: Registry
-    tiers: Tiers
-    metrics: Metrics = field(default_factory=Metrics)
-
-
-Result = tuple[Any, list[Any]]
-
-
-class HeldPayload(list[memoryview]):
-    """Payload frames that are views of slots: the sender must call ``release`` once zmq is done
-    with them (the slots are pinned until then, whatever happens to the session)."""
-
-    def __init__(self, views: list[memoryview], release: Callable[[], None]) -> None:
-        super().__init__(views)
-        self.release = release
+from kvdock.server.registry import ClientEntry
+from kvdock.server.state import Payload, Reply, ServerState
+from kvdock.shm.segment import proc_start_time
 
 
 def client_of(state: ServerState, client_id: str) -> ClientEntry:
-    client = state.registry.clients.get(client_id)
+    """The client a request names, its lease renewed; UNKNOWN_CLIENT if it is not registered."""
+    client = state.registry.touch(client_id)
     if client is None:
         msg = f"client {client_id!r} is not registered (call RegisterClient first)"
         raise RequestError(msg, ErrorCode.UNKNOWN_CLIENT)
@@ -54,6 +26,15 @@ def client_of(state: ServerState, client_id: str) -> ClientEntry:
 
 
 def keys_of(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -> list[keymod.ObjectKey]:
+    """The chunk keys of a request's tokens; LIMIT (before any hashing) past max_request_tokens."""
+    cap = state.registry.max_request_tokens
+    count = len(tokens) // keymod.TOKEN_DTYPE.itemsize
+    if count > cap:
+        raise RequestError(
+            f"request of {count} tokens is over the server's limit of {cap} tokens "
+            f"(max_request_tokens; raise it with --max-request-tokens)",
+            ErrorCode.LIMIT,
+        )
     try:
         arr = keymod.tokens_from_bytes(tokens)
     except ValueError as e:
@@ -62,8 +43,8 @@ def keys_of(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -
     return [keymod.ObjectKey(model, client.kv_rank, salt, h) for h in keymod.chunk_hashes(arr, state.chunk_size)]
 
 
-def ping(state: ServerState, req: m.Ping, payload: Payload) -> Result:
-    return m.Pong(m.PROTOCOL_VERSION, __version__), []
+def ping(state: ServerState, req: m.Ping, payload: Payload) -> Reply:
+    return Reply(m.Pong(m.PROTOCOL_VERSION, __version__))
 
 
 def _check_version(version: int) -> None:
@@ -73,19 +54,27 @@ def _check_version(version: int) -> None:
         )
 
 
-def register_model(state: ServerState, req: m.RegisterModel, payload: Payload) -> Result:
+def register_model(state: ServerState, req: m.RegisterModel, payload: Payload) -> Reply:
     _check_version(req.protocol_version)
-    entry, created = state.registry.register_model(req.layout)
-    return m.ModelRegistered(created, entry.slot_nbytes), []
+    entry, created = state.registry.register_model(req.layout, req.admin_token)
+    return Reply(m.ModelRegistered(created, entry.slot_nbytes))
 
 
-def register_client(state: ServerState, req: m.RegisterClient, payload: Payload) -> Result:
+def register_client(state: ServerState, req: m.RegisterClient, payload: Payload) -> Reply:
     _check_version(req.protocol_version)
-    use_shm = state.shm_enabled and req.shm_proof == state.segment.nonce
+    # Shared memory only for a process this server can see (same PID namespace): a client that
+    # writes slots itself must be one whose death the server can detect (see storage.sessions).
+    use_shm = (
+        state.shm_enabled
+        and req.shm_proof == state.segment.nonce
+        and req.pid > 0
+        and proc_start_time(req.pid) == req.pid_start
+    )
     client = state.registry.register_client(
         req.instance_id, req.model_name, req.kv_rank, "shm" if use_shm else "inline"
     )
-    return m.ClientRegistered(client.client_id, client.transport, state.chunk_size, client.model.slot_nbytes), []
+    client.pid, client.pid_start = req.pid, req.pid_start
+    return Reply(m.ClientRegistered(client.client_id, client.transport, state.chunk_size, client.model.slot_nbytes))
 
 
 def count_hits(state: ServerState, hit_chunks: int, asked_chunks: int) -> None:
@@ -93,62 +82,19 @@ def count_hits(state: ServerState, hit_chunks: int, asked_chunks: int) -> None:
     state.metrics.miss_tokens.inc((asked_chunks - hit_chunks) * state.chunk_size)
 
 
-def prepare_store(state: ServerState, req: m.PrepareStore, payload: Payload) -> Result:
-    client = client_of(state, req.client_id)
-    keys = keys_of(state, client, req.tokens, req.cache_salt)
-    plan = state.manager.prepare_store(client.client_id, req.session_id, keys, client.model.slot_nbytes, req.overwrite)
-    state.metrics.deduped_chunks.inc(plan.deduped)
-    state.metrics.pool_full_chunks.inc(plan.pool_full)
-    slots = [m.SlotRef(i, obj.offset) for i, obj in plan.slots]
-    return m.StorePrepared(slots, plan.deduped, plan.pool_full), []
-
-
-def commit_store(state: ServerState, req: m.CommitStore, payload: Payload) -> Result:
-    client = client_of(state, req.client_id)
-    if client.transport == "inline":
-        _write_inline(state, client, req, payload)
-    elif payload:
-        raise RequestError("shared-memory clients send no payload frames")
-    n = state.manager.commit_store(client.client_id, req.session_id, req.chunks)
-    state.metrics.stores.inc()
-    state.metrics.stored_chunks.inc(n)
-    state.metrics.stored_bytes.inc(n * client.model.slot_nbytes)
-    return m.StoreCommitted(n), []
-
-
-def _write_inline(state: ServerState, client: ClientEntry, req: m.CommitStore, payload: Payload) -> None:
-    objs = state.manager.reservations(client.client_id, req.session_id, req.chunks)
-    nbytes = client.model.slot_nbytes
-    bad = len(payload) != len(objs) or any(len(p) != nbytes for p in payload)
-    if bad:
-        state.manager.end_session(client.client_id, req.session_id)  # abort: nothing half-written stays
-        sizes = sorted({len(p) for p in payload})
-        raise RequestError(
-            f"expected {len(objs)} frames of {nbytes} bytes, got {len(payload)} of sizes {sizes}", ErrorCode.BAD_PAYLOAD
-        )
-    buf = state.segment.buf
-    for obj, frame in zip(objs, payload, strict=False):
-        buf[obj.offset : obj.offset + nbytes] = frame
-
-
-def end_session(state: ServerState, req: m.EndSession, payload: Payload) -> Result:
-    state.manager.end_session(client_of(state, req.client_id).client_id, req.session_id)
-    return m.Done(), []
-
-
-def close_client(state: ServerState, req: m.CloseClient, payload: Payload) -> Result:
+def close_client(state: ServerState, req: m.CloseClient, payload: Payload) -> Reply:
     client = client_of(state, req.client_id)
     state.manager.end_client(client.client_id)
     del state.registry.clients[client.client_id]
-    return m.Done(), []
+    return Reply(m.Done())
 
 
-def check_integrity(state: ServerState, req: m.CheckIntegrity, payload: Payload) -> Result:
+def check_integrity(state: ServerState, req: m.CheckIntegrity, payload: Payload) -> Reply:
     try:
-        state.tiers.check_integrity()
+        state.manager.check_integrity()
     except AssertionError as e:
-        return m.IntegrityReport(False, [str(e) or "assertion failed"]), []
-    return m.IntegrityReport(True, []), []
+        return Reply(m.IntegrityReport(False, [str(e) or "assertion failed"]))
+    return Reply(m.IntegrityReport(True, []))
 
 
 def refresh_gauges(state: ServerState) -> None:

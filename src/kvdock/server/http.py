@@ -5,18 +5,24 @@ GET  /status   health, uptime, sessions, clients, pool usage, registered models 
 GET  /healthz  200 "ok"
 GET  /metrics  Prometheus text
 POST /admin/clear   drop every object from L1 and L2, or one of them with ?tier=l1 / ?tier=l2
-                    (Bearer token if admin_token is set); the shared L3 is left alone
+                    (``Authorization: Bearer <token>`` if admin_token is set); the shared L3 is
+                    left alone
+
+A request aiohttp cannot parse (a line too long, bad headers) gets its 4xx and one short log
+line, not a traceback (see :func:`request_logger`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hmac
+import logging
 import time
 from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvdock import __version__
 from kvdock.config import ServerConfig
@@ -35,6 +41,8 @@ def config_doc(state: ServerState, config: ServerConfig) -> dict[str, Any]:
         "chunk_size": state.chunk_size,
         "zmq_url": config.zmq_url,
         "session_ttl": config.session_ttl,
+        "client_ttl": config.client_ttl,
+        "max_request_tokens": config.max_request_tokens,
         "transports": ["shm", "inline"] if state.shm_enabled else ["inline"],
         "l1": {
             "shm_enabled": state.shm_enabled,
@@ -51,13 +59,17 @@ def status_doc(state: ServerState, started: float) -> dict[str, Any]:
         "server_version": __version__,
         "uptime_s": round(time.monotonic() - started, 3),
         "sessions": state.manager.session_count,
-        "clients": len(state.registry.clients),
+        "clients": len(state.registry.clients),  # a count only: a client id is a capability
         "l1": {
             "capacity_bytes": alloc.capacity,
             "used_bytes": alloc.used_bytes,
             "free_bytes": alloc.free_bytes,
             "objects": len(state.manager.l1),
             "evictions": state.manager.l1.evictions,
+            # slots of expired store sessions whose writer process may still write them
+            "quarantined_bytes": state.manager.sessions.quarantined_bytes(),
+            # inline reply bytes zmq has not written to their clients yet (capped per client)
+            "unsent_reply_bytes": state.unsent_bytes,
         },
         "tiers": tiers_doc(state),
         "cache_context_meta": [
@@ -80,27 +92,12 @@ def status_doc(state: ServerState, started: float) -> dict[str, Any]:
 
 
 def tiers_doc(state: ServerState) -> dict[str, Any]:
-    t = state.tiers
-    doc: dict[str, Any] = {}
-    if t.disk is not None:
-        doc["l2"] = {
-            "kind": "disk",
-            "path": str(t.disk.root),
-            "up": True,
-            "capacity_bytes": t.disk.capacity,
-            "used_bytes": t.disk.used_bytes,
-            "objects": len(t.disk),
-            **dataclasses.asdict(t.counters["l2"]),
-        }
-    if t.redis is not None:
-        doc["l3"] = {
-            "kind": "redis",
-            "url": t.redis.display_url,
-            "up": t.redis.up,
-            "last_error": t.redis.last_error,
-            **dataclasses.asdict(t.counters["l3"]),
-        }
-    doc["writeback_backlog_bytes"] = t.backlog_bytes
+    lanes = state.manager.lanes
+    doc: dict[str, Any] = {
+        lane.name: {**lane.tier.status(), **dataclasses.asdict(lane.counters), "backlog_bytes": lane.backlog_bytes}
+        for lane in lanes
+    }
+    doc["writeback_backlog_bytes"] = sum(lane.backlog_bytes for lane in lanes)
     return doc
 
 
@@ -126,8 +123,9 @@ def _authorize(request: web.Request) -> None:
     token = request.app[CONFIG].admin_token
     if not token:
         return
-    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), token.encode()):
+    header = request.headers.get("Authorization", "")
+    given = header.removeprefix("Bearer ") if header.startswith("Bearer ") else ""
+    if not given or not hmac.compare_digest(given.encode(), token.encode()):
         raise web.HTTPUnauthorized(text="admin token required (Authorization: Bearer <token>)")
 
 
@@ -137,9 +135,33 @@ async def _clear(request: web.Request) -> web.Response:
     tier = request.query.get("tier", "all")
     if tier not in ("all", "l1", "l2"):
         raise web.HTTPBadRequest(text=f"tier must be all, l1 or l2, got {tier!r}")
-    removed = state.manager.l1.clear() if tier in ("all", "l1") else 0
-    removed_l2 = state.tiers.clear_disk() if tier in ("all", "l2") else 0
-    return web.json_response({"removed": removed, "removed_l2": removed_l2})
+    removed = await state.manager.clear(tier)
+    return web.json_response({"removed": removed.get("l1", 0), "removed_l2": removed.get("l2", 0)})
+
+
+class _RequestLogger(logging.Logger):
+    """aiohttp's per-request logger (a child of ``aiohttp.server``, same handlers and level): a
+    request that cannot be parsed is logged as one short WARNING line instead of a traceback;
+    any other error keeps its traceback."""
+
+    def __init__(self, parent: logging.Logger) -> None:
+        super().__init__(parent.name)
+        self.parent = parent
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            text = str(msg) % args if args else str(msg)
+            detail = " ".join(str(exc_info.message).split())
+            if len(detail) > 120:
+                detail = detail[:117] + "..."
+            self.warning("%s: %d %s", text, exc_info.code, detail)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
+def request_logger() -> logging.Logger:
+    """The ``logger`` to give aiohttp's AppRunner (see _RequestLogger)."""
+    return _RequestLogger(logging.getLogger("aiohttp.server"))
 
 
 def make_app(state: ServerState, config: ServerConfig) -> web.Application:

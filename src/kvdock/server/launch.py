@@ -7,8 +7,8 @@ import asyncio
 import inspect
 import logging
 import signal
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
@@ -20,19 +20,16 @@ from kvdock.config import (
     default_disk_dir,
     format_size,
 )
-from kvdock.errors import ConfigError, ProtocolError
+from kvdock.errors import ConfigError, DiskInUseError, ProtocolError
 from kvdock.protocol import ErrorCode, decode_request, encode
-from kvdock.protocol.messages import Error
+from kvdock.protocol.messages import Error, PrepareRetrieve
 from kvdock.server.dispatch import handle
-from kvdock.server.handlers import HeldPayload, ServerState
-from kvdock.server.http import make_app
+from kvdock.server.http import make_app, request_logger
 from kvdock.server.metrics import Metrics
 from kvdock.server.registry import Registry
-from kvdock.shm import HEADER_SIZE, PoolSegment, SlotAllocator, cleanup_stale
-from kvdock.storage import L1Store, StorageManager
-from kvdock.storage.disk import DiskInUseError, DiskStore
-from kvdock.storage.redis import RedisStore
-from kvdock.storage.tiers import Tiers
+from kvdock.server.state import Outcome, Reply, ServerState
+from kvdock.shm import PoolSegment, SlotAllocator, cleanup_stale
+from kvdock.storage import TIER_KINDS, DiskTier, L1Store, RedisTier, StorageManager, TierLane
 from kvdock.transport.server import ControlServer, Incoming
 
 log = logging.getLogger("kvdock.server")
@@ -51,32 +48,44 @@ def build_state(config: ServerConfig) -> ServerState:
             L1_AUTO_FRACTION * 100,
         )
     segment = PoolSegment.anonymous(size) if config.no_shm else PoolSegment.create(size)
+    lanes: list[TierLane] = []
     try:
         metrics = Metrics()
-        l1 = L1Store(SlotAllocator(HEADER_SIZE, size), on_evict=lambda obj: metrics.evictions.inc(), memory=segment.buf)
-        manager = StorageManager(l1, config.session_ttl)
+        allocator = SlotAllocator(segment.data_offset, size, segment.generations())
+        l1 = L1Store(allocator, on_evict=lambda obj: metrics.evictions.inc(), memory=segment.buf)
         disk = _open_disk(config)
-        registry = Registry(config.chunk_size, disk.root / "models.msgpack" if disk is not None else None)
-        tiers = Tiers(manager, registry.layout_of, disk, _open_redis(config))
+        registry = Registry(
+            config.chunk_size,
+            disk.root / "models.msgpack" if disk is not None else None,
+            config=config,
+            pool_capacity=l1.allocator.capacity,
+        )
+        metrics.watch_registry(registry)
+        redis = _open_redis(config)
+        lanes = [TierLane(t, l1) for t in (disk, redis) if t is not None]
+        manager = StorageManager(l1, config.session_ttl, lanes, registry.layout_of)
     except BaseException:
+        for lane in lanes:
+            lane.close()
         segment.unlink()
         segment.close()
         raise
     metrics.l1_capacity.set(size)
-    state = ServerState(config.chunk_size, segment, not config.no_shm, manager, registry, tiers, metrics)
-    metrics.watch_tiers(tiers)
+    state = ServerState(config.chunk_size, segment, not config.no_shm, manager, registry, metrics)
+    metrics.watch_tiers(manager)
     return state
 
 
-def _open_disk(config: ServerConfig) -> DiskStore | None:
+def _open_disk(config: ServerConfig) -> DiskTier | None:
     if config.no_disk:
         return None
     root = Path(config.disk_dir) if config.disk_dir else default_disk_dir()
     size = config.disk_size or auto_disk_size(root)
     try:
-        disk = DiskStore(root, size)
+        disk = TIER_KINDS["l2"](root, size)
     except DiskInUseError as e:
         raise ConfigError(f"{e}; give another --disk-dir, or --no-disk") from None
+    assert isinstance(disk, DiskTier)
     report = disk.scan()
     log.info(
         "L2 disk %s: %s budget, %d object(s) found (%s used), %d torn file(s) and %d temp file(s) removed",
@@ -90,11 +99,13 @@ def _open_disk(config: ServerConfig) -> DiskStore | None:
     return disk
 
 
-def _open_redis(config: ServerConfig) -> RedisStore | None:
+def _open_redis(config: ServerConfig) -> RedisTier | None:
     if not config.redis_url:
         return None
-    store = RedisStore(config.redis_url)
-    if store.probe():
+    store = TIER_KINDS["l3"](config.redis_url)
+    assert isinstance(store, RedisTier)
+    store.probe()
+    if store.up():
         log.info("L3 redis %s: connected", store.display_url)
     return store
 
@@ -120,35 +131,44 @@ async def _serve_one(
         state.metrics.errors.labels(ErrorCode.MALFORMED.value).inc()
         await control.send(msg.identity, msg.seq, encode(Error(ErrorCode.MALFORMED.value, str(e))))
         return
-    try:
-        out = handle(state, req, msg.payload)
-    except Exception as e:  # a bug must not take the server down for everyone else
-        out = _internal_error(state, req, e)
+    out: Outcome
+    unsent = state.unsent.get(msg.identity, 0)
+    if isinstance(req, PrepareRetrieve) and unsent > state.max_unsent_bytes:
+        out = Reply(Error(ErrorCode.BUSY.value, f"{unsent} bytes of earlier replies are still unread; read them first"))
+    else:
+        try:
+            out = handle(state, req, msg.payload)
+        except Exception as e:  # a bug must not take the server down for everyone else
+            out = _internal_error(state, req, e)
     if inspect.isawaitable(out):
         task = asyncio.create_task(_reply_later(state, control, msg, req, out, waiting))
         waiting.add(task)
         task.add_done_callback(waiting.discard)
         return
-    reply, payload = out
-    await _send(control, msg, reply, payload, waiting)
+    await _send(state, control, msg, out, waiting)
 
 
 async def _send(
-    control: ControlServer, msg: Incoming, reply: Any, payload: Any, waiting: set[asyncio.Task[None]]
+    state: ServerState, control: ControlServer, msg: Incoming, reply: Reply, waiting: set[asyncio.Task[None]]
 ) -> None:
-    """Send a reply; held slot views are released when zmq is done with them (in a task, so the
-    loop serves others meanwhile)."""
-    if not isinstance(payload, HeldPayload):
-        await control.send(msg.identity, msg.seq, encode(reply), payload)
+    """Send a reply. Payload frames (private buffers) are counted as unsent for their client until
+    zmq has written them to the peer, in a task, so the loop serves others meanwhile."""
+    header = encode(reply.message)
+    if not reply.frames:
+        await control.send(msg.identity, msg.seq, header)
         return
+    size = sum(len(f) for f in reply.frames)
+    state.unsent[msg.identity] = state.unsent.get(msg.identity, 0) + size
 
-    async def send_then_release() -> None:
+    async def send_and_count() -> None:
         try:
-            await control.send_tracked(msg.identity, msg.seq, encode(reply), payload)
+            await control.send_tracked(msg.identity, msg.seq, header, reply.frames)
         finally:
-            payload.release()
+            left = state.unsent.pop(msg.identity) - size
+            if left:
+                state.unsent[msg.identity] = left
 
-    task = asyncio.create_task(send_then_release())
+    task = asyncio.create_task(send_and_count())
     waiting.add(task)
     task.add_done_callback(waiting.discard)
 
@@ -158,37 +178,54 @@ async def _reply_later(
     control: ControlServer,
     msg: Incoming,
     req: object,
-    pending: Any,
+    pending: Awaitable[Reply],
     waiting: set[asyncio.Task[None]],
 ) -> None:
     try:
-        reply, payload = await pending
+        reply = await pending
     except Exception as e:
-        reply, payload = _internal_error(state, req, e)
+        reply = _internal_error(state, req, e)
     try:
-        await _send(control, msg, reply, payload, waiting)
+        await _send(state, control, msg, reply, waiting)
     except Exception:
         log.exception("sending a deferred reply")
 
 
-def _internal_error(state: ServerState, req: object, e: Exception) -> tuple[Error, list[Any]]:
+def _internal_error(state: ServerState, req: object, e: Exception) -> Reply:
     log.exception("internal error handling %s", type(req).__name__)
     state.metrics.errors.labels(ErrorCode.INTERNAL.value).inc()
-    return Error(ErrorCode.INTERNAL.value, f"{type(e).__name__}: {e}"), []
+    return Reply(Error(ErrorCode.INTERNAL.value, f"{type(e).__name__}: {e}"))
 
 
 async def _reap(state: ServerState, ttl: float) -> None:
+    """Expire sessions and clients whose leases ran out (clients: their sessions end too)."""
     while True:
-        await asyncio.sleep(min(1.0, ttl / 4))
+        await asyncio.sleep(min(1.0, ttl / 4, state.registry.client_ttl / 4))
         try:
-            await state.tiers.probe()
             n = state.manager.expire()
+            gone = state.registry.expire(state.manager.end_client)
+            freed = state.manager.reap_quarantine()
+            if freed:
+                log.info("%d quarantined slot(s) of dead client processes freed", freed)
         except Exception:  # keep reaping: a dead reaper would leave every lease open forever
             log.exception("lease reaper")
-            continue
-        if n:
-            state.metrics.expired_sessions.inc(n)
-            log.warning("%d session(s) lease expired; their pins and reservations were released", n)
+        else:
+            if n:
+                state.metrics.expired_sessions.inc(n)
+                log.warning("%d session(s) lease expired; their pins and reservations were released", n)
+            if gone:
+                state.metrics.expired_clients.inc(gone)
+                log.info("%d client(s) silent for %g s were forgotten", gone, state.registry.client_ttl)
+
+
+async def _probe(state: ServerState) -> None:
+    """Reconnect down tiers, on their reader threads, apart from the lease reaper (a hung Redis
+    must never delay lease expiry)."""
+    while True:
+        await asyncio.sleep(0.5)
+        for lane in state.manager.lanes:
+            if not lane.tier.up() and lane.tier.probe_due():
+                await lane.on_reader(lane.tier.probe, default=None)
 
 
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
@@ -197,15 +234,17 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     state = build_state(config)
     try:
         await _run(state, config, ready)
+        await state.manager.drain(timeout_s=30.0)  # finish queued write-downs
     finally:
-        state.tiers.close()  # finishes queued write-downs first
+        state.manager.close()
+        state.copier.shutdown(wait=True)
         state.segment.unlink()
         state.segment.close()
 
 
 async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | None) -> None:
     control = ControlServer(config.zmq_url)
-    runner = web.AppRunner(make_app(state, config), access_log=None)
+    runner = web.AppRunner(make_app(state, config), access_log=None, logger=request_logger())
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.http_port).start()
@@ -226,6 +265,7 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
         tasks = [
             asyncio.create_task(_serve_control(state, control)),
             asyncio.create_task(_reap(state, config.session_ttl)),
+            asyncio.create_task(_probe(state)),
         ]
         if ready is not None:
             ready.set()

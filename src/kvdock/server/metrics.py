@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvdock.storage.tiers import TierCounters, Tiers
+from kvdock.server.registry import Registry
+from kvdock.storage import StorageManager, TierCounters
 
 # the *_created series double the output and nobody graphs them
 disable_created_metrics()
@@ -36,10 +37,20 @@ class Metrics:
         self.l1_capacity = Gauge("kvdock_l1_capacity_bytes", "L1 pool capacity", registry=r)
         self.l1_objects = Gauge("kvdock_l1_objects", "READY objects in L1", registry=r)
         self.sessions = Gauge("kvdock_sessions", "Open sessions", registry=r)
+        self.expired_clients = Counter(
+            "kvdock_expired_clients", "Client registrations forgotten after client_ttl of silence", registry=r
+        )
+        self.clients = Gauge("kvdock_clients", "Live client registrations", registry=r)
+        self.models = Gauge("kvdock_models", "Registered models", registry=r)
 
-    def watch_tiers(self, tiers: Tiers) -> None:
+    def watch_registry(self, registry: Registry) -> None:
+        """Export the number of live clients and registered models at every scrape."""
+        self.clients.set_function(lambda: len(registry.clients))
+        self.models.set_function(lambda: len(registry.models))
+
+    def watch_tiers(self, manager: StorageManager) -> None:
         """Export the lower tiers' counters and usage at every scrape."""
-        self.registry.register(_TierCollector(tiers))
+        self.registry.register(_TierCollector(manager))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -53,35 +64,40 @@ _HELP = {
     "bytes_written": "Bytes written down to the tier",
     "write_seconds": "Seconds spent writing to the tier",
     "write_errors": "Failed writes to the tier",
-    "writes_skipped": "Objects not written down (tier down, too big, or backlog full)",
+    "writes_skipped": "Objects not written down (tier down, no room, or evicted from L1 before their turn)",
     "corrupted": "Torn or corrupted objects found in the tier (deleted, never returned)",
+    "deletes": "Older versions deleted from the tier for an overwrite",
 }
 
 
 class _TierCollector(Collector):
-    def __init__(self, tiers: Tiers) -> None:
-        self.tiers = tiers
+    def __init__(self, manager: StorageManager) -> None:
+        self.manager = manager
 
     def collect(self) -> Iterator[Metric]:
-        t = self.tiers
-        enabled = {"l2": t.disk is not None, "l3": t.redis is not None}
+        lanes = self.manager.lanes
         for f in fields(TierCounters):
             fam = CounterMetricFamily(f"kvdock_tier_{f.name}", _HELP[f.name], labels=["tier"])
-            for tier, counters in t.counters.items():
-                if enabled[tier]:
-                    fam.add_metric([tier], getattr(counters, f.name))
+            for lane in lanes:
+                fam.add_metric([lane.name], getattr(lane.counters, f.name))
             yield fam
-        up = GaugeMetricFamily("kvdock_tier_up", "1 if the tier is reachable", labels=["tier"])
-        used = GaugeMetricFamily("kvdock_tier_used_bytes", "Bytes stored in the tier", labels=["tier"])
-        cap = GaugeMetricFamily("kvdock_tier_capacity_bytes", "Byte budget of the tier", labels=["tier"])
-        objs = GaugeMetricFamily("kvdock_tier_objects", "Objects in the tier", labels=["tier"])
-        if t.disk is not None:
-            up.add_metric(["l2"], 1)
-            used.add_metric(["l2"], t.disk.used_bytes)
-            cap.add_metric(["l2"], t.disk.capacity)
-            objs.add_metric(["l2"], len(t.disk))
-        if t.redis is not None:
-            up.add_metric(["l3"], 1 if t.redis.up else 0)
-        backlog = GaugeMetricFamily("kvdock_writeback_backlog_bytes", "Pinned bytes waiting to be written down")
-        backlog.add_metric([], t.backlog_bytes)
-        yield from (up, used, cap, objs, backlog)
+        gauges = {
+            "up": GaugeMetricFamily("kvdock_tier_up", "1 if the tier is reachable", labels=["tier"]),
+            "used_bytes": GaugeMetricFamily("kvdock_tier_used_bytes", "Bytes stored in the tier", labels=["tier"]),
+            "capacity_bytes": GaugeMetricFamily(
+                "kvdock_tier_capacity_bytes", "Byte budget of the tier", labels=["tier"]
+            ),
+            "objects": GaugeMetricFamily("kvdock_tier_objects", "Objects in the tier", labels=["tier"]),
+        }
+        for lane in lanes:
+            status = lane.tier.status()
+            for name, gauge in gauges.items():
+                if name in status:
+                    gauge.add_metric([lane.name], float(status[name]))
+        backlog = GaugeMetricFamily("kvdock_writeback_backlog_bytes", "Bytes queued for write-down to lower tiers")
+        backlog.add_metric([], sum(lane.backlog_bytes for lane in lanes))
+        quarantined = GaugeMetricFamily(
+            "kvdock_quarantined_bytes", "L1 slots of expired sessions whose writer may still write them"
+        )
+        quarantined.add_metric([], self.manager.sessions.quarantined_bytes())
+        yield from (*gauges.values(), backlog, quarantined)

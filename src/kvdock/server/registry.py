@@ -1,20 +1,41 @@
-"""Registered models and clients."""
+"""Registered models and clients, and the bounds on both.
+
+Clients hold leases: every request naming a client renews its lease (:meth:`Registry.touch`), and
+the reaper forgets a client silent for ``client_ttl`` seconds (:meth:`Registry.expire`). At most
+``max_clients`` are live at once. Models are bounded in number (``max_models``), in the size of
+their strings and in their geometry (one chunk must fit in the L1 pool), and need the admin
+token when the server has one.
+"""
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
+from kvdock.config import (
+    MAX_CLIENTS,
+    MAX_HEAD_DIM,
+    MAX_NAME_LEN,
+    MAX_NUM_KV_HEADS,
+    MAX_NUM_LAYERS,
+    MAX_WORLD_SIZE,
+    ServerConfig,
+    format_size,
+)
 from kvdock.errors import RegistrationError
 from kvdock.layout import Geometry, check_dtype, decode_shape
 from kvdock.protocol.codes import ErrorCode
 from kvdock.protocol.messages import ModelLayout, Transport
-from kvdock.storage.tiers import ObjectLayout
+from kvdock.storage.tier import ObjectLayout
 
 log = logging.getLogger(__name__)
 
@@ -26,24 +47,50 @@ class ModelEntry:
     slot_nbytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class ClientEntry:
-    client_id: str
+    client_id: str  # a capability: whoever knows it acts as the client, so it is never shown
     instance_id: str
     model: ModelEntry
     kv_rank: int
     transport: Transport
+    last_seen: float = 0.0  # the Registry's clock at the last request naming this client
+    pid: int = 0  # the client process (shared-memory clients: checked at registration)
+    pid_start: int = 0
 
 
 class Registry:
     """Models and clients. With ``persist_path`` (in the L2 directory), model registrations are
-    saved there and reloaded at start, so a restarted server serves its disk cache to SDK
-    clients before any engine registers again."""
+    saved there (mode 0600) and reloaded at start, so a restarted server serves its disk cache to
+    SDK clients before any engine registers again.
 
-    def __init__(self, chunk_size: int, persist_path: Path | None = None) -> None:
+    ``config`` gives client_ttl, max_models, max_request_tokens and admin_token (default: the
+    defaults of ServerConfig); ``pool_capacity`` is the L1 pool's size in bytes (a model whose chunk
+    does not fit is refused; None: not checked); ``clock`` is injectable for tests."""
+
+    def __init__(
+        self,
+        chunk_size: int,
+        persist_path: Path | None = None,
+        *,
+        config: ServerConfig | None = None,
+        pool_capacity: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_clients: int = MAX_CLIENTS,
+    ) -> None:
+        cfg = config or ServerConfig()
         self.chunk_size = chunk_size
+        self.client_ttl = cfg.client_ttl
+        self.max_models = cfg.max_models
+        self.max_request_tokens = cfg.max_request_tokens
+        self.max_clients = max_clients
+        self.pool_capacity = pool_capacity
+        self._admin_token = cfg.admin_token
+        self._clock = clock
         self.models: dict[str, ModelEntry] = {}
-        self.clients: dict[str, ClientEntry] = {}
+        # least recently seen first: touch() moves a client to the end, expire() pops from the front
+        self.clients: OrderedDict[str, ClientEntry] = OrderedDict()
+        self.expired_clients = 0
         self._persist_path = persist_path
         if persist_path is not None and persist_path.exists():
             self._load(persist_path)
@@ -54,7 +101,15 @@ class Registry:
         except (OSError, msgspec.DecodeError) as e:
             log.warning("ignoring unreadable model registrations in %s: %s", path, e)
             return
+        try:  # a file written by an older server may be 0644
+            if path.stat().st_mode & 0o077:
+                path.chmod(0o600)
+        except OSError as e:
+            log.warning("cannot make %s private (mode 0600): %s", path, e)
         for lay in layouts:
+            if len(self.models) >= self.max_models:
+                log.warning("not restoring model %r: max_models (%d) reached", lay.model_name, self.max_models)
+                continue
             try:
                 self.models[lay.model_name] = self._entry(lay)
             except RegistrationError as e:  # e.g. the chunk size changed since
@@ -64,13 +119,41 @@ class Registry:
     def _save(self) -> None:
         if self._persist_path is None:
             return
-        tmp = self._persist_path.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.msgpack.encode([e.layout for e in self.models.values()]))
-        os.replace(tmp, self._persist_path)
+        data = msgspec.msgpack.encode([e.layout for e in self.models.values()])
+        path = self._persist_path
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.unlink(missing_ok=True)  # O_EXCL below: a new file, created 0600 whatever was there
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
-    def register_model(self, lay: ModelLayout) -> tuple[ModelEntry, bool]:
-        """Validate and add ``lay``; returns (entry, created). Same geometry again is a no-op;
-        a different geometry for a known name raises RegistrationError."""
+    def authorize(self, admin_token: str) -> None:
+        """RegistrationError (code UNAUTHORIZED) unless the server has no admin token or
+        ``admin_token`` is it."""
+        if self._admin_token and not hmac.compare_digest(admin_token.encode(), self._admin_token.encode()):
+            raise RegistrationError(
+                "registering a model needs the server's admin token (admin_token= in the SDK, --admin-token or "
+                "KVDOCK_ADMIN_TOKEN for kvdock register)",
+                ErrorCode.UNAUTHORIZED,
+            )
+
+    def register_model(self, lay: ModelLayout, admin_token: str = "") -> tuple[ModelEntry, bool]:
+        """Check the admin token, validate and add ``lay``; returns (entry, created). Same geometry
+        again is a no-op; a different geometry for a known name raises RegistrationError, and so
+        does a new name past ``max_models`` (code LIMIT)."""
+        self.authorize(admin_token)
         entry = self._entry(lay)
         old = self.models.get(lay.model_name)
         if old is not None:
@@ -84,20 +167,45 @@ class Registry:
                     f"{_describe(old.layout)} (new: {_describe(lay)})"
                 )
             return old, False
+        if len(self.models) >= self.max_models:
+            raise RegistrationError(
+                f"the server already holds {len(self.models)} model registrations, its limit "
+                f"(max_models; raise it with --max-models)",
+                ErrorCode.LIMIT,
+            )
         self.models[lay.model_name] = entry
-        self._save()
+        try:
+            self._save()
+        except OSError as e:
+            log.warning("could not save model registrations to %s: %s", self._persist_path, e)
         return entry, True
 
     def _entry(self, lay: ModelLayout) -> ModelEntry:
+        try:
+            return self._checked_entry(lay)
+        except (OverflowError, MemoryError) as e:
+            raise RegistrationError(f"impossible geometry for model {lay.model_name[:MAX_NAME_LEN]!r}: {e}") from None
+
+    def _checked_entry(self, lay: ModelLayout) -> ModelEntry:
         if not lay.model_name:
             raise RegistrationError("model_name must not be empty")
+        if len(lay.model_name) > MAX_NAME_LEN:
+            raise RegistrationError(f"model_name has {len(lay.model_name)} characters, more than {MAX_NAME_LEN}")
+        for name in ("name", "version", "attention_backend"):
+            value = getattr(lay.engine, name)
+            if len(value) > MAX_NAME_LEN:
+                raise RegistrationError(f"engine.{name} has {len(value)} characters, more than {MAX_NAME_LEN}")
+        _bounded("num_layers", lay.num_layers, MAX_NUM_LAYERS)
+        _bounded("world_size", lay.world_size, MAX_WORLD_SIZE)
+        if lay.tokens_per_block <= 0:
+            raise RegistrationError(f"tokens_per_block must be positive, got {lay.tokens_per_block}")
         try:
             check_dtype(lay.dtype)
             dec = decode_shape(lay.engine_kv_format, lay.engine_kv_concrete_shape)
         except ValueError as e:
             raise RegistrationError(str(e)) from None
-        if lay.num_layers <= 0 or lay.world_size <= 0 or lay.tokens_per_block <= 0:
-            raise RegistrationError("num_layers, world_size and tokens_per_block must be positive")
+        _bounded("num_kv_heads", dec.num_kv_heads, MAX_NUM_KV_HEADS)
+        _bounded("head_dim", dec.head_dim, MAX_HEAD_DIM)
         if dec.block_size != lay.tokens_per_block:
             raise RegistrationError(
                 f"block size {dec.block_size} in the {lay.engine_kv_format} shape "
@@ -108,7 +216,13 @@ class Registry:
                 f"chunk_size {self.chunk_size} is not a multiple of tokens_per_block {lay.tokens_per_block}"
             )
         geo = Geometry(lay.num_layers, dec.num_kv_heads, dec.head_dim, lay.dtype)
-        return ModelEntry(lay, geo, geo.chunk_nbytes(self.chunk_size))
+        nbytes = geo.chunk_nbytes(self.chunk_size)
+        if self.pool_capacity is not None and nbytes > self.pool_capacity:
+            raise RegistrationError(
+                f"one chunk of {lay.model_name!r} ({self.chunk_size} tokens) is {format_size(nbytes)}, more than the "
+                f"whole L1 pool ({format_size(self.pool_capacity)}; see --l1-size)"
+            )
+        return ModelEntry(lay, geo, nbytes)
 
     def layout_of(self, model_name: str) -> ObjectLayout | None:
         """How one chunk of ``model_name`` is laid out (for the lower tiers' object headers)."""
@@ -125,9 +239,45 @@ class Registry:
             raise RegistrationError(msg, ErrorCode.UNKNOWN_MODEL)
         if not 0 <= kv_rank < model.layout.world_size:
             raise RegistrationError(f"kv_rank {kv_rank} out of range for world_size {model.layout.world_size}")
-        client = ClientEntry(secrets.token_hex(8), instance_id, model, kv_rank, transport)
+        if len(self.clients) >= self.max_clients:
+            raise RegistrationError(
+                f"the server already holds {len(self.clients)} client registrations, its limit; a client silent for "
+                f"client_ttl ({self.client_ttl:g} s) is forgotten",
+                ErrorCode.LIMIT,
+            )
+        client = ClientEntry(secrets.token_hex(8), instance_id, model, kv_rank, transport, self._clock())
         self.clients[client.client_id] = client
         return client
+
+    def touch(self, client_id: str) -> ClientEntry | None:
+        """The client registered as ``client_id``, its lease renewed; None if there is none."""
+        client = self.clients.get(client_id)
+        if client is not None:
+            client.last_seen = self._clock()
+            self.clients.move_to_end(client_id)
+        return client
+
+    def expire(self, end_client: Callable[[str], object]) -> int:
+        """Forget every client silent for ``client_ttl`` seconds: ``end_client(client_id)`` (which
+        releases its sessions), then remove it. Returns how many."""
+        oldest_alive = self._clock() - self.client_ttl
+        n = 0
+        while self.clients:
+            client = next(iter(self.clients.values()))
+            if client.last_seen > oldest_alive:
+                break
+            try:
+                end_client(client.client_id)
+            finally:
+                del self.clients[client.client_id]
+            n += 1
+        self.expired_clients += n
+        return n
+
+
+def _bounded(name: str, value: int, most: int) -> None:
+    if not 1 <= value <= most:
+        raise RegistrationError(f"{name} must be between 1 and {most}, got {value}")
 
 
 def _describe(lay: ModelLayout) -> str:

@@ -4,9 +4,16 @@ Linux only: segments are files under ``/dev/shm``. We open them directly instead
 ``multiprocessing.shared_memory`` because on Python < 3.13 its resource tracker unlinks a segment
 when any process that merely *attached* to it exits.
 
-Layout: a 4 KiB header, then the slot area. The header carries a magic, the creator's pid and
-process start time (to detect stale segments of dead servers) and a random nonce; a client proves
-it mapped the same segment by echoing the nonce when it registers.
+Layout: a 4 KiB header, the slot generation table, then the slot area. The header carries a
+magic, the creator's pid and process start time (to detect stale segments of dead servers), a
+random nonce (a client proves it mapped the same segment by echoing it when it registers) and
+where the table and the slot area start.
+
+The generation table has one little-endian u64 per 4 KiB page of the slot area; the entry of a
+slot's first page is that slot's generation. The server bumps it each time the slot is freed,
+before the slot can be handed to anyone else, so a reader that copied a slot and then finds the
+generation it was given unchanged knows it copied the object it asked for (seqlock style: see
+:class:`kvdock.shm.slots.SlotAllocator`).
 """
 
 from __future__ import annotations
@@ -19,13 +26,40 @@ import secrets
 import struct
 from pathlib import Path
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "kvdock-"
 HEADER_SIZE = 4096
+PAGE = 4096
 MAGIC = b"KVDOCKL1"
-_HEADER = struct.Struct("<8sIIQ32sQ")  # magic, version, pid, start time, nonce, total size
+VERSION = 2
+# magic, version, pid, start time, nonce, total size, generation table offset, slot area offset
+_HEADER = struct.Struct("<8sIIQ32sQQQ")
+_V1 = struct.Struct("<8sIIQ32sQ")  # what cleanup_stale needs, the same in every version
+
+
+def table_bytes(data_size: int) -> int:
+    """Size of the generation table for a slot area of ``data_size`` bytes (page-aligned)."""
+    entries = -(-data_size // PAGE)
+    return -(-entries * 8 // PAGE) * PAGE
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot, or None if it does not exist."""
+    return _proc_start_time(pid)
+
+
+def process_alive(pid: int, start_time: int) -> bool:
+    """Whether process ``pid`` that started at ``start_time`` still runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[0] not in ("Z", "X") and int(fields[19]) == start_time
 
 
 def _proc_start_time(pid: int) -> int | None:
@@ -42,6 +76,11 @@ class PoolSegment:
     """A mapped segment. ``buf`` is a writable memoryview of the whole mapping."""
 
     def __init__(self, name: str, mm: mmap.mmap, owner: bool) -> None:
+        fields = _HEADER.unpack_from(mm, 0)
+        self.table_offset = int(fields[6])
+        self.data_offset = int(fields[7])  # where slot offsets start (SlotAllocator's base)
+        if not (HEADER_SIZE <= self.table_offset <= self.data_offset <= len(mm)):
+            raise ValueError(f"segment {name} has an impossible layout")
         self.name = name
         self.size = len(mm)
         self._mm = mm
@@ -50,7 +89,13 @@ class PoolSegment:
 
     @property
     def data_size(self) -> int:
-        return self.size - HEADER_SIZE
+        return self.size - self.data_offset
+
+    def generations(self) -> np.ndarray:
+        """The generation table as a writable u64 array that views the mapping (one entry per
+        page of the slot area). Callers must drop it before :meth:`close`."""
+        n = (self.data_offset - self.table_offset) // 8
+        return np.frombuffer(self.buf, dtype="<u8", count=n, offset=self.table_offset)
 
     @property
     def nonce(self) -> str:
@@ -63,7 +108,7 @@ class PoolSegment:
         Raises OSError (ENOSPC) if /dev/shm cannot hold it, instead of SIGBUS on a later write.
         """
         name = PREFIX + secrets.token_hex(16)
-        size = HEADER_SIZE + data_size
+        size = HEADER_SIZE + table_bytes(data_size) + data_size
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
@@ -74,15 +119,15 @@ class PoolSegment:
                 raise
         finally:
             os.close(fd)
-        pid = os.getpid()
-        header = _HEADER.pack(MAGIC, 1, pid, _proc_start_time(pid) or 0, secrets.token_bytes(32), size)
-        mm[: len(header)] = header
+        _write_header(mm, data_size)
         return cls(name, mm, owner=True)
 
     @classmethod
     def anonymous(cls, data_size: int) -> PoolSegment:
         """Private pre-faulted memory for a server that shares no memory (``--no-shm``)."""
-        mm = mmap.mmap(-1, HEADER_SIZE + data_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        size = HEADER_SIZE + table_bytes(data_size) + data_size
+        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        _write_header(mm, data_size)
         return cls("", mm, owner=True)
 
     @classmethod
@@ -99,10 +144,15 @@ class PoolSegment:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:
             os.close(fd)
-        if _HEADER.unpack_from(mm, 0)[0] != MAGIC:
+        magic, version = _HEADER.unpack_from(mm, 0)[:2]
+        if magic != MAGIC or version != VERSION:
             mm.close()
-            raise ValueError(f"segment {name} has no kvdock header")
-        return cls(name, mm, owner=False)
+            raise ValueError(f"segment {name} has no kvdock v{VERSION} header")
+        try:
+            return cls(name, mm, owner=False)
+        except ValueError:
+            mm.close()
+            raise
 
     def close(self) -> None:
         """Unmap. Harmless twice. Exported buffers still alive keep the mapping until collected."""
@@ -125,12 +175,12 @@ def cleanup_stale() -> list[str]:
     for path in SHM_DIR.glob(PREFIX + "*"):
         try:
             with open(path, "rb") as f:
-                raw = f.read(_HEADER.size)
+                raw = f.read(_V1.size)
         except OSError:
             continue
-        if len(raw) < _HEADER.size:
+        if len(raw) < _V1.size:
             continue
-        magic, _ver, pid, start, _nonce, _size = _HEADER.unpack(raw)
+        magic, _ver, pid, start, _nonce, _size = _V1.unpack_from(raw)
         if magic != MAGIC:
             continue
         alive_start = _proc_start_time(pid)
@@ -141,3 +191,12 @@ def cleanup_stale() -> list[str]:
             except OSError:
                 continue
     return removed
+
+
+def _write_header(mm: mmap.mmap, data_size: int) -> None:
+    pid = os.getpid()
+    table = HEADER_SIZE
+    data = table + table_bytes(data_size)
+    start = _proc_start_time(pid) or 0
+    header = _HEADER.pack(MAGIC, VERSION, pid, start, secrets.token_bytes(32), len(mm), table, data)
+    mm[: len(header)] = header

@@ -3,9 +3,18 @@
 Slots are carved on first use from a bump pointer and, once freed, reused only for the same slot
 size (each registered model has one fixed slot size). That keeps alloc and free O(1); the price is
 that a pool shared by models of different sizes does not move memory between them once carved.
+
+Each slot has a *generation* (one u64 per page, kept in the segment's generation table so that
+clients can read it): :meth:`SlotAllocator.free` bumps it before the slot can be allocated again.
+A reader that is told "chunk i is at offset o, generation g", copies the slot, then reads the
+generation again and finds g, copied bytes that nobody could have been handed for writing since
+it was told (the seqlock read side; on x86-64 loads are not reordered with older loads, and the
+server's bump reaches the next writer only through a socket, after the bump is stored).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 ALIGN = 4096  # page-aligned slots: clean copies, and O_DIRECT-friendly for the disk tier
 
@@ -15,12 +24,18 @@ def aligned(nbytes: int) -> int:
 
 
 class SlotAllocator:
-    """Allocates ``aligned(nbytes)``-sized slots from ``[base, base + capacity)``."""
+    """Allocates ``aligned(nbytes)``-sized slots from ``[base, base + capacity)``.
 
-    def __init__(self, base: int, capacity: int) -> None:
+    ``generations`` (one u64 per page of the slot area, e.g. a view of the segment's table) is
+    written here only; without one the allocator keeps a private table."""
+
+    def __init__(self, base: int, capacity: int, generations: np.ndarray | None = None) -> None:
         assert base % ALIGN == 0
         self.base = base
         self.capacity = capacity
+        pages = -(-capacity // ALIGN)
+        self._gens = np.zeros(pages, dtype="<u8") if generations is None else generations
+        assert len(self._gens) >= pages, "generation table too small for the pool"
         self._bump = 0  # bytes carved so far
         self._free: dict[int, list[int]] = {}  # slot size -> free offsets
         self._used: dict[int, int] = {}  # offset -> slot size
@@ -46,8 +61,15 @@ class SlotAllocator:
         self.used_bytes += size
         return off
 
+    def generation(self, offset: int) -> int:
+        """The current generation of the slot at ``offset``."""
+        return int(self._gens[(offset - self.base) // ALIGN])
+
     def free(self, offset: int) -> None:
+        """Return a slot (KeyError if ``offset`` is not an allocated slot); its generation moves on
+        before anyone can allocate it again, so readers of its old bytes can tell."""
         size = self._used.pop(offset)
+        self._gens[(offset - self.base) // ALIGN] += 1
         self.used_bytes -= size
         self._free.setdefault(size, []).append(offset)
 

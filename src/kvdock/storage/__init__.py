@@ -1,9 +1,30 @@
-"""Where KV objects live: the L1 object store over the shm slot pool, sessions with leases, the
-manager that runs store/retrieve bookkeeping on top of them, and the lower tiers (L2 disk, L3
-Redis) with their write-down and prefetch. Only the tiers' worker threads touch slot memory here;
-clients copy their own bytes."""
+"""Where KV objects live: the L1 object store over the shm slot pool, sessions with leases,
+the lower tiers (L2 disk, L3 Redis) behind one :class:`StorageTier` interface with a lane each
+(their threads and their queue of writes and deletions), and the manager that owns an object's
+life across all of them. Only the lanes' worker threads touch slot memory here; clients copy
+their own bytes."""
 
+from kvdock.storage.disk import DiskTier
+from kvdock.storage.lane import TierLane
 from kvdock.storage.manager import StorageManager, StorePlan
 from kvdock.storage.memory import L1Object, L1Store, State
+from kvdock.storage.redis import RedisTier
+from kvdock.storage.sessions import Session, Writer
+from kvdock.storage.tier import TIER_KINDS, ObjectLayout, StorageTier, TierCounters
 
-__all__ = ["L1Object", "L1Store", "State", "StorageManager", "StorePlan"]
+__all__ = [
+    "TIER_KINDS",
+    "DiskTier",
+    "L1Object",
+    "L1Store",
+    "ObjectLayout",
+    "RedisTier",
+    "Session",
+    "State",
+    "StorageManager",
+    "StorageTier",
+    "StorePlan",
+    "TierCounters",
+    "TierLane",
+    "Writer",
+]

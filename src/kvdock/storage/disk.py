@@ -1,14 +1,16 @@
-"""L2: one file per object in a local directory, kept across restarts.
-
-Split by thread: the index (which keys are on disk, LRU order, bytes used) lives on the server's
-event-loop thread; ``write_object`` / ``read_object`` do the file I/O in worker threads and never
-touch the index.
+"""L2: one file per object in a local directory, kept across restarts (:class:`DiskTier`).
 
 Files are written to a temporary name, fsynced, then renamed, so a crash leaves either the old
 file, the new one, or a ``.tmp`` file that the next start deletes. At start-up the index is
 rebuilt from the headers; a file whose size does not match its header is torn and deleted. The
 payload checksum is verified on every read, so a corrupted file is detected when it would be
-used, deleted, and never returned.
+used, deleted, and never returned. :meth:`DiskTier.delete` unlinks and fsyncs the directory, so
+a deleted object does not come back after a crash.
+
+The index (which keys are on disk, LRU order, bytes used) is guarded by one lock. Every rename
+onto an object's path and every unlink of one happens under that lock together with the index
+change, so a reader that found a corrupt file can never unlink a newer file renamed onto the
+same path: it unlinks only while the index still names the file it read.
 """
 
 from __future__ import annotations
@@ -18,22 +20,33 @@ import fcntl
 import logging
 import os
 import secrets
+import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from blake3 import blake3
 
-from kvdock.errors import DiskInUseError
+from kvdock.errors import CorruptObject, DiskInUseError
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
+from kvdock.storage.tier import ObjectLayout, StorageTier, TierCounters, tier_kind
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
+FAULT_DELAY_ENV = "KVDOCK_FAULT_L2_WRITE_DELAY_S"  # seconds each L2 write or delete sleeps first (tests only)
+
+__all__ = ["DiskEntry", "DiskInUseError", "DiskTier", "NoRoom", "ScanReport", "read_object", "write_object"]
 
 
-@dataclass(slots=True)
+class NoRoom(Exception):
+    """The object does not fit in the L2 budget (or the disk is full): the write is skipped."""
+
+
+@dataclass(slots=True, eq=False)
 class DiskEntry:
     key: ObjectKey
     path: Path
@@ -52,12 +65,16 @@ def object_name(key: ObjectKey) -> str:
     return h.hexdigest()[:48]
 
 
-class DiskStore:
-    """Index of the L2 directory. Not thread-safe: call from the event loop only."""
+@tier_kind("l2")
+class DiskTier(StorageTier):
+    """The L2 directory and its index. Thread-safe (see the module docstring)."""
+
+    name = "l2"
 
     def __init__(self, root: Path, capacity: int) -> None:
         self.root = root
         self.capacity = capacity
+        self.counters = TierCounters()
         root.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -67,9 +84,13 @@ class DiskStore:
             if e.errno in (errno.EAGAIN, errno.EACCES):
                 raise DiskInUseError(f"disk dir {root} is in use by another kvdock server") from None
             raise
+        self._lock = threading.Lock()
         self._index: OrderedDict[ObjectKey, DiskEntry] = OrderedDict()  # least recently used first
-        self.used_bytes = 0
-        self.pending_bytes = 0  # room promised to writes in flight
+        self.used_bytes = 0  # indexed files
+        self.pending_bytes = 0  # promised to writes in flight
+        self.disk_full = False  # ENOSPC was met: the budget was cut to what the disk holds
+        # fault injection for tests of a slow disk (a real one cannot be made slow on demand)
+        self.fault_write_delay_s = float(os.environ.get(FAULT_DELAY_ENV, "0") or 0)
         self.last_scan = ScanReport(0, 0, 0)
 
     def close(self) -> None:
@@ -86,7 +107,8 @@ class DiskStore:
         return self.root / name[:2] / (name + SUFFIX)
 
     def scan(self) -> ScanReport:
-        """Rebuild the index from the files (oldest modification first = least recently used)."""
+        """Rebuild the index from the files (oldest modification first = least recently used).
+        Call once, before the tier's threads start."""
         found: list[tuple[float, DiskEntry]] = []
         torn = temps = 0
         for path in self.root.glob("*/*"):
@@ -104,84 +126,173 @@ class DiskStore:
                     block = first if size <= len(first) else first + f.read(size - len(first))
                 header, offset = objfile.decode_header(block)
                 if st.st_size != offset + header.nbytes or path != self.path_for(header.key):
-                    raise objfile.CorruptObject("size or name does not match the header")
-            except (OSError, objfile.CorruptObject) as e:
+                    raise CorruptObject("size or name does not match the header")
+            except (OSError, CorruptObject) as e:
                 log.warning("L2: deleting torn or foreign file %s (%s)", path, e)
                 path.unlink(missing_ok=True)
                 torn += 1
                 continue
             found.append((st.st_mtime, DiskEntry(header.key, path, st.st_size)))
-        for _, entry in sorted(found, key=lambda t: t[0]):
-            self._index[entry.key] = entry
-            self.used_bytes += entry.file_size
-        evicted = self.make_room(0) or []  # the budget may have shrunk since the last run
-        for old in evicted:
-            old.path.unlink(missing_ok=True)
+        with self._lock:
+            for _, entry in sorted(found, key=lambda t: t[0]):
+                self._index[entry.key] = entry
+                self.used_bytes += entry.file_size
+            self._make_room(0)  # the budget may have shrunk since the last run
+        self.counters.corrupted += torn
         self.last_scan = ScanReport(len(self._index), torn, temps)
         return self.last_scan
 
-    def get(self, key: ObjectKey) -> DiskEntry | None:
-        """The entry for ``key`` (now most recently used) or None."""
-        entry = self._index.get(key)
-        if entry is not None:
+    # --- StorageTier ---------------------------------------------------------------------------
+
+    def up(self) -> bool:
+        return True
+
+    def knows(self, key: ObjectKey) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def count_present(self, keys: list[ObjectKey]) -> int:
+        with self._lock:
+            n = 0
+            while n < len(keys) and keys[n] in self._index:
+                n += 1
+            return n
+
+    def read_into(self, key: ObjectKey, out: memoryview, layout: ObjectLayout) -> bool:
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return False
             self._index.move_to_end(key)
-        return entry
+        try:
+            header = read_object(entry.path, out)
+            objfile.check(header, key, layout.dtype, layout.shape, layout.nbytes)
+        except (OSError, CorruptObject) as e:
+            self._drop(entry, e)
+            return False
+        return True
 
-    def contains(self, key: ObjectKey) -> bool:
-        return key in self._index
+    def _drop(self, entry: DiskEntry, err: BaseException) -> None:
+        """Forget (and unlink) a file that could not be read, unless a newer one replaced it."""
+        with self._lock:
+            if self._index.get(entry.key) is not entry:
+                return  # replaced or deleted meanwhile: the path is not this file any more
+            del self._index[entry.key]
+            self.used_bytes -= entry.file_size
+            try:
+                entry.path.unlink(missing_ok=True)
+            except OSError as e:
+                log.error("L2: cannot delete %s: %s", entry.path, e)
+        if isinstance(err, CorruptObject):
+            self.counters.corrupted += 1
+            log.warning("L2: %s is corrupted (%s); deleted", entry.path, err)
 
-    def make_room(self, file_size: int) -> list[DiskEntry] | None:
-        """Drop least recently used entries until ``file_size`` more bytes fit; returns them (the
-        caller deletes their files), or None (nothing dropped) when writes already in flight leave
-        no room. Bytes are promised to the write until :meth:`add`/:meth:`release`."""
-        if self.pending_bytes + file_size > self.capacity:
-            return None
-        evicted = []
+    def write_from(self, key: ObjectKey, header: bytes, payload: memoryview) -> int:
+        size = len(header) + len(payload)
+        path = self.path_for(key)
+        with self._lock:
+            old = self._index.pop(key, None)  # its file is replaced by the rename below
+            if old is not None:
+                self.used_bytes -= old.file_size
+            if not self._make_room(size):
+                if old is not None:
+                    old.path.unlink(missing_ok=True)  # not written: the older version must not stay
+                raise NoRoom(f"{size} bytes do not fit in the L2 budget of {self.capacity}")
+            self.pending_bytes += size  # promised to this write until it is indexed or fails
+        try:
+            if self.fault_write_delay_s:
+                time.sleep(self.fault_write_delay_s)
+            tmp = _write_temp(path, header, payload)
+        except OSError as e:
+            with self._lock:
+                self.pending_bytes -= size
+                if old is not None:
+                    path.unlink(missing_ok=True)  # not replaced: the older version must not stay
+                if e.errno == errno.ENOSPC:
+                    self._disk_is_full()
+            if e.errno == errno.ENOSPC:
+                raise NoRoom(f"disk full at {self.root}") from None
+            raise
+        with self._lock:
+            os.rename(tmp, path)
+            self._index[key] = DiskEntry(key, path, size)
+            self.pending_bytes -= size
+            self.used_bytes += size
+        return size
+
+    def _disk_is_full(self) -> None:
+        """ENOSPC: cut the budget to what is stored now (logged once), so that later writes evict
+        older files to make room instead of failing one by one. Caller holds the lock."""
+        self.capacity = self.used_bytes
+        if not self.disk_full:
+            log.warning("L2: disk full at %s; budget cut to the %d bytes stored", self.root, self.capacity)
+        self.disk_full = True
+
+    def _make_room(self, file_size: int) -> bool:
+        """Unlink least recently used files until ``file_size`` more bytes fit; False if they never
+        can. Caller holds the lock."""
+        if file_size > self.capacity:
+            return False
         while self._index and self.used_bytes + self.pending_bytes + file_size > self.capacity:
             _, entry = self._index.popitem(last=False)
             self.used_bytes -= entry.file_size
-            evicted.append(entry)
-        self.pending_bytes += file_size
-        return evicted
+            entry.path.unlink(missing_ok=True)
+        return self.used_bytes + self.pending_bytes + file_size <= self.capacity
 
-    def release(self, file_size: int) -> None:
-        """A promised write did not happen."""
-        self.pending_bytes -= file_size
+    def delete(self, key: ObjectKey) -> None:
+        path = self.path_for(key)
+        if self.fault_write_delay_s:
+            time.sleep(self.fault_write_delay_s)
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self.used_bytes -= entry.file_size
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return
+        _fsync_dir(path.parent)
 
-    def add(self, entry: DiskEntry, promised: int) -> None:
-        """A write finished: index it (replacing an older version of the key)."""
-        self.pending_bytes -= promised
-        old = self._index.pop(entry.key, None)
-        if old is not None:
-            self.used_bytes -= old.file_size
-        self._index[entry.key] = entry
-        self.used_bytes += entry.file_size
+    def clear(self) -> int:
+        with self._lock:
+            entries = list(self._index.values())
+            self._index.clear()
+            self.used_bytes = 0
+            for e in entries:
+                e.path.unlink(missing_ok=True)
+        return len(entries)
 
-    def remove(self, key: ObjectKey) -> DiskEntry | None:
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self.used_bytes -= entry.file_size
-        return entry
-
-    def clear(self) -> list[DiskEntry]:
-        entries = list(self._index.values())
-        self._index.clear()
-        self.used_bytes = 0
-        return entries
+    def status(self) -> dict[str, Any]:
+        return {
+            "kind": "disk",
+            "up": True,
+            "path": str(self.root),
+            "capacity_bytes": self.capacity,
+            "used_bytes": self.used_bytes,
+            "objects": len(self._index),
+            "disk_full": self.disk_full,
+        }
 
     def check_integrity(self) -> None:
         """Assert: bytes used == sum of indexed files, within budget, every indexed file present."""
-        assert self.used_bytes == sum(e.file_size for e in self._index.values())
-        assert self.pending_bytes >= 0
-        assert self.used_bytes <= self.capacity or not self._index
-        for key, e in self._index.items():
-            assert e.key == key and e.path == self.path_for(key)
-            assert e.path.exists(), f"indexed file {e.path} is missing"
+        with self._lock:
+            assert self.used_bytes == sum(e.file_size for e in self._index.values()), "L2 bytes used drifted"
+            assert self.used_bytes + self.pending_bytes <= self.capacity or not self._index, "L2 over its budget"
+            for key, e in self._index.items():
+                assert e.key == key and e.path == self.path_for(key)
+                assert e.path.exists(), f"indexed file {e.path} is missing"
 
 
-def write_object(path: Path, header: bytes, payload: memoryview) -> int:
-    """Write header + payload to ``path`` atomically (temp file, fsync, rename); returns its size.
-    Runs in a worker thread."""
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_temp(path: Path, header: bytes, payload: memoryview) -> Path:
+    """Write header + payload to a fresh temporary file beside ``path`` and fsync it."""
     path.parent.mkdir(exist_ok=True)
     tmp = path.parent / f".tmp-{secrets.token_hex(8)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -193,7 +304,12 @@ def write_object(path: Path, header: bytes, payload: memoryview) -> int:
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    os.rename(tmp, path)
+    return tmp
+
+
+def write_object(path: Path, header: bytes, payload: memoryview) -> int:
+    """Write header + payload to ``path`` atomically (temp file, fsync, rename); returns its size."""
+    os.rename(_write_temp(path, header, payload), path)
     return len(header) + len(payload)
 
 
@@ -218,12 +334,12 @@ def read_object(path: Path, out: memoryview) -> objfile.ObjectHeader:
         block = first if size <= len(first) else os.pread(fd, size, 0)
         header, offset = objfile.decode_header(block)
         if header.nbytes != len(out):
-            raise objfile.CorruptObject(f"payload is {header.nbytes} bytes, expected {len(out)}")
+            raise CorruptObject(f"payload is {header.nbytes} bytes, expected {len(out)}")
         done = 0
         while done < len(out):
             n = os.preadv(fd, [out[done:]], offset + done)
             if n == 0:
-                raise objfile.CorruptObject("file is shorter than its header says")
+                raise CorruptObject("file is shorter than its header says")
             done += n
     finally:
         os.close(fd)

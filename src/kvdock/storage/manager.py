@@ -1,116 +1,230 @@
-"""StorageManager: store/retrieve bookkeeping over the L1 store, with sessions that own every pin
-and reservation and lose them when their lease runs out.
+"""StorageManager: the one owner of an object's life, in L1 and in every lower tier.
 
-A session lives from a prepare to its commit (or END_SESSION, or lease expiry). Each request on a
-session renews its lease. Nothing here touches slot memory: callers copy bytes between the
-prepare and the commit.
+It owns the L1 store, the sessions (every pin and reservation a client holds), the lanes of the
+lower tiers (write-down, deletion, loads) and the per-key records that all of them consult:
+
+* ``_loading``: reservations being filled from a lower tier. An overwrite supersedes them (the
+  load's bytes are thrown away), and a store never reserves a key that a load holds;
+* ``_deleting``: keys whose older version is being deleted from the lower tiers for an
+  overwrite. No lookup counts them and no load reads them there until every deletion is done.
+
+Why an acknowledged overwrite is final, before and after a crash:
+
+1. at PrepareStore the old L1 version stops being visible for every chunk the overwrite cannot
+   write (pool full), and each lane queues a durable deletion of every overwritten key;
+2. a lane applies its jobs in order, so that deletion lands after every write-down of an older
+   version (see :mod:`kvdock.storage.lane`);
+3. CommitStore makes the new versions visible and is acknowledged only after every deletion is
+   done; if a tier cannot delete (Redis down) the overwrite is refused and nothing is stored.
+
+So after the acknowledgement no tier holds an older version, and a crash can only lose the new
+one (a miss), never bring back the old one. Every chunk also stays one version: L1 commits a
+store's chunks in one step of the event loop, and lookups stop at the first missing chunk.
+
+Not thread-safe: the event loop only (the lanes' threads never call back in here).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvdock.errors import SessionError
+from kvdock.errors import RequestError, SessionError
 from kvdock.keys import ObjectKey
+from kvdock.storage.lane import SharedHeader, TierLane
 from kvdock.storage.memory import L1Object, L1Store
+from kvdock.storage.sessions import Quarantined, Session, SessionTable, Writer
+from kvdock.storage.tier import ObjectLayout
 
+log = logging.getLogger(__name__)
 
-@dataclass(eq=False)
-class Session:
-    client_id: str
-    session_id: str
-    deadline: float
-    reserved: dict[int, L1Object] = field(default_factory=dict)  # chunk index -> reservation
-    pinned: list[L1Object] = field(default_factory=list)
-    job: Any = None  # a prefetch job filling ``pinned`` from lower tiers (owned by the tiers)
-    busy: bool = False  # a prefetch is running: the lease does not expire meanwhile
-    keys: list[ObjectKey] = field(default_factory=list)  # what a retrieve session was opened for
-    open: bool = True
+TIER_UNAVAILABLE = "tier_unavailable"  # ErrorCode.TIER_UNAVAILABLE (storage does not import protocol)
 
 
 @dataclass(frozen=True)
 class StorePlan:
-    """Outcome of a prepare-store: ``slots`` (chunk index, object) to fill; ``deduped`` chunks were
-    already stored (or being stored by someone else); ``pool_full`` chunks found no room."""
+    """Outcome of a prepare-store, chunk by chunk: ``slots`` (chunk index, object) to fill;
+    ``deduped`` already stored; ``in_flight`` being written by another client right now (neither
+    stored nor reserved: the caller may retry); ``pool_full`` found no room."""
 
     slots: list[tuple[int, L1Object]]
     deduped: int
+    in_flight: int
     pool_full: int
 
 
-class StorageManager:
-    """Not thread-safe: call from the server's event loop only."""
+@dataclass(eq=False)
+class PrefetchJob:
+    session: Session
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: bool = False
+    task: asyncio.Task[None] | None = None
 
-    def __init__(self, l1: L1Store, session_ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+
+class StorageManager:
+    def __init__(
+        self,
+        l1: L1Store,
+        session_ttl: float,
+        lanes: list[TierLane] | None = None,
+        layout_of: Callable[[str], ObjectLayout | None] = lambda model: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.l1 = l1
-        self.session_ttl = session_ttl
-        self._clock = clock
-        self._sessions: dict[tuple[str, str], Session] = {}
-        self.expired_sessions = 0
-        self._bg_pins: dict[L1Object, int] = {}  # pins held by background copies to lower tiers
-        self._loading: set[L1Object] = set()  # reservations being filled from lower tiers
-        self.on_commit: Callable[[list[L1Object]], None] | None = None
-        self.on_session_end: Callable[[Session], None] | None = None
+        self.sessions = SessionTable(session_ttl, clock)
+        self.lanes = lanes or []
+        self.layout_of = layout_of  # the registry's answer: how a model's chunks are laid out
+        self._loading: set[L1Object] = set()
+        self._load_waits: dict[ObjectKey, asyncio.Future[None]] = {}
+        self._deleting: dict[ObjectKey, int] = {}  # key -> deletions in flight
+        self._ending: set[Session] = set()  # ended while busy: released when their work is over
 
     @property
     def session_count(self) -> int:
-        return len(self._sessions)
+        return len(self.sessions)
 
-    def lookup(self, keys: list[ObjectKey]) -> int:
+    # --- lookup ------------------------------------------------------------------------------
+
+    def lookup_l1(self, keys: list[ObjectKey]) -> int:
         """Number of leading chunks of ``keys`` that are READY in L1."""
         n = 0
-        for key in keys:
-            if self.l1.get(key) is None:
-                break
+        while n < len(keys) and self.l1.get(keys[n]) is not None:
             n += 1
         return n
 
-    def prepare_store(
-        self, client_id: str, session_id: str, keys: list[ObjectKey], nbytes: int, overwrite: bool = False
-    ) -> StorePlan:
-        """Reserve slots for the chunks of ``keys`` that need writing, in order, until the pool is full.
+    async def count(self, keys: list[ObjectKey], start: int) -> int:
+        """How many leading ``keys`` are cached in any tier, given the first ``start`` are in L1.
+        A key whose older version is being deleted counts only if L1 has the new one."""
+        n = start
+        while n < len(keys):
+            key = keys[n]
+            if self.l1.get(key) is not None:
+                n += 1
+                continue
+            if key in self._deleting:
+                break
+            lanes = [lane for lane in self.lanes if lane.tier.up()]
+            if any(lane.tier.knows(key) for lane in lanes):
+                n += 1
+                continue
+            found = 0
+            for lane in lanes:
+                if lane.tier.knows(key) is None:
+                    found = await lane.on_reader(lane.tier.count_present, keys[n:], default=0)
+                    if found:
+                        break
+            usable = self._undeleted(keys[n : n + found])
+            if not usable:
+                break
+            n += usable
+        return n
 
-        Chunks already stored are pinned until the commit, so that making room for the new chunks
-        never evicts the prefix they extend. Opens a session when at least one slot is reserved.
-        Raises SessionError if the session id is already in use."""
-        sid = (client_id, session_id)
-        if sid in self._sessions:
+    def _undeleted(self, keys: list[ObjectKey]) -> int:
+        """How many leading ``keys`` have no deletion in flight."""
+        n = 0
+        while n < len(keys) and keys[n] not in self._deleting:
+            n += 1
+        return n
+
+    # --- store -------------------------------------------------------------------------------
+
+    def prepare_store(
+        self,
+        client_id: str,
+        session_id: str,
+        keys: list[ObjectKey],
+        nbytes: int,
+        overwrite: bool = False,
+        writer: Writer | None = None,
+    ) -> StorePlan:
+        """Reserve slots for the chunks of ``keys`` that need writing, in order, until the pool is
+        full. Chunks already stored are pinned until the commit, so that making room for the new
+        ones never evicts the prefix they extend. With ``overwrite``, every chunk is written
+        anew, and the older versions of the chunks that find no room stop being visible now
+        (never a prefix of mixed versions); an overwrite of a prefix that another client is
+        writing reserves nothing and reports every chunk ``in_flight``. ``writer`` is the client process that fills the
+        slots itself (shared memory); its slots are quarantined if its lease runs out.
+
+        Opens a session when at least one slot is reserved; SessionError if the id is in use."""
+        if self.sessions.has(client_id, session_id) or (client_id, session_id) in self.sessions.quarantine:
             raise SessionError(f"session {session_id!r} is already open")
+        if overwrite and any(self._written_by_other(key) for key in keys):
+            # Writing the chunks around another client's in-flight write would commit a prefix of
+            # two versions: the overwrite writes nothing, and says the whole prefix is contended.
+            return StorePlan([], 0, len(keys), 0)
         slots: list[tuple[int, L1Object]] = []
-        kept: list[L1Object] = []  # stored chunks of this prefix, pinned so the store cannot evict them
-        deduped = pool_full = 0
+        kept: list[L1Object] = []
+        replaced: list[ObjectKey] = []  # overwritten keys: their older versions go from every tier
+        deduped = in_flight = pool_full = 0
         for i, key in enumerate(keys):
+            pending = self.l1.reservation(key)
+            if pending is not None and pending in self._loading:
+                if not overwrite:
+                    deduped += 1  # a lower tier holds it and is loading it into L1
+                    continue
+                self.l1.detach(pending)  # the load's bytes are the older version: thrown away
+            elif pending is not None:
+                in_flight += 1
+                continue
             present = self.l1.get(key)
-            if overwrite:
-                self._supersede_load(key)
-            if self.l1.is_reserved(key) or (not overwrite and present is not None):
+            if not overwrite and present is not None:
                 deduped += 1
-                if present is not None and not pool_full:
+                if not pool_full:
                     self.l1.pin(present)
                     kept.append(present)
-            elif pool_full:
+                continue
+            obj = None if pool_full else self.l1.reserve(key, nbytes)
+            if overwrite:
+                replaced.append(key)
+            if obj is None:
                 pool_full += 1
+                if overwrite:
+                    self.l1.remove(key)
             else:
-                obj = self.l1.reserve(key, nbytes)
-                if obj is None:
-                    pool_full += 1
-                else:
-                    slots.append((i, obj))
+                slots.append((i, obj))
+        deletes = [self._delete_everywhere(key) for key in replaced]
         if slots:
-            self._sessions[sid] = Session(client_id, session_id, self._deadline(), reserved=dict(slots), pinned=kept)
+            self.sessions.open(
+                client_id,
+                session_id,
+                reserved=dict(slots),
+                pinned=kept,
+                writer=writer,
+                deletes=[d for lane_deletes in deletes for d in lane_deletes],
+            )
         else:
             for obj in kept:
                 self.l1.unpin(obj)
-        return StorePlan(slots, deduped, pool_full)
+        return StorePlan(slots, deduped, in_flight, pool_full)
+
+    def _written_by_other(self, key: ObjectKey) -> bool:
+        pending = self.l1.reservation(key)
+        return pending is not None and pending not in self._loading
+
+    def _delete_everywhere(self, key: ObjectKey) -> list[asyncio.Future[bool]]:
+        futures = [lane.delete(key) for lane in self.lanes]
+        for fut in futures:
+            self._deleting[key] = self._deleting.get(key, 0) + 1
+            fut.add_done_callback(functools.partial(self._deleted, key))
+        return futures
+
+    def _deleted(self, key: ObjectKey, _fut: object) -> None:
+        n = self._deleting.pop(key) - 1
+        if n:
+            self._deleting[key] = n
 
     def reservations(self, client_id: str, session_id: str, indexes: list[int]) -> list[L1Object]:
         """The reserved objects for chunk ``indexes`` of a store session (renews its lease).
 
-        Raises SessionError for an unknown session or an index it did not reserve."""
-        session = self._get(client_id, session_id)
+        Raises SessionError for an unknown session or an index it did not reserve; a session
+        whose lease ran out has its quarantined slots released here (its copy is over)."""
+        if self._release_quarantine(client_id, session_id):
+            raise SessionError(f"session {session_id!r}: its lease ran out before the commit; nothing was stored")
+        session = self.sessions.get(client_id, session_id)
         if len(set(indexes)) != len(indexes):
             raise SessionError(f"chunk indexes repeat in {indexes}")
         try:
@@ -118,179 +232,267 @@ class StorageManager:
         except KeyError as e:
             raise SessionError(f"chunk {e.args[0]} was not reserved by session {session_id!r}") from None
 
-    def commit_store(self, client_id: str, session_id: str, indexes: list[int]) -> int:
-        """Make the listed chunks READY, drop the session's other reservations, end the session."""
+    async def wait_deletes(self, client_id: str, session_id: str) -> bool:
+        """Wait for the deletions an overwrite queued (the lease waits too); True if all were done.
+        SessionError if there is no such session."""
+        session = self.sessions.get(client_id, session_id)
+        if not session.deletes:
+            return True
+        self.hold(session)
+        try:
+            results = await asyncio.gather(*session.deletes)
+        finally:
+            self.unhold(session)
+        return all(results)
+
+    def commit_store(self, client_id: str, session_id: str, indexes: list[int], deletes_ok: bool = True) -> int:
+        """Make the listed chunks READY (and queue their write-down), drop the session's other
+        reservations, end the session. The caller awaits :meth:`wait_deletes` first and passes
+        its answer: an overwrite whose older versions could not all be deleted is refused
+        (RequestError ``tier_unavailable``) and stores nothing."""
         objs = self.reservations(client_id, session_id, indexes)
+        session = self.sessions.get(client_id, session_id)
+        if not all(d.done() for d in session.deletes):
+            raise AssertionError("commit_store before wait_deletes")
+        if not deletes_ok:
+            self.end_session(client_id, session_id)
+            down = ", ".join(lane.name for lane in self.lanes if not lane.tier.up()) or "a lower tier"
+            raise RequestError(
+                f"overwrite refused: {down} could not delete the older version, which could come back; "
+                "nothing was stored (retry when the tier is back)",
+                TIER_UNAVAILABLE,
+            )
         for obj in objs:
             self.l1.commit(obj)
-        if self.on_commit and objs:
-            self.on_commit(objs)
+        self._write_down(objs)
         committed = set(indexes)
-        session = self._sessions[(client_id, session_id)]
         session.reserved = {i: o for i, o in session.reserved.items() if i not in committed}
         self.end_session(client_id, session_id)
         return len(objs)
 
-    def prepare_retrieve(self, client_id: str, session_id: str, keys: list[ObjectKey]) -> list[L1Object]:
-        """Pin the leading READY run of ``keys``; opens a session holding the pins when non-empty."""
-        sid = (client_id, session_id)
-        if sid in self._sessions:
-            raise SessionError(f"session {session_id!r} is already open")
-        hits: list[L1Object] = []
+    def _write_down(self, objs: list[L1Object]) -> None:
+        for obj in objs if self.lanes else []:
+            layout = self.layout_of(obj.key.model)
+            assert layout is not None and layout.nbytes == obj.nbytes
+            view = self.l1.view(obj)
+            header = SharedHeader(obj.key, layout, view)
+            for lane in self.lanes:
+                lane.write(obj, header, view)
+
+    # --- retrieve ----------------------------------------------------------------------------
+
+    def open_retrieve(self, client_id: str, session_id: str, keys: list[ObjectKey]) -> Session:
+        """Open a retrieve session pinning the leading READY run of ``keys`` (possibly none: a
+        prefetch may add more). SessionError if the id is in use."""
+        session = self.sessions.open(client_id, session_id, keys=list(keys))
         for key in keys:
             obj = self.l1.get(key)
             if obj is None:
                 break
             self.l1.pin(obj)
-            hits.append(obj)
-        if hits:
-            self._sessions[sid] = Session(client_id, session_id, self._deadline(), pinned=list(hits))
-        return hits
-
-    def open_retrieve(self, client_id: str, session_id: str, keys: list[ObjectKey]) -> Session:
-        """Open a retrieve session pinning the leading READY run of ``keys`` (possibly none: a
-        prefetch may add more with :meth:`add_pin`). SessionError if the id is in use."""
-        if (client_id, session_id) in self._sessions:
-            raise SessionError(f"session {session_id!r} is already open")
-        hits = self.prepare_retrieve(client_id, session_id, keys)
-        session = self._sessions.get((client_id, session_id))
-        if session is None:
-            session = Session(client_id, session_id, self._deadline())
-            self._sessions[(client_id, session_id)] = session
-        assert session.pinned == hits
-        session.keys = list(keys)
+            session.pinned.append(obj)
         return session
 
-    def renew(self, session: Session) -> None:
-        """Restart a session's lease (after a long wait on its behalf)."""
-        session.deadline = self._deadline()
-
-    def has_session(self, client_id: str, session_id: str) -> bool:
-        return (client_id, session_id) in self._sessions
-
-    def find(self, client_id: str, session_id: str) -> Session:
-        """The open session (its lease renewed); SessionError if there is none."""
-        return self._get(client_id, session_id)
-
-    def add_pin(self, session: Session, obj: L1Object) -> bool:
-        """Pin ``obj`` for an open session (appended to its pinned run); False if it has ended."""
-        if not session.open:
-            return False
-        self.l1.pin(obj)
-        session.pinned.append(obj)
-        return True
-
-    def pin_background(self, obj: L1Object) -> None:
-        """Pin a READY object while a worker copies it to a lower tier."""
-        self.l1.pin(obj)
-        self._bg_pins[obj] = self._bg_pins.get(obj, 0) + 1
-
-    def unpin_background(self, obj: L1Object) -> None:
-        n = self._bg_pins.pop(obj)
-        if n > 1:
-            self._bg_pins[obj] = n - 1
-        self.l1.unpin(obj)
-
-    def _supersede_load(self, key: ObjectKey) -> None:
-        """An overwrite wins over a load of the older version in flight: the load's slot is set
-        aside (its worker may still be writing) and freed when the load finishes."""
-        obj = self.l1.reservation(key)
-        if obj is not None and obj in self._loading:
-            self.l1.detach(obj)
-
-    def reserve_load(self, key: ObjectKey, nbytes: int) -> L1Object | None:
-        """Reserve a slot to fill from a lower tier; None if the key is being written or no room."""
-        if self.l1.is_reserved(key):
+    def start_prefetch(self, session: Session) -> PrefetchJob | None:
+        """Load the session's keys past its pinned run from the lower tiers into L1, in order,
+        pinning each for the session, until the first miss; None when there is nothing to do."""
+        if not self.lanes or len(session.pinned) >= len(session.keys):
             return None
-        obj = self.l1.reserve(key, nbytes)
+        job = PrefetchJob(session)
+        session.job = job
+        self.hold(session)
+        job.task = asyncio.get_running_loop().create_task(self._prefetch(job))
+        return job
+
+    async def _prefetch(self, job: PrefetchJob) -> None:
+        session = job.session
+        try:
+            for key in session.keys[len(session.pinned) :]:
+                if job.cancelled or not session.open:
+                    break
+                obj = await self._load(key)
+                if obj is None or not session.open:
+                    break
+                self.l1.pin(obj)
+                session.pinned.append(obj)
+        except Exception:
+            log.exception("prefetch failed")
+        finally:
+            self.unhold(session)
+            self.sessions.renew(session)
+            job.done.set()
+
+    async def _load(self, key: ObjectKey) -> L1Object | None:
+        """The READY L1 object for ``key``, promoted from a lower tier if needed; None on a miss."""
+        while (obj := self.l1.get(key)) is None and key in self._load_waits:
+            await asyncio.shield(self._load_waits[key])  # someone else is loading it
         if obj is not None:
-            self._loading.add(obj)
-        return obj
-
-    def finish_load(self, obj: L1Object, ok: bool) -> L1Object | None:
-        """Commit a filled slot (promotion into L1, most recently used) or drop it."""
-        self._loading.remove(obj)
-        if not ok or self.l1.reservation(obj.key) is not obj:  # failed, or superseded by an overwrite
-            self.l1.abort(obj)
+            return obj
+        layout = self.layout_of(key.model)
+        lanes = [lane for lane in self.lanes if lane.tier.up() and lane.tier.knows(key) is not False]
+        if layout is None or not lanes or key in self._deleting or self.l1.is_reserved(key):
             return None
-        self.l1.commit(obj)
-        return obj
+        slot = self.l1.reserve(key, layout.nbytes)
+        if slot is None:
+            return None
+        self._loading.add(slot)
+        self._load_waits[key] = done = asyncio.get_running_loop().create_future()
+        ok = False
+        try:
+            for lane in lanes:
+                if await lane.read(key, self.l1.view(slot), layout):
+                    ok = True
+                    break
+        except Exception:
+            log.exception("loading %s into L1 failed", key.chunk.hex()[:16])
+        finally:
+            self._loading.discard(slot)
+            del self._load_waits[key]
+            done.set_result(None)
+        if not ok or self.l1.reservation(key) is not slot:  # a miss, or superseded by an overwrite
+            self.l1.abort(slot)
+            return None
+        self.l1.commit(slot)
+        return slot
 
-    @property
-    def background_pins(self) -> int:
-        return sum(self._bg_pins.values())
-
-    def session_pins(self, client_id: str, session_id: str) -> int:
-        """How many objects a session pins (SessionError if there is no such session)."""
-        return len(self._get(client_id, session_id).pinned)
-
-    def commit_retrieve(self, client_id: str, session_id: str) -> None:
-        """Release a retrieve session's pins (its objects become most recently used)."""
-        self._get(client_id, session_id)
+    def commit_retrieve(self, client_id: str, session_id: str) -> int:
+        """Release a retrieve session's pins; returns how many objects it pinned."""
+        n = len(self.sessions.get(client_id, session_id).pinned)
         self.end_session(client_id, session_id)
+        return n
+
+    # --- session ends ------------------------------------------------------------------------
+
+    def hold(self, session: Session) -> None:
+        """Server-side work for ``session`` starts: its lease waits, and its pins and slots stay
+        until :meth:`unhold`, even if the session is ended meanwhile."""
+        session.busy += 1
+
+    def unhold(self, session: Session) -> None:
+        session.busy -= 1
+        if not session.busy and session in self._ending:
+            self._ending.remove(session)
+            self._release(session, quarantine=bool(session.release_pending))
 
     def end_session(self, client_id: str, session_id: str) -> bool:
-        """Abort uncommitted reservations and release pins; False if there was no such session."""
-        session = self._sessions.pop((client_id, session_id), None)
+        """The client ended a session (or a handler aborts it): abort its reservations, release
+        its pins and any slots quarantined for it. False if there was no such session."""
+        released = self._release_quarantine(client_id, session_id)
+        session = self.sessions.pop(client_id, session_id)
         if session is None:
-            return False
-        session.open = False
-        if self.on_session_end:
-            self.on_session_end(session)
-        self._release(session)
+            for ending in self._ending:  # ended already (its client closed) but still busy
+                if (ending.client_id, ending.session_id) == (client_id, session_id):
+                    ending.release_pending = False  # its copy is over: free, not quarantine
+                    return True
+            return released
+        self._end(session, quarantine=False)
         return True
 
     def end_client(self, client_id: str) -> int:
-        """End every session of a client (it re-registered after a restart); returns how many."""
-        mine = [s for s in self._sessions.values() if s.client_id == client_id]
+        """End every session of a client that closed or was forgotten. Slots its process may still
+        be writing (another thread of it) are quarantined, not freed. Returns how many."""
+        mine = self.sessions.of_client(client_id)
         for s in mine:
-            self.end_session(s.client_id, s.session_id)
+            self.sessions.pop(s.client_id, s.session_id)
+            self._end(s, quarantine=True)
         return len(mine)
 
     def expire(self) -> int:
         """End every session whose lease ran out; returns how many."""
-        now = self._clock()
-        dead = [s for s in self._sessions.values() if s.deadline < now and not s.busy]
+        dead = self.sessions.due()
         for s in dead:
-            self.end_session(s.client_id, s.session_id)
-        self.expired_sessions += len(dead)
+            self.sessions.pop(s.client_id, s.session_id)
+            self._end(s, quarantine=True)
+        self.sessions.expired += len(dead)
         return len(dead)
 
-    def _release(self, session: Session) -> None:
-        for obj in session.reserved.values():
-            self.l1.abort(obj)
+    def _end(self, session: Session, quarantine: bool) -> None:
+        if isinstance(session.job, PrefetchJob):
+            session.job.cancelled = True
+        if session.busy:
+            session.release_pending = quarantine
+            self._ending.add(session)
+        else:
+            self._release(session, quarantine)
+
+    def reap_quarantine(self) -> int:
+        """Free the quarantined slots of writers whose process is gone; returns how many slots."""
+        gone = [q for q in self.sessions.quarantine.values() if not q.writer.alive()]
+        for q in gone:
+            self._release_quarantine(q.client_id, q.session_id)
+        return sum(len(q.objs) for q in gone)
+
+    def _release(self, session: Session, quarantine: bool) -> None:
+        if quarantine and session.writer is not None and session.reserved:
+            objs = list(session.reserved.values())
+            for obj in objs:
+                self.l1.detach(obj)
+            key = (session.client_id, session.session_id)
+            self.sessions.quarantine[key] = Quarantined(session.client_id, session.session_id, session.writer, objs)
+        else:
+            for obj in session.reserved.values():
+                self.l1.abort(obj)
         for obj in session.pinned:
             self.l1.unpin(obj)
         session.reserved.clear()
         session.pinned.clear()
 
-    def _get(self, client_id: str, session_id: str) -> Session:
-        session = self._sessions.get((client_id, session_id))
-        if session is None:
-            raise SessionError(f"no open session {session_id!r} (never opened, already ended, or its lease ran out)")
-        session.deadline = self._deadline()
-        return session
+    def _release_quarantine(self, client_id: str, session_id: str) -> bool:
+        q = self.sessions.quarantine.pop((client_id, session_id), None)
+        for obj in q.objs if q else []:
+            self.l1.abort(obj)
+        return q is not None
 
-    def _deadline(self) -> float:
-        return self._clock() + self.session_ttl
+    # --- operations --------------------------------------------------------------------------
+
+    async def clear(self, tier: str) -> dict[str, int]:
+        """Drop every object from L1 (``"l1"``), one lower tier by name, or ``"all"`` of them."""
+        removed = {}
+        if tier in ("all", "l1"):
+            removed["l1"] = self.l1.clear()
+        for lane in self.lanes:
+            if tier in ("all", lane.name):
+                removed[lane.name] = await lane.clear()
+        return removed
+
+    async def drain(self, timeout_s: float) -> None:
+        """Finish queued write-downs (at shutdown), waiting at most ``timeout_s`` per tier."""
+        for lane in self.lanes:
+            if not await lane.drain(timeout_s):
+                log.warning("%s: write-downs still queued at shutdown were dropped", lane.name)
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.close()
 
     def check_integrity(self) -> None:
-        """Assert L1 invariants, and that pins and reservations are exactly those of open sessions."""
+        """Assert L1's invariants, each tier's, and that every pin and reservation is held by
+        exactly one session, lane, load or quarantine."""
         self.l1.check_integrity()
         pins: dict[int, int] = {}
-        for s in self._sessions.values():
+        held = len(self._loading)
+        for s in self.sessions:
             assert s.reserved or s.pinned or s.job is not None, "an open session holds nothing"
             assert s.open
             for obj in s.pinned:
                 pins[id(obj)] = pins.get(id(obj), 0) + 1
             for obj in s.reserved.values():
-                assert self.l1.is_reserved(obj.key)
-        for obj, n in self._bg_pins.items():
-            pins[id(obj)] = pins.get(id(obj), 0) + n
+                assert self.l1.reservation(obj.key) is obj, "a session's reservation is not the key's"
+            held += len(s.reserved)
+        for q in self.sessions.quarantine.values():
+            held += len(q.objs)
+        for s in self._ending:
+            held += len(s.reserved)
+            for obj in s.pinned:
+                pins[id(obj)] = pins.get(id(obj), 0) + 1
+        for lane in self.lanes:
+            lane.check_integrity()
+            if lane.pinned is not None:
+                pins[id(lane.pinned)] = pins.get(id(lane.pinned), 0) + 1
         for obj in self._loading:
             assert obj.live and obj.state.name == "RESERVED", "a load's slot is not reserved"
         for obj in self.l1.pinned_objects():
             assert pins.pop(id(obj), 0) == obj.pins, "pin count does not match the sessions holding it"
         assert not pins, "a session pins an object the store does not know"
-        owned = sum(len(s.reserved) for s in self._sessions.values()) + len(self._loading)
-        assert self.l1.reserved_count() == owned, "a reservation belongs to no session or load"
+        assert self.l1.reserved_count() == held, "a reservation belongs to no session, load or quarantine"
+        assert all(n > 0 for n in self._deleting.values()), "a finished deletion is still recorded"

@@ -4,23 +4,27 @@ Keys are ``kvdock:v1:<namespace>:<chunk hash hex>`` where the namespace is a has
 rank, cache_salt), so salts and models never see each other's objects. Values use the same
 self-describing form as disk files (:mod:`kvdock.storage.objfile`), checked on every read.
 
-All methods that talk to Redis run in worker threads. A failure marks the tier down (logged
-once); while it is down, callers skip it, and :meth:`probe` (driven by the server) reconnects
-with exponential backoff.
+All methods that talk to Redis run in the tier's worker threads. A failure marks the tier down
+(logged once); while it is down, callers skip it, and :meth:`RedisTier.probe` (driven by the
+server) reconnects with exponential backoff. The up/down state is shared by both threads and the
+event loop, so it is guarded by a lock.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from typing import Any
 
 import redis as redis_py
 from blake3 import blake3
 
+from kvdock.errors import CorruptObject
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
+from kvdock.storage.tier import ObjectLayout, StorageTier, TierCounters, tier_kind
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +37,18 @@ def redis_key(key: ObjectKey) -> bytes:
     return f"kvdock:v1:{ns}:{key.chunk.hex()}".encode()
 
 
-class RedisStore:
+@tier_kind("l3")
+class RedisTier(StorageTier):
+    """L3 on one Redis/Valkey server (see the module docstring)."""
+
+    name = "l3"
+
     def __init__(self, url: str, timeout: float = 5.0) -> None:
         self.url = url
+        self.counters = TierCounters()
         self._client: Any = redis_py.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-        self.up = True
+        self._lock = threading.Lock()
+        self._up = True
         self.last_error = ""
         self._backoff = 1.0
         self._retry_at = 0.0
@@ -50,63 +61,74 @@ class RedisStore:
             return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
         return self.url
 
-    def available(self) -> bool:
-        return self.up
+    def up(self) -> bool:
+        return self._up
+
+    def knows(self, key: ObjectKey) -> None:
+        return None  # no local index: count_present asks
 
     def failed(self, err: BaseException) -> None:
         """Mark the tier down after an error (logs on the transition only)."""
-        self.last_error = f"{type(err).__name__}: {err}"
-        if self.up:
-            log.warning(
-                "L3 %s is down (%s); serving from L1/L2, retrying with backoff", self.display_url, self.last_error
-            )
-        self.up = False
-        self._retry_at = time.monotonic() + self._backoff
-        self._backoff = min(self._backoff * 2, BACKOFF_MAX)
+        with self._lock:
+            self.last_error = f"{type(err).__name__}: {err}"
+            if self._up:
+                log.warning(
+                    "L3 %s is down (%s); serving from L1/L2, retrying with backoff", self.display_url, self.last_error
+                )
+            self._up = False
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, BACKOFF_MAX)
 
     def probe_due(self) -> bool:
-        return not self.up and time.monotonic() >= self._retry_at
+        with self._lock:
+            return not self._up and time.monotonic() >= self._retry_at
 
-    def probe(self) -> bool:
-        """PING; on success mark the tier up again (worker thread)."""
+    def probe(self) -> None:
+        """PING; on success mark the tier up again."""
         try:
             self._client.ping()
         except ERRORS as e:
             self.failed(e)
-            return False
-        if not self.up:
-            log.warning("L3 %s is back", self.display_url)
-        self.up = True
-        self._backoff = 1.0
-        return True
+            return
+        with self._lock:
+            if not self._up:
+                log.warning("L3 %s is back", self.display_url)
+            self._up = True
+            self._backoff = 1.0
 
-    def put(self, key: ObjectKey, header: bytes, payload: memoryview) -> None:
-        """Store atomically: build the value under a temporary key, then RENAME (worker thread)."""
+    def write_from(self, key: ObjectKey, header: bytes, payload: memoryview) -> int:
+        """Store atomically: build the value under a temporary key, then RENAME."""
         tmp = b"kvdock:tmp:" + secrets.token_hex(8).encode()
         pipe = self._client.pipeline(transaction=True)
         pipe.set(tmp, header)
         pipe.append(tmp, payload)
         pipe.rename(tmp, redis_key(key))
         pipe.execute()
+        return len(header) + len(payload)
 
-    def get_into(self, key: ObjectKey, out: memoryview, dtype: str, shape: list[int]) -> bool:
-        """Copy the object's payload into ``out``; False if absent. CorruptObject if the value is
-        torn, foreign or fails its checksum (worker thread)."""
+    def read_into(self, key: ObjectKey, out: memoryview, layout: ObjectLayout) -> bool:
         value = self._client.get(redis_key(key))
         if value is None:
             return False
-        view = memoryview(value)
-        header, offset = objfile.decode_header(view[: objfile.header_size_hint(view)])
-        objfile.check(header, key, dtype, shape, len(out))
-        if len(view) != offset + header.nbytes:
-            raise objfile.CorruptObject("value length does not match its header")
-        payload = view[offset:]
-        objfile.verify_payload(header, payload)
+        try:
+            view = memoryview(value)
+            header, offset = objfile.decode_header(view[: objfile.header_size_hint(view)])
+            objfile.check(header, key, layout.dtype, layout.shape, len(out))
+            if len(view) != offset + header.nbytes:
+                raise CorruptObject("value length does not match its header")
+            payload = view[offset:]
+            objfile.verify_payload(header, payload)
+        except CorruptObject as e:
+            self.counters.corrupted += 1
+            # Deleted so lookups stop counting it; a newer value renamed onto the key meanwhile
+            # would go too, which is only a miss.
+            self._client.delete(redis_key(key))
+            log.warning("L3: corrupted value for %s (%s); deleted", key.chunk.hex()[:16], e)
+            return False
         out[:] = payload
         return True
 
     def count_present(self, keys: list[ObjectKey]) -> int:
-        """How many leading ``keys`` exist (worker thread)."""
         if not keys:
             return 0
         pipe = self._client.pipeline(transaction=False)
@@ -120,7 +142,14 @@ class RedisStore:
         return n
 
     def delete(self, key: ObjectKey) -> None:
+        """DEL; with the default appendfsync the deletion is as durable as Redis makes anything."""
         self._client.delete(redis_key(key))
+
+    def clear(self) -> int:
+        return 0  # shared by other servers: never cleared from here
+
+    def status(self) -> dict[str, Any]:
+        return {"kind": "redis", "up": self._up, "url": self.display_url, "last_error": self.last_error}
 
     def close(self) -> None:
         self._client.close()

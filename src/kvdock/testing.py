@@ -1,5 +1,8 @@
-"""A ``kvdock serve`` child process on free loopback ports: what tests, benchmarks and examples
-use to run a real server. Only the standard library; never imported by the server itself.
+"""``kvdock.testing``: a ``kvdock serve`` child process on free loopback ports, what tests,
+benchmarks and examples use to run a real server. Only the standard library; never imported by
+the server itself.
+
+    from kvdock.testing import start_server
 
     with start_server("--no-disk", l1_size="1GiB") as srv:
         ctx = kvdock.sdk.connect(srv.url, srv.http_url, ...)
@@ -103,12 +106,14 @@ def launch_server(
     log_path: Path | None = None,
     port: int = 0,
     http_port: int = 0,
+    env: dict[str, str] | None = None,
 ) -> ServerProcess:
     """Start ``kvdock serve`` on free loopback ports without waiting for it (see wait_ready).
 
     ``extra`` are more CLI flags. KVDOCK_* variables of this process are not passed on, so only
-    the flags decide. The output goes to ``log_path`` (default: a temporary file). Ports default
-    to free ones (give them to restart a server where its clients expect it)."""
+    the flags decide, plus ``env`` (e.g. a fault-injection variable). The output goes to
+    ``log_path`` (default: a temporary file). Ports default to free ones (give them to restart a
+    server where its clients expect it)."""
     port, http_port = port or free_port(), http_port or free_port()
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"kvdock-serve-{port}-", suffix=".log")
@@ -119,9 +124,9 @@ def launch_server(
         "--port", str(port), "--http-port", str(http_port),
         "--l1-size", l1_size, "--chunk-size", str(chunk_size), *extra,
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")} | (env or {})
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=child_env)
     return ServerProcess(proc, port, http_port, log_path, args)
 
 

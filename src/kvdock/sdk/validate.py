@@ -1,0 +1,154 @@
+"""Checks of the SDK's arguments: every bad input becomes an InvalidInputError that says what is
+expected, before anything is sent to the server.
+
+Each function returns the value in the form the caller uses (a uint32 token array, a CPU
+tensor, a float, ...) or raises :class:`~kvdock.errors.InvalidInputError`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvdock.errors import InvalidInputError
+from kvdock.keys import normalize_tokens
+
+if TYPE_CHECKING:
+    from kvdock.sdk.context import KVCacheContext
+
+MAX_TIMEOUT_S = 24 * 3600.0  # a day; zmq's millisecond timeouts overflow at about 24.8 days
+_ZMQ_SCHEMES = ("tcp://", "ipc://")
+_HTTP_SCHEMES = ("http://", "https://")
+
+
+def context(ctx: object) -> KVCacheContext:
+    """``ctx`` must be what :func:`kvdock.sdk.connect` returned."""
+    from kvdock.sdk.context import KVCacheContext  # context imports this module
+
+    if not isinstance(ctx, KVCacheContext):
+        raise InvalidInputError(f"ctx must be a KVCacheContext from kvdock.sdk.connect(), got {type(ctx).__name__}")
+    return ctx
+
+
+def tokens(value: object) -> np.ndarray:
+    """Token ids (a sequence, numpy array or torch tensor of integers) as a uint32 array."""
+    try:
+        return normalize_tokens(value)
+    except (TypeError, ValueError) as e:
+        raise InvalidInputError(str(e)) from None
+
+
+def cache_salt(value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidInputError(f'cache_salt must be a str ("" for none), got {type(value).__name__} {value!r:.40}')
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(f"cache_salt must be valid text (it is sent as UTF-8): {e.reason}") from None
+    return value
+
+
+def overwrite(value: object) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidInputError(f"overwrite must be True or False, got {type(value).__name__} {value!r:.40}")
+    return bool(value)
+
+
+def timeout(value: object) -> float:
+    """Seconds to wait for the server: a real number in ``(0, MAX_TIMEOUT_S]``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InvalidInputError(f"timeout must be a number of seconds, got {type(value).__name__} {value!r:.40}")
+    t = float(value)
+    if not (math.isfinite(t) and 0 < t <= MAX_TIMEOUT_S):
+        raise InvalidInputError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {value!r}")
+    return t
+
+
+def url(value: object) -> str:
+    """The server's ZMQ control-plane address: ``tcp://HOST:PORT`` or ``ipc://PATH``."""
+    expected = "expected 'tcp://HOST:PORT' (e.g. 'tcp://127.0.0.1:5555') or 'ipc://PATH'"
+    if not isinstance(value, str):
+        raise InvalidInputError(f"url must be a str, {expected}; got {type(value).__name__}")
+    if not value.startswith(_ZMQ_SCHEMES):
+        hint = f"; did you mean 'tcp://{value}'?" if "://" not in value else ""
+        raise InvalidInputError(f"url {value!r} has no supported scheme: {expected}{hint}")
+    rest = value.split("://", 1)[1]
+    if value.startswith("ipc://"):
+        if not rest:
+            raise InvalidInputError(f"url {value!r} names no path: {expected}")
+        return value
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidInputError(f"url {value!r} needs a host and a port 1..65535: {expected}")
+    return value
+
+
+def http_url(value: object) -> str:
+    """The server's HTTP address: ``http://HOST:PORT`` (or https)."""
+    expected = "expected 'http://HOST:PORT' (e.g. 'http://127.0.0.1:9000')"
+    if not isinstance(value, str):
+        raise InvalidInputError(f"http_url must be a str, {expected}; got {type(value).__name__}")
+    if not value.startswith(_HTTP_SCHEMES) or len(value) <= value.index("://") + 3:
+        hint = f"; did you mean 'http://{value}'?" if "://" not in value else ""
+        raise InvalidInputError(f"http_url {value!r} is not an HTTP URL: {expected}{hint}")
+    return value
+
+
+def model_name(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidInputError(f"model_name must be a non-empty str, got {type(value).__name__} {value!r:.40}")
+    return value
+
+
+def _tensor_usable(name: str, t: torch.Tensor) -> None:
+    if t.is_meta:
+        raise InvalidInputError(
+            f"{name} is on the meta device, which holds no data; pass a tensor with values (CPU or GPU)"
+        )
+    if t.layout != torch.strided:
+        raise InvalidInputError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+
+
+def kv(ctx: KVCacheContext, value: object, num_tokens: int) -> torch.Tensor:
+    """``value`` as the ``KV_2LTD`` CPU tensor of ``num_tokens`` tokens for ``ctx``'s model."""
+    if not isinstance(value, torch.Tensor):
+        raise InvalidInputError(f"kv must be a torch.Tensor, got {type(value).__name__}")
+    geo = ctx.geometry
+    want = (2, geo.num_layers, num_tokens, geo.hidden_dim)
+    if value.dim() != 4 or value.shape[0] != 2 or value.shape[1] != geo.num_layers or value.shape[3] != geo.hidden_dim:
+        raise InvalidInputError(
+            f"kv must be KV_2LTD [2, num_layers={geo.num_layers}, tokens, D={geo.hidden_dim}] for "
+            f"{ctx.model_name!r}, got {list(value.shape)}"
+        )
+    if value.shape[2] != num_tokens:
+        raise InvalidInputError(
+            f"kv has {value.shape[2]} tokens but {num_tokens} token ids were given (want {list(want)})"
+        )
+    if value.dtype != ctx.dtype:
+        raise InvalidInputError(f"kv dtype {value.dtype} does not match {ctx.model_name!r}'s {ctx.dtype}")
+    _tensor_usable("kv", value)
+    value = value.detach()
+    return value if value.device.type == "cpu" else value.cpu()
+
+
+def out(ctx: KVCacheContext, value: object, num_tokens: int) -> torch.Tensor:
+    """``value`` as a CPU buffer that retrieve can write ``num_tokens`` tokens into, in place."""
+    if not isinstance(value, torch.Tensor):
+        raise InvalidInputError(f"out must be a torch.Tensor, got {type(value).__name__}")
+    geo = ctx.geometry
+    if value.dim() != 4 or value.shape[0] != 2 or value.shape[1] != geo.num_layers or value.shape[3] != geo.hidden_dim:
+        raise InvalidInputError(f"out must be [2, {geo.num_layers}, tokens, {geo.hidden_dim}], got {list(value.shape)}")
+    if value.shape[2] < num_tokens:
+        raise InvalidInputError(f"out holds {value.shape[2]} tokens, fewer than the {num_tokens} asked for")
+    if value.dtype != ctx.dtype or value.device.type != "cpu":
+        raise InvalidInputError(f"out must be a CPU tensor of {ctx.dtype}, got {value.dtype} on {value.device}")
+    _tensor_usable("out", value)
+    if value.requires_grad:
+        raise InvalidInputError("out must not require grad (retrieve writes into it in place)")
+    if any(stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape, strict=True)):
+        raise InvalidInputError("out must not have overlapping elements (a stride of 0, e.g. from expand())")
+    return value

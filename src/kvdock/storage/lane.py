@@ -1,0 +1,219 @@
+"""TierLane: one lower tier, its two threads, and its queue of write-downs and deletions.
+
+Runs on the server's event loop; the tier's I/O runs on the lane's writer thread (writes and
+deletes, one at a time, in the order they were queued) and reader thread (loads, counts, probes).
+
+Why one queue with one job in flight:
+
+* writes and deletes of a key reach the tier in commit order, so a newer version is never
+  replaced by an older one, and a deletion queued for an overwrite lands after every write of an
+  older version (what makes an acknowledged overwrite final, see the manager);
+* a queued write-down holds no pin: only the object the writer copies *now* is pinned. A slow
+  disk therefore never fills L1 with pinned objects: LRU eviction may drop an object whose turn
+  has not come, and its write is skipped (counted in ``writes_skipped``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvdock.keys import ObjectKey
+from kvdock.storage import objfile
+from kvdock.storage.disk import NoRoom
+from kvdock.storage.memory import L1Object, L1Store
+from kvdock.storage.tier import ObjectLayout, StorageTier
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class SharedHeader:
+    """An object's header block, computed once (it checksums the whole payload) by whichever
+    lane's writer thread needs it first, while that lane pins the object."""
+
+    def __init__(self, key: ObjectKey, layout: ObjectLayout, view: memoryview) -> None:
+        self._args = (key, layout.dtype, layout.shape, view)
+        self._lock = threading.Lock()
+        self._block: bytes | None = None
+
+    def get(self) -> bytes:
+        with self._lock:
+            if self._block is None:
+                self._block = objfile.encode_header(*self._args)
+            return self._block
+
+
+@dataclass(eq=False)
+class _Write:
+    obj: L1Object
+    header: SharedHeader
+    view: memoryview
+
+
+@dataclass(eq=False)
+class _Call:
+    """A writer-thread call queued behind the writes before it (a deletion, a clear)."""
+
+    what: str  # for logs; "delete" also counts in ``deletes``
+    fn: Callable[[], Any]
+    done: asyncio.Future[Any]
+    default: Any  # the result when the tier is down or the call fails
+
+
+class TierLane:
+    """Event-loop side of one tier (not thread-safe: call from the loop only)."""
+
+    def __init__(self, tier: StorageTier, l1: L1Store) -> None:
+        self.tier = tier
+        self.counters = tier.counters  # type: ignore[attr-defined]
+        self._l1 = l1
+        self._writer = ThreadPoolExecutor(1, f"kvdock-{tier.name}-w")
+        self._reader = ThreadPoolExecutor(1, f"kvdock-{tier.name}-r")
+        self._queue: deque[_Write | _Call] = deque()
+        self._busy: _Write | _Call | None = None
+        self.pinned: L1Object | None = None  # what the writer copies now
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def name(self) -> str:
+        return self.tier.name
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes of write-downs not done yet: the one in flight and those queued behind it."""
+        queued = sum(j.obj.nbytes for j in self._queue if isinstance(j, _Write) and j.obj.live)
+        return queued + (self.pinned.nbytes if self.pinned is not None else 0)
+
+    @property
+    def idle(self) -> bool:
+        return self._busy is None and not self._queue
+
+    def write(self, obj: L1Object, header: SharedHeader, view: memoryview) -> None:
+        """Queue a write-down of a committed object (returns at once)."""
+        self._queue.append(_Write(obj, header, view))
+        self._pump()
+
+    def delete(self, key: ObjectKey) -> asyncio.Future[bool]:
+        """Queue a durable deletion of ``key``; the future says True once done, False if the tier
+        could not be reached (then the object may still be there)."""
+        done: asyncio.Future[bool] = self._get_loop().create_future()
+        self._queue.append(_Call("delete", functools.partial(self._delete, key), done, False))
+        self._pump()
+        return done
+
+    def _delete(self, key: ObjectKey) -> bool:
+        self.tier.delete(key)
+        return True
+
+    def _get_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def _pump(self) -> None:
+        while self._busy is None and self._queue:
+            job = self._queue.popleft()
+            if isinstance(job, _Call):
+                if not self.tier.up():
+                    job.done.set_result(job.default)
+                    continue
+                self._start(job, job.fn)
+            elif not job.obj.live or not self.tier.up():  # replaced, evicted, or nowhere to write
+                self.counters.writes_skipped += 1
+            else:
+                self._l1.pin(job.obj)
+                self.pinned = job.obj
+                self._start(job, self._write_job, job)
+
+    def _write_job(self, job: _Write) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        size = self.tier.write_from(job.obj.key, job.header.get(), job.view)
+        return size, time.perf_counter() - t0
+
+    def _start(self, job: _Write | _Call, fn: Callable[..., Any], *args: Any) -> None:
+        self._busy = job
+        loop = self._get_loop()
+        fut = self._writer.submit(fn, *args)
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._finished, job, f))
+
+    def _finished(self, job: _Write | _Call, fut: Future[Any]) -> None:
+        self._busy = None
+        err = fut.exception()
+        if isinstance(job, _Write):
+            self.pinned = None
+            self._l1.unpin(job.obj)
+            if err is None:
+                size, seconds = fut.result()
+                self.counters.writes += 1
+                self.counters.bytes_written += size
+                self.counters.write_seconds += seconds
+            elif isinstance(err, NoRoom):
+                self.counters.writes_skipped += 1
+            else:
+                self.counters.write_errors += 1
+                self.tier.failed(err)
+                log.error("%s: write-down of %s failed: %s", self.name, job.obj.key.chunk.hex()[:16], err)
+        else:
+            if err is None and job.what == "delete":
+                self.counters.deletes += 1
+            if err is not None:
+                self.tier.failed(err)
+                log.error("%s: %s failed: %s", self.name, job.what, err)
+            if not job.done.done():
+                job.done.set_result(job.default if err is not None else fut.result())
+        self._pump()
+
+    async def on_reader(self, fn: Callable[..., T], *args: Any, default: T) -> T:
+        """Run ``fn(*args)`` on the reader thread; an error marks the tier down and gives ``default``."""
+        try:
+            return await self._get_loop().run_in_executor(self._reader, fn, *args)
+        except Exception as e:  # the tier's client failed: degrade, never fail the request
+            self.tier.failed(e)
+            return default
+
+    async def read(self, key: ObjectKey, view: memoryview, layout: ObjectLayout) -> bool:
+        """Copy ``key`` from the tier into ``view`` (an L1 reservation); False on a miss."""
+        t0 = time.perf_counter()
+        found = await self.on_reader(self.tier.read_into, key, view, layout, default=False)
+        if found:
+            self.counters.hits += 1
+            self.counters.bytes_read += len(view)
+            self.counters.read_seconds += time.perf_counter() - t0
+        return found
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued job is done (at shutdown); False if ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while not self.idle:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def clear(self) -> int:
+        """Remove what the tier can clear, after the writes queued before."""
+        done: asyncio.Future[int] = self._get_loop().create_future()
+        self._queue.append(_Call("clear", self.tier.clear, done, 0))
+        self._pump()
+        return await done
+
+    def close(self) -> None:
+        """Stop the threads (after the job in flight) and close the tier. Jobs still queued are
+        dropped: :meth:`drain` first to finish them."""
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        self.tier.close()
+
+    def check_integrity(self) -> None:
+        assert (self.pinned is not None) == isinstance(self._busy, _Write), "lane pin and job disagree"
+        self.tier.check_integrity()

@@ -1,0 +1,131 @@
+"""The seam between the storage manager and a lower tier (L2 disk, L3 Redis, ...).
+
+A tier stores whole objects in the self-describing form of :mod:`kvdock.storage.objfile` and
+knows nothing of L1, sessions or versions: the manager decides what to write, read and delete,
+and in which order (see :class:`kvdock.storage.lane.TierLane`, which owns a tier's threads).
+
+Threading contract, for every implementation:
+
+* methods marked *[worker]* run on the tier's own threads, never on the event loop: one writer
+  thread (``write_from``, ``delete``, ``clear``: applied in the order they were queued) and one
+  reader thread (``read_into``, ``count_present``, ``probe``), so they may run concurrently with
+  each other; they may block on I/O;
+* methods marked *[any]* are cheap, never block on I/O, and may be called from any thread.
+
+Tiers are picked by name from :data:`TIER_KINDS`, never by ``if name == ...``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvdock.keys import ObjectKey
+
+
+@dataclass(frozen=True)
+class ObjectLayout:
+    """How one chunk of a model is laid out: what a tier's header must say about it."""
+
+    dtype: str
+    shape: list[int]
+    nbytes: int
+
+
+@dataclass
+class TierCounters:
+    """Plain counters per tier, exported by the server's /metrics and /status."""
+
+    hits: int = 0  # objects promoted into L1 from this tier
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    writes: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    write_errors: int = 0
+    writes_skipped: int = 0  # tier down, no room, or the object left L1 before its turn
+    corrupted: int = 0  # torn or failing its checksum: deleted, never returned
+    deletes: int = 0  # older versions removed for an overwrite
+
+
+class StorageTier(abc.ABC):
+    """One lower tier. ``name`` is how /status, /metrics and logs call it (``"l2"``, ``"l3"``)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def up(self) -> bool:
+        """[any] Whether the tier is reachable now (a down tier is skipped, never waited for)."""
+
+    @abc.abstractmethod
+    def knows(self, key: ObjectKey) -> bool | None:
+        """[any] Whether the tier holds ``key``, from a local index; None when it cannot tell
+        without I/O (then :meth:`count_present` asks)."""
+
+    @abc.abstractmethod
+    def count_present(self, keys: list[ObjectKey]) -> int:
+        """[worker] How many leading ``keys`` the tier holds."""
+
+    @abc.abstractmethod
+    def read_into(self, key: ObjectKey, out: memoryview, layout: ObjectLayout) -> bool:
+        """[worker] Copy ``key``'s payload into ``out`` (exactly ``layout.nbytes``), verified
+        against its header and checksum. False if absent. A torn, foreign or corrupted object is
+        removed from the tier (counted in ``counters.corrupted``) and reported as absent; errors
+        reaching the tier itself raise (the lane marks the tier down)."""
+
+    @abc.abstractmethod
+    def write_from(self, key: ObjectKey, header: bytes, payload: memoryview) -> int:
+        """[worker, writer] Store ``header + payload`` as ``key``'s object atomically (readers see
+        the old object or the new one, never a mix), making room within the budget by evicting
+        least recently used objects. Returns the bytes it occupies. Raises on failure (the
+        object is then absent or unchanged)."""
+
+    @abc.abstractmethod
+    def delete(self, key: ObjectKey) -> None:
+        """[worker, writer] Remove ``key``'s object durably: when this returns, the object is gone
+        and will not come back after a crash of this process. Absent keys are fine; failure to
+        reach the tier raises."""
+
+    @abc.abstractmethod
+    def clear(self) -> int:
+        """[worker, writer] Remove every object this tier can clear (a shared tier may refuse:
+        return 0). Returns how many."""
+
+    def probe_due(self) -> bool:
+        """[any] Whether a down tier should be probed now (its backoff has passed)."""
+        return False
+
+    def probe(self) -> None:
+        """[worker, reader] Try to reach a down tier again (``up()`` turns True on success)."""
+        return None
+
+    def failed(self, err: BaseException) -> None:
+        """[any] Note that an operation failed for lack of the tier (marks a remote tier down)."""
+        return None
+
+    def close(self) -> None:
+        """Release files, locks and connections (after the lane's threads stopped)."""
+        return None
+
+    @abc.abstractmethod
+    def status(self) -> dict[str, Any]:
+        """[any] What /status shows of the tier (``up``, usage, ...), no secrets."""
+
+    def check_integrity(self) -> None:
+        """[any, quiescent] Assert the tier's own index invariants."""
+        return None
+
+
+TIER_KINDS: dict[str, Callable[..., StorageTier]] = {}
+
+
+def tier_kind(name: str) -> Callable[[Callable[..., StorageTier]], Callable[..., StorageTier]]:
+    """Register a tier factory under ``name`` (the key of :data:`TIER_KINDS`)."""
+
+    def register(factory: Callable[..., StorageTier]) -> Callable[..., StorageTier]:
+        TIER_KINDS[name] = factory
+        return factory
+
+    return register

@@ -1,0 +1,194 @@
+"""Overwrites with real server processes: an acknowledged overwrite is final in every tier,
+before and after a crash, and never leaves a prefix of mixed versions (a miss is fine, stale or
+mixed KV never is)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import kvdock.sdk as kvd
+from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, start_server
+from kvdock.keys import normalize_tokens
+from kvdock.protocol import messages as m
+
+SLOW_DISK = {"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.05"}  # every L2 write sleeps first: a slow disk
+
+
+def wait_for(cond, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def l2(srv) -> dict:
+    return srv.get("/status")["tiers"]["l2"]
+
+
+def versions_of(got: torch.Tensor | None, candidates: dict[int, torch.Tensor]) -> list[int]:
+    """Which version each retrieved chunk is (AssertionError for bytes of no version at all)."""
+    if got is None:
+        return []
+    out = []
+    for i in range(got.shape[2] // CHUNK):
+        span = slice(i * CHUNK, (i + 1) * CHUNK)
+        match = [v for v, kv in candidates.items() if torch.equal(got[:, :, span], kv[:, :, span])]
+        assert len(match) == 1, f"chunk {i} matches versions {match}"
+        out.append(match[0])
+    return out
+
+
+def test_overwrite_under_pool_pressure_never_leaves_a_mixed_prefix(make_server) -> None:
+    srv = make_server(l1_size="48KiB")  # 12 slots
+    tokens = make_tokens(8 * CHUNK)
+    old, new = make_kv(8 * CHUNK, seed=1), make_kv(8 * CHUNK, seed=2)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        assert kvd.store(c, old, tokens)
+        raw = normalize_tokens(tokens).tobytes()
+        c.call(m.Lookup(c.client_id, raw, prefetch=True, session_id="pin"))  # a reader pins all 8 old chunks
+        assert kvd.store_chunks(c, new, tokens, overwrite=True) == kvd.StoreResult(4, 0, 4, 0)
+        assert kvd.lookup(c, tokens) == 4 * CHUNK  # the 4 chunks that could not be rewritten are gone
+        assert versions_of(kvd.retrieve(c, tokens), {1: old, 2: new}) == [2, 2, 2, 2]
+        c.call(m.EndSession(c.client_id, "pin"))
+        assert kvd.lookup(c, tokens) == 4 * CHUNK
+        assert kvd.check_server_integrity(c) == []
+
+
+def test_an_acknowledged_overwrite_survives_sigkill_never_stale(tmp_path: Path) -> None:
+    disk = tmp_path / "l2"
+    rng = random.Random(7)
+    srv = start_server(tmp_path, "--disk-dir", str(disk), env=SLOW_DISK)
+    kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
+    try:
+        for trial in range(10):
+            tokens = make_tokens(16 * CHUNK, start=trial * 100_000)
+            old, new = make_kv(16 * CHUNK, seed=10 + trial), make_kv(16 * CHUNK, seed=50 + trial)
+            with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+                want = l2(srv)["writes"] + 16
+                assert kvd.store(c, old, tokens)
+                wait_for(lambda s=srv, n=want: l2(s)["writes"] == n, "the old version on disk")
+                assert kvd.store(c, new, tokens, overwrite=True)  # acknowledged
+                time.sleep(rng.uniform(0, 0.6))  # somewhere in the new version's write-down
+                srv.stop(signal.SIGKILL)
+            srv = start_server(tmp_path, "--disk-dir", str(disk), env=SLOW_DISK)
+            with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+                got = versions_of(kvd.retrieve(c, tokens), {1: old, 2: new})
+                assert set(got) <= {2}, f"trial {trial}: versions {got} after an acknowledged overwrite"
+                assert kvd.check_server_integrity(c) == []
+    finally:
+        srv.stop()
+
+
+def test_an_overwrite_whose_write_down_is_skipped_never_comes_back_old(tmp_path: Path) -> None:
+    disk = tmp_path / "l2"
+    slow = {"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.3"}
+    srv = start_server(tmp_path, "--disk-dir", str(disk), l1_size="32KiB", env=slow)  # 8 slots
+    kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
+    tokens, others = make_tokens(4 * CHUNK), make_tokens(8 * CHUNK, start=70_000)
+    old, new = make_kv(4 * CHUNK, seed=1), make_kv(4 * CHUNK, seed=2)
+    try:
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+            assert kvd.store(c, old, tokens)
+            wait_for(lambda: l2(srv)["writes"] == 4, "the old version on disk")
+            assert kvd.store(c, new, tokens, overwrite=True)
+            kvd.store_chunks(c, make_kv(8 * CHUNK, seed=3), others)  # evicts the new version before its turn
+            wait_for(lambda: srv.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, "the write-down queue")
+            assert l2(srv)["writes_skipped"] >= 1 and l2(srv)["deletes"] == 4
+        srv.stop(signal.SIGKILL)
+        srv = start_server(tmp_path, "--disk-dir", str(disk), l1_size="32KiB")
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+            assert set(versions_of(kvd.retrieve(c, tokens), {1: old, 2: new})) <= {2}
+    finally:
+        srv.stop()
+
+
+def test_overwrite_is_refused_while_redis_is_down(make_server, redis_server) -> None:
+    srv = make_server("--redis-url", redis_server.url)
+    tokens = make_tokens(4 * CHUNK)
+    old, new = make_kv(4 * CHUNK, seed=1), make_kv(4 * CHUNK, seed=2)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert kvd.store(c, old, tokens)
+        wait_for(lambda: srv.get("/status")["tiers"]["l3"]["writes"] == 4, "the old version in Redis")
+        redis_server.stop()
+        wait_for(lambda: not srv.get("/status")["tiers"]["l3"]["up"] or _l3_probe(c, tokens), "L3 marked down")
+        try:
+            kvd.store(c, new, tokens, overwrite=True)
+            raise AssertionError("the overwrite was accepted although Redis could not delete the old version")
+        except kvd.ServerError as e:
+            assert e.code == "tier_unavailable" and "overwrite refused: l3" in e.message, e
+        assert torch.equal(kvd.retrieve(c, tokens), old)  # nothing was lost either
+        assert kvd.check_server_integrity(c) == []
+
+
+def _l3_probe(c, tokens) -> bool:
+    kvd.lookup(c, make_tokens(4 * CHUNK, start=900_000))  # an L1 miss asks L3, which fails and marks it down
+    return False
+
+
+def test_crash_consistency_under_concurrent_overwrites(tmp_path: Path) -> None:
+    """>= 10 SIGKILLs at random moments while two clients store and overwrite; after each restart
+    every prefix is one version, never older than its last acknowledged overwrite."""
+    disk = tmp_path / "l2"
+    env = {"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.01"}
+    rng = random.Random(11)
+    prefixes = {p: make_tokens(6 * CHUNK, start=p * 1_000_000) for p in range(4)}
+    acked = dict.fromkeys(prefixes, 0)  # last acknowledged version (0: none)
+    tried = dict.fromkeys(prefixes, 0)  # last version sent
+    kvs: dict[tuple[int, int], torch.Tensor] = {}
+
+    def kv_of(p: int, v: int) -> torch.Tensor:
+        if (p, v) not in kvs:
+            kvs[(p, v)] = make_kv(6 * CHUNK, seed=p * 10_000 + v)
+        return kvs[(p, v)]
+
+    srv = start_server(tmp_path, "--disk-dir", str(disk), env=env)
+    port, http_port = srv.port, srv.http_port
+    kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
+    kills = found = 0
+    try:
+        while kills < 10:
+            stop = threading.Event()
+
+            def writer(url: str, http_url: str, stop: threading.Event, mine: list[int]) -> None:
+                try:
+                    with kvd.connect(url, http_url, MODEL, timeout=2) as c:
+                        while not stop.is_set():
+                            p = rng.choice(mine)
+                            v = tried[p] = tried[p] + 1
+                            if kvd.store(c, kv_of(p, v), prefixes[p], overwrite=True):
+                                acked[p] = v
+                            time.sleep(rng.uniform(0.02, 0.15))  # let write-downs land between versions
+                except kvd.KVCacheSDKError:
+                    pass  # the server was killed under us
+
+            threads = [
+                threading.Thread(target=writer, args=(srv.url, srv.http_url, stop, mine)) for mine in ([0, 1], [2, 3])
+            ]
+            for t in threads:
+                t.start()
+            time.sleep(rng.uniform(0.3, 1.2))
+            srv.stop(signal.SIGKILL)
+            kills += 1
+            stop.set()
+            for t in threads:
+                t.join(30)
+                assert not t.is_alive()
+            srv = start_server(tmp_path, "--disk-dir", str(disk), env=env, port=port, http_port=http_port)
+            with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+                for p, tokens in prefixes.items():
+                    candidates = {v: kv_of(p, v) for v in range(1, tried[p] + 1)}
+                    got = versions_of(kvd.retrieve(c, tokens), candidates)
+                    assert len(set(got)) <= 1, f"kill {kills}: prefix {p} mixes versions {got}"
+                    assert not got or got[0] >= acked[p], f"kill {kills}: prefix {p} is v{got[0]} < acked v{acked[p]}"
+                    found += bool(got)
+                assert kvd.check_server_integrity(c) == []
+        assert sum(acked.values()) > 10  # the overwrites really ran between the kills
+        assert found >= 5  # and restarts found data on disk to check
+    finally:
+        srv.stop()

@@ -1,0 +1,85 @@
+"""The read path with real processes: inline replies are private copies, so a client that stops
+reading its socket holds no pool memory, and its unread bytes are visible and capped."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+import kvdock.sdk as kvd
+from helpers import CHUNK, MODEL, make_kv, make_tokens
+from kvdock.keys import normalize_tokens
+
+STALLED = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import zmq
+    from kvdock.protocol import decode_reply, encode
+    from kvdock.protocol import messages as m
+    url, model, n, raw = sys.argv[1], sys.argv[2], int(sys.argv[3]), bytes.fromhex(sys.stdin.read())
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 1)  # its I/O thread stops taking replies off the socket at once
+    sock.connect(url)
+    sock.send_multipart([b"r", encode(m.RegisterClient(m.PROTOCOL_VERSION, "stalled", model))])
+    reg = decode_reply(sock.recv_multipart()[1])
+    for i in range(n):
+        sock.send_multipart([b"%d" % i, encode(m.PrepareRetrieve(reg.client_id, f"s{i}", raw))])
+    time.sleep(0.5)  # let zmq's I/O thread send the requests
+    print(reg.transport, flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)  # and never read a reply
+    """
+)
+
+
+def test_a_client_that_never_reads_pins_nothing(make_server) -> None:
+    srv = make_server(l1_size="8MiB")  # 2048 slots of 4 KiB
+    tokens = make_tokens(1024 * CHUNK)  # half the pool: 3 MiB per reply
+    kv = make_kv(1024 * CHUNK, seed=1)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert kvd.store(c, kv, tokens)
+        child = subprocess.Popen(
+            [sys.executable, "-c", STALLED, srv.url, MODEL, "30"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert child.stdin is not None and child.stdout is not None
+            child.stdin.write(normalize_tokens(tokens).tobytes().hex())
+            child.stdin.close()
+            assert child.stdout.readline().strip() == "inline"
+            deadline = time.monotonic() + 20
+            while (status := srv.get("/status"))["l1"]["unsent_reply_bytes"] < 40 * 2**20 or status["sessions"]:
+                assert time.monotonic() < deadline, status["l1"]
+                time.sleep(0.05)
+            # nothing of the pool is held for it: a store needing all of it evicts and succeeds
+            other = make_kv(2048 * CHUNK, seed=2)
+            assert kvd.store_chunks(c, other, make_tokens(2048 * CHUNK, start=10**6)).stored_chunks == 2048
+        finally:
+            child.kill()
+            child.wait()
+        deadline = time.monotonic() + 20
+        while srv.get("/status")["l1"]["unsent_reply_bytes"]:  # dropped with the peer
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert kvd.check_server_integrity(c) == []
+
+
+def test_inline_retrieve_is_a_private_copy(make_server) -> None:
+    srv = make_server("--no-shm")
+    tokens = make_tokens(4 * CHUNK)
+    old, new = make_kv(4 * CHUNK, seed=1), make_kv(4 * CHUNK, seed=2)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert c.transport == "inline"
+        assert kvd.store(c, old, tokens)
+        got = kvd.retrieve(c, tokens)
+        assert kvd.store(c, new, tokens, overwrite=True)  # the old slots are freed and reused
+        assert kvd.store(c, make_kv(4 * CHUNK, seed=3), make_tokens(4 * CHUNK, start=9000))
+        assert torch.equal(got, old)  # what was returned does not change under the caller
+        assert torch.equal(kvd.retrieve(c, tokens), new)
+        assert srv.get("/status")["sessions"] == 0  # inline reads hold no session after the reply
+        assert kvd.check_server_integrity(c) == []

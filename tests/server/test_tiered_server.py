@@ -14,6 +14,7 @@ import torch
 import kvdock.sdk as kvd
 from helpers import CHUNK, MODEL, ServerProc, make_kv, make_tokens
 from kvdock.keys import ObjectKey, chunk_hashes
+from kvdock.protocol import messages as m
 from kvdock.storage.disk import object_name
 
 
@@ -236,4 +237,27 @@ def test_a_slow_disk_never_fails_a_store(make_server, tmp_path: Path) -> None:
         wait_for(lambda: srv.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, "the write-down queue")
         l2 = tier(srv, "l2")
         assert l2["writes_skipped"] > 0 and l2["writes"] + l2["writes_skipped"] == 160, l2
+        assert kvd.check_server_integrity(c) == []
+
+
+def test_a_hung_redis_never_delays_lease_expiry(make_server, redis_server) -> None:
+    """Probing a down Redis runs apart from the lease reaper: with Redis stopped (every probe hangs
+    until its 5 s socket timeout), a dead client's pins are still released after its 1 s lease."""
+    srv = make_server("--session-ttl", "1", "--redis-url", redis_server.url)
+    tokens = make_tokens(4 * CHUNK)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=30) as c:
+        assert kvd.store(c, make_kv(4 * CHUNK, seed=1), tokens)
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert kvd.lookup(c, make_tokens(CHUNK, start=50_000)) == 0  # asks L3: times out, marks it down
+            wait_for(lambda: not tier(srv, "l3")["up"], "L3 marked down")
+            raw = np.array(tokens, dtype="<u4").tobytes()
+            c.call(m.Lookup(c.client_id, raw, prefetch=True, session_id="held"))  # pins, then goes silent
+            assert srv.get("/status")["sessions"] == 1
+            t0 = time.monotonic()
+            wait_for(lambda: srv.get("/status")["sessions"] == 0, "the lease to expire", timeout=10)
+            assert time.monotonic() - t0 < 3.0, "lease expiry waited for a hung Redis probe"
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
         assert kvd.check_server_integrity(c) == []

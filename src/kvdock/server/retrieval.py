@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import numpy as np
+
 from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
 from kvdock.server.handlers import client_of, count_hits, keys_of
@@ -126,7 +128,7 @@ async def _inline_reply(state: ServerState, client: ClientEntry, session: Sessio
         mgr.hold(session)
         try:
             views = [mgr.l1.view(o) for o in hits]
-            await asyncio.get_running_loop().run_in_executor(state.copier, _gather, views, memoryview(buf))
+            await state.copy(_gather, views, memoryview(buf))
         finally:
             mgr.unhold(session)
         _count_retrieved(state, client, len(hits))
@@ -137,9 +139,10 @@ async def _inline_reply(state: ServerState, client: ClientEntry, session: Sessio
 
 
 def _gather(views: list[memoryview], out: memoryview) -> None:
+    dst = np.frombuffer(out, np.uint8)
     done = 0
     for v in views:
-        out[done : done + len(v)] = v
+        np.copyto(dst[done : done + len(v)], np.frombuffer(v, np.uint8))  # without the GIL
         done += len(v)
 
 

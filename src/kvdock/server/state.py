@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +18,7 @@ from kvdock.shm import PoolSegment
 from kvdock.storage import StorageManager
 
 Payload = list[memoryview]
+FAULT_COPY_ENV = "KVDOCK_FAULT_COPY_DELAY_S"
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,18 @@ class ServerState:
     copier: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "kvdock-copy"))
     max_unsent_bytes: int = 1 << 30  # per client: inline reply bytes not yet read; past it, BUSY
     unsent: dict[bytes, int] = field(default_factory=dict)  # zmq identity -> reply bytes not yet sent
+    # fault injection for tests: each inline copy sleeps first (a copy can't be made slow on demand)
+    fault_copy_delay_s: float = field(default_factory=lambda: float(os.environ.get(FAULT_COPY_ENV, "0") or 0))
+
+    async def copy(self, fn: Callable[..., None], *args: object) -> None:
+        """Run an inline copy ``fn(*args)`` on a copier thread (the caller holds the slots)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.copier, self._copy, fn, args)
+
+    def _copy(self, fn: Callable[..., None], args: tuple[object, ...]) -> None:
+        if self.fault_copy_delay_s:
+            time.sleep(self.fault_copy_delay_s)
+        fn(*args)
 
     @property
     def unsent_bytes(self) -> int:

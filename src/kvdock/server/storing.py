@@ -7,7 +7,7 @@ waits for the lower tiers to delete the older versions (see :mod:`kvdock.storage
 
 from __future__ import annotations
 
-import asyncio
+import numpy as np
 
 from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
@@ -66,7 +66,7 @@ async def _commit_later(
         mgr.hold(session)
         try:
             views = [mgr.l1.view(o) for o in objs]
-            await asyncio.get_running_loop().run_in_executor(state.copier, _copy_frames, views, payload)
+            await state.copy(_copy_frames, views, payload)
         finally:
             mgr.unhold(session)
     ok = await mgr.wait_deletes(client.client_id, req.session_id)
@@ -75,7 +75,7 @@ async def _commit_later(
 
 def _copy_frames(views: list[memoryview], frames: Payload) -> None:
     for view, frame in zip(views, frames, strict=True):
-        view[:] = frame
+        np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(frame, np.uint8))  # without the GIL
 
 
 def _commit(state: ServerState, client: ClientEntry, req: m.CommitStore, deletes_ok: bool) -> Reply:

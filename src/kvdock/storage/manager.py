@@ -31,13 +31,15 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvdock.errors import RequestError, SessionError
 from kvdock.keys import ObjectKey
 from kvdock.storage.lane import SharedHeader, TierLane
 from kvdock.storage.memory import L1Object, L1Store
-from kvdock.storage.sessions import Quarantined, Session, SessionTable, Writer
+from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
+
+__all__ = ["PrefetchJob", "StorageManager", "StorePlan"]
 from kvdock.storage.tier import ObjectLayout
 
 log = logging.getLogger(__name__)
@@ -57,14 +59,6 @@ class StorePlan:
     pool_full: int
 
 
-@dataclass(eq=False)
-class PrefetchJob:
-    session: Session
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    cancelled: bool = False
-    task: asyncio.Task[None] | None = None
-
-
 class StorageManager:
     def __init__(
         self,
@@ -75,13 +69,12 @@ class StorageManager:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.l1 = l1
-        self.sessions = SessionTable(session_ttl, clock)
+        self.sessions = SessionTable(l1, session_ttl, clock)
         self.lanes = lanes or []
         self.layout_of = layout_of  # the registry's answer: how a model's chunks are laid out
         self._loading: set[L1Object] = set()
         self._load_waits: dict[ObjectKey, asyncio.Future[None]] = {}
         self._deleting: dict[ObjectKey, int] = {}  # key -> deletions in flight
-        self._ending: set[Session] = set()  # ended while busy: released when their work is over
 
     @property
     def session_count(self) -> int:
@@ -222,7 +215,7 @@ class StorageManager:
 
         Raises SessionError for an unknown session or an index it did not reserve; a session
         whose lease ran out has its quarantined slots released here (its copy is over)."""
-        if self._release_quarantine(client_id, session_id):
+        if self.sessions.release_quarantine(client_id, session_id):
             raise SessionError(f"session {session_id!r}: its lease ran out before the commit; nothing was stored")
         session = self.sessions.get(client_id, session_id)
         if len(set(indexes)) != len(indexes):
@@ -361,87 +354,26 @@ class StorageManager:
         self.end_session(client_id, session_id)
         return n
 
-    # --- session ends ------------------------------------------------------------------------
+    # --- session ends (the session table releases what they hold) ----------------------------
 
     def hold(self, session: Session) -> None:
-        """Server-side work for ``session`` starts: its lease waits, and its pins and slots stay
-        until :meth:`unhold`, even if the session is ended meanwhile."""
-        session.busy += 1
+        self.sessions.hold(session)
 
     def unhold(self, session: Session) -> None:
-        session.busy -= 1
-        if not session.busy and session in self._ending:
-            self._ending.remove(session)
-            self._release(session, quarantine=bool(session.release_pending))
+        self.sessions.unhold(session)
 
     def end_session(self, client_id: str, session_id: str) -> bool:
-        """The client ended a session (or a handler aborts it): abort its reservations, release
-        its pins and any slots quarantined for it. False if there was no such session."""
-        released = self._release_quarantine(client_id, session_id)
-        session = self.sessions.pop(client_id, session_id)
-        if session is None:
-            for ending in self._ending:  # ended already (its client closed) but still busy
-                if (ending.client_id, ending.session_id) == (client_id, session_id):
-                    ending.release_pending = False  # its copy is over: free, not quarantine
-                    return True
-            return released
-        self._end(session, quarantine=False)
-        return True
+        """The client ended a session (or a handler aborts it); see SessionTable.end."""
+        return self.sessions.end(client_id, session_id)
 
     def end_client(self, client_id: str) -> int:
-        """End every session of a client that closed or was forgotten. Slots its process may still
-        be writing (another thread of it) are quarantined, not freed. Returns how many."""
-        mine = self.sessions.of_client(client_id)
-        for s in mine:
-            self.sessions.pop(s.client_id, s.session_id)
-            self._end(s, quarantine=True)
-        return len(mine)
+        return self.sessions.end_client(client_id)
 
     def expire(self) -> int:
-        """End every session whose lease ran out; returns how many."""
-        dead = self.sessions.due()
-        for s in dead:
-            self.sessions.pop(s.client_id, s.session_id)
-            self._end(s, quarantine=True)
-        self.sessions.expired += len(dead)
-        return len(dead)
-
-    def _end(self, session: Session, quarantine: bool) -> None:
-        if isinstance(session.job, PrefetchJob):
-            session.job.cancelled = True
-        if session.busy:
-            session.release_pending = quarantine
-            self._ending.add(session)
-        else:
-            self._release(session, quarantine)
+        return self.sessions.expire()
 
     def reap_quarantine(self) -> int:
-        """Free the quarantined slots of writers whose process is gone; returns how many slots."""
-        gone = [q for q in self.sessions.quarantine.values() if not q.writer.alive()]
-        for q in gone:
-            self._release_quarantine(q.client_id, q.session_id)
-        return sum(len(q.objs) for q in gone)
-
-    def _release(self, session: Session, quarantine: bool) -> None:
-        if quarantine and session.writer is not None and session.reserved:
-            objs = list(session.reserved.values())
-            for obj in objs:
-                self.l1.detach(obj)
-            key = (session.client_id, session.session_id)
-            self.sessions.quarantine[key] = Quarantined(session.client_id, session.session_id, session.writer, objs)
-        else:
-            for obj in session.reserved.values():
-                self.l1.abort(obj)
-        for obj in session.pinned:
-            self.l1.unpin(obj)
-        session.reserved.clear()
-        session.pinned.clear()
-
-    def _release_quarantine(self, client_id: str, session_id: str) -> bool:
-        q = self.sessions.quarantine.pop((client_id, session_id), None)
-        for obj in q.objs if q else []:
-            self.l1.abort(obj)
-        return q is not None
+        return self.sessions.reap_quarantine()
 
     # --- operations --------------------------------------------------------------------------
 
@@ -469,22 +401,8 @@ class StorageManager:
         """Assert L1's invariants, each tier's, and that every pin and reservation is held by
         exactly one session, lane, load or quarantine."""
         self.l1.check_integrity()
-        pins: dict[int, int] = {}
-        held = len(self._loading)
-        for s in self.sessions:
-            assert s.reserved or s.pinned or s.job is not None, "an open session holds nothing"
-            assert s.open
-            for obj in s.pinned:
-                pins[id(obj)] = pins.get(id(obj), 0) + 1
-            for obj in s.reserved.values():
-                assert self.l1.reservation(obj.key) is obj, "a session's reservation is not the key's"
-            held += len(s.reserved)
-        for q in self.sessions.quarantine.values():
-            held += len(q.objs)
-        for s in self._ending:
-            held += len(s.reserved)
-            for obj in s.pinned:
-                pins[id(obj)] = pins.get(id(obj), 0) + 1
+        pins, held = self.sessions.holdings()
+        held += len(self._loading)
         for lane in self.lanes:
             lane.check_integrity()
             if lane.pinned is not None:

@@ -25,7 +25,7 @@ from kvdock.errors import SessionError
 from kvdock.keys import ObjectKey
 from kvdock.shm.segment import process_alive
 from kvdock.shm.slots import aligned
-from kvdock.storage.memory import L1Object
+from kvdock.storage.memory import L1Object, L1Store
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,16 @@ class Session:
 
 
 @dataclass(eq=False)
+class PrefetchJob:
+    """A prefetch filling a session's pinned run from the lower tiers (run by the manager)."""
+
+    session: Session
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: bool = False
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass(eq=False)
 class Quarantined:
     client_id: str
     session_id: str
@@ -65,15 +75,17 @@ class Quarantined:
 
 
 class SessionTable:
-    """Open sessions and quarantined slots, keyed by (client id, session id). Not thread-safe:
-    the event loop only. Releasing pins and slots is the manager's job; this table only decides
-    who holds what and when a lease ran out."""
+    """Open sessions and quarantined slots, keyed by (client id, session id): the one owner of
+    every pin and reservation a client holds, and the only code that releases them. Not
+    thread-safe: the event loop only."""
 
-    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, l1: L1Store, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._l1 = l1
         self.ttl = ttl
         self._clock = clock
         self._open: dict[tuple[str, str], Session] = {}
         self.quarantine: dict[tuple[str, str], Quarantined] = {}
+        self._ending: set[Session] = set()  # ended while busy: released when their work is over
         self.expired = 0
 
     def __len__(self) -> int:
@@ -118,6 +130,107 @@ class SessionTable:
         """Sessions whose lease ran out and that are not busy."""
         now = self._clock()
         return [s for s in self._open.values() if s.deadline < now and not s.busy]
+
+    # --- ends --------------------------------------------------------------------------------
+
+    def hold(self, session: Session) -> None:
+        """Server-side work for ``session`` starts: its lease waits, and its pins and slots stay
+        until :meth:`unhold`, even if the session is ended meanwhile."""
+        session.busy += 1
+
+    def unhold(self, session: Session) -> None:
+        session.busy -= 1
+        if not session.busy and session in self._ending:
+            self._ending.remove(session)
+            self._release(session, quarantine=bool(session.release_pending))
+
+    def end(self, client_id: str, session_id: str) -> bool:
+        """The client ended a session (or a handler aborts it): abort its reservations, release
+        its pins and any slots quarantined for it. False if there was no such session."""
+        released = self.release_quarantine(client_id, session_id)
+        session = self.pop(client_id, session_id)
+        if session is None:
+            for ending in self._ending:  # ended already (its client closed) but still busy
+                if (ending.client_id, ending.session_id) == (client_id, session_id):
+                    ending.release_pending = False  # its copy is over: free, not quarantine
+                    return True
+            return released
+        self._end(session, quarantine=False)
+        return True
+
+    def end_client(self, client_id: str) -> int:
+        """End every session of a client that closed or was forgotten. Slots its process may still
+        be writing (another thread of it) are quarantined, not freed. Returns how many."""
+        mine = self.of_client(client_id)
+        for s in mine:
+            self.pop(s.client_id, s.session_id)
+            self._end(s, quarantine=True)
+        return len(mine)
+
+    def expire(self) -> int:
+        """End every session whose lease ran out (not busy ones); returns how many."""
+        dead = self.due()
+        for s in dead:
+            self.pop(s.client_id, s.session_id)
+            self._end(s, quarantine=True)
+        self.expired += len(dead)
+        return len(dead)
+
+    def reap_quarantine(self) -> int:
+        """Free the quarantined slots of writers whose process is gone; returns how many slots."""
+        gone = [q for q in self.quarantine.values() if not q.writer.alive()]
+        for q in gone:
+            self.release_quarantine(q.client_id, q.session_id)
+        return sum(len(q.objs) for q in gone)
+
+    def release_quarantine(self, client_id: str, session_id: str) -> bool:
+        """Free the slots quarantined for a session (its writer is done); False if none were."""
+        q = self.quarantine.pop((client_id, session_id), None)
+        for obj in q.objs if q else []:
+            self._l1.abort(obj)
+        return q is not None
+
+    def _end(self, session: Session, quarantine: bool) -> None:
+        if isinstance(session.job, PrefetchJob):
+            session.job.cancelled = True
+        if session.busy:
+            session.release_pending = quarantine
+            self._ending.add(session)
+        else:
+            self._release(session, quarantine)
+
+    def _release(self, session: Session, quarantine: bool) -> None:
+        if quarantine and session.writer is not None and session.reserved:
+            objs = list(session.reserved.values())
+            for obj in objs:
+                self._l1.detach(obj)
+            key = (session.client_id, session.session_id)
+            self.quarantine[key] = Quarantined(session.client_id, session.session_id, session.writer, objs)
+        else:
+            for obj in session.reserved.values():
+                self._l1.abort(obj)
+        for obj in session.pinned:
+            self._l1.unpin(obj)
+        session.reserved.clear()
+        session.pinned.clear()
+
+    def holdings(self) -> tuple[dict[int, int], int]:
+        """For integrity checks: pins per object id, and the number of reservations, held by open,
+        ending and quarantined sessions (asserting the sessions' own invariants)."""
+        pins: dict[int, int] = {}
+        held = 0
+        for s in self._open.values():
+            assert s.reserved or s.pinned or s.job is not None, "an open session holds nothing"
+            assert s.open
+            for obj in s.reserved.values():
+                assert self._l1.reservation(obj.key) is obj, "a session's reservation is not the key's"
+        for s in (*self._open.values(), *self._ending):
+            held += len(s.reserved)
+            for obj in s.pinned:
+                pins[id(obj)] = pins.get(id(obj), 0) + 1
+        for q in self.quarantine.values():
+            held += len(q.objs)
+        return pins, held
 
     def quarantined_bytes(self) -> int:
         """Pool bytes (whole slots) held in quarantine."""

@@ -4,19 +4,23 @@ memory, a StorageManager, a DiskTier in a temporary directory and, when asked, a
 from __future__ import annotations
 
 import asyncio
+import struct
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import msgspec
+
 from kvdock.keys import ObjectKey
 from kvdock.shm.slots import ALIGN, SlotAllocator
+from kvdock.storage import objfile
 from kvdock.storage.disk import DiskTier
 from kvdock.storage.lane import TierLane
 from kvdock.storage.manager import StorageManager
 from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.redis import RedisTier
 from kvdock.storage.sessions import Session
-from kvdock.storage.tier import ObjectLayout
+from kvdock.storage.tier import Head, ObjectLayout
 
 SHAPE = [2, 3, 16, 10]
 NB = 2 * 3 * 16 * 10 * 4  # float32 KV_2LTD chunk: 3840 bytes, one 4 KiB slot
@@ -37,16 +41,50 @@ def layout_of(model: str) -> ObjectLayout | None:
     return LAYOUT if model == "tiny" else None
 
 
+def head(obj: L1Object) -> Head:
+    """An L1 object's place in its version chain, as a tier reports it."""
+    return Head(obj.version, obj.parent)
+
+
+class _LegacyHeader(msgspec.Struct, array_like=True):
+    """The object header as written before version chains: no version, no parent."""
+
+    model: str
+    rank: int
+    salt: str
+    chunk: bytes
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    checksum: bytes
+
+
+def legacy_header(key: ObjectKey, dtype: str, shape: list[int], data: bytes) -> bytes:
+    """The padded header block of an object written before version chains (8 fields)."""
+    body = msgspec.msgpack.encode(
+        _LegacyHeader(key.model, key.rank, key.salt, key.chunk, dtype, shape, len(data), objfile.checksum(data))
+    )
+    raw = struct.pack("<8sI", objfile.MAGIC, len(body)) + body
+    return raw + b"\0" * (-len(raw) % ALIGN)
+
+
 class World:
-    """L1 (``slots`` slots of real memory) + manager + L2 in tmp_path + optional L3."""
+    """L1 (``slots`` slots of real memory) + manager + L2 in tmp_path + optional L3. ``preloaded``:
+    how many objects the start-up scan of L2 must find (files a previous run left there)."""
 
     def __init__(
-        self, tmp_path: Path, slots: int = 8, disk_files: int = 32, redis_url: str | None = None, disk: bool = True
+        self,
+        tmp_path: Path,
+        slots: int = 8,
+        disk_files: int = 32,
+        redis_url: str | None = None,
+        disk: bool = True,
+        preloaded: int = 0,
     ) -> None:
         self.mem = bytearray(slots * ALIGN)
         self.l1 = L1Store(SlotAllocator(0, slots * ALIGN), memory=memoryview(self.mem))
         self.disk = DiskTier(tmp_path / "l2", capacity=disk_files * FILE) if disk else None
-        assert self.disk is None or self.disk.scan().loaded == 0
+        assert self.disk is None or self.disk.scan().loaded == preloaded
         self.redis = RedisTier(redis_url, timeout=2.0) if redis_url else None
         self.lanes = {t.name: TierLane(t, self.l1) for t in (self.disk, self.redis) if t is not None}
         self.mgr = StorageManager(self.l1, 60.0, list(self.lanes.values()), layout_of)
@@ -55,17 +93,23 @@ class World:
     def check(self) -> None:
         self.mgr.check_integrity()
 
-    def store(self, keys: list[ObjectKey], version: int = 0, overwrite: bool = False) -> list[L1Object]:
-        """Store ``keys`` (all new, or overwritten) through the manager: prepare, fill, commit.
-        Must run in the event loop."""
+    def store(
+        self, keys: list[ObjectKey], version: int = 0, overwrite: bool = False, deduped: int = 0
+    ) -> list[L1Object]:
+        """Store the prefix ``keys`` through the manager: prepare, fill, commit. Its first
+        ``deduped`` chunks must be found stored already (the prefix it extends), every other chunk
+        is written. Returns the written objects. Must run in the event loop."""
         assert not overwrite, "an overwrite waits for its deletions: use store_async"
         self._sid += 1
         sid = f"store-{self._sid}"
         plan = self.mgr.prepare_store("c", sid, keys, NB, overwrite)
-        assert plan.pool_full == 0 and len(plan.slots) == len(keys), plan
+        assert (plan.deduped, plan.in_flight, plan.pool_full) == (deduped, 0, 0), plan
+        assert [i for i, _ in plan.slots] == list(range(deduped, len(keys))), plan
         for i, obj in plan.slots:
             self.l1.view(obj)[:] = payload(keys[i], version)
         self.check()
+        if not plan.slots:
+            return []
         assert self.mgr.commit_store("c", sid, [i for i, _ in plan.slots]) == len(plan.slots)
         self.check()
         return [obj for _, obj in plan.slots]

@@ -204,3 +204,20 @@ def test_status_shows_the_client_count_and_no_client_id(server) -> None:
     assert server.get("/status")["clients"] == 0
     cfg = server.get("/config")
     assert (cfg["client_ttl"], cfg["max_request_tokens"]) == (300.0, 1048576)
+
+
+def test_a_client_that_hangs_up_on_expect_100_continue_logs_no_traceback(server) -> None:
+    request = b"GET /status HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 10\r\n\r\n"
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=5) as s:
+            s.sendall(request)
+            s.shutdown(socket.SHUT_WR)
+            try:
+                while s.recv(65536):
+                    pass
+            except OSError:
+                pass
+    time.sleep(0.3)
+    assert server.text("/healthz") == "ok"  # still serving
+    log = server.log()
+    assert "Traceback" not in log, log[log.find("Traceback") - 200 :][:1500]

@@ -192,3 +192,188 @@ def test_crash_consistency_under_concurrent_overwrites(tmp_path: Path) -> None:
         assert found >= 5  # and restarts found data on disk to check
     finally:
         srv.stop()
+
+
+
+def test_prepare_retrieve_of_a_prefetch_session_never_returns_an_overwritten_version(make_server) -> None:
+    srv = make_server()
+    tokens = make_tokens(2 * CHUNK)
+    whole = normalize_tokens(tokens).tobytes()
+    old, new = make_kv(2 * CHUNK, seed=1), make_kv(2 * CHUNK, seed=2)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as ctx:
+        assert ctx.transport == "shm"
+        assert kvd.store(ctx, old, tokens)
+        assert ctx.call(m.Lookup(ctx.client_id, whole, "", True, "p")).reply.hit_tokens == 2 * CHUNK
+        assert kvd.store(ctx, new, tokens, overwrite=True)  # acknowledged
+        resp = ctx.call(m.PrepareRetrieve(ctx.client_id, "p", whole))  # sent after the acknowledgement
+        slots = resp.reply.slots
+        hit = len(slots) * CHUNK
+        out = torch.empty_like(new)
+        with ctx.transfer() as t:
+            t.read(slots, resp.buffers(), out[:, :, :hit])
+        ctx.notify(m.CommitRetrieve(ctx.client_id, "p"))
+        assert hit == 0 or torch.equal(out[:, :, :hit], new[:, :, :hit]), "the overwritten version came back"
+
+
+def _clear_l1(srv) -> None:
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(srv.http_url + "/admin/clear?tier=l1", method="POST")).read()
+
+
+import pytest  # noqa: E402  (appended: the imports above are edited concurrently)
+
+
+def test_overwriting_a_prefix_leaves_no_longer_prefix_of_mixed_versions(make_server) -> None:
+    """The chunks that extend an overwritten prefix were computed attending over its older
+    version: a longer prompt must not retrieve the new chunk 0 followed by them."""
+    srv = make_server()
+    tokens = make_tokens(3 * CHUNK)
+    old, new = make_kv(3 * CHUNK, seed=1), make_kv(3 * CHUNK, seed=2)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert kvd.store(c, old, tokens)
+        assert kvd.store(c, new[:, :, :CHUNK], tokens[:CHUNK], overwrite=True)  # an edit of chunk 0
+        got = versions_of(kvd.retrieve(c, tokens), {1: old, 2: new})
+        assert kvd.check_server_integrity(c) == []
+        assert len(set(got)) <= 1, f"versions {got}: new chunk 0, then chunks computed over the old one"
+
+
+def test_a_plain_store_never_replaces_a_chunk_that_only_l2_holds(make_server, tmp_path: Path) -> None:
+    srv = make_server("--disk-dir", str(tmp_path / "l2"))
+    tokens = make_tokens(2 * CHUNK)
+    old, new = make_kv(2 * CHUNK, seed=1), make_kv(2 * CHUNK, seed=2)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert kvd.store(c, old, tokens)
+        assert kvd.store(c, new, tokens, overwrite=True)  # acknowledged
+        wait_for(lambda: l2(srv)["writes"] >= 2 and srv.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, "L2")
+        _clear_l1(srv)
+        assert versions_of(kvd.retrieve(c, tokens[:CHUNK]), {1: old, 2: new}) == [2]  # chunk 0 back in L1
+        assert kvd.lookup(c, tokens) == 2 * CHUNK  # chunk 1: in L2, counted as cached
+        stored = kvd.store(c, old, tokens)  # an engine saving KV it computed before the overwrite
+        got = versions_of(kvd.retrieve(c, tokens), {1: old, 2: new})
+        assert kvd.check_server_integrity(c) == []
+        assert (stored, got) == (False, [2, 2]), f"store returned {stored}; versions now {got}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an overwrite deletes the older version from the shared L3, but another server that "
+    "stored that version earlier still has its write-down queued: it lands after the deletion "
+    "and the overwriting server later loads the old version back from L3",
+)
+def test_an_overwrite_is_not_undone_by_another_servers_queued_write_down(make_server, redis_server) -> None:
+    s1 = make_server("--redis-url", redis_server.url)
+    s2 = make_server("--redis-url", redis_server.url)
+    tokens = make_tokens(2 * CHUNK, start=5_000_000)
+    old, new = make_kv(2 * CHUNK, seed=1), make_kv(2 * CHUNK, seed=2)
+    with (
+        kvd.connect(s1.url, s1.http_url, MODEL, timeout=30) as c1,
+        kvd.connect(s2.url, s2.http_url, MODEL, timeout=30) as c2,
+    ):
+        backlog = make_tokens(8000 * CHUNK, start=10_000_000)
+        assert kvd.store(c2, make_kv(8000 * CHUNK, seed=3), backlog)  # S2's L3 write-downs queue up
+        assert kvd.store(c2, old, tokens)  # acknowledged on S2; its write-down is last in the queue
+        assert kvd.store(c1, new, tokens, overwrite=True)  # acknowledged on S1
+        assert s2.get("/status")["tiers"]["l3"]["backlog_bytes"] > 0  # S2's old version not written yet
+        for s in (s1, s2):
+            wait_for(lambda s=s: s.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, "L3 write-downs", 60)
+        _clear_l1(s1)
+        got = versions_of(kvd.retrieve(c1, tokens), {1: old, 2: new})
+        assert kvd.check_server_integrity(c1) == [] and kvd.check_server_integrity(c2) == []
+        assert set(got) <= {2}, f"S1 returns versions {got} after its acknowledged overwrite"
+
+
+def test_a_plain_store_never_replaces_a_chunk_that_only_l3_holds(make_server, redis_server) -> None:
+    srv = make_server("--redis-url", redis_server.url)  # no L2
+    tokens = make_tokens(2 * CHUNK)
+    old, new = make_kv(2 * CHUNK, seed=1), make_kv(2 * CHUNK, seed=2)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert kvd.store(c, old, tokens)
+        assert kvd.store(c, new, tokens, overwrite=True)  # acknowledged
+        wait_for(lambda: srv.get("/status")["tiers"]["l3"]["writes"] >= 2, "the new version in Redis")
+        wait_for(lambda: srv.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, "the write-downs")
+        _clear_l1(srv)
+        assert versions_of(kvd.retrieve(c, tokens[:CHUNK]), {1: old, 2: new}) == [2]  # chunk 0 back in L1
+        assert kvd.lookup(c, tokens) == 2 * CHUNK  # chunk 1: in L3, counted as cached
+        stored = kvd.store(c, old, tokens)  # an engine saving KV it computed before the overwrite
+        got = versions_of(kvd.retrieve(c, tokens), {1: old, 2: new})
+        assert kvd.check_server_integrity(c) == []
+        assert (stored, got) == (False, [2, 2]), f"store returned {stored}; versions now {got}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a plain store dedups its leading chunks by key and chains the chunks it writes onto "
+    "whatever version L1 holds: after an overwrite whose later chunks were evicted, a store of KV "
+    "computed before the overwrite (its chunk 1 attended over the old chunk 0) extends the new "
+    "chunk 0, a prefix of mixed versions that no tier check can see",
+)
+def test_a_plain_store_of_kv_computed_before_an_overwrite_never_extends_the_new_version(make_server) -> None:
+    srv = make_server(l1_size="32KiB")  # 8 slots, no lower tier
+    tokens = make_tokens(2 * CHUNK)
+    old, new = make_kv(2 * CHUNK, seed=1), make_kv(2 * CHUNK, seed=2)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert kvd.store(c, old, tokens)  # an engine's KV
+        assert kvd.store(c, new, tokens, overwrite=True)  # an edit, acknowledged
+        assert versions_of(kvd.retrieve(c, tokens[:CHUNK]), {1: old, 2: new}) == [2]  # chunk 0: most recent
+        for k in range(7):  # fill the pool: LRU evicts chunk 1 (only)
+            assert kvd.store(c, make_kv(CHUNK, seed=100 + k), make_tokens(CHUNK, start=10**6 + k * 1000))
+        assert kvd.lookup(c, tokens) == CHUNK
+        kvd.store(c, old, tokens)  # the engine saves the KV it computed before the edit
+        got = versions_of(kvd.retrieve(c, tokens), {1: old, 2: new})
+        assert kvd.check_server_integrity(c) == []
+        assert len(set(got)) <= 1, f"versions {got}: the new chunk 0, then a chunk computed over the old one"
+
+
+def test_a_prefetch_waiting_on_another_load_never_mixes_in_a_version_committed_meanwhile(
+    make_server, tmp_path: Path
+) -> None:
+    """Regression (found with real processes): retrieve B pinned chunk 0 (old) and waited on
+    retrieve A's disk read of chunk 1; an overwrite of both chunks was acknowledged meanwhile; when
+    A's read ended, B took the new chunk 1 from L1 and returned old chunk 0 + new chunk 1. A FIFO
+    in place of chunk 1's file stands for a disk read that stalls."""
+    import os
+    import urllib.request
+
+    from kvdock.keys import ObjectKey, chunk_hashes
+    from kvdock.storage.disk import object_name
+
+    disk = tmp_path / "l2"
+    srv = make_server("--disk-dir", str(disk))
+    tokens = make_tokens(2 * CHUNK)
+    old, new = make_kv(2 * CHUNK, seed=1), make_kv(2 * CHUNK, seed=2)
+    name = object_name(ObjectKey(MODEL, 0, "", chunk_hashes(normalize_tokens(tokens), CHUNK)[1]))
+    path, handle = disk / name[:2] / f"{name}.kv", disk / "fifo-handle"
+    got: dict[str, torch.Tensor | None] = {}
+    with (
+        kvd.connect(srv.url, srv.http_url, MODEL, timeout=20) as a,
+        kvd.connect(srv.url, srv.http_url, MODEL, timeout=20) as b,
+        kvd.connect(srv.url, srv.http_url, MODEL, timeout=20) as c,
+    ):
+        assert kvd.store(c, old, tokens)
+        wait_for(lambda: l2(srv)["writes"] == 2 and srv.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, "L2")
+        urllib.request.urlopen(urllib.request.Request(srv.http_url + "/admin/clear?tier=l1", method="POST")).read()
+        assert versions_of(kvd.retrieve(c, tokens[:CHUNK]), {1: old}) == [1]  # chunk 0 in L1, chunk 1 on disk
+        path.unlink()
+        os.mkfifo(path)  # reading chunk 1 now blocks in open() until a writer comes
+        os.link(path, handle)
+        readers = [
+            threading.Thread(target=lambda k=k, x=x: got.__setitem__(k, kvd.retrieve(x, tokens)))
+            for k, x in (("a", a), ("b", b))
+        ]
+        try:
+            readers[0].start()
+            wait_for(lambda: srv.get("/status")["sessions"] == 1, "A's retrieve")
+            time.sleep(0.3)  # A's read of chunk 1 is stuck
+            readers[1].start()  # B pins chunk 0 and waits for A's load of chunk 1
+            wait_for(lambda: srv.get("/status")["sessions"] == 2, "B's retrieve")
+            time.sleep(0.3)
+            assert kvd.store(c, new, tokens, overwrite=True)  # acknowledged while both wait
+        finally:
+            os.close(os.open(handle, os.O_WRONLY | os.O_NONBLOCK))  # A's read ends (with an error)
+            for t in readers:
+                t.join(20)
+        assert kvd.check_server_integrity(c) == []
+        for k in ("a", "b"):
+            versions = versions_of(got[k], {1: old, 2: new})
+            assert len(set(versions)) <= 1, f"retrieve {k} returned versions {versions}"

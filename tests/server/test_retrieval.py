@@ -83,3 +83,42 @@ def test_inline_retrieve_is_a_private_copy(make_server) -> None:
         assert torch.equal(kvd.retrieve(c, tokens), new)
         assert srv.get("/status")["sessions"] == 0  # inline reads hold no session after the reply
         assert kvd.check_server_integrity(c) == []
+
+
+
+BIG = {"num_layers": 8, "num_kv_heads": 8, "head_dim": 256}  # one chunk of 16 tokens: 1 MiB
+
+
+def test_pipelined_retrieves_of_a_client_that_never_reads_stay_under_the_unsent_cap(make_server) -> None:
+    srv = make_server(l1_size="192MiB", register=None)
+    kvd.register_model(srv.url, srv.http_url, "big", dtype="bfloat16", **BIG, timeout=10)
+    tokens = make_tokens(128 * CHUNK)  # 128 MiB per reply
+    reply = 128 * 2**20
+    with kvd.connect(srv.url, srv.http_url, "big", timeout=30) as c:
+        d = BIG["num_kv_heads"] * BIG["head_dim"]
+        assert kvd.store(c, torch.ones(2, BIG["num_layers"], len(tokens), d, dtype=torch.bfloat16), tokens)
+        child = subprocess.Popen(
+            [sys.executable, "-c", STALLED, srv.url, "big", "14"],  # 14 retrieves, sent at once
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        peak = 0
+        try:
+            assert child.stdin is not None and child.stdout is not None
+            child.stdin.write(normalize_tokens(tokens).tobytes().hex())
+            child.stdin.close()
+            assert child.stdout.readline().strip() == "inline"
+            deadline = time.monotonic() + 8
+            while time.monotonic() < deadline and peak <= 2**30 + reply:
+                peak = max(peak, srv.get("/status")["l1"]["unsent_reply_bytes"])
+                time.sleep(0.1)
+        finally:
+            child.kill()
+            child.wait()
+        deadline = time.monotonic() + 20
+        while srv.get("/status")["l1"]["unsent_reply_bytes"]:  # dropped with the peer
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert kvd.check_server_integrity(c) == []
+    assert peak <= 2**30 + reply, f"{peak / 2**30:.2f} GiB of replies held for one client that reads nothing"

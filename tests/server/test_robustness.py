@@ -101,3 +101,48 @@ def test_shm_client_cannot_claim_shm_without_proof(server) -> None:
         assert reply.transport == "inline"
     finally:
         c.close()
+
+
+def _nested_ping(depth: int) -> bytes:
+    """A request map whose first field holds ``depth`` nested arrays, followed by its tag."""
+    enc = msgspec.msgpack.encode
+    return b"\x82" + enc("junk") + b"\x91" * depth + b"\xc0" + enc("type") + enc("Ping")
+
+
+def test_a_deeply_nested_request_gets_an_error_reply(server, ctx, dealer) -> None:
+    dealer.setsockopt(zmq.RCVTIMEO, 3000)
+    dealer.send_multipart([b"deep", _nested_ping(5000)])
+    try:
+        frames: list[bytes] | None = dealer.recv_multipart()
+    except zmq.Again:
+        frames = None
+    assert kvd.lookup(ctx, make_tokens(CHUNK)) == 0  # everyone else is still served
+    assert kvd.check_server_integrity(ctx) == []
+    assert frames is not None, "no reply at all to a malformed request"
+    assert frames[0] == b"deep"
+    reply = decode_reply(frames[1])
+    assert isinstance(reply, m.Error) and reply.code == "malformed", reply
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_frame_larger_than_any_request_is_not_buffered(make_server) -> None:
+    srv = make_server(l1_size="16MiB")  # no request needs a frame much over the pool's size
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(srv.url)
+    try:
+        before = _peak_rss(srv.proc.pid)
+        sock.send_multipart([b"big", bytes(512 * 2**20)], copy=False)
+        sock.poll(10_000)  # a reply (the frame was buffered and decoded) or nothing (dropped)
+        grew = _peak_rss(srv.proc.pid) - before
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:  # still serving
+            assert kvd.check_server_integrity(c) == []
+        assert grew < 256 * 2**20, f"the server buffered a {grew / 2**20:.0f} MiB junk frame"
+    finally:
+        sock.close()
+        zctx.term()

@@ -384,7 +384,8 @@ def test_inline_retrieve_after_a_prefetch_wait_survives_an_overwrite_of_a_pinned
     """Regression: an inline PrepareRetrieve waited for a prefetch while another client overwrote
     a chunk that the session had already pinned (the old version is retired, still pinned); when
     the wait ended the reply pinned the retired object again, L1Store.pin asserted ``live``, and
-    the client got Error("internal") instead of the KV that was pinned and intact."""
+    the client got Error("internal"). Now the reply is a clean miss: the overwrite was
+    acknowledged before it, so the older version must not be handed out."""
     import asyncio
 
     from kvdock.keys import normalize_tokens
@@ -418,12 +419,118 @@ def test_inline_retrieve_after_a_prefetch_wait_survives_an_overwrite_of_a_pinned
             assert committed.message == m.StoreCommitted(1)
             gate.set()
             reply = await asyncio.wait_for(task, 10)
-            assert isinstance(reply.message, m.RetrievePrepared), f"retrieve failed: {reply.message}"
-            assert len(reply.message.slots) == 2
-            assert b"".join(bytes(f) for f in reply.frames) == bytes(frame) * 2  # what was pinned
+            assert reply.message == m.RetrievePrepared([]) and not reply.frames
             await until(lambda: srv.lane.idle)
             srv.mgr.check_integrity()
         finally:
             srv.close()
 
     asyncio.run(main())
+
+
+def test_a_second_inline_commit_store_of_a_session_is_refused() -> None:
+    import asyncio
+
+    from helpers import GEOMETRY
+    from kvdock import keys as keymod
+    from kvdock.config import ServerConfig
+    from kvdock.keys import normalize_tokens
+    from kvdock.protocol import messages as m
+    from kvdock.sdk.registration import make_layout
+    from kvdock.server import dispatch
+    from kvdock.server.launch import build_state
+
+    state = build_state(ServerConfig(chunk_size=CHUNK, l1_size=4 * 4096, no_shm=True, no_disk=True))  # 4 slots
+    try:
+        state.registry.register_model(make_layout(MODEL, dtype="bfloat16", **GEOMETRY))
+
+        def register(name: str) -> str:
+            reply = dispatch.handle(state, m.RegisterClient(m.PROTOCOL_VERSION, name, MODEL, 0), []).message
+            assert reply.transport == "inline"
+            return reply.client_id
+
+        a, b = register("a"), register("b")
+        nb = state.registry.models[MODEL].slot_nbytes
+        tb = list(range(1000, 1000 + CHUNK))
+        kb = keymod.ObjectKey(MODEL, 0, "", keymod.chunk_hashes(normalize_tokens(tb), CHUNK)[0])
+
+        async def main() -> bytes:
+            ta = normalize_tokens(list(range(4 * CHUNK))).tobytes()
+            assert len(dispatch.handle(state, m.PrepareStore(a, "s", ta), []).message.slots) == 4
+            one = [memoryview(b"\x11" * nb)]
+            four = [memoryview(b"\x22" * nb) for _ in range(4)]
+            first = asyncio.ensure_future(dispatch.handle(state, m.CommitStore(a, "s", [0]), one))
+            # a second commit of the same session while the first one's copy runs would copy into
+            # slots the first may free when it commits: it is refused at once
+            second = dispatch.handle(state, m.CommitStore(a, "s", [0, 1, 2, 3]), four)
+            assert second.message == m.Error("session", "session 's' is already being committed")
+            assert (await first).message == m.StoreCommitted(1)
+            # client b: the pool is full, a's committed chunk 0 is evicted and its slot is b's now
+            prep = dispatch.handle(state, m.PrepareStore(b, "t", normalize_tokens(tb).tobytes()), []).message
+            assert len(prep.slots) == 1, prep
+            done = dispatch.handle(state, m.CommitStore(b, "t", [0]), [memoryview(b"\x33" * nb)])
+            assert (await done).message == m.StoreCommitted(1)
+            obj = state.manager.l1.get(kb)
+            assert obj is not None
+            return bytes(state.manager.l1.view(obj))
+
+        got = asyncio.run(main())
+        assert got == b"\x33" * nb, "client b's committed object holds client a's bytes"
+    finally:
+        state.manager.close()
+        state.copier.shutdown(wait=True)
+        state.segment.close()
+
+
+def _quarantine_drains(srv, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while srv.get("/status")["l1"]["quarantined_bytes"]:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_close_during_a_store_leaves_no_quarantine_behind(make_server) -> None:
+    from kvdock.errors import KVCacheSDKError
+
+    srv = make_server()
+    ctx = kvd.connect(srv.url, srv.http_url, MODEL, timeout=5)
+    assert ctx.transport == "shm"
+    real = ctx.transfer
+
+    def closed_by_another_thread():  # type: ignore[no-untyped-def]
+        ctx.close()
+        return real()
+
+    ctx.transfer = closed_by_another_thread  # type: ignore[method-assign]
+    with pytest.raises(KVCacheSDKError, match="closed"):
+        kvd.store(ctx, make_kv(4 * CHUNK), make_tokens(4 * CHUNK))  # nothing was copied
+    assert _quarantine_drains(srv, 5.0), srv.get("/status")["l1"]
+
+
+def test_a_reregistration_during_a_copy_leaves_no_quarantine_behind(make_server, monkeypatch) -> None:
+    import threading
+
+    from kvdock.errors import KVCacheSDKError
+    from kvdock.sdk.transfer import ShmTransfer
+
+    srv = make_server("--client-ttl", "1")
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as ctx:
+        assert ctx.transport == "shm"
+        old_id = ctx.client_id
+        real = ShmTransfer.write
+
+        def slow_write(self, slots, kv):  # type: ignore[no-untyped-def]
+            time.sleep(2.5)  # a slow copy: the client's lease runs out, its store session is quarantined
+            other = threading.Thread(target=kvd.lookup, args=(ctx, make_tokens(CHUNK, start=9000)))
+            other.start()  # another thread registers again
+            other.join()
+            return real(self, slots, kv)
+
+        monkeypatch.setattr(ShmTransfer, "write", slow_write)
+        with pytest.raises(KVCacheSDKError):
+            kvd.store(ctx, make_kv(4 * CHUNK), make_tokens(4 * CHUNK))
+        monkeypatch.setattr(ShmTransfer, "write", real)
+        assert ctx.client_id != old_id
+        assert _quarantine_drains(srv, 5.0), srv.get("/status")["l1"]

@@ -261,3 +261,97 @@ def test_a_hung_redis_never_delays_lease_expiry(make_server, redis_server) -> No
         finally:
             redis_server.proc.send_signal(signal.SIGCONT)
         assert kvd.check_server_integrity(c) == []
+
+
+def test_lookups_queued_while_redis_hangs_wait_one_timeout_not_one_each(make_server, redis_server) -> None:
+    import threading
+
+    srv = make_server("--redis-url", redis_server.url)
+    ctxs = [kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) for _ in range(3)]
+    took: dict[int, float] = {}
+
+    def lookup(i: int) -> None:
+        t0 = time.monotonic()
+        assert kvd.lookup(ctxs[i], make_tokens(2 * CHUNK, start=100_000 * (i + 1))) == 0  # L1 misses
+        took[i] = time.monotonic() - t0
+
+    try:
+        assert kvd.store(ctxs[0], make_kv(2 * CHUNK), make_tokens(2 * CHUNK))
+        wait_written(srv, "l3", 2)
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            threads = [threading.Thread(target=lookup, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            assert kvd.lookup(ctxs[0], make_tokens(2 * CHUNK)) == 2 * CHUNK  # L1 hits never wait
+            assert time.monotonic() - t0 < 1.0
+            for t in threads:
+                t.join(40)
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        assert len(took) == 3
+        assert kvd.check_server_integrity(ctxs[0]) == []
+        assert max(took.values()) < 8.0, f"lookup latencies with Redis stopped: {sorted(took.values())}"
+    finally:
+        for c in ctxs:
+            c.close()
+
+
+def _idle_http_connections(srv: ServerProc, n: int) -> list:
+    import socket
+
+    return [socket.create_connection(("127.0.0.1", srv.http_port), timeout=5) for _ in range(n)]
+
+
+def test_running_out_of_file_descriptors_never_deletes_good_l2_files(make_server, tmp_path: Path) -> None:
+    import os
+    import resource
+
+    disk = tmp_path / "l2"
+    srv = make_server("--disk-dir", str(disk))
+    tokens, kv = make_tokens(2 * CHUNK), make_kv(2 * CHUNK, seed=1)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert kvd.store(c, kv, tokens)
+        wait_written(srv, "l2", 2)
+        import urllib.request
+
+        urllib.request.urlopen(urllib.request.Request(srv.http_url + "/admin/clear?tier=l1", method="POST")).read()
+        assert len(list(disk.glob("*/*.kv"))) == 2  # only L2 holds the prefix now
+        limits = resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE)
+        fds = f"/proc/{srv.proc.pid}/fd"
+        resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE, (len(os.listdir(fds)) + 20, limits[1]))
+        socks = _idle_http_connections(srv, 60)  # the server accepts them until it has no descriptor left
+        try:
+            time.sleep(0.5)
+            in_use = {int(fd) for fd in os.listdir(fds)}
+            lowest_free = min(set(range(max(in_use) + 2)) - in_use)
+            resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE, (lowest_free, limits[1]))  # none left, surely
+            kvd.retrieve(c, tokens)  # its L2 reads fail (a miss is fine)
+        finally:
+            for s in socks:
+                s.close()
+            resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE, limits)
+        time.sleep(1.5)  # the server accepts again (asyncio retries accept after 1 s)
+        assert kvd.check_server_integrity(c) == []
+        assert len(list(disk.glob("*/*.kv"))) == 2, "good L2 files were deleted"
+        got = kvd.retrieve(c, tokens)
+        assert got is not None and torch.equal(got, kv)
+
+
+def test_an_absurd_cache_salt_is_refused_not_written_into_every_chunk(make_server, tmp_path: Path) -> None:
+    srv = make_server("--disk-dir", str(tmp_path / "l2"))
+    tokens, kv = make_tokens(64 * CHUNK), make_kv(64 * CHUNK)
+    salt = "s" * 2**20
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=30) as c:
+        try:
+            kvd.store(c, kv, tokens, cache_salt=salt)
+        except kvd.InvalidInputError:
+            return  # refused at once: fine
+        wait_for(lambda: srv.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, "the write-downs")
+        assert kvd.check_server_integrity(c) == []
+        written = tier(srv, "l2")["bytes_written"]
+        payload = 64 * c.geometry.chunk_nbytes(CHUNK)
+        assert written < payload + 64 * 64 * 1024, f"{written / 2**20:.1f} MiB on disk for {payload // 1024} KiB of KV"

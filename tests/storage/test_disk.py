@@ -1,6 +1,6 @@
 """kvdock.storage.disk: the L2 file format on disk, atomic writes, the start-up scan, the LRU budget,
 and DiskTier's I/O API (read_into / write_from / delete / clear, called from worker threads) with
-its thread-safe index (knows / count_present)."""
+its thread-safe index (knows / heads: each object's place in its version chain, from its header)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from kvdock.storage import TIER_KINDS, objfile
 from kvdock.storage import disk as diskmod
 from kvdock.storage.disk import DiskEntry, DiskInUseError, DiskTier, NoRoom, ScanReport
 from kvdock.storage.objfile import ALIGN, CorruptObject
-from kvdock.storage.tier import ObjectLayout
+from kvdock.storage.tier import Head, ObjectLayout
 from tierworld import K as WK
-from tierworld import World, run
+from tierworld import World, legacy_header, run
 
 DTYPE = "float32"
 SHAPE = [2, 3, 16, 10]
@@ -40,30 +40,51 @@ def payload(i: int, n: int = NB) -> bytes:
     return bytes((j * 7 + i * 13) % 256 for j in range(n))
 
 
-def header(key: ObjectKey, data: bytes) -> bytes:
-    return objfile.encode_header(key, DTYPE, SHAPE, memoryview(data))
+def H(i: int) -> Head:
+    """A head for object ``i`` of a test: a nonzero version, its predecessor's as parent."""
+    return Head(1000 + i, 1000 + i - 1 if i > 1 else 0)
 
 
-def write(store: DiskTier, key: ObjectKey, data: bytes | None = None) -> DiskEntry:
-    """Write an object file beside the tier (no indexing), as a previous run of the server did."""
+NO_HEAD = Head(0, 0)  # what objects written before version chains read as
+
+
+def header(key: ObjectKey, data: bytes, head: Head = NO_HEAD) -> bytes:
+    return objfile.encode_header(key, DTYPE, SHAPE, memoryview(data), head.version, head.parent)
+
+
+def write(store: DiskTier, key: ObjectKey, data: bytes | None = None, head: Head | None = None) -> DiskEntry:
+    """Write an object file beside the tier (no indexing), as a previous run of the server did;
+    ``head`` defaults to H(i) for K(i)."""
     data = payload(key.chunk[0]) if data is None else data
+    head = H(key.chunk[0]) if head is None else head
     path = store.path_for(key)
-    size = diskmod.write_object(path, header(key, data), memoryview(data))
-    return DiskEntry(key, path, size)
+    size = diskmod.write_object(path, header(key, data, head), memoryview(data))
+    return DiskEntry(key, path, size, head)
 
 
-def put(store: DiskTier, key: ObjectKey, data: bytes | None = None) -> DiskEntry:
-    """write_from as the lane's writer thread does; checks integrity; returns the index entry."""
+def put(store: DiskTier, key: ObjectKey, data: bytes | None = None, head: Head | None = None) -> DiskEntry:
+    """write_from as the lane's writer thread does; checks integrity and that the index took the
+    header's head (H(i) for K(i) by default); returns the index entry."""
     data = payload(key.chunk[0]) if data is None else data
-    size = store.write_from(key, header(key, data), memoryview(data))
+    head = H(key.chunk[0]) if head is None else head
+    size = store.write_from(key, header(key, data, head), memoryview(data))
     assert size == ALIGN + len(data)
     store.check_integrity()
-    return store._index[key]
+    entry = store._index[key]
+    assert entry.head == head == store.knows(key)
+    return entry
 
 
 def read(store: DiskTier, key: ObjectKey) -> bytes | None:
+    """The payload of ``key`` through read_into, None on a miss; the head read_into returns must be
+    the one the file's header holds."""
     out = memoryview(bytearray(NB))
-    return bytes(out) if store.read_into(key, out, LAYOUT) else None
+    entry = store._index.get(key)
+    got = store.read_into(key, out, LAYOUT)
+    if got is None:
+        return None
+    assert entry is not None and got == entry.head, (got, entry)
+    return bytes(out)
 
 
 def files(root: Path) -> list[Path]:
@@ -114,6 +135,7 @@ def test_write_then_read_is_byte_exact(store: DiskTier) -> None:
     h = diskmod.read_object(entry.path, out)
     assert bytes(out) == data
     assert h.key == K(1) and h.dtype == DTYPE and list(h.shape) == SHAPE and h.nbytes == NB
+    assert Head(h.version, h.parent) == H(1) == entry.head
     raw = entry.path.read_bytes()
     assert raw[:8] == objfile.MAGIC and raw[ALIGN:] == data
 
@@ -125,9 +147,9 @@ def test_read_into_a_slice_of_a_larger_buffer(store: DiskTier) -> None:
     diskmod.read_object(entry.path, memoryview(pool)[ALIGN : ALIGN + NB])
     assert pool[ALIGN : ALIGN + NB] == payload(2)
     assert pool[:ALIGN] == b"\xaa" * ALIGN and pool[ALIGN + NB :] == b"\xaa" * (2 * ALIGN - NB)
-    # the same through the tier's API
-    put(store, K(3))
-    assert store.read_into(K(3), memoryview(pool)[ALIGN : ALIGN + NB], LAYOUT)
+    # the same through the tier's API, which returns the head of the file's header
+    put(store, K(3), head=Head(77, 66))
+    assert store.read_into(K(3), memoryview(pool)[ALIGN : ALIGN + NB], LAYOUT) == Head(77, 66)
     assert pool[ALIGN : ALIGN + NB] == payload(3) and pool[:ALIGN] == b"\xaa" * ALIGN
 
 
@@ -237,8 +259,25 @@ def test_scan_removes_temp_torn_and_misnamed_files(store: DiskTier) -> None:
     assert s2.scan() == ScanReport(loaded=3, torn=4, temp_files=1) == s2.last_scan
     assert files(s2.root) == sorted([*(e.path for e in good), other])
     assert len(s2) == 3 and s2.used_bytes == 3 * FILE
-    assert all(s2.knows(K(i)) for i in (1, 2, 3)) and not s2.knows(K(4)) and not s2.knows(K(5))
+    # each entry's head is the one in its file's header
+    assert [s2.knows(K(i)) for i in (1, 2, 3)] == [H(1), H(2), H(3)]
+    assert s2.knows(K(4)) is None and s2.knows(K(5)) is None
     assert s2.counters.corrupted == 4  # the torn files count as corrupted objects
+    s2.check_integrity()
+
+
+def test_scan_reads_a_file_written_before_version_chains_as_head_zero(store: DiskTier) -> None:
+    data = payload(1)
+    path = store.path_for(K(1))
+    path.parent.mkdir(exist_ok=True)
+    diskmod.write_object(path, legacy_header(K(1), DTYPE, SHAPE, data), memoryview(data))
+    write(store, K(2), head=Head(5, 0))
+    s2 = reopen(store)
+    assert s2.scan() == ScanReport(loaded=2, torn=0, temp_files=0)
+    assert s2.knows(K(1)) == Head(0, 0) and s2.knows(K(2)) == Head(5, 0)
+    assert s2.heads([K(1), K(2)]) == [Head(0, 0), Head(5, 0)]
+    out = memoryview(bytearray(NB))
+    assert s2.read_into(K(1), out, LAYOUT) == Head(0, 0) and bytes(out) == data
     s2.check_integrity()
 
 
@@ -340,7 +379,8 @@ def test_write_from_replaces_an_older_version(tmp_path: Path) -> None:
     try:
         put(s, K(1))
         put(s, K(2))
-        put(s, K(1), payload(42, NB + 5))  # a different size to see the accounting
+        put(s, K(1), payload(42, NB + 5), Head(4242, 0))  # a different size to see the accounting
+        assert s.knows(K(1)) == Head(4242, 0)  # the new version's head
         assert len(s) == 2 and s.used_bytes == 2 * FILE + 5
         assert list(s._index) == [K(2), K(1)]  # the new version is most recently used
         assert s._index[K(1)].file_size == FILE + 5 == s.path_for(K(1)).stat().st_size
@@ -361,14 +401,17 @@ def test_write_that_does_not_fit_drops_the_older_version(store: DiskTier) -> Non
     store.check_integrity()
 
 
-def test_knows_and_count_present(store: DiskTier) -> None:
+def test_knows_and_heads(store: DiskTier) -> None:
+    # changed on purpose: knows() gives the object's head (None if absent) instead of a bool, and
+    # heads() (the heads of the leading run) replaces count_present
     for i in (1, 2, 4):
         put(store, K(i))
-    assert store.knows(K(1)) is True and store.knows(K(3)) is False
-    assert store.count_present([]) == 0
-    assert store.count_present([K(1), K(2), K(3), K(4)]) == 2
-    assert store.count_present([K(3), K(1)]) == 0
-    assert store.count_present([K(4), K(1), K(1, model="other")]) == 2
+    assert store.indexed is True
+    assert store.knows(K(1)) == H(1) and store.knows(K(2)) == Head(1002, 1001) and store.knows(K(3)) is None
+    assert store.heads([]) == []
+    assert store.heads([K(1), K(2), K(3), K(4)]) == [H(1), H(2)]
+    assert store.heads([K(3), K(1)]) == []
+    assert store.heads([K(4), K(1), K(1, model="other")]) == [H(4), H(1)]
     assert store.up() and not store.probe_due()
 
 
@@ -575,3 +618,23 @@ def test_l2_budget_holds_with_writes_queued_together(tmp_path: Path) -> None:
         assert list(w.disk._index) == [WK(3), WK(4)] and w.disk.counters.writes == 4
 
     run(tmp_path, body, disk_files=2)
+
+
+# ---------------------------------------------------------------- durability of deletions
+
+
+def test_delete_of_an_already_unlinked_file_still_syncs_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = DiskTier(tmp_path / "l2", capacity=FILE)
+    try:
+        put(s, K(1))
+        put(s, K(2))  # evicts K(1): its file is unlinked, the directory is not synced
+        assert not s.knows(K(1)) and not s.path_for(K(1)).exists()
+        synced: list[Path] = []
+        real = diskmod._fsync_dir
+        monkeypatch.setattr(diskmod, "_fsync_dir", lambda p: (synced.append(p), real(p)))
+        s.delete(K(1))  # an overwrite's durable deletion
+        assert s.path_for(K(1)).parent in synced, "delete() returned without making the unlink durable"
+    finally:
+        s.close()

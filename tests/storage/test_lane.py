@@ -17,7 +17,8 @@ import pytest
 from helpers import RedisProc
 from kvdock.storage import disk as diskmod
 from kvdock.storage import objfile
-from tierworld import FILE, NB, SHAPE, K, World, payload, run, until
+from kvdock.storage.tier import Head
+from tierworld import FILE, NB, SHAPE, K, World, head, payload, run, until
 
 KEYS = [K(i) for i in range(1, 4)]
 
@@ -35,18 +36,21 @@ def disk_bytes(w: World, key: object) -> bytes:
 def test_commit_writes_down_to_disk(tmp_path: Path) -> None:
     async def body(w: World) -> None:
         assert w.disk is not None
-        w.store(KEYS)
+        objs = w.store(KEYS)
         await w.drain()
         assert len(w.disk) == 3 and w.disk.used_bytes == 3 * FILE
         c = w.lanes["l2"].counters
         assert c is w.disk.counters
         assert (c.writes, c.bytes_written, c.write_errors, c.writes_skipped, c.deletes) == (3, 3 * FILE, 0, 0, 0)
         assert c.write_seconds > 0
-        for k in KEYS:
+        for k, obj in zip(KEYS, objs, strict=True):
             out = memoryview(bytearray(NB))
             header = diskmod.read_object(w.disk.path_for(k), out)
             assert bytes(out) == payload(k) and header.key == k
             assert header.dtype == "float32" and list(header.shape) == SHAPE
+            # the header carries the object's place in its version chain, and the index took it
+            assert Head(header.version, header.parent) == head(obj) == w.disk.knows(k)
+        assert [o.parent for o in objs] == [0, objs[0].version, objs[1].version]
         assert w.l1.lru_keys() == KEYS  # unpinned again once written
         assert w.lanes["l2"].idle and w.lanes["l2"].pinned is None
 
@@ -150,10 +154,13 @@ def test_the_header_is_computed_once_for_both_tiers(
     monkeypatch.setattr(objfile, "encode_header", counting)
 
     async def body(w: World) -> None:
-        w.store(KEYS)
+        assert w.disk is not None and w.redis is not None
+        objs = w.store(KEYS)
         await w.drain()
         assert w.lanes["l2"].counters.writes == 3 and w.lanes["l3"].counters.writes == 3
         assert calls == KEYS  # one checksum per object, not one per tier
+        # the one header carries the same head to both tiers
+        assert w.disk.heads(KEYS) == w.redis.heads(KEYS) == [head(o) for o in objs]
 
     run(tmp_path, body, redis_url=redis_server.url)
 
@@ -165,7 +172,8 @@ def test_write_delete_write_of_one_key_leaves_the_last_version(tmp_path: Path) -
     async def body(w: World) -> None:
         assert w.disk is not None
         gate = w.block()
-        w.store([K(9), K(1)], version=1)  # K9's write in flight behind the gate, v1 of K1 queued
+        w.store([K(9)])  # K9's write in flight behind the gate
+        w.store([K(1)], version=1)  # v1 of K1 queued behind it
         task = asyncio.create_task(w.store_async([K(1)], version=2, overwrite=True))  # delete, then write v2
         await until(lambda: K(1) in w.mgr._deleting)
         assert not task.done()  # the overwrite's commit waits for its deletion
@@ -274,7 +282,7 @@ def test_redis_outage_degrades_to_l2(tmp_path: Path, redis_server: RedisProc, ca
         assert (l2.writes, l3.writes, l3.write_errors, l3.writes_skipped) == (3, 0, 1, 2)
         assert "l3: write-down of " + K(1).chunk.hex()[:16] + " failed" in caplog.text
         assert not w.redis.up() and w.redis.last_error
-        w.store([K(4)])
+        w.store([*KEYS, K(4)], deduped=3)  # the prefix grows by one chunk
         await w.drain()
         assert (l2.writes, l3.writes, l3.writes_skipped) == (4, 0, 3)
         w.evict_l1([*KEYS, K(4)])
@@ -287,11 +295,11 @@ def test_redis_outage_degrades_to_l2(tmp_path: Path, redis_server: RedisProc, ca
         w.redis._retry_at = 0
         lane = w.lanes["l3"]
         assert lane.tier.probe_due()
-        await lane.on_reader(lane.tier.probe, default=None)  # what the server's probe loop does
+        await lane.on_reader(lane.tier.probe, default=None, when_down=True)  # as the server probe loop does
         assert w.redis.up()
-        w.store([K(5)])
+        (k5,) = w.store([K(5)])
         await w.drain()
-        assert l3.writes == 1 and w.redis.count_present([K(5)]) == 1
+        assert l3.writes == 1 and w.redis.heads([K(5)]) == [head(k5)]
 
     run(tmp_path, body, redis_url=redis_server.url)
 
@@ -300,15 +308,15 @@ def test_on_reader_errors_mark_the_tier_down_and_give_the_default(tmp_path: Path
     async def body(w: World) -> None:
         assert w.redis is not None
         lane = w.lanes["l3"]
-        w.store([K(1)])
+        (obj,) = w.store([K(1)])
         await w.drain()
-        assert await lane.on_reader(lane.tier.count_present, [K(1)], default=-1) == 1
+        assert await lane.on_reader(lane.tier.heads, [K(1)], default=None) == [head(obj)]
         redis_server.stop()
-        assert await lane.on_reader(lane.tier.count_present, [K(1)], default=-1) == -1
+        assert await lane.on_reader(lane.tier.heads, [K(1)], default=None) is None
         assert not w.redis.up()
         w.evict_l1([K(1)])
         assert await w.mgr.count([K(1)], 0) == 0  # a down tier is not asked
-        assert await lane.read(K(1), memoryview(bytearray(NB)), w.mgr.layout_of("tiny")) is False  # type: ignore[arg-type]
+        assert await lane.read(K(1), memoryview(bytearray(NB)), w.mgr.layout_of("tiny"), 0) is None  # type: ignore[arg-type]
         assert lane.counters.hits == 0
 
     run(tmp_path, body, redis_url=redis_server.url, disk=False)

@@ -10,6 +10,7 @@ import pytest
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
 from kvdock.storage.objfile import ALIGN, MAGIC, CorruptObject, ObjectHeader
+from tierworld import legacy_header
 
 KEY = ObjectKey("tiny", 1, "salt-a", bytes(range(32)))
 DTYPE = "float32"
@@ -36,6 +37,28 @@ def test_header_round_trip() -> None:
     assert objfile.header_size_hint(block[:12]) == ALIGN
     objfile.check(header, KEY, DTYPE, SHAPE, NBYTES)
     objfile.verify_payload(header, memoryview(data))
+
+
+def test_header_carries_version_and_parent() -> None:
+    data = payload()
+    block = objfile.encode_header(KEY, DTYPE, SHAPE, memoryview(data), 2**62 + 5, 7)
+    header, offset = objfile.decode_header(block)
+    assert (header.version, header.parent) == (2**62 + 5, 7)
+    assert header == ObjectHeader(
+        "tiny", 1, "salt-a", bytes(range(32)), DTYPE, SHAPE, NBYTES, objfile.checksum(data), 2**62 + 5, 7
+    )
+    assert offset == len(block) == ALIGN
+    end = objfile.header_end(block)  # what a reader of the head alone needs (Redis heads())
+    assert end < ALIGN and objfile.decode_header(block[:end])[0] == header
+
+
+def test_a_header_written_before_version_chains_reads_as_version_and_parent_zero() -> None:
+    data = payload()
+    block = legacy_header(KEY, DTYPE, SHAPE, data)
+    header, offset = objfile.decode_header(block)
+    assert (header.version, header.parent) == (0, 0)
+    assert header.key == KEY and header.checksum == objfile.checksum(data) and offset == ALIGN
+    objfile.check(header, KEY, DTYPE, SHAPE, NBYTES)
 
 
 def test_block_is_prefix_body_and_zero_padding() -> None:

@@ -1,4 +1,4 @@
-"""kvdock.storage.redis: the L3 tier against a real redis-server (write_from / read_into,
+"""kvdock.storage.redis: the L3 tier against a real redis-server (write_from / read_into / heads,
 namespaces, corruption, outage and reconnect, URL display)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from kvdock.keys import ObjectKey
 from kvdock.storage import TIER_KINDS, objfile
 from kvdock.storage.objfile import ALIGN
 from kvdock.storage.redis import ERRORS, RedisTier, redis_key
-from kvdock.storage.tier import ObjectLayout
+from kvdock.storage.tier import Head, ObjectLayout
+from tierworld import legacy_header
 
 DTYPE = "float32"
 SHAPE = [2, 3, 16, 10]
@@ -30,16 +31,29 @@ def payload(i: int) -> bytes:
     return bytes((j * 5 + i * 17) % 256 for j in range(NB))
 
 
-def put(store: RedisTier, key: ObjectKey, data: bytes | None = None) -> bytes:
+def H(i: int) -> Head:
+    """The head put() gives object K(i): a nonzero version, its predecessor's as parent."""
+    return Head(1000 + i, 1000 + i - 1 if i > 1 else 0)
+
+
+def put(store: RedisTier, key: ObjectKey, data: bytes | None = None, head: Head | None = None) -> bytes:
     data = payload(key.chunk[0]) if data is None else data
-    size = store.write_from(key, objfile.encode_header(key, DTYPE, SHAPE, memoryview(data)), memoryview(data))
-    assert size == ALIGN + len(data)
+    head = H(key.chunk[0]) if head is None else head
+    block = objfile.encode_header(key, DTYPE, SHAPE, memoryview(data), head.version, head.parent)
+    size = store.write_from(key, block, memoryview(data))
+    assert size == len(block) + len(data)
     return data
 
 
-def get(store: RedisTier, key: ObjectKey) -> bytes | None:
+def get(store: RedisTier, key: ObjectKey, head: Head | None = None) -> bytes | None:
+    """The payload of ``key``, None on a miss; the head read_into returns must be ``head`` (H(i)
+    for K(i) by default): the one in the value's header."""
     out = memoryview(bytearray(NB))
-    return bytes(out) if store.read_into(key, out, LAYOUT) else None
+    got = store.read_into(key, out, LAYOUT)
+    if got is None:
+        return None
+    assert got == (H(key.chunk[0]) if head is None else head), got
+    return bytes(out)
 
 
 @pytest.fixture
@@ -73,20 +87,21 @@ def test_put_then_get_is_byte_exact(store: RedisTier, raw: redis_py.Redis) -> No
 def test_read_into_fills_a_slice_only(store: RedisTier) -> None:
     data = put(store, K(2))
     pool = bytearray(b"\x55" * (2 * ALIGN))
-    assert store.read_into(K(2), memoryview(pool)[ALIGN : ALIGN + NB], LAYOUT)
+    assert store.read_into(K(2), memoryview(pool)[ALIGN : ALIGN + NB], LAYOUT) == H(2)
     assert pool[ALIGN : ALIGN + NB] == data
     assert pool[:ALIGN] == b"\x55" * ALIGN and pool[ALIGN + NB :] == b"\x55" * (ALIGN - NB)
 
 
 def test_put_replaces_an_older_value(store: RedisTier) -> None:
     put(store, K(1), payload(1))
-    put(store, K(1), payload(99))
-    assert get(store, K(1)) == payload(99)
+    put(store, K(1), payload(99), Head(99, 0))
+    assert get(store, K(1), Head(99, 0)) == payload(99)
+    assert store.heads([K(1)]) == [Head(99, 0)]
 
 
-def test_missing_key_returns_false_and_leaves_out_alone(store: RedisTier) -> None:
+def test_missing_key_returns_none_and_leaves_out_alone(store: RedisTier) -> None:
     out = memoryview(bytearray(b"\x07" * NB))
-    assert store.read_into(K(9), out, LAYOUT) is False
+    assert store.read_into(K(9), out, LAYOUT) is None
     assert bytes(out) == b"\x07" * NB
 
 
@@ -143,7 +158,7 @@ def test_corrupted_value_is_a_counted_miss(
     raw.set(redis_key(K(1)), mangle(value))
     out = memoryview(bytearray(b"\x07" * NB))
     with caplog.at_level(logging.WARNING, "kvdock.storage.redis"):
-        assert store.read_into(K(1), out, LAYOUT) is False
+        assert store.read_into(K(1), out, LAYOUT) is None
     assert bytes(out) == b"\x07" * NB
     assert store.counters.corrupted == 1
     assert "L3: corrupted value for " + K(1).chunk.hex()[:16] in caplog.text
@@ -153,9 +168,11 @@ def test_corrupted_value_is_removed_from_the_tier(store: RedisTier, raw: redis_p
     put(store, K(1))
     put(store, K(2))
     raw.set(redis_key(K(1)), b"garbage")
-    assert store.read_into(K(1), memoryview(bytearray(NB)), LAYOUT) is False
-    assert store.count_present([K(1), K(2)]) == 0, "a lookup still counts the corrupted object"
+    assert store.heads([K(1), K(2)]) == []  # a value without a header has no head: the run stops
+    assert store.read_into(K(1), memoryview(bytearray(NB)), LAYOUT) is None
+    assert store.heads([K(1), K(2)]) == [], "a lookup still counts the corrupted object"
     assert not raw.exists(redis_key(K(1)))
+    assert store.heads([K(2)]) == [H(2)]
 
 
 def test_foreign_value_under_the_key_is_refused(
@@ -175,24 +192,45 @@ def test_foreign_value_under_the_key_is_refused(
     assert raw.get(redis_key(K(1))) is None  # a refused value is deleted, so lookups stop counting it
     raw.set(redis_key(K(1)), objfile.encode_header(K(1), DTYPE, SHAPE, memoryview(data)) + data)
     other = ObjectLayout("bfloat16", SHAPE, NB - 4)  # a slot of another size
-    assert store.read_into(K(1), memoryview(bytearray(NB - 4)), other) is False
+    assert store.read_into(K(1), memoryview(bytearray(NB - 4)), other) is None
     assert "layout differs" in caplog.text
     assert store.counters.corrupted == 3
 
 
-def test_count_present_counts_the_leading_run(store: RedisTier) -> None:
+def test_heads_of_the_leading_run(store: RedisTier) -> None:
+    # changed on purpose: heads() (each value's head, read from its header) replaces count_present
     for i in (1, 2, 3, 5):
         put(store, K(i))
-    assert store.knows(K(1)) is None  # no local index: count_present asks the server
-    assert store.count_present([]) == 0
-    assert store.count_present([K(1), K(2), K(3), K(4), K(5)]) == 3
-    assert store.count_present([K(4), K(1), K(2)]) == 0
-    assert store.count_present([K(5), K(1)]) == 2
-    assert store.count_present([K(1), K(1, salt="x")]) == 1
+    assert store.indexed is False  # no local index: heads() asks the server
+    with pytest.raises(NotImplementedError):
+        store.knows(K(1))
+    assert store.heads([]) == []
+    assert store.heads([K(1), K(2), K(3), K(4), K(5)]) == [H(1), H(2), H(3)]
+    assert store.heads([K(4), K(1), K(2)]) == []
+    assert store.heads([K(5), K(1)]) == [H(5), H(1)]
+    assert store.heads([K(1), K(1, salt="x")]) == [H(1)]
     store.delete(K(2))
-    assert store.count_present([K(1), K(2), K(3)]) == 1
+    assert store.heads([K(1), K(2), K(3)]) == [H(1)]
     assert get(store, K(2)) is None
     store.delete(K(2))  # absent: harmless
+
+
+def test_heads_of_a_header_longer_than_the_first_read(store: RedisTier) -> None:
+    """A long cache_salt makes the header longer than the bytes heads() fetches at first: it
+    fetches the rest of that header, not a wrong or missing head."""
+    key = K(1, salt="s" * 3 * RedisTier.HEAD_BYTES)
+    assert len(objfile.encode_header(key, DTYPE, SHAPE, memoryview(payload(1)))) > RedisTier.HEAD_BYTES
+    put(store, key, head=Head(31, 0))
+    put(store, K(2))
+    assert store.heads([key, K(2)]) == [Head(31, 0), H(2)]
+    assert get(store, key, Head(31, 0)) == payload(1)
+
+
+def test_a_value_written_before_version_chains_has_head_zero(store: RedisTier, raw: redis_py.Redis) -> None:
+    data = payload(1)
+    raw.set(redis_key(K(1)), legacy_header(K(1), DTYPE, SHAPE, data) + data)
+    assert store.heads([K(1)]) == [Head(0, 0)]
+    assert get(store, K(1), Head(0, 0)) == data
 
 
 def test_clear_never_clears_the_shared_tier(store: RedisTier, raw: redis_py.Redis) -> None:
@@ -212,7 +250,7 @@ def test_outage_marks_down_and_probe_reconnects(
     calls = [
         lambda: put(store, K(2)),
         lambda: get(store, K(1)),
-        lambda: store.count_present([K(1)]),
+        lambda: store.heads([K(1)]),
         lambda: store.delete(K(1)),
     ]
     with caplog.at_level(logging.WARNING, "kvdock.storage.redis"):

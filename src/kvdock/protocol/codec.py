@@ -24,6 +24,8 @@ def decode_request(data: bytes | memoryview) -> Any:
         return _request_decoder.decode(data)
     except msgspec.DecodeError as e:
         raise ProtocolError(f"malformed request: {e}") from None
+    except RecursionError:  # msgspec's answer to absurdly deep nesting
+        raise ProtocolError("malformed request: nested too deeply") from None
 
 
 def decode_reply(data: bytes | memoryview) -> Any:

@@ -142,9 +142,11 @@ class CheckIntegrity(_Msg, frozen=True):
 
 
 class CloseClient(_Msg, frozen=True):
-    """The client is going away: end its sessions and forget it."""
+    """The client is going away: end its sessions and forget it. ``idle``: no copy of the client
+    into slots is in progress, so its reservations can be freed rather than quarantined."""
 
     client_id: str
+    idle: bool = False
 
 
 Request = (

@@ -260,9 +260,15 @@ class KVCacheContext:
         if not self._closed:
             self._conn.send_nowait(msg)
 
-    def end_session(self, session_id: str) -> None:
-        """Best-effort release of a session's pins and reservations (used on error paths)."""
-        self.notify(m.EndSession(self.client_id, session_id))
+    def answered_client_id(self) -> str:
+        """The client id this thread's last request was answered for (a request that registered
+        again after a server restart was answered for the new one): end a flow with it."""
+        return getattr(self._answered, "client_id", None) or self.client_id
+
+    def end_session(self, session_id: str, client_id: str | None = None) -> None:
+        """Best-effort release of a session's pins and reservations (used on error paths);
+        ``client_id``: the one the session was opened for (default: the current one)."""
+        self.notify(m.EndSession(client_id or self.client_id, session_id))
 
     @staticmethod
     def new_session_id() -> str:
@@ -280,11 +286,13 @@ class KVCacheContext:
             deadline = time.monotonic() + wait_s
             while self._ref.users and (left := deadline - time.monotonic()) > 0:
                 self._refs.wait(left)
-            if self._ref.users:
-                log.warning("closing a KVCacheContext while %d copies still run; unmapped after them", self._ref.users)
+            copying = self._ref.users
+            if copying:
+                log.warning("closing a KVCacheContext while %d copies still run; unmapped after them", copying)
             self._retire(None)
-        # only now: the server must not release a copy's pins while it runs
-        self._conn.send_nowait(m.CloseClient(self.client_id))
+        # only now: the server must not release a copy's pins while it runs; with no copy left,
+        # it may free (not quarantine) the reservations of stores that will now never copy
+        self._conn.send_nowait(m.CloseClient(self.client_id, idle=not copying))
         self._conn.close(linger_s=0.5)  # long enough for CloseClient to leave
 
     def __enter__(self) -> KVCacheContext:

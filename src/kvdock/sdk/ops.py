@@ -101,15 +101,16 @@ def _store_once(
     prep = _prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite)).reply
     if not prep.slots:
         return prep, 0
+    cid = ctx.answered_client_id()  # the session's client, even if another thread registers again
     committed = False
     try:
         with ctx.transfer() as t:
             payload = t.write(prep.slots, kv)
-        n = ctx.call(m.CommitStore(ctx.client_id, sid, [s.index for s in prep.slots]), payload).reply.committed
+        n = ctx.call(m.CommitStore(cid, sid, [s.index for s in prep.slots]), payload).reply.committed
         committed = True
     finally:
         if not committed:
-            ctx.end_session(sid)
+            ctx.end_session(sid, cid)
     return prep, int(n)
 
 
@@ -161,6 +162,7 @@ def _retrieve_once(ctx: KVCacheContext, whole: bytes, cache_salt: str, out: torc
     slots = resp.reply.slots
     if not slots:
         return None
+    cid = ctx.answered_client_id()
     hit = len(slots) * ctx.chunk_size
     try:
         geo = ctx.geometry
@@ -176,12 +178,12 @@ def _retrieve_once(ctx: KVCacheContext, whole: bytes, cache_salt: str, out: torc
                 raise
             raise InvalidInputError(f"cannot write into out: {e}") from None
     except BaseException:
-        ctx.end_session(sid)
+        ctx.end_session(sid, cid)
         raise
     # Releasing the pins needs no answer: messages on one socket arrive in order, and the
     # session's lease covers a lost one. Not waiting saves a round trip per retrieve.
     if commits:
-        ctx.notify(m.CommitRetrieve(ctx.client_id, sid))
+        ctx.notify(m.CommitRetrieve(cid, sid))
     return out
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvdock.config import MAX_SALT_LEN
 from kvdock.errors import InvalidInputError
 from kvdock.keys import normalize_tokens
 
@@ -49,6 +50,8 @@ def cache_salt(value: object) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidInputError(f"cache_salt must be valid text (it is sent as UTF-8): {e.reason}") from None
+    if len(value) > MAX_SALT_LEN:
+        raise InvalidInputError(f"cache_salt has {len(value)} characters; at most {MAX_SALT_LEN} (hash a longer one)")
     return value
 
 

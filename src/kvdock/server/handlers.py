@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvdock import __version__
 from kvdock import keys as keymod
+from kvdock.config import MAX_SALT_LEN
 from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
@@ -35,6 +36,8 @@ def keys_of(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -
             f"(max_request_tokens; raise it with --max-request-tokens)",
             ErrorCode.LIMIT,
         )
+    if len(salt) > MAX_SALT_LEN:
+        raise RequestError(f"cache_salt of {len(salt)} characters is over the limit of {MAX_SALT_LEN}", ErrorCode.LIMIT)
     try:
         arr = keymod.tokens_from_bytes(tokens)
     except ValueError as e:
@@ -84,7 +87,7 @@ def count_hits(state: ServerState, hit_chunks: int, asked_chunks: int) -> None:
 
 def close_client(state: ServerState, req: m.CloseClient, payload: Payload) -> Reply:
     client = client_of(state, req.client_id)
-    state.manager.end_client(client.client_id)
+    state.manager.end_client(client.client_id, quarantine=not req.idle)
     del state.registry.clients[client.client_id]
     return Reply(m.Done())
 

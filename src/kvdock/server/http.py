@@ -141,8 +141,8 @@ async def _clear(request: web.Request) -> web.Response:
 
 class _RequestLogger(logging.Logger):
     """aiohttp's per-request logger (a child of ``aiohttp.server``, same handlers and level): a
-    request that cannot be parsed is logged as one short WARNING line instead of a traceback;
-    any other error keeps its traceback."""
+    request that cannot be parsed, or whose client hung up, is logged as one short WARNING line
+    instead of a traceback; any other error keeps its traceback."""
 
     def __init__(self, parent: logging.Logger) -> None:
         super().__init__(parent.name)
@@ -155,6 +155,10 @@ class _RequestLogger(logging.Logger):
             if len(detail) > 120:
                 detail = detail[:117] + "..."
             self.warning("%s: %d %s", text, exc_info.code, detail)
+            return
+        if isinstance(exc_info, ConnectionError):  # the client hung up mid-request: one line
+            text = str(msg) % args if args else str(msg)
+            self.warning("%s: the client went away (%s)", text, type(exc_info).__name__)
             return
         super().exception(msg, *args, exc_info=exc_info, **kwargs)
 

@@ -133,40 +133,66 @@ async def _serve_one(
         return
     out: Outcome
     unsent = state.unsent.get(msg.identity, 0)
+    reserved = 0
     if isinstance(req, PrepareRetrieve) and unsent > state.max_unsent_bytes:
         out = Reply(Error(ErrorCode.BUSY.value, f"{unsent} bytes of earlier replies are still unread; read them first"))
     else:
+        # an inline retrieve's reply counts against its client's cap from now on, so retrieves
+        # sent back to back cannot all pass the check before any reply exists
+        reserved = _reply_bound(state, req)
+        _count_unsent(state, msg.identity, reserved)
         try:
             out = handle(state, req, msg.payload)
         except Exception as e:  # a bug must not take the server down for everyone else
             out = _internal_error(state, req, e)
     if inspect.isawaitable(out):
-        task = asyncio.create_task(_reply_later(state, control, msg, req, out, waiting))
+        task = asyncio.create_task(_reply_later(state, control, msg, req, out, waiting, reserved))
         waiting.add(task)
         task.add_done_callback(waiting.discard)
         return
-    await _send(state, control, msg, out, waiting)
+    await _send(state, control, msg, out, waiting, reserved)
+
+
+def _reply_bound(state: ServerState, req: object) -> int:
+    """The most payload bytes the reply to ``req`` can carry (inline retrieves only)."""
+    if not isinstance(req, PrepareRetrieve):
+        return 0
+    client = state.registry.clients.get(req.client_id)
+    if client is None or client.transport != "inline":
+        return 0
+    return len(req.tokens) // 4 // state.chunk_size * client.model.slot_nbytes
+
+
+def _count_unsent(state: ServerState, identity: bytes, n: int) -> None:
+    left = state.unsent.pop(identity, 0) + n
+    if left:
+        state.unsent[identity] = left
 
 
 async def _send(
-    state: ServerState, control: ControlServer, msg: Incoming, reply: Reply, waiting: set[asyncio.Task[None]]
+    state: ServerState,
+    control: ControlServer,
+    msg: Incoming,
+    reply: Reply,
+    waiting: set[asyncio.Task[None]],
+    reserved: int = 0,
 ) -> None:
     """Send a reply. Payload frames (private buffers) are counted as unsent for their client until
-    zmq has written them to the peer, in a task, so the loop serves others meanwhile."""
+    zmq has written them to the peer, in a task, so the loop serves others meanwhile; the
+    ``reserved`` count taken when the request arrived is released then too."""
     header = encode(reply.message)
     if not reply.frames:
+        _count_unsent(state, msg.identity, -reserved)
         await control.send(msg.identity, msg.seq, header)
         return
-    size = sum(len(f) for f in reply.frames)
-    state.unsent[msg.identity] = state.unsent.get(msg.identity, 0) + size
+    size = max(reserved, sum(len(f) for f in reply.frames))
+    _count_unsent(state, msg.identity, size - reserved)
 
     async def send_and_count() -> None:
         try:
             await control.send_tracked(msg.identity, msg.seq, header, reply.frames)
         finally:
-            left = state.unsent.pop(msg.identity) - size
-            if left:
-                state.unsent[msg.identity] = left
+            _count_unsent(state, msg.identity, -size)
 
     task = asyncio.create_task(send_and_count())
     waiting.add(task)
@@ -180,13 +206,14 @@ async def _reply_later(
     req: object,
     pending: Awaitable[Reply],
     waiting: set[asyncio.Task[None]],
+    reserved: int,
 ) -> None:
     try:
         reply = await pending
     except Exception as e:
         reply = _internal_error(state, req, e)
     try:
-        await _send(state, control, msg, reply, waiting)
+        await _send(state, control, msg, reply, waiting, reserved)
     except Exception:
         log.exception("sending a deferred reply")
 
@@ -225,7 +252,7 @@ async def _probe(state: ServerState) -> None:
         await asyncio.sleep(0.5)
         for lane in state.manager.lanes:
             if not lane.tier.up() and lane.tier.probe_due():
-                await lane.on_reader(lane.tier.probe, default=None)
+                await lane.on_reader(lane.tier.probe, default=None, when_down=True)
 
 
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
@@ -243,7 +270,10 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
 
 
 async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | None) -> None:
-    control = ControlServer(config.zmq_url)
+    # no frame of a valid request is larger than a chunk (which fits in the pool) or the token ids
+    # of the largest request: refuse bigger ones before zmq buffers them
+    max_frame = max(state.manager.l1.allocator.capacity, 4 * config.max_request_tokens) + (1 << 20)
+    control = ControlServer(config.zmq_url, max_frame)
     runner = web.AppRunner(make_app(state, config), access_log=None, logger=request_logger())
     await runner.setup()
     try:

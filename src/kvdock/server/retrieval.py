@@ -24,7 +24,7 @@ from kvdock.protocol import messages as m
 from kvdock.server.handlers import client_of, count_hits, keys_of
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
-from kvdock.storage import Session
+from kvdock.storage import L1Object, Session
 from kvdock.storage.manager import PrefetchJob
 
 
@@ -107,10 +107,21 @@ async def _retrieve_later(
     return await _inline_reply(state, client, session, asked)
 
 
+def _current_run(session: Session) -> list[L1Object]:
+    """The session's pinned objects up to the first one replaced since it was pinned (by an
+    overwrite acknowledged meanwhile): a reply never hands out an older version than that."""
+    run = []
+    for obj in session.pinned:
+        if not obj.live:
+            break
+        run.append(obj)
+    return run
+
+
 def _shm_reply(state: ServerState, client: ClientEntry, session: Session, asked: int) -> Reply:
     mgr = state.manager
     mgr.sessions.renew(session)  # the client's copy gets a whole lease, however long the wait was
-    hits = list(session.pinned)
+    hits = _current_run(session)
     count_hits(state, len(hits), asked)
     if not hits:
         mgr.end_session(client.client_id, session.session_id)
@@ -120,7 +131,7 @@ def _shm_reply(state: ServerState, client: ClientEntry, session: Session, asked:
 
 async def _inline_reply(state: ServerState, client: ClientEntry, session: Session, asked: int) -> Reply:
     mgr = state.manager
-    hits = list(session.pinned)
+    hits = _current_run(session)
     count_hits(state, len(hits), asked)
     nbytes = client.model.slot_nbytes
     buf = bytearray(len(hits) * nbytes)

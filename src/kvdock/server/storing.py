@@ -9,21 +9,44 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdock.errors import RequestError
+from kvdock.errors import RequestError, SessionError
+from kvdock.keys import ObjectKey
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
 from kvdock.server.handlers import client_of, keys_of
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
 from kvdock.storage import L1Object, Writer
+from kvdock.storage.tier import Head
 
 
-def prepare_store(state: ServerState, req: m.PrepareStore, payload: Payload) -> Reply:
+def prepare_store(state: ServerState, req: m.PrepareStore, payload: Payload) -> Outcome:
     client = client_of(state, req.client_id)
     keys = keys_of(state, client, req.tokens, req.cache_salt)
+    mgr = state.manager
+    if not req.overwrite and mgr.has_unindexed_tier and mgr.lookup_l1(keys) < len(keys):
+        return _prepare_after_heads(state, client, req, keys)  # dedup against L3 too
+    return _prepare(state, client, req, keys, None)
+
+
+async def _prepare_after_heads(
+    state: ServerState, client: ClientEntry, req: m.PrepareStore, keys: list[ObjectKey]
+) -> Reply:
+    start = state.manager.lookup_l1(keys)
+    below = await state.manager.unindexed_heads(keys[start:])
+    return _prepare(state, client, req, keys, below)
+
+
+def _prepare(
+    state: ServerState,
+    client: ClientEntry,
+    req: m.PrepareStore,
+    keys: list[ObjectKey],
+    below: dict[ObjectKey, Head] | None,
+) -> Reply:
     writer = Writer(client.pid, client.pid_start) if client.transport == "shm" else None
     plan = state.manager.prepare_store(
-        client.client_id, req.session_id, keys, client.model.slot_nbytes, req.overwrite, writer
+        client.client_id, req.session_id, keys, client.model.slot_nbytes, req.overwrite, writer, below
     )
     state.metrics.deduped_chunks.inc(plan.deduped)
     state.metrics.pool_full_chunks.inc(plan.pool_full)
@@ -40,6 +63,9 @@ def commit_store(state: ServerState, req: m.CommitStore, payload: Payload) -> Ou
     if client.transport == "inline":
         _check_frames(state, client, req, objs, payload)
     session = state.manager.sessions.get(client.client_id, req.session_id)
+    if session.committing:  # a second CommitStore would copy into slots the first may free
+        raise SessionError(f"session {req.session_id!r} is already being committed")
+    session.committing = True
     if client.transport == "inline" or session.deletes:
         return _commit_later(state, client, req, objs, payload)
     return _commit(state, client, req, True)

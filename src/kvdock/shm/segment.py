@@ -53,11 +53,15 @@ def proc_start_time(pid: int) -> int | None:
 
 
 def process_alive(pid: int, start_time: int) -> bool:
-    """Whether process ``pid`` that started at ``start_time`` still runs (a zombie does not)."""
+    """Whether process ``pid`` that started at ``start_time`` still runs (a zombie does not).
+    Only a missing /proc entry means gone: any other error (EMFILE, ENOMEM) answers "alive",
+    since freeing a live writer's slots would let it write into another object."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
+    except OSError:
+        return True
     fields = stat.rsplit(")", 1)[1].split()
     return fields[0] not in ("Z", "X") and int(fields[19]) == start_time
 

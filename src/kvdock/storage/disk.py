@@ -32,11 +32,12 @@ from blake3 import blake3
 from kvdock.errors import CorruptObject, DiskInUseError
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
-from kvdock.storage.tier import ObjectLayout, StorageTier, TierCounters, tier_kind
+from kvdock.storage.tier import Head, ObjectLayout, StorageTier, TierCounters, tier_kind
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
+NO_HEAD = Head(0, 0)  # objects written before version chains: each chains to the previous one
 FAULT_DELAY_ENV = "KVDOCK_FAULT_L2_WRITE_DELAY_S"  # seconds each L2 write or delete sleeps first (tests only)
 
 __all__ = ["DiskEntry", "DiskInUseError", "DiskTier", "NoRoom", "ScanReport", "read_object", "write_object"]
@@ -51,6 +52,7 @@ class DiskEntry:
     key: ObjectKey
     path: Path
     file_size: int
+    head: Head = NO_HEAD
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ class DiskTier(StorageTier):
                 path.unlink(missing_ok=True)
                 torn += 1
                 continue
-            found.append((st.st_mtime, DiskEntry(header.key, path, st.st_size)))
+            found.append((st.st_mtime, DiskEntry(header.key, path, st.st_size, Head(header.version, header.parent))))
         with self._lock:
             for _, entry in sorted(found, key=lambda t: t[0]):
                 self._index[entry.key] = entry
@@ -147,30 +149,39 @@ class DiskTier(StorageTier):
     def up(self) -> bool:
         return True
 
-    def knows(self, key: ObjectKey) -> bool:
-        with self._lock:
-            return key in self._index
+    indexed = True
 
-    def count_present(self, keys: list[ObjectKey]) -> int:
+    def knows(self, key: ObjectKey) -> Head | None:
         with self._lock:
-            n = 0
-            while n < len(keys) and keys[n] in self._index:
-                n += 1
-            return n
+            entry = self._index.get(key)
+            return None if entry is None else entry.head
 
-    def read_into(self, key: ObjectKey, out: memoryview, layout: ObjectLayout) -> bool:
+    def heads(self, keys: list[ObjectKey]) -> list[Head]:
+        with self._lock:
+            out = []
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None:
+                    break
+                out.append(entry.head)
+            return out
+
+    def read_into(self, key: ObjectKey, out: memoryview, layout: ObjectLayout) -> Head | None:
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
-                return False
+                return None
             self._index.move_to_end(key)
         try:
             header = read_object(entry.path, out)
             objfile.check(header, key, layout.dtype, layout.shape, layout.nbytes)
-        except (OSError, CorruptObject) as e:
-            self._drop(entry, e)
-            return False
-        return True
+        except (FileNotFoundError, CorruptObject) as e:
+            self._drop(entry, e)  # gone or bad: forget it (and unlink a corrupt file)
+            return None
+        except OSError as e:  # EMFILE, ENOMEM, EIO...: a miss now; the file itself may be fine
+            log.warning("L2: cannot read %s (%s); a miss", entry.path, e)
+            return None
+        return Head(header.version, header.parent)
 
     def _drop(self, entry: DiskEntry, err: BaseException) -> None:
         """Forget (and unlink) a file that could not be read, unless a newer one replaced it."""
@@ -190,6 +201,8 @@ class DiskTier(StorageTier):
     def write_from(self, key: ObjectKey, header: bytes, payload: memoryview) -> int:
         size = len(header) + len(payload)
         path = self.path_for(key)
+        decoded, _ = objfile.decode_header(header)
+        head = Head(decoded.version, decoded.parent)
         with self._lock:
             old = self._index.pop(key, None)  # its file is replaced by the rename below
             if old is not None:
@@ -215,7 +228,7 @@ class DiskTier(StorageTier):
             raise
         with self._lock:
             os.rename(tmp, path)
-            self._index[key] = DiskEntry(key, path, size)
+            self._index[key] = DiskEntry(key, path, size, head)
             self.pending_bytes -= size
             self.used_bytes += size
         return size
@@ -247,11 +260,11 @@ class DiskTier(StorageTier):
             entry = self._index.pop(key, None)
             if entry is not None:
                 self.used_bytes -= entry.file_size
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                return
-        _fsync_dir(path.parent)
+            path.unlink(missing_ok=True)
+        # even when the file was gone already: an earlier unlink (eviction, a dropped corrupt
+        # file) was not synced, and must not come back after a power loss
+        if path.parent.exists():
+            _fsync_dir(path.parent)
 
     def clear(self) -> int:
         with self._lock:

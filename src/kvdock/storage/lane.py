@@ -30,7 +30,7 @@ from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
 from kvdock.storage.disk import NoRoom
 from kvdock.storage.memory import L1Object, L1Store
-from kvdock.storage.tier import ObjectLayout, StorageTier
+from kvdock.storage.tier import Head, ObjectLayout, StorageTier
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ class SharedHeader:
     """An object's header block, computed once (it checksums the whole payload) by whichever
     lane's writer thread needs it first, while that lane pins the object."""
 
-    def __init__(self, key: ObjectKey, layout: ObjectLayout, view: memoryview) -> None:
-        self._args = (key, layout.dtype, layout.shape, view)
+    def __init__(self, key: ObjectKey, layout: ObjectLayout, view: memoryview, head: Head) -> None:
+        self._args = (key, layout.dtype, layout.shape, view, head.version, head.parent)
         self._lock = threading.Lock()
         self._block: bytes | None = None
 
@@ -173,19 +173,31 @@ class TierLane:
                 job.done.set_result(job.default if err is not None else fut.result())
         self._pump()
 
-    async def on_reader(self, fn: Callable[..., T], *args: Any, default: T) -> T:
-        """Run ``fn(*args)`` on the reader thread; an error marks the tier down and gives ``default``."""
-        try:
-            return await self._get_loop().run_in_executor(self._reader, fn, *args)
-        except Exception as e:  # the tier's client failed: degrade, never fail the request
-            self.tier.failed(e)
-            return default
+    async def on_reader(self, fn: Callable[..., T], *args: Any, default: T, when_down: bool = False) -> T:
+        """Run ``fn(*args)`` on the reader thread; an error marks the tier down and gives ``default``.
+        A call whose turn comes once the tier is down gives ``default`` at once (unless
+        ``when_down``: a probe), so reads queued behind the one that timed out do not each wait
+        out a timeout of their own."""
 
-    async def read(self, key: ObjectKey, view: memoryview, layout: ObjectLayout) -> bool:
-        """Copy ``key`` from the tier into ``view`` (an L1 reservation); False on a miss."""
+        def run() -> T:
+            if not when_down and not self.tier.up():
+                return default
+            try:
+                return fn(*args)
+            except Exception as e:  # the tier's client failed: degrade, never fail the request
+                self.tier.failed(e)  # here, so that the calls queued behind see it down at once
+                return default
+
+        return await self._get_loop().run_in_executor(self._reader, run)
+
+    async def read(self, key: ObjectKey, view: memoryview, layout: ObjectLayout, parent: int) -> Head | None:
+        """Copy ``key``'s version that follows version ``parent`` from the tier into ``view`` (an
+        L1 reservation); its head, None on a miss (absent, or another chain's version)."""
         t0 = time.perf_counter()
-        found = await self.on_reader(self.tier.read_into, key, view, layout, default=False)
-        if found:
+        found = await self.on_reader(self.tier.read_into, key, view, layout, default=None)
+        if found is not None and found.parent != parent:
+            return None
+        if found is not None:
             self.counters.hits += 1
             self.counters.bytes_read += len(view)
             self.counters.read_seconds += time.perf_counter() - t0

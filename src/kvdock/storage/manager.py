@@ -10,8 +10,9 @@ lower tiers (write-down, deletion, loads) and the per-key records that all of th
 
 Why an acknowledged overwrite is final, before and after a crash:
 
-1. at PrepareStore the old L1 version stops being visible for every chunk the overwrite cannot
-   write (pool full), and each lane queues a durable deletion of every overwritten key;
+1. at PrepareStore the old L1 version of every chunk the overwrite cannot write (pool full)
+   stops being visible (at the commit, that of every chunk it reserved but does not commit), and
+   each lane queues a durable deletion of every overwritten key;
 2. a lane applies its jobs in order, so that deletion lands after every write-down of an older
    version (see :mod:`kvdock.storage.lane`);
 3. CommitStore makes the new versions visible and is acknowledged only after every deletion is
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
 
 __all__ = ["PrefetchJob", "StorageManager", "StorePlan"]
-from kvdock.storage.tier import ObjectLayout
+from kvdock.storage.tier import Head, ObjectLayout
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,12 @@ class StorePlan:
     deduped: int
     in_flight: int
     pool_full: int
+
+
+def new_version() -> int:
+    """A version id for a newly stored object: random, so versions from other servers (sharing
+    L3) or from before a restart never collide in practice; never 0 (the chain's start)."""
+    return secrets.randbits(63) | 1
 
 
 class StorageManager:
@@ -83,45 +91,54 @@ class StorageManager:
     # --- lookup ------------------------------------------------------------------------------
 
     def lookup_l1(self, keys: list[ObjectKey]) -> int:
-        """Number of leading chunks of ``keys`` that are READY in L1."""
-        n = 0
-        while n < len(keys) and self.l1.get(keys[n]) is not None:
-            n += 1
-        return n
+        """Number of leading chunks of ``keys`` that are READY in L1 and form one version chain."""
+        return len(self._l1_run(keys))
+
+    def _l1_run(self, keys: list[ObjectKey]) -> list[L1Object]:
+        run: list[L1Object] = []
+        parent = 0
+        for key in keys:
+            obj = self.l1.get(key)
+            if obj is None or obj.parent != parent:
+                break
+            run.append(obj)
+            parent = obj.version
+        return run
 
     async def count(self, keys: list[ObjectKey], start: int) -> int:
-        """How many leading ``keys`` are cached in any tier, given the first ``start`` are in L1.
-        A key whose older version is being deleted counts only if L1 has the new one."""
+        """How many leading ``keys`` are cached in any tier as one version chain, given that the
+        first ``start`` are in L1. A key whose older version is being deleted counts only if L1
+        has the new one."""
         n = start
+        parent = self.l1.get(keys[start - 1]).version if start else 0  # type: ignore[union-attr]
+        remote: list[Head] | None = None  # heads from the tiers without an index, fetched once
+        remote_at = n
+        lanes = [lane for lane in self.lanes if lane.tier.up()]
         while n < len(keys):
             key = keys[n]
-            if self.l1.get(key) is not None:
-                n += 1
-                continue
-            if key in self._deleting:
+            obj = self.l1.get(key)
+            heads = [Head(obj.version, obj.parent)] if obj is not None else []
+            if key not in self._deleting:
+                heads += [h for lane in lanes if lane.tier.indexed and (h := lane.tier.knows(key)) is not None]
+                if not any(h.parent == parent for h in heads):
+                    if remote is None:
+                        remote, remote_at = await self._remote_heads(lanes, keys[n:]), n
+                    if n - remote_at < len(remote):
+                        heads.append(remote[n - remote_at])
+            match = next((h for h in heads if h.parent == parent), None)
+            if match is None:
                 break
-            lanes = [lane for lane in self.lanes if lane.tier.up()]
-            if any(lane.tier.knows(key) for lane in lanes):
-                n += 1
-                continue
-            found = 0
-            for lane in lanes:
-                if lane.tier.knows(key) is None:
-                    found = await lane.on_reader(lane.tier.count_present, keys[n:], default=0)
-                    if found:
-                        break
-            usable = self._undeleted(keys[n : n + found])
-            if not usable:
-                break
-            n += usable
-        return n
-
-    def _undeleted(self, keys: list[ObjectKey]) -> int:
-        """How many leading ``keys`` have no deletion in flight."""
-        n = 0
-        while n < len(keys) and keys[n] not in self._deleting:
+            parent = match.version
             n += 1
         return n
+
+    async def _remote_heads(self, lanes: list[TierLane], keys: list[ObjectKey]) -> list[Head]:
+        for lane in lanes:
+            if not lane.tier.indexed:
+                found: list[Head] = await lane.on_reader(lane.tier.heads, keys, default=[])
+                if found:
+                    return found
+        return []
 
     # --- store -------------------------------------------------------------------------------
 
@@ -133,14 +150,17 @@ class StorageManager:
         nbytes: int,
         overwrite: bool = False,
         writer: Writer | None = None,
+        below: dict[ObjectKey, Head] | None = None,
     ) -> StorePlan:
         """Reserve slots for the chunks of ``keys`` that need writing, in order, until the pool is
         full. Chunks already stored are pinned until the commit, so that making room for the new
-        ones never evicts the prefix they extend. With ``overwrite``, every chunk is written
-        anew, and the older versions of the chunks that find no room stop being visible now
-        (never a prefix of mixed versions); an overwrite of a prefix that another client is
-        writing reserves nothing and reports every chunk ``in_flight``. ``writer`` is the client process that fills the
-        slots itself (shared memory); its slots are quarantined if its lease runs out.
+        ones never evicts the prefix they extend. With ``overwrite``, every chunk is written anew;
+        the older versions of chunks that find no room stop being visible now, those of chunks
+        reserved but not committed at the commit (never a prefix of mixed versions); an overwrite
+        of a prefix that another client is writing reserves nothing, all chunks ``in_flight``.
+        ``writer`` is the client process that fills the slots itself (shared memory); its slots
+        are quarantined if its lease runs out. ``below``: heads read from the tiers without an
+        index (:meth:`unindexed_heads`), so that a chunk only they hold is deduped too.
 
         Opens a session when at least one slot is reserved; SessionError if the id is in use."""
         if self.sessions.has(client_id, session_id) or (client_id, session_id) in self.sessions.quarantine:
@@ -153,22 +173,28 @@ class StorageManager:
         kept: list[L1Object] = []
         replaced: list[ObjectKey] = []  # overwritten keys: their older versions go from every tier
         deduped = in_flight = pool_full = 0
+        parent = 0  # the version chain: each chunk names the version of the one before it
         for i, key in enumerate(keys):
             pending = self.l1.reservation(key)
-            if pending is not None and pending in self._loading:
-                if not overwrite:
-                    deduped += 1  # a lower tier holds it and is loading it into L1
-                    continue
+            if pending is not None and pending in self._loading and overwrite:
                 self.l1.detach(pending)  # the load's bytes are the older version: thrown away
-            elif pending is not None:
+            elif pending is not None or in_flight:
+                # another store, or a load that may still fail: not known stored; and the chunks
+                # after it cannot name their predecessor's version
                 in_flight += 1
                 continue
             present = self.l1.get(key)
-            if not overwrite and present is not None:
+            if not overwrite and present is not None and present.parent == parent:
                 deduped += 1
+                parent = present.version
                 if not pool_full:
                     self.l1.pin(present)
                     kept.append(present)
+                continue
+            lower = None if overwrite or key in self._deleting else self._lower_head(key, parent, below)
+            if lower is not None:  # a lower tier holds this very version: stored already
+                deduped += 1
+                parent = lower.version
                 continue
             obj = None if pool_full else self.l1.reserve(key, nbytes)
             if overwrite:
@@ -176,8 +202,10 @@ class StorageManager:
             if obj is None:
                 pool_full += 1
                 if overwrite:
-                    self.l1.remove(key)
+                    self.l1.remove(key)  # it will not be rewritten: its old version must not stay
             else:
+                obj.version, obj.parent = new_version(), parent
+                parent = obj.version
                 slots.append((i, obj))
         deletes = [self._delete_everywhere(key) for key in replaced]
         if slots:
@@ -187,12 +215,30 @@ class StorageManager:
                 reserved=dict(slots),
                 pinned=kept,
                 writer=writer,
+                overwrite=overwrite,
                 deletes=[d for lane_deletes in deletes for d in lane_deletes],
             )
         else:
             for obj in kept:
                 self.l1.unpin(obj)
         return StorePlan(slots, deduped, in_flight, pool_full)
+
+    def _lower_head(self, key: ObjectKey, parent: int, below: dict[ObjectKey, Head] | None) -> Head | None:
+        """The head of ``key`` in a lower tier if it continues ``parent``'s chain: from an indexed
+        tier's index (L2), or from ``below`` (heads already read from the others)."""
+        heads = [lane.tier.knows(key) for lane in self.lanes if lane.tier.indexed and lane.tier.up()]
+        heads.append((below or {}).get(key))
+        return next((h for h in heads if h is not None and h.parent == parent), None)
+
+    @property
+    def has_unindexed_tier(self) -> bool:
+        return any(not lane.tier.indexed and lane.tier.up() for lane in self.lanes)
+
+    async def unindexed_heads(self, keys: list[ObjectKey]) -> dict[ObjectKey, Head]:
+        """The heads of the leading ``keys`` the first reachable tier without an index holds (one
+        round trip), for :meth:`prepare_store`'s ``below``."""
+        lanes = [lane for lane in self.lanes if lane.tier.up()]
+        return dict(zip(keys, await self._remote_heads(lanes, keys), strict=False))
 
     def _written_by_other(self, key: ObjectKey) -> bool:
         pending = self.l1.reservation(key)
@@ -255,10 +301,14 @@ class StorageManager:
                 "nothing was stored (retry when the tier is back)",
                 TIER_UNAVAILABLE,
             )
+        committed = set(indexes)
+        if session.overwrite:  # chunks reserved but not committed must not keep their old version
+            for i, obj in session.reserved.items():
+                if i not in committed:
+                    self.l1.remove(obj.key)
         for obj in objs:
             self.l1.commit(obj)
         self._write_down(objs)
-        committed = set(indexes)
         session.reserved = {i: o for i, o in session.reserved.items() if i not in committed}
         self.end_session(client_id, session_id)
         return len(objs)
@@ -268,7 +318,7 @@ class StorageManager:
             layout = self.layout_of(obj.key.model)
             assert layout is not None and layout.nbytes == obj.nbytes
             view = self.l1.view(obj)
-            header = SharedHeader(obj.key, layout, view)
+            header = SharedHeader(obj.key, layout, view, Head(obj.version, obj.parent))
             for lane in self.lanes:
                 lane.write(obj, header, view)
 
@@ -278,10 +328,7 @@ class StorageManager:
         """Open a retrieve session pinning the leading READY run of ``keys`` (possibly none: a
         prefetch may add more). SessionError if the id is in use."""
         session = self.sessions.open(client_id, session_id, keys=list(keys))
-        for key in keys:
-            obj = self.l1.get(key)
-            if obj is None:
-                break
+        for obj in self._l1_run(keys):
             self.l1.pin(obj)
             session.pinned.append(obj)
         return session
@@ -303,8 +350,10 @@ class StorageManager:
             for key in session.keys[len(session.pinned) :]:
                 if job.cancelled or not session.open:
                     break
-                obj = await self._load(key)
-                if obj is None or not session.open:
+                parent = session.pinned[-1].version if session.pinned else 0
+                obj = await self._load(key, parent)
+                # a chunk replaced while we waited (an overwrite) ends the run: never a mix
+                if obj is None or not session.open or not all(o.live for o in session.pinned):
                     break
                 self.l1.pin(obj)
                 session.pinned.append(obj)
@@ -315,14 +364,19 @@ class StorageManager:
             self.sessions.renew(session)
             job.done.set()
 
-    async def _load(self, key: ObjectKey) -> L1Object | None:
-        """The READY L1 object for ``key``, promoted from a lower tier if needed; None on a miss."""
-        while (obj := self.l1.get(key)) is None and key in self._load_waits:
+    async def _load(self, key: ObjectKey, parent: int) -> L1Object | None:
+        """The READY L1 object for ``key`` whose predecessor is version ``parent``, promoted from
+        a lower tier if L1 has no such version; None on a miss."""
+        while not self._chains(obj := self.l1.get(key), parent) and key in self._load_waits:
             await asyncio.shield(self._load_waits[key])  # someone else is loading it
-        if obj is not None:
+        if obj is not None and obj.parent == parent:
             return obj
         layout = self.layout_of(key.model)
-        lanes = [lane for lane in self.lanes if lane.tier.up() and lane.tier.knows(key) is not False]
+        lanes = [
+            lane
+            for lane in self.lanes
+            if lane.tier.up() and (not lane.tier.indexed or self._chains(lane.tier.knows(key), parent))
+        ]
         if layout is None or not lanes or key in self._deleting or self.l1.is_reserved(key):
             return None
         slot = self.l1.reserve(key, layout.nbytes)
@@ -333,7 +387,9 @@ class StorageManager:
         ok = False
         try:
             for lane in lanes:
-                if await lane.read(key, self.l1.view(slot), layout):
+                head = await lane.read(key, self.l1.view(slot), layout, parent)
+                if head is not None:
+                    slot.version, slot.parent = head
                     ok = True
                     break
         except Exception:
@@ -347,6 +403,10 @@ class StorageManager:
             return None
         self.l1.commit(slot)
         return slot
+
+    @staticmethod
+    def _chains(obj: L1Object | Head | None, parent: int) -> bool:
+        return obj is not None and obj.parent == parent
 
     def commit_retrieve(self, client_id: str, session_id: str) -> int:
         """Release a retrieve session's pins; returns how many objects it pinned."""
@@ -366,8 +426,8 @@ class StorageManager:
         """The client ended a session (or a handler aborts it); see SessionTable.end."""
         return self.sessions.end(client_id, session_id)
 
-    def end_client(self, client_id: str) -> int:
-        return self.sessions.end_client(client_id)
+    def end_client(self, client_id: str, quarantine: bool = True) -> int:
+        return self.sessions.end_client(client_id, quarantine)
 
     def expire(self) -> int:
         return self.sessions.expire()

@@ -33,6 +33,8 @@ class L1Object:
     state: State = State.RESERVED
     pins: int = 0
     live: bool = True
+    version: int = 0  # unique per stored version (see kvdock.storage.manager: the version chain)
+    parent: int = 0  # the version of the previous chunk of its prefix when stored; 0 for the first
 
 
 class L1Store:

@@ -33,6 +33,8 @@ class ObjectHeader(msgspec.Struct, frozen=True, array_like=True):
     shape: list[int]
     nbytes: int
     checksum: bytes
+    version: int = 0  # this version of the object (unique, random)
+    parent: int = 0  # the version of the chunk before it in its prefix when it was stored (0: first)
 
     @property
     def key(self) -> ObjectKey:
@@ -43,9 +45,13 @@ def checksum(data: memoryview | bytes) -> bytes:
     return blake3(data, max_threads=blake3.AUTO).digest()
 
 
-def encode_header(key: ObjectKey, dtype: str, shape: list[int], payload: memoryview) -> bytes:
+def encode_header(
+    key: ObjectKey, dtype: str, shape: list[int], payload: memoryview, version: int = 0, parent: int = 0
+) -> bytes:
     """The padded header block for ``payload`` (computes its checksum)."""
-    return _block(ObjectHeader(key.model, key.rank, key.salt, key.chunk, dtype, shape, len(payload), checksum(payload)))
+    digest = checksum(payload)
+    k = key
+    return _block(ObjectHeader(k.model, k.rank, k.salt, k.chunk, dtype, shape, len(payload), digest, version, parent))
 
 
 def header_block_size(key: ObjectKey, dtype: str, shape: list[int], nbytes: int) -> int:
@@ -67,6 +73,11 @@ def _body_end(block: bytes | memoryview) -> int:
     if magic != MAGIC:
         raise CorruptObject("bad magic")
     return int(_PREFIX.size + n)
+
+
+def header_end(first: bytes | memoryview) -> int:
+    """How many leading bytes :func:`decode_header` needs (the header without its padding)."""
+    return _body_end(first)
 
 
 def header_size_hint(first: bytes | memoryview) -> int:

@@ -24,7 +24,7 @@ from blake3 import blake3
 from kvdock.errors import CorruptObject
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
-from kvdock.storage.tier import ObjectLayout, StorageTier, TierCounters, tier_kind
+from kvdock.storage.tier import Head, ObjectLayout, StorageTier, TierCounters, tier_kind
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,6 @@ class RedisTier(StorageTier):
     def up(self) -> bool:
         return self._up
 
-    def knows(self, key: ObjectKey) -> None:
-        return None  # no local index: count_present asks
 
     def failed(self, err: BaseException) -> None:
         """Mark the tier down after an error (logs on the transition only)."""
@@ -106,10 +104,10 @@ class RedisTier(StorageTier):
         pipe.execute()
         return len(header) + len(payload)
 
-    def read_into(self, key: ObjectKey, out: memoryview, layout: ObjectLayout) -> bool:
+    def read_into(self, key: ObjectKey, out: memoryview, layout: ObjectLayout) -> Head | None:
         value = self._client.get(redis_key(key))
         if value is None:
-            return False
+            return None
         try:
             view = memoryview(value)
             header, offset = objfile.decode_header(view[: objfile.header_size_hint(view)])
@@ -124,22 +122,31 @@ class RedisTier(StorageTier):
             # would go too, which is only a miss.
             self._client.delete(redis_key(key))
             log.warning("L3: corrupted value for %s (%s); deleted", key.chunk.hex()[:16], e)
-            return False
+            return None
         out[:] = payload
-        return True
+        return Head(header.version, header.parent)
 
-    def count_present(self, keys: list[ObjectKey]) -> int:
+    HEAD_BYTES = 512  # enough for the header of any object (fetched whole if it is longer)
+
+    def heads(self, keys: list[ObjectKey]) -> list[Head]:
+        """One pipelined round trip reading the first bytes of each value (its header)."""
         if not keys:
-            return 0
+            return []
         pipe = self._client.pipeline(transaction=False)
         for k in keys:
-            pipe.exists(redis_key(k))
-        n = 0
-        for present in pipe.execute():
-            if not present:
+            pipe.getrange(redis_key(k), 0, self.HEAD_BYTES - 1)
+        out = []
+        for key, first in zip(keys, pipe.execute(), strict=True):
+            if not first:
                 break
-            n += 1
-        return n
+            try:
+                end = objfile.header_end(first)
+                block = first if end <= len(first) else self._client.getrange(redis_key(key), 0, end - 1)
+                header, _ = objfile.decode_header(block)
+            except CorruptObject:
+                break  # read_into will find and delete it
+            out.append(Head(header.version, header.parent))
+        return out
 
     def delete(self, key: ObjectKey) -> None:
         """DEL; with the default appendfsync the deletion is as durable as Redis makes anything."""

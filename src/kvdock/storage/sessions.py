@@ -49,8 +49,10 @@ class Session:
     pinned: list[L1Object] = field(default_factory=list)
     keys: list[ObjectKey] = field(default_factory=list)  # what a retrieve session was opened for
     writer: Writer | None = None  # set when a shared-memory client writes the reservations itself
+    overwrite: bool = False  # a store that replaces older versions
     deletes: list[asyncio.Future[bool]] = field(default_factory=list)  # an overwrite's, awaited at commit
     busy: int = 0  # server-side work in progress for the session: the lease waits for it
+    committing: bool = False  # a CommitStore is in progress: a second one is refused
     release_pending: bool | None = None  # ended while busy: released (quarantine or not) when idle
     job: Any = None  # the prefetch filling ``pinned`` from lower tiers (owned by the manager)
     open: bool = True
@@ -97,7 +99,7 @@ class SessionTable:
     def open(self, client_id: str, session_id: str, **kw: Any) -> Session:
         """A new session; SessionError if the id is in use (or still quarantined)."""
         sid = (client_id, session_id)
-        if sid in self._open or sid in self.quarantine:
+        if sid in self._open or sid in self.quarantine or any((s.client_id, s.session_id) == sid for s in self._ending):
             raise SessionError(f"session {session_id!r} is already open")
         session = Session(client_id, session_id, self._clock() + self.ttl, **kw)
         self._open[sid] = session
@@ -158,13 +160,14 @@ class SessionTable:
         self._end(session, quarantine=False)
         return True
 
-    def end_client(self, client_id: str) -> int:
+    def end_client(self, client_id: str, quarantine: bool = True) -> int:
         """End every session of a client that closed or was forgotten. Slots its process may still
-        be writing (another thread of it) are quarantined, not freed. Returns how many."""
+        be writing (another thread of it) are quarantined, not freed, unless ``quarantine`` is
+        False (the client said no copy of it is in progress). Returns how many."""
         mine = self.of_client(client_id)
         for s in mine:
             self.pop(s.client_id, s.session_id)
-            self._end(s, quarantine=True)
+            self._end(s, quarantine=quarantine)
         return len(mine)
 
     def expire(self) -> int:

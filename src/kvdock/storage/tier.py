@@ -20,9 +20,16 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvdock.keys import ObjectKey
+
+
+class Head(NamedTuple):
+    """An object's place in its version chain: its own version and its predecessor's."""
+
+    version: int
+    parent: int
 
 
 @dataclass(frozen=True)
@@ -59,21 +66,24 @@ class StorageTier(abc.ABC):
     def up(self) -> bool:
         """[any] Whether the tier is reachable now (a down tier is skipped, never waited for)."""
 
-    @abc.abstractmethod
-    def knows(self, key: ObjectKey) -> bool | None:
-        """[any] Whether the tier holds ``key``, from a local index; None when it cannot tell
-        without I/O (then :meth:`count_present` asks)."""
+    indexed: bool = False  # knows() answers from a local index without I/O
+
+    def knows(self, key: ObjectKey) -> Head | None:
+        """[any] The head of ``key``'s object from the local index, None if absent. Only for
+        ``indexed`` tiers; the others answer through :meth:`heads`."""
+        raise NotImplementedError
 
     @abc.abstractmethod
-    def count_present(self, keys: list[ObjectKey]) -> int:
-        """[worker] How many leading ``keys`` the tier holds."""
+    def heads(self, keys: list[ObjectKey]) -> list[Head]:
+        """[worker] The heads of the leading ``keys`` the tier holds (shorter at the first absent)."""
 
     @abc.abstractmethod
-    def read_into(self, key: ObjectKey, out: memoryview, layout: ObjectLayout) -> bool:
+    def read_into(self, key: ObjectKey, out: memoryview, layout: ObjectLayout) -> Head | None:
         """[worker] Copy ``key``'s payload into ``out`` (exactly ``layout.nbytes``), verified
-        against its header and checksum. False if absent. A torn, foreign or corrupted object is
-        removed from the tier (counted in ``counters.corrupted``) and reported as absent; errors
-        reaching the tier itself raise (the lane marks the tier down)."""
+        against its header and checksum; returns the header's head, None if absent. A torn,
+        foreign or corrupted object is removed from the tier (counted in
+        ``counters.corrupted``) and reported as absent; errors reaching the tier itself raise
+        (the lane marks the tier down)."""
 
     @abc.abstractmethod
     def write_from(self, key: ObjectKey, header: bytes, payload: memoryview) -> int:

@@ -25,12 +25,13 @@ class Incoming:
 class ControlServer:
     """Binds a ROUTER socket; receives requests and sends replies. Never decodes messages."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, max_frame_bytes: int = 16 * 2**30) -> None:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        # Without a cap, one client that sends a huge garbage frame could exhaust memory.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * 2**30)
+        # Without a cap, one client that sends a huge garbage frame could exhaust memory; zmq
+        # drops the connection of a peer that sends a larger one.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self._sock.bind(url)
         self.url = url
 

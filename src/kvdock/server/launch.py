@@ -193,6 +193,9 @@ async def _send(
             await control.send_tracked(msg.identity, msg.seq, header, reply.frames)
         finally:
             _count_unsent(state, msg.identity, -size)
+        if reply.pooled:  # zmq is done with them (not on an error above: then they are dropped)
+            for frame in reply.frames:
+                state.reply_buffers.give(frame)
 
     task = asyncio.create_task(send_and_count())
     waiting.add(task)

@@ -134,7 +134,7 @@ async def _inline_reply(state: ServerState, client: ClientEntry, session: Sessio
     hits = _current_run(session)
     count_hits(state, len(hits), asked)
     nbytes = client.model.slot_nbytes
-    buf = bytearray(len(hits) * nbytes)
+    buf = state.reply_buffers.take(len(hits) * nbytes) if hits else bytearray()
     if hits:
         mgr.hold(session)
         try:
@@ -146,7 +146,8 @@ async def _inline_reply(state: ServerState, client: ClientEntry, session: Sessio
     mgr.end_session(client.client_id, session.session_id)
     # One frame for all chunks: zmq then sends that buffer itself, and its tracker tells exactly
     # when it is gone (small frames would be copied inside zmq, out of the unsent count's sight).
-    return Reply(m.RetrievePrepared([m.SlotRef(i, i * nbytes) for i in range(len(hits))]), [buf] if hits else [])
+    slots = [m.SlotRef(i, i * nbytes) for i in range(len(hits))]
+    return Reply(m.RetrievePrepared(slots), [buf] if hits else [], pooled=True)
 
 
 def _gather(views: list[memoryview], out: memoryview) -> None:

@@ -156,6 +156,9 @@ class KVCacheContext:
         self.dtype = TORCH_DTYPES[model.geometry.dtype]
         self.client_id = client_id
         self.timeout = conn.timeout
+        # checked here so that an oversized request is refused at once, never sent (the server
+        # refuses it too, and drops frames larger than any request)
+        self.max_request_tokens = 0
         self._conn = conn
         self._ref = _TransferRef(transfer, client_id)
         self._refs = threading.Condition(threading.Lock())  # guards _ref, its counts, _closed
@@ -254,6 +257,7 @@ class KVCacheContext:
             self._conn.send_nowait(m.CloseClient(reg.client_id))
             raise KVCacheSDKError("this KVCacheContext is closed")
         log.info("server %s restarted; registered again", self.url)
+        self.max_request_tokens = reg.max_request_tokens
 
     def notify(self, msg: msgspec.Struct) -> None:
         """Send a message whose reply nobody waits for (dropped on arrival); no-op once closed."""
@@ -323,7 +327,9 @@ def connect(url: str, http_url: str, model_name: str, timeout: float = 60.0) -> 
     except BaseException:
         conn.close()
         raise
-    return KVCacheContext(url, http_url, reg.model, reg.chunk_size, conn, reg.client_id, reg.transfer)
+    ctx = KVCacheContext(url, http_url, reg.model, reg.chunk_size, conn, reg.client_id, reg.transfer)
+    ctx.max_request_tokens = reg.max_request_tokens
+    return ctx
 
 
 @dataclass
@@ -332,6 +338,7 @@ class _Registration:
     chunk_size: int
     client_id: str
     transfer: Transfer
+    max_request_tokens: int = 0  # the server's limit (0: not advertised)
 
 
 def _register(conn: Connection, http_url: str, model_name: str) -> _Registration:
@@ -373,7 +380,7 @@ def _register(conn: Connection, http_url: str, model_name: str) -> _Registration
         if segment is not None:
             segment.close()
         transfer = InlineTransfer(model.geometry, chunk_size, dtype)
-    return _Registration(model, chunk_size, reply.client_id, transfer)
+    return _Registration(model, chunk_size, reply.client_id, transfer, int(config.get("max_request_tokens") or 0))
 
 
 def _try_attach(config: dict[str, Any]) -> PoolSegment | None:

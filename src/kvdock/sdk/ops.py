@@ -28,6 +28,14 @@ log = logging.getLogger("kvdock.sdk")
 
 def _whole_chunks(ctx: KVCacheContext, arr: np.ndarray) -> bytes:
     n = len(arr) // ctx.chunk_size * ctx.chunk_size
+    cap = ctx.max_request_tokens
+    if cap and n > cap:
+        err = InvalidInputError(
+            f"request of {n} tokens is over the server's limit of {cap} tokens "
+            f"(max_request_tokens; raise it with --max-request-tokens)"
+        )
+        err.code = "limit"
+        raise err
     return arr[:n].tobytes()
 
 

@@ -6,6 +6,7 @@
     ├── ControlTimeout              (transport) no reply within the timeout
     ├── DiskInUseError              (storage) another live server holds the L2 directory
     ├── CorruptObject               (storage) bytes that are not the object they claim to be
+    ├── NoRoom                      (storage) an object that does not fit in a tier: write skipped
     ├── RequestError                (server) a request refused with an ErrorCode
     │   ├── SessionError            no such session
     │   └── RegistrationError       a model or client registration refused
@@ -51,6 +52,10 @@ class DiskInUseError(KVDockError, RuntimeError):
 
 class CorruptObject(KVDockError, ValueError):
     """Bytes that are not a valid object, or not the object they were expected to be."""
+
+
+class NoRoom(KVDockError):
+    """An object does not fit in a tier's budget (or the disk is full): its write is skipped."""
 
 
 class RequestError(KVDockError):

@@ -29,7 +29,7 @@ from typing import Any
 
 from blake3 import blake3
 
-from kvdock.errors import CorruptObject, DiskInUseError
+from kvdock.errors import CorruptObject, DiskInUseError, NoRoom
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
 from kvdock.storage.tier import Head, ObjectLayout, StorageTier, TierCounters, tier_kind
@@ -41,10 +41,6 @@ NO_HEAD = Head(0, 0)  # objects written before version chains: each chains to th
 FAULT_DELAY_ENV = "KVDOCK_FAULT_L2_WRITE_DELAY_S"  # seconds each L2 write or delete sleeps first (tests only)
 
 __all__ = ["DiskEntry", "DiskInUseError", "DiskTier", "NoRoom", "ScanReport", "read_object", "write_object"]
-
-
-class NoRoom(Exception):
-    """The object does not fit in the L2 budget (or the disk is full): the write is skipped."""
 
 
 @dataclass(slots=True, eq=False)

@@ -26,9 +26,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvdock.errors import NoRoom
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
-from kvdock.storage.disk import NoRoom
 from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.tier import Head, ObjectLayout, StorageTier
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from kvdock.errors import RequestError, SessionError
 from kvdock.keys import ObjectKey
+from kvdock.protocol.codes import ErrorCode
 from kvdock.storage.lane import SharedHeader, TierLane
 from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
@@ -46,7 +47,6 @@ from kvdock.storage.tier import Head, ObjectLayout
 
 log = logging.getLogger(__name__)
 
-TIER_UNAVAILABLE = "tier_unavailable"  # ErrorCode.TIER_UNAVAILABLE (storage does not import protocol)
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,7 @@ class StorageManager:
             raise RequestError(
                 f"overwrite refused: {down} could not delete the older version, which could come back; "
                 "nothing was stored (retry when the tier is back)",
-                TIER_UNAVAILABLE,
+                ErrorCode.TIER_UNAVAILABLE,
             )
         committed = set(indexes)
         if session.overwrite:  # chunks reserved but not committed must not keep their old version

@@ -29,11 +29,25 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--url", help="ZMQ control URL of a running server, e.g. tcp://127.0.0.1:5555 (default: start one)")
     g.add_argument("--http-url", help="HTTP URL of that server, e.g. http://127.0.0.1:9000 (required with --url)")
     g.add_argument(
-        "--chunk-size", type=int, default=16, help="chunk size of the server started when no --url is given (16)"
+        "--chunk-size",
+        type=int,
+        help="chunk size of the server started when no --url is given (16; 64 with --engine vllm, whose blocks are 32)",
     )
     g.add_argument("--l1-size", default="512MiB", help="L1 pool of the server started when no --url is given")
     g.add_argument("--cache-salt", default="", help="cache namespace used for every store/retrieve/lookup ('')")
     g.add_argument("--timeout", type=float, default=60.0, help="SDK timeout in seconds (60)")
+    p.add_argument(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="the engine: kvdock.integrations.hf in this process, or vLLM with kvdock's connector (hf)",
+    )
+    p.add_argument(
+        "--reuse-engine",
+        action="store_true",
+        help="--engine vllm: run the later prompts on the same engine after clearing its prefix cache, instead "
+        "of starting a fresh engine (saves one engine start)",
+    )
     m = p.add_argument_group("model")
     m.add_argument("--model", help="local HF model directory (default: a tiny random Llama built from a config)")
     m.add_argument("--model-name", help="name to register the model under (default: the directory, or the tiny name)")
@@ -65,18 +79,19 @@ class Model:
     description: str
 
 
-def tiny_config() -> Any:
-    """The tiny model's config: 2 layers, GQA (4 query / 2 KV heads of 16), vocab 512."""
+def tiny_config(head_dim: int = 16) -> Any:
+    """The tiny model's config: 2 layers, GQA (4 query / 2 KV heads of ``head_dim``: 16, or 32 for
+    vLLM, whose CPU kernels start at 32), vocab 512."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=4 * head_dim,
+        intermediate_size=8 * head_dim,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
@@ -97,7 +112,8 @@ def load_model(args: argparse.Namespace) -> Model:
             tok = AutoTokenizer.from_pretrained(path)
         return Model(model.eval(), tok, args.model_name or str(path), str(path))
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(), dtype=dtype or torch.float32, attn_implementation=args.attn)
+    cfg = tiny_config(32 if args.engine == "vllm" else 16)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.float32, attn_implementation=args.attn)
     model.eval()
     return Model(model, None, args.model_name or TINY_NAME, f"tiny random Llama (seed {args.seed})")
 
@@ -147,13 +163,14 @@ def server(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
             raise die(f"no kvdock server answers at {args.http_url}: {e}") from None
         yield args.url, args.http_url, chunk
         return
+    chunk = args.chunk_size or (64 if args.engine == "vllm" else 16)
     try:
-        srv = start_server("--no-disk", l1_size=args.l1_size, chunk_size=args.chunk_size, timeout=60)
+        srv = start_server("--no-disk", l1_size=args.l1_size, chunk_size=chunk, timeout=60)
     except RuntimeError as e:
         raise die(str(e)) from None
     with srv:
-        log(f"started kvdock serve on {srv.url} / {srv.http_url} (chunk {args.chunk_size})")
-        yield srv.url, srv.http_url, args.chunk_size
+        log(f"started kvdock serve on {srv.url} / {srv.http_url} (chunk {chunk})")
+        yield srv.url, srv.http_url, chunk
 
 
 def warm_up(model: Any, gen: dict[str, Any], num_tokens: int = 24) -> None:
@@ -168,3 +185,42 @@ def print_json(report: dict[str, Any]) -> None:
     text = json.dumps(report, indent=2)
     text = re.sub(r"\[\s*([-0-9.e, \n]+?)\s*\]", lambda mt: "[" + re.sub(r"\s+", " ", mt.group(1)) + "]", text)
     print(text, flush=True)
+
+
+def model_dir(args: argparse.Namespace, m: Model, tmp: Path) -> Path:
+    """A directory vLLM can load the model from: ``--model``, or the tiny model saved into ``tmp``."""
+    if args.model:
+        return Path(args.model)
+    m.model.save_pretrained(tmp / "model")
+    return tmp / "model"
+
+
+class VllmEngines:
+    """The vLLM engine(s) of an example: ``engine()`` is the current one; ``fresh()`` stops it and
+    starts a new one (or, with ``--reuse-engine``, clears its prefix cache instead)."""
+
+    def __init__(self, args: argparse.Namespace, path: Path, dtype: str, kvdock_cfg: dict[str, Any], logs: Path):
+        self.args, self.path, self.dtype, self.cfg, self.logs = args, path, dtype, kvdock_cfg, logs
+        self.starts = 0
+        self._engine: Any = None
+
+    def engine(self) -> Any:
+        if self._engine is None:
+            from kvdock.integrations.vllm.engine import EngineProcess
+
+            self.starts += 1
+            log(f"starting vLLM engine #{self.starts} (log: {self.logs / f'vllm-{self.starts}.log'})")
+            self._engine = EngineProcess(self.path, self.dtype, self.cfg, self.logs / f"vllm-{self.starts}.log")
+        return self._engine
+
+    def fresh(self) -> Any:
+        if self._engine is not None and self.args.reuse_engine:
+            self._engine.call(op="reset_prefix_cache")
+            return self._engine
+        self.close()
+        return self.engine()
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.stop()
+            self._engine = None

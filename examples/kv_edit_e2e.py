@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -46,11 +47,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
+    VllmEngines,
     add_common_args,
     die,
     greedy_kwargs,
     load_model,
     log,
+    model_dir,
     preview,
     print_json,
     server,
@@ -140,12 +143,75 @@ def default_length(args: argparse.Namespace, chunk: int) -> int:
     return int(args.prompt_tokens or 6 * chunk + max(1, chunk // 4))
 
 
+def run_vllm(args: argparse.Namespace, url: str, http_url: str, chunk: int) -> int:
+    """The same flow with vLLM as the engine: kvdock's connector saves the source prompt's KV and
+    loads the remapped KV for the target in a fresh engine (``--reuse-engine``: the same engine
+    with its prefix cache cleared). A baseline run of the target in a namespace without the remap
+    shows what the target gives when its prefix is computed."""
+    salt = args.cache_salt
+    m = load_model(args)
+    source, target = make_prompts(args, m, chunk)
+    n, gen = len(source), args.max_new_tokens
+    cap = (n - 1) // chunk * chunk
+    with tempfile.TemporaryDirectory(prefix="kvdock-e2e-") as tmp:
+        cfg = {"kvdock.url": url, "kvdock.http_url": http_url, "kvdock.model_name": m.name}
+        engines = VllmEngines(
+            args, model_dir(args, m, Path(tmp)), str(m.model.dtype).removeprefix("torch."), cfg, Path(tmp)
+        )
+        try:
+            log(f"1. source prompt ({n} tokens) through vLLM")
+            src = engines.engine().call(op="generate", prompts=[source], max_tokens=gen, salts=[salt])
+            with kvd.connect(url, http_url, m.name, args.timeout) as ctx:
+                cached = kvd.lookup(ctx, source, salt)
+            log(f"2-4. SDK role: retrieve {cached} cached tokens, store them under the target")
+            remap = run_sdk_role(args.sdk_in_process, url, http_url, m.name, source, target, salt, args.timeout)
+            log("5. target prompt through " + ("the same vLLM engine" if args.reuse_engine else "a fresh vLLM engine"))
+            engine = engines.fresh()
+            base = engine.call(op="generate", prompts=[target], max_tokens=gen, salts=[salt + "\x00baseline"])
+            tgt = engine.call(op="generate", prompts=[target], max_tokens=gen, salts=[salt])
+        finally:
+            engines.close()
+    src_new, tgt_new, base_new = src["outputs"][0], tgt["outputs"][0], base["outputs"][0]
+    report: dict[str, Any] = {
+        "engine": "vllm",
+        "model": m.description,
+        "model_name": m.name,
+        "dtype": str(m.model.dtype).removeprefix("torch."),
+        "chunk_size": chunk,
+        "cache_salt": salt,
+        "prompt_tokens": n,
+        "changed_leading_tokens": args.changed_tokens,
+        "cached_tokens": cached,
+        "source_hit_tokens": src["cached"][0],
+        **remap,
+        "vllm_engine_starts": engines.starts,
+        "target_engine_hit_tokens": tgt["cached"][0],
+        "baseline_hit_tokens": base["cached"][0],
+        "source_generate_s": round(src["seconds"], 6),
+        "target_generate_s": round(tgt["seconds"], 6),
+        "baseline_generate_s": round(base["seconds"], 6),
+        "new_tokens": len(src_new),
+        **preview(m, "source", src_new),
+        **preview(m, "target", tgt_new),
+        **preview(m, "baseline", base_new),
+        "outputs_match": src_new == tgt_new,
+        "baseline_differs": base_new != src_new,
+    }
+    print_json(report)
+    ok = report["outputs_match"] and report["baseline_differs"] and tgt["cached"][0] == cap > 0
+    if not ok:
+        log("FAILED: " + ("outputs differ" if not report["outputs_match"] else "no hit, or the baseline matched"))
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     salt = args.cache_salt
     with server(args) as (url, http_url, chunk):
         if not args.prompt:  # fail fast, before loading the model
             check_lengths(default_length(args, chunk), args.changed_tokens, chunk)
+        if args.engine == "vllm":
+            return run_vllm(args, url, http_url, chunk)
         import kvdock.integrations.hf as kvhf
 
         m = load_model(args)

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 
 from kvdock.keys import ObjectKey
+from kvdock.layout import KVGeometry
 from kvdock.shm.slots import ALIGN, SlotAllocator
 from kvdock.storage import objfile
 from kvdock.storage.disk import DiskTier
@@ -20,11 +21,11 @@ from kvdock.storage.manager import StorageManager
 from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.redis import RedisTier
 from kvdock.storage.sessions import Session
-from kvdock.storage.tier import Head, ObjectLayout
+from kvdock.storage.tier import Head
 
 SHAPE = [2, 3, 16, 10]
 NB = 2 * 3 * 16 * 10 * 4  # float32 KV_2LTD chunk: 3840 bytes, one 4 KiB slot
-LAYOUT = ObjectLayout(dtype="float32", shape=SHAPE, nbytes=NB)
+GEO, CHUNK = KVGeometry(3, 2, 5, "float32"), 16  # model "tiny": chunks of SHAPE
 FILE = ALIGN + NB  # one object file on disk
 
 
@@ -37,8 +38,8 @@ def payload(key: ObjectKey, version: int = 0) -> bytes:
     return bytes((j * 11 + i * 29 + version * 71 + 3) % 256 for j in range(NB))
 
 
-def layout_of(model: str) -> ObjectLayout | None:
-    return LAYOUT if model == "tiny" else None
+def geometry_of(model: str) -> KVGeometry | None:
+    return GEO if model == "tiny" else None
 
 
 def head(obj: L1Object) -> Head:
@@ -87,7 +88,7 @@ class World:
         assert self.disk is None or self.disk.scan().loaded == preloaded
         self.redis = RedisTier(redis_url, timeout=2.0) if redis_url else None
         self.lanes = {t.name: TierLane(t, self.l1) for t in (self.disk, self.redis) if t is not None}
-        self.mgr = StorageManager(self.l1, 60.0, list(self.lanes.values()), layout_of)
+        self.mgr = StorageManager(self.l1, 60.0, list(self.lanes.values()), geometry_of, CHUNK)
         self._sid = 0
 
     def check(self) -> None:

@@ -7,6 +7,7 @@
     ├── DiskInUseError              (storage) another live server holds the L2 directory
     ├── CorruptObject               (storage) bytes that are not the object they claim to be
     ├── NoRoom                      (storage) an object that does not fit in a tier: write skipped
+    ├── UnsupportedLayoutError      (codecs) an engine KV layout no codec knows: refused, never guessed
     ├── RequestError                (server) a request refused with an ErrorCode
     │   ├── SessionError            no such session
     │   └── RegistrationError       a model or client registration refused
@@ -56,6 +57,11 @@ class CorruptObject(KVDockError, ValueError):
 
 class NoRoom(KVDockError):
     """An object does not fit in a tier's budget (or the disk is full): its write is skipped."""
+
+
+class UnsupportedLayoutError(KVDockError, ValueError):
+    """An engine's KV cache layout (engine, attention backend, layout, kernel variant, dtype) that
+    no codec knows, or tensors that do not have the shape the codec expects."""
 
 
 class RequestError(KVDockError):

@@ -1,11 +1,14 @@
-"""Model geometry, engine KV formats and the canonical ``KV_2LTD`` layout (pure, no torch).
+"""One model's KV geometry (:class:`KVGeometry`), the canonical chunk and engine formats (pure, no torch).
 
-``KV_2LTD`` is ``[2, num_layers, num_tokens, D]`` with ``D = num_kv_heads * head_dim``, index 0 =
-keys, 1 = values. One stored object is one chunk in that layout: ``[2, L, chunk_size, D]``.
+The canonical chunk is ``[planes, num_layers, chunk_size, D]`` with ``D = num_kv_heads * head_dim``
+(the KV of one rank). A K/V cache (:data:`KV_PAIR`) has 2 planes, index 0 = keys, 1 = values: the
+SDK's ``KV_2LTD`` ``[2, L, T, D]``. An MLA latent cache (:data:`KV_LATENT`) has one plane, one
+latent of ``head_dim`` values per token and layer (``num_kv_heads`` 1). One stored object is one
+canonical chunk, whatever the engine's own block size or axis order.
 
-Engines describe their own per-layer KV tensor with a *format name* and a *concrete shape*; the
-format says which axis holds heads, block size and head_dim, so a client can decode the geometry
-from the shape alone:
+Engines name their own per-layer KV tensor with a *format name* (``EngineInfo.kv_cache_layout``);
+for the two formats below, :func:`concrete_shape` gives that tensor's shape (what ``/status`` shows
+as ``engine_kv_concrete_shape`` for clients that decode the geometry from it):
 
 ======  ======================================================  =============================
 format  per-layer shape                                         used by
@@ -18,10 +21,16 @@ HND     ``[2, num_blocks, num_kv_heads, block_size, head_dim]``  vLLM HND layout
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from kvdock.config import MAX_HEAD_DIM, MAX_NUM_KV_HEADS, MAX_NUM_LAYERS, MAX_WORLD_SIZE
+
 KV_2LTD = "KV_2LTD"
+KV_PAIR = "pair"  # K and V: axis 0 of a chunk has 2 planes (0 = keys, 1 = values)
+KV_LATENT = "latent"  # one MLA latent per token: 1 plane (accepted by the type, refused by the server for now)
+KV_PLANES: dict[str, int] = {KV_PAIR: 2, KV_LATENT: 1}
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4,
@@ -47,46 +56,24 @@ def check_dtype(name: str) -> str:
 
 def concrete_shape(kv_format: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> list[int]:
     """The per-layer shape an engine of ``kv_format`` uses for ``num_blocks`` blocks."""
-    axes = _axes(kv_format)
+    try:
+        axes = FORMAT_AXES[kv_format]
+    except KeyError:
+        raise ValueError(f"unknown KV format {kv_format!r}; known: {', '.join(FORMAT_AXES)}") from None
     sizes = {"kv": 2, "blocks": num_blocks, "block": block_size, "heads": num_kv_heads, "dim": head_dim}
     return [sizes[a] for a in axes]
 
 
-@dataclass(frozen=True)
-class DecodedShape:
-    """Geometry read off an engine's per-layer shape."""
-
-    num_kv_heads: int
-    block_size: int
-    head_dim: int
-
-
-def decode_shape(kv_format: str, shape: list[int] | tuple[int, ...]) -> DecodedShape:
-    """Decode heads, block size and head_dim from a per-layer shape; ValueError if it does not fit."""
-    axes = _axes(kv_format)
-    if len(shape) != len(axes):
-        raise ValueError(f"format {kv_format} expects a {len(axes)}-d shape {axes}, got {list(shape)}")
-    dims = dict(zip(axes, shape, strict=False))
-    if dims["kv"] != 2 or any(int(s) <= 0 for s in shape):
-        raise ValueError(f"invalid {kv_format} shape {list(shape)}: axis 0 must be 2 (K, V) and all sizes > 0")
-    return DecodedShape(num_kv_heads=int(dims["heads"]), block_size=int(dims["block"]), head_dim=int(dims["dim"]))
-
-
-def _axes(kv_format: str) -> tuple[str, ...]:
-    try:
-        return FORMAT_AXES[kv_format]
-    except KeyError:
-        raise ValueError(f"unknown KV format {kv_format!r}; known: {', '.join(FORMAT_AXES)}") from None
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """What the server and SDK need to know about one model's KV cache (one rank)."""
+class KVGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One model's KV cache as one rank holds it; the canonical chunk is [planes, L, chunk, D]."""
 
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # per rank
     head_dim: int
-    dtype: str
+    dtype: str  # "float32", "bfloat16", ... (DTYPE_SIZES keys)
+    kv_kind: str = KV_PAIR
+    world_size: int = 1  # tensor-parallel world size
+    rank: int = 0  # tensor-parallel rank
 
     @property
     def hidden_dim(self) -> int:
@@ -96,33 +83,75 @@ class Geometry:
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]
 
+    @property
+    def planes(self) -> int:
+        """Axis 0 of a chunk: 2 for a K/V pair, 1 for an MLA latent."""
+        return KV_PLANES[self.kv_kind]
+
     def chunk_shape(self, chunk_size: int) -> tuple[int, int, int, int]:
-        """Shape of one stored chunk in ``KV_2LTD``."""
-        return (2, self.num_layers, chunk_size, self.hidden_dim)
+        """Shape of one stored (canonical) chunk: ``(planes, num_layers, chunk_size, hidden_dim)``."""
+        return (self.planes, self.num_layers, chunk_size, self.hidden_dim)
 
     def chunk_nbytes(self, chunk_size: int) -> int:
-        return 2 * self.num_layers * chunk_size * self.hidden_dim * self.itemsize
+        return self.planes * self.num_layers * chunk_size * self.hidden_dim * self.itemsize
+
+    def check(self) -> KVGeometry:
+        """Return self if every value is possible; ValueError naming the first field that is not."""
+        for name, most in (
+            ("num_layers", MAX_NUM_LAYERS),
+            ("num_kv_heads", MAX_NUM_KV_HEADS),
+            ("head_dim", MAX_HEAD_DIM),
+            ("world_size", MAX_WORLD_SIZE),
+        ):
+            _bounded(name, getattr(self, name), most)
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be between 0 and world_size - 1 = {self.world_size - 1}, got {self.rank!r}")
+        if not isinstance(self.dtype, str):
+            raise ValueError(f"dtype must be a str, got {self.dtype!r}")
+        check_dtype(self.dtype)
+        if self.kv_kind not in KV_PLANES:
+            raise ValueError(f"unknown kv_kind {self.kv_kind!r}; known: {', '.join(KV_PLANES)}")
+        return self
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> KVGeometry:
+        """The geometry of a HuggingFace ``config.json`` dict (text configs; multimodal ones nest it
+        under ``text_config``), checked. An MLA config (``kv_lora_rank``, DeepSeek-V2/V3) gives a
+        latent geometry: one head of ``kv_lora_rank + qk_rope_head_dim``. ValueError when a required
+        field is missing or a value impossible (e.g. an unsupported dtype)."""
+        if "text_config" in cfg and "num_hidden_layers" not in cfg:
+            cfg = cfg["text_config"]
+        try:
+            layers = int(cfg["num_hidden_layers"])
+            dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+            if cfg.get("kv_lora_rank"):
+                latent = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+                return cls(layers, 1, latent, dtype, kv_kind=KV_LATENT).check()
+            heads = int(cfg["num_attention_heads"])
+            head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        except KeyError as e:
+            raise ValueError(f"config.json has no {e.args[0]!r}") from None
+        except TypeError as e:  # a null where a number belongs
+            raise ValueError(f"config.json: {e}") from None
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        return cls(layers, kv_heads, head_dim, dtype).check()
 
 
-@dataclass(frozen=True)
-class HFGeometry:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
+def _bounded(name: str, value: object, most: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if not 1 <= value <= most:
+        raise ValueError(f"{name} must be between 1 and {most}, got {value}")
 
 
-def hf_config_geometry(cfg: Mapping[str, Any]) -> HFGeometry:
-    """KV geometry from a HuggingFace ``config.json`` dict (text configs; multimodal ones nest it
-    under ``text_config``). ValueError when a required field is missing or the dtype unsupported."""
-    if "text_config" in cfg and "num_hidden_layers" not in cfg:
-        cfg = cfg["text_config"]
-    try:
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    except KeyError as e:
-        raise ValueError(f"config.json has no {e.args[0]!r}") from None
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
-    return HFGeometry(layers, kv_heads, head_dim, check_dtype(dtype))
+__all__ = [
+    "DTYPE_SIZES",
+    "FORMAT_AXES",
+    "KV_2LTD",
+    "KV_LATENT",
+    "KV_PAIR",
+    "KV_PLANES",
+    "KVGeometry",
+    "check_dtype",
+    "concrete_shape",
+]

@@ -21,6 +21,7 @@ from hf_models import LOGIT_ATOL, full_cache, last_logits, prompt, reference, ti
 import kvdock.integrations.hf as kvhf
 import kvdock.sdk as kvd
 from helpers import CHUNK, ServerProc
+from kvdock.layout import KVGeometry
 
 NEW = 8  # generated tokens per comparison
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -145,10 +146,24 @@ def test_registration_and_kv_2ltd_seen_from_another_process(
     with kvhf.connect(model, srv.url, srv.http_url, model_name="org/tiny-llama") as ctx:
         assert kvhf.save_kv(ctx, cache, ids[0])
     entry = {e["model_name"]: e for e in srv.get("/status")["cache_context_meta"]}["org/tiny-llama"]
-    assert entry["engine"] == {
+    assert entry["layout"]["engine"] == {
         "name": "transformers",
         "version": transformers.__version__,
         "attention_backend": "eager",
+        "kv_cache_layout": "HND",
+        "view_shape": [2, 1, 2, 16, 16],
+        "view_strides": [],
+        "pp_rank": 0,
+        "pp_size": 1,
+    }
+    assert entry["layout"]["geometry"] == {
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "dtype": "bfloat16",
+        "kv_kind": "pair",
+        "world_size": 1,
+        "rank": 0,
     }
     assert entry["kv_cache_layout"]["engine_kv_format"] == "HND"
     assert entry["kv_cache_layout"]["engine_kv_concrete_shape"] == [2, 1, 2, 16, 16]
@@ -184,12 +199,13 @@ def test_connect_names_and_tokens_per_block(make_server: Callable[..., ServerPro
     model.config._name_or_path = "local/qwen3-tiny"
     with kvhf.connect(model, srv.url, srv.http_url) as ctx:
         assert ctx.model_name == "local/qwen3-tiny"
-    # a name registered before (here with tokens_per_block 8) keeps its block size
+    # a name registered before with the same geometry (here with tokens_per_block 8) keeps its layout
     kvd.register_model(
         srv.url, srv.http_url, "pre", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", tokens_per_block=8
     )
     with kvhf.connect(model, srv.url, srv.http_url, model_name="pre") as ctx:
-        assert ctx.model.tokens_per_block == 8
+        assert ctx.layout.tokens_per_block == 8 and ctx.layout.engine.name == "sdk"
+        assert ctx.geometry == KVGeometry(2, 2, 16, "float32")
     # the same name with another geometry is refused by the server, naming both
     with pytest.raises(kvd.ServerError, match="different geometry"):
         kvhf.connect(model.to(torch.bfloat16), srv.url, srv.http_url, model_name="pre")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -11,6 +12,9 @@ import torch
 import kvdock.sdk as kvd
 from helpers import CHUNK, GEOMETRY, MODEL, free_port, make_kv, make_tokens
 from kvdock.errors import KVCacheSDKError
+from kvdock.layout import KVGeometry
+from kvdock.protocol import messages as m
+from kvdock.sdk.context import find_model
 
 
 def test_unreachable_http_names_the_url() -> None:
@@ -98,7 +102,6 @@ def test_pool_full_is_a_clear_error(make_server) -> None:
         kv = make_kv(2 * CHUNK, seed=1)
         assert kvd.store(c, kv, make_tokens(2 * CHUNK))
         from kvdock.keys import normalize_tokens
-        from kvdock.protocol import messages as m
 
         pinned = c.call(m.PrepareRetrieve(c.client_id, "hold", normalize_tokens(make_tokens(2 * CHUNK)).tobytes()))
         assert len(pinned.reply.slots) == 2
@@ -112,19 +115,47 @@ def test_pool_full_is_a_clear_error(make_server) -> None:
 def test_registration_same_geometry_is_harmless_different_is_refused(server) -> None:
     again = kvd.register_model(server.url, server.http_url, MODEL, dtype=torch.bfloat16, **GEOMETRY)
     assert again.created is False and again.chunk_nbytes == 2 * 3 * CHUNK * 16 * 2
+    # another engine, format and block size with the same geometry: the first registration stays
+    engine = m.EngineInfo("other-engine", "1.0", "FLASH_ATTN")
+    lay = kvd.make_layout(MODEL, dtype="bfloat16", **GEOMETRY, tokens_per_block=8, kv_format="HND", engine=engine)
+    assert lay.engine == m.EngineInfo("other-engine", "1.0", "FLASH_ATTN", "HND", [2, 1, 2, 8, 8])
+    assert kvd.register_layout(server.url, server.http_url, lay).created is False
+    with kvd.connect(server.url, server.http_url, MODEL, timeout=5) as c:
+        assert c.layout.tokens_per_block == 16 and c.layout.engine == m.EngineInfo(view_shape=[2, 1, 16, 2, 8])
+        assert c.geometry == lay.geometry == KVGeometry(3, 2, 8, "bfloat16")
     with pytest.raises(kvd.ServerError, match=r"already registered with a different geometry.*layers=3"):
         kvd.register_model(server.url, server.http_url, MODEL, dtype="float32", **GEOMETRY)
     with pytest.raises(kvd.ServerError, match="chunk_size 16 is not a multiple of tokens_per_block 32"):
         kvd.register_model(server.url, server.http_url, "big-block", dtype="float32", **GEOMETRY, tokens_per_block=32)
     with pytest.raises(kvd.InvalidInputError, match="unsupported KV dtype 'int8'"):
         kvd.register_model(server.url, server.http_url, "x", dtype="int8", **GEOMETRY)
-    with pytest.raises(kvd.InvalidInputError, match="num_layers must be a positive integer"):
+    with pytest.raises(kvd.InvalidInputError, match="num_layers must be between 1 and 4096, got 0"):
         kvd.register_model(server.url, server.http_url, "x", dtype="float32", num_layers=0, num_kv_heads=1, head_dim=4)
     with pytest.raises(kvd.InvalidInputError, match="unknown KV format 'XYZ'"):
         kvd.register_model(server.url, server.http_url, "x", dtype="float32", **GEOMETRY, kv_format="XYZ")
     # the model that was there is unchanged
     with kvd.connect(server.url, server.http_url, MODEL, timeout=5) as c:
         assert c.dtype == torch.bfloat16
+
+
+def test_the_layout_is_read_from_status() -> None:
+    lay = kvd.make_layout("a", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float16")
+    entry = {"model_name": "a", "layout": msgspec.to_builtins(lay)}
+    assert find_model({"cache_context_meta": [entry]}, "a") == lay
+    with pytest.raises(kvd.UnknownModelError, match="registered models: a"):
+        find_model({"cache_context_meta": [entry]}, "b")
+    old = {"model_name": "a", "world_size": 1, "kv_cache_layout": {}}  # a server of protocol 2
+    with pytest.raises(KVCacheSDKError, match="no layout for 'a' \\(a server older than protocol 3\\?\\)"):
+        find_model({"cache_context_meta": [old]}, "a")
+    bad: list[tuple[dict, str]] = [
+        ({**entry["layout"], "block_size": 16}, "unknown field `block_size`"),
+        ({**entry["layout"], "geometry": {**entry["layout"]["geometry"], "dtype": "int8"}}, "unsupported KV dtype"),
+        ({**entry["layout"], "geometry": {**entry["layout"]["geometry"], "head_dim": 0}}, "head_dim must be between"),
+        ({**entry["layout"], "model_name": "b"}, "holds the layout of 'b'"),
+    ]
+    for layout, match in bad:
+        with pytest.raises(KVCacheSDKError, match=match):
+            find_model({"cache_context_meta": [{"model_name": "a", "layout": layout}]}, "a")
 
 
 def test_hnd_registration_decodes_the_same_geometry(server) -> None:

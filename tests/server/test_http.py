@@ -42,6 +42,30 @@ def test_config_and_status_documents(server, ctx) -> None:
         "engine_kv_concrete_shape": [2, 1, 16, 2, 8],
     }
     assert meta["chunk_nbytes"] == 3072
+    assert meta["layout"] == {
+        "model_name": MODEL,
+        "geometry": {
+            "num_layers": 3,
+            "num_kv_heads": 2,
+            "head_dim": 8,
+            "dtype": "bfloat16",
+            "kv_kind": "pair",
+            "world_size": 1,
+            "rank": 0,
+        },
+        "tokens_per_block": 16,
+        "engine": {
+            "name": "sdk",
+            "version": "",
+            "attention_backend": "",
+            "kv_cache_layout": "NHD",
+            "view_shape": [2, 1, 16, 2, 8],
+            "view_strides": [],
+            "pp_rank": 0,
+            "pp_size": 1,
+        },
+    }
+    assert set(meta) == {"model_name", "world_size", "kv_cache_layout", "layout", "chunk_nbytes"}
 
 
 def test_healthz_and_metrics(server, ctx) -> None:

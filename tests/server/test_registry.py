@@ -24,6 +24,7 @@ import kvdock.sdk as kvd
 from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens
 from kvdock.config import MAX_CLIENTS, ServerConfig
 from kvdock.errors import RegistrationError
+from kvdock.layout import KV_LATENT, KVGeometry
 from kvdock.protocol import decode_reply, encode
 from kvdock.protocol import messages as m
 from kvdock.sdk.registration import make_layout
@@ -41,14 +42,21 @@ class Clock:
         return self.now
 
 
+LAYOUT_FIELDS = ("model_name", "tokens_per_block", "engine")
+
+
 def _layout(name: str = MODEL, **changes: object) -> m.ModelLayout:
-    return msgspec.structs.replace(LAYOUT, **{"model_name": name, **changes})
+    """LAYOUT named ``name``; ``changes`` of model_name, tokens_per_block and engine apply to the
+    layout, the others to its geometry."""
+    geo = {k: v for k, v in changes.items() if k not in LAYOUT_FIELDS}
+    lay = {"model_name": name, **{k: v for k, v in changes.items() if k in LAYOUT_FIELDS}}
+    return msgspec.structs.replace(LAYOUT, geometry=msgspec.structs.replace(LAYOUT.geometry, **geo), **lay)
 
 
 def _huge_layout(name: str = "huge") -> m.ModelLayout:
     """The geometry of defect 8: 2**40 layers, 2**20 KV heads of 2**20 dims (built by hand: the
     SDK's make_layout refuses it before it reaches a server)."""
-    return m.ModelLayout(name, 1, 2**40, "bfloat16", 16, "NHD", [2, 1, 16, 2**20, 2**20])
+    return m.ModelLayout(name, KVGeometry(2**40, 2**20, 2**20, "bfloat16"), 16)
 
 
 # ---------------------------------------------------------------- unit: client leases
@@ -129,12 +137,29 @@ def test_live_clients_are_capped() -> None:
         ({"world_size": 1025}, "world_size must be between 1 and 1024, got 1025"),
         ({"world_size": -1}, "world_size must be between 1 and 1024, got -1"),
         ({"tokens_per_block": 0}, "tokens_per_block must be positive, got 0"),
-        ({"engine_kv_concrete_shape": [2, 1, 16, 4097, 8]}, "num_kv_heads must be between 1 and 4096, got 4097"),
-        ({"engine_kv_concrete_shape": [2, 1, 16, 2, 16385]}, "head_dim must be between 1 and 16384, got 16385"),
+        ({"num_kv_heads": 4097}, "num_kv_heads must be between 1 and 4096, got 4097"),
+        ({"head_dim": 16385}, "head_dim must be between 1 and 16384, got 16385"),
+        ({"num_kv_heads": 2**20, "head_dim": 2**20}, "num_kv_heads must be between 1 and 4096, got 1048576"),
         (
-            {"engine_kv_concrete_shape": [2, 1, 16, 2**20, 2**20]},
-            "num_kv_heads must be between 1 and 4096, got 1048576",
+            {"dtype": "int8"},
+            "unsupported KV dtype 'int8'; supported: float32, float16, bfloat16, float8_e4m3fn, float8_e5m2",
         ),
+        ({"kv_kind": "mla"}, "unknown kv_kind 'mla'; known: pair, latent"),
+        ({"rank": 1}, "rank must be between 0 and world_size - 1 = 0, got 1"),
+        (
+            {"kv_kind": "latent", "num_kv_heads": 1},
+            "model 'tiny' has kv_kind 'latent': MLA latent caches are not supported yet",
+        ),
+        ({"world_size": 2}, "model 'tiny' has world_size 2: tensor parallelism is not supported yet"),
+        ({"world_size": 2, "rank": 1}, "model 'tiny' has world_size 2: tensor parallelism is not supported yet"),
+        (
+            {"engine": m.EngineInfo(kv_cache_layout="L" * 201)},
+            "engine.kv_cache_layout has 201 characters, more than 200",
+        ),
+        ({"engine": m.EngineInfo(view_shape=[1] * 17)}, "engine.view_shape has 17 entries, more than 16"),
+        ({"engine": m.EngineInfo(view_strides=[1] * 17)}, "engine.view_strides has 17 entries, more than 16"),
+        ({"engine": m.EngineInfo(pp_rank=1)}, "engine.pp_rank 1 out of range for pp_size 1"),
+        ({"engine": m.EngineInfo(pp_rank=0, pp_size=0)}, "engine.pp_rank 0 out of range for pp_size 0"),
     ],
 )
 def test_impossible_layouts_are_refused_and_not_persisted(tmp_path: Path, changes: dict, message: str) -> None:
@@ -148,14 +173,14 @@ def test_impossible_layouts_are_refused_and_not_persisted(tmp_path: Path, change
 
 def test_a_chunk_larger_than_the_pool_is_refused() -> None:
     reg = Registry(CHUNK, pool_capacity=64 * 2**20)
-    big = _layout("big", num_layers=4096, engine_kv_concrete_shape=[2, 1, 16, 4096, 16384])
+    big = _layout("big", num_layers=4096, num_kv_heads=4096, head_dim=16384)
     with pytest.raises(RegistrationError) as err:
         reg.register_model(big)
     assert (
         str(err.value)
         == "one chunk of 'big' (16 tokens) is 16384.00 GiB, more than the whole L1 pool (64.00 MiB; see --l1-size)"
     )
-    fits = _layout("fits", num_layers=16, engine_kv_concrete_shape=[2, 1, 16, 8, 128])  # 1 MiB a chunk
+    fits = _layout("fits", num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB a chunk
     assert reg.register_model(fits)[0].slot_nbytes == 2**20
     with pytest.raises(RegistrationError) as err:
         Registry(CHUNK, pool_capacity=2**20 - 2**10).register_model(fits)
@@ -163,6 +188,65 @@ def test_a_chunk_larger_than_the_pool_is_refused() -> None:
         str(err.value)
         == "one chunk of 'fits' (16 tokens) is 1.00 MiB, more than the whole L1 pool (1023.00 KiB; see --l1-size)"
     )
+
+
+def test_same_geometry_with_other_engine_info_and_block_size_shares_the_first_registration(tmp_path: Path) -> None:
+    """A vLLM engine (blocks of 32, NHD) and a transformers one (16, HND) of the same model share one
+    registration: the stored object is the canonical chunk, the block size does not enter it."""
+    path = tmp_path / "models.msgpack"
+    reg = Registry(64, path)
+    geo = KVGeometry(3, 2, 8, "bfloat16")
+    vllm = m.ModelLayout(
+        MODEL,
+        geo,
+        32,
+        m.EngineInfo(
+            "vllm", "0.29", "FLASH_ATTN", "NHD", [2, 100, 32, 2, 8], [51200, 512, 16, 8, 1], pp_rank=0, pp_size=1
+        ),
+    )
+    hf = make_layout(MODEL, dtype="bfloat16", **GEOMETRY, kv_format="HND", engine=m.EngineInfo("transformers", "5.0"))
+    assert hf.geometry == geo and hf.tokens_per_block == 16 and hf.engine.view_shape == [2, 1, 2, 16, 8]
+    first, created = reg.register_model(vllm)
+    assert created is True and first.slot_nbytes == geo.chunk_nbytes(64)
+    again, created = reg.register_model(hf)
+    assert created is False and again is first and again.layout == vllm  # the first layout is kept
+    assert reg.register_model(vllm)[1] is False
+    assert reg.register_model(msgspec.structs.replace(hf, tokens_per_block=64))[1] is False
+    assert reg.models[MODEL].layout == vllm and reg.geometry_of(MODEL) == geo and reg.geometry_of("x") is None
+    assert msgspec.msgpack.decode(path.read_bytes(), type=list[m.ModelLayout]) == [vllm]
+    assert Registry(64, path).models[MODEL].layout == vllm
+    # each registration is still checked on its own: a block size that does not divide the chunk
+    with pytest.raises(RegistrationError, match="chunk_size 64 is not a multiple of tokens_per_block 48"):
+        reg.register_model(msgspec.structs.replace(hf, tokens_per_block=48))
+    # a different geometry under the name is refused, naming both
+    with pytest.raises(RegistrationError) as err:
+        reg.register_model(msgspec.structs.replace(hf, geometry=msgspec.structs.replace(geo, dtype="float16")))
+    assert str(err.value) == (
+        "model 'tiny' is already registered with a different geometry: layers=3 kv_heads=2 head_dim=8 "
+        "dtype=bfloat16 kv_kind=pair world_size=1 rank=0 (new: layers=3 kv_heads=2 head_dim=8 dtype=float16 "
+        "kv_kind=pair world_size=1 rank=0)"
+    )
+    assert reg.models[MODEL].layout == vllm
+
+
+def test_latent_and_tensor_parallel_geometries_are_refused() -> None:
+    reg = Registry(CHUNK)
+    latent = m.ModelLayout("mla", KVGeometry(61, 1, 576, "bfloat16", kv_kind=KV_LATENT), 16)
+    with pytest.raises(RegistrationError) as err:
+        reg.register_model(latent)
+    assert err.value.code == "registration"
+    assert str(err.value) == "model 'mla' has kv_kind 'latent': MLA latent caches are not supported yet"
+    for rank in (0, 1):
+        tp = m.ModelLayout("tp", KVGeometry(3, 1, 8, "bfloat16", world_size=2, rank=rank), 16)
+        with pytest.raises(RegistrationError) as err:
+            reg.register_model(tp)
+        assert str(err.value) == "model 'tp' has world_size 2: tensor parallelism is not supported yet"
+    assert reg.models == {}
+    # a refused layout under a known name leaves the registration alone
+    reg.register_model(_layout())
+    with pytest.raises(RegistrationError, match="tensor parallelism is not supported yet"):
+        reg.register_model(_layout(world_size=2))
+    assert reg.models[MODEL].layout == _layout()
 
 
 def test_model_registrations_are_bounded_by_max_models(tmp_path: Path) -> None:
@@ -376,7 +460,7 @@ def test_absurd_geometry_is_refused_in_milliseconds_and_never_persisted(make_ser
     assert time.monotonic() - t0 < 1.0
     assert err.value.code == "registration"
     assert err.value.message == "num_layers must be between 1 and 4096, got 1099511627776"
-    big = _layout("big", num_layers=4096, engine_kv_concrete_shape=[2, 1, 16, 4096, 16384])
+    big = _layout("big", num_layers=4096, num_kv_heads=4096, head_dim=16384)
     with pytest.raises(kvd.ServerError) as err:
         kvd.register_layout(srv.url, srv.http_url, big, timeout=10)
     assert err.value.message == (

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from kvdock.keys import ObjectKey
+from kvdock.layout import KVGeometry
 from kvdock.storage import TIER_KINDS, objfile
 from kvdock.storage import disk as diskmod
 from kvdock.storage.disk import DiskEntry, DiskInUseError, DiskTier, NoRoom, ScanReport
 from kvdock.storage.objfile import ALIGN, CorruptObject
-from kvdock.storage.tier import Head, ObjectLayout
+from kvdock.storage.tier import Head
 from tierworld import K as WK
 from tierworld import World, legacy_header, run
 
@@ -29,7 +30,7 @@ DTYPE = "float32"
 SHAPE = [2, 3, 16, 10]
 NB = 2 * 3 * 16 * 10 * 4  # 3840: not a page multiple
 FILE = ALIGN + NB  # size of one object file
-LAYOUT = ObjectLayout(DTYPE, SHAPE, NB)
+GEO, CHUNK = KVGeometry(3, 2, 5, DTYPE), 16  # chunks of SHAPE
 
 
 def K(i: int, model: str = "tiny") -> ObjectKey:
@@ -80,7 +81,7 @@ def read(store: DiskTier, key: ObjectKey) -> bytes | None:
     the one the file's header holds."""
     out = memoryview(bytearray(NB))
     entry = store._index.get(key)
-    got = store.read_into(key, out, LAYOUT)
+    got = store.read_into(key, out, GEO, CHUNK)
     if got is None:
         return None
     assert entry is not None and got == entry.head, (got, entry)
@@ -149,7 +150,7 @@ def test_read_into_a_slice_of_a_larger_buffer(store: DiskTier) -> None:
     assert pool[:ALIGN] == b"\xaa" * ALIGN and pool[ALIGN + NB :] == b"\xaa" * (2 * ALIGN - NB)
     # the same through the tier's API, which returns the head of the file's header
     put(store, K(3), head=Head(77, 66))
-    assert store.read_into(K(3), memoryview(pool)[ALIGN : ALIGN + NB], LAYOUT) == Head(77, 66)
+    assert store.read_into(K(3), memoryview(pool)[ALIGN : ALIGN + NB], GEO, CHUNK) == Head(77, 66)
     assert pool[ALIGN : ALIGN + NB] == payload(3) and pool[:ALIGN] == b"\xaa" * ALIGN
 
 
@@ -277,7 +278,7 @@ def test_scan_reads_a_file_written_before_version_chains_as_head_zero(store: Dis
     assert s2.knows(K(1)) == Head(0, 0) and s2.knows(K(2)) == Head(5, 0)
     assert s2.heads([K(1), K(2)]) == [Head(0, 0), Head(5, 0)]
     out = memoryview(bytearray(NB))
-    assert s2.read_into(K(1), out, LAYOUT) == Head(0, 0) and bytes(out) == data
+    assert s2.read_into(K(1), out, GEO, CHUNK) == Head(0, 0) and bytes(out) == data
     s2.check_integrity()
 
 

@@ -18,7 +18,7 @@ from helpers import RedisProc
 from kvdock.storage import disk as diskmod
 from kvdock.storage import objfile
 from kvdock.storage.tier import Head
-from tierworld import FILE, NB, SHAPE, K, World, head, payload, run, until
+from tierworld import CHUNK, FILE, GEO, NB, SHAPE, K, World, head, payload, run, until
 
 KEYS = [K(i) for i in range(1, 4)]
 
@@ -316,7 +316,7 @@ def test_on_reader_errors_mark_the_tier_down_and_give_the_default(tmp_path: Path
         assert not w.redis.up()
         w.evict_l1([K(1)])
         assert await w.mgr.count([K(1)], 0) == 0  # a down tier is not asked
-        assert await lane.read(K(1), memoryview(bytearray(NB)), w.mgr.layout_of("tiny"), 0) is None  # type: ignore[arg-type]
+        assert await lane.read(K(1), memoryview(bytearray(NB)), GEO, CHUNK, 0) is None
         assert lane.counters.hits == 0
 
     run(tmp_path, body, redis_url=redis_server.url, disk=False)

@@ -24,7 +24,7 @@ from kvdock.storage.manager import StorageManager, StorePlan
 from kvdock.storage.memory import L1Object, L1Store, State
 from kvdock.storage.sessions import Writer
 from kvdock.storage.tier import Head
-from tierworld import FILE, LAYOUT, World, head, legacy_header, payload, run, until
+from tierworld import FILE, SHAPE, World, head, legacy_header, payload, run, until
 from tierworld import NB as WNB
 from tierworld import K as WK
 
@@ -1494,7 +1494,7 @@ def test_objects_written_before_version_chains_are_still_one_prefix(tmp_path: Pa
     previous = DiskTier(tmp_path / "l2", capacity=32 * FILE)  # the previous run's L2
     for k in keys:
         data = payload(k)
-        previous.write_from(k, legacy_header(k, LAYOUT.dtype, LAYOUT.shape, data), memoryview(data))
+        previous.write_from(k, legacy_header(k, "float32", SHAPE, data), memoryview(data))
     previous.close()
 
     async def body(w: World) -> None:

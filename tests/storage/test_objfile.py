@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from kvdock.keys import ObjectKey
+from kvdock.layout import KV_LATENT, KVGeometry
 from kvdock.storage import objfile
 from kvdock.storage.objfile import ALIGN, MAGIC, CorruptObject, ObjectHeader
 from tierworld import legacy_header
@@ -16,6 +17,7 @@ KEY = ObjectKey("tiny", 1, "salt-a", bytes(range(32)))
 DTYPE = "float32"
 SHAPE = [2, 3, 16, 10]
 NBYTES = 2 * 3 * 16 * 10 * 4
+GEO, CHUNK = KVGeometry(3, 2, 5, DTYPE), 16  # the geometry whose chunk that is
 
 
 def payload(n: int = NBYTES, seed: int = 7) -> bytes:
@@ -35,7 +37,7 @@ def test_header_round_trip() -> None:
     assert header.key == KEY
     assert offset == len(block) == ALIGN
     assert objfile.header_size_hint(block[:12]) == ALIGN
-    objfile.check(header, KEY, DTYPE, SHAPE, NBYTES)
+    objfile.check(header, KEY, GEO, CHUNK)
     objfile.verify_payload(header, memoryview(data))
 
 
@@ -58,7 +60,7 @@ def test_a_header_written_before_version_chains_reads_as_version_and_parent_zero
     header, offset = objfile.decode_header(block)
     assert (header.version, header.parent) == (0, 0)
     assert header.key == KEY and header.checksum == objfile.checksum(data) and offset == ALIGN
-    objfile.check(header, KEY, DTYPE, SHAPE, NBYTES)
+    objfile.check(header, KEY, GEO, CHUNK)
 
 
 def test_block_is_prefix_body_and_zero_padding() -> None:
@@ -156,28 +158,30 @@ def test_garbage_header_body() -> None:
 def test_foreign_identity(other: ObjectKey) -> None:
     header, _ = objfile.decode_header(encode())
     with pytest.raises(CorruptObject, match="identity differs"):
-        objfile.check(header, other, DTYPE, SHAPE, NBYTES)
+        objfile.check(header, other, GEO, CHUNK)
 
 
 @pytest.mark.parametrize(
-    ("dtype", "shape", "nbytes"),
+    ("geometry", "chunk"),
     [
-        ("bfloat16", SHAPE, NBYTES),
-        (DTYPE, [2, 3, 16, 5], NBYTES),
-        (DTYPE, [2, 3, 10, 16], NBYTES),
-        (DTYPE, SHAPE, NBYTES - 4),
-        (DTYPE, [*SHAPE, 1], NBYTES),
+        (KVGeometry(3, 2, 5, "bfloat16"), CHUNK),  # another dtype
+        (KVGeometry(3, 1, 5, DTYPE), 32),  # [2, 3, 32, 5]: the same size
+        (KVGeometry(3, 2, 8, DTYPE), 10),  # [2, 3, 10, 16]: the same size
+        (KVGeometry(6, 1, 10, DTYPE, kv_kind=KV_LATENT), CHUNK),  # [1, 6, 16, 10]: the same size
+        (GEO, 8),
     ],
 )
-def test_different_layout(dtype: str, shape: list[int], nbytes: int) -> None:
+def test_different_layout(geometry: KVGeometry, chunk: int) -> None:
     header, _ = objfile.decode_header(encode())
     with pytest.raises(CorruptObject, match="layout differs"):
-        objfile.check(header, KEY, dtype, shape, nbytes)
+        objfile.check(header, KEY, geometry, chunk)
 
 
-def test_check_accepts_a_tuple_shape() -> None:
-    header, _ = objfile.decode_header(encode())
-    objfile.check(header, KEY, DTYPE, tuple(SHAPE), NBYTES)  # type: ignore[arg-type]
+@pytest.mark.parametrize(("shape", "nbytes"), [([*SHAPE, 1], NBYTES), (SHAPE, NBYTES - 4)])
+def test_a_header_of_another_shape_or_size_differs(shape: list[int], nbytes: int) -> None:
+    header, _ = objfile.decode_header(encode(payload(nbytes), shape=shape))
+    with pytest.raises(CorruptObject, match="layout differs"):
+        objfile.check(header, KEY, GEO, CHUNK)
 
 
 def test_corrupt_object_is_a_value_error() -> None:

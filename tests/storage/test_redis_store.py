@@ -11,16 +11,17 @@ import redis as redis_py
 
 from helpers import RedisProc
 from kvdock.keys import ObjectKey
+from kvdock.layout import KVGeometry
 from kvdock.storage import TIER_KINDS, objfile
 from kvdock.storage.objfile import ALIGN
 from kvdock.storage.redis import ERRORS, RedisTier, redis_key
-from kvdock.storage.tier import Head, ObjectLayout
+from kvdock.storage.tier import Head
 from tierworld import legacy_header
 
 DTYPE = "float32"
 SHAPE = [2, 3, 16, 10]
 NB = 2 * 3 * 16 * 10 * 4
-LAYOUT = ObjectLayout(DTYPE, SHAPE, NB)
+GEO, CHUNK = KVGeometry(3, 2, 5, DTYPE), 16  # chunks of SHAPE
 
 
 def K(i: int, model: str = "tiny", rank: int = 0, salt: str = "") -> ObjectKey:
@@ -49,7 +50,7 @@ def get(store: RedisTier, key: ObjectKey, head: Head | None = None) -> bytes | N
     """The payload of ``key``, None on a miss; the head read_into returns must be ``head`` (H(i)
     for K(i) by default): the one in the value's header."""
     out = memoryview(bytearray(NB))
-    got = store.read_into(key, out, LAYOUT)
+    got = store.read_into(key, out, GEO, CHUNK)
     if got is None:
         return None
     assert got == (H(key.chunk[0]) if head is None else head), got
@@ -87,7 +88,7 @@ def test_put_then_get_is_byte_exact(store: RedisTier, raw: redis_py.Redis) -> No
 def test_read_into_fills_a_slice_only(store: RedisTier) -> None:
     data = put(store, K(2))
     pool = bytearray(b"\x55" * (2 * ALIGN))
-    assert store.read_into(K(2), memoryview(pool)[ALIGN : ALIGN + NB], LAYOUT) == H(2)
+    assert store.read_into(K(2), memoryview(pool)[ALIGN : ALIGN + NB], GEO, CHUNK) == H(2)
     assert pool[ALIGN : ALIGN + NB] == data
     assert pool[:ALIGN] == b"\x55" * ALIGN and pool[ALIGN + NB :] == b"\x55" * (ALIGN - NB)
 
@@ -101,7 +102,7 @@ def test_put_replaces_an_older_value(store: RedisTier) -> None:
 
 def test_missing_key_returns_none_and_leaves_out_alone(store: RedisTier) -> None:
     out = memoryview(bytearray(b"\x07" * NB))
-    assert store.read_into(K(9), out, LAYOUT) is None
+    assert store.read_into(K(9), out, GEO, CHUNK) is None
     assert bytes(out) == b"\x07" * NB
 
 
@@ -158,7 +159,7 @@ def test_corrupted_value_is_a_counted_miss(
     raw.set(redis_key(K(1)), mangle(value))
     out = memoryview(bytearray(b"\x07" * NB))
     with caplog.at_level(logging.WARNING, "kvdock.storage.redis"):
-        assert store.read_into(K(1), out, LAYOUT) is None
+        assert store.read_into(K(1), out, GEO, CHUNK) is None
     assert bytes(out) == b"\x07" * NB
     assert store.counters.corrupted == 1
     assert "L3: corrupted value for " + K(1).chunk.hex()[:16] in caplog.text
@@ -169,7 +170,7 @@ def test_corrupted_value_is_removed_from_the_tier(store: RedisTier, raw: redis_p
     put(store, K(2))
     raw.set(redis_key(K(1)), b"garbage")
     assert store.heads([K(1), K(2)]) == []  # a value without a header has no head: the run stops
-    assert store.read_into(K(1), memoryview(bytearray(NB)), LAYOUT) is None
+    assert store.read_into(K(1), memoryview(bytearray(NB)), GEO, CHUNK) is None
     assert store.heads([K(1), K(2)]) == [], "a lookup still counts the corrupted object"
     assert not raw.exists(redis_key(K(1)))
     assert store.heads([K(2)]) == [H(2)]
@@ -191,8 +192,8 @@ def test_foreign_value_under_the_key_is_refused(
     caplog.clear()
     assert raw.get(redis_key(K(1))) is None  # a refused value is deleted, so lookups stop counting it
     raw.set(redis_key(K(1)), objfile.encode_header(K(1), DTYPE, SHAPE, memoryview(data)) + data)
-    other = ObjectLayout("bfloat16", SHAPE, NB - 4)  # a slot of another size
-    assert store.read_into(K(1), memoryview(bytearray(NB - 4)), other) is None
+    other = KVGeometry(3, 2, 5, "bfloat16")  # a slot of another dtype and size
+    assert store.read_into(K(1), memoryview(bytearray(other.chunk_nbytes(CHUNK))), other, CHUNK) is None
     assert "layout differs" in caplog.text
     assert store.counters.corrupted == 3
 

@@ -47,23 +47,29 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _register(args: argparse.Namespace) -> int:
-    from kvdock import layout
+    import msgspec
+
+    from kvdock.layout import KV_PAIR, KVGeometry
     from kvdock.sdk import make_layout, register_layout
 
     geo = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+    kv_kind = KV_PAIR
     if args.hf_config:
         try:
-            hf = layout.hf_config_geometry(json.loads(Path(args.hf_config).read_text()))
+            hf = KVGeometry.from_hf_config(json.loads(Path(args.hf_config).read_text()))
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot use {args.hf_config}: {e}") from None
         # explicit flags win over the config file
         geo = {k: v if v is not None else getattr(hf, k) for k, v in geo.items()}
+        kv_kind = hf.kv_kind
     missing = [k for k, v in geo.items() if v is None]
     if missing:
         raise ConfigError(f"missing {', '.join('--' + k.replace('_', '-') for k in missing)} (or give --hf-config)")
     lay = make_layout(
         args.model, tokens_per_block=args.tokens_per_block, kv_format=args.kv_format, world_size=args.world_size, **geo
     )  # type: ignore[arg-type]
+    if kv_kind != lay.geometry.kv_kind:  # an MLA config: registered as such (the server says if it can store it)
+        lay = msgspec.structs.replace(lay, geometry=msgspec.structs.replace(lay.geometry, kv_kind=kv_kind))
     token = args.admin_token if args.admin_token is not None else os.environ.get("KVDOCK_ADMIN_TOKEN", "")
     reg = register_layout(args.url, args.http_url, lay, args.timeout, token)
     print(json.dumps({"model_name": reg.model_name, "created": reg.created, "chunk_nbytes": reg.chunk_nbytes}))

@@ -44,7 +44,9 @@ from transformers.generation.streamers import BaseStreamer
 import kvdock.sdk as kvd
 from kvdock.errors import InvalidInputError
 from kvdock.keys import normalize_tokens
+from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import EngineInfo
+from kvdock.sdk.context import dtype_name
 
 KV_FORMAT = "HND"
 _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
@@ -57,13 +59,10 @@ __all__ = ["GenerateResult", "cache_kwarg", "connect", "generate", "load_kv", "s
 
 @dataclass(frozen=True)
 class _Spec:
-    """The KV geometry of a transformers model, read off its config and parameters."""
+    """A transformers model as kvdock sees it: its KV geometry (off its config and parameters)."""
 
     model_type: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
+    geometry: KVGeometry
     attention_backend: str
 
 
@@ -102,7 +101,11 @@ def _spec(model: object) -> _Spec:
     if v_head_dim not in (None, head_dim):
         raise InvalidInputError(f"{kind!r}: values are {v_head_dim}-wide but keys {head_dim}-wide; unsupported")
     attn = str(getattr(cfg, "_attn_implementation", None) or "")
-    return _Spec(kind, num_layers, kv_heads, head_dim, model.dtype, attn)
+    try:
+        geo = KVGeometry(num_layers, kv_heads, head_dim, dtype_name(model.dtype)).check()
+    except ValueError as e:
+        raise InvalidInputError(f"{kind!r}: impossible KV geometry: {e}") from None
+    return _Spec(kind, geo, attn)
 
 
 def _check_ctx(ctx: object) -> kvd.KVCacheContext:
@@ -115,13 +118,9 @@ def _check_pair(model: object, ctx: object) -> _Spec:
     """``model`` is supported and ``ctx`` was registered with the same geometry and dtype."""
     spec = _spec(model)
     c = _check_ctx(ctx)
-    geo = c.geometry
-    mine = (spec.num_layers, spec.num_kv_heads, spec.head_dim, str(spec.dtype).removeprefix("torch."))
-    theirs = (geo.num_layers, geo.num_kv_heads, geo.head_dim, geo.dtype)
-    if mine != theirs:
+    if spec.geometry != c.geometry:
         raise InvalidInputError(
-            f"the model (layers, kv_heads, head_dim, dtype) = {mine} does not match {c.model_name!r} "
-            f"registered as {theirs}"
+            f"the model's KV geometry does not match {c.model_name!r}: {spec.geometry} (registered: {c.geometry})"
         )
     return spec
 
@@ -145,9 +144,10 @@ def connect(
 
     The geometry (layers, KV heads, head_dim) comes from the model's text config, the dtype from the
     model. ``model_name`` defaults to ``config._name_or_path``, else ``config.model_type``.
-    ``tokens_per_block`` is that of an existing registration of the name, else 16 (or the chunk
-    size when 16 does not divide it). A plain ``kvdock.sdk.connect(url, http_url, model_name)``
-    finds the model afterwards. ``admin_token`` is needed when the server has one (registering a
+    ``tokens_per_block`` is 16 (or the chunk size when 16 does not divide it); a name registered
+    before with the same geometry keeps its first layout (the stored chunks do not depend on the
+    block size). A plain ``kvdock.sdk.connect(url, http_url, model_name)`` finds the model
+    afterwards. ``admin_token`` is needed when the server has one (registering a
     model is an admin action there). Raises InvalidInputError (unsupported model),
     ServerUnavailableError, PermissionDeniedError (token missing or wrong), or ServerError (the
     name is registered with another geometry)."""
@@ -156,20 +156,19 @@ def connect(
     name = model_name or str(getattr(cfg, "_name_or_path", "") or "") or spec.model_type
     chunk = int(kvd.server_config(http_url, timeout)["chunk_size"])
     tpb = 16 if chunk % 16 == 0 else chunk
-    for entry in kvd.server_status(http_url, timeout).get("cache_context_meta", []):
-        if entry.get("model_name") == name:
-            tpb = int(entry["kv_cache_layout"]["tokens_per_block"])
+    geo = spec.geometry
     engine = EngineInfo(name="transformers", version=transformers.__version__, attention_backend=spec.attention_backend)
     lay = kvd.make_layout(
         name,
-        num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        dtype=spec.dtype,
+        num_layers=geo.num_layers,
+        num_kv_heads=geo.num_kv_heads,
+        head_dim=geo.head_dim,
+        dtype=geo.dtype,
         tokens_per_block=tpb,
         kv_format=KV_FORMAT,
         engine=engine,
     )
+    assert lay.geometry == geo, (lay.geometry, geo)
     kvd.register_layout(url, http_url, lay, timeout, admin_token)
     return kvd.connect(url, http_url, name, timeout)
 

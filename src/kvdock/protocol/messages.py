@@ -6,7 +6,9 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+from kvdock.layout import KVGeometry
+
+PROTOCOL_VERSION = 3
 
 Transport = Literal["shm", "inline"]
 
@@ -18,22 +20,26 @@ class _Msg(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
 # --- shared structs -----------------------------------------------------------------------------
 
 
-class EngineInfo(msgspec.Struct, frozen=True):
+class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Who registered a layout and how it holds its KV (descriptive: no stored byte depends on it)."""
+
     name: str = "sdk"
     version: str = ""
     attention_backend: str = ""
+    kv_cache_layout: str = "NHD"  # the engine's own axis order name, e.g. "NHD", "HND"
+    view_shape: list[int] = []  # one layer's KV tensor as the engine holds it
+    view_strides: list[int] = []
+    pp_rank: int = 0
+    pp_size: int = 1
 
 
-class ModelLayout(msgspec.Struct, frozen=True):
-    """What an engine (or the SDK) registers for a model; shown under /status cache_context_meta."""
+class ModelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What an engine (or the SDK) registers for a model, and what /status shows of it under
+    ``cache_context_meta[i]["layout"]``. Only ``geometry`` decides what a stored chunk holds."""
 
     model_name: str
-    world_size: int
-    num_layers: int
-    dtype: str
+    geometry: KVGeometry
     tokens_per_block: int
-    engine_kv_format: str
-    engine_kv_concrete_shape: list[int]
     engine: EngineInfo = EngineInfo()
 
 

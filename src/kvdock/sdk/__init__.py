@@ -21,10 +21,22 @@ from kvdock.errors import (
 )
 from kvdock.sdk.context import KVCacheContext, close, connect
 from kvdock.sdk.http import server_config, server_status
-from kvdock.sdk.ops import StoreResult, check_server_integrity, lookup, retrieve, store, store_chunks
+from kvdock.sdk.ops import (
+    StoreResult,
+    check_server_integrity,
+    lookup,
+    retrieve,
+    retrieve_into,
+    store,
+    store_chunks,
+    store_from,
+)
 from kvdock.sdk.registration import ModelRegistration, make_layout, register_layout, register_model
+from kvdock.sdk.transfer import ChunkSink, ChunkSource
 
 __all__ = [
+    "ChunkSink",
+    "ChunkSource",
     "InvalidInputError",
     "KVCacheContext",
     "KVCacheSDKError",
@@ -45,8 +57,10 @@ __all__ = [
     "register_layout",
     "register_model",
     "retrieve",
+    "retrieve_into",
     "server_config",
     "server_status",
     "store",
     "store_chunks",
+    "store_from",
 ]

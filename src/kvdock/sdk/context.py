@@ -47,37 +47,27 @@ def dtype_name(dtype: torch.dtype | str) -> str:
         raise InvalidInputError(str(e)) from None
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """A model as the server's /status describes it."""
-
-    model_name: str
-    world_size: int
-    tokens_per_block: int
-    kv_format: str
-    geometry: layout.Geometry
-
-
-def find_model(status: dict[str, Any], model_name: str) -> ModelInfo:
-    """Decode ``model_name``'s entry of /status (format-aware); UnknownModelError lists the known ones."""
-    entries = {e["model_name"]: e for e in status.get("cache_context_meta", [])}
+def find_model(status: dict[str, Any], model_name: str) -> m.ModelLayout:
+    """``model_name``'s layout from /status (the ModelLayout under its entry's ``layout``);
+    UnknownModelError lists the known ones, KVCacheSDKError if it cannot be decoded."""
+    entries = {e.get("model_name"): e for e in status.get("cache_context_meta", [])}
     entry = entries.get(model_name)
     if entry is None:
-        known = ", ".join(sorted(entries)) or "none"
+        known = ", ".join(sorted(str(name) for name in entries)) or "none"
         raise UnknownModelError(f"model {model_name!r} is not registered with the server; registered models: {known}")
-    lay = entry["kv_cache_layout"]
     try:
-        dec = layout.decode_shape(lay["engine_kv_format"], lay["engine_kv_concrete_shape"])
-        dtype = layout.check_dtype(lay["dtype"])
-    except ValueError as e:
-        raise KVCacheSDKError(f"cannot decode the layout of {model_name!r}: {e}") from None
-    if dec.block_size != lay["tokens_per_block"]:
+        lay = msgspec.convert(entry["layout"], m.ModelLayout)
+        lay.geometry.check()
+    except KeyError:
         raise KVCacheSDKError(
-            f"{model_name!r}: block size {dec.block_size} decoded from {lay['engine_kv_format']} "
-            f"{lay['engine_kv_concrete_shape']} != tokens_per_block {lay['tokens_per_block']}"
-        )
-    geo = layout.Geometry(lay["num_layers"], dec.num_kv_heads, dec.head_dim, dtype)
-    return ModelInfo(model_name, entry["world_size"], lay["tokens_per_block"], lay["engine_kv_format"], geo)
+            f"the server's /status has no layout for {model_name!r} (a server older than protocol "
+            f"{m.PROTOCOL_VERSION}?)"
+        ) from None
+    except (msgspec.ValidationError, ValueError) as e:
+        raise KVCacheSDKError(f"cannot decode the layout of {model_name!r}: {e}") from None
+    if lay.model_name != model_name:
+        raise KVCacheSDKError(f"the server's /status entry for {model_name!r} holds the layout of {lay.model_name!r}")
+    return lay
 
 
 class Connection:
@@ -141,7 +131,7 @@ class KVCacheContext:
         self,
         url: str,
         http_url: str,
-        model: ModelInfo,
+        lay: m.ModelLayout,
         chunk_size: int,
         conn: Connection,
         client_id: str,
@@ -149,11 +139,11 @@ class KVCacheContext:
     ) -> None:
         self.url = url
         self.http_url = http_url
-        self.model = model
-        self.model_name = model.model_name
+        self.layout = lay  # as the server registered it (the first registration of the name)
+        self.model_name = lay.model_name
         self.chunk_size = chunk_size
-        self.geometry = model.geometry
-        self.dtype = TORCH_DTYPES[model.geometry.dtype]
+        self.geometry = lay.geometry
+        self.dtype = TORCH_DTYPES[lay.geometry.dtype]
         self.client_id = client_id
         self.timeout = conn.timeout
         # checked here so that an oversized request is refused at once, never sent (the server
@@ -243,7 +233,7 @@ class KVCacheContext:
 
     def _reconnect(self) -> None:
         reg = _register(self._conn, self.http_url, self.model_name)
-        if reg.model != self.model or reg.chunk_size != self.chunk_size:
+        if reg.layout.geometry != self.geometry or reg.chunk_size != self.chunk_size:
             reg.transfer.close()
             self._conn.send_nowait(m.CloseClient(reg.client_id))  # the server registered it already
             raise KVCacheSDKError(f"the server at {self.url} restarted with another layout for {self.model_name!r}")
@@ -327,14 +317,14 @@ def connect(url: str, http_url: str, model_name: str, timeout: float = 60.0) -> 
     except BaseException:
         conn.close()
         raise
-    ctx = KVCacheContext(url, http_url, reg.model, reg.chunk_size, conn, reg.client_id, reg.transfer)
+    ctx = KVCacheContext(url, http_url, reg.layout, reg.chunk_size, conn, reg.client_id, reg.transfer)
     ctx.max_request_tokens = reg.max_request_tokens
     return ctx
 
 
 @dataclass
 class _Registration:
-    model: ModelInfo
+    layout: m.ModelLayout
     chunk_size: int
     client_id: str
     transfer: Transfer
@@ -345,12 +335,13 @@ def _register(conn: Connection, http_url: str, model_name: str) -> _Registration
     """The handshake of DESIGN.md section 4 over ``conn`` (used again after a server restart)."""
     timeout = conn.timeout
     config = get_json(http_url, "/config", timeout)
-    model = find_model(get_json(http_url, "/status", timeout), model_name)
+    lay = find_model(get_json(http_url, "/status", timeout), model_name)
+    geo = lay.geometry
     chunk_size = int(config["chunk_size"])
-    if model.world_size != 1:
-        raise KVCacheSDKError(f"{model_name!r} has world_size {model.world_size}; the SDK supports world_size 1 only")
-    if chunk_size % model.tokens_per_block:
-        raise KVCacheSDKError(f"chunk_size {chunk_size} is not a multiple of tokens_per_block {model.tokens_per_block}")
+    if geo.world_size != 1:
+        raise KVCacheSDKError(f"{model_name!r} has world_size {geo.world_size}; the SDK supports world_size 1 only")
+    if geo.kv_kind != layout.KV_PAIR:
+        raise KVCacheSDKError(f"{model_name!r} has kv_kind {geo.kv_kind!r}; the SDK supports K/V pairs only")
     segment = _try_attach(config)
     try:
         reply = conn.call(
@@ -364,7 +355,7 @@ def _register(conn: Connection, http_url: str, model_name: str) -> _Registration
                 pid_start=proc_start_time(os.getpid()) or 0,
             )
         ).reply
-        if reply.chunk_size != chunk_size or reply.slot_nbytes != model.geometry.chunk_nbytes(chunk_size):
+        if reply.chunk_size != chunk_size or reply.slot_nbytes != geo.chunk_nbytes(chunk_size):
             raise KVCacheSDKError(
                 f"{conn.url} and {http_url} do not describe the same server (chunk size or layout differ)"
             )
@@ -372,15 +363,15 @@ def _register(conn: Connection, http_url: str, model_name: str) -> _Registration
         if segment:
             segment.close()
         raise
-    dtype = TORCH_DTYPES[model.geometry.dtype]
+    dtype = TORCH_DTYPES[geo.dtype]
     transfer: Transfer
     if reply.transport == "shm" and segment is not None:
-        transfer = ShmTransfer(model.geometry, chunk_size, dtype, segment)
+        transfer = ShmTransfer(geo, chunk_size, dtype, segment)
     else:
         if segment is not None:
             segment.close()
-        transfer = InlineTransfer(model.geometry, chunk_size, dtype)
-    return _Registration(model, chunk_size, reply.client_id, transfer, int(config.get("max_request_tokens") or 0))
+        transfer = InlineTransfer(geo, chunk_size, dtype)
+    return _Registration(lay, chunk_size, reply.client_id, transfer, int(config.get("max_request_tokens") or 0))
 
 
 def _try_attach(config: dict[str, Any]) -> PoolSegment | None:

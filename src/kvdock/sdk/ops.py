@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from kvdock.errors import (
     InvalidInputError,
     KVCacheSDKError,
+    KVDockError,
     LeaseExpiredError,
     PoolFullError,
     ServerUnavailableError,
@@ -21,6 +23,7 @@ from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
 from kvdock.sdk import validate
 from kvdock.sdk.context import KVCacheContext
+from kvdock.sdk.transfer import ChunkSink, ChunkSource, TensorChunks
 from kvdock.transport.client import Response
 
 log = logging.getLogger("kvdock.sdk")
@@ -74,7 +77,22 @@ def store_chunks(
     then reports what is still unresolved as ``in_flight_chunks``. An overwrite does not wait."""
     ctx = validate.context(ctx)
     arr = validate.tokens(tokens)
-    kv_t = validate.kv(ctx, kv, len(arr))
+    source = TensorChunks(validate.kv(ctx, kv, len(arr)), ctx.chunk_size)
+    return _store(ctx, source, arr, cache_salt, overwrite)
+
+
+def store_from(
+    ctx: KVCacheContext, source: ChunkSource, tokens: object, cache_salt: str = "", overwrite: bool = False
+) -> StoreResult:
+    """Like :func:`store_chunks`, with the KV coming from ``source``: ``source.put(i, slot)`` is
+    asked for chunk ``i`` of ``tokens`` (whole chunks only) straight into the shared-memory slot
+    it goes to -- only for chunks the server does not already hold. This is the engines' seam
+    (their paged KV goes to kvdock in one copy); the SDK cannot check what ``source`` writes."""
+    ctx = validate.context(ctx)
+    return _store(ctx, source, validate.tokens(tokens), cache_salt, overwrite)
+
+
+def _store(ctx: KVCacheContext, source: ChunkSource, arr: np.ndarray, cache_salt: str, overwrite: bool) -> StoreResult:
     cache_salt, overwrite = validate.cache_salt(cache_salt), validate.overwrite(overwrite)
     whole = _whole_chunks(ctx, arr)
     if not whole:
@@ -84,7 +102,7 @@ def store_chunks(
     deadline = time.monotonic() + min(CONFLICT_WAIT_S, ctx.timeout)
     delay = 0.005
     while True:
-        prep, n = _store_once(ctx, kv_t, whole, cache_salt, overwrite)
+        prep, n = _store_once(ctx, source, whole, cache_salt, overwrite)
         stored += n
         if not prep.in_flight or overwrite or time.monotonic() + delay > deadline:
             break
@@ -102,7 +120,7 @@ def store_chunks(
 
 
 def _store_once(
-    ctx: KVCacheContext, kv: torch.Tensor, whole: bytes, cache_salt: str, overwrite: bool
+    ctx: KVCacheContext, source: ChunkSource, whole: bytes, cache_salt: str, overwrite: bool
 ) -> tuple[m.StorePrepared, int]:
     """One PrepareStore / copy / CommitStore; returns the plan and how many chunks were committed."""
     sid = ctx.new_session_id()
@@ -113,7 +131,7 @@ def _store_once(
     committed = False
     try:
         with ctx.transfer() as t:
-            payload = t.write(prep.slots, kv)
+            payload = t.write(prep.slots, source)
         n = ctx.call(m.CommitStore(cid, sid, [s.index for s in prep.slots]), payload).reply.committed
         committed = True
     finally:
@@ -156,35 +174,59 @@ def retrieve(
         validate.out(ctx, out, len(whole) // TOKEN_DTYPE.itemsize)
     if not whole:
         return None
+    result: list[torch.Tensor] = []
+
+    def sink(hit: int) -> ChunkSink:
+        buf = torch.empty(ctx.geometry.chunk_shape(hit), dtype=ctx.dtype) if out is None else out[:, :, :hit]
+        result[:] = [buf]
+        return TensorChunks(buf, ctx.chunk_size)
+
     try:
-        return _retrieve_once(ctx, whole, cache_salt, out)
+        hit = _retrieve_with_retry(ctx, whole, cache_salt, sink)
+    except RuntimeError as e:  # torch refusing to write into the caller's ``out``
+        if out is None or isinstance(e, KVDockError):
+            raise
+        raise InvalidInputError(f"cannot write into out: {e}") from None
+    return result[0] if hit else None
+
+
+def retrieve_into(ctx: KVCacheContext, tokens: object, sink: ChunkSink, cache_salt: str = "") -> int:
+    """Retrieve the longest cached whole-chunk prefix of ``tokens`` chunk by chunk into ``sink``
+    (``sink.take(i, slot)`` for chunk ``i``, straight from the shared-memory slot); returns the
+    number of tokens handed over (0: nothing cached). The engines' seam, like :func:`store_from`.
+    LeaseExpiredError when the copy outlived its lease twice (what ``sink`` got is then garbage)."""
+    ctx = validate.context(ctx)
+    whole = _whole_chunks(ctx, validate.tokens(tokens))
+    cache_salt = validate.cache_salt(cache_salt)
+    if not whole:
+        return 0
+    return _retrieve_with_retry(ctx, whole, cache_salt, lambda hit: sink)
+
+
+def _retrieve_with_retry(ctx: KVCacheContext, whole: bytes, cache_salt: str, sink: Callable[[int], ChunkSink]) -> int:
+    try:
+        return _retrieve_once(ctx, whole, cache_salt, sink)
     except LeaseExpiredError:
         log.warning("a retrieve outlived its lease; trying once more")
-        return _retrieve_once(ctx, whole, cache_salt, out)
+        return _retrieve_once(ctx, whole, cache_salt, sink)
 
 
-def _retrieve_once(ctx: KVCacheContext, whole: bytes, cache_salt: str, out: torch.Tensor | None) -> torch.Tensor | None:
+def _retrieve_once(ctx: KVCacheContext, whole: bytes, cache_salt: str, make_sink: Callable[[int], ChunkSink]) -> int:
+    """One PrepareRetrieve / copy / CommitRetrieve; ``make_sink(hit_tokens)`` gives the sink once
+    the hit is known. Returns the hit in tokens."""
     sid = ctx.new_session_id()
     # the server loads chunks that only L2/L3 hold into L1 first; it must answer before we give up
     resp = _prepare(ctx, sid, m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2))
     slots = resp.reply.slots
     if not slots:
-        return None
+        return 0
     cid = ctx.answered_client_id()
     hit = len(slots) * ctx.chunk_size
     try:
-        geo = ctx.geometry
-        shape = (2, geo.num_layers, hit, geo.hidden_dim)
-        given = out is not None
-        out = torch.empty(shape, dtype=ctx.dtype) if out is None else out[:, :, :hit]
-        try:
-            with ctx.transfer() as t:
-                t.read(slots, resp.buffers(), out)
-                commits = t.commits_reads
-        except RuntimeError as e:
-            if not given:
-                raise
-            raise InvalidInputError(f"cannot write into out: {e}") from None
+        sink = make_sink(hit)
+        with ctx.transfer() as t:
+            t.read(slots, resp.buffers(), sink)
+            commits = t.commits_reads
     except BaseException:
         ctx.end_session(sid, cid)
         raise
@@ -192,7 +234,7 @@ def _retrieve_once(ctx: KVCacheContext, whole: bytes, cache_salt: str, out: torc
     # session's lease covers a lost one. Not waiting saves a round trip per retrieve.
     if commits:
         ctx.notify(m.CommitRetrieve(cid, sid))
-    return out
+    return hit
 
 
 def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:

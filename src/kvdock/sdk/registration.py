@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from kvdock import layout
-from kvdock.config import MAX_HEAD_DIM, MAX_NAME_LEN, MAX_NUM_KV_HEADS, MAX_NUM_LAYERS, MAX_WORLD_SIZE
+from kvdock.config import MAX_NAME_LEN
 from kvdock.errors import InvalidInputError
 from kvdock.protocol import messages as m
 from kvdock.sdk.context import Connection, dtype_name
@@ -54,42 +55,29 @@ def make_layout(
     world_size: int = 1,
     engine: m.EngineInfo | None = None,
 ) -> m.ModelLayout:
-    """Build a ModelLayout from explicit geometry; InvalidInputError for impossible values (the
-    bounds are those of the server: at most 4096 layers and KV heads, head_dim 16384, world_size
-    1024, names of 200 characters)."""
+    """Build a ModelLayout (geometry of rank 0 of ``world_size``) from explicit geometry;
+    InvalidInputError for impossible values (the bounds are those of the server: at most 4096
+    layers and KV heads, head_dim 16384, world_size 1024, names of 200 characters).
+    ``kv_format`` becomes ``engine.kv_cache_layout`` and ``engine.view_shape`` the format's
+    one-block shape (``engine``'s other fields are kept)."""
     if not isinstance(model_name, str) or not model_name:
         raise InvalidInputError(f"model_name must be a non-empty str, got {model_name!r}")
     if len(model_name) > MAX_NAME_LEN:
         raise InvalidInputError(f"model_name has {len(model_name)} characters, more than {MAX_NAME_LEN}")
-    for name, v, most in (
-        ("num_layers", num_layers, MAX_NUM_LAYERS),
-        ("num_kv_heads", num_kv_heads, MAX_NUM_KV_HEADS),
-        ("head_dim", head_dim, MAX_HEAD_DIM),
-        ("tokens_per_block", tokens_per_block, None),
-        ("world_size", world_size, MAX_WORLD_SIZE),
-    ):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
-        if most is not None and v > most:
-            raise InvalidInputError(f"{name} must be between 1 and {most}, got {v}")
+    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or tokens_per_block <= 0:
+        raise InvalidInputError(f"tokens_per_block must be a positive integer, got {tokens_per_block!r}")
     for field in ("name", "version", "attention_backend"):
         value = getattr(engine, field, "")
         if len(value) > MAX_NAME_LEN:
             raise InvalidInputError(f"engine.{field} has {len(value)} characters, more than {MAX_NAME_LEN}")
+    geo = layout.KVGeometry(num_layers, num_kv_heads, head_dim, dtype_name(dtype), world_size=world_size)
     try:
+        geo.check()
         shape = layout.concrete_shape(kv_format, 1, tokens_per_block, num_kv_heads, head_dim)
     except ValueError as e:
         raise InvalidInputError(str(e)) from None
-    return m.ModelLayout(
-        model_name=model_name,
-        world_size=world_size,
-        num_layers=num_layers,
-        dtype=dtype_name(dtype),
-        tokens_per_block=tokens_per_block,
-        engine_kv_format=kv_format,
-        engine_kv_concrete_shape=shape,
-        engine=engine or m.EngineInfo(),
-    )
+    engine = msgspec.structs.replace(engine or m.EngineInfo(), kv_cache_layout=kv_format, view_shape=shape)
+    return m.ModelLayout(model_name, geo, tokens_per_block, engine)
 
 
 def register_model(

@@ -7,43 +7,76 @@ Two transports behind one interface, so store/retrieve never branch on the trans
   the lease ran out during the copy (the process was paused) and a slot was reused, the copy is
   refused with LeaseExpiredError instead of returning another object's bytes;
 * :class:`InlineTransfer` turns chunks into raw ZMQ frames and back (no pickling, ever).
+
+What is copied comes from a :class:`ChunkSource` and goes to a :class:`ChunkSink`: for the SDK's
+own calls a ``KV_2LTD`` tensor (:class:`TensorChunks`); for an engine, its paged KV through a
+codec, so each chunk moves between the engine's pages and a slot in one copy.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from kvdock.errors import KVCacheSDKError, LeaseExpiredError
-from kvdock.layout import Geometry
+from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import SlotRef
 from kvdock.shm import PoolSegment
 from kvdock.shm.slots import ALIGN
+
+
+class ChunkSource(Protocol):
+    def put(self, index: int, dst: torch.Tensor) -> None:
+        """Write chunk ``index`` (of the tokens being stored) into ``dst``, a contiguous
+        ``[2, L, chunk_size, D]`` buffer that is valid only during the call."""
+
+
+class ChunkSink(Protocol):
+    def take(self, index: int, src: torch.Tensor) -> None:
+        """Read chunk ``index`` of the retrieved prefix from ``src`` (``[2, L, chunk_size, D]``,
+        valid only during the call). The bytes are verified only after every take: a transfer
+        that then raises LeaseExpiredError has handed garbage to some takes."""
+
+
+class TensorChunks:
+    """A ``KV_2LTD`` tensor ``[2, L, T, D]`` as a source or sink of ``chunk_size``-token chunks."""
+
+    def __init__(self, kv: torch.Tensor, chunk_size: int) -> None:
+        self.kv = kv
+        self.chunk_size = chunk_size
+
+    def _span(self, index: int) -> torch.Tensor:
+        c = self.chunk_size
+        return self.kv[:, :, index * c : (index + 1) * c]
+
+    def put(self, index: int, dst: torch.Tensor) -> None:
+        dst.copy_(self._span(index))
+
+    def take(self, index: int, src: torch.Tensor) -> None:
+        self._span(index).copy_(src)
 
 
 class Transfer:
     name = ""
     commits_reads = True  # the server waits for CommitRetrieve to release a read's pins
 
-    def __init__(self, geometry: Geometry, chunk_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, geometry: KVGeometry, chunk_size: int, dtype: torch.dtype) -> None:
         self.chunk_size = chunk_size
         self.dtype = dtype
         self.chunk_shape = geometry.chunk_shape(chunk_size)
         self.chunk_nbytes = geometry.chunk_nbytes(chunk_size)
 
-    def _span(self, kv: torch.Tensor, index: int) -> torch.Tensor:
-        c = self.chunk_size
-        return kv[:, :, index * c : (index + 1) * c]
-
-    def write(self, slots: Sequence[SlotRef], kv: torch.Tensor) -> list[memoryview]:
-        """Put chunk ``slot.index`` of ``kv`` into each slot; returns payload frames to send (inline)."""
+    def write(self, slots: Sequence[SlotRef], source: ChunkSource) -> list[memoryview]:
+        """Put chunk ``slot.index`` of ``source`` into each slot; returns payload frames to send (inline)."""
         raise NotImplementedError
 
-    def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], out: torch.Tensor) -> None:
-        """Fill ``out`` (``[2, L, len(slots)*chunk, D]``) from the slots or the reply's frames.
-        LeaseExpiredError if the slots were reused meanwhile (``out`` then holds garbage)."""
+    def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink) -> None:
+        """Hand chunk ``j`` (the ``j``-th slot) to ``sink.take(j, ...)``, from the slots or the
+        reply's frames. LeaseExpiredError if the slots were reused meanwhile (the sink then holds
+        garbage)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -53,7 +86,7 @@ class Transfer:
 class ShmTransfer(Transfer):
     name = "shm"
 
-    def __init__(self, geometry: Geometry, chunk_size: int, dtype: torch.dtype, segment: PoolSegment) -> None:
+    def __init__(self, geometry: KVGeometry, chunk_size: int, dtype: torch.dtype, segment: PoolSegment) -> None:
         super().__init__(geometry, chunk_size, dtype)
         self._segment = segment
         self._pool: torch.Tensor | None = torch.frombuffer(segment.buf, dtype=torch.uint8)
@@ -64,14 +97,14 @@ class ShmTransfer(Transfer):
         assert self._pool is not None, "transfer closed"
         return self._pool[offset : offset + self.chunk_nbytes].view(self.dtype).view(self.chunk_shape)
 
-    def write(self, slots: Sequence[SlotRef], kv: torch.Tensor) -> list[memoryview]:
+    def write(self, slots: Sequence[SlotRef], source: ChunkSource) -> list[memoryview]:
         for s in slots:
-            self._slot(s.offset).copy_(self._span(kv, s.index))
+            source.put(s.index, self._slot(s.offset))
         return []
 
-    def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], out: torch.Tensor) -> None:
+    def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink) -> None:
         for j, s in enumerate(slots):
-            self._span(out, j).copy_(self._slot(s.offset))
+            sink.take(j, self._slot(s.offset))
         # seqlock read side: the copies above are complete (copy_ returned) before these loads
         gens = self._gens
         moved = [s.index for s in slots if int(gens[(s.offset - self._base) // ALIGN]) != s.gen]
@@ -91,10 +124,15 @@ class InlineTransfer(Transfer):
     name = "inline"
     commits_reads = False  # the server copied the bytes into the reply and released them at once
 
-    def write(self, slots: Sequence[SlotRef], kv: torch.Tensor) -> list[memoryview]:
-        return [self._span(kv, s.index).contiguous().view(torch.uint8).numpy().data for s in slots]
+    def write(self, slots: Sequence[SlotRef], source: ChunkSource) -> list[memoryview]:
+        frames = []
+        for s in slots:
+            buf = torch.empty(self.chunk_shape, dtype=self.dtype)
+            source.put(s.index, buf)
+            frames.append(buf.view(torch.uint8).numpy().data)
+        return frames
 
-    def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], out: torch.Tensor) -> None:
+    def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink) -> None:
         """The reply has one frame with the chunks in order (``slot.offset`` into it)."""
         size = len(slots) * self.chunk_nbytes
         if len(frames) != 1 or len(frames[0]) != size:
@@ -108,4 +146,4 @@ class InlineTransfer(Transfer):
             whole = torch.frombuffer(frames[0], dtype=torch.uint8)
         for j, s in enumerate(slots):
             chunk = whole[s.offset : s.offset + self.chunk_nbytes].view(self.dtype).view(self.chunk_shape)
-            self._span(out, j).copy_(chunk)
+            sink.take(j, chunk)

@@ -121,10 +121,10 @@ def kv(ctx: KVCacheContext, value: object, num_tokens: int) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InvalidInputError(f"kv must be a torch.Tensor, got {type(value).__name__}")
     geo = ctx.geometry
-    want = (2, geo.num_layers, num_tokens, geo.hidden_dim)
-    if value.dim() != 4 or value.shape[0] != 2 or value.shape[1] != geo.num_layers or value.shape[3] != geo.hidden_dim:
+    want = geo.chunk_shape(num_tokens)  # the canonical layout, over num_tokens tokens
+    if value.dim() != 4 or (value.shape[0], value.shape[1], value.shape[3]) != (want[0], want[1], want[3]):
         raise InvalidInputError(
-            f"kv must be KV_2LTD [2, num_layers={geo.num_layers}, tokens, D={geo.hidden_dim}] for "
+            f"kv must be KV_2LTD [{geo.planes}, num_layers={geo.num_layers}, tokens, D={geo.hidden_dim}] for "
             f"{ctx.model_name!r}, got {list(value.shape)}"
         )
     if value.shape[2] != num_tokens:
@@ -142,9 +142,9 @@ def out(ctx: KVCacheContext, value: object, num_tokens: int) -> torch.Tensor:
     """``value`` as a CPU buffer that retrieve can write ``num_tokens`` tokens into, in place."""
     if not isinstance(value, torch.Tensor):
         raise InvalidInputError(f"out must be a torch.Tensor, got {type(value).__name__}")
-    geo = ctx.geometry
-    if value.dim() != 4 or value.shape[0] != 2 or value.shape[1] != geo.num_layers or value.shape[3] != geo.hidden_dim:
-        raise InvalidInputError(f"out must be [2, {geo.num_layers}, tokens, {geo.hidden_dim}], got {list(value.shape)}")
+    p, layers, _, d = ctx.geometry.chunk_shape(num_tokens)
+    if value.dim() != 4 or (value.shape[0], value.shape[1], value.shape[3]) != (p, layers, d):
+        raise InvalidInputError(f"out must be [{p}, {layers}, tokens, {d}], got {list(value.shape)}")
     if value.shape[2] < num_tokens:
         raise InvalidInputError(f"out holds {value.shape[2]} tokens, fewer than the {num_tokens} asked for")
     if value.dtype != ctx.dtype or value.device.type != "cpu":

@@ -26,7 +26,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from kvdock import __version__
 from kvdock.config import ServerConfig
-from kvdock.protocol.messages import PROTOCOL_VERSION
+from kvdock.layout import FORMAT_AXES, concrete_shape
+from kvdock.protocol.messages import PROTOCOL_VERSION, ModelLayout
 from kvdock.server.handlers import ServerState, refresh_gauges
 
 STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)
@@ -73,21 +74,31 @@ def status_doc(state: ServerState, started: float) -> dict[str, Any]:
         },
         "tiers": tiers_doc(state),
         "cache_context_meta": [
-            {
-                "model_name": e.layout.model_name,
-                "world_size": e.layout.world_size,
-                "kv_cache_layout": {
-                    "num_layers": e.layout.num_layers,
-                    "dtype": e.layout.dtype,
-                    "tokens_per_block": e.layout.tokens_per_block,
-                    "engine_kv_format": e.layout.engine_kv_format,
-                    "engine_kv_concrete_shape": list(e.layout.engine_kv_concrete_shape),
-                },
-                "engine": msgspec.to_builtins(e.layout.engine),
-                "chunk_nbytes": e.slot_nbytes,
-            }
-            for e in state.registry.models.values()
+            {**model_meta(e.layout), "chunk_nbytes": e.slot_nbytes} for e in state.registry.models.values()
         ],
+    }
+
+
+def model_meta(lay: ModelLayout) -> dict[str, Any]:
+    """One model's ``cache_context_meta`` entry, all derived from its one ModelLayout: the whole
+    layout under ``layout`` (what kvdock's SDK reads, by ``msgspec.convert``), and the keys of the
+    reference design (``world_size``, ``kv_cache_layout``), whose ``engine_kv_concrete_shape`` is
+    the one-block shape of ``engine_kv_format``, so a client that decodes the geometry from it
+    finds the registered one. An engine format the decoders do not know is shown as NHD (the
+    stored chunk does not depend on it; ``layout.engine`` keeps the engine's own)."""
+    geo = lay.geometry
+    fmt = lay.engine.kv_cache_layout if lay.engine.kv_cache_layout in FORMAT_AXES else "NHD"
+    return {
+        "model_name": lay.model_name,
+        "world_size": geo.world_size,
+        "kv_cache_layout": {
+            "num_layers": geo.num_layers,
+            "dtype": geo.dtype,
+            "tokens_per_block": lay.tokens_per_block,
+            "engine_kv_format": fmt,
+            "engine_kv_concrete_shape": concrete_shape(fmt, 1, lay.tokens_per_block, geo.num_kv_heads, geo.head_dim),
+        },
+        "layout": msgspec.to_builtins(lay),
     }
 
 

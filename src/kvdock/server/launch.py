@@ -63,7 +63,7 @@ def build_state(config: ServerConfig) -> ServerState:
         metrics.watch_registry(registry)
         redis = _open_redis(config)
         lanes = [TierLane(t, l1) for t in (disk, redis) if t is not None]
-        manager = StorageManager(l1, config.session_ttl, lanes, registry.layout_of)
+        manager = StorageManager(l1, config.session_ttl, lanes, registry.geometry_of, registry.chunk_size)
     except BaseException:
         for lane in lanes:
             lane.close()

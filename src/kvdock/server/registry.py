@@ -21,30 +21,28 @@ from pathlib import Path
 
 import msgspec
 
-from kvdock.config import (
-    MAX_CLIENTS,
-    MAX_HEAD_DIM,
-    MAX_NAME_LEN,
-    MAX_NUM_KV_HEADS,
-    MAX_NUM_LAYERS,
-    MAX_WORLD_SIZE,
-    ServerConfig,
-    format_size,
-)
+from kvdock.config import MAX_CLIENTS, MAX_NAME_LEN, ServerConfig, format_size
 from kvdock.errors import RegistrationError
-from kvdock.layout import Geometry, check_dtype, decode_shape
+from kvdock.layout import KV_PAIR, KVGeometry
 from kvdock.protocol.codes import ErrorCode
 from kvdock.protocol.messages import ModelLayout, Transport
-from kvdock.storage.tier import ObjectLayout
 
 log = logging.getLogger(__name__)
 
 
+MAX_VIEW_DIMS = 16  # entries of an engine's view_shape / view_strides
+
+
 @dataclass(frozen=True)
 class ModelEntry:
+    """A registered model: the first layout registered under its name, and its chunk's size."""
+
     layout: ModelLayout
-    geometry: Geometry
     slot_nbytes: int
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return self.layout.geometry
 
 
 @dataclass(eq=False)
@@ -150,21 +148,19 @@ class Registry:
             )
 
     def register_model(self, lay: ModelLayout, admin_token: str = "") -> tuple[ModelEntry, bool]:
-        """Check the admin token, validate and add ``lay``; returns (entry, created). Same geometry
-        again is a no-op; a different geometry for a known name raises RegistrationError, and so
-        does a new name past ``max_models`` (code LIMIT)."""
+        """Check the admin token, validate and add ``lay``; returns (entry, created). A known name
+        with an equal geometry is a no-op that keeps the first layout (engine info and
+        tokens_per_block may differ: a stored chunk does not depend on them); a different
+        geometry for a known name raises RegistrationError, and so does a new name past
+        ``max_models`` (code LIMIT)."""
         self.authorize(admin_token)
         entry = self._entry(lay)
         old = self.models.get(lay.model_name)
         if old is not None:
-            if (
-                old.geometry != entry.geometry
-                or old.layout.tokens_per_block != lay.tokens_per_block
-                or (old.layout.world_size != lay.world_size)
-            ):
+            if old.geometry != entry.geometry:
                 raise RegistrationError(
                     f"model {lay.model_name!r} is already registered with a different geometry: "
-                    f"{_describe(old.layout)} (new: {_describe(lay)})"
+                    f"{_describe(old.geometry)} (new: {_describe(lay.geometry)})"
                 )
             return old, False
         if len(self.models) >= self.max_models:
@@ -191,45 +187,37 @@ class Registry:
             raise RegistrationError("model_name must not be empty")
         if len(lay.model_name) > MAX_NAME_LEN:
             raise RegistrationError(f"model_name has {len(lay.model_name)} characters, more than {MAX_NAME_LEN}")
-        for name in ("name", "version", "attention_backend"):
-            value = getattr(lay.engine, name)
-            if len(value) > MAX_NAME_LEN:
-                raise RegistrationError(f"engine.{name} has {len(value)} characters, more than {MAX_NAME_LEN}")
-        _bounded("num_layers", lay.num_layers, MAX_NUM_LAYERS)
-        _bounded("world_size", lay.world_size, MAX_WORLD_SIZE)
-        if lay.tokens_per_block <= 0:
-            raise RegistrationError(f"tokens_per_block must be positive, got {lay.tokens_per_block}")
+        _check_engine(lay)
         try:
-            check_dtype(lay.dtype)
-            dec = decode_shape(lay.engine_kv_format, lay.engine_kv_concrete_shape)
+            geo = lay.geometry.check()
         except ValueError as e:
             raise RegistrationError(str(e)) from None
-        _bounded("num_kv_heads", dec.num_kv_heads, MAX_NUM_KV_HEADS)
-        _bounded("head_dim", dec.head_dim, MAX_HEAD_DIM)
-        if dec.block_size != lay.tokens_per_block:
+        if geo.kv_kind != KV_PAIR:
             raise RegistrationError(
-                f"block size {dec.block_size} in the {lay.engine_kv_format} shape "
-                f"{lay.engine_kv_concrete_shape} != tokens_per_block {lay.tokens_per_block}"
+                f"model {lay.model_name!r} has kv_kind {geo.kv_kind!r}: MLA latent caches are not supported yet"
             )
+        if geo.world_size != 1:
+            raise RegistrationError(
+                f"model {lay.model_name!r} has world_size {geo.world_size}: tensor parallelism is not supported yet"
+            )
+        if lay.tokens_per_block <= 0:
+            raise RegistrationError(f"tokens_per_block must be positive, got {lay.tokens_per_block}")
         if self.chunk_size % lay.tokens_per_block:
             raise RegistrationError(
                 f"chunk_size {self.chunk_size} is not a multiple of tokens_per_block {lay.tokens_per_block}"
             )
-        geo = Geometry(lay.num_layers, dec.num_kv_heads, dec.head_dim, lay.dtype)
         nbytes = geo.chunk_nbytes(self.chunk_size)
         if self.pool_capacity is not None and nbytes > self.pool_capacity:
             raise RegistrationError(
                 f"one chunk of {lay.model_name!r} ({self.chunk_size} tokens) is {format_size(nbytes)}, more than the "
                 f"whole L1 pool ({format_size(self.pool_capacity)}; see --l1-size)"
             )
-        return ModelEntry(lay, geo, nbytes)
+        return ModelEntry(lay, nbytes)
 
-    def layout_of(self, model_name: str) -> ObjectLayout | None:
-        """How one chunk of ``model_name`` is laid out (for the lower tiers' object headers)."""
+    def geometry_of(self, model_name: str) -> KVGeometry | None:
+        """The geometry of ``model_name``'s chunks (for the lower tiers' object headers)."""
         entry = self.models.get(model_name)
-        if entry is None:
-            return None
-        return ObjectLayout(entry.geometry.dtype, list(entry.geometry.chunk_shape(self.chunk_size)), entry.slot_nbytes)
+        return None if entry is None else entry.geometry
 
     def register_client(self, instance_id: str, model_name: str, kv_rank: int, transport: Transport) -> ClientEntry:
         model = self.models.get(model_name)
@@ -237,8 +225,8 @@ class Registry:
             known = ", ".join(sorted(self.models)) or "none"
             msg = f"unknown model {model_name!r}; registered models: {known}"
             raise RegistrationError(msg, ErrorCode.UNKNOWN_MODEL)
-        if not 0 <= kv_rank < model.layout.world_size:
-            raise RegistrationError(f"kv_rank {kv_rank} out of range for world_size {model.layout.world_size}")
+        if not 0 <= kv_rank < model.geometry.world_size:
+            raise RegistrationError(f"kv_rank {kv_rank} out of range for world_size {model.geometry.world_size}")
         if len(self.clients) >= self.max_clients:
             raise RegistrationError(
                 f"the server already holds {len(self.clients)} client registrations, its limit; a client silent for "
@@ -275,13 +263,21 @@ class Registry:
         return n
 
 
-def _bounded(name: str, value: int, most: int) -> None:
-    if not 1 <= value <= most:
-        raise RegistrationError(f"{name} must be between 1 and {most}, got {value}")
+def _check_engine(lay: ModelLayout) -> None:
+    engine = lay.engine
+    for name in ("name", "version", "attention_backend", "kv_cache_layout"):
+        value = getattr(engine, name)
+        if len(value) > MAX_NAME_LEN:
+            raise RegistrationError(f"engine.{name} has {len(value)} characters, more than {MAX_NAME_LEN}")
+    for name, dims in (("view_shape", engine.view_shape), ("view_strides", engine.view_strides)):
+        if len(dims) > MAX_VIEW_DIMS:
+            raise RegistrationError(f"engine.{name} has {len(dims)} entries, more than {MAX_VIEW_DIMS}")
+    if not 0 <= engine.pp_rank < engine.pp_size:
+        raise RegistrationError(f"engine.pp_rank {engine.pp_rank} out of range for pp_size {engine.pp_size}")
 
 
-def _describe(lay: ModelLayout) -> str:
+def _describe(geo: KVGeometry) -> str:
     return (
-        f"layers={lay.num_layers} dtype={lay.dtype} {lay.engine_kv_format}{list(lay.engine_kv_concrete_shape)} "
-        f"tokens_per_block={lay.tokens_per_block} world_size={lay.world_size}"
+        f"layers={geo.num_layers} kv_heads={geo.num_kv_heads} head_dim={geo.head_dim} dtype={geo.dtype} "
+        f"kv_kind={geo.kv_kind} world_size={geo.world_size} rank={geo.rank}"
     )

@@ -82,6 +82,8 @@ async def _wait(session: Session, timeout_s: float) -> None:
 def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payload) -> Outcome:
     client = client_of(state, req.client_id)
     keys = keys_of(state, client, req.tokens, req.cache_salt)
+    if state.fault_retrieve_miss:
+        return Reply(m.RetrievePrepared([]))
     mgr = state.manager
     if mgr.sessions.has(client.client_id, req.session_id):  # opened by a prefetching Lookup
         session = mgr.sessions.get(client.client_id, req.session_id)

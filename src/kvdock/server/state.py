@@ -19,6 +19,7 @@ from kvdock.storage import StorageManager
 
 Payload = list[memoryview]
 FAULT_COPY_ENV = "KVDOCK_FAULT_COPY_DELAY_S"
+FAULT_RETRIEVE_MISS_ENV = "KVDOCK_FAULT_RETRIEVE_MISS"
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class ServerState:
     reply_buffers: ReplyBuffers = field(default_factory=lambda: ReplyBuffers(1 << 30))
     # fault injection for tests: each inline copy sleeps first (a copy can't be made slow on demand)
     fault_copy_delay_s: float = field(default_factory=lambda: float(os.environ.get(FAULT_COPY_ENV, "0") or 0))
+    # ... and every retrieve finds nothing, as if evicted right after a lookup found it (an
+    # engine's lookup and load cannot be split apart on demand)
+    fault_retrieve_miss: bool = field(default_factory=lambda: os.environ.get(FAULT_RETRIEVE_MISS_ENV) == "1")
 
     async def copy(self, fn: Callable[..., None], *args: object) -> None:
         """Run an inline copy ``fn(*args)`` on a copier thread (the caller holds the slots)."""

@@ -10,14 +10,13 @@ from kvdock.storage.manager import StorageManager, StorePlan
 from kvdock.storage.memory import L1Object, L1Store, State
 from kvdock.storage.redis import RedisTier
 from kvdock.storage.sessions import Session, Writer
-from kvdock.storage.tier import TIER_KINDS, ObjectLayout, StorageTier, TierCounters
+from kvdock.storage.tier import TIER_KINDS, StorageTier, TierCounters
 
 __all__ = [
     "TIER_KINDS",
     "DiskTier",
     "L1Object",
     "L1Store",
-    "ObjectLayout",
     "RedisTier",
     "Session",
     "State",

@@ -31,8 +31,9 @@ from blake3 import blake3
 
 from kvdock.errors import CorruptObject, DiskInUseError, NoRoom
 from kvdock.keys import ObjectKey
+from kvdock.layout import KVGeometry
 from kvdock.storage import objfile
-from kvdock.storage.tier import Head, ObjectLayout, StorageTier, TierCounters, tier_kind
+from kvdock.storage.tier import Head, StorageTier, TierCounters, tier_kind
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class DiskTier(StorageTier):
                 out.append(entry.head)
             return out
 
-    def read_into(self, key: ObjectKey, out: memoryview, layout: ObjectLayout) -> Head | None:
+    def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
@@ -170,7 +171,7 @@ class DiskTier(StorageTier):
             self._index.move_to_end(key)
         try:
             header = read_object(entry.path, out)
-            objfile.check(header, key, layout.dtype, layout.shape, layout.nbytes)
+            objfile.check(header, key, geometry, chunk_size)
         except (FileNotFoundError, CorruptObject) as e:
             self._drop(entry, e)  # gone or bad: forget it (and unlink a corrupt file)
             return None

@@ -28,9 +28,10 @@ from typing import Any, TypeVar
 
 from kvdock.errors import NoRoom
 from kvdock.keys import ObjectKey
+from kvdock.layout import KVGeometry
 from kvdock.storage import objfile
 from kvdock.storage.memory import L1Object, L1Store
-from kvdock.storage.tier import Head, ObjectLayout, StorageTier
+from kvdock.storage.tier import Head, StorageTier
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ class SharedHeader:
     """An object's header block, computed once (it checksums the whole payload) by whichever
     lane's writer thread needs it first, while that lane pins the object."""
 
-    def __init__(self, key: ObjectKey, layout: ObjectLayout, view: memoryview, head: Head) -> None:
-        self._args = (key, layout.dtype, layout.shape, view, head.version, head.parent)
+    def __init__(self, key: ObjectKey, geometry: KVGeometry, chunk_size: int, view: memoryview, head: Head) -> None:
+        shape = list(geometry.chunk_shape(chunk_size))
+        self._args = (key, geometry.dtype, shape, view, head.version, head.parent)
         self._lock = threading.Lock()
         self._block: bytes | None = None
 
@@ -190,11 +192,13 @@ class TierLane:
 
         return await self._get_loop().run_in_executor(self._reader, run)
 
-    async def read(self, key: ObjectKey, view: memoryview, layout: ObjectLayout, parent: int) -> Head | None:
+    async def read(
+        self, key: ObjectKey, view: memoryview, geometry: KVGeometry, chunk_size: int, parent: int
+    ) -> Head | None:
         """Copy ``key``'s version that follows version ``parent`` from the tier into ``view`` (an
         L1 reservation); its head, None on a miss (absent, or another chain's version)."""
         t0 = time.perf_counter()
-        found = await self.on_reader(self.tier.read_into, key, view, layout, default=None)
+        found = await self.on_reader(self.tier.read_into, key, view, geometry, chunk_size, default=None)
         if found is not None and found.parent != parent:
             return None
         if found is not None:

@@ -37,13 +37,14 @@ from dataclasses import dataclass
 
 from kvdock.errors import RequestError, SessionError
 from kvdock.keys import ObjectKey
+from kvdock.layout import KVGeometry
 from kvdock.protocol.codes import ErrorCode
 from kvdock.storage.lane import SharedHeader, TierLane
 from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
+from kvdock.storage.tier import Head
 
 __all__ = ["PrefetchJob", "StorageManager", "StorePlan"]
-from kvdock.storage.tier import Head, ObjectLayout
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +74,16 @@ class StorageManager:
         l1: L1Store,
         session_ttl: float,
         lanes: list[TierLane] | None = None,
-        layout_of: Callable[[str], ObjectLayout | None] = lambda model: None,
+        geometry_of: Callable[[str], KVGeometry | None] = lambda model: None,
+        chunk_size: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.l1 = l1
         self.sessions = SessionTable(l1, session_ttl, clock)
         self.lanes = lanes or []
-        self.layout_of = layout_of  # the registry's answer: how a model's chunks are laid out
+        # the registry's answer: a model's geometry; with chunk_size, what a stored chunk holds
+        self.geometry_of = geometry_of
+        self.chunk_size = chunk_size
         self._loading: set[L1Object] = set()
         self._load_waits: dict[ObjectKey, asyncio.Future[None]] = {}
         self._deleting: dict[ObjectKey, int] = {}  # key -> deletions in flight
@@ -315,10 +319,10 @@ class StorageManager:
 
     def _write_down(self, objs: list[L1Object]) -> None:
         for obj in objs if self.lanes else []:
-            layout = self.layout_of(obj.key.model)
-            assert layout is not None and layout.nbytes == obj.nbytes
+            geo = self.geometry_of(obj.key.model)
+            assert geo is not None and geo.chunk_nbytes(self.chunk_size) == obj.nbytes
             view = self.l1.view(obj)
-            header = SharedHeader(obj.key, layout, view, Head(obj.version, obj.parent))
+            header = SharedHeader(obj.key, geo, self.chunk_size, view, Head(obj.version, obj.parent))
             for lane in self.lanes:
                 lane.write(obj, header, view)
 
@@ -371,15 +375,15 @@ class StorageManager:
             await asyncio.shield(self._load_waits[key])  # someone else is loading it
         if obj is not None and obj.parent == parent:
             return obj
-        layout = self.layout_of(key.model)
+        geo = self.geometry_of(key.model)
         lanes = [
             lane
             for lane in self.lanes
             if lane.tier.up() and (not lane.tier.indexed or self._chains(lane.tier.knows(key), parent))
         ]
-        if layout is None or not lanes or key in self._deleting or self.l1.is_reserved(key):
+        if geo is None or not lanes or key in self._deleting or self.l1.is_reserved(key):
             return None
-        slot = self.l1.reserve(key, layout.nbytes)
+        slot = self.l1.reserve(key, geo.chunk_nbytes(self.chunk_size))
         if slot is None:
             return None
         self._loading.add(slot)
@@ -387,7 +391,7 @@ class StorageManager:
         ok = False
         try:
             for lane in lanes:
-                head = await lane.read(key, self.l1.view(slot), layout, parent)
+                head = await lane.read(key, self.l1.view(slot), geo, self.chunk_size, parent)
                 if head is not None:
                     slot.version, slot.parent = head
                     ok = True

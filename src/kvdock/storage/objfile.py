@@ -3,7 +3,7 @@
     [8s magic "KVDOCKO1"][u32 header length][msgpack ObjectHeader][zero padding to 4 KiB][payload]
 
 The payload starts on a 4 KiB boundary (page-aligned reads straight into an L1 slot). The header
-names the object (model, rank, salt, chunk hash), its layout (dtype and KV_2LTD chunk shape) and
+names the object (model, rank, salt, chunk hash), its layout (dtype and canonical chunk shape) and
 the blake3 checksum of the payload, so a reader can refuse anything torn, corrupted or foreign.
 """
 
@@ -16,6 +16,7 @@ from blake3 import blake3
 
 from kvdock.errors import CorruptObject
 from kvdock.keys import ObjectKey
+from kvdock.layout import KVGeometry
 
 __all__ = ["CorruptObject"]  # re-exported for the tiers' readers
 
@@ -100,11 +101,13 @@ def decode_header(block: bytes | memoryview) -> tuple[ObjectHeader, int]:
     return header, end + (-end % ALIGN)
 
 
-def check(header: ObjectHeader, key: ObjectKey, dtype: str, shape: list[int], nbytes: int) -> None:
-    """CorruptObject unless ``header`` describes exactly this object and layout."""
+def check(header: ObjectHeader, key: ObjectKey, geometry: KVGeometry, chunk_size: int) -> None:
+    """CorruptObject unless ``header`` describes exactly this object: one canonical chunk of
+    ``chunk_size`` tokens of ``geometry``."""
     if header.key != key:
         raise CorruptObject("object identity differs")
-    if header.dtype != dtype or list(header.shape) != list(shape) or header.nbytes != nbytes:
+    dtype, shape, nbytes = geometry.dtype, list(geometry.chunk_shape(chunk_size)), geometry.chunk_nbytes(chunk_size)
+    if header.dtype != dtype or list(header.shape) != shape or header.nbytes != nbytes:
         raise CorruptObject(f"layout differs: {header.dtype}{header.shape} vs {dtype}{shape}")
 
 

@@ -23,8 +23,9 @@ from blake3 import blake3
 
 from kvdock.errors import CorruptObject
 from kvdock.keys import ObjectKey
+from kvdock.layout import KVGeometry
 from kvdock.storage import objfile
-from kvdock.storage.tier import Head, ObjectLayout, StorageTier, TierCounters, tier_kind
+from kvdock.storage.tier import Head, StorageTier, TierCounters, tier_kind
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +105,14 @@ class RedisTier(StorageTier):
         pipe.execute()
         return len(header) + len(payload)
 
-    def read_into(self, key: ObjectKey, out: memoryview, layout: ObjectLayout) -> Head | None:
+    def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
         value = self._client.get(redis_key(key))
         if value is None:
             return None
         try:
             view = memoryview(value)
             header, offset = objfile.decode_header(view[: objfile.header_size_hint(view)])
-            objfile.check(header, key, layout.dtype, layout.shape, len(out))
+            objfile.check(header, key, geometry, chunk_size)
             if len(view) != offset + header.nbytes:
                 raise CorruptObject("value length does not match its header")
             payload = view[offset:]

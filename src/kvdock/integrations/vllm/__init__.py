@@ -1,0 +1,117 @@
+"""kvdock behind vLLM, by configuration alone (vLLM's KV-connector interface, vLLM 0.32)::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvdockConnector",
+        "kv_connector_module_path": "kvdock.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvdock.url": "tcp://127.0.0.1:5555",
+                                      "kvdock.http_url": "http://127.0.0.1:9000"}}'
+
+The worker registers the engine's KV layout with kvdock (after which
+``kvdock.sdk.connect(url, http_url, model_name)`` works from any process), saves the KV of every
+whole chunk of the prompts it prefills, and loads cached prefixes instead of computing them.
+Settings: :mod:`kvdock.integrations.vllm.config`. The scheduler side is
+:mod:`~kvdock.integrations.vllm.scheduler`, the worker side :mod:`~kvdock.integrations.vllm.worker`.
+
+Importing this module imports vLLM; the rest of kvdock never does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvdock.integrations.vllm.config import ConnectorConfig
+from kvdock.integrations.vllm.plan import KvdockMetadata
+from kvdock.integrations.vllm.scheduler import SchedulerSide, lora_cache_salt
+from kvdock.integrations.vllm.worker import WorkerSide
+
+log = logging.getLogger("kvdock.vllm")
+
+__all__ = ["ConnectorConfig", "KvdockConnector", "KvdockMetadata", "lora_cache_salt"]
+
+
+def _served_name(vllm_config: Any) -> str:
+    model = vllm_config.model_config
+    served = getattr(model, "served_model_name", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    return str(served or model.model)
+
+
+class KvdockConnector(KVConnectorBase_V1):
+    """vLLM's entry point; each role's work lives in its own object (SchedulerSide or
+    WorkerSide), this class only routes vLLM's calls to it."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.cfg = ConnectorConfig.from_extra(extra, _served_name(vllm_config))
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # vLLM reads the policy right after building the scheduler's connector
+            if self._kv_transfer_config.kv_load_failure_policy != self.cfg.load_failure:
+                log.info("kvdock: kv_load_failure_policy=%s (kvdock.load_failure)", self.cfg.load_failure)
+                self._kv_transfer_config.kv_load_failure_policy = self.cfg.load_failure
+            self._scheduler = SchedulerSide(self.cfg, int(vllm_config.cache_config.block_size))
+        else:
+            self._worker = WorkerSide(self.cfg, vllm_config)
+
+    @property
+    def scheduler(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on the worker's connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on the scheduler's connector"
+        return self._worker
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvdockMetadata)
+        self.worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves run after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvdockMetadata)
+        self.worker.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        for side in (self._scheduler, self._worker):
+            if side is not None:
+                side.shutdown()
+
+    # -- scheduler side ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler.allocated(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler.plan(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.finished(request)

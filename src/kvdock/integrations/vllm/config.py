@@ -1,0 +1,86 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config`` (keys ``kvdock.*``).
+
+====================  ========================================================  ==============
+key                   meaning                                                    default
+====================  ========================================================  ==============
+kvdock.url            the server's ZMQ control address                           (required)
+kvdock.http_url       the server's HTTP address (/config, /status)               (required)
+kvdock.model_name     the name the layout is registered under                    served name
+kvdock.cache_decode   also store chunks completed while decoding                 false
+kvdock.timeout        seconds any one kvdock call may take before it is a miss   5.0
+kvdock.retry_s        after a failed call, seconds before kvdock is tried again  2.0
+kvdock.admin_token    the server's admin token, when it has one                  ""
+kvdock.load_failure   vLLM's kv_load_failure_policy while kvdock is in use:      recompute
+                      ``recompute`` (a failed load is recomputed) or ``fail``
+====================  ========================================================  ==============
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvdock.errors import ConfigError
+
+PREFIX = "kvdock."
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    url: str
+    http_url: str
+    model_name: str
+    cache_decode: bool = False
+    timeout: float = 5.0
+    retry_s: float = 2.0
+    admin_token: str = ""
+    load_failure: str = "recompute"
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None, served_model_name: str) -> ConnectorConfig:
+        """Parse ``kv_connector_extra_config``; ConfigError naming the key for anything wrong
+        (unknown ``kvdock.*`` keys included: a typo must not silently fall back to a default)."""
+        extra = dict(extra or {})
+        ours = {k[len(PREFIX) :]: v for k, v in extra.items() if k.startswith(PREFIX)}
+        known = {"url", "http_url", "model_name", "cache_decode", "timeout", "retry_s", "admin_token", "load_failure"}
+        unknown = sorted(set(ours) - known)
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config key(s) {[PREFIX + k for k in unknown]}")
+        for key in ("url", "http_url"):
+            if not isinstance(ours.get(key), str) or not ours[key]:
+                raise ConfigError(f"kv_connector_extra_config needs {PREFIX}{key} (a non-empty string)")
+        name = ours.get("model_name") or served_model_name
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{PREFIX}model_name must be a non-empty string, got {name!r}")
+        cfg = cls(
+            url=ours["url"],
+            http_url=ours["http_url"],
+            model_name=name,
+            cache_decode=_bool(ours.get("cache_decode", False)),
+            timeout=_positive("timeout", ours.get("timeout", 5.0)),
+            retry_s=_positive("retry_s", ours.get("retry_s", 2.0)),
+            admin_token=str(ours.get("admin_token", "")),
+            load_failure=str(ours.get("load_failure", "recompute")),
+        )
+        if cfg.load_failure not in ("recompute", "fail"):
+            raise ConfigError(f"{PREFIX}load_failure must be 'recompute' or 'fail', got {cfg.load_failure!r}")
+        return cfg
+
+
+def _bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ConfigError(f"{PREFIX}cache_decode must be a boolean, got {value!r}")
+
+
+def _positive(key: str, value: object) -> float:
+    try:
+        f = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        f = -1.0
+    if not f > 0 or f == float("inf"):
+        raise ConfigError(f"{PREFIX}{key} must be a positive number of seconds, got {value!r}")
+    return f

@@ -1,0 +1,98 @@
+"""One connector role's connection to kvdock, built so that kvdock can never fail or stall vLLM.
+
+A :class:`Link` connects lazily, registers the engine's layout (worker side) when the server does
+not know the model -- at start, and again after a server restart -- and turns every kvdock
+failure into a *miss*: :meth:`Link.run` returns the caller's miss value, logs once, and keeps the
+link down for ``retry_s`` so that a dead server costs at most one ``timeout`` per ``retry_s``,
+never one per request. Time comes from an injected clock.
+
+Thread: a Link is used by one thread at a time (the scheduler's lookup thread, or the worker's
+model-runner thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import kvdock.sdk as kvd
+from kvdock.errors import KVCacheSDKError, LeaseExpiredError, PoolFullError, StoreConflictError, UnknownModelError
+from kvdock.integrations.vllm.config import ConnectorConfig
+from kvdock.protocol.messages import ModelLayout
+
+log = logging.getLogger("kvdock.vllm")
+T = TypeVar("T")
+
+# failures that say nothing about the server's health: the call is a miss, the link stays up
+_TRANSIENT = (LeaseExpiredError, PoolFullError, StoreConflictError)
+
+
+class Link:
+    def __init__(
+        self, cfg: ConnectorConfig, layout: ModelLayout | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.cfg = cfg
+        self.layout = layout  # registered when the server does not know the model (workers only)
+        self._clock = clock
+        self._ctx: kvd.KVCacheContext | None = None
+        self._down_until = float("-inf")
+        self.failures = 0
+
+    @property
+    def up(self) -> bool:
+        return self._ctx is not None
+
+    def context(self) -> kvd.KVCacheContext | None:
+        """The connected SDK context, connecting (and registering) first if the retry time has
+        come; None while kvdock is down."""
+        if self._ctx is not None:
+            return self._ctx
+        if self._clock() < self._down_until:
+            return None
+        try:
+            self._ctx = self._connect()
+        except KVCacheSDKError as e:
+            self._down(f"cannot connect to kvdock at {self.cfg.url}: {e}")
+        return self._ctx
+
+    def _connect(self) -> kvd.KVCacheContext:
+        cfg = self.cfg
+        try:
+            return kvd.connect(cfg.url, cfg.http_url, cfg.model_name, cfg.timeout)
+        except UnknownModelError:
+            if self.layout is None:
+                raise
+        kvd.register_layout(cfg.url, cfg.http_url, self.layout, cfg.timeout, cfg.admin_token)
+        log.info("registered %r with kvdock at %s", cfg.model_name, cfg.url)
+        return kvd.connect(cfg.url, cfg.http_url, cfg.model_name, cfg.timeout)
+
+    def run(self, what: str, fn: Callable[[kvd.KVCacheContext], T], miss: T) -> T:
+        """``fn(ctx)``, or ``miss`` when kvdock is down or ``fn`` fails with a kvdock error (which
+        is logged; a server failure takes the link down for ``retry_s``)."""
+        ctx = self.context()
+        if ctx is None:
+            return miss
+        try:
+            return fn(ctx)
+        except _TRANSIENT as e:
+            log.info("kvdock %s: %s", what, e)
+        except KVCacheSDKError as e:
+            self._down(f"kvdock {what} failed: {e}")
+        return miss
+
+    def _down(self, why: str) -> None:
+        self.failures += 1
+        self._down_until = self._clock() + self.cfg.retry_s
+        log.warning("%s; treating kvdock as a miss for %.1fs", why, self.cfg.retry_s)
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            with contextlib.suppress(KVCacheSDKError):
+                ctx.close(wait_s=0.0)  # the server may be gone: do not wait for its goodbye
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            self._ctx.close()
+            self._ctx = None

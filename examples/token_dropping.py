@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,11 +47,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
+    VllmEngines,
     add_common_args,
     die,
     greedy_kwargs,
     load_model,
     log,
+    model_dir,
     preview,
     print_json,
     server,
@@ -115,6 +118,53 @@ def layer0_keys(model: Any, tokens: list[int]) -> torch.Tensor:
     return keys.transpose(0, 1).reshape(len(tokens), -1)
 
 
+class HFRunner:
+    """The prompts through kvdock's transformers engine, in this process."""
+
+    def __init__(self, args: argparse.Namespace, m: Any, url: str, http_url: str) -> None:
+        import kvdock.integrations.hf as kvhf
+
+        self.model, self.salt = m.model, args.cache_salt
+        self.gen = greedy_kwargs(m.model, args.max_new_tokens)
+        warm_up(m.model, self.gen)
+        self.ctx = kvhf.connect(m.model, url, http_url, m.name, args.timeout)
+
+    def run(self, tokens: list[int], fresh: bool = False) -> dict[str, Any]:
+        return {**run(self.model, self.ctx, tokens, self.salt, self.gen), "generate_s": None}
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+class VllmRunner:
+    """The prompts through vLLM with kvdock's connector; ``fresh`` runs on a fresh engine (or,
+    with --reuse-engine, the same one with its prefix cache cleared)."""
+
+    def __init__(self, args: argparse.Namespace, m: Any, url: str, http_url: str) -> None:
+        self.tmp = tempfile.TemporaryDirectory(prefix="kvdock-drop-")
+        cfg = {"kvdock.url": url, "kvdock.http_url": http_url, "kvdock.model_name": m.name}
+        dtype = str(m.model.dtype).removeprefix("torch.")
+        self.engines = VllmEngines(args, model_dir(args, m, Path(self.tmp.name)), dtype, cfg, Path(self.tmp.name))
+        self.args = args
+
+    def run(self, tokens: list[int], fresh: bool = False) -> dict[str, Any]:
+        engine = self.engines.fresh() if fresh else self.engines.engine()
+        res = engine.call(
+            op="generate", prompts=[tokens], max_tokens=self.args.max_new_tokens, salts=[self.args.cache_salt]
+        )
+        return {
+            "new": res["outputs"][0],
+            "hit_tokens": res["cached"][0],
+            "ttft_s": None,
+            "decode_tokens_per_s": None,
+            "generate_s": round(res["seconds"], 6),
+        }
+
+    def close(self) -> None:
+        self.engines.close()
+        self.tmp.cleanup()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     salt = args.cache_salt
@@ -126,17 +176,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"a prompt of {n} tokens has {chunks} loadable chunks of {chunk}; need keep-first >= 1, keep-last >= 1 "
                 f"and at least one chunk between them (got {args.keep_first}, {args.keep_last})"
             )
-        import kvdock.integrations.hf as kvhf
-
         m = load_model(args)
-        gen = greedy_kwargs(m.model, args.max_new_tokens)
-        warm_up(m.model, gen)
         prompt = synthetic_prompt(n, int(m.model.config.vocab_size), args.seed)
-        with kvhf.connect(m.model, url, http_url, m.name, args.timeout) as ctx:
-            log(f"1. full prompt ({n} tokens) through the engine")
-            full = run(m.model, ctx, prompt, salt, gen)
+        runner = (VllmRunner if args.engine == "vllm" else HFRunner)(args, m, url, http_url)
+        try:
+            log(f"1. full prompt ({n} tokens) through the engine ({args.engine})")
+            full = runner.run(prompt)
             cached = chunks * chunk
-            with kvd.connect(url, http_url, ctx.model_name, args.timeout) as sdk:
+            with kvd.connect(url, http_url, m.name, args.timeout) as sdk:
                 t0 = time.perf_counter()
                 kv = kvd.retrieve(sdk, prompt[:cached], salt)
                 t1 = time.perf_counter()
@@ -152,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                 stored = kvd.store(sdk, compact, kept_tokens, salt)
                 t3 = time.perf_counter()
             log("5. compacted prompt through the engine")
-            dropped = run(m.model, ctx, kept_tokens + prompt[cached:], salt, gen)
+            dropped = runner.run(kept_tokens + prompt[cached:], fresh=True)
+        finally:
+            runner.close()
         want = layer0_keys(m.model, kept_tokens).to(compact.dtype)
         err_rot = (compact[0, 0].float() - want.float()).abs().max().item()
         err_raw = (kept_kv[0, 0].float() - want.float()).abs().max().item()
@@ -162,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         agree = sum(a == b for a, b in zip(full["new"], dropped["new"], strict=True))
         prefix = next((i for i, (a, b) in enumerate(zip(full["new"], dropped["new"], strict=True)) if a != b), None)
         report: dict[str, Any] = {
+            "engine": args.engine,
             "model": m.description,
             "model_name": m.name,
             "dtype": str(m.model.dtype).removeprefix("torch."),
@@ -188,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             "dropped_ttft_s": dropped["ttft_s"],
             "decode_tokens_per_s_full": full["decode_tokens_per_s"],
             "decode_tokens_per_s_dropped": dropped["decode_tokens_per_s"],
+            "full_generate_s": full["generate_s"],
+            "dropped_generate_s": dropped["generate_s"],
             "new_tokens": len(full["new"]),
             "generated_tokens_agreeing": agree,
             "agreement": round(agree / max(1, len(full["new"])), 6),

@@ -13,16 +13,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 import kvdock.sdk as kvd
 from helpers import CHUNK, GEOMETRY, MODEL, RedisProc, ServerProc, free_port, start_server
 
-# tests/vllm needs vLLM, which lives in its own virtual environment (.ci/run makes it and runs
+# tests/integrations/vllm needs vLLM, which lives in its own virtual environment (.ci/run makes it and runs
 # them there; README "Tests"); a python without vLLM collects everything else.
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-collect_ignore = [] if HAVE_VLLM else ["vllm"]
+collect_ignore = [] if HAVE_VLLM else ["integrations/vllm"]
 
 
 def pytest_report_header(config: pytest.Config) -> str:
     if HAVE_VLLM:
-        return "vLLM: installed, tests/vllm collected"
-    return "vLLM: not installed here, tests/vllm not collected (.ci/run runs them in their own venv)"
+        return "vLLM: installed, tests/integrations/vllm collected"
+    return "vLLM: not installed here, tests/integrations/vllm not collected (.ci/run runs them in their own venv)"
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -3,7 +3,7 @@
 The reference writers below place each token's K and V by plain indexing, one token at a time,
 from the layout's definition -- not through the codec's strided views -- so a wrong view fails.
 The CPU kernel's real page interior is pinned separately against vLLM's own kernel
-(tests/vllm/test_codec_kernel.py)."""
+(tests/integrations/vllm/test_codec_kernel.py)."""
 
 from __future__ import annotations
 

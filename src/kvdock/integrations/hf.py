@@ -38,19 +38,19 @@ from typing import Any
 import torch
 import transformers
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 import kvdock.sdk as kvd
+from kvdock.codecs import hf as hf_codec
 from kvdock.errors import InvalidInputError
 from kvdock.keys import normalize_tokens
 from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import EngineInfo
 from kvdock.sdk.context import dtype_name
 
-KV_FORMAT = "HND"
+KV_FORMAT = hf_codec.KV_FORMAT
 _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-_PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # exact types: subclasses carry more state
 # config attributes whose presence means the cache is not one plain K/V pair per layer
 _UNSUPPORTED_ATTRS = ("attention_chunk_size", "kv_lora_rank", "kv_sharing_modes", "num_kv_shared_layers")
 
@@ -173,50 +173,6 @@ def connect(
     return kvd.connect(url, http_url, name, timeout)
 
 
-def _cache_to_2ltd(ctx: kvd.KVCacheContext, cache: object, total: int, n: int, row: int) -> torch.Tensor:
-    """Positions ``[0, n)`` of batch row ``row`` of ``cache`` as ``KV_2LTD``; the cache must hold
-    at least ``total`` positions on every layer."""
-    if not isinstance(cache, DynamicCache):
-        raise InvalidInputError(f"cache must be a transformers DynamicCache, got {type(cache).__name__}")
-    geo = ctx.geometry
-    if len(cache.layers) != geo.num_layers:
-        raise InvalidInputError(f"cache has {len(cache.layers)} layers, {ctx.model_name!r} has {geo.num_layers}")
-    if isinstance(row, bool) or not isinstance(row, int) or row < 0:
-        raise InvalidInputError(f"row must be a non-negative int, got {row!r}")
-    out = torch.empty((2, geo.num_layers, n, geo.hidden_dim), dtype=ctx.dtype)
-    for i, layer in enumerate(cache.layers):
-        if type(layer) not in _PLAIN_LAYERS or not isinstance(layer, DynamicLayer):
-            raise InvalidInputError(
-                f"cache layer {i} is a {type(layer).__name__}; only DynamicLayer / DynamicSlidingWindowLayer hold "
-                "a plain K/V pair kvdock can store"
-            )
-        keys, values = layer.keys, layer.values
-        if not layer.is_initialized or keys is None or values is None:
-            raise InvalidInputError(f"cache layer {i} holds no KV (was the prompt run through the model?)")
-        held, seen = int(keys.shape[-2]), layer.get_seq_length()
-        if held != seen:
-            raise InvalidInputError(
-                f"cache layer {i} is a sliding-window layer that kept only the last {held} of {seen} tokens, so the "
-                "prefix cannot be saved; prefill with a full cache (cache=DynamicCache(), no config) or use "
-                "kvdock.integrations.hf.generate"
-            )
-        want = (geo.num_kv_heads, geo.head_dim)
-        for what, t in (("keys", keys), ("values", values)):
-            if t.dim() != 4 or (t.shape[1], t.shape[3]) != want:
-                raise InvalidInputError(
-                    f"cache layer {i} {what} have shape {list(t.shape)}; want [batch, {want[0]}, seq, {want[1]}]"
-                )
-            if t.dtype != ctx.dtype:
-                raise InvalidInputError(f"cache layer {i} {what} are {t.dtype}; {ctx.model_name!r} is {ctx.dtype}")
-        if row >= keys.shape[0]:
-            raise InvalidInputError(f"row {row} is out of range for a cache of batch size {keys.shape[0]}")
-        if held < total:
-            raise InvalidInputError(f"cache layer {i} holds {held} positions but {total} tokens were given")
-        for kv, t in ((0, keys), (1, values)):
-            out[kv, i].view(n, geo.num_kv_heads, geo.head_dim).copy_(t[row, :, :n].transpose(0, 1))
-    return out
-
-
 def save_kv(ctx: kvd.KVCacheContext, cache: DynamicCache, tokens: object, cache_salt: str = "", row: int = 0) -> bool:
     """Store positions ``[0, len(tokens))`` of batch row ``row`` of ``cache`` under ``tokens``.
 
@@ -229,7 +185,7 @@ def save_kv(ctx: kvd.KVCacheContext, cache: DynamicCache, tokens: object, cache_
     ctx = _check_ctx(ctx)
     toks = _tokens(tokens)
     n = len(toks) // ctx.chunk_size * ctx.chunk_size
-    kv = _cache_to_2ltd(ctx, cache, len(toks), n, row)
+    kv = hf_codec.cache_to_kv(cache, ctx.geometry, ctx.dtype, len(toks), n, row, ctx.model_name)
     if n == 0:
         return False
     return kvd.store(ctx, kv, toks[:n], cache_salt)
@@ -256,11 +212,7 @@ def load_kv(
         return None, 0
     geo, hit = ctx.geometry, int(kv.shape[2])
     assert 0 < hit <= cap, (hit, cap)
-    cache = DynamicCache()
-    for i in range(geo.num_layers):
-        k, v = (kv[j, i].view(hit, geo.num_kv_heads, geo.head_dim).transpose(0, 1).unsqueeze(0) for j in (0, 1))
-        cache.update(k.to(device or "cpu"), v.to(device or "cpu"), i)
-    return cache, hit
+    return hf_codec.kv_to_cache(kv, geo, device), hit
 
 
 @dataclass(frozen=True)

@@ -75,10 +75,9 @@ class WorkerSide:
     # -- register_kv_caches ---------------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> ModelLayout:
+        from vllm import __version__ as vllm_version
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
         from vllm.model_executor.models.utils import extract_layer_index
-
-        from vllm import __version__ as vllm_version
 
         names = sorted(kv_caches, key=extract_layer_index)
         tensors = [kv_caches[n] for n in names]

@@ -21,6 +21,10 @@ from kvdock.testing import ServerProcess, start_server
 
 CHUNK = 64  # two vLLM blocks of 32
 MODEL = "tiny-vllm"
+BLOCK_BYTES = 2 * 2 * 32 * 64 * 4  # one block of every layer: [2 layers] x [2 heads, 32 tokens, 2 * 32] float32
+# the saver's KV cache: 48 blocks of 32 tokens, so that four requests of 320 + 200 tokens cannot all
+# stay resident (preemption); every other test's requests fit easily
+SMALL_CACHE = {"kv_cache_memory_bytes": 48 * BLOCK_BYTES, "max_model_len": 1024}
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -58,7 +62,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def saver(model_dir: Path, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with Engine(model_dir, "float32", extra(server), tmp_path_factory.mktemp("a") / "engine.log") as e:
+    with Engine(model_dir, "float32", extra(server), tmp_path_factory.mktemp("a") / "engine.log", **SMALL_CACHE) as e:
         yield e
 
 
@@ -210,3 +214,15 @@ def test_a_load_starts_where_vllms_own_prefix_hit_ends(saver: Engine, loader: En
     res = loader.call(op="generate", prompts=[full], max_tokens=8)
     assert res["cached"] == [4 * CHUNK]
     assert res["outputs"] == expected
+
+
+def test_preempted_requests_resume_from_kvdock_with_the_same_tokens(server: ServerProcess, saver: Engine) -> None:
+    prompts = [prompt(30 + i, 320) for i in range(4)]
+    expected = [saver.generate([p], max_tokens=200)[0] for p in prompts]  # one at a time: no preemption
+    assert saver.call(op="reset_prefix_cache")["ok"]
+    preempted = saver.call(op="metrics").get("vllm:num_preemptions", 0)
+    retrieves = metric(server, "kvdock_retrieves_total")
+    got = saver.generate(prompts, max_tokens=200)  # 4 x 520 tokens in a 48-block cache
+    assert saver.call(op="metrics")["vllm:num_preemptions"] > preempted
+    assert metric(server, "kvdock_retrieves_total") >= retrieves + 4  # loaded, also on resume
+    assert got == expected

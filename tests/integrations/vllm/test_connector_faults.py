@@ -1,4 +1,4 @@
-"""vLLM with kvdock under stress: bf16 pages, preemption, loads that fail, a server that hangs,
+"""vLLM with kvdock under stress: bf16 pages, loads that fail, a server that hangs,
 dies and comes back. A kvdock failure is always a miss: vLLM recomputes, every request completes
 with the tokens it would have produced without kvdock."""
 
@@ -18,8 +18,6 @@ from test_connector import CHUNK, MODEL, extra, metric, prompt
 import kvdock.sdk as kvd
 from kvdock.server.state import FAULT_RETRIEVE_MISS_ENV
 from kvdock.testing import ServerProcess, start_server
-
-BLOCK_BYTES_FP32 = 2 * 2 * 32 * 64 * 4  # layers * heads... per block: [L, H, 32, 2*hd] float32
 
 
 @pytest.fixture(scope="module")
@@ -51,23 +49,6 @@ def test_bf16_pages_go_to_kvdock_and_back(models: dict[str, Path], server: Serve
         with kvd.connect(server.url, server.http_url, "tiny-bf16") as ctx:
             back = kvd.retrieve(ctx, p)
             assert back is not None and torch.equal(back, kv)  # loading never rewrote what was stored
-
-
-def test_preempted_requests_resume_from_kvdock_with_the_same_tokens(
-    models: dict[str, Path], server: ServerProcess, tmp_path: Path
-) -> None:
-    # 48 blocks of 32 tokens: four requests of 320 + 200 tokens cannot all stay resident
-    small = {"kv_cache_memory_bytes": 48 * BLOCK_BYTES_FP32, "max_model_len": 1024}
-    prompts = [prompt(30 + i, 320) for i in range(4)]
-    with Engine(models["float32"], "float32", extra(server), tmp_path / "log", **small) as e:
-        expected = [e.generate([p], max_tokens=200)[0] for p in prompts]  # one at a time: no preemption
-        assert e.call(op="reset_prefix_cache")["ok"]
-        preempted = e.call(op="metrics").get("vllm:num_preemptions", 0)
-        retrieves = metric(server, "kvdock_retrieves_total")
-        got = e.generate(prompts, max_tokens=200)
-        assert e.call(op="metrics")["vllm:num_preemptions"] > preempted
-        assert metric(server, "kvdock_retrieves_total") >= retrieves + 4
-        assert got == expected
 
 
 @pytest.fixture
@@ -118,18 +99,19 @@ def test_a_failed_load_is_recomputed_and_a_dead_or_restarted_kvdock_never_fails_
         # 4. a new server on the same ports: the engine registers again and caches again
         srv = start_server("--no-disk", chunk_size=CHUNK, l1_size="64MiB", port=faulty.port, http_port=faulty.http_port)
         try:
-            for attempt in range(100):  # the engine's next kvdock call after retry_s reconnects
+            # both sides come back on their own (each after its retry_s): a prompt run twice,
+            # with vLLM's prefix cache cleared in between, hits kvdock the second time
+            for attempt in range(100):
                 r = prompt(100 + attempt, 200)
                 expected_r = e.generate([r], max_tokens=8)
-                if MODEL in [m["model_name"] for m in kvd.server_status(srv.http_url)["cache_context_meta"]]:
-                    with kvd.connect(srv.url, srv.http_url, MODEL) as ctx:
-                        if kvd.lookup(ctx, r) == 192:
-                            break
+                assert e.call(op="reset_prefix_cache")["ok"]
+                res = e.call(op="generate", prompts=[r], max_tokens=8)
+                assert res["outputs"] == expected_r  # hit or miss, the same tokens
+                if res["cached"] == [192]:
+                    break
                 time.sleep(0.2)
             else:
                 raise AssertionError("the engine never came back to kvdock")
-            assert e.call(op="reset_prefix_cache")["ok"]
-            res = e.call(op="generate", prompts=[r], max_tokens=8)
-            assert res["cached"] == [192] and res["outputs"] == expected_r
+            assert MODEL in [m["model_name"] for m in kvd.server_status(srv.http_url)["cache_context_meta"]]
         finally:
             srv.stop()

@@ -1,0 +1,55 @@
+"""The connector's settings from ``kv_connector_extra_config``: defaults, and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdock.errors import ConfigError
+from kvdock.integrations.vllm.config import ConnectorConfig
+
+BASE = {"kvdock.url": "tcp://127.0.0.1:5555", "kvdock.http_url": "http://127.0.0.1:9000"}
+
+
+def test_defaults_and_the_served_model_name() -> None:
+    cfg = ConnectorConfig.from_extra(BASE, "Qwen/Qwen3-8B")
+    assert cfg == ConnectorConfig(
+        url="tcp://127.0.0.1:5555", http_url="http://127.0.0.1:9000", model_name="Qwen/Qwen3-8B",
+        cache_decode=False, timeout=5.0, retry_s=2.0, admin_token="", load_failure="recompute",
+    )  # fmt: skip
+
+
+def test_every_key_is_read() -> None:
+    cfg = ConnectorConfig.from_extra(
+        {
+            **BASE,
+            "kvdock.model_name": "mine",
+            "kvdock.cache_decode": "true",
+            "kvdock.timeout": "0.5",
+            "kvdock.retry_s": 3,
+            "kvdock.admin_token": "s3cret",
+            "kvdock.load_failure": "fail",
+            "other.connector.key": 1,  # not ours: ignored
+        },
+        "served",
+    )
+    assert (cfg.model_name, cfg.cache_decode, cfg.timeout, cfg.retry_s) == ("mine", True, 0.5, 3.0)
+    assert (cfg.admin_token, cfg.load_failure) == ("s3cret", "fail")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({}, "needs kvdock.url"),
+        ({"kvdock.url": "tcp://x:1"}, "needs kvdock.http_url"),
+        ({**BASE, "kvdock.timout": 1}, r"unknown kv_connector_extra_config key\(s\) \['kvdock.timout'\]"),
+        ({**BASE, "kvdock.timeout": "abc"}, "kvdock.timeout must be a positive number of seconds, got 'abc'"),
+        ({**BASE, "kvdock.timeout": 0}, "kvdock.timeout must be a positive"),
+        ({**BASE, "kvdock.retry_s": float("inf")}, "kvdock.retry_s must be a positive"),
+        ({**BASE, "kvdock.cache_decode": "maybe"}, "kvdock.cache_decode must be a boolean"),
+        ({**BASE, "kvdock.load_failure": "ignore"}, "kvdock.load_failure must be 'recompute' or 'fail'"),
+        ({**BASE, "kvdock.model_name": 7}, "kvdock.model_name must be a non-empty string"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_key(extra: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ConnectorConfig.from_extra(extra, "served")

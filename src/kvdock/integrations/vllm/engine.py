@@ -31,10 +31,9 @@ from typing import Any
 
 def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+    from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
-
-    from vllm import LLM, SamplingParams
 
     model, dtype, cfg = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     kwargs = {

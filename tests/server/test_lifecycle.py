@@ -14,9 +14,25 @@ from pathlib import Path
 import pytest
 
 from helpers import free_port, start_server
-from kvdock.shm.segment import HEADER_SIZE, table_bytes
+from kvdock.shm.segment import _V1, HEADER_SIZE, MAGIC, PREFIX, table_bytes
 
 SHM = Path("/dev/shm")
+
+
+def segments_created_by(pid: int) -> set[str]:
+    """kvdock segments in /dev/shm whose header names ``pid`` as their creator (other servers'
+    segments -- other tests may run in parallel -- do not count)."""
+    found = set()
+    for name in os.listdir(SHM):
+        if not name.startswith(PREFIX):
+            continue
+        try:
+            head = (SHM / name).read_bytes()[:_V1.size]
+        except OSError:
+            continue  # removed meanwhile
+        if len(head) == _V1.size and _V1.unpack(head)[0] == MAGIC and _V1.unpack(head)[2] == pid:
+            found.add(name)
+    return found
 
 
 def _segment(srv) -> Path:
@@ -66,8 +82,7 @@ def test_busy_port_fails_cleanly_without_leaking_memory(tmp_path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         busy = s.getsockname()[1]
-        before = set(os.listdir(SHM))
-        r = subprocess.run(
+        proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -80,23 +95,23 @@ def test_busy_port_fails_cleanly_without_leaking_memory(tmp_path) -> None:
                 "--http-port",
                 str(busy),
             ],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=60,
         )
-    assert r.returncode == 2
-    assert "address already in use" in r.stderr
-    assert set(os.listdir(SHM)) - before == set()
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "address already in use" in err
+    assert segments_created_by(proc.pid) == set()
 
 
 def test_no_shm_server_shares_no_memory(tmp_path) -> None:
-    before = set(os.listdir(SHM))
     srv = start_server(tmp_path, "--no-shm", l1_size="8MiB")
     try:
         cfg = srv.get("/config")
         assert cfg["transports"] == ["inline"]
         assert cfg["l1"] == {"shm_enabled": False, "shm_name": None, "size_bytes": 8 * 2**20}
-        assert set(os.listdir(SHM)) - before == set()
+        assert segments_created_by(srv.proc.pid) == set()
     finally:
         srv.stop()
 

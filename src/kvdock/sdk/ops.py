@@ -82,24 +82,38 @@ def store_chunks(
 
 
 def store_from(
-    ctx: KVCacheContext, source: ChunkSource, tokens: object, cache_salt: str = "", overwrite: bool = False
+    ctx: KVCacheContext,
+    source: ChunkSource,
+    tokens: object,
+    cache_salt: str = "",
+    overwrite: bool = False,
+    conflict_wait_s: float = CONFLICT_WAIT_S,
 ) -> StoreResult:
     """Like :func:`store_chunks`, with the KV coming from ``source``: ``source.put(i, slot)`` is
     asked for chunk ``i`` of ``tokens`` (whole chunks only) straight into the shared-memory slot
     it goes to -- only for chunks the server does not already hold. This is the engines' seam
-    (their paged KV goes to kvdock in one copy); the SDK cannot check what ``source`` writes."""
+    (their paged KV goes to kvdock in one copy); the SDK cannot check what ``source`` writes.
+    ``conflict_wait_s``: how long to wait for chunks another client is writing (an engine passes 0:
+    a step never waits; those chunks are reported in flight)."""
     ctx = validate.context(ctx)
-    return _store(ctx, source, validate.tokens(tokens), cache_salt, overwrite)
+    return _store(ctx, source, validate.tokens(tokens), cache_salt, overwrite, conflict_wait_s)
 
 
-def _store(ctx: KVCacheContext, source: ChunkSource, arr: np.ndarray, cache_salt: str, overwrite: bool) -> StoreResult:
+def _store(
+    ctx: KVCacheContext,
+    source: ChunkSource,
+    arr: np.ndarray,
+    cache_salt: str,
+    overwrite: bool,
+    conflict_wait_s: float = CONFLICT_WAIT_S,
+) -> StoreResult:
     cache_salt, overwrite = validate.cache_salt(cache_salt), validate.overwrite(overwrite)
     whole = _whole_chunks(ctx, arr)
     if not whole:
         return StoreResult(0, 0, 0)
     total = len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size
     stored = 0
-    deadline = time.monotonic() + min(CONFLICT_WAIT_S, ctx.timeout)
+    deadline = time.monotonic() + min(conflict_wait_s, ctx.timeout)
     delay = 0.005
     while True:
         prep, n = _store_once(ctx, source, whole, cache_salt, overwrite)

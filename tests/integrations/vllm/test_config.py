@@ -47,7 +47,14 @@ def test_every_key_is_read() -> None:
         ({**BASE, "kvdock.retry_s": float("inf")}, "kvdock.retry_s must be a positive"),
         ({**BASE, "kvdock.cache_decode": "maybe"}, "kvdock.cache_decode must be a boolean"),
         ({**BASE, "kvdock.load_failure": "ignore"}, "kvdock.load_failure must be 'recompute' or 'fail'"),
-        ({**BASE, "kvdock.model_name": 7}, "kvdock.model_name must be a non-empty string"),
+        ({**BASE, "kvdock.model_name": 7}, "kvdock.model_name must be a string of 1 to 200 characters, got 7"),
+        ({**BASE, "kvdock.model_name": ""}, "kvdock.model_name must be a string of 1 to 200"),
+        ({**BASE, "kvdock.model_name": "m" * 201}, "kvdock.model_name must be a string of 1 to 200"),
+        ({**BASE, "kvdock.url": "localhost:5555"}, "kvdock.url must be a tcp:// or ipc:// URL, got 'localhost:5555'"),
+        ({**BASE, "kvdock.url": "tcp://"}, "kvdock.url must be a tcp:// or ipc:// URL"),
+        ({**BASE, "kvdock.http_url": "tcp://127.0.0.1:9000"}, "kvdock.http_url must be a http:// or https:// URL"),
+        ({**BASE, "kvdock.admin_token": None}, "kvdock.admin_token must be a string, got NoneType"),
+        ({**BASE, "kvdock.timeout": True}, "kvdock.timeout must be a positive number of seconds, got True"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_key(extra: dict[str, object], message: str) -> None:

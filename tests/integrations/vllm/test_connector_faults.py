@@ -81,6 +81,14 @@ def test_a_failed_load_is_recomputed_and_a_dead_or_restarted_kvdock_never_fails_
         assert prepare_retrieves(faulty) == asked + 1  # the load was tried ...
         assert res["outputs"] == expected  # ... failed, and the blocks were recomputed
 
+        # 1b. KV computed over a failed load is never saved: vLLM learns of the failure only
+        # after the forward pass that attended to the unfilled blocks
+        longer = p[:192] + prompt(44, 208)
+        assert e.call(op="reset_prefix_cache")["ok"]
+        e.generate([longer])  # kvdock holds its first 192 tokens; the load fails, 192..400 computed
+        with kvd.connect(faulty.url, faulty.http_url, MODEL) as ctx:
+            assert kvd.lookup(ctx, longer) == 192  # chunks 3..5 were not stored
+
         # 2. a hung server: requests complete (kvdock calls time out and become misses)
         q = prompt(41, 200)
         expected_q = e.generate([q])[0]
@@ -113,5 +121,31 @@ def test_a_failed_load_is_recomputed_and_a_dead_or_restarted_kvdock_never_fails_
             else:
                 raise AssertionError("the engine never came back to kvdock")
             assert MODEL in [m["model_name"] for m in kvd.server_status(srv.http_url)["cache_context_meta"]]
+
+            # 5. back with another chunk size: the worker follows it (its staging is per context)
+            srv.stop()
+            srv = start_server(
+                "--no-disk", chunk_size=2 * CHUNK, l1_size="64MiB", port=faulty.port, http_port=faulty.http_port
+            )
+            for attempt in range(100):
+                r = prompt(300 + attempt, 300)
+                expected_r = e.generate([r], max_tokens=8)
+                assert e.call(op="reset_prefix_cache")["ok"]
+                res = e.call(op="generate", prompts=[r], max_tokens=8)
+                assert res["outputs"] == expected_r
+                if res["cached"] == [256]:
+                    break
+                time.sleep(0.2)
+            else:
+                raise AssertionError("the engine never cached with the new chunk size")
         finally:
             srv.stop()
+
+
+def test_an_engine_refuses_a_name_registered_with_another_geometry(
+    models: dict[str, Path], server: ServerProcess, tmp_path: Path
+) -> None:
+    kvd.register_model(server.url, server.http_url, "taken", num_layers=2, num_kv_heads=4, head_dim=16, dtype="float32")
+    with pytest.raises(RuntimeError) as err:  # the same chunk shape [2, 2, 64, 64], other KV: never load it
+        Engine(models["float32"], "float32", extra(server, **{"kvdock.model_name": "taken"}), tmp_path / "log")
+    assert "kvdock holds 'taken' with geometry" in str(err.value)

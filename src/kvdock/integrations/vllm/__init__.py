@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.vllm.config import ConnectorConfig
 from kvdock.integrations.vllm.plan import KvdockMetadata
 from kvdock.integrations.vllm.scheduler import SchedulerSide, lora_cache_salt
@@ -52,6 +53,12 @@ class KvdockConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg = ConnectorConfig.from_extra(extra, _served_name(vllm_config))
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) != 1:
+            # block ids are per group; kvdock maps one group's blocks onto every layer
+            raise UnsupportedLayoutError(
+                f"kvdock supports one KV cache group, this model has {len(groups)} (hybrid models are not supported)"
+            )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -93,6 +100,10 @@ class KvdockConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvdockMetadata)
         self.worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self.worker.finished(finished_req_ids)
+        return None, None  # nothing is transferred asynchronously
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvdock.config import MAX_NAME_LEN
 from kvdock.errors import ConfigError
 
 PREFIX = "kvdock."
@@ -47,12 +48,18 @@ class ConnectorConfig:
         unknown = sorted(set(ours) - known)
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config key(s) {[PREFIX + k for k in unknown]}")
-        for key in ("url", "http_url"):
-            if not isinstance(ours.get(key), str) or not ours[key]:
+        for key, schemes in (("url", ("tcp://", "ipc://")), ("http_url", ("http://", "https://"))):
+            value = ours.get(key)
+            if not isinstance(value, str) or not value:
                 raise ConfigError(f"kv_connector_extra_config needs {PREFIX}{key} (a non-empty string)")
-        name = ours.get("model_name") or served_model_name
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{PREFIX}model_name must be a non-empty string, got {name!r}")
+            if not value.startswith(schemes) or len(value) <= len(value.split("://")[0]) + 3:
+                raise ConfigError(f"{PREFIX}{key} must be a {' or '.join(schemes)} URL, got {value!r}")
+        name = ours.get("model_name", served_model_name)
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
+            raise ConfigError(f"{PREFIX}model_name must be a string of 1 to {MAX_NAME_LEN} characters, got {name!r}")
+        token = ours.get("admin_token", "")
+        if not isinstance(token, str):
+            raise ConfigError(f"{PREFIX}admin_token must be a string, got {type(token).__name__}")
         cfg = cls(
             url=ours["url"],
             http_url=ours["http_url"],
@@ -60,7 +67,7 @@ class ConnectorConfig:
             cache_decode=_bool(ours.get("cache_decode", False)),
             timeout=_positive("timeout", ours.get("timeout", 5.0)),
             retry_s=_positive("retry_s", ours.get("retry_s", 2.0)),
-            admin_token=str(ours.get("admin_token", "")),
+            admin_token=token,
             load_failure=str(ours.get("load_failure", "recompute")),
         )
         if cfg.load_failure not in ("recompute", "fail"):
@@ -77,6 +84,8 @@ def _bool(value: object) -> bool:
 
 
 def _positive(key: str, value: object) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{PREFIX}{key} must be a positive number of seconds, got {value!r}")
     try:
         f = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):

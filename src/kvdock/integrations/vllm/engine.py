@@ -139,7 +139,7 @@ class EngineProcess:
             ok = self._cv.wait_for(lambda: self._answers or self.proc.poll() is not None, timeout)
             if self._answers:
                 return self._answers.popleft()
-        tail = self.log_path.read_text(errors="replace")[-4000:]
+        tail = self.log_path.read_text(errors="replace")[-12000:]
         why = "timed out" if not ok else f"exited with {self.proc.returncode}"
         raise RuntimeError(f"vLLM engine {why}; log tail:\n{tail}")
 

@@ -18,6 +18,8 @@ Thread: vLLM's scheduler thread calls every method; the lookup thread only runs 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +38,16 @@ def lora_cache_salt(cache_salt: str, lora_name: str) -> str:
     return f"lora:{len(lora_name)}:{lora_name}:{cache_salt}"
 
 
+def cacheable(request: Any) -> bool:
+    """Whether a request's KV is a function of its token ids (and salt) alone. Multimodal inputs
+    sit behind placeholder ids that are the same for every image, and prompt embeddings behind
+    sentinel ids: caching those by token ids would hand one request another's KV."""
+    ids = request.prompt_token_ids
+    if ids is None or len(ids) < 2:
+        return False
+    return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+
+
 def request_salt(request: Any) -> str:
     salt = request.cache_salt or ""
     lora = getattr(request, "lora_request", None)
@@ -48,6 +60,8 @@ class _Request:
 
     request: Any  # vllm.v1.request.Request (the scheduler's own object, kept up to date by vLLM)
     salt: str
+    cacheable: bool = True  # token ids alone say what the KV is (no images, no prompt embeddings)
+    asked_at: float = 0.0
     lookup: Future[int] | None = None
     hit: int | None = None  # whole-chunk tokens kvdock holds (capped below the prompt)
     load: tuple[int, int] | None = None  # [start, end) to load in the next plan
@@ -57,8 +71,15 @@ class _Request:
 
 
 class SchedulerSide:
-    def __init__(self, cfg: ConnectorConfig, block_size: int, link: Link | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        block_size: int,
+        link: Link | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.block_size = block_size
         self.link = link or Link(cfg)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvdock-lookup")
@@ -70,16 +91,22 @@ class SchedulerSide:
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = self._reqs[request.request_id] = _Request(request, request_salt(request))
+            st = self._reqs[request.request_id] = _Request(request, request_salt(request), cacheable=cacheable(request))
         if st.hit is None:
-            if request.prompt_token_ids is None or len(request.prompt_token_ids) < 2:
-                st.hit = 0  # prompt embeddings carry no token ids to key on
+            if not st.cacheable:
+                st.hit = 0
             else:
                 if st.lookup is None:
+                    st.asked_at = self.clock()
                     st.lookup = self._pool.submit(self._lookup, list(request.prompt_token_ids), st.salt)
                 if not st.lookup.done():
-                    return None, False
-                st.hit = st.lookup.result()
+                    if self.clock() - st.asked_at < self.cfg.timeout:
+                        return None, False
+                    st.lookup.cancel()  # a slow server: admit the request without kvdock
+                    log.warning("kvdock lookup of %s took over %.1fs; a miss", request.request_id, self.cfg.timeout)
+                    st.hit = 0
+                else:
+                    st.hit = st.lookup.result()
                 st.lookup = None
         st.asked_from = num_computed_tokens
         return max(0, st.hit - num_computed_tokens), False
@@ -139,7 +166,7 @@ class SchedulerSide:
             meta.loads.append(LoadSpec(rid, list(tokens[:end]), st.block_ids[:nblocks], start, end, st.salt))
             st.saved = max(st.saved, end)  # kvdock holds these already
         chunk = self.chunk_size
-        if not chunk or tokens is None:
+        if not chunk or tokens is None or not st.cacheable:
             return
         limit = len(tokens)
         if self.cfg.cache_decode:
@@ -157,14 +184,19 @@ class SchedulerSide:
     def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Saves run synchronously in the step that computed the KV (``wait_for_save``), so by
         the time a request finishes none of its blocks is still being read: they may be freed."""
-        self._reqs.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.lookup is not None:
+            st.lookup.cancel()
         return False, None
 
     def preempted(self, req_ids: set[str]) -> None:
+        """vLLM freed these requests' blocks. A load planned for one is kept: vLLM can preempt and
+        resume a request within one step (``reset_prefix_cache(reset_running_requests=True)``),
+        and then lists it as preempted in the plan that must carry its load."""
         for rid in req_ids:
             st = self._reqs.get(rid)
-            if st is not None:
-                st.block_ids, st.load = [], None
+            if st is not None and st.load is None:
+                st.block_ids = []
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

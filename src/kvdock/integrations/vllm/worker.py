@@ -70,7 +70,11 @@ class WorkerSide:
         self.codec: PagedCodec
         self.bridge: Any = None
         self.blocks_per_chunk = 0
-        self._load_errors: set[int] = set()
+        self.off = False  # kvdock unusable for this engine (another layout under its name, ...)
+        self._ctx: kvd.KVCacheContext | None = None  # the context the per-chunk state was made for
+        self._load_errors: set[int] = set()  # this step's, until vLLM takes them
+        # requests whose load failed, and those blocks: KV computed over them is never saved
+        self._poisoned: dict[str, set[int]] = {}
 
     # -- register_kv_caches ---------------------------------------------------------------------
 
@@ -93,6 +97,10 @@ class WorkerSide:
         if first.dim() != 4 or first.shape[3] % 2:
             raise UnsupportedLayoutError(f"kvdock: unexpected KV tensor shape {list(first.shape)} ({backend})")
         tp, pp = get_tp_group(), get_pp_group()
+        if pp.world_size > 1:
+            raise UnsupportedLayoutError(
+                "kvdock: pipeline parallelism is not supported yet (every stage would share keys)"
+            )
         geometry = KVGeometry(
             num_layers=len(tensors),
             num_kv_heads=int(first.shape[1]),
@@ -121,23 +129,34 @@ class WorkerSide:
         return lay
 
     def _connected(self, strict: bool = False) -> kvd.KVCacheContext | None:
-        """The SDK context, or None (kvdock down, or unusable: then it stays off for good). A
-        server whose chunk size is no multiple of the block size raises when ``strict`` (engine
-        start), else turns kvdock off with an error in the log."""
-        if self.link is None:
+        """The SDK context, or None (kvdock down, or off for good). Each new context (the first,
+        and one after a server restart) is checked: the server must hold this engine's geometry
+        under the name, with a chunk size that is a multiple of the block size; the per-chunk
+        staging follows the server's chunk size. A mismatch raises when ``strict`` (engine start)
+        and otherwise turns kvdock off with an error in the log: never someone else's KV."""
+        if self.link is None or self.off:
             return None
         ctx = self.link.context()
-        if ctx is not None and not self.blocks_per_chunk:
-            if ctx.chunk_size % self.block_size:
-                msg = f"kvdock's chunk_size {ctx.chunk_size} is not a multiple of vLLM's block_size {self.block_size}"
-                if strict:
-                    raise UnsupportedLayoutError(msg)
-                log.error("%s; kvdock is off for this engine", msg)
-                self.link.close()
-                self.link = None
-                return None
-            self.blocks_per_chunk = ctx.chunk_size // self.block_size
-            self.bridge = bridge_for(self.codec.device, self.codec.geometry.chunk_shape(ctx.chunk_size), ctx.dtype)
+        if ctx is None or ctx is self._ctx:
+            return ctx
+        problem = ""
+        if ctx.geometry != self.codec.geometry:
+            problem = (
+                f"kvdock holds {self.cfg.model_name!r} with geometry {ctx.geometry}; this engine's is "
+                f"{self.codec.geometry} (use another kvdock.model_name)"
+            )
+        elif ctx.chunk_size % self.block_size:
+            problem = f"kvdock's chunk_size {ctx.chunk_size} is not a multiple of vLLM's block_size {self.block_size}"
+        if problem:
+            if strict:
+                raise UnsupportedLayoutError(problem)
+            log.error("%s; kvdock is off for this engine", problem)
+            self.off = True
+            self.link.close()
+            return None
+        self._ctx = ctx
+        self.blocks_per_chunk = ctx.chunk_size // self.block_size
+        self.bridge = bridge_for(self.codec.device, self.codec.geometry.chunk_shape(ctx.chunk_size), ctx.dtype)
         return ctx
 
     # -- start_load_kv --------------------------------------------------------------------------
@@ -151,19 +170,23 @@ class WorkerSide:
     def _load(self, spec: LoadSpec) -> None:
         bs = self.block_size
         wanted = set(spec.block_ids[spec.start // bs : spec.end // bs])
-        link = self.link
-        if link is not None and self._connected() is not None:
-            sink = _Blocks(self, spec.block_ids, spec.start // bs)
+        try:
+            link = self.link
+            if link is not None and self._connected() is not None:
+                sink = _Blocks(self, spec.block_ids, spec.start // bs)
 
-            def fetch(ctx: kvd.KVCacheContext) -> int:
-                return kvd.retrieve_into(ctx, spec.tokens, sink, spec.cache_salt)
+                def fetch(ctx: kvd.KVCacheContext) -> int:
+                    return kvd.retrieve_into(ctx, spec.tokens, sink, spec.cache_salt)
 
-            hit = link.run("load", fetch, -1)
-            if hit >= 0:
-                wanted -= set(spec.block_ids[spec.start // bs : hit // bs])
+                hit = link.run("load", fetch, -1)
+                if hit >= 0:
+                    wanted -= set(spec.block_ids[spec.start // bs : hit // bs])
+        except Exception:  # whatever went wrong, the blocks are recomputed and vLLM runs on
+            log.exception("kvdock load of %s failed", spec.req_id)
         if wanted:
             log.warning("kvdock: %d planned block(s) of %s not loaded; vLLM recomputes them", len(wanted), spec.req_id)
             self._load_errors |= wanted
+            self._poisoned.setdefault(spec.req_id, set()).update(wanted)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -172,8 +195,18 @@ class WorkerSide:
     # -- wait_for_save --------------------------------------------------------------------------
 
     def save(self, meta: KvdockMetadata) -> None:
+        """Store this step's new whole chunks -- except KV computed over a failed load: vLLM learns
+        of the failure only after this step's forward pass, which attended to whatever the failed
+        blocks held, so a request (or a block) with a failed load saves nothing until it ends."""
+        bad = set().union(*self._poisoned.values()) if self._poisoned else set()
         for spec in meta.saves:
-            self._save(spec)
+            if spec.req_id in self._poisoned or bad.intersection(spec.block_ids):
+                log.info("kvdock: not saving %s: its KV was computed over a failed load", spec.req_id)
+                continue
+            try:
+                self._save(spec)
+            except Exception:  # a save is only ever a future hit; never fail the request
+                log.exception("kvdock save of %s failed", spec.req_id)
 
     def _save(self, spec: SaveSpec) -> None:
         link = self.link
@@ -182,9 +215,15 @@ class WorkerSide:
         source = _Blocks(self, spec.block_ids)
 
         def store(ctx: kvd.KVCacheContext) -> None:
-            kvd.store_from(ctx, source, spec.tokens, spec.cache_salt)
+            # chunks another engine is writing right now are its to store: never wait in a step
+            kvd.store_from(ctx, source, spec.tokens, spec.cache_salt, conflict_wait_s=0.0)
 
         link.run("save", store, None)
+
+    def finished(self, finished_req_ids: set[str]) -> None:
+        """vLLM finished these requests: their blocks (and any failed ones) may be reused."""
+        for rid in finished_req_ids:
+            self._poisoned.pop(rid, None)
 
     def shutdown(self) -> None:
         if self.link is not None:

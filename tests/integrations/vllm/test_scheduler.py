@@ -17,7 +17,7 @@ import torch
 
 import kvdock.sdk as kvd
 from kvdock.integrations.vllm.config import ConnectorConfig
-from kvdock.integrations.vllm.scheduler import SchedulerSide
+from kvdock.integrations.vllm.scheduler import SchedulerSide, lora_cache_salt, request_salt
 from kvdock.testing import ServerProcess, start_server
 
 CHUNK, BLOCK = 64, 32
@@ -141,4 +141,17 @@ def test_a_request_preempted_and_resumed_in_one_step_keeps_its_load(server: Serv
     meta = s.plan(output(cached=cached, scheduled={"r": 8}, preempted={"r"}))
     [load] = meta.loads
     assert (load.start, load.end, load.block_ids) == (0, 192, list(range(30, 36)))
+    s.shutdown()
+
+
+def test_a_lora_adapter_gets_its_own_namespace(server: ServerProcess) -> None:
+    toks = list(range(1, 201))
+    store_prefix(server, toks[:192])  # stored without an adapter
+    s = side(server)
+    lora = request("l", toks, lora_request=SimpleNamespace(lora_name="sql"))
+    assert request_salt(lora) == lora_cache_salt("", "sql") != ""
+    assert ask(s, lora) == 0  # the base model's KV is not the adapter's
+    with kvd.connect(server.url, server.http_url, MODEL) as ctx:
+        kvd.store(ctx, torch.randn(2, 2, 128, 64), toks[:128], cache_salt=lora_cache_salt("", "sql"))
+    assert ask(s, request("l2", toks, lora_request=SimpleNamespace(lora_name="sql"))) == 128
     s.shutdown()

@@ -180,6 +180,18 @@ def warm_up(model: Any, gen: dict[str, Any], num_tokens: int = 24) -> None:
     model.generate(ids, **{**gen, "max_new_tokens": 4, "min_new_tokens": 4})
 
 
+def report_header(m: Model, chunk: int, salt: str, prompt_tokens: int) -> dict[str, Any]:
+    """The fields every example's report starts with."""
+    return {
+        "model": m.description,
+        "model_name": m.name,
+        "dtype": str(m.model.dtype).removeprefix("torch."),
+        "chunk_size": chunk,
+        "cache_salt": salt,
+        "prompt_tokens": prompt_tokens,
+    }
+
+
 def print_json(report: dict[str, Any]) -> None:
     """The report on stdout, the only thing written there (lists of numbers kept on one line)."""
     text = json.dumps(report, indent=2)

@@ -56,6 +56,7 @@ from _common import (
     model_dir,
     preview,
     print_json,
+    report_header,
     server,
     synthetic_prompt,
     warm_up,
@@ -174,12 +175,7 @@ def run_vllm(args: argparse.Namespace, url: str, http_url: str, chunk: int) -> i
     src_new, tgt_new, base_new = src["outputs"][0], tgt["outputs"][0], base["outputs"][0]
     report: dict[str, Any] = {
         "engine": "vllm",
-        "model": m.description,
-        "model_name": m.name,
-        "dtype": str(m.model.dtype).removeprefix("torch."),
-        "chunk_size": chunk,
-        "cache_salt": salt,
-        "prompt_tokens": n,
+        **report_header(m, chunk, salt, n),
         "changed_leading_tokens": args.changed_tokens,
         "cached_tokens": cached,
         "source_hit_tokens": src["cached"][0],
@@ -232,12 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         src_new = src.output_ids[0, n:].tolist()
         tgt_new = tgt.output_ids[0, n:].tolist()
         report: dict[str, Any] = {
-            "model": m.description,
-            "model_name": m.name,
-            "dtype": str(m.model.dtype).removeprefix("torch."),
-            "chunk_size": chunk,
-            "cache_salt": salt,
-            "prompt_tokens": n,
+            **report_header(m, chunk, salt, n),
             "changed_leading_tokens": args.changed_tokens,
             "cached_tokens": cached,
             "source_hit_tokens": src.hit_tokens,

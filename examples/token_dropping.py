@@ -56,6 +56,7 @@ from _common import (
     model_dir,
     preview,
     print_json,
+    report_header,
     server,
     synthetic_prompt,
     warm_up,
@@ -212,12 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix = next((i for i, (a, b) in enumerate(zip(full["new"], dropped["new"], strict=True)) if a != b), None)
         report: dict[str, Any] = {
             "engine": args.engine,
-            "model": m.description,
-            "model_name": m.name,
-            "dtype": str(m.model.dtype).removeprefix("torch."),
-            "chunk_size": chunk,
-            "cache_salt": salt,
-            "prompt_tokens": n,
+            **report_header(m, chunk, salt, n),
             "cached_tokens": cached,
             "dropped_span": [drop_start, drop_end],
             "dropped_tokens": drop_end - drop_start,

@@ -18,7 +18,7 @@ kvdock.load_failure   vLLM's kv_load_failure_policy while kvdock is in use:     
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvdock.config import MAX_NAME_LEN
@@ -44,7 +44,7 @@ class ConnectorConfig:
         (unknown ``kvdock.*`` keys included: a typo must not silently fall back to a default)."""
         extra = dict(extra or {})
         ours = {k[len(PREFIX) :]: v for k, v in extra.items() if k.startswith(PREFIX)}
-        known = {"url", "http_url", "model_name", "cache_decode", "timeout", "retry_s", "admin_token", "load_failure"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(ours) - known)
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config key(s) {[PREFIX + k for k in unknown]}")

@@ -45,7 +45,6 @@ class _Blocks:
         self.w = worker
         self.ids = torch.tensor(block_ids, dtype=torch.long)
         self.start_block = start_block
-        self.filled: set[int] = set()  # block ids written by take()
 
     def put(self, index: int, dst: torch.Tensor) -> None:
         per = self.w.blocks_per_chunk
@@ -56,9 +55,7 @@ class _Blocks:
         first, end = max(index * per, self.start_block), (index + 1) * per
         if first >= end:
             return  # vLLM computed or cached these blocks itself
-        ids = self.ids[first:end]
-        self.w.bridge.scatter(self.w.codec, ids, src[:, :, (first - index * per) * self.w.block_size :])
-        self.filled.update(ids.tolist())
+        self.w.bridge.scatter(self.w.codec, self.ids[first:end], src[:, :, (first - index * per) * self.w.block_size :])
 
 
 class WorkerSide:

@@ -85,12 +85,22 @@ def normalize_tokens(tokens: object) -> np.ndarray:
             seq = list(tokens)  # type: ignore[call-overload]
         except TypeError:
             raise TypeError(f"token ids must be a sequence of integers, got {type(tokens).__name__}") from None
+        if set(map(type, seq)) == {int}:  # the common case, checked in C: no per-token Python
+            try:
+                arr = np.array(seq, dtype=np.int64)
+            except OverflowError:
+                raise ValueError(f"token id out of range 0..{MAX_TOKEN_ID}") from None
+            return _checked(arr)
         for t in seq:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
                 raise TypeError(f"token ids must be integers, got {type(t).__name__} {t!r}")
         if any(not 0 <= int(t) <= MAX_TOKEN_ID for t in seq):  # before numpy, which overflows on huge ints
             raise ValueError(f"token id out of range 0..{MAX_TOKEN_ID}")
         arr = np.array(seq, dtype=np.int64) if seq else np.zeros(0, dtype=np.int64)
+    return _checked(arr)
+
+
+def _checked(arr: np.ndarray) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional, got shape {tuple(arr.shape)}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):

@@ -14,7 +14,7 @@ def test_defaults_and_the_served_model_name() -> None:
     cfg = ConnectorConfig.from_extra(BASE, "Qwen/Qwen3-8B")
     assert cfg == ConnectorConfig(
         url="tcp://127.0.0.1:5555", http_url="http://127.0.0.1:9000", model_name="Qwen/Qwen3-8B",
-        cache_decode=False, timeout=5.0, retry_s=2.0, admin_token="", load_failure="recompute",
+        cache_decode=False, timeout=5.0, lookup_wait=0.05, retry_s=2.0, admin_token="", load_failure="recompute",
     )  # fmt: skip
 
 
@@ -25,6 +25,7 @@ def test_every_key_is_read() -> None:
             "kvdock.model_name": "mine",
             "kvdock.cache_decode": "true",
             "kvdock.timeout": "0.5",
+            "kvdock.lookup_wait": 0,
             "kvdock.retry_s": 3,
             "kvdock.admin_token": "s3cret",
             "kvdock.load_failure": "fail",
@@ -33,7 +34,7 @@ def test_every_key_is_read() -> None:
         "served",
     )
     assert (cfg.model_name, cfg.cache_decode, cfg.timeout, cfg.retry_s) == ("mine", True, 0.5, 3.0)
-    assert (cfg.admin_token, cfg.load_failure) == ("s3cret", "fail")
+    assert (cfg.admin_token, cfg.load_failure, cfg.lookup_wait) == ("s3cret", "fail", 0.0)
 
 
 @pytest.mark.parametrize(
@@ -45,6 +46,8 @@ def test_every_key_is_read() -> None:
         ({**BASE, "kvdock.timeout": "abc"}, "kvdock.timeout must be a positive number of seconds, got 'abc'"),
         ({**BASE, "kvdock.timeout": 0}, "kvdock.timeout must be a positive"),
         ({**BASE, "kvdock.retry_s": float("inf")}, "kvdock.retry_s must be a positive"),
+        ({**BASE, "kvdock.lookup_wait": -0.1}, "kvdock.lookup_wait must be a non-negative number of seconds, got -0.1"),
+        ({**BASE, "kvdock.lookup_wait": "nan"}, "kvdock.lookup_wait must be a non-negative number of seconds"),
         ({**BASE, "kvdock.cache_decode": "maybe"}, "kvdock.cache_decode must be a boolean"),
         ({**BASE, "kvdock.load_failure": "ignore"}, "kvdock.load_failure must be 'recompute' or 'fail'"),
         ({**BASE, "kvdock.model_name": 7}, "kvdock.model_name must be a string of 1 to 200 characters, got 7"),

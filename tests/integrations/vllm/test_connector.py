@@ -17,6 +17,7 @@ import torch
 from engines import Engine, make_tiny_model
 
 import kvdock.sdk as kvd
+from kvdock.integrations.vllm.engine import HOOKS
 from kvdock.testing import ServerProcess, start_server
 
 CHUNK = 64  # two vLLM blocks of 32
@@ -70,7 +71,8 @@ def saver(model_dir: Path, server: ServerProcess, tmp_path_factory: pytest.TempP
 def loader(
     model_dir: Path, server: ServerProcess, saver: Engine, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
-    with Engine(model_dir, "float32", extra(server), tmp_path_factory.mktemp("b") / "engine.log") as e:
+    log = tmp_path_factory.mktemp("b") / "engine.log"
+    with Engine(model_dir, "float32", extra(server), log, time_connector=True) as e:
         yield e
 
 
@@ -121,6 +123,10 @@ def test_a_fresh_engine_loads_what_another_saved_and_generates_the_same_tokens(
     assert res["cached"] == [192]  # vLLM counts the loaded tokens as cached
     assert metric(server, "kvdock_retrieves_total") == before[0] + 1
     assert metric(server, "kvdock_retrieved_bytes_total") == before[1] + 3 * sdk.geometry.chunk_nbytes(CHUNK)
+    # the harness timed the connector's hooks: the lookup in the scheduler, the load before the forward pass
+    spent = res["connector"]
+    assert set(spent) == set(HOOKS) and spent["start_load_kv"] > 0 and spent["get_num_new_matched_tokens"] > 0
+    assert sum(spent.values()) < res["seconds"]
 
 
 def test_noise_stored_under_a_prompt_changes_the_output(saver: Engine, loader: Engine, sdk: kvd.KVCacheContext) -> None:

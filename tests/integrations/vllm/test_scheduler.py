@@ -1,6 +1,6 @@
 """The connector's scheduler side against a real kvdock server, fed vLLM-shaped scheduler outputs
 (vLLM's scheduler itself is exercised by the engine tests): load ranges, never-cached requests,
-lookups that never block the scheduler, and preemption within one step."""
+lookups that hold the scheduler up for one bounded wait at most, and preemption within one step."""
 
 from __future__ import annotations
 
@@ -42,8 +42,10 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
         srv.stop()
 
 
-def side(srv: ServerProcess, clock: Clock | None = None) -> SchedulerSide:
-    cfg = ConnectorConfig(url=srv.url, http_url=srv.http_url, model_name=MODEL, timeout=2.0, retry_s=1.0)
+def side(srv: ServerProcess, clock: Clock | None = None, lookup_wait: float = 0.01) -> SchedulerSide:
+    cfg = ConnectorConfig(
+        url=srv.url, http_url=srv.http_url, model_name=MODEL, timeout=2.0, retry_s=1.0, lookup_wait=lookup_wait
+    )
     return SchedulerSide(cfg, BLOCK, clock=clock or time.monotonic)
 
 
@@ -113,18 +115,44 @@ def test_images_and_prompt_embeddings_are_never_looked_up_or_saved(server: Serve
     s.shutdown()
 
 
-def test_a_hung_server_never_blocks_the_scheduler_and_is_a_miss_after_timeout(server: ServerProcess) -> None:
+def test_a_lookup_done_within_the_wait_is_answered_by_the_first_ask(server: ServerProcess) -> None:
+    toks = list(range(1, 201))
+    store_prefix(server, toks[:128])
+    s = side(server, lookup_wait=10.0)  # ample: the answer never depends on the machine's speed
+    assert s.matched_tokens(request("r", toks), 0) == (128, False)  # no None: admitted this step
+    assert s.matched_tokens(request("miss", list(range(300, 500))), 0) == (0, False)
+    s.shutdown()
+
+
+def test_a_hung_server_costs_one_lookup_wait_then_answers_none_at_once(server: ServerProcess) -> None:
     clock = Clock()
-    s = side(server, clock)
+    s = side(server, clock, lookup_wait=0.3)
     assert ask(s, request("warm", list(range(1, 100)))) == 0  # connected
+    s.plan(output(scheduled={"warm": 99}))  # a new step: the whole budget again
     os.kill(server.proc.pid, signal.SIGSTOP)
     req = request("r", list(range(500, 700)))
     start = time.monotonic()
-    assert s.matched_tokens(req, 0) == (None, False)  # in flight: vLLM asks again later
-    assert s.matched_tokens(req, 0) == (None, False)
+    assert s.matched_tokens(req, 0) == (None, False)  # waited the budget, then: ask again later
+    assert 0.3 <= time.monotonic() - start < 1.5
+    other = request("r2", list(range(800, 900)))
+    start = time.monotonic()
+    assert s.matched_tokens(other, 0) == (None, False)  # queued behind the slow lookup: no wait...
+    s.plan(output(scheduled={"busy": 16}))
+    assert s.matched_tokens(req, 0) == (None, False)  # ...nor in the next step, whose budget is renewed
+    assert s.matched_tokens(other, 0) == (None, False)
+    assert time.monotonic() - start < 0.25
+    s.plan(output())  # a step that scheduled nothing: waiting holds nothing up
+    start = time.monotonic()
+    assert s.matched_tokens(other, 0) == (None, False)
+    assert 0.3 <= time.monotonic() - start < 1.5
     clock.now = 2.5  # past kvdock.timeout since the first ask
     assert s.matched_tokens(req, 0) == (0, False)
-    assert time.monotonic() - start < 1.0  # none of these calls waited for the server
+    os.kill(server.proc.pid, signal.SIGCONT)
+    assert ask(s, other) == 0  # the server answers again and the slow lookup ends
+    toks = list(range(1000, 1200))
+    store_prefix(server, toks[:128])
+    s.plan(output(scheduled={"busy": 16}))
+    assert s.matched_tokens(request("r3", toks), 0) == (128, False)  # and the first ask waits again
     s.shutdown()
 
 

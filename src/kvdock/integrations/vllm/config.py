@@ -8,6 +8,8 @@ kvdock.http_url       the server's HTTP address (/config, /status)              
 kvdock.model_name     the name the layout is registered under                    served name
 kvdock.cache_decode   also store chunks completed while decoding                 false
 kvdock.timeout        seconds any one kvdock call may take before it is a miss   5.0
+kvdock.lookup_wait    seconds per scheduler step the scheduler may wait for      0.05
+                      lookups in flight (0: never wait, admit them a step later)
 kvdock.retry_s        after a failed call, seconds before kvdock is tried again  2.0
 kvdock.admin_token    the server's admin token, when it has one                  ""
 kvdock.load_failure   vLLM's kv_load_failure_policy while kvdock is in use:      recompute
@@ -34,6 +36,7 @@ class ConnectorConfig:
     model_name: str
     cache_decode: bool = False
     timeout: float = 5.0
+    lookup_wait: float = 0.05
     retry_s: float = 2.0
     admin_token: str = ""
     load_failure: str = "recompute"
@@ -66,6 +69,7 @@ class ConnectorConfig:
             model_name=name,
             cache_decode=_bool(ours.get("cache_decode", False)),
             timeout=_positive("timeout", ours.get("timeout", 5.0)),
+            lookup_wait=_positive("lookup_wait", ours.get("lookup_wait", 0.05), zero=True),
             retry_s=_positive("retry_s", ours.get("retry_s", 2.0)),
             admin_token=token,
             load_failure=str(ours.get("load_failure", "recompute")),
@@ -83,13 +87,15 @@ def _bool(value: object) -> bool:
     raise ConfigError(f"{PREFIX}cache_decode must be a boolean, got {value!r}")
 
 
-def _positive(key: str, value: object) -> float:
+def _positive(key: str, value: object, zero: bool = False) -> float:
+    """A finite number of seconds, > 0 (or >= 0 with ``zero``); ConfigError naming ``key``."""
+    what = "a non-negative" if zero else "a positive"
     if isinstance(value, bool):
-        raise ConfigError(f"{PREFIX}{key} must be a positive number of seconds, got {value!r}")
+        raise ConfigError(f"{PREFIX}{key} must be {what} number of seconds, got {value!r}")
     try:
         f = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         f = -1.0
-    if not f > 0 or f == float("inf"):
-        raise ConfigError(f"{PREFIX}{key} must be a positive number of seconds, got {value!r}")
+    if not (f >= 0 if zero else f > 0) or f == float("inf"):
+        raise ConfigError(f"{PREFIX}{key} must be {what} number of seconds, got {value!r}")
     return f

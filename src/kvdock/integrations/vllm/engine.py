@@ -3,17 +3,22 @@
     python -m kvdock.integrations.vllm.engine MODEL_DIR DTYPE CONFIG_JSON
 
 CONFIG_JSON: ``{"kvdock": {kv_connector_extra_config} or null (no connector), "llm": {more LLM
-kwargs}}``. The engine is ``LLM(..., skip_tokenizer_init=True, enforce_eager=True, block_size=32)``
-in this one process (engine core and worker in-process: ~20 s less to start). Each stdin line is a
+kwargs}}``; with ``"time_connector": true`` each generate also reports the seconds spent inside
+each of the connector's hooks (engine core and worker share this process, so one timer sees all).
+The engine is ``LLM(..., skip_tokenizer_init=True, enforce_eager=True, block_size=32)`` in this one
+process (engine core and worker in-process: ~20 s less to start). Each stdin line is a
 command; each answer is one stdout line starting with ``@@`` (vLLM's output goes elsewhere):
 
     {"op": "generate", "prompts": [[ids], ...], "max_tokens": 8, "salts": ["", ...]}
-        -> {"outputs": [[ids], ...], "cached": [num_cached_tokens, ...], "seconds": wall time}
+        -> {"outputs": [[ids], ...], "cached": [num_cached_tokens, ...], "seconds": wall time,
+            "connector": {"hook": seconds, ...} (with time_connector)}
     {"op": "reset_prefix_cache"} -> {"ok": true}
     {"op": "metrics"} -> {"name": value, ...} (vLLM's counters and gauges)
-    {"op": "quit"}
+    {"op": "quit"} -> the process exits at once (no vLLM teardown)
 
-:class:`EngineProcess` starts one and talks to it.
+The first line is ``{"ready": true}``, or ``{"error": "..."}`` when vLLM failed to start (the
+process then exits 1). :class:`EngineProcess` starts one and talks to it; a failed start raises
+RuntimeError with that error and the log's tail.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -54,18 +60,27 @@ def main() -> None:
             kv_role="kv_both",
             kv_connector_extra_config=cfg["kvdock"],
         )
-    llm = LLM(model=model, **kwargs)
-
+    spent = _time_hooks() if cfg.get("time_connector") else None
     def answer(obj: object) -> None:
         sys.stdout.write("@@" + json.dumps(obj) + "\n")
         sys.stdout.flush()
 
+    try:
+        llm = LLM(model=model, **kwargs)
+    except Exception as e:  # say why at once: a failed vLLM start can hang in its teardown
+        traceback.print_exc()
+        answer({"error": f"{type(e).__name__}: {e}"})
+        sys.stderr.flush()
+        os._exit(1)
     answer({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
         if op == "quit":
-            break
+            # nothing outlives this process (saves are synchronous, the server keeps the KV), and
+            # vLLM's own teardown takes ~5 s of every test and example that stops an engine
+            sys.stdout.flush()
+            os._exit(0)
         if op == "reset_prefix_cache":
             answer({"ok": bool(llm.reset_prefix_cache())})
         elif op == "metrics":
@@ -79,17 +94,47 @@ def main() -> None:
             params = SamplingParams(
                 max_tokens=cmd.get("max_tokens", 8), temperature=0.0, ignore_eos=True, detokenize=False
             )
+            before = dict(spent or {})
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
-            answer(
-                {
-                    "seconds": time.perf_counter() - start,
-                    "outputs": [list(o.outputs[0].token_ids) for o in outs],
-                    "cached": [o.num_cached_tokens for o in outs],
-                }
-            )
+            res = {
+                "seconds": time.perf_counter() - start,
+                "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                "cached": [o.num_cached_tokens for o in outs],
+            }
+            if spent is not None:
+                res["connector"] = {k: v - before.get(k, 0.0) for k, v in spent.items()}
+            answer(res)
         else:
             answer({"error": f"unknown op {op!r}"})
+
+
+HOOKS = (
+    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
+    "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+    "get_block_ids_with_load_errors",
+)  # fmt: skip
+
+
+def _time_hooks() -> dict[str, float]:
+    """Wrap KvdockConnector's vLLM hooks with timers; returns the running totals (seconds)."""
+    from kvdock.integrations.vllm import KvdockConnector
+
+    spent: dict[str, float] = dict.fromkeys(HOOKS, 0.0)
+
+    def timed(name: str, fn: Any) -> Any:
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        return hook
+
+    for name in HOOKS:
+        setattr(KvdockConnector, name, timed(name, getattr(KvdockConnector, name)))
+    return spent
 
 
 class EngineProcess:
@@ -103,9 +148,10 @@ class EngineProcess:
         kvdock: dict[str, Any] | None,
         log: Path,
         start_timeout: float = 240.0,
+        time_connector: bool = False,
         **llm: Any,
     ) -> None:
-        cfg = json.dumps({"kvdock": kvdock, "llm": llm})
+        cfg = json.dumps({"kvdock": kvdock, "llm": llm, "time_connector": time_connector})
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.log_path = log
         self._log = open(log, "ab")  # noqa: SIM115 (closed in stop)
@@ -119,7 +165,12 @@ class EngineProcess:
         self._answers: deque[dict[str, Any]] = deque()
         self._cv = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
-        self._wait(timeout=start_timeout)
+        ready = self._wait(timeout=start_timeout)
+        if "error" in ready:
+            self.proc.wait(30)
+            self._log.close()
+            tail = self.log_path.read_text(errors="replace")[-12000:]
+            raise RuntimeError(f"vLLM engine failed to start: {ready['error']}; log tail:\n{tail}")
 
     def _read(self) -> None:
         assert self.proc.stdout is not None

@@ -166,6 +166,44 @@ def test_store_and_retrieve_commands_round_trip_files(server, tmp_path) -> None:
     assert r.returncode == 2 and "token ids must be integers" in r.stderr
 
 
+def test_export_and_import_move_a_prefix_between_servers(server, tmp_path) -> None:
+    kv = torch.randn(2, 3, 4 * CHUNK, 16).to(torch.bfloat16)
+    tokens = make_tokens(4 * CHUNK, start=300)
+    with kvd.connect(server.url, server.http_url, "tiny", timeout=10) as c:
+        kvd.store(c, kv, tokens, cache_salt="s")
+    (tmp_path / "t.json").write_text(json.dumps(tokens))
+    src = ["--url", server.url, "--http-url", server.http_url]
+    out = str(tmp_path / "p.kvb")
+    r = kvdock("export", *src, "--model", "tiny", "--cache-salt", "s", "--tokens-file", str(tmp_path / "t.json"),
+               "-o", out, "--note", "from A")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"hit_tokens": 4 * CHUNK, "tokens": 4 * CHUNK, "out": out}
+    r = kvdock("export", *src, "--model", "tiny", "1,2,3", "-o", str(tmp_path / "miss.kvb"))
+    assert r.returncode == 1 and not (tmp_path / "miss.kvb").exists()
+    b = start_server(tmp_path, chunk_size=2 * CHUNK)
+    try:
+        kvd.register_model(b.url, b.http_url, "tiny", dtype="bfloat16", num_layers=3, num_kv_heads=2, head_dim=8)
+        dst = ["--url", b.url, "--http-url", b.http_url]
+        r = kvdock("import", *dst, out)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout) == {
+            "model_name": "tiny", "tokens": 4 * CHUNK, "dropped_tokens": 0, "stored_chunks": 2,
+            "deduped_chunks": 0, "pool_full_chunks": 0, "note": "from A",
+        }  # fmt: skip
+        with kvd.connect(b.url, b.http_url, "tiny", timeout=10) as c:
+            got = kvd.retrieve(c, tokens, cache_salt="s")
+            assert got is not None and torch.equal(got, kv)
+        raw = bytearray(Path(out).read_bytes())
+        size = int.from_bytes(raw[:8], "little")
+        end = 8 + size + json.loads(raw[8 : 8 + size])["kv"]["data_offsets"][1]
+        raw[end - 5] ^= 1  # a flipped bit in the last chunk's KV
+        Path(out).write_bytes(bytes(raw))
+        r = kvdock("import", *dst, "--cache-salt", "other", out)
+        assert r.returncode == 2 and "chunk 3 does not match its blake3 checksum" in r.stderr
+    finally:
+        b.stop()
+
+
 def _no_kvdock_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
 

@@ -1,4 +1,4 @@
-"""``kvdock serve | status | register | lookup | retrieve | store``."""
+"""``kvdock serve | status | register | lookup | retrieve | store | export | import``."""
 
 from __future__ import annotations
 
@@ -142,6 +142,38 @@ def _lookup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from kvdock import sdk
+
+    tokens = _token_ids(args)
+    with sdk.connect(args.url, args.http_url, args.model, args.timeout) as ctx:
+        m = sdk.export_bundle(ctx, tokens, args.out, args.cache_salt, args.note)
+    hit = 0 if m is None else m.tokens
+    print(json.dumps({"hit_tokens": hit, "tokens": len(tokens), "out": args.out if m is not None else None}))
+    return 0 if m is not None else 1
+
+
+def _import(args: argparse.Namespace) -> int:
+    from kvdock import sdk
+
+    bundle = sdk.read_bundle(args.bundle)  # before connecting: a bad file fails alone
+    manifest = bundle.manifest
+    model = args.model or manifest.model_name
+    with sdk.connect(args.url, args.http_url, model, args.timeout) as ctx:
+        r = sdk.import_bundle(ctx, bundle, args.cache_salt, args.overwrite, args.allow_other_model)
+    out = {
+        "model_name": model,
+        "tokens": r.tokens,
+        "dropped_tokens": r.dropped_tokens,
+        "stored_chunks": r.stored.stored_chunks,
+        "deduped_chunks": r.stored.deduped_chunks,
+        "pool_full_chunks": r.stored.pool_full_chunks,
+        "note": manifest.note,
+    }
+    print(json.dumps(out))
+    return 0
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=DEFAULT_URL, help=f"ZMQ control URL (default {DEFAULT_URL})")
     p.add_argument("--http-url", default=DEFAULT_HTTP_URL, help=f"HTTP URL (default {DEFAULT_HTTP_URL})")
@@ -220,6 +252,24 @@ def build_parser() -> argparse.ArgumentParser:
     so = token_cmd("store", "store a KV tensor file ([2, L, T, D], torch.save) under token ids", _store)
     so.add_argument("--kv", required=True, help="the tensor file (.pt)")
     so.add_argument("--overwrite", action="store_true", help="replace chunks that are already stored")
+    ex = token_cmd("export", "write the cached prefix to a KV bundle (.kvb); exit 1 on a miss", _export)
+    ex.add_argument("-o", "--out", required=True, help="the bundle file to write")
+    ex.add_argument("--note", default="", help="free text kept in the bundle (e.g. the edit that made it)")
+    im = sub.add_parser(
+        "import",
+        help="store a KV bundle's KV (checked first: a bad bundle stores nothing)",
+        description="Store a KV bundle's KV under its token ids. Every checksum is verified first; a "
+        "server with another chunk size gets the whole chunks of its size.",
+    )
+    _client_flags(im)
+    im.add_argument("bundle", help="the bundle file (.kvb)")
+    im.add_argument("--model", help="the model to store under (default: the bundle's)")
+    im.add_argument("--cache-salt", help="namespace (default: the bundle's)")
+    im.add_argument("--overwrite", action="store_true", help="replace chunks that are already stored")
+    im.add_argument(
+        "--allow-other-model", action="store_true", help="store under --model although the bundle names another"
+    )
+    im.set_defaults(func=_import)
     return parser
 
 

@@ -19,6 +19,7 @@ from kvdock.errors import (
     StoreConflictError,
     UnknownModelError,
 )
+from kvdock.sdk.bundle import Bundle, BundleManifest, ImportResult, export_bundle, import_bundle, read_bundle
 from kvdock.sdk.context import KVCacheContext, close, connect
 from kvdock.sdk.http import server_config, server_status
 from kvdock.sdk.ops import (
@@ -35,6 +36,9 @@ from kvdock.sdk.registration import ModelRegistration, make_layout, register_lay
 from kvdock.sdk.transfer import ChunkSink, ChunkSource
 
 __all__ = [
+    "Bundle",
+    "BundleManifest",
+    "ImportResult",
     "ChunkSink",
     "ChunkSource",
     "InvalidInputError",
@@ -52,7 +56,10 @@ __all__ = [
     "check_server_integrity",
     "close",
     "connect",
+    "export_bundle",
+    "import_bundle",
     "lookup",
+    "read_bundle",
     "make_layout",
     "register_layout",
     "register_model",

@@ -125,7 +125,7 @@ def test_a_fresh_engine_loads_what_another_saved_and_generates_the_same_tokens(
     assert metric(server, "kvdock_retrieved_bytes_total") == before[1] + 3 * sdk.geometry.chunk_nbytes(CHUNK)
     # the harness timed the connector's hooks: the lookup in the scheduler, the load before the forward pass
     spent = res["connector"]
-    assert set(spent) == set(HOOKS) and spent["start_load_kv"] > 0 and spent["get_num_new_matched_tokens"] > 0
+    assert set(spent) == set(HOOKS) and spent["start_load_kv"] > 0
     assert sum(spent.values()) < res["seconds"]
 
 

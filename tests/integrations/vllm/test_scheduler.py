@@ -42,9 +42,11 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
         srv.stop()
 
 
-def side(srv: ServerProcess, clock: Clock | None = None, lookup_wait: float = 0.01) -> SchedulerSide:
+def side(
+    srv: ServerProcess, clock: Clock | None = None, lookup_wait: float = 0.01, timeout: float = 2.0
+) -> SchedulerSide:
     cfg = ConnectorConfig(
-        url=srv.url, http_url=srv.http_url, model_name=MODEL, timeout=2.0, retry_s=1.0, lookup_wait=lookup_wait
+        url=srv.url, http_url=srv.http_url, model_name=MODEL, timeout=timeout, retry_s=1.0, lookup_wait=lookup_wait
     )
     return SchedulerSide(cfg, BLOCK, clock=clock or time.monotonic)
 
@@ -115,6 +117,19 @@ def test_images_and_prompt_embeddings_are_never_looked_up_or_saved(server: Serve
     s.shutdown()
 
 
+def test_a_request_that_must_not_read_a_prefix_cache_is_not_looked_up_but_is_saved(server: ServerProcess) -> None:
+    toks = list(range(1, 201))
+    store_prefix(server, toks[:192])
+    s = side(server)
+    assert ask(s, request("warm", list(range(900, 1000)))) == 0  # learns the chunk size
+    req = request("lp", toks, skip_reading_prefix_cache=True)  # e.g. prompt logprobs
+    assert s.matched_tokens(req, 0) == (0, False)  # answered at once: no lookup
+    new = SimpleNamespace(req_id="lp", block_ids=(list(range(7)),), num_computed_tokens=0)
+    [save] = s.plan(output([new], scheduled={"lp": 200})).saves
+    assert save.tokens == toks[:192] and save.block_ids == list(range(6))
+    s.shutdown()
+
+
 def test_a_lookup_done_within_the_wait_is_answered_by_the_first_ask(server: ServerProcess) -> None:
     toks = list(range(1, 201))
     store_prefix(server, toks[:128])
@@ -124,35 +139,49 @@ def test_a_lookup_done_within_the_wait_is_answered_by_the_first_ask(server: Serv
     s.shutdown()
 
 
-def test_a_hung_server_costs_one_lookup_wait_then_answers_none_at_once(server: ServerProcess) -> None:
+def test_a_hung_server_never_blocks_the_scheduler_and_is_a_miss_after_timeout(server: ServerProcess) -> None:
     clock = Clock()
-    s = side(server, clock, lookup_wait=0.3)
+    s = side(server, clock, lookup_wait=0.0)
     assert ask(s, request("warm", list(range(1, 100)))) == 0  # connected
-    s.plan(output(scheduled={"warm": 99}))  # a new step: the whole budget again
     os.kill(server.proc.pid, signal.SIGSTOP)
     req = request("r", list(range(500, 700)))
     start = time.monotonic()
-    assert s.matched_tokens(req, 0) == (None, False)  # waited the budget, then: ask again later
-    assert 0.3 <= time.monotonic() - start < 1.5
-    other = request("r2", list(range(800, 900)))
+    assert s.matched_tokens(req, 0) == (None, False)  # in flight: vLLM asks again later
+    assert s.matched_tokens(req, 0) == (None, False)
+    clock.now = 2.5  # past kvdock.timeout since the first ask
+    assert s.matched_tokens(req, 0) == (0, False)
+    assert time.monotonic() - start < 1.0  # none of these calls waited for the server
+    s.shutdown()
+
+
+def test_a_hung_server_costs_one_lookup_wait_then_busy_steps_never_wait(server: ServerProcess) -> None:
+    # the injected clock never moves: no request times out; the SDK's own timeout (20 s) is far away
+    s = side(server, Clock(), lookup_wait=1.0, timeout=20.0)
+    assert ask(s, request("warm", list(range(1, 100)))) == 0  # connected: a fast lookup
+    s.plan(output(scheduled={"warm": 99}))  # a busy step: the whole budget again
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    req, other = request("r", list(range(500, 700))), request("r2", list(range(800, 900)))
     start = time.monotonic()
-    assert s.matched_tokens(other, 0) == (None, False)  # queued behind the slow lookup: no wait...
+    assert s.matched_tokens(req, 0) == (None, False)  # waited the budget, then: ask again later
+    assert 1.0 <= time.monotonic() - start < 3.0
+    start = time.monotonic()
+    assert s.matched_tokens(other, 0) == (None, False)  # lookups are slow now: no second wait...
     s.plan(output(scheduled={"busy": 16}))
-    assert s.matched_tokens(req, 0) == (None, False)  # ...nor in the next step, whose budget is renewed
+    assert s.matched_tokens(req, 0) == (None, False)  # ...nor in the next busy step
     assert s.matched_tokens(other, 0) == (None, False)
-    assert time.monotonic() - start < 0.25
+    assert time.monotonic() - start < 0.5
     s.plan(output())  # a step that scheduled nothing: waiting holds nothing up
     start = time.monotonic()
     assert s.matched_tokens(other, 0) == (None, False)
-    assert 0.3 <= time.monotonic() - start < 1.5
-    clock.now = 2.5  # past kvdock.timeout since the first ask
-    assert s.matched_tokens(req, 0) == (0, False)
+    assert 1.0 <= time.monotonic() - start < 3.0
     os.kill(server.proc.pid, signal.SIGCONT)
-    assert ask(s, other) == 0  # the server answers again and the slow lookup ends
+    assert ask(s, req) == 0  # the hung lookup finishes (a miss): it was slow, so still no waits
+    s.plan(output(scheduled={"busy": 16}))
+    assert ask(s, other) == 0  # this one ran after the server woke up: fast again
     toks = list(range(1000, 1200))
     store_prefix(server, toks[:128])
     s.plan(output(scheduled={"busy": 16}))
-    assert s.matched_tokens(request("r3", toks), 0) == (128, False)  # and the first ask waits again
+    assert s.matched_tokens(request("r3", toks), 0) == (128, False)  # a busy step waits again
     s.shutdown()
 
 

@@ -61,13 +61,14 @@ def main() -> None:
             kv_connector_extra_config=cfg["kvdock"],
         )
     spent = _time_hooks() if cfg.get("time_connector") else None
+
     def answer(obj: object) -> None:
         sys.stdout.write("@@" + json.dumps(obj) + "\n")
         sys.stdout.flush()
 
     try:
         llm = LLM(model=model, **kwargs)
-    except Exception as e:  # say why at once: a failed vLLM start can hang in its teardown
+    except BaseException as e:  # say why at once: a failed vLLM start can hang in its teardown
         traceback.print_exc()
         answer({"error": f"{type(e).__name__}: {e}"})
         sys.stderr.flush()
@@ -167,7 +168,11 @@ class EngineProcess:
         threading.Thread(target=self._read, daemon=True).start()
         ready = self._wait(timeout=start_timeout)
         if "error" in ready:
-            self.proc.wait(30)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
             self._log.close()
             tail = self.log_path.read_text(errors="replace")[-12000:]
             raise RuntimeError(f"vLLM engine failed to start: {ready['error']}; log tail:\n{tail}")

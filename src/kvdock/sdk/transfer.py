@@ -59,6 +59,25 @@ class TensorChunks:
         self._span(index).copy_(src)
 
 
+class PartialChunks:
+    """A sink writing only layers ``layers`` of chunks ``first_chunk`` on into ``kv``
+    (``[planes, len(layers), (chunks - first_chunk) * chunk_size, D]``): over shared memory only
+    those bytes of each slot are read."""
+
+    def __init__(self, kv: torch.Tensor, chunk_size: int, layers: range, first_chunk: int) -> None:
+        self.kv = kv
+        self.chunk_size = chunk_size
+        self.layers = slice(layers.start, layers.stop, layers.step)
+        self.first_chunk = first_chunk
+
+    def take(self, index: int, src: torch.Tensor) -> None:
+        if index < self.first_chunk:
+            return  # before ``start``: verified by the server's key chain, never copied
+        c = self.chunk_size
+        at = (index - self.first_chunk) * c
+        self.kv[:, :, at : at + c].copy_(src[:, self.layers])
+
+
 class Transfer:
     name = ""
     commits_reads = True  # the server waits for CommitRetrieve to release a read's pins

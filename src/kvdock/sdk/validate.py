@@ -138,11 +138,34 @@ def kv(ctx: KVCacheContext, value: object, num_tokens: int) -> torch.Tensor:
     return value if value.device.type == "cpu" else value.cpu()
 
 
-def out(ctx: KVCacheContext, value: object, num_tokens: int) -> torch.Tensor:
-    """``value`` as a CPU buffer that retrieve can write ``num_tokens`` tokens into, in place."""
+def layers(ctx: KVCacheContext, value: object) -> range:
+    """``value`` (None: every layer) as a non-empty increasing range of the model's layers."""
+    n = ctx.geometry.num_layers
+    if value is None:
+        return range(n)
+    if not isinstance(value, range):
+        raise InvalidInputError(f"layers must be a range of layer indices (range(0, 4)), got {type(value).__name__}")
+    if len(value) == 0 or value.step < 0 or value.start < 0 or value[-1] >= n:
+        raise InvalidInputError(f"layers {value} is not a non-empty increasing range within the model's {n} layers")
+    return value
+
+
+def start(ctx: KVCacheContext, value: object) -> int:
+    """``value`` as a chunk-aligned, non-negative token offset."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % ctx.chunk_size:
+        raise InvalidInputError(
+            f"start must be a non-negative multiple of the chunk size {ctx.chunk_size}, got {value!r:.40}"
+        )
+    return value
+
+
+def out(ctx: KVCacheContext, value: object, num_tokens: int, num_layers: int | None = None) -> torch.Tensor:
+    """``value`` as a CPU buffer that retrieve can write ``num_tokens`` tokens (of ``num_layers``
+    layers, default all) into, in place."""
     if not isinstance(value, torch.Tensor):
         raise InvalidInputError(f"out must be a torch.Tensor, got {type(value).__name__}")
     p, layers, _, d = ctx.geometry.chunk_shape(num_tokens)
+    layers = layers if num_layers is None else num_layers
     if value.dim() != 4 or (value.shape[0], value.shape[1], value.shape[3]) != (p, layers, d):
         raise InvalidInputError(f"out must be [{p}, {layers}, tokens, {d}], got {list(value.shape)}")
     if value.shape[2] < num_tokens:

@@ -7,15 +7,20 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, MODEL, make_kv, make_tokens
+from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, start_server
 
 
-@pytest.fixture(params=["shm", "inline"])
-def tctx(make_server, request: pytest.FixtureRequest):
-    srv = make_server(*(["--no-shm"] if request.param == "inline" else []))
-    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
-        assert c.transport == request.param
-        yield c
+@pytest.fixture(scope="module", params=["shm", "inline"])
+def tctx(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """One server per transport for the whole module: each test stores under its own tokens."""
+    srv = start_server(tmp_path_factory.mktemp("partial"), *(["--no-shm"] if request.param == "inline" else []))
+    try:
+        kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+            assert c.transport == request.param
+            yield c
+    finally:
+        assert srv.stop() == 0, srv.log()
 
 
 TOKENS = make_tokens(5 * CHUNK + 4, start=40_000)
@@ -65,6 +70,6 @@ def test_a_start_at_or_past_the_hit_is_a_miss(tctx) -> None:
         ),
     ],
 )
-def test_bad_partial_reads_are_refused(tctx, kwargs: dict, message: str) -> None:
-    with pytest.raises(kvd.InvalidInputError, match=message):
-        kvd.retrieve(tctx, TOKENS, **kwargs)
+def test_bad_partial_reads_are_refused(ctx: kvd.KVCacheContext, kwargs: dict, message: str) -> None:
+    with pytest.raises(kvd.InvalidInputError, match=message):  # checked before anything moves
+        kvd.retrieve(ctx, TOKENS, **kwargs)

@@ -33,8 +33,9 @@ import torch
 
 from kvdock import __version__
 from kvdock.errors import InvalidInputError
-from kvdock.keys import MAX_TOKEN_ID, normalize_tokens
+from kvdock.keys import MAX_TOKEN_ID
 from kvdock.layout import KVGeometry
+from kvdock.sdk import validate
 from kvdock.sdk.context import KVCacheContext
 from kvdock.sdk.ops import StoreResult, retrieve, store_chunks
 
@@ -96,10 +97,7 @@ def export_bundle(
     written). Raises what :func:`retrieve` raises, and OSError when ``path`` cannot be written."""
     if not isinstance(note, str):
         raise InvalidInputError(f"note must be a string, got {type(note).__name__}")
-    try:
-        arr = normalize_tokens(tokens)  # once: ``tokens`` may be an iterator
-    except (TypeError, ValueError) as e:
-        raise InvalidInputError(f"tokens: {e}") from None
+    arr = validate.tokens(tokens)  # once: ``tokens`` may be an iterator
     kv = retrieve(ctx, arr, cache_salt)
     if kv is None:
         return None

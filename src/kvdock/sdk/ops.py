@@ -199,7 +199,6 @@ def retrieve(
     cache_salt = validate.cache_salt(cache_salt)
     picked = validate.layers(ctx, layers)
     start = validate.start(ctx, start)
-    partial = len(picked) != ctx.geometry.num_layers or start > 0
     n_whole = len(whole) // TOKEN_DTYPE.itemsize
     if out is not None:
         validate.out(ctx, out, max(n_whole - start, 0), len(picked))
@@ -215,9 +214,7 @@ def retrieve(
         else:
             buf = out[:, :, :n]
         result[:] = [buf]
-        if partial:
-            return PartialChunks(buf, ctx.chunk_size, picked, start // ctx.chunk_size)
-        return TensorChunks(buf, ctx.chunk_size)
+        return PartialChunks(buf, ctx.chunk_size, picked, start // ctx.chunk_size)
 
     try:
         hit = _retrieve_with_retry(ctx, whole, cache_salt, sink)

@@ -62,7 +62,8 @@ class TensorChunks:
 class PartialChunks:
     """A sink writing only layers ``layers`` of chunks ``first_chunk`` on into ``kv``
     (``[planes, len(layers), (chunks - first_chunk) * chunk_size, D]``): over shared memory only
-    those bytes of each slot are read."""
+    those bytes of each slot are read. With every layer and ``first_chunk`` 0 it is a full read
+    (what :func:`kvdock.sdk.retrieve` always uses)."""
 
     def __init__(self, kv: torch.Tensor, chunk_size: int, layers: range, first_chunk: int) -> None:
         self.kv = kv

@@ -57,6 +57,16 @@ class ServerProcess:
         doc: dict[str, Any] = json.loads(self.text(path, timeout))
         return doc
 
+    def metric(self, name: str, default: float | None = None) -> float:
+        """A value of ``/metrics`` (``name`` with its labels, e.g. ``kvdock_requests_total{op="Lookup"}``);
+        ``default`` for a labelled series not created yet, else AssertionError if absent."""
+        for line in self.text("/metrics").splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        if default is not None:
+            return default
+        raise AssertionError(f"no metric {name}")
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")

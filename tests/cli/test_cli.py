@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -13,12 +15,34 @@ import torch
 
 import kvdock.sdk as kvd
 from helpers import CHUNK, ServerProc, free_port, make_tokens, start_server
+from kvdock.cli.main import main
 
 
-def kvdock(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def kvdock_binary(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m kvdock.cli.main ...`` as its own process (the entry point itself)."""
     return subprocess.run(
         [sys.executable, "-m", "kvdock.cli.main", *args], capture_output=True, text=True, timeout=60, env=env
     )
+
+
+def kvdock(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The same command run in this process (``main(args)`` with its output captured and ``env``
+    as the environment): what a command does and prints, without a second torch import each."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's exits
+                code = int(e.code or 0)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["kvdock", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_register_from_hf_config_then_status_and_lookup(server, tmp_path) -> None:
@@ -129,9 +153,9 @@ def test_serve_precedence_cli_over_env_over_file(tmp_path) -> None:
 def test_serve_rejects_bad_config(tmp_path) -> None:
     conf = tmp_path / "bad.toml"
     conf.write_text("chunk_sizes = 64\n")
-    r = kvdock("serve", "--config", str(conf))
+    r = kvdock_binary("serve", "--config", str(conf))
     assert r.returncode == 2 and "unknown keys in" in r.stderr and "chunk_sizes" in r.stderr
-    r = kvdock("serve", "--l1-size", "lots")
+    r = kvdock_binary("serve", "--l1-size", "lots")
     assert r.returncode == 2 and "not a size: 'lots'" in r.stderr
 
 
@@ -209,11 +233,11 @@ def _no_kvdock_env() -> dict[str, str]:
 
 
 def test_serve_help_lists_the_limit_flags() -> None:
-    r = kvdock("serve", "--help")
+    r = kvdock_binary("serve", "--help")
     assert r.returncode == 0
     for flag in ("--client-ttl", "--max-models", "--max-request-tokens", "--admin-token"):
         assert flag in r.stdout, flag
-    r = kvdock("serve", "--max-request-tokens", "0")
+    r = kvdock_binary("serve", "--max-request-tokens", "0")
     assert r.returncode == 2 and r.stderr.strip() == "kvdock serve: error: max_request_tokens must be positive, got 0"
 
 

@@ -162,11 +162,11 @@ def test_a_tampered_manifest_is_refused(bundle, other: ServerProc, edit, message
 
 
 def test_token_ids_out_of_range_are_refused_even_with_matching_checksums(bundle, other: ServerProc) -> None:
-    from kvdock.sdk.bundle import _digest
+    from kvdock.sdk.bundle import digest
 
     def negative(tensors, manifest) -> None:
         tensors["tokens"][0] = -1
-        manifest["tokens_blake3"] = _digest(tensors["tokens"])
+        manifest["tokens_blake3"] = digest(tensors["tokens"])
 
     path, _ = bundle
     _rewrite(path, edit_tensors=negative)

@@ -1,4 +1,4 @@
-"""``kvdock serve | status | register | lookup | retrieve | store | export | import``."""
+"""``kvdock serve | status | register | lookup | retrieve | store | export | import | inspect | diff``."""
 
 from __future__ import annotations
 
@@ -270,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-other-model", action="store_true", help="store under --model although the bundle names another"
     )
     im.set_defaults(func=_import)
+    from kvdock.cli.inspection import add_commands
+
+    add_commands(sub, token_cmd, _token_ids)
     return parser
 
 

@@ -8,7 +8,7 @@ import msgspec
 
 from kvdock.layout import KVGeometry
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 Transport = Literal["shm", "inline"]
 
@@ -138,6 +138,35 @@ class CommitRetrieve(_Msg, frozen=True):
     session_id: str
 
 
+class LookupMany(_Msg, frozen=True):
+    """Lookups of several prompts in one message: prompt ``i`` is ``tokens[i]`` under
+    ``cache_salts[i]`` (the lists have the same length, at most MAX_BATCH; the token counts add up
+    to at most max_request_tokens)."""
+
+    client_id: str
+    tokens: list[bytes]
+    cache_salts: list[str]
+
+
+class PrepareRetrieveMany(_Msg, frozen=True):
+    """PrepareRetrieve for several prompts in one message (the limits of LookupMany): prompt
+    ``i`` opens session ``session_ids[i]``, released by its own CommitRetrieve (shared memory)."""
+
+    client_id: str
+    session_ids: list[str]
+    tokens: list[bytes]
+    cache_salts: list[str]
+    wait_s: float = 30.0
+
+
+class Locate(_Msg, frozen=True):
+    """Where each whole chunk of ``tokens`` is stored, tier by tier (for inspection; moves no data)."""
+
+    client_id: str
+    tokens: bytes
+    cache_salt: str = ""
+
+
 class EndSession(_Msg, frozen=True):
     client_id: str
     session_id: str
@@ -166,6 +195,9 @@ Request = (
     | CommitStore
     | PrepareRetrieve
     | CommitRetrieve
+    | LookupMany
+    | PrepareRetrieveMany
+    | Locate
     | EndSession
     | CheckIntegrity
     | CloseClient
@@ -229,6 +261,32 @@ class RetrievePrepared(_Msg, frozen=True):
     slots: list[SlotRef]
 
 
+class LookupManyResult(_Msg, frozen=True):
+    hit_tokens: list[int]
+
+
+class RetrieveManyPrepared(_Msg, frozen=True):
+    """``slots[i]`` are prompt ``i``'s, as in RetrievePrepared. Inline replies carry one frame per
+    prompt with a hit, in prompt order (a prompt without one has no frame)."""
+
+    slots: list[list[SlotRef]]
+
+
+class Stored(msgspec.Struct, frozen=True, array_like=True):
+    """One tier's object under a chunk's key: its version and its predecessor's (0: the first chunk)."""
+
+    tier: str
+    version: int
+    parent: int
+
+
+class Located(_Msg, frozen=True):
+    """``chunks[i]``: the objects stored under chunk ``i``'s key, L1 first. A tier without a local
+    index (L3) is read for the leading chunks it holds only."""
+
+    chunks: list[list[Stored]]
+
+
 class Done(_Msg, frozen=True):
     pass
 
@@ -248,6 +306,9 @@ Reply = (
     | StorePrepared
     | StoreCommitted
     | RetrievePrepared
+    | LookupManyResult
+    | RetrieveManyPrepared
+    | Located
     | Done
     | IntegrityReport
 )
@@ -268,6 +329,9 @@ __all__ = [
     "CommitStore",
     "PrepareRetrieve",
     "CommitRetrieve",
+    "LookupMany",
+    "PrepareRetrieveMany",
+    "Locate",
     "EndSession",
     "CheckIntegrity",
     "CloseClient",
@@ -281,6 +345,10 @@ __all__ = [
     "StorePrepared",
     "StoreCommitted",
     "RetrievePrepared",
+    "LookupManyResult",
+    "RetrieveManyPrepared",
+    "Stored",
+    "Located",
     "Done",
     "IntegrityReport",
     "Reply",

@@ -19,9 +19,11 @@ from kvdock.errors import (
     StoreConflictError,
     UnknownModelError,
 )
+from kvdock.sdk.batch import lookup_many, retrieve_many
 from kvdock.sdk.bundle import Bundle, BundleManifest, ImportResult, export_bundle, import_bundle, read_bundle
 from kvdock.sdk.context import KVCacheContext, close, connect
 from kvdock.sdk.http import server_config, server_status
+from kvdock.sdk.inspection import ChunkInfo, Inspection, PrefixDiff, diff_prefixes, inspect_prefix, plot_norms
 from kvdock.sdk.ops import (
     StoreResult,
     check_server_integrity,
@@ -39,8 +41,10 @@ __all__ = [
     "Bundle",
     "BundleManifest",
     "ImportResult",
+    "ChunkInfo",
     "ChunkSink",
     "ChunkSource",
+    "Inspection",
     "InvalidInputError",
     "KVCacheContext",
     "KVCacheSDKError",
@@ -48,6 +52,7 @@ __all__ = [
     "PermissionDeniedError",
     "ModelRegistration",
     "PoolFullError",
+    "PrefixDiff",
     "ServerError",
     "ServerUnavailableError",
     "StoreConflictError",
@@ -56,15 +61,20 @@ __all__ = [
     "check_server_integrity",
     "close",
     "connect",
+    "diff_prefixes",
     "export_bundle",
     "import_bundle",
+    "inspect_prefix",
     "lookup",
+    "lookup_many",
     "read_bundle",
     "make_layout",
+    "plot_norms",
     "register_layout",
     "register_model",
     "retrieve",
     "retrieve_into",
+    "retrieve_many",
     "server_config",
     "server_status",
     "store",

@@ -80,12 +80,13 @@ class ImportResult:
     stored: StoreResult
 
 
-def _digest(t: torch.Tensor) -> str:
+def digest(t: torch.Tensor) -> str:
+    """The blake3 hex digest of a tensor's bytes (a chunk's checksum in bundles and in ``kvdock inspect``)."""
     return blake3.blake3(t.contiguous().view(torch.uint8).numpy().data).hexdigest()
 
 
 def _chunk_digests(kv: torch.Tensor, chunk: int) -> tuple[str, ...]:
-    return tuple(_digest(kv[:, :, i : i + chunk]) for i in range(0, kv.shape[2], chunk))
+    return tuple(digest(kv[:, :, i : i + chunk]) for i in range(0, kv.shape[2], chunk))
 
 
 def export_bundle(
@@ -109,7 +110,7 @@ def export_bundle(
         tokens=int(kv.shape[2]),
         cache_salt=cache_salt,
         kvdock_version=__version__,
-        tokens_blake3=_digest(ids),
+        tokens_blake3=digest(ids),
         chunk_blake3=_chunk_digests(kv, ctx.chunk_size),
         note=note,
     )
@@ -186,7 +187,7 @@ def _verify(name: str, m: BundleManifest, kv: torch.Tensor, ids: torch.Tensor) -
         )
     if ids.dtype != torch.int64 or tuple(ids.shape) != (m.tokens,):
         raise InvalidInputError(f"{name}: token ids are {list(ids.shape)} {ids.dtype}; want [{m.tokens}] int64")
-    if _digest(ids) != m.tokens_blake3:
+    if digest(ids) != m.tokens_blake3:
         raise InvalidInputError(f"{name}: the token ids do not match the manifest's checksum (corrupted)")
     if int(ids.min()) < 0 or int(ids.max()) > MAX_TOKEN_ID:
         raise InvalidInputError(f"{name}: token id out of range 0..{MAX_TOKEN_ID}")

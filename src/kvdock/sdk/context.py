@@ -100,7 +100,7 @@ class Connection:
         self._client.close(linger_s)
 
 
-_RESTARTABLE = (m.Lookup, m.PrepareStore, m.PrepareRetrieve)
+_RESTARTABLE = (m.Lookup, m.PrepareStore, m.PrepareRetrieve, m.LookupMany, m.PrepareRetrieveMany, m.Locate)
 CLOSE_WAIT_S = 10.0  # how long close() waits for copies in progress before it stops waiting
 
 

@@ -29,7 +29,9 @@ from kvdock.transport.client import Response
 log = logging.getLogger("kvdock.sdk")
 
 
-def _whole_chunks(ctx: KVCacheContext, arr: np.ndarray) -> bytes:
+def whole_chunks(ctx: KVCacheContext, arr: np.ndarray) -> bytes:
+    """``arr``'s whole chunks as the wire's token bytes; InvalidInputError (code ``limit``) past
+    the server's max_request_tokens."""
     n = len(arr) // ctx.chunk_size * ctx.chunk_size
     cap = ctx.max_request_tokens
     if cap and n > cap:
@@ -108,7 +110,7 @@ def _store(
     conflict_wait_s: float = CONFLICT_WAIT_S,
 ) -> StoreResult:
     cache_salt, overwrite = validate.cache_salt(cache_salt), validate.overwrite(overwrite)
-    whole = _whole_chunks(ctx, arr)
+    whole = whole_chunks(ctx, arr)
     if not whole:
         return StoreResult(0, 0, 0)
     total = len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size
@@ -195,7 +197,7 @@ def retrieve(
     InvalidInputError for an unusable ``out``, ``layers`` or ``start``; LeaseExpiredError if the
     copy outlived its lease twice in a row (the process was paused: nothing wrong is returned)."""
     ctx = validate.context(ctx)
-    whole = _whole_chunks(ctx, validate.tokens(tokens))
+    whole = whole_chunks(ctx, validate.tokens(tokens))
     cache_salt = validate.cache_salt(cache_salt)
     picked = validate.layers(ctx, layers)
     start = validate.start(ctx, start)
@@ -204,25 +206,36 @@ def retrieve(
         validate.out(ctx, out, max(n_whole - start, 0), len(picked))
     if not whole or start >= n_whole:
         return None
-    result: list[torch.Tensor] = []
-
-    def sink(hit: int) -> ChunkSink:
-        n = max(hit - start, 0)
-        if out is None:
-            p, _, _, d = ctx.geometry.chunk_shape(n)
-            buf = torch.empty((p, len(picked), n, d), dtype=ctx.dtype)
-        else:
-            buf = out[:, :, :n]
-        result[:] = [buf]
-        return PartialChunks(buf, ctx.chunk_size, picked, start // ctx.chunk_size)
-
+    landing = Landing(ctx, picked, start, out)
     try:
-        hit = _retrieve_with_retry(ctx, whole, cache_salt, sink)
+        hit = _retrieve_with_retry(ctx, whole, cache_salt, landing.sink)
     except RuntimeError as e:  # torch refusing to write into the caller's ``out``
         if out is None or isinstance(e, KVDockError):
             raise
         raise InvalidInputError(f"cannot write into out: {e}") from None
-    return result[0] if hit > start else None
+    return landing.result(hit)
+
+
+class Landing:
+    """Where the bytes of one retrieve land, layers ``layers`` from token ``start`` on: a new
+    tensor, or the caller's ``out``. :meth:`sink` is asked once the hit is known."""
+
+    def __init__(self, ctx: KVCacheContext, layers: range, start: int, out: torch.Tensor | None = None) -> None:
+        self.ctx, self.layers, self.start, self.out = ctx, layers, start, out
+        self.kv: torch.Tensor | None = None
+
+    def sink(self, hit: int) -> ChunkSink:
+        n = max(hit - self.start, 0)
+        if self.out is None:
+            p, _, _, d = self.ctx.geometry.chunk_shape(n)
+            self.kv = torch.empty((p, len(self.layers), n, d), dtype=self.ctx.dtype)
+        else:
+            self.kv = self.out[:, :, :n]
+        return PartialChunks(self.kv, self.ctx.chunk_size, self.layers, self.start // self.ctx.chunk_size)
+
+    def result(self, hit: int) -> torch.Tensor | None:
+        """What retrieve returns for a hit of ``hit`` tokens: None when it does not pass ``start``."""
+        return self.kv if hit > self.start else None
 
 
 def retrieve_into(ctx: KVCacheContext, tokens: object, sink: ChunkSink, cache_salt: str = "") -> int:
@@ -231,7 +244,7 @@ def retrieve_into(ctx: KVCacheContext, tokens: object, sink: ChunkSink, cache_sa
     number of tokens handed over (0: nothing cached). The engines' seam, like :func:`store_from`.
     LeaseExpiredError when the copy outlived its lease twice (what ``sink`` got is then garbage)."""
     ctx = validate.context(ctx)
-    whole = _whole_chunks(ctx, validate.tokens(tokens))
+    whole = whole_chunks(ctx, validate.tokens(tokens))
     cache_salt = validate.cache_salt(cache_salt)
     if not whole:
         return 0
@@ -276,7 +289,7 @@ def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:
     """How many leading tokens of ``tokens`` are cached in any tier (a multiple of chunk_size);
     moves no data."""
     ctx = validate.context(ctx)
-    whole = _whole_chunks(ctx, validate.tokens(tokens))
+    whole = whole_chunks(ctx, validate.tokens(tokens))
     cache_salt = validate.cache_salt(cache_salt)
     if not whole:
         return 0

@@ -43,6 +43,38 @@ def tokens(value: object) -> np.ndarray:
         raise InvalidInputError(str(e)) from None
 
 
+def prompts(value: object) -> list[np.ndarray]:
+    """A batch of prompts (a list or tuple of token sequences, or a 2-D array or tensor, one row
+    each) as uint32 arrays."""
+    if isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 2:
+        rows: list[object] = list(value)
+    elif isinstance(value, (list, tuple)):
+        rows = list(value)
+    else:
+        raise InvalidInputError(
+            f"prompts must be a list of token sequences (or a 2-D array, one row each), got {type(value).__name__}"
+        )
+    if rows and all(isinstance(r, numbers.Integral) for r in rows):
+        raise InvalidInputError("prompts must be a list of token sequences, got one flat sequence of ints")
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(normalize_tokens(row))
+        except (TypeError, ValueError) as e:
+            raise InvalidInputError(f"prompt {i}: {e}") from None
+    return out
+
+
+def cache_salts(value: object, count: int) -> list[str]:
+    """One cache_salt for every prompt (a str), or a list of ``count`` of them."""
+    if isinstance(value, str):
+        return [cache_salt(value)] * count
+    if not isinstance(value, (list, tuple)) or len(value) != count:
+        got = f"{len(value)} of them" if isinstance(value, (list, tuple)) else type(value).__name__
+        raise InvalidInputError(f"cache_salt must be a str or a list of {count} str (one per prompt), got {got}")
+    return [cache_salt(v) for v in value]
+
+
 def cache_salt(value: object) -> str:
     if not isinstance(value, str):
         raise InvalidInputError(f'cache_salt must be a str ("" for none), got {type(value).__name__} {value!r:.40}')

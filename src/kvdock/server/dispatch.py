@@ -8,6 +8,7 @@ from typing import Any
 
 from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
+from kvdock.server import batch as b
 from kvdock.server import handlers as h
 from kvdock.server import retrieval as r
 from kvdock.server import storing as st
@@ -26,6 +27,9 @@ HANDLERS: dict[type, Handler] = {
     m.CommitStore: st.commit_store,
     m.PrepareRetrieve: r.prepare_retrieve,
     m.CommitRetrieve: r.commit_retrieve,
+    m.LookupMany: b.lookup_many,
+    m.PrepareRetrieveMany: b.prepare_retrieve_many,
+    m.Locate: r.locate,
     m.EndSession: st.end_session,
     m.CheckIntegrity: h.check_integrity,
     m.CloseClient: h.close_client,

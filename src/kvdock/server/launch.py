@@ -9,6 +9,7 @@ import logging
 import signal
 from collections.abc import Awaitable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -22,15 +23,18 @@ from kvdock.config import (
 )
 from kvdock.errors import ConfigError, DiskInUseError, ProtocolError
 from kvdock.protocol import ErrorCode, decode_request, encode
-from kvdock.protocol.messages import Error, PrepareRetrieve
+from kvdock.protocol.messages import Error, PrepareRetrieve, PrepareRetrieveMany
 from kvdock.server.dispatch import handle
 from kvdock.server.http import make_app, request_logger
 from kvdock.server.metrics import Metrics
 from kvdock.server.registry import Registry
 from kvdock.server.state import Outcome, Reply, ServerState
 from kvdock.shm import PoolSegment, SlotAllocator, cleanup_stale
-from kvdock.storage import TIER_KINDS, DiskTier, L1Store, RedisTier, StorageManager, TierLane
+from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane, tier_factory
 from kvdock.transport.server import ControlServer, Incoming
+
+if TYPE_CHECKING:
+    from kvdock.storage.redis import RedisTier
 
 log = logging.getLogger("kvdock.server")
 
@@ -82,7 +86,7 @@ def _open_disk(config: ServerConfig) -> DiskTier | None:
     root = Path(config.disk_dir) if config.disk_dir else default_disk_dir()
     size = config.disk_size or auto_disk_size(root)
     try:
-        disk = TIER_KINDS["l2"](root, size)
+        disk = tier_factory("l2")(root, size)
     except DiskInUseError as e:
         raise ConfigError(f"{e}; give another --disk-dir, or --no-disk") from None
     assert isinstance(disk, DiskTier)
@@ -102,7 +106,9 @@ def _open_disk(config: ServerConfig) -> DiskTier | None:
 def _open_redis(config: ServerConfig) -> RedisTier | None:
     if not config.redis_url:
         return None
-    store = TIER_KINDS["l3"](config.redis_url)
+    from kvdock.storage.redis import RedisTier  # imports redis-py: only a server with an L3 does
+
+    store = tier_factory("l3")(config.redis_url)
     assert isinstance(store, RedisTier)
     store.probe()
     if store.up():
@@ -134,7 +140,7 @@ async def _serve_one(
     out: Outcome
     unsent = state.unsent.get(msg.identity, 0)
     reserved = 0
-    if isinstance(req, PrepareRetrieve) and unsent > state.max_unsent_bytes:
+    if isinstance(req, (PrepareRetrieve, PrepareRetrieveMany)) and unsent > state.max_unsent_bytes:
         out = Reply(Error(ErrorCode.BUSY.value, f"{unsent} bytes of earlier replies are still unread; read them first"))
     else:
         # an inline retrieve's reply counts against its client's cap from now on, so retrieves
@@ -155,12 +161,13 @@ async def _serve_one(
 
 def _reply_bound(state: ServerState, req: object) -> int:
     """The most payload bytes the reply to ``req`` can carry (inline retrieves only)."""
-    if not isinstance(req, PrepareRetrieve):
+    if not isinstance(req, (PrepareRetrieve, PrepareRetrieveMany)):
         return 0
     client = state.registry.clients.get(req.client_id)
     if client is None or client.transport != "inline":
         return 0
-    return len(req.tokens) // 4 // state.chunk_size * client.model.slot_nbytes
+    prompts = req.tokens if isinstance(req, PrepareRetrieveMany) else [req.tokens]
+    return sum(len(t) // 4 // state.chunk_size for t in prompts) * client.model.slot_nbytes
 
 
 def _count_unsent(state: ServerState, identity: bytes, n: int) -> None:

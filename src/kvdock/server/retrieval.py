@@ -28,6 +28,13 @@ from kvdock.storage import L1Object, Session
 from kvdock.storage.manager import PrefetchJob
 
 
+async def locate(state: ServerState, req: m.Locate, payload: Payload) -> Reply:
+    client = client_of(state, req.client_id)
+    keys = keys_of(state, client, req.tokens, req.cache_salt)
+    found = await state.manager.locate(keys)
+    return Reply(m.Located([[m.Stored(p.tier, p.head.version, p.head.parent) for p in row] for row in found]))
+
+
 def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Outcome:
     client = client_of(state, req.client_id)
     keys = keys_of(state, client, req.tokens, req.cache_salt)
@@ -94,18 +101,18 @@ def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payloa
         mgr.start_prefetch(session)
     job = session.job
     if (isinstance(job, PrefetchJob) and not job.done.is_set()) or client.transport == "inline":
-        return _retrieve_later(state, client, session, len(keys), req.wait_s)
-    return _shm_reply(state, client, session, len(keys))
+        return retrieve_later(state, client, session, len(keys), req.wait_s)
+    return shm_reply(state, client, session, len(keys))
 
 
-async def _retrieve_later(
+async def retrieve_later(
     state: ServerState, client: ClientEntry, session: Session, asked: int, wait_s: float
 ) -> Reply:
     await _wait(session, wait_s)
     if isinstance(session.job, PrefetchJob):
         session.job.cancelled = True  # the client gets what is loaded now; stop adding pins
     if client.transport == "shm":
-        return _shm_reply(state, client, session, asked)
+        return shm_reply(state, client, session, asked)
     return await _inline_reply(state, client, session, asked)
 
 
@@ -120,7 +127,7 @@ def _current_run(session: Session) -> list[L1Object]:
     return run
 
 
-def _shm_reply(state: ServerState, client: ClientEntry, session: Session, asked: int) -> Reply:
+def shm_reply(state: ServerState, client: ClientEntry, session: Session, asked: int) -> Reply:
     mgr = state.manager
     mgr.sessions.renew(session)  # the client's copy gets a whole lease, however long the wait was
     hits = _current_run(session)

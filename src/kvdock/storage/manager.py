@@ -44,10 +44,18 @@ from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
 from kvdock.storage.tier import Head
 
-__all__ = ["PrefetchJob", "StorageManager", "StorePlan"]
+__all__ = ["Placement", "PrefetchJob", "StorageManager", "StorePlan"]
 
 log = logging.getLogger(__name__)
 
+
+
+@dataclass(frozen=True)
+class Placement:
+    """An object stored under a key in tier ``tier`` (``"l1"``, or a lane's name), with its head."""
+
+    tier: str
+    head: Head
 
 
 @dataclass(frozen=True)
@@ -135,6 +143,24 @@ class StorageManager:
             parent = match.version
             n += 1
         return n
+
+    async def locate(self, keys: list[ObjectKey]) -> list[list[Placement]]:
+        """For each key, the objects stored under it in L1 (READY only) and in each reachable lower
+        tier, L1 first: for inspection, so versions are reported as found, whether or not they
+        chain. A tier without an index answers for the leading keys it holds (one round trip)."""
+        found = [[Placement("l1", Head(o.version, o.parent))] if (o := self.l1.get(k)) else [] for k in keys]
+        for lane in self.lanes:
+            if not lane.tier.up():
+                continue
+            if lane.tier.indexed:
+                heads: list[Head | None] = [lane.tier.knows(k) for k in keys]
+            else:
+                remote: list[Head] = await lane.on_reader(lane.tier.heads, keys, default=[])
+                heads = list(remote)
+            for row, head in zip(found, heads, strict=False):
+                if head is not None:
+                    row.append(Placement(lane.name, head))
+        return found
 
     async def _remote_heads(self, lanes: list[TierLane], keys: list[ObjectKey]) -> list[Head]:
         for lane in lanes:

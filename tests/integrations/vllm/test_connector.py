@@ -8,7 +8,6 @@ Every test uses its own random prompts, so the tests do not depend on each other
 from __future__ import annotations
 
 import random
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,13 +34,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def metric(srv: ServerProcess, name: str, default: float | None = None) -> float:
     """A value of the server's /metrics; ``default`` for a labelled series not created yet."""
-    text = urllib.request.urlopen(srv.http_url + "/metrics", timeout=10).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    if default is not None:
-        return default
-    raise AssertionError(f"no metric {name}")
+    return srv.metric(name, default)
 
 
 def extra(srv: ServerProcess, **more: object) -> dict[str, object]:

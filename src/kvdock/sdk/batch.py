@@ -1,0 +1,141 @@
+"""lookup_many / retrieve_many: many prompts in one round trip.
+
+Each prompt gets what its single call would give (:func:`~kvdock.sdk.ops.lookup`,
+:func:`~kvdock.sdk.ops.retrieve`); the batch shares one message to the server and one reply.
+A batch larger than one request may be (``MAX_BATCH`` prompts, or more tokens than the server's
+``max_request_tokens`` together) is sent as several messages, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvdock.config import MAX_BATCH
+from kvdock.errors import KVCacheSDKError, LeaseExpiredError, ServerUnavailableError
+from kvdock.keys import TOKEN_DTYPE
+from kvdock.protocol import messages as m
+from kvdock.sdk import validate
+from kvdock.sdk.context import KVCacheContext
+from kvdock.sdk.ops import Landing, retrieve, whole_chunks
+
+
+def _requests(ctx: KVCacheContext, prompts: object, cache_salt: object) -> tuple[list[bytes], list[str]]:
+    arrays = validate.prompts(prompts)
+    salts = validate.cache_salts(cache_salt, len(arrays))
+    return [whole_chunks(ctx, a) for a in arrays], salts
+
+
+def _groups(ctx: KVCacheContext, wholes: list[bytes], todo: list[int]) -> list[list[int]]:
+    """``todo`` (indexes into ``wholes``) cut into runs that each fit in one request."""
+    cap = ctx.max_request_tokens
+    groups: list[list[int]] = []
+    tokens = 0
+    for i in todo:
+        n = len(wholes[i]) // TOKEN_DTYPE.itemsize
+        if not groups or len(groups[-1]) >= MAX_BATCH or (cap and tokens + n > cap):
+            groups.append([])
+            tokens = 0
+        groups[-1].append(i)
+        tokens += n
+    return groups
+
+
+def lookup_many(ctx: KVCacheContext, prompts: Sequence[object], cache_salt: str | Sequence[str] = "") -> list[int]:
+    """``[lookup(ctx, p, salt) for p in prompts]`` in one round trip: how many leading tokens of
+    each prompt are cached (multiples of chunk_size). ``cache_salt``: one for all prompts, or a
+    list with one per prompt. InvalidInputError names the first bad prompt."""
+    ctx = validate.context(ctx)
+    wholes, salts = _requests(ctx, prompts, cache_salt)
+    hits = [0] * len(wholes)
+    for group in _groups(ctx, wholes, [i for i, w in enumerate(wholes) if w]):
+        reply = ctx.call(m.LookupMany(ctx.client_id, [wholes[i] for i in group], [salts[i] for i in group])).reply
+        if len(reply.hit_tokens) != len(group):
+            raise KVCacheSDKError(f"malformed reply: {len(reply.hit_tokens)} hits for {len(group)} prompts")
+        for i, hit in zip(group, reply.hit_tokens, strict=True):
+            hits[i] = int(hit)
+    return hits
+
+
+def retrieve_many(
+    ctx: KVCacheContext,
+    prompts: Sequence[object],
+    cache_salt: str | Sequence[str] = "",
+    *,
+    layers: range | None = None,
+    start: int = 0,
+) -> list[torch.Tensor | None]:
+    """``[retrieve(ctx, p, salt, layers=layers, start=start) for p in prompts]`` in one round
+    trip: each prompt's longest cached prefix as a new tensor, or None. Prompts sharing a prefix
+    share its chunks on the server (each gets its own copy). Raises what retrieve raises; a
+    prompt whose copy outlived its lease is retrieved once more on its own."""
+    ctx = validate.context(ctx)
+    wholes, salts = _requests(ctx, prompts, cache_salt)
+    picked = validate.layers(ctx, layers)
+    start = validate.start(ctx, start)
+    results: list[torch.Tensor | None] = [None] * len(wholes)
+    todo = [i for i, w in enumerate(wholes) if len(w) // TOKEN_DTYPE.itemsize > start]
+    for group in _groups(ctx, wholes, todo):
+        expired = _retrieve_group(ctx, group, wholes, salts, picked, start, results)
+        for i in expired:
+            tokens = np.frombuffer(wholes[i], dtype=TOKEN_DTYPE)
+            results[i] = retrieve(ctx, tokens, salts[i], layers=picked, start=start)
+    return results
+
+
+def _retrieve_group(
+    ctx: KVCacheContext,
+    group: list[int],
+    wholes: list[bytes],
+    salts: list[str],
+    layers: range,
+    start: int,
+    results: list[torch.Tensor | None],
+) -> list[int]:
+    """One PrepareRetrieveMany / copies / CommitRetrieves for the prompts ``group``, filling
+    ``results``; returns the prompts whose copy outlived its lease (their results are unset)."""
+    sids = [ctx.new_session_id() for _ in group]
+    msg = m.PrepareRetrieveMany(
+        ctx.client_id, sids, [wholes[i] for i in group], [salts[i] for i in group], wait_s=ctx.timeout / 2
+    )
+    try:
+        resp = ctx.call(msg)
+    except ServerUnavailableError:  # the reply may never come: release whatever it opened
+        for sid in sids:
+            ctx.end_session(sid)
+        raise
+    cid = ctx.answered_client_id()
+    rows: list[list[m.SlotRef]] = resp.reply.slots
+    opened = [sid for sid, row in zip(sids, rows, strict=False) if row]
+    expired: list[int] = []
+    try:
+        if len(rows) != len(group):
+            raise KVCacheSDKError(f"malformed reply: {len(rows)} slot lists for {len(group)} prompts")
+        frames = resp.buffers()
+        with ctx.transfer() as t:
+            if not t.commits_reads and len(frames) != len(opened):
+                raise KVCacheSDKError(f"malformed inline reply: {len(frames)} frames for {len(opened)} hits")
+            hits = 0
+            for i, row in zip(group, rows, strict=True):
+                if not row:
+                    continue
+                landing = Landing(ctx, layers, start)
+                own = [] if t.commits_reads else [frames[hits]]
+                hits += 1
+                try:
+                    t.read(row, own, landing.sink(len(row) * ctx.chunk_size))
+                except LeaseExpiredError:
+                    expired.append(i)
+                    continue
+                results[i] = landing.result(len(row) * ctx.chunk_size)
+            commits = t.commits_reads
+    except BaseException:
+        for sid in opened:
+            ctx.end_session(sid, cid)
+        raise
+    if commits:
+        for sid in opened:
+            ctx.notify(m.CommitRetrieve(cid, sid))
+    return expired

@@ -1,0 +1,112 @@
+"""Handlers of the batched read ops: LookupMany and PrepareRetrieveMany, several prompts in one
+round trip. Each prompt is served exactly as its single op would be (its own keys, its own retrieve
+session, its own hit); the batch only shares the message and, while lower tiers load, the wait.
+A malformed batch (lists of different lengths, too many prompts or tokens, a session id already
+open) is refused whole, before any session opens."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvdock import keys as keymod
+from kvdock.config import MAX_BATCH
+from kvdock.errors import RequestError
+from kvdock.keys import ObjectKey
+from kvdock.protocol import messages as m
+from kvdock.protocol.codes import ErrorCode
+from kvdock.server import retrieval
+from kvdock.server.handlers import client_of, count_hits, keys_of
+from kvdock.server.registry import ClientEntry
+from kvdock.server.state import Outcome, Payload, Reply, ServerState
+from kvdock.storage import Session
+from kvdock.storage.manager import PrefetchJob
+
+
+def _batch_keys(
+    state: ServerState, client: ClientEntry, tokens: list[bytes], salts: list[str]
+) -> list[list[ObjectKey]]:
+    """Each prompt's chunk keys; RequestError (before any hashing) for a malformed or oversized batch."""
+    if len(salts) != len(tokens):
+        raise RequestError(f"{len(tokens)} prompts but {len(salts)} cache salts (one per prompt)")
+    if len(tokens) > MAX_BATCH:
+        raise RequestError(f"a batch of {len(tokens)} prompts is over the limit of {MAX_BATCH}", ErrorCode.LIMIT)
+    total = sum(len(t) for t in tokens) // keymod.TOKEN_DTYPE.itemsize
+    cap = state.registry.max_request_tokens
+    if total > cap:
+        raise RequestError(
+            f"a batch of {total} tokens is over the server's limit of {cap} tokens per request "
+            "(max_request_tokens; the SDK splits batches that exceed it)",
+            ErrorCode.LIMIT,
+        )
+    return [keys_of(state, client, t, s) for t, s in zip(tokens, salts, strict=True)]
+
+
+def lookup_many(state: ServerState, req: m.LookupMany, payload: Payload) -> Outcome:
+    client = client_of(state, req.client_id)
+    keysets = _batch_keys(state, client, req.tokens, req.cache_salts)
+    state.metrics.lookups.inc(len(keysets))
+    mgr = state.manager
+    in_l1 = [mgr.lookup_l1(keys) for keys in keysets]
+    if not mgr.lanes or all(n == len(keys) for n, keys in zip(in_l1, keysets, strict=True)):
+        return _lookup_reply(state, in_l1, keysets)
+    return _count_lower(state, in_l1, keysets)
+
+
+async def _count_lower(state: ServerState, in_l1: list[int], keysets: list[list[ObjectKey]]) -> Reply:
+    mgr = state.manager
+
+    async def count(n: int, keys: list[ObjectKey]) -> int:
+        return n if n == len(keys) else await mgr.count(keys, n)
+
+    hits = await asyncio.gather(*(count(n, keys) for n, keys in zip(in_l1, keysets, strict=True)))
+    return _lookup_reply(state, list(hits), keysets)
+
+
+def _lookup_reply(state: ServerState, hits: list[int], keysets: list[list[ObjectKey]]) -> Reply:
+    for n, keys in zip(hits, keysets, strict=True):
+        count_hits(state, n, len(keys))
+    return Reply(m.LookupManyResult([n * state.chunk_size for n in hits]))
+
+
+def prepare_retrieve_many(state: ServerState, req: m.PrepareRetrieveMany, payload: Payload) -> Outcome:
+    client = client_of(state, req.client_id)
+    if len(req.session_ids) != len(req.tokens):
+        raise RequestError(f"{len(req.tokens)} prompts but {len(req.session_ids)} session ids (one per prompt)")
+    keysets = _batch_keys(state, client, req.tokens, req.cache_salts)
+    if len(set(req.session_ids)) != len(req.session_ids):
+        raise RequestError("a batch names the same session id twice")
+    if state.fault_retrieve_miss:
+        return Reply(m.RetrieveManyPrepared([[] for _ in keysets]))
+    mgr = state.manager
+    taken = [sid for sid in req.session_ids if mgr.sessions.has(client.client_id, sid)]
+    if taken:
+        raise RequestError(f"session {taken[0]!r} is already open (a batch opens its own sessions)")
+    sessions: list[Session] = []
+    try:
+        for sid, keys in zip(req.session_ids, keysets, strict=True):
+            sessions.append(mgr.open_retrieve(client.client_id, sid, keys))
+            mgr.start_prefetch(sessions[-1])
+    except BaseException:
+        for s in sessions:
+            mgr.end_session(client.client_id, s.session_id)
+        raise
+    loading = any(isinstance(s.job, PrefetchJob) and not s.job.done.is_set() for s in sessions)
+    if loading or client.transport == "inline":
+        return _retrieve_later(state, client, sessions, keysets, req.wait_s)
+    return _combine([retrieval.shm_reply(state, client, s, len(k)) for s, k in zip(sessions, keysets, strict=True)])
+
+
+async def _retrieve_later(
+    state: ServerState, client: ClientEntry, sessions: list[Session], keysets: list[list[ObjectKey]], wait_s: float
+) -> Reply:
+    """Every prompt's reply once its prefetch is done or ``wait_s`` has passed (waited for together)."""
+    replies = await asyncio.gather(
+        *(retrieval.retrieve_later(state, client, s, len(k), wait_s) for s, k in zip(sessions, keysets, strict=True))
+    )
+    return _combine(list(replies))
+
+
+def _combine(replies: list[Reply]) -> Reply:
+    slots = [r.message.slots for r in replies]  # type: ignore[attr-defined]
+    frames = [f for r in replies for f in r.frames]
+    return Reply(m.RetrieveManyPrepared(slots), frames, pooled=any(r.pooled for r in replies))

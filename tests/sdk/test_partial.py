@@ -73,3 +73,26 @@ def test_a_start_at_or_past_the_hit_is_a_miss(tctx) -> None:
 def test_bad_partial_reads_are_refused(ctx: kvd.KVCacheContext, kwargs: dict, message: str) -> None:
     with pytest.raises(kvd.InvalidInputError, match=message):  # checked before anything moves
         kvd.retrieve(ctx, TOKENS, **kwargs)
+
+
+def test_an_inline_partial_read_moves_only_the_asked_for_bytes(make_server) -> None:
+    srv = make_server("--no-shm")
+    sent = "kvdock_retrieved_bytes_total"
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert c.transport == "inline"
+        kv = make_kv(len(TOKENS), seed=8)
+        kvd.store(c, kv, TOKENS)
+        chunk = c.geometry.chunk_nbytes(CHUNK)
+        before = srv.metric(sent)
+        got = kvd.retrieve(c, TOKENS, layers=range(1, 2), start=3 * CHUNK)  # 1 of 3 layers of 2 of 5 chunks
+        assert got is not None and torch.equal(got, kv[:, 1:2, 3 * CHUNK : 5 * CHUNK])
+        assert srv.metric(sent) - before == 2 * chunk // 3
+        before = srv.metric(sent)
+        many = kvd.retrieve_many(
+            c, [TOKENS, TOKENS[: 2 * CHUNK], TOKENS[: 4 * CHUNK]], layers=range(0, 3, 2), start=2 * CHUNK
+        )
+        assert many[1] is None  # 2 chunks cached: nothing from chunk 2 on, and no frame for it
+        assert many[0] is not None and torch.equal(many[0], kv[:, 0:3:2, 2 * CHUNK : 5 * CHUNK])
+        assert many[2] is not None and torch.equal(many[2], kv[:, 0:3:2, 2 * CHUNK : 4 * CHUNK])
+        assert srv.metric(sent) - before == (3 + 2) * chunk * 2 // 3
+        assert kvd.check_server_integrity(c) == []

@@ -53,6 +53,23 @@ def test_malformed_batches_are_refused_whole(make_server) -> None:
                     "not a whole number of uint32",
                 ),
                 (m.LookupMany("nobody", [TOKS], [""]), "unknown_client", "not registered"),
+                (
+                    m.PrepareRetrieve(cid, "p", TOKS, part=m.ReadPart(1, 4)),
+                    "bad_request",
+                    "within the model's 3 layers",
+                ),
+                (
+                    m.PrepareRetrieve(cid, "p", TOKS, part=m.ReadPart(2, 1)),
+                    "bad_request",
+                    "within the model's 3 layers",
+                ),
+                (m.PrepareRetrieve(cid, "p", TOKS, part=m.ReadPart(0, 3, 0)), "bad_request", "within the model's"),
+                (m.PrepareRetrieve(cid, "p", TOKS, part=m.ReadPart(0, 3, 1, -1)), "bad_request", "first chunk"),
+                (
+                    m.PrepareRetrieveMany(cid, ["p"], [TOKS], [""], part=m.ReadPart(0, 9)),
+                    "bad_request",
+                    "within the model's 3 layers",
+                ),
             ]
             for msg, code, text in cases:
                 err = refused(client, msg)

@@ -52,6 +52,18 @@ class SlotRef(msgspec.Struct, frozen=True, array_like=True):
     gen: int = 0
 
 
+class ReadPart(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """The part of each chunk a retrieve wants: layers ``range(layer_start, layer_stop,
+    layer_step)`` of the chunks from ``first_chunk`` on. An inline reply carries only those bytes
+    (per chunk, the chosen layers of each plane in order); shared-memory clients copy their part
+    out of the slots themselves."""
+
+    layer_start: int
+    layer_stop: int
+    layer_step: int = 1
+    first_chunk: int = 0
+
+
 # --- requests -----------------------------------------------------------------------------------
 
 
@@ -131,6 +143,7 @@ class PrepareRetrieve(_Msg, frozen=True):
     tokens: bytes
     cache_salt: str = ""
     wait_s: float = 30.0
+    part: ReadPart | None = None  # None: whole chunks
 
 
 class CommitRetrieve(_Msg, frozen=True):
@@ -157,6 +170,7 @@ class PrepareRetrieveMany(_Msg, frozen=True):
     tokens: list[bytes]
     cache_salts: list[str]
     wait_s: float = 30.0
+    part: ReadPart | None = None  # the same part of every prompt
 
 
 class Locate(_Msg, frozen=True):
@@ -256,7 +270,9 @@ class StoreCommitted(_Msg, frozen=True):
 
 class RetrievePrepared(_Msg, frozen=True):
     """The leading ``len(slots)`` chunks are pinned (shared memory). Inline replies carry one
-    frame holding the chunks in order; each slot's ``offset`` is its chunk's offset in it."""
+    frame holding the chunks (their ``part``, if one was asked for) in order, each slot's
+    ``offset`` its chunk's offset in it; chunks before the part's ``first_chunk`` have no bytes,
+    and a reply with no bytes at all has no frame."""
 
     slots: list[SlotRef]
 
@@ -267,7 +283,8 @@ class LookupManyResult(_Msg, frozen=True):
 
 class RetrieveManyPrepared(_Msg, frozen=True):
     """``slots[i]`` are prompt ``i``'s, as in RetrievePrepared. Inline replies carry one frame per
-    prompt with a hit, in prompt order (a prompt without one has no frame)."""
+    prompt whose reply has bytes (more hit chunks than the part's ``first_chunk``), in prompt
+    order."""
 
     slots: list[list[SlotRef]]
 
@@ -319,6 +336,7 @@ __all__ = [
     "EngineInfo",
     "ModelLayout",
     "SlotRef",
+    "ReadPart",
     "Ping",
     "RegisterModel",
     "RegisterClient",

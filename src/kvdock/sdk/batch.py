@@ -97,9 +97,10 @@ def _retrieve_group(
     """One PrepareRetrieveMany / copies / CommitRetrieves for the prompts ``group``, filling
     ``results``; returns the prompts whose copy outlived its lease (their results are unset)."""
     sids = [ctx.new_session_id() for _ in group]
-    msg = m.PrepareRetrieveMany(
-        ctx.client_id, sids, [wholes[i] for i in group], [salts[i] for i in group], wait_s=ctx.timeout / 2
-    )
+    part = Landing(ctx, layers, start).part
+    first = part.first_chunk if part else 0
+    toks, group_salts = [wholes[i] for i in group], [salts[i] for i in group]
+    msg = m.PrepareRetrieveMany(ctx.client_id, sids, toks, group_salts, wait_s=ctx.timeout / 2, part=part)
     try:
         resp = ctx.call(msg)
     except ServerUnavailableError:  # the reply may never come: release whatever it opened
@@ -115,17 +116,18 @@ def _retrieve_group(
             raise KVCacheSDKError(f"malformed reply: {len(rows)} slot lists for {len(group)} prompts")
         frames = resp.buffers()
         with ctx.transfer() as t:
-            if not t.commits_reads and len(frames) != len(opened):
-                raise KVCacheSDKError(f"malformed inline reply: {len(frames)} frames for {len(opened)} hits")
-            hits = 0
+            with_bytes = sum(len(row) > first for row in rows)
+            if not t.commits_reads and len(frames) != with_bytes:
+                raise KVCacheSDKError(f"malformed inline reply: {len(frames)} frames for {with_bytes} prompts")
+            sent = 0
             for i, row in zip(group, rows, strict=True):
-                if not row:
-                    continue
+                if len(row) <= first:
+                    continue  # a miss, or no hit past ``start``: None
                 landing = Landing(ctx, layers, start)
-                own = [] if t.commits_reads else [frames[hits]]
-                hits += 1
+                own = [] if t.commits_reads else [frames[sent]]
+                sent += 1
                 try:
-                    t.read(row, own, landing.sink(len(row) * ctx.chunk_size))
+                    t.read(row, own, landing.sink(len(row) * ctx.chunk_size), part)
                 except LeaseExpiredError:
                     expired.append(i)
                     continue

@@ -23,7 +23,7 @@ from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
 from kvdock.sdk import validate
 from kvdock.sdk.context import KVCacheContext
-from kvdock.sdk.transfer import ChunkSink, ChunkSource, PartialChunks, TensorChunks
+from kvdock.sdk.transfer import ChunkSink, ChunkSource, TensorChunks
 from kvdock.transport.client import Response
 
 log = logging.getLogger("kvdock.sdk")
@@ -187,8 +187,8 @@ def retrieve(
     Partial reads: ``layers=range(a, b)`` returns only those layers (``[2, len(layers), ...]``),
     ``start=k`` (a multiple of chunk_size) only the tokens from ``k`` on (``hit_tokens - k`` of
     them; None when no more than ``k`` are cached). The whole prefix is still looked up and pinned
-    (its keys chain), but over shared memory only the asked-for bytes are copied; over the inline
-    transport whole chunks still cross the wire and are sliced here.
+    (its keys chain), but only the asked-for bytes are copied out of the slots (over the inline
+    transport the server copies them, and only they cross the wire).
 
     With ``out`` (a CPU tensor ``[2, L', T, D]`` of the model's dtype, ``L'`` the layers asked
     for, T at least the whole-chunk length of ``tokens`` minus ``start``), the KV is written into
@@ -208,7 +208,7 @@ def retrieve(
         return None
     landing = Landing(ctx, picked, start, out)
     try:
-        hit = _retrieve_with_retry(ctx, whole, cache_salt, landing.sink)
+        hit = _retrieve_with_retry(ctx, whole, cache_salt, landing.sink, landing.part)
     except RuntimeError as e:  # torch refusing to write into the caller's ``out``
         if out is None or isinstance(e, KVDockError):
             raise
@@ -223,6 +223,9 @@ class Landing:
     def __init__(self, ctx: KVCacheContext, layers: range, start: int, out: torch.Tensor | None = None) -> None:
         self.ctx, self.layers, self.start, self.out = ctx, layers, start, out
         self.kv: torch.Tensor | None = None
+        whole = layers == range(ctx.geometry.num_layers) and not start
+        # what to ask the server for (an inline reply then carries only these bytes)
+        self.part = None if whole else m.ReadPart(layers.start, layers.stop, layers.step, start // ctx.chunk_size)
 
     def sink(self, hit: int) -> ChunkSink:
         n = max(hit - self.start, 0)
@@ -231,7 +234,7 @@ class Landing:
             self.kv = torch.empty((p, len(self.layers), n, d), dtype=self.ctx.dtype)
         else:
             self.kv = self.out[:, :, :n]
-        return PartialChunks(self.kv, self.ctx.chunk_size, self.layers, self.start // self.ctx.chunk_size)
+        return TensorChunks(self.kv, self.ctx.chunk_size, self.start // self.ctx.chunk_size)
 
     def result(self, hit: int) -> torch.Tensor | None:
         """What retrieve returns for a hit of ``hit`` tokens: None when it does not pass ``start``."""
@@ -251,20 +254,34 @@ def retrieve_into(ctx: KVCacheContext, tokens: object, sink: ChunkSink, cache_sa
     return _retrieve_with_retry(ctx, whole, cache_salt, lambda hit: sink)
 
 
-def _retrieve_with_retry(ctx: KVCacheContext, whole: bytes, cache_salt: str, sink: Callable[[int], ChunkSink]) -> int:
+def _retrieve_with_retry(
+    ctx: KVCacheContext,
+    whole: bytes,
+    cache_salt: str,
+    sink: Callable[[int], ChunkSink],
+    part: m.ReadPart | None = None,
+) -> int:
     try:
-        return _retrieve_once(ctx, whole, cache_salt, sink)
+        return _retrieve_once(ctx, whole, cache_salt, sink, part)
     except LeaseExpiredError:
         log.warning("a retrieve outlived its lease; trying once more")
-        return _retrieve_once(ctx, whole, cache_salt, sink)
+        return _retrieve_once(ctx, whole, cache_salt, sink, part)
 
 
-def _retrieve_once(ctx: KVCacheContext, whole: bytes, cache_salt: str, make_sink: Callable[[int], ChunkSink]) -> int:
+def _retrieve_once(
+    ctx: KVCacheContext,
+    whole: bytes,
+    cache_salt: str,
+    make_sink: Callable[[int], ChunkSink],
+    part: m.ReadPart | None,
+) -> int:
     """One PrepareRetrieve / copy / CommitRetrieve; ``make_sink(hit_tokens)`` gives the sink once
-    the hit is known. Returns the hit in tokens."""
+    the hit is known, which gets ``part`` of the chunks (all of them when None). Returns the hit
+    in tokens."""
     sid = ctx.new_session_id()
     # the server loads chunks that only L2/L3 hold into L1 first; it must answer before we give up
-    resp = _prepare(ctx, sid, m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2))
+    msg = m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2, part=part)
+    resp = _prepare(ctx, sid, msg)
     slots = resp.reply.slots
     if not slots:
         return 0
@@ -273,7 +290,7 @@ def _retrieve_once(ctx: KVCacheContext, whole: bytes, cache_salt: str, make_sink
     try:
         sink = make_sink(hit)
         with ctx.transfer() as t:
-            t.read(slots, resp.buffers(), sink)
+            t.read(slots, resp.buffers(), sink, part)
             commits = t.commits_reads
     except BaseException:
         ctx.end_session(sid, cid)

@@ -23,7 +23,7 @@ import torch
 
 from kvdock.errors import KVCacheSDKError, LeaseExpiredError
 from kvdock.layout import KVGeometry
-from kvdock.protocol.messages import SlotRef
+from kvdock.protocol.messages import ReadPart, SlotRef
 from kvdock.shm import PoolSegment
 from kvdock.shm.slots import ALIGN
 
@@ -42,15 +42,18 @@ class ChunkSink(Protocol):
 
 
 class TensorChunks:
-    """A ``KV_2LTD`` tensor ``[2, L, T, D]`` as a source or sink of ``chunk_size``-token chunks."""
+    """A ``KV_2LTD`` tensor ``[planes, L, T, D]`` as a source or sink of ``chunk_size``-token
+    chunks, chunk ``first_chunk`` at token 0 (a sink of a read from chunk ``first_chunk`` on)."""
 
-    def __init__(self, kv: torch.Tensor, chunk_size: int) -> None:
+    def __init__(self, kv: torch.Tensor, chunk_size: int, first_chunk: int = 0) -> None:
         self.kv = kv
         self.chunk_size = chunk_size
+        self.first_chunk = first_chunk
 
     def _span(self, index: int) -> torch.Tensor:
         c = self.chunk_size
-        return self.kv[:, :, index * c : (index + 1) * c]
+        at = (index - self.first_chunk) * c
+        return self.kv[:, :, at : at + c]
 
     def put(self, index: int, dst: torch.Tensor) -> None:
         dst.copy_(self._span(index))
@@ -59,24 +62,8 @@ class TensorChunks:
         self._span(index).copy_(src)
 
 
-class PartialChunks:
-    """A sink writing only layers ``layers`` of chunks ``first_chunk`` on into ``kv``
-    (``[planes, len(layers), (chunks - first_chunk) * chunk_size, D]``): over shared memory only
-    those bytes of each slot are read. With every layer and ``first_chunk`` 0 it is a full read
-    (what :func:`kvdock.sdk.retrieve` always uses)."""
-
-    def __init__(self, kv: torch.Tensor, chunk_size: int, layers: range, first_chunk: int) -> None:
-        self.kv = kv
-        self.chunk_size = chunk_size
-        self.layers = slice(layers.start, layers.stop, layers.step)
-        self.first_chunk = first_chunk
-
-    def take(self, index: int, src: torch.Tensor) -> None:
-        if index < self.first_chunk:
-            return  # before ``start``: verified by the server's key chain, never copied
-        c = self.chunk_size
-        at = (index - self.first_chunk) * c
-        self.kv[:, :, at : at + c].copy_(src[:, self.layers])
+def layer_slice(part: ReadPart | None) -> slice:
+    return slice(None) if part is None else slice(part.layer_start, part.layer_stop, part.layer_step)
 
 
 class Transfer:
@@ -93,10 +80,14 @@ class Transfer:
         """Put chunk ``slot.index`` of ``source`` into each slot; returns payload frames to send (inline)."""
         raise NotImplementedError
 
-    def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink) -> None:
+    def read(
+        self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink, part: ReadPart | None = None
+    ) -> None:
         """Hand chunk ``j`` (the ``j``-th slot) to ``sink.take(j, ...)``, from the slots or the
-        reply's frames. LeaseExpiredError if the slots were reused meanwhile (the sink then holds
-        garbage)."""
+        reply's frames: with ``part``, only chunks from ``part.first_chunk`` on, and of each
+        only the part's layers (``[planes, len(layers), chunk_size, D]``, the request must have
+        asked for the same part). LeaseExpiredError if the slots were reused meanwhile (the sink
+        then holds garbage)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -122,9 +113,12 @@ class ShmTransfer(Transfer):
             source.put(s.index, self._slot(s.offset))
         return []
 
-    def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink) -> None:
-        for j, s in enumerate(slots):
-            sink.take(j, self._slot(s.offset))
+    def read(
+        self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink, part: ReadPart | None = None
+    ) -> None:
+        layers, first = layer_slice(part), part.first_chunk if part else 0
+        for j, s in enumerate(slots[first:], first):
+            sink.take(j, self._slot(s.offset)[:, layers])
         # seqlock read side: the copies above are complete (copy_ returned) before these loads
         gens = self._gens
         moved = [s.index for s in slots if int(gens[(s.offset - self._base) // ALIGN]) != s.gen]
@@ -152,18 +146,25 @@ class InlineTransfer(Transfer):
             frames.append(buf.view(torch.uint8).numpy().data)
         return frames
 
-    def read(self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink) -> None:
-        """The reply has one frame with the chunks in order (``slot.offset`` into it)."""
-        size = len(slots) * self.chunk_nbytes
-        if len(frames) != 1 or len(frames[0]) != size:
+    def read(
+        self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink, part: ReadPart | None = None
+    ) -> None:
+        """The reply has one frame with the chunks' parts in order (``slot.offset`` into it), or
+        none if it has no bytes."""
+        planes, num_layers, chunk, d = self.chunk_shape
+        first = part.first_chunk if part else 0
+        shape = (planes, len(range(num_layers)[layer_slice(part)]), chunk, d)
+        per = self.chunk_nbytes // num_layers * shape[1]
+        sent = slots[first:]
+        size = len(sent) * per
+        if [len(f) for f in frames] != ([size] if size else []):
             got = [len(f) for f in frames]
-            raise KVCacheSDKError(
-                f"malformed inline reply: frames of {got} bytes for {len(slots)} chunks of {self.chunk_nbytes}"
-            )
+            raise KVCacheSDKError(f"malformed inline reply: frames of {got} bytes for {len(sent)} chunks of {per}")
+        if not sent:
+            return
         with warnings.catch_warnings():
             # the frame is read-only; we only read it, once, into ``out``
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             whole = torch.frombuffer(frames[0], dtype=torch.uint8)
-        for j, s in enumerate(slots):
-            chunk = whole[s.offset : s.offset + self.chunk_nbytes].view(self.dtype).view(self.chunk_shape)
-            sink.take(j, chunk)
+        for j, s in enumerate(sent, first):
+            sink.take(j, whole[s.offset : s.offset + per].view(self.dtype).view(shape))

@@ -73,6 +73,7 @@ def prepare_retrieve_many(state: ServerState, req: m.PrepareRetrieveMany, payloa
     if len(req.session_ids) != len(req.tokens):
         raise RequestError(f"{len(req.tokens)} prompts but {len(req.session_ids)} session ids (one per prompt)")
     keysets = _batch_keys(state, client, req.tokens, req.cache_salts)
+    cut = retrieval.cut_of(client, req.part)
     if len(set(req.session_ids)) != len(req.session_ids):
         raise RequestError("a batch names the same session id twice")
     if state.fault_retrieve_miss:
@@ -92,16 +93,24 @@ def prepare_retrieve_many(state: ServerState, req: m.PrepareRetrieveMany, payloa
         raise
     loading = any(isinstance(s.job, PrefetchJob) and not s.job.done.is_set() for s in sessions)
     if loading or client.transport == "inline":
-        return _retrieve_later(state, client, sessions, keysets, req.wait_s)
+        return _retrieve_later(state, client, sessions, keysets, req.wait_s, cut)
     return _combine([retrieval.shm_reply(state, client, s, len(k)) for s, k in zip(sessions, keysets, strict=True)])
 
 
 async def _retrieve_later(
-    state: ServerState, client: ClientEntry, sessions: list[Session], keysets: list[list[ObjectKey]], wait_s: float
+    state: ServerState,
+    client: ClientEntry,
+    sessions: list[Session],
+    keysets: list[list[ObjectKey]],
+    wait_s: float,
+    cut: retrieval.Cut,
 ) -> Reply:
     """Every prompt's reply once its prefetch is done or ``wait_s`` has passed (waited for together)."""
     replies = await asyncio.gather(
-        *(retrieval.retrieve_later(state, client, s, len(k), wait_s) for s, k in zip(sessions, keysets, strict=True))
+        *(
+            retrieval.retrieve_later(state, client, s, len(k), wait_s, cut)
+            for s, k in zip(sessions, keysets, strict=True)
+        )
     )
     return _combine(list(replies))
 

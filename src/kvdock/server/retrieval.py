@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -86,9 +87,41 @@ async def _wait(session: Session, timeout_s: float) -> None:
             await asyncio.wait_for(job.done.wait(), max(0.0, timeout_s))
 
 
+@dataclass(frozen=True)
+class Cut:
+    """How a :class:`~kvdock.protocol.messages.ReadPart` cuts a slot: its bytes are ``planes *
+    layers`` rows of ``row`` bytes (one per plane and layer); the part is rows ``[:, picked]`` of
+    the chunks from ``first`` on."""
+
+    planes: int
+    layers: int
+    row: int
+    picked: slice
+    first: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one chunk's part."""
+        return self.planes * len(range(self.layers)[self.picked]) * self.row
+
+
+def cut_of(client: ClientEntry, part: m.ReadPart | None) -> Cut:
+    """The cut of ``client``'s slots that ``part`` asks for (whole chunks when None);
+    RequestError for a part outside the model's layers."""
+    geo = client.model.layout.geometry
+    n = geo.num_layers
+    row = client.model.slot_nbytes // (geo.planes * n)
+    if part is None:
+        return Cut(geo.planes, n, row, slice(0, n), 0)
+    if not (0 <= part.layer_start < part.layer_stop <= n and part.layer_step >= 1 and part.first_chunk >= 0):
+        raise RequestError(f"read part {part} is not within the model's {n} layers (or its first chunk is negative)")
+    return Cut(geo.planes, n, row, slice(part.layer_start, part.layer_stop, part.layer_step), part.first_chunk)
+
+
 def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payload) -> Outcome:
     client = client_of(state, req.client_id)
     keys = keys_of(state, client, req.tokens, req.cache_salt)
+    cut = cut_of(client, req.part)
     if state.fault_retrieve_miss:
         return Reply(m.RetrievePrepared([]))
     mgr = state.manager
@@ -101,19 +134,19 @@ def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payloa
         mgr.start_prefetch(session)
     job = session.job
     if (isinstance(job, PrefetchJob) and not job.done.is_set()) or client.transport == "inline":
-        return retrieve_later(state, client, session, len(keys), req.wait_s)
+        return retrieve_later(state, client, session, len(keys), req.wait_s, cut)
     return shm_reply(state, client, session, len(keys))
 
 
 async def retrieve_later(
-    state: ServerState, client: ClientEntry, session: Session, asked: int, wait_s: float
+    state: ServerState, client: ClientEntry, session: Session, asked: int, wait_s: float, cut: Cut
 ) -> Reply:
     await _wait(session, wait_s)
     if isinstance(session.job, PrefetchJob):
         session.job.cancelled = True  # the client gets what is loaded now; stop adding pins
     if client.transport == "shm":
         return shm_reply(state, client, session, asked)
-    return await _inline_reply(state, client, session, asked)
+    return await _inline_reply(state, client, session, asked, cut)
 
 
 def _current_run(session: Session) -> list[L1Object]:
@@ -138,41 +171,45 @@ def shm_reply(state: ServerState, client: ClientEntry, session: Session, asked: 
     return Reply(m.RetrievePrepared([m.SlotRef(i, o.offset, alloc.generation(o.offset)) for i, o in enumerate(hits)]))
 
 
-async def _inline_reply(state: ServerState, client: ClientEntry, session: Session, asked: int) -> Reply:
+async def _inline_reply(state: ServerState, client: ClientEntry, session: Session, asked: int, cut: Cut) -> Reply:
     mgr = state.manager
     hits = _current_run(session)
     count_hits(state, len(hits), asked)
-    nbytes = client.model.slot_nbytes
-    buf = state.reply_buffers.take(len(hits) * nbytes) if hits else bytearray()
-    if hits:
+    per = cut.nbytes
+    sent = hits[cut.first :]
+    buf = state.reply_buffers.take(len(sent) * per) if sent else bytearray()
+    if sent:
         mgr.hold(session)
         try:
-            views = [mgr.l1.view(o) for o in hits]
-            await state.copy(_gather, views, memoryview(buf))
+            views = [mgr.l1.view(o) for o in sent]
+            await state.copy(_gather, views, memoryview(buf), cut)
         finally:
             mgr.unhold(session)
-        _count_retrieved(state, client, len(hits))
+    if hits:
+        _count_retrieved(state, len(buf))
     mgr.end_session(client.client_id, session.session_id)
     # One frame for all chunks: zmq then sends that buffer itself, and its tracker tells exactly
     # when it is gone (small frames would be copied inside zmq, out of the unsent count's sight).
-    slots = [m.SlotRef(i, i * nbytes) for i in range(len(hits))]
-    return Reply(m.RetrievePrepared(slots), [buf] if hits else [], pooled=True)
+    slots = [m.SlotRef(i, max(i - cut.first, 0) * per) for i in range(len(hits))]
+    return Reply(m.RetrievePrepared(slots), [buf] if sent else [], pooled=True)
 
 
-def _gather(views: list[memoryview], out: memoryview) -> None:
+def _gather(views: list[memoryview], out: memoryview, cut: Cut) -> None:
+    """Copy ``cut``'s part of each slot in ``views`` into ``out``, one after another."""
     dst = np.frombuffer(out, np.uint8)
-    done = 0
-    for v in views:
-        np.copyto(dst[done : done + len(v)], np.frombuffer(v, np.uint8))  # without the GIL
-        done += len(v)
+    per = cut.nbytes
+    for i, v in enumerate(views):
+        rows = np.frombuffer(v, np.uint8).reshape(cut.planes, cut.layers, cut.row)[:, cut.picked]
+        np.copyto(dst[i * per : (i + 1) * per].reshape(rows.shape), rows)  # without the GIL
 
 
-def _count_retrieved(state: ServerState, client: ClientEntry, n: int) -> None:
+def _count_retrieved(state: ServerState, nbytes: int) -> None:
     state.metrics.retrieves.inc()
-    state.metrics.retrieved_bytes.inc(n * client.model.slot_nbytes)
+    state.metrics.retrieved_bytes.inc(nbytes)
 
 
 def commit_retrieve(state: ServerState, req: m.CommitRetrieve, payload: Payload) -> Reply:
     client = client_of(state, req.client_id)
-    _count_retrieved(state, client, state.manager.commit_retrieve(client.client_id, req.session_id))
+    n = state.manager.commit_retrieve(client.client_id, req.session_id)
+    _count_retrieved(state, n * client.model.slot_nbytes)
     return Reply(m.Done())

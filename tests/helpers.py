@@ -74,6 +74,7 @@ class RedisProc:
     port: int
     proc: subprocess.Popen[bytes] | None = None
     password: str = ""
+    extra: tuple[str, ...] = ()  # more redis-server flags
 
     @property
     def url(self) -> str:
@@ -97,6 +98,7 @@ class RedisProc:
                 "--appendonly",
                 "no",
                 *auth,
+                *self.extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

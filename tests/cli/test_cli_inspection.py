@@ -72,3 +72,6 @@ def test_diff_exit_codes_follow_diff(server, ctx, tmp_path: Path, capsys) -> Non
     assert code == 2 and "--other-tokens or --other-tokens-file" in err
     code, _, err = run(capsys, "inspect", *flags[:-1], "1,2,x")
     assert code == 2 and "token ids must be integers" in err
+    code, out, err = run(capsys, "inspect", *flags, "--plot", str(tmp_path / "norms.unknownext"))
+    assert code == 2 and out == "" and "kvdock inspect: error: cannot plot to" in err  # refused before any work
+    assert not list(tmp_path.glob("norms*"))

@@ -100,3 +100,16 @@ def test_aio_refuses_a_sync_context_and_bad_concurrency(ctx) -> None:
         assert [e["model_name"] for e in status["cache_context_meta"]] == [MODEL]
 
     asyncio.run(main())
+
+
+def test_calls_on_a_closed_context_raise_the_sdk_error(server) -> None:
+    async def main() -> None:
+        actx = await kva.connect(server.url, server.http_url, MODEL, timeout=10)
+        await kva.close(actx)
+        await kva.close(actx)  # harmless twice
+        assert actx.closed
+        for call in (kva.lookup(actx, [1]), kva.retrieve(actx, [1]), kva.retrieve_many(actx, [[1]])):
+            with pytest.raises(kvd.KVCacheSDKError, match="closed"):
+                await call
+
+    asyncio.run(main())

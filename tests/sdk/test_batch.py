@@ -164,3 +164,13 @@ def test_a_2d_tensor_is_a_batch_of_rows(ctx) -> None:
     toks = torch.arange(4 * CHUNK).view(2, 2 * CHUNK)
     kvd.store(ctx, make_kv(2 * CHUNK, seed=3), toks[1].tolist())
     assert kvd.lookup_many(ctx, toks) == [0, 2 * CHUNK]
+
+
+def test_a_prompt_over_the_request_limit_is_named(make_server) -> None:
+    srv = make_server("--max-request-tokens", str(4 * CHUNK))
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        prompts = [make_tokens(CHUNK), make_tokens(5 * CHUNK)]
+        for call in (kvd.lookup_many, kvd.retrieve_many):
+            with pytest.raises(kvd.InvalidInputError, match=r"^prompt 1: request of 80 tokens is over") as e:
+                call(c, prompts)
+            assert e.value.code == "limit"

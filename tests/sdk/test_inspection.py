@@ -143,3 +143,88 @@ def test_plot_norms_writes_a_png(ictx, tmp_path: Path) -> None:
     with pytest.raises(kvd.InvalidInputError, match="nothing of these tokens is cached"):
         kvd.plot_norms(kvd.inspect_prefix(ictx, make_tokens(CHUNK, start=66_000)), tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
+
+
+def test_a_prefix_that_changes_between_layer_groups_fails_the_diff(ictx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One layer group at a time, a prefix evicted after the first group once made the later
+    layers count as identical. (The eviction is simulated: it cannot be timed between two reads.)"""
+    toks = make_tokens(2 * CHUNK, start=67_000)
+    kvd.store(ictx, make_kv(len(toks), seed=25), toks)
+    monkeypatch.setattr(inspection, "DIFF_BYTES", 1)  # one layer per group
+    real, calls = inspection.retrieve, []
+
+    def evicted_after_the_first_group(ctx, tokens, salt, **kw):  # type: ignore[no-untyped-def]
+        calls.append(kw["layers"])
+        return real(ctx, tokens, salt, **kw) if len(calls) <= 2 else None
+
+    monkeypatch.setattr(inspection, "retrieve", evicted_after_the_first_group)
+    with pytest.raises(
+        kvd.KVCacheSDKError, match=r"a prefix changed during the diff \(cached tokens \(32, 32\) then \(0, 0\)\)"
+    ):
+        kvd.diff_prefixes(ictx, toks, toks)
+
+
+def test_an_overwrite_between_layer_groups_fails_the_diff(ictx, monkeypatch: pytest.MonkeyPatch) -> None:
+    toks = make_tokens(2 * CHUNK, start=68_000)
+    kvd.store(ictx, make_kv(len(toks), seed=26), toks)
+    monkeypatch.setattr(inspection, "DIFF_BYTES", 1)
+    real, calls = inspection.retrieve, []
+
+    def overwritten_midway(ctx, tokens, salt, **kw):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 3:  # a real overwrite, by another writer, between two groups
+            kvd.store(ctx, make_kv(len(toks), seed=27), toks, overwrite=True)
+        return real(ctx, tokens, salt, **kw)
+
+    monkeypatch.setattr(inspection, "retrieve", overwritten_midway)
+    with pytest.raises(kvd.KVCacheSDKError, match="a prefix was overwritten during the diff"):
+        kvd.diff_prefixes(ictx, toks, toks)
+
+
+def test_digests_of_a_refused_attempt_are_not_reported(ictx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transfer whose bytes were refused (lease expired) and whose retry missed: the chunks it
+    handed over are not the cached prefix. (The refusal is simulated.)"""
+    toks = make_tokens(CHUNK, start=69_000)
+
+    def refused_then_missed(ctx, tokens, sink, salt):  # type: ignore[no-untyped-def]
+        sink.take(0, torch.zeros(2, 3, CHUNK, 16, dtype=torch.bfloat16))  # the garbage attempt
+        return 0
+
+    monkeypatch.setattr(inspection, "retrieve_into", refused_then_missed)
+    found = kvd.inspect_prefix(ictx, toks)
+    assert found.hit_tokens == 0 and [c.blake3 for c in found.chunks] == [None]
+
+
+def test_two_misses_are_not_identical(ictx) -> None:
+    d = kvd.diff_prefixes(ictx, make_tokens(CHUNK, start=97_000), make_tokens(CHUNK, start=98_000))
+    assert (d.tokens, d.other_tokens, d.identical) == (0, 0, False)
+
+
+def test_inspect_names_tiers_that_are_down(make_server, redis_server) -> None:
+    srv = make_server("--redis-url", redis_server.url)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        toks = make_tokens(CHUNK, start=99_000)
+        kvd.store(c, make_kv(CHUNK, seed=28), toks)
+        assert kvd.inspect_prefix(c, toks).unreachable_tiers == ()
+        redis_server.stop()
+        for _ in range(200):  # the write-down or a probe finds it gone
+            found = kvd.inspect_prefix(c, toks)
+            if found.unreachable_tiers:
+                break
+        assert found.unreachable_tiers == ("l3",) and found.chunks[0].tiers == ("l1",)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("norms", "give a file name ending in one of .eps"),
+        ("x.unknownext", "ending in one of"),
+        ("no/x.png", "no directory"),
+    ],
+)
+def test_plot_paths_that_cannot_be_written_are_refused(ictx, tmp_path: Path, name: str, message: str) -> None:
+    toks = make_tokens(CHUNK, start=65_000)
+    kvd.store(ictx, make_kv(len(toks), seed=24), toks)
+    with pytest.raises(kvd.InvalidInputError, match=message):
+        kvd.plot_norms(kvd.inspect_prefix(ictx, toks), tmp_path / name)
+    assert list(tmp_path.iterdir()) == []

@@ -27,7 +27,7 @@ def segments_created_by(pid: int) -> set[str]:
         if not name.startswith(PREFIX):
             continue
         try:
-            head = (SHM / name).read_bytes()[:_V1.size]
+            head = (SHM / name).read_bytes()[: _V1.size]
         except OSError:
             continue  # removed meanwhile
         if len(head) == _V1.size and _V1.unpack(head)[0] == MAGIC and _V1.unpack(head)[2] == pid:

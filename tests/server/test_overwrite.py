@@ -194,7 +194,6 @@ def test_crash_consistency_under_concurrent_overwrites(tmp_path: Path) -> None:
         srv.stop()
 
 
-
 def test_prepare_retrieve_of_a_prefetch_session_never_returns_an_overwritten_version(make_server) -> None:
     srv = make_server()
     tokens = make_tokens(2 * CHUNK)

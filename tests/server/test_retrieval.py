@@ -85,7 +85,6 @@ def test_inline_retrieve_is_a_private_copy(make_server) -> None:
         assert kvd.check_server_integrity(c) == []
 
 
-
 BIG = {"num_layers": 8, "num_kv_heads": 8, "head_dim": 256}  # one chunk of 16 tokens: 1 MiB
 
 
@@ -122,3 +121,88 @@ def test_pipelined_retrieves_of_a_client_that_never_reads_stay_under_the_unsent_
             time.sleep(0.05)
         assert kvd.check_server_integrity(c) == []
     assert peak <= 2**30 + reply, f"{peak / 2**30:.2f} GiB of replies held for one client that reads nothing"
+
+
+BATCH_READER = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import kvdock.sdk as kvd
+    from helpers import MODEL, make_kv, make_tokens
+    url, http, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with kvd.connect(url, http, MODEL, timeout=60) as ctx:
+        print("calling", flush=True)
+        a, c = kvd.retrieve_many(ctx, [make_tokens(n), make_tokens(16, start=5_000_000)])
+        print(torch.equal(a, make_kv(n, seed=1)), torch.equal(c, make_kv(16, seed=3)), flush=True)
+    """
+)
+
+
+def test_a_batch_reply_buffer_is_not_reused_while_a_paused_client_has_not_read_it(make_server) -> None:
+    """A batch's inline reply is one pooled buffer, given back only once zmq has written all of it:
+    a retrieve of another client asking for a buffer of the same size while the first client is
+    paused gets a new one (it once reused the buffer still queued for the paused client)."""
+    import os
+    import signal
+
+    n = 4096 * CHUNK  # 12 MiB: more than the sockets buffer, so the send waits for the paused reader
+    srv = make_server("--no-shm", l1_size="96MiB", env={"KVDOCK_FAULT_COPY_DELAY_S": "0.5"})
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) as ctx:
+        kvd.store(ctx, make_kv(n, seed=1), make_tokens(n))
+        kvd.store(ctx, make_kv(16, seed=3), make_tokens(16, start=5_000_000))
+        # as large as the batch's first prompt, and as the whole batch reply
+        others = [make_tokens(n, start=1_000_000), make_tokens(n + 16, start=2_000_000)]
+        for other in others:
+            kvd.store(ctx, make_kv(len(other), seed=2), other)
+        before, batch = srv.metric("kvdock_retrieved_bytes_total"), (n + 16) * ctx.geometry.chunk_nbytes(CHUNK) // CHUNK
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, os.environ.get("PYTHONPATH", "")])}
+        child = subprocess.Popen(
+            [sys.executable, "-c", BATCH_READER, srv.url, srv.http_url, str(n)],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "calling"
+            time.sleep(0.2)  # the request is out; the server copies for 0.5 s
+            os.kill(child.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 10
+            while srv.metric("kvdock_retrieved_bytes_total") < before + batch and time.monotonic() < deadline:
+                time.sleep(0.05)  # until the server has copied the batch's bytes...
+            time.sleep(0.3)  # ... and handed them to zmq, which cannot write them all to the paused client
+            for other in others:
+                got = kvd.retrieve(ctx, other)
+                assert got is not None and torch.equal(got, make_kv(len(other), seed=2))
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        out, _ = child.communicate(timeout=60)
+        assert out.split() == ["True", "True"], out
+
+
+def test_an_inline_batch_cannot_amplify_the_pool_into_a_huge_reply(make_server) -> None:
+    """Prompts of a batch that share chunks get a copy each: 1100 copies of one 1 MiB chunk would
+    be a 1.1 GiB reply from 1 MiB of pool. The server refuses it before allocating anything."""
+    from kvdock.protocol import messages as m
+    from kvdock.transport.client import ControlClient
+
+    srv = make_server("--no-shm", register=None)
+    kvd.register_model(srv.url, srv.http_url, "big", dtype="bfloat16", **BIG, timeout=10)
+    tokens = make_tokens(CHUNK)
+    raw = normalize_tokens(tokens).tobytes()
+    with kvd.connect(srv.url, srv.http_url, "big", timeout=30) as c:
+        d = BIG["num_kv_heads"] * BIG["head_dim"]
+        kv = torch.ones(2, BIG["num_layers"], CHUNK, d, dtype=torch.bfloat16)
+        assert kvd.store(c, kv, tokens)
+        client = ControlClient(srv.url, timeout=30)
+        try:
+            n = 1100
+            msg = m.PrepareRetrieveMany(c.client_id, [f"s{i}" for i in range(n)], [raw] * n, [""] * n)
+            err = client.call(msg).reply
+        finally:
+            client.close()
+        assert isinstance(err, m.Error) and err.code == "limit"
+        assert "inline reply would be 1153433600 bytes, over the limit of 1073741824 per client" in err.message
+        status = srv.get("/status")
+        assert status["sessions"] == 0 and status["l1"]["unsent_reply_bytes"] == 0
+        many = kvd.retrieve_many(c, [tokens] * 300)  # the SDK keeps its batches well under the cap
+        assert all(g is not None and torch.equal(g, kv) for g in many)
+        assert srv.metric('kvdock_requests_total{op="PrepareRetrieveMany"}') == 1 + 2  # 300 MiB: 2 batches
+        assert kvd.check_server_integrity(c) == []

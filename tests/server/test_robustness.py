@@ -81,9 +81,7 @@ def test_inline_commit_with_wrong_frames_stores_nothing(make_server) -> None:
         tokens = normalize_tokens(make_tokens(2 * CHUNK)).tobytes()
         prep = c.call(m.PrepareStore(c.client_id, "s", tokens)).reply
         assert [s.index for s in prep.slots] == [0, 1]
-        with pytest.raises(
-            kvd.InvalidInputError, match=r"^expected 2 frames of 3072 bytes, got 2 of sizes \[10\]$"
-        ):
+        with pytest.raises(kvd.InvalidInputError, match=r"^expected 2 frames of 3072 bytes, got 2 of sizes \[10\]$"):
             c.call(m.CommitStore(c.client_id, "s", [0, 1]), [memoryview(b"x" * 10)] * 2)
         assert kvd.lookup(c, make_tokens(2 * CHUNK)) == 0
         assert srv.get("/status")["l1"]["used_bytes"] == 0  # the reservations were released

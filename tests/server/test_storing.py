@@ -17,9 +17,10 @@ SLOW_COPY = {"KVDOCK_FAULT_COPY_DELAY_S": "1.5"}  # each inline copy takes 1.5 s
 def test_an_inline_copy_does_not_stall_other_clients(make_server) -> None:
     srv = make_server("--no-shm", env=SLOW_COPY)
     tokens, kv = make_tokens(4 * CHUNK), make_kv(4 * CHUNK, seed=1)
-    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as a, kvd.connect(
-        srv.url, srv.http_url, MODEL, timeout=10
-    ) as b:
+    with (
+        kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as a,
+        kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as b,
+    ):
         assert a.transport == "inline"
         result: list[bool] = []
         store = threading.Thread(target=lambda: result.append(kvd.store(a, kv, tokens)))

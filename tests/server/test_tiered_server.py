@@ -355,3 +355,40 @@ def test_an_absurd_cache_salt_is_refused_not_written_into_every_chunk(make_serve
         written = tier(srv, "l2")["bytes_written"]
         payload = 64 * c.geometry.chunk_nbytes(CHUNK)
         assert written < payload + 64 * 64 * 1024, f"{written / 2**20:.1f} MiB on disk for {payload // 1024} KiB of KV"
+
+
+def test_a_batch_waiting_on_l3_hands_out_every_prompt_with_a_whole_lease(make_server) -> None:
+    """A batch's reply waits for its slowest prompt (one loading from a stalled L3); a prompt L1
+    held from the start must not have used up its lease by then (it once expired meanwhile)."""
+    import threading
+
+    import redis
+
+    from helpers import RedisProc, free_port
+
+    r = RedisProc(free_port(), extra=("--enable-debug-command", "local")).start()
+    try:
+        first = make_server("--redis-url", r.url)
+        a, b = make_tokens(2 * CHUNK, start=10_000), make_tokens(2 * CHUNK, start=20_000)
+        with kvd.connect(first.url, first.http_url, MODEL, timeout=10) as c:
+            kvd.store(c, make_kv(len(a), seed=1), a)
+            kvd.store(c, make_kv(len(b), seed=2), b)
+        wait_written(first, "l3", 4)
+        srv = make_server("--redis-url", r.url, "--session-ttl", "1")
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+            assert kvd.retrieve(c, a) is not None  # a is in this server's L1 now, b only in L3
+            expired = srv.metric("kvdock_expired_sessions_total")
+            stall = threading.Thread(target=redis.Redis(port=r.port).execute_command, args=("DEBUG", "SLEEP", "3"))
+            stall.start()
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            got_a, got_b = kvd.retrieve_many(c, [a, b])
+            assert time.monotonic() - t0 > 2  # the reply did wait for the stalled L3
+            stall.join()
+            assert got_a is not None and torch.equal(got_a, make_kv(len(a), seed=1))
+            assert got_b is not None and torch.equal(got_b, make_kv(len(b), seed=2)), srv.log()[-3000:]
+            assert srv.metric("kvdock_expired_sessions_total") == expired
+            assert "outlived its lease" not in srv.log()
+            assert kvd.check_server_integrity(c) == []
+    finally:
+        r.stop()

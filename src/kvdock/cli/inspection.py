@@ -16,13 +16,16 @@ if TYPE_CHECKING:  # the SDK imports torch: not for every kvdock command
 def inspect_command(args: argparse.Namespace, token_ids: Callable[[argparse.Namespace], list[int]]) -> int:
     """Print the inspection of the tokens' prefix; with ``--plot``, also draw its norms. Exit 0."""
     from kvdock import sdk
+    from kvdock.sdk.inspection import check_plot_path
 
     tokens = token_ids(args)
+    if args.plot:
+        check_plot_path(args.plot)  # before the work: a bad path fails at once
     with sdk.connect(args.url, args.http_url, args.model, args.timeout) as ctx:
         found = sdk.inspect_prefix(ctx, tokens, args.cache_salt)
-    if args.plot:
-        sdk.plot_norms(found, args.plot)
     print(json.dumps(found.to_dict()) if args.json else render_inspection(found, len(tokens)))
+    if args.plot and found.hit_tokens:
+        sdk.plot_norms(found, args.plot)
     return 0
 
 
@@ -33,6 +36,7 @@ def render_inspection(found: Inspection, asked: int) -> str:
     lines = [
         f"model {found.model_name!r}{salt}: {found.hit_tokens} of {asked} tokens cached "
         f"({hit} of {chunks} whole chunks of {found.chunk_size})",
+        *([f"tiers down (not asked): {', '.join(found.unreachable_tiers)}"] if found.unreachable_tiers else []),
         "",
         f"{'chunk':>5}  {'tokens':>13}  {'tiers':<12} {'bytes':>10}  blake3",
     ]
@@ -69,6 +73,8 @@ def diff_command(args: argparse.Namespace, token_ids: Callable[[argparse.Namespa
 
 def render_diff(d: PrefixDiff) -> str:
     head = f"cached: {d.tokens} and {d.other_tokens} tokens; compared the first {d.compared_tokens}"
+    if not d.compared_tokens:
+        return head + "\nnothing to compare"
     if d.identical:
         return head + "\nidentical"
     first = "none" if d.first_differing_chunk is None else str(d.first_differing_chunk)

@@ -282,9 +282,8 @@ class LookupManyResult(_Msg, frozen=True):
 
 
 class RetrieveManyPrepared(_Msg, frozen=True):
-    """``slots[i]`` are prompt ``i``'s, as in RetrievePrepared. Inline replies carry one frame per
-    prompt whose reply has bytes (more hit chunks than the part's ``first_chunk``), in prompt
-    order."""
+    """``slots[i]`` are prompt ``i``'s, as in RetrievePrepared. An inline reply carries one frame
+    with every prompt's bytes (each slot's ``offset`` points into it), or none if it has none."""
 
     slots: list[list[SlotRef]]
 
@@ -299,9 +298,11 @@ class Stored(msgspec.Struct, frozen=True, array_like=True):
 
 class Located(_Msg, frozen=True):
     """``chunks[i]``: the objects stored under chunk ``i``'s key, L1 first. A tier without a local
-    index (L3) is read for the leading chunks it holds only."""
+    index (L3) is read for the leading chunks it holds only; ``unreachable`` tiers (down) were not
+    asked at all."""
 
     chunks: list[list[Stored]]
+    unreachable: list[str] = []
 
 
 class Done(_Msg, frozen=True):

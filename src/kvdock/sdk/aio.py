@@ -13,21 +13,24 @@ that thread, never the event loop, and copies run there too (torch and numpy cop
 GIL). A context takes many calls at once: up to ``max_concurrency`` run together (the client
 shares one socket among them; each waits only for its own reply), the others queue.
 
-Cancelling a task that awaits a call does not stop the call: it runs to its end on its thread
-(a store commits or not, a retrieve's pins are released) and its result is dropped. Closing the
-context waits for the calls still running, as :meth:`KVCacheContext.close` does.
+Cancelling a task that awaits a call does not stop a call that has started: it runs to its end
+on its thread (a store commits or not, a retrieve's pins are released) and its result is
+dropped; a call still queued for a thread never starts. Closing the context is
+:meth:`KVCacheContext.close`: copies in progress finish, calls still waiting for the server or
+for a thread fail with KVCacheSDKError, and so does every call made afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from kvdock.errors import InvalidInputError
+from kvdock.errors import InvalidInputError, KVCacheSDKError
 from kvdock.sdk import batch, bundle, http, inspection, ops, registration
 from kvdock.sdk import context as sync_context
 from kvdock.sdk.context import KVCacheContext
@@ -63,9 +66,15 @@ class AsyncKVCacheContext:
         return self.sync.closed
 
     async def run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        """``fn(self.sync, *args, **kwargs)`` on a worker thread."""
+        """``fn(self.sync, *args, **kwargs)`` on a worker thread; KVCacheSDKError once closed."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, self.sync, *args, **kwargs))
+        try:
+            if self.sync.closed:
+                raise RuntimeError
+            fut = loop.run_in_executor(self._pool, functools.partial(fn, self.sync, *args, **kwargs))
+        except RuntimeError:  # the pool refuses work once shut down
+            raise KVCacheSDKError("this AsyncKVCacheContext is closed") from None
+        return await fut
 
     async def close(self) -> None:
         """Close the context (waiting for calls still running, see KVCacheContext.close) and its threads."""
@@ -137,8 +146,8 @@ async def connect(
 
 
 def _close_unwanted(fut: asyncio.Future[KVCacheContext] | Future[KVCacheContext]) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        fut.result().close()
+    if not fut.cancelled() and fut.exception() is None:  # closing blocks a little: not on the loop
+        threading.Thread(target=fut.result().close, name="kvdock-aio-close", daemon=True).start()
 
 
 async def close(ctx: AsyncKVCacheContext) -> None:

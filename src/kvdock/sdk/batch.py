@@ -14,28 +14,41 @@ import numpy as np
 import torch
 
 from kvdock.config import MAX_BATCH
-from kvdock.errors import KVCacheSDKError, LeaseExpiredError, ServerUnavailableError
+from kvdock.errors import InvalidInputError, KVCacheSDKError, LeaseExpiredError, ServerUnavailableError
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
 from kvdock.sdk import validate
 from kvdock.sdk.context import KVCacheContext
 from kvdock.sdk.ops import Landing, retrieve, whole_chunks
 
+INLINE_BATCH_BYTES = 256 << 20  # the most one inline batch reply may carry (the server's cap is 1 GiB)
+
 
 def _requests(ctx: KVCacheContext, prompts: object, cache_salt: object) -> tuple[list[bytes], list[str]]:
     arrays = validate.prompts(prompts)
     salts = validate.cache_salts(cache_salt, len(arrays))
-    return [whole_chunks(ctx, a) for a in arrays], salts
+    wholes = []
+    for i, a in enumerate(arrays):
+        try:
+            wholes.append(whole_chunks(ctx, a))
+        except InvalidInputError as e:
+            err = InvalidInputError(f"prompt {i}: {e}")
+            err.code = e.code
+            raise err from None
+    return wholes, salts
 
 
-def _groups(ctx: KVCacheContext, wholes: list[bytes], todo: list[int]) -> list[list[int]]:
-    """``todo`` (indexes into ``wholes``) cut into runs that each fit in one request."""
+def _groups(ctx: KVCacheContext, wholes: list[bytes], todo: list[int], reply_bytes: int = 0) -> list[list[int]]:
+    """``todo`` (indexes into ``wholes``) cut into runs that each fit in one request (and, with
+    ``reply_bytes``, whose replies carry at most that many bytes, counting whole chunks)."""
     cap = ctx.max_request_tokens
+    per_token = ctx.geometry.chunk_nbytes(ctx.chunk_size) // ctx.chunk_size
     groups: list[list[int]] = []
     tokens = 0
     for i in todo:
         n = len(wholes[i]) // TOKEN_DTYPE.itemsize
-        if not groups or len(groups[-1]) >= MAX_BATCH or (cap and tokens + n > cap):
+        full = len(groups[-1]) >= MAX_BATCH if groups else True
+        if full or (cap and tokens + n > cap) or (reply_bytes and (tokens + n) * per_token > reply_bytes):
             groups.append([])
             tokens = 0
         groups[-1].append(i)
@@ -77,7 +90,9 @@ def retrieve_many(
     start = validate.start(ctx, start)
     results: list[torch.Tensor | None] = [None] * len(wholes)
     todo = [i for i, w in enumerate(wholes) if len(w) // TOKEN_DTYPE.itemsize > start]
-    for group in _groups(ctx, wholes, todo):
+    # inline replies carry the bytes: keep each one well under the server's cap per client
+    reply_bytes = INLINE_BATCH_BYTES if ctx.transport == "inline" else 0
+    for group in _groups(ctx, wholes, todo, reply_bytes):
         expired = _retrieve_group(ctx, group, wholes, salts, picked, start, results)
         for i in expired:
             tokens = np.frombuffer(wholes[i], dtype=TOKEN_DTYPE)
@@ -116,18 +131,12 @@ def _retrieve_group(
             raise KVCacheSDKError(f"malformed reply: {len(rows)} slot lists for {len(group)} prompts")
         frames = resp.buffers()
         with ctx.transfer() as t:
-            with_bytes = sum(len(row) > first for row in rows)
-            if not t.commits_reads and len(frames) != with_bytes:
-                raise KVCacheSDKError(f"malformed inline reply: {len(frames)} frames for {with_bytes} prompts")
-            sent = 0
             for i, row in zip(group, rows, strict=True):
                 if len(row) <= first:
                     continue  # a miss, or no hit past ``start``: None
                 landing = Landing(ctx, layers, start)
-                own = [] if t.commits_reads else [frames[sent]]
-                sent += 1
                 try:
-                    t.read(row, own, landing.sink(len(row) * ctx.chunk_size), part)
+                    t.read(row, frames, landing.sink(len(row) * ctx.chunk_size), part)
                 except LeaseExpiredError:
                     expired.append(i)
                     continue

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
-from kvdock.errors import InvalidInputError
+from kvdock.errors import InvalidInputError, KVCacheSDKError
 from kvdock.protocol import messages as m
 from kvdock.sdk import validate
 from kvdock.sdk.bundle import digest
@@ -55,6 +58,7 @@ class Inspection:
     chunks: tuple[ChunkInfo, ...]
     k_norms: tuple[float, ...]
     v_norms: tuple[float, ...]
+    unreachable_tiers: tuple[str, ...] = ()  # tiers that were down: they may hold chunks too
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict (what ``kvdock inspect --json`` prints)."""
@@ -96,21 +100,32 @@ def inspect_prefix(ctx: KVCacheContext, tokens: object, cache_salt: str = "") ->
     geo = ctx.geometry
     stats = _Stats(geo.planes, geo.num_layers)
     hit = retrieve_into(ctx, arr, stats, cache_salt)
-    located = ctx.call(m.Locate(ctx.client_id, whole, cache_salt)).reply.chunks
-    if len(located) != n:
-        raise InvalidInputError(f"malformed reply: {len(located)} chunks located of {n}")
+    found = _locate(ctx, whole, cache_salt, n)
     nbytes = geo.chunk_nbytes(ctx.chunk_size)
+    cached = hit // ctx.chunk_size  # digests past it are of an attempt whose bytes were refused
     chunks = tuple(
-        ChunkInfo(
-            i, i * ctx.chunk_size, nbytes, tuple(located[i]), stats.digests[i] if i < len(stats.digests) else None
-        )
+        ChunkInfo(i, i * ctx.chunk_size, nbytes, tuple(found.chunks[i]), stats.digests[i] if i < cached else None)
         for i in range(n)
     )
     norms = stats.squares.sqrt().tolist() if hit else [[], []]
     return Inspection(
         ctx.model_name, cache_salt, ctx.chunk_size, n * ctx.chunk_size, hit, chunks,
-        tuple(norms[0]), tuple(norms[1]) if geo.planes > 1 else (),
+        tuple(norms[0]), tuple(norms[1]) if geo.planes > 1 else (), tuple(found.unreachable),
     )  # fmt: skip
+
+
+def _locate(ctx: KVCacheContext, whole: bytes, cache_salt: str, n: int) -> m.Located:
+    found = ctx.call(m.Locate(ctx.client_id, whole, cache_salt)).reply
+    if not isinstance(found, m.Located) or len(found.chunks) != n:
+        raise KVCacheSDKError(f"malformed reply to Locate for {n} chunks: {type(found).__name__}")
+    return found
+
+
+def _versions(ctx: KVCacheContext, tokens: np.ndarray, cache_salt: str) -> tuple[int, ...]:
+    """The version of each whole chunk of ``tokens`` where it is stored first (0: nowhere)."""
+    whole = whole_chunks(ctx, tokens)
+    n = len(whole) // 4 // ctx.chunk_size
+    return tuple(row[0].version if row else 0 for row in _locate(ctx, whole, cache_salt, n).chunks) if n else ()
 
 
 @dataclass(frozen=True)
@@ -118,7 +133,7 @@ class PrefixDiff:
     """How two cached prefixes differ over the tokens both have (``compared_tokens``).
     ``k_max_abs[l]`` / ``v_max_abs[l]``: the largest absolute difference in layer ``l`` (float32);
     ``first_differing_chunk``: the first chunk whose bytes differ, None if none does;
-    ``identical``: same length and same bytes."""
+    ``identical``: something cached on both sides, of the same length and the same bytes."""
 
     tokens: int
     other_tokens: int
@@ -129,7 +144,7 @@ class PrefixDiff:
 
     @property
     def identical(self) -> bool:
-        return self.tokens == self.other_tokens and self.first_differing_chunk is None
+        return self.tokens == self.other_tokens > 0 and self.first_differing_chunk is None
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "identical": self.identical}
@@ -146,7 +161,9 @@ def diff_prefixes(
     """Compare the cached prefix of ``tokens`` with that of ``other_tokens`` (under
     ``other_cache_salt``, default ``cache_salt``, through ``other_ctx``, default ``ctx``: another
     model or server of the same number of layers and hidden size). Both are read a group of
-    layers at a time (about ``DIFF_BYTES`` each). InvalidInputError for unlike geometries."""
+    layers at a time (about ``DIFF_BYTES`` held at once); if either prefix changes meanwhile (its
+    hit or a chunk's version), KVCacheSDKError says so rather than mixing versions.
+    InvalidInputError for unlike geometries."""
     ctx = validate.context(ctx)
     other = validate.context(other_ctx) if other_ctx is not None else ctx
     a, b = ctx.geometry, other.geometry
@@ -158,28 +175,34 @@ def diff_prefixes(
     mine, theirs = validate.tokens(tokens), validate.tokens(other_tokens)
     salt = validate.cache_salt(cache_salt)
     other_salt = salt if other_cache_salt is None else validate.cache_salt(other_cache_salt)
-    row = a.planes * a.hidden_dim * max(a.itemsize, b.itemsize)  # bytes of one token of one layer
+    # bytes held per token and layer: both reads, their float32 copies and the difference
+    row = a.planes * a.hidden_dim * (a.itemsize + b.itemsize + 12)
     step = max(1, DIFF_BYTES // max(row * max(len(mine), len(theirs), 1), 1))
+    groups = [range(lo, min(lo + step, a.num_layers)) for lo in range(0, a.num_layers, step)]
+    versions = (_versions(ctx, mine, salt), _versions(other, theirs, other_salt)) if len(groups) > 1 else None
     maxes = torch.zeros(a.planes, a.num_layers)
-    hits = (0, 0)
+    hits: tuple[int, int] | None = None
     first: int | None = None
     chunk = ctx.chunk_size  # chunk indexes are the first prefix's
-    for lo in range(0, a.num_layers, step):
-        layers = range(lo, min(lo + step, a.num_layers))
+    for layers in groups:
         x = retrieve(ctx, mine, salt, layers=layers)
         y = retrieve(other, theirs, other_salt, layers=layers)
-        nx, ny = (0 if t is None else t.shape[2] for t in (x, y))
-        if lo == 0:
-            hits = (nx, ny)
-        n = min(nx, ny, *hits)
+        got = (0 if x is None else x.shape[2], 0 if y is None else y.shape[2])
+        if hits is not None and got != hits:
+            raise KVCacheSDKError(f"a prefix changed during the diff (cached tokens {hits} then {got}); run it again")
+        hits = got
+        n = min(hits)
         if x is None or y is None or not n:
-            continue
+            break
         x, y = x[:, :, :n], y[:, :, :n]
         maxes[:, layers.start : layers.stop] = (x.float() - y.float()).abs().amax(dim=(2, 3))
         for c in range(0, -(-n // chunk) if first is None else first):
             if not _equal(x[:, :, c * chunk : (c + 1) * chunk], y[:, :, c * chunk : (c + 1) * chunk]):
                 first = c
                 break
+    if versions is not None and versions != (_versions(ctx, mine, salt), _versions(other, theirs, other_salt)):
+        raise KVCacheSDKError("a prefix was overwritten during the diff; run it again")
+    assert hits is not None
     compared = min(hits)
     if compared == 0:
         maxes = torch.zeros(a.planes, 0)
@@ -194,9 +217,7 @@ def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(x.float(), y.float())
 
 
-def plot_norms(inspection: Inspection, path: str | os.PathLike[str]) -> None:
-    """Draw ``inspection``'s per-layer K and V norms to an image file (PNG by the extension).
-    Needs matplotlib (``pip install 'kvdock[plot]'``)."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -204,8 +225,30 @@ def plot_norms(inspection: Inspection, path: str | os.PathLike[str]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise InvalidInputError("plotting needs matplotlib: pip install 'kvdock[plot]'") from None
+    return plt
+
+
+def check_plot_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a file :func:`plot_norms` can write: an image extension matplotlib knows
+    (``.png``, ``.svg``, ``.pdf``, ...) in an existing directory; InvalidInputError otherwise."""
+    out = Path(path)
+    formats = _pyplot().figure().canvas.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() not in formats:
+        raise InvalidInputError(
+            f"cannot plot to {str(out)!r}: give a file name ending in one of .{', .'.join(formats)}"
+        )
+    if not out.parent.is_dir():
+        raise InvalidInputError(f"cannot plot to {str(out)!r}: no directory {str(out.parent)!r}")
+    return out
+
+
+def plot_norms(inspection: Inspection, path: str | os.PathLike[str]) -> None:
+    """Draw ``inspection``'s per-layer K and V norms to an image file (its format from the
+    extension, see :func:`check_plot_path`). Needs matplotlib (``pip install 'kvdock[plot]'``)."""
+    out = check_plot_path(path)
     if not inspection.hit_tokens:
         raise InvalidInputError("nothing of these tokens is cached: no norms to plot")
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     layers = range(len(inspection.k_norms))
     ax.plot(layers, inspection.k_norms, marker="o", label="K")
@@ -218,5 +261,7 @@ def plot_norms(inspection: Inspection, path: str | os.PathLike[str]) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.fspath(path))
-    plt.close(fig)
+    try:
+        fig.savefig(out)
+    finally:
+        plt.close("all")

@@ -149,15 +149,15 @@ class InlineTransfer(Transfer):
     def read(
         self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink, part: ReadPart | None = None
     ) -> None:
-        """The reply has one frame with the chunks' parts in order (``slot.offset`` into it), or
-        none if it has no bytes."""
+        """The reply has one frame holding the chunks' parts (``slot.offset`` into it; a batch's
+        frame holds every prompt's), or none if it has no bytes."""
         planes, num_layers, chunk, d = self.chunk_shape
         first = part.first_chunk if part else 0
         shape = (planes, len(range(num_layers)[layer_slice(part)]), chunk, d)
         per = self.chunk_nbytes // num_layers * shape[1]
         sent = slots[first:]
-        size = len(sent) * per
-        if [len(f) for f in frames] != ([size] if size else []):
+        size = len(frames[0]) if len(frames) == 1 else 0
+        if len(frames) > 1 or (sent and not all(s.offset >= 0 and s.offset + per <= size for s in sent)):
             got = [len(f) for f in frames]
             raise KVCacheSDKError(f"malformed inline reply: frames of {got} bytes for {len(sent)} chunks of {per}")
         if not sent:

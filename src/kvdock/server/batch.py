@@ -6,7 +6,7 @@ open) is refused whole, before any session opens."""
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Awaitable
 
 from kvdock import keys as keymod
 from kvdock.config import MAX_BATCH
@@ -15,11 +15,10 @@ from kvdock.keys import ObjectKey
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
 from kvdock.server import retrieval
-from kvdock.server.handlers import client_of, count_hits, keys_of
+from kvdock.server.handlers import check_request, client_of, keys_of
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
 from kvdock.storage import Session
-from kvdock.storage.manager import PrefetchJob
 
 
 def _batch_keys(
@@ -38,6 +37,8 @@ def _batch_keys(
             "(max_request_tokens; the SDK splits batches that exceed it)",
             ErrorCode.LIMIT,
         )
+    for t, s in zip(tokens, salts, strict=True):
+        check_request(state, t, s)
     return [keys_of(state, client, t, s) for t, s in zip(tokens, salts, strict=True)]
 
 
@@ -45,27 +46,8 @@ def lookup_many(state: ServerState, req: m.LookupMany, payload: Payload) -> Outc
     client = client_of(state, req.client_id)
     keysets = _batch_keys(state, client, req.tokens, req.cache_salts)
     state.metrics.lookups.inc(len(keysets))
-    mgr = state.manager
-    in_l1 = [mgr.lookup_l1(keys) for keys in keysets]
-    if not mgr.lanes or all(n == len(keys) for n, keys in zip(in_l1, keysets, strict=True)):
-        return _lookup_reply(state, in_l1, keysets)
-    return _count_lower(state, in_l1, keysets)
-
-
-async def _count_lower(state: ServerState, in_l1: list[int], keysets: list[list[ObjectKey]]) -> Reply:
-    mgr = state.manager
-
-    async def count(n: int, keys: list[ObjectKey]) -> int:
-        return n if n == len(keys) else await mgr.count(keys, n)
-
-    hits = await asyncio.gather(*(count(n, keys) for n, keys in zip(in_l1, keysets, strict=True)))
-    return _lookup_reply(state, list(hits), keysets)
-
-
-def _lookup_reply(state: ServerState, hits: list[int], keysets: list[list[ObjectKey]]) -> Reply:
-    for n, keys in zip(hits, keysets, strict=True):
-        count_hits(state, n, len(keys))
-    return Reply(m.LookupManyResult([n * state.chunk_size for n in hits]))
+    in_l1 = [state.manager.lookup_l1(keys) for keys in keysets]
+    return retrieval.count_all(state, in_l1, keysets, lambda hits: Reply(m.LookupManyResult(hits)))
 
 
 def prepare_retrieve_many(state: ServerState, req: m.PrepareRetrieveMany, payload: Payload) -> Outcome:
@@ -91,31 +73,13 @@ def prepare_retrieve_many(state: ServerState, req: m.PrepareRetrieveMany, payloa
         for s in sessions:
             mgr.end_session(client.client_id, s.session_id)
         raise
-    loading = any(isinstance(s.job, PrefetchJob) and not s.job.done.is_set() for s in sessions)
-    if loading or client.transport == "inline":
-        return _retrieve_later(state, client, sessions, keysets, req.wait_s, cut)
-    return _combine([retrieval.shm_reply(state, client, s, len(k)) for s, k in zip(sessions, keysets, strict=True)])
+    asked = [len(k) for k in keysets]
+    if retrieval.loading(sessions) or client.transport == "inline":
+        return _many(retrieval.retrieve_later(state, client, sessions, asked, req.wait_s, cut))
+    slots = [retrieval.shm_slots(state, client, s, n) for s, n in zip(sessions, asked, strict=True)]
+    return Reply(m.RetrieveManyPrepared(slots))
 
 
-async def _retrieve_later(
-    state: ServerState,
-    client: ClientEntry,
-    sessions: list[Session],
-    keysets: list[list[ObjectKey]],
-    wait_s: float,
-    cut: retrieval.Cut,
-) -> Reply:
-    """Every prompt's reply once its prefetch is done or ``wait_s`` has passed (waited for together)."""
-    replies = await asyncio.gather(
-        *(
-            retrieval.retrieve_later(state, client, s, len(k), wait_s, cut)
-            for s, k in zip(sessions, keysets, strict=True)
-        )
-    )
-    return _combine(list(replies))
-
-
-def _combine(replies: list[Reply]) -> Reply:
-    slots = [r.message.slots for r in replies]  # type: ignore[attr-defined]
-    frames = [f for r in replies for f in r.frames]
-    return Reply(m.RetrieveManyPrepared(slots), frames, pooled=any(r.pooled for r in replies))
+async def _many(pending: Awaitable[retrieval.Prepared]) -> Reply:
+    p = await pending
+    return Reply(m.RetrieveManyPrepared(p.slots), p.frames, pooled=True)

@@ -26,8 +26,9 @@ def client_of(state: ServerState, client_id: str) -> ClientEntry:
     return client
 
 
-def keys_of(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -> list[keymod.ObjectKey]:
-    """The chunk keys of a request's tokens; LIMIT (before any hashing) past max_request_tokens."""
+def check_request(state: ServerState, tokens: bytes, salt: str) -> None:
+    """LIMIT past max_request_tokens or the salt limit, and an error for token bytes that are not
+    whole uint32s: what must hold before any hashing."""
     cap = state.registry.max_request_tokens
     count = len(tokens) // keymod.TOKEN_DTYPE.itemsize
     if count > cap:
@@ -39,9 +40,15 @@ def keys_of(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -
     if len(salt) > MAX_SALT_LEN:
         raise RequestError(f"cache_salt of {len(salt)} characters is over the limit of {MAX_SALT_LEN}", ErrorCode.LIMIT)
     try:
-        arr = keymod.tokens_from_bytes(tokens)
+        keymod.tokens_from_bytes(tokens)  # a view: no copy
     except ValueError as e:
         raise RequestError(str(e)) from None
+
+
+def keys_of(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -> list[keymod.ObjectKey]:
+    """The chunk keys of a request's tokens, checked first (check_request)."""
+    check_request(state, tokens, salt)
+    arr = keymod.tokens_from_bytes(tokens)
     model = client.model.layout.model_name
     return [keymod.ObjectKey(model, client.kv_rank, salt, h) for h in keymod.chunk_hashes(arr, state.chunk_size)]
 

@@ -140,8 +140,11 @@ async def _serve_one(
     out: Outcome
     unsent = state.unsent.get(msg.identity, 0)
     reserved = 0
-    if isinstance(req, (PrepareRetrieve, PrepareRetrieveMany)) and unsent > state.max_unsent_bytes:
+    retrieving = isinstance(req, (PrepareRetrieve, PrepareRetrieveMany))
+    if retrieving and unsent > state.max_unsent_bytes:
         out = Reply(Error(ErrorCode.BUSY.value, f"{unsent} bytes of earlier replies are still unread; read them first"))
+    elif retrieving and state.unsent_bytes > state.max_total_unsent_bytes:
+        out = Reply(Error(ErrorCode.BUSY.value, "the server's inline replies to all clients are not read yet; retry"))
     else:
         # an inline retrieve's reply counts against its client's cap from now on, so retrieves
         # sent back to back cannot all pass the check before any reply exists

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvdock.errors import RequestError
+from kvdock.keys import ObjectKey
 from kvdock.protocol import messages as m
+from kvdock.protocol.codes import ErrorCode
 from kvdock.server.handlers import client_of, count_hits, keys_of
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
@@ -32,8 +35,9 @@ from kvdock.storage.manager import PrefetchJob
 async def locate(state: ServerState, req: m.Locate, payload: Payload) -> Reply:
     client = client_of(state, req.client_id)
     keys = keys_of(state, client, req.tokens, req.cache_salt)
-    found = await state.manager.locate(keys)
-    return Reply(m.Located([[m.Stored(p.tier, p.head.version, p.head.parent) for p in row] for row in found]))
+    found, down = await state.manager.locate(keys)
+    chunks = [[m.Stored(p.tier, p.head.version, p.head.parent) for p in row] for row in found]
+    return Reply(m.Located(chunks, down))
 
 
 def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Outcome:
@@ -48,18 +52,38 @@ def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Outcome:
         in_l1 = len(session.pinned)
     else:
         in_l1 = mgr.lookup_l1(keys)
-    if in_l1 == len(keys) or not mgr.lanes:
-        return _lookup_reply(state, in_l1, len(keys))
-    return _count_lower(state, keys, in_l1)
+    return count_all(state, [in_l1], [keys], lambda hits: Reply(m.LookupResult(hits[0])))
 
 
-async def _count_lower(state: ServerState, keys: list, in_l1: int) -> Reply:  # type: ignore[type-arg]
-    return _lookup_reply(state, await state.manager.count(keys, in_l1), len(keys))
+def count_all(
+    state: ServerState, in_l1: list[int], keysets: list[list[ObjectKey]], reply: Callable[[list[int]], Reply]
+) -> Outcome:
+    """``reply(hit tokens of each key list)``, given that the first ``in_l1[i]`` keys of list
+    ``i`` are in L1: at once when no lower tier can add any, else once they have been asked
+    (every list at the same time)."""
+    if not state.manager.lanes or all(n == len(k) for n, k in zip(in_l1, keysets, strict=True)):
+        return _counted(state, in_l1, keysets, reply)
+    return _count_lower(state, in_l1, keysets, reply)
 
 
-def _lookup_reply(state: ServerState, hits: int, asked: int) -> Reply:
-    count_hits(state, hits, asked)
-    return Reply(m.LookupResult(hits * state.chunk_size))
+async def _count_lower(
+    state: ServerState, in_l1: list[int], keysets: list[list[ObjectKey]], reply: Callable[[list[int]], Reply]
+) -> Reply:
+    mgr = state.manager
+
+    async def count(n: int, keys: list[ObjectKey]) -> int:
+        return n if n == len(keys) else await mgr.count(keys, n)
+
+    hits = await asyncio.gather(*(count(n, keys) for n, keys in zip(in_l1, keysets, strict=True)))
+    return _counted(state, list(hits), keysets, reply)
+
+
+def _counted(
+    state: ServerState, hits: list[int], keysets: list[list[ObjectKey]], reply: Callable[[list[int]], Reply]
+) -> Reply:
+    for n, keys in zip(hits, keysets, strict=True):
+        count_hits(state, n, len(keys))
+    return reply([n * state.chunk_size for n in hits])
 
 
 def _status(state: ServerState, session: Session) -> Reply:
@@ -132,21 +156,57 @@ def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payloa
     else:
         session = mgr.open_retrieve(client.client_id, req.session_id, keys)
         mgr.start_prefetch(session)
-    job = session.job
-    if (isinstance(job, PrefetchJob) and not job.done.is_set()) or client.transport == "inline":
-        return retrieve_later(state, client, session, len(keys), req.wait_s, cut)
-    return shm_reply(state, client, session, len(keys))
+    if loading([session]) or client.transport == "inline":
+        return _one(retrieve_later(state, client, [session], [len(keys)], req.wait_s, cut))
+    return Reply(m.RetrievePrepared(shm_slots(state, client, session, len(keys))))
+
+
+async def _one(pending: Awaitable[Prepared]) -> Reply:
+    p = await pending
+    return Reply(m.RetrievePrepared(p.slots[0]), p.frames, pooled=True)
+
+
+def loading(sessions: list[Session]) -> bool:
+    """Whether a prefetch of any of ``sessions`` is still loading chunks into L1."""
+    return any(isinstance(s.job, PrefetchJob) and not s.job.done.is_set() for s in sessions)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The answer to the retrieves of ``sessions`` (one reply): each one's slots, and for an
+    inline client one pooled buffer holding every session's bytes (or none, if there are none)."""
+
+    slots: list[list[m.SlotRef]]
+    frames: list[bytearray]
 
 
 async def retrieve_later(
-    state: ServerState, client: ClientEntry, session: Session, asked: int, wait_s: float, cut: Cut
-) -> Reply:
-    await _wait(session, wait_s)
-    if isinstance(session.job, PrefetchJob):
-        session.job.cancelled = True  # the client gets what is loaded now; stop adding pins
+    state: ServerState,
+    client: ClientEntry,
+    sessions: list[Session],
+    asked: list[int],
+    wait_s: float,
+    cut: Cut,
+) -> Prepared:
+    """Wait (up to ``wait_s``) for the sessions' prefetches, then answer for all of them at once:
+    so every shared-memory session's lease is renewed just before the reply leaves, and an
+    inline reply is one frame. The sessions are held while they wait (their client is waiting
+    too), so that one whose chunks were in L1 from the start does not expire meanwhile; one
+    ended meanwhile is released when the wait is over, and then has no hit."""
+    mgr = state.manager
+    for s in sessions:
+        mgr.hold(s)
+    try:
+        await asyncio.gather(*(_wait(s, wait_s) for s in sessions))
+    finally:
+        for s in sessions:
+            mgr.unhold(s)
+    for s in sessions:
+        if isinstance(s.job, PrefetchJob):
+            s.job.cancelled = True  # the client gets what is loaded now; stop adding pins
     if client.transport == "shm":
-        return shm_reply(state, client, session, asked)
-    return await _inline_reply(state, client, session, asked, cut)
+        return Prepared([shm_slots(state, client, s, n) for s, n in zip(sessions, asked, strict=True)], [])
+    return await _inline_copy(state, client, sessions, asked, cut)
 
 
 def _current_run(session: Session) -> list[L1Object]:
@@ -160,38 +220,60 @@ def _current_run(session: Session) -> list[L1Object]:
     return run
 
 
-def shm_reply(state: ServerState, client: ClientEntry, session: Session, asked: int) -> Reply:
+def shm_slots(state: ServerState, client: ClientEntry, session: Session, asked: int) -> list[m.SlotRef]:
+    """The slots of a shared-memory session's hit (ending the session if it has none); its lease
+    is renewed, so the client's copy gets a whole lease however long the wait was."""
     mgr = state.manager
-    mgr.sessions.renew(session)  # the client's copy gets a whole lease, however long the wait was
+    mgr.sessions.renew(session)
     hits = _current_run(session)
     count_hits(state, len(hits), asked)
     if not hits:
         mgr.end_session(client.client_id, session.session_id)
     alloc = mgr.l1.allocator
-    return Reply(m.RetrievePrepared([m.SlotRef(i, o.offset, alloc.generation(o.offset)) for i, o in enumerate(hits)]))
+    return [m.SlotRef(i, o.offset, alloc.generation(o.offset)) for i, o in enumerate(hits)]
 
 
-async def _inline_reply(state: ServerState, client: ClientEntry, session: Session, asked: int, cut: Cut) -> Reply:
+async def _inline_copy(
+    state: ServerState, client: ClientEntry, sessions: list[Session], asked: list[int], cut: Cut
+) -> Prepared:
+    """Copy ``cut``'s part of every session's hit into one buffer (the sessions hold the pins
+    meanwhile), then end the sessions, also on failure. One frame for all: zmq then sends that
+    buffer itself, and its tracker tells exactly when it is gone, before it is reused."""
     mgr = state.manager
-    hits = _current_run(session)
-    count_hits(state, len(hits), asked)
-    per = cut.nbytes
-    sent = hits[cut.first :]
-    buf = state.reply_buffers.take(len(sent) * per) if sent else bytearray()
-    if sent:
-        mgr.hold(session)
-        try:
-            views = [mgr.l1.view(o) for o in sent]
-            await state.copy(_gather, views, memoryview(buf), cut)
-        finally:
-            mgr.unhold(session)
-    if hits:
-        _count_retrieved(state, len(buf))
-    mgr.end_session(client.client_id, session.session_id)
-    # One frame for all chunks: zmq then sends that buffer itself, and its tracker tells exactly
-    # when it is gone (small frames would be copied inside zmq, out of the unsent count's sight).
-    slots = [m.SlotRef(i, max(i - cut.first, 0) * per) for i in range(len(hits))]
-    return Reply(m.RetrievePrepared(slots), [buf] if sent else [], pooled=True)
+    try:
+        runs = [_current_run(s) for s in sessions]
+        per = cut.nbytes
+        rows: list[list[m.SlotRef]] = []
+        sent: list[L1Object] = []
+        for run, n in zip(runs, asked, strict=True):
+            count_hits(state, len(run), n)
+            at = len(sent) - cut.first  # chunk i's part lies at (at + i) * per, from the first chunk on
+            rows.append([m.SlotRef(i, (at + i) * per if i >= cut.first else 0) for i in range(len(run))])
+            sent += run[cut.first :]
+        if len(sessions) > 1 and len(sent) * per > state.max_unsent_bytes:
+            # chunks shared by prompts are copied once per prompt: a batch could ask for far more
+            # than the pool holds (a single retrieve cannot: it gets at most what L1 holds)
+            raise RequestError(
+                f"this batch's inline reply would be {len(sent) * per} bytes, over the limit of "
+                f"{state.max_unsent_bytes} per client; ask for fewer prompts at once",
+                ErrorCode.LIMIT,
+            )
+        buf = state.reply_buffers.take(len(sent) * per) if sent else bytearray()
+        if sent:
+            for s in sessions:
+                mgr.hold(s)
+            try:
+                await state.copy(_gather, [mgr.l1.view(o) for o in sent], memoryview(buf), cut)
+            finally:
+                for s in sessions:
+                    mgr.unhold(s)
+        for run in runs:
+            if run:
+                _count_retrieved(state, len(run[cut.first :]) * per)
+    finally:
+        for s in sessions:
+            mgr.end_session(client.client_id, s.session_id)
+    return Prepared(rows, [buf] if sent else [])
 
 
 def _gather(views: list[memoryview], out: memoryview, cut: Cut) -> None:

@@ -75,6 +75,7 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     copier: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "kvdock-copy"))
     max_unsent_bytes: int = 1 << 30  # per client: inline reply bytes not yet read; past it, BUSY
+    max_total_unsent_bytes: int = 4 << 30  # the same for all clients together (many sockets)
     unsent: dict[bytes, int] = field(default_factory=dict)  # zmq identity -> reply bytes not yet sent
     reply_buffers: ReplyBuffers = field(default_factory=lambda: ReplyBuffers(1 << 30))
     # fault injection for tests: each inline copy sleeps first (a copy can't be made slow on demand)

@@ -144,13 +144,16 @@ class StorageManager:
             n += 1
         return n
 
-    async def locate(self, keys: list[ObjectKey]) -> list[list[Placement]]:
+    async def locate(self, keys: list[ObjectKey]) -> tuple[list[list[Placement]], list[str]]:
         """For each key, the objects stored under it in L1 (READY only) and in each reachable lower
-        tier, L1 first: for inspection, so versions are reported as found, whether or not they
-        chain. A tier without an index answers for the leading keys it holds (one round trip)."""
+        tier, L1 first; and the tiers that could not be asked (down). For inspection: versions are
+        reported as found, whether or not they chain (or are being deleted). A tier without an
+        index answers for the leading keys it holds (one round trip)."""
         found = [[Placement("l1", Head(o.version, o.parent))] if (o := self.l1.get(k)) else [] for k in keys]
+        down = []
         for lane in self.lanes:
             if not lane.tier.up():
+                down.append(lane.name)
                 continue
             if lane.tier.indexed:
                 heads: list[Head | None] = [lane.tier.knows(k) for k in keys]
@@ -160,7 +163,7 @@ class StorageManager:
             for row, head in zip(found, heads, strict=False):
                 if head is not None:
                     row.append(Placement(lane.name, head))
-        return found
+        return found, down
 
     async def _remote_heads(self, lanes: list[TierLane], keys: list[ObjectKey]) -> list[Head]:
         for lane in lanes:

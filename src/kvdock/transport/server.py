@@ -48,12 +48,18 @@ class ControlServer:
         await self._sock.send_multipart([identity, seq, header, *payload], copy=False)
 
     async def send_tracked(self, identity: bytes, seq: bytes, header: bytes, payload: Sequence[Buffer]) -> None:
-        """Send a reply zero-copy and return once zmq no longer needs the payload buffers (they
+        """Send a reply zero-copy and return once zmq no longer needs any payload buffer (they
         were written to the peer's socket, or dropped because the peer went away)."""
-        tracker = await self._sock.send_multipart([identity, seq, header, *payload], copy=False, track=True)
-        assert tracker is not None
+        # A tracker per frame: send_multipart's own tracks the last frame only, and none at all
+        # when that one is small enough for zmq to copy.
+        # Only the trackers are kept: a Frame object holds its message, so while one lives its
+        # tracker never reports the buffer free.
+        frames = [zmq.Frame(b, copy=False, track=True) for b in payload]
+        trackers = [f.tracker for f in frames]
+        await self._sock.send_multipart([identity, seq, header, *frames], copy=False)
+        del frames
         delay = 0.0005
-        while not tracker.done:
+        while not all(t.done for t in trackers):  # type: ignore[union-attr]
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
 

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, RedisProc, ServerProc, free_port, start_server
+from helpers import CHUNK, GEOMETRY, MODEL, RedisProc, ServerProc, free_port, serving, start_server
 
 # tests/integrations/vllm needs vLLM, which lives in its own virtual environment (.ci/run makes it and runs
 # them there; README "Tests"); a python without vLLM collects everything else.
@@ -42,9 +42,7 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProc]]:
     """Factory: start a server (extra CLI flags as args), stopped and checked at teardown."""
     started: list[ServerProc] = []
 
-    def make(
-        *extra: str, l1_size: str = "64MiB", register: str | None = "bfloat16", **kw: object
-    ) -> ServerProc:
+    def make(*extra: str, l1_size: str = "64MiB", register: str | None = "bfloat16", **kw: object) -> ServerProc:
         srv = start_server(tmp_path, *extra, l1_size=l1_size, chunk_size=CHUNK, **kw)  # type: ignore[arg-type]
         started.append(srv)
         if register:
@@ -75,3 +73,11 @@ def redis_server() -> Iterator[RedisProc]:
     r = RedisProc(free_port()).start()
     yield r
     r.stop()
+
+
+@pytest.fixture(scope="module", params=["shm", "inline"])
+def transport_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """One server per transport for a whole test module (MODEL registered): its tests store under
+    tokens of their own."""
+    with serving(tmp_path_factory.mktemp("server"), request.param) as srv:
+        yield srv

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +69,23 @@ def start_server(
         port=port,
         http_port=http_port,
     )
+
+
+@contextmanager
+def serving(
+    tmp_path: Path, transport: str, *extra: str, models: tuple[tuple[str, str], ...] = ((MODEL, "bfloat16"),)
+) -> Iterator[ServerProcess]:
+    """A server (``start_server``) whose clients get ``transport`` ("shm" or "inline"), with
+    ``models`` (name, dtype) registered in GEOMETRY; stopped at exit, which must be clean."""
+    import kvdock.sdk as kvd
+
+    srv = start_server(tmp_path, *extra, *(["--no-shm"] if transport == "inline" else []))
+    try:
+        for name, dtype in models:
+            kvd.register_model(srv.url, srv.http_url, name, dtype=dtype, **GEOMETRY, timeout=10)
+        yield srv
+    finally:
+        assert srv.stop() == 0, srv.log()
 
 
 @dataclass

@@ -5,36 +5,25 @@ releases what it held."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 import kvdock.sdk as kvd
 import kvdock.sdk.aio as kva
-from helpers import CHUNK, GEOMETRY, MODEL, ServerProc, make_kv, make_tokens, start_server
+from helpers import CHUNK, MODEL, ServerProc, make_kv, make_tokens
 from kvdock.server.state import FAULT_COPY_ENV
-
-
-@pytest.fixture(scope="module", params=["shm", "inline"])
-def aserver(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("aio"), *(["--no-shm"] if request.param == "inline" else []))
-    try:
-        kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
-        yield srv
-    finally:
-        assert srv.stop() == 0, srv.log()
 
 
 def prompt(i: int) -> list[int]:
     return make_tokens((1 + i % 4) * CHUNK, start=1_000_000 + 10_000 * i)
 
 
-def test_64_concurrent_retrieves_on_one_context(aserver: ServerProc) -> None:
+def test_64_concurrent_retrieves_on_one_context(transport_server: ServerProc) -> None:
     kvs = [make_kv(len(prompt(i)), seed=100 + i) for i in range(64)]
 
     async def main() -> list[torch.Tensor | None]:
-        async with await kva.connect(aserver.url, aserver.http_url, MODEL, timeout=20) as ctx:
+        async with await kva.connect(transport_server.url, transport_server.http_url, MODEL, timeout=20) as ctx:
             assert ctx.model_name == MODEL and ctx.chunk_size == CHUNK
             stored = await asyncio.gather(*(kva.store(ctx, kvs[i], prompt(i)) for i in range(64)))
             assert stored == [True] * 64
@@ -50,7 +39,7 @@ def test_64_concurrent_retrieves_on_one_context(aserver: ServerProc) -> None:
     got = asyncio.run(main())
     for i, g in enumerate(got):
         assert g is not None and g.shape == kvs[i].shape and torch.equal(g.view(torch.uint8), kvs[i].view(torch.uint8))
-    assert aserver.get("/status")["sessions"] == 0
+    assert transport_server.get("/status")["sessions"] == 0
 
 
 def test_the_loop_runs_while_calls_wait_and_a_cancelled_call_cleans_up(make_server) -> None:

@@ -11,22 +11,12 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, ServerProc, make_kv, make_tokens, start_server
-
-
-@pytest.fixture(scope="module", params=["shm", "inline"])
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("batch"), *(["--no-shm"] if request.param == "inline" else []))
-    try:
-        kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
-        yield srv
-    finally:
-        assert srv.stop() == 0, srv.log()
+from helpers import CHUNK, MODEL, ServerProc, make_kv, make_tokens
 
 
 @pytest.fixture
-def bctx(served: ServerProc) -> Iterator[kvd.KVCacheContext]:
-    with kvd.connect(served.url, served.http_url, MODEL, timeout=10) as c:
+def bctx(transport_server: ServerProc) -> Iterator[kvd.KVCacheContext]:
+    with kvd.connect(transport_server.url, transport_server.http_url, MODEL, timeout=10) as c:
         yield c
 
 
@@ -51,22 +41,26 @@ def stored_prompts(ctx: kvd.KVCacheContext, base: int) -> list[list[int]]:
     ]
 
 
-def test_lookup_many_equals_the_single_lookups_in_one_round_trip(served: ServerProc, bctx) -> None:
+def test_lookup_many_equals_the_single_lookups_in_one_round_trip(transport_server: ServerProc, bctx) -> None:
     prompts = stored_prompts(bctx, 100_000)
     singles = [kvd.lookup(bctx, p) for p in prompts]
     assert singles == [4 * CHUNK, 3 * CHUNK, 2 * CHUNK, 0, 0, 0, 4 * CHUNK]
-    before = requests(served, "LookupMany")
+    before = requests(transport_server, "LookupMany")
     assert kvd.lookup_many(bctx, prompts) == singles
-    assert requests(served, "LookupMany") == before + 1
+    assert requests(transport_server, "LookupMany") == before + 1
     assert kvd.lookup_many(bctx, []) == []
 
 
-def test_retrieve_many_equals_the_single_retrieves_in_one_round_trip(served: ServerProc, bctx) -> None:
+def test_retrieve_many_equals_the_single_retrieves_in_one_round_trip(transport_server: ServerProc, bctx) -> None:
+    srv = transport_server
     prompts = stored_prompts(bctx, 200_000)
     singles = [kvd.retrieve(bctx, p) for p in prompts]
-    before = (requests(served, "PrepareRetrieveMany"), requests(served, "PrepareRetrieve"))
+    before = (requests(srv, "PrepareRetrieveMany"), requests(srv, "PrepareRetrieve"))
     got = kvd.retrieve_many(bctx, prompts)
-    assert (requests(served, "PrepareRetrieveMany"), requests(served, "PrepareRetrieve")) == (before[0] + 1, before[1])
+    assert (requests(srv, "PrepareRetrieveMany"), requests(srv, "PrepareRetrieve")) == (
+        before[0] + 1,
+        before[1],
+    )
     assert [g is None for g in got] == [s is None for s in singles] == [False, False, False, True, True, True, False]
     for g, s in zip(got, singles, strict=True):
         if s is not None:
@@ -75,7 +69,7 @@ def test_retrieve_many_equals_the_single_retrieves_in_one_round_trip(served: Ser
         got[0] is not None and got[2] is not None and torch.equal(got[2][:, :, : 2 * CHUNK], got[0][:, :, : 2 * CHUNK])
     )
     assert kvd.check_server_integrity(bctx) == []
-    assert served.get("/status")["sessions"] == 0  # every session of the batch was released
+    assert srv.get("/status")["sessions"] == 0  # every session of the batch was released
 
 
 @pytest.mark.parametrize(("layers", "start"), [(range(1, 3), 0), (None, 2 * CHUNK), (range(0, 3, 2), CHUNK)])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, ServerProc, make_kv, make_tokens, start_server
+from helpers import CHUNK, MODEL, ServerProc, make_kv, make_tokens, serving
 from kvdock.sdk import inspection
 from kvdock.sdk.bundle import digest
 
@@ -20,13 +20,9 @@ TOKENS = make_tokens(3 * CHUNK, start=60_000)
 @pytest.fixture(scope="module", params=["shm", "inline"])
 def disk_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     tmp = tmp_path_factory.mktemp("inspect")
-    srv = start_server(tmp, "--disk-dir", str(tmp / "l2"), *(["--no-shm"] if request.param == "inline" else []))
-    try:
-        kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
-        kvd.register_model(srv.url, srv.http_url, "tiny-fp32", dtype="float32", **GEOMETRY, timeout=10)
+    models = ((MODEL, "bfloat16"), ("tiny-fp32", "float32"))
+    with serving(tmp, request.param, "--disk-dir", str(tmp / "l2"), models=models) as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.log()
 
 
 @pytest.fixture

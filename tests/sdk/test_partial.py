@@ -3,24 +3,19 @@ retrieve, byte for byte, on both transports; bad ranges and offsets are refused.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, start_server
+from helpers import CHUNK, MODEL, ServerProc, make_kv, make_tokens
 
 
-@pytest.fixture(scope="module", params=["shm", "inline"])
-def tctx(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """One server per transport for the whole module: each test stores under its own tokens."""
-    srv = start_server(tmp_path_factory.mktemp("partial"), *(["--no-shm"] if request.param == "inline" else []))
-    try:
-        kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
-        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
-            assert c.transport == request.param
-            yield c
-    finally:
-        assert srv.stop() == 0, srv.log()
+@pytest.fixture
+def tctx(transport_server: ServerProc) -> Iterator[kvd.KVCacheContext]:
+    with kvd.connect(transport_server.url, transport_server.http_url, MODEL, timeout=10) as c:
+        yield c
 
 
 TOKENS = make_tokens(5 * CHUNK + 4, start=40_000)

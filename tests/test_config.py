@@ -334,3 +334,23 @@ def test_limits_from_file_env_and_cli(tmp_path: Path) -> None:
 def test_wrongly_typed_limits_in_file(tmp_path: Path, body: str, field: str) -> None:
     with pytest.raises(ConfigError, match=f"invalid value for {field}"):
         load_server_config({}, env={}, config_file=_write(tmp_path, body + "\n"))
+
+
+def test_cluster_urls_are_taken_apart_or_refused() -> None:
+    from kvdock.config import ClusterURL, parse_cluster_url
+
+    assert parse_cluster_url("redis+cluster://h1:7000,h2:7001/") == ClusterURL(
+        (("h1", 7000), ("h2", 7001)), None, None, False
+    )
+    assert parse_cluster_url("rediss+cluster://u:p%40ss@h:1") == ClusterURL((("h", 1),), "u", "p@ss", True)
+    assert parse_cluster_url("redis+cluster://:secret@h:1").password == "secret"
+    for bad, part in [
+        ("redis+cluster://h1,h2:1", "'h1'"),
+        ("redis+cluster://h:0/", "'h:0'"),
+        ("redis+cluster:///", "''"),
+    ]:
+        with pytest.raises(ConfigError, match=f"{part} is not HOST:PORT"):
+            ServerConfig(redis_url=bad).validate()
+    with pytest.raises(ConfigError, match="redis_url must start with one of redis://"):
+        ServerConfig(redis_url="cluster://h:1").validate()
+    assert ServerConfig(redis_url="redis+cluster://127.0.0.1:7000").validate().redis_url

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from kvdock.errors import ConfigError
 
@@ -92,13 +93,19 @@ class ServerConfig:
     disk_dir: str = ""  # L2 directory; "" = DEFAULT_DISK_DIR
     disk_size: int = 0  # bytes; 0 = DISK_AUTO_FRACTION of the free space there
     no_disk: bool = False
-    redis_url: str = ""  # L3; "" = off
+    redis_url: str = ""  # L3: one Redis, or a cluster (redis+cluster://H:P,H:P/); "" = off
     admin_token: str = ""
     log_level: str = "INFO"
+    kv_events_port: int = 0  # PUB socket of KV events (protocol/events.py); 0 = off
 
     @property
     def zmq_url(self) -> str:
         return f"tcp://{_url_host(self.host)}:{self.port}"
+
+    @property
+    def kv_events_url(self) -> str:
+        """Where KV events are published; "" when they are off."""
+        return f"tcp://{_url_host(self.host)}:{self.kv_events_port}" if self.kv_events_port else ""
 
     def validate(self) -> ServerConfig:
         """Return self, or raise ConfigError for values that cannot work."""
@@ -107,12 +114,11 @@ class ServerConfig:
         for name in SIZE_FIELDS:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        _check_redis_url(self.redis_url)
         for name in ("session_ttl", "client_ttl", "max_models", "max_request_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("port", "http_port"):
+        for name in ("port", "http_port", "kv_events_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} out of range: {getattr(self, name)}")
         return self
@@ -204,3 +210,45 @@ def auto_disk_size(directory: Path) -> int:
         probe = probe.parent
     st = os.statvfs(probe)
     return int(st.f_bavail * st.f_frsize * DISK_AUTO_FRACTION) // 2**20 * 2**20
+
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+@dataclass(frozen=True)
+class ClusterURL:
+    """A ``redis+cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...][/]`` URL, taken apart."""
+
+    nodes: tuple[tuple[str, int], ...]  # the start nodes (the client discovers the others)
+    username: str | None
+    password: str | None
+    tls: bool
+
+
+def parse_cluster_url(url: str) -> ClusterURL:
+    """ConfigError if ``url`` is not a cluster URL naming HOST:PORT start nodes."""
+    if not url.startswith(CLUSTER_SCHEMES):
+        raise ConfigError(f"{url!r} is not a Redis Cluster URL ({' or '.join(CLUSTER_SCHEMES)})")
+    auth, _, hosts = url.split("://", 1)[1].rpartition("@")
+    user, _, password = auth.partition(":")
+    nodes = []
+    for part in hosts.rstrip("/").split(","):
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"redis_url {url!r}: {part!r} is not HOST:PORT "
+                "(a cluster URL lists its start nodes: redis+cluster://HOST:PORT,HOST:PORT/)"
+            )
+        nodes.append((host, int(port)))
+    return ClusterURL(tuple(nodes), unquote(user) or None, unquote(password) or None, url.startswith("rediss"))
+
+
+def _check_redis_url(url: str) -> None:
+    """ConfigError unless ``url`` is empty, a Redis URL, or a well-formed cluster URL."""
+    if not url:
+        return
+    if not url.startswith(REDIS_SCHEMES):
+        raise ConfigError(f"redis_url must start with one of {', '.join(REDIS_SCHEMES)}, got {url!r}")
+    if url.startswith(CLUSTER_SCHEMES):
+        parse_cluster_url(url)

@@ -12,28 +12,10 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, MODEL, ServerProc, make_kv, make_tokens
+from helpers import CHUNK, MODEL, ServerProc, make_kv, make_tokens, tier, wait_for, wait_written
 from kvdock.keys import ObjectKey, chunk_hashes
 from kvdock.protocol import messages as m
 from kvdock.storage.disk import object_name
-
-
-def wait_for(cond, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def tier(srv: ServerProc, name: str) -> dict:
-    return srv.get("/status")["tiers"][name]
-
-
-def wait_written(srv: ServerProc, name: str, n: int) -> None:
-    wait_for(
-        lambda: tier(srv, name)["writes"] >= n and srv.get("/status")["tiers"]["writeback_backlog_bytes"] == 0,
-        f"{n} writes to {name}",
-    )
 
 
 def chunk_file(disk: Path, tokens: list[int], i: int, salt: str = "") -> Path:

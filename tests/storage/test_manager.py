@@ -49,8 +49,15 @@ class Harness:
     def __init__(self, slots: int) -> None:
         self.clock = FakeClock()
         self.evicted: list[ObjectKey] = []
-        self.l1 = L1Store(SlotAllocator(base=0, capacity=slots * P), on_evict=lambda o: self.evicted.append(o.key))
+        self.l1 = L1Store(SlotAllocator(base=0, capacity=slots * P), watcher=self)
         self.mgr = StorageManager(self.l1, session_ttl=TTL, clock=self.clock)
+
+    def stored(self, obj: L1Object) -> None:
+        pass
+
+    def removed(self, obj: L1Object, evicted: bool) -> None:
+        if evicted:
+            self.evicted.append(obj.key)
 
     def check(self) -> None:
         self.mgr.check_integrity()

@@ -23,11 +23,19 @@ class Harness:
     def __init__(self, slots: int) -> None:
         self.evicted: list[ObjectKey] = []
         self.evicted_objs: list[L1Object] = []
-        self.store = L1Store(SlotAllocator(base=P, capacity=slots * P), on_evict=self._on_evict)
+        self.stored_keys: list[ObjectKey] = []
+        self.deleted: list[ObjectKey] = []
+        self.store = L1Store(SlotAllocator(base=P, capacity=slots * P), watcher=self)
 
-    def _on_evict(self, obj: L1Object) -> None:
-        self.evicted.append(obj.key)
-        self.evicted_objs.append(obj)
+    def stored(self, obj: L1Object) -> None:
+        self.stored_keys.append(obj.key)
+
+    def removed(self, obj: L1Object, evicted: bool) -> None:
+        if evicted:
+            self.evicted.append(obj.key)
+            self.evicted_objs.append(obj)
+        else:
+            self.deleted.append(obj.key)
 
     def put(self, key: ObjectKey, nbytes: int = SMALL) -> L1Object:
         obj = self.store.reserve(key, nbytes)

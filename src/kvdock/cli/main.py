@@ -1,4 +1,4 @@
-"""``kvdock serve | status | register | lookup | retrieve | store | export | import | inspect | diff``."""
+"""``kvdock serve | status | register | lookup | retrieve | store | export | import | inspect | diff | events``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     names = (
         "host port http_port chunk_size l1_size session_ttl client_ttl max_models max_request_tokens admin_token "
-        "log_level disk_dir disk_size redis_url"
+        "log_level disk_dir disk_size redis_url kv_events_port"
     )
     cli: dict[str, object] = {k: getattr(args, k) for k in names.split()}
     cli["no_shm"] = True if args.no_shm else None
@@ -174,6 +174,35 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _events(args: argparse.Namespace) -> int:
+    """Print each KV event as a JSON line until ``--count`` events (or ``--timeout`` s of silence)."""
+    import msgspec
+
+    from kvdock.transport.events import EventSubscriber
+
+    sub = EventSubscriber(args.url)
+    seen, expect = 0, None
+    try:
+        while args.count is None or seen < args.count:
+            got = sub.receive(args.timeout)
+            if got is None:
+                return 0 if args.count is None else 1
+            seq, batch = got
+            if expect is not None and seq != expect:
+                print(json.dumps({"missed_batches": seq - expect}), flush=True)
+            expect = seq + 1
+            for event in batch.events:
+                # the tag names the event ("type": "ChunkStored", ...)
+                doc = {"seq": seq, "ts": batch.ts, "server": batch.server, **msgspec.to_builtins(event)}
+                if "chunk_hashes" in doc:
+                    doc["chunk_hashes"] = [h.hex() for h in event.chunk_hashes]  # type: ignore[union-attr]
+                print(json.dumps(doc), flush=True)
+                seen += 1
+    finally:
+        sub.close()
+    return 0
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=DEFAULT_URL, help=f"ZMQ control URL (default {DEFAULT_URL})")
     p.add_argument("--http-url", default=DEFAULT_HTTP_URL, help=f"HTTP URL (default {DEFAULT_HTTP_URL})")
@@ -209,7 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--disk-dir", help="L2 directory, kept across restarts (default ~/.cache/kvdock/l2)")
     s.add_argument("--disk-size", help="L2 budget, e.g. 100GiB (default: 1/5 of the free space there)")
     s.add_argument("--no-disk", action="store_true", help="no L2 tier")
-    s.add_argument("--redis-url", help="L3 Redis/Valkey shared by servers: redis://[:PASSWORD@]HOST:PORT/DB, rediss://")
+    s.add_argument(
+        "--redis-url",
+        help="L3 shared by servers: a Redis/Valkey (redis://[:PASSWORD@]HOST:PORT/DB, rediss://) or a Redis "
+        "Cluster (redis+cluster://[:PASSWORD@]HOST:PORT,HOST:PORT/, rediss+cluster://)",
+    )
+    s.add_argument("--kv-events-port", type=int, help="publish KV events (chunks stored / removed) on this port")
     s.add_argument(
         "--admin-token", help="token required (Authorization: Bearer) by HTTP admin actions and to register models"
     )
@@ -270,6 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-other-model", action="store_true", help="store under --model although the bundle names another"
     )
     im.set_defaults(func=_import)
+    ev = sub.add_parser(
+        "events",
+        help="print a server's KV events (serve --kv-events-port) as JSON lines",
+        description="Subscribe to a server's KV events and print one JSON line per event (chunk "
+        "hashes in hex). A gap in the batches' seq is printed as {\"missed_batches\": n}.",
+    )
+    ev.add_argument("--url", required=True, help="the events URL, e.g. tcp://127.0.0.1:5557")
+    ev.add_argument("--count", type=int, help="stop after this many events (exit 1 if they do not come)")
+    ev.add_argument("--timeout", type=float, help="stop after this many seconds without an event")
+    ev.set_defaults(func=_events)
     from kvdock.cli.inspection import add_commands
 
     add_commands(sub, token_cmd, _token_ids)

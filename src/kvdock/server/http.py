@@ -44,6 +44,7 @@ def config_doc(state: ServerState, config: ServerConfig) -> dict[str, Any]:
         "session_ttl": config.session_ttl,
         "client_ttl": config.client_ttl,
         "max_request_tokens": config.max_request_tokens,
+        "kv_events_url": config.kv_events_url or None,
         "transports": ["shm", "inline"] if state.shm_enabled else ["inline"],
         "l1": {
             "shm_enabled": state.shm_enabled,

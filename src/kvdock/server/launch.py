@@ -11,6 +11,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import zmq
 from aiohttp import web
 
 from kvdock.config import (
@@ -25,12 +26,14 @@ from kvdock.errors import ConfigError, DiskInUseError, ProtocolError
 from kvdock.protocol import ErrorCode, decode_request, encode
 from kvdock.protocol.messages import Error, PrepareRetrieve, PrepareRetrieveMany
 from kvdock.server.dispatch import handle
+from kvdock.server.events import FLUSH_S, ChunkEvents
 from kvdock.server.http import make_app, request_logger
 from kvdock.server.metrics import Metrics
 from kvdock.server.registry import Registry
 from kvdock.server.state import Outcome, Reply, ServerState
 from kvdock.shm import PoolSegment, SlotAllocator, cleanup_stale
 from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane, tier_factory
+from kvdock.transport.events import EventPublisher
 from kvdock.transport.server import ControlServer, Incoming
 
 if TYPE_CHECKING:
@@ -53,10 +56,13 @@ def build_state(config: ServerConfig) -> ServerState:
         )
     segment = PoolSegment.anonymous(size) if config.no_shm else PoolSegment.create(size)
     lanes: list[TierLane] = []
+    publisher: EventPublisher | None = None
     try:
         metrics = Metrics()
         allocator = SlotAllocator(segment.data_offset, size, segment.generations())
-        l1 = L1Store(allocator, on_evict=lambda obj: metrics.evictions.inc(), memory=segment.buf)
+        publisher = _open_events(config)
+        events = ChunkEvents(metrics, config.chunk_size, publisher)
+        l1 = L1Store(allocator, watcher=events, memory=segment.buf)
         disk = _open_disk(config)
         registry = Registry(
             config.chunk_size,
@@ -71,13 +77,24 @@ def build_state(config: ServerConfig) -> ServerState:
     except BaseException:
         for lane in lanes:
             lane.close()
+        if publisher is not None:
+            publisher.close()
         segment.unlink()
         segment.close()
         raise
     metrics.l1_capacity.set(size)
-    state = ServerState(config.chunk_size, segment, not config.no_shm, manager, registry, metrics)
+    state = ServerState(config.chunk_size, segment, not config.no_shm, manager, registry, metrics, events=events)
     metrics.watch_tiers(manager)
     return state
+
+
+def _open_events(config: ServerConfig) -> EventPublisher | None:
+    if not config.kv_events_url:
+        return None
+    try:
+        return EventPublisher(config.kv_events_url)
+    except zmq.ZMQError as e:
+        raise ConfigError(f"cannot publish KV events on {config.kv_events_url}: {e}") from None
 
 
 def _open_disk(config: ServerConfig) -> DiskTier | None:
@@ -268,6 +285,17 @@ async def _probe(state: ServerState) -> None:
                 await lane.on_reader(lane.tier.probe, default=None, when_down=True)
 
 
+async def _publish_events(state: ServerState, server: str) -> None:
+    """Publish pending KV events every FLUSH_S (only runs when they are on)."""
+    assert state.events is not None
+    while True:
+        await asyncio.sleep(FLUSH_S)
+        try:
+            state.events.flush(server)
+        except Exception:  # keep publishing
+            log.exception("KV events")
+
+
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
     """Run until SIGINT/SIGTERM. The shared-memory segment is unlinked on every way out, start-up
     failures (port in use) included."""
@@ -278,6 +306,8 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     finally:
         state.manager.close()
         state.copier.shutdown(wait=True)
+        if state.events is not None:
+            state.events.close()
         state.segment.unlink()
         state.segment.close()
 
@@ -310,6 +340,9 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
             asyncio.create_task(_reap(state, config.session_ttl)),
             asyncio.create_task(_probe(state)),
         ]
+        if config.kv_events_url:
+            tasks.append(asyncio.create_task(_publish_events(state, config.zmq_url)))
+            log.info("KV events: %s", config.kv_events_url)
         if ready is not None:
             ready.set()
         await stop.wait()

@@ -94,6 +94,14 @@ class _TierCollector(Collector):
             for name, gauge in gauges.items():
                 if name in status:
                     gauge.add_metric([lane.name], float(status[name]))
+        nodes = GaugeMetricFamily(
+            "kvdock_tier_cluster_nodes", "Nodes of a clustered tier as its client sees them", labels=["tier", "role"]
+        )
+        for lane in lanes:
+            roles = [n["role"] for n in lane.tier.status().get("nodes", [])]
+            for role in sorted(set(roles)):
+                nodes.add_metric([lane.name, role], roles.count(role))
+        gauges["cluster_nodes"] = nodes
         backlog = GaugeMetricFamily("kvdock_writeback_backlog_bytes", "Bytes queued for write-down to lower tiers")
         backlog.add_metric([], sum(lane.backlog_bytes for lane in lanes))
         quarantined = GaugeMetricFamily(

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from kvdock.server.events import ChunkEvents
 from kvdock.server.metrics import Metrics
 from kvdock.server.registry import Registry
 from kvdock.shm import PoolSegment
@@ -73,6 +74,7 @@ class ServerState:
     manager: StorageManager
     registry: Registry
     metrics: Metrics = field(default_factory=Metrics)
+    events: ChunkEvents | None = None  # the L1 store's watcher (KV events when they are on)
     copier: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "kvdock-copy"))
     max_unsent_bytes: int = 1 << 30  # per client: inline reply bytes not yet read; past it, BUSY
     max_total_unsent_bytes: int = 4 << 30  # the same for all clients together (many sockets)

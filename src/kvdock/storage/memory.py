@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvdock.keys import ObjectKey
 from kvdock.shm.slots import SlotAllocator, aligned
@@ -37,13 +37,24 @@ class L1Object:
     parent: int = 0  # the version of the previous chunk of its prefix when stored; 0 for the first
 
 
+class L1Watcher(Protocol):
+    """Told when the set of readable keys changes (metrics, KV events). Called from inside the
+    store's methods: it must not call back into the store."""
+
+    def stored(self, obj: L1Object) -> None:
+        """``obj`` became READY: a new key, or a new version of a key."""
+
+    def removed(self, obj: L1Object, evicted: bool) -> None:
+        """``obj``'s key has no READY object any more: evicted (LRU, for room) or deleted."""
+
+
 class L1Store:
     """Objects of the L1 pool. Not thread-safe: the server calls it from its event loop only."""
 
     def __init__(
         self,
         allocator: SlotAllocator,
-        on_evict: Callable[[L1Object], None] | None = None,
+        watcher: L1Watcher | None = None,
         memory: memoryview | None = None,
     ) -> None:
         self.allocator = allocator
@@ -53,7 +64,7 @@ class L1Store:
         self._lru: OrderedDict[ObjectKey, L1Object] = OrderedDict()
         self._retired: set[L1Object] = set()  # not live, still pinned
         self._detached: set[L1Object] = set()  # reservations set aside, still holding a slot
-        self._on_evict = on_evict
+        self._watcher = watcher
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -108,8 +119,8 @@ class L1Store:
                 obj.live = False
                 self.allocator.free(obj.offset)
                 self.evictions += 1
-                if self._on_evict:
-                    self._on_evict(obj)
+                if self._watcher:
+                    self._watcher.removed(obj, evicted=True)
                 return True
         return False
 
@@ -123,6 +134,8 @@ class L1Store:
         obj.state = State.READY
         self._ready[obj.key] = obj
         self._lru[obj.key] = obj
+        if self._watcher:
+            self._watcher.stored(obj)
 
     def abort(self, obj: L1Object) -> None:
         """Drop a reservation (or a detached one) and free its slot."""
@@ -168,6 +181,8 @@ class L1Store:
         if obj is None:
             return False
         self._retire(obj)
+        if self._watcher:
+            self._watcher.removed(obj, evicted=False)
         return True
 
     def clear(self) -> int:

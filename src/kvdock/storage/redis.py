@@ -1,4 +1,6 @@
-"""L3: objects as Redis/Valkey values, shared by kvdock servers on several hosts.
+"""L3: objects as Redis/Valkey values, shared by kvdock servers on several hosts: one server, or a
+Redis Cluster (``redis+cluster://`` URLs, :func:`make_client`), where objects spread over every
+shard by their keys' hash slots and redis-py follows redirections, failovers and re-sharding.
 
 Keys are ``kvdock:v1:<namespace>:<chunk hash hex>`` where the namespace is a hash of (model,
 rank, cache_salt), so salts and models never see each other's objects. Values use the same
@@ -19,8 +21,10 @@ import time
 from typing import Any
 
 import redis as redis_py
+import redis.cluster as redis_cluster
 from blake3 import blake3
 
+from kvdock.config import CLUSTER_SCHEMES, parse_cluster_url
 from kvdock.errors import CorruptObject
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
@@ -30,7 +34,27 @@ from kvdock.storage.tier import Head, StorageTier, TierCounters, tier_kind
 log = logging.getLogger(__name__)
 
 BACKOFF_MAX = 30.0
-ERRORS = (redis_py.RedisError, OSError)
+# RedisClusterException (no slots, cluster down at start) is not a RedisError
+ERRORS = (redis_py.RedisError, redis_py.exceptions.RedisClusterException, OSError)
+TMP_TTL_S = 300  # a temporary key left by a write that died half-way expires
+
+
+def make_client(url: str, timeout: float) -> Any:
+    """A redis-py client for ``url``: one server (``redis://``, ``rediss://``, ``unix://``), or a
+    Redis Cluster from its start nodes (the client discovers the others). A cluster client
+    connects when made: RedisClusterException or RedisError if no start node answers."""
+    if not url.startswith(CLUSTER_SCHEMES):
+        return redis_py.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    parts = parse_cluster_url(url)
+    return redis_cluster.RedisCluster(
+        startup_nodes=[redis_cluster.ClusterNode(h, p) for h, p in parts.nodes],
+        username=parts.username,
+        password=parts.password,
+        ssl=parts.tls,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        require_full_coverage=False,  # the shards that are up keep serving while one fails over
+    )
 
 
 def redis_key(key: ObjectKey) -> bytes:
@@ -46,8 +70,12 @@ class RedisTier(StorageTier):
 
     def __init__(self, url: str, timeout: float = 5.0) -> None:
         self.url = url
+        self.timeout = timeout
+        self.cluster = url.startswith(CLUSTER_SCHEMES)
         self.counters = TierCounters()
-        self._client: Any = redis_py.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        # a cluster client connects when made: made by the first probe, so that a server whose
+        # cluster is down at start starts anyway (with L3 down)
+        self._client: Any = None if self.cluster else make_client(url, timeout)
         self._lock = threading.Lock()
         self._up = True
         self.last_error = ""
@@ -83,8 +111,10 @@ class RedisTier(StorageTier):
             return not self._up and time.monotonic() >= self._retry_at
 
     def probe(self) -> None:
-        """PING; on success mark the tier up again."""
+        """PING (making the cluster client first if need be); on success mark the tier up again."""
         try:
+            if self._client is None:
+                self._client = make_client(self.url, self.timeout)
             self._client.ping()
         except ERRORS as e:
             self.failed(e)
@@ -95,18 +125,32 @@ class RedisTier(StorageTier):
             self._up = True
             self._backoff = 1.0
 
+    @property
+    def _redis(self) -> Any:
+        if self._client is None:  # a cluster never reached yet (the lane marks the tier down)
+            raise redis_py.ConnectionError(f"the cluster {self.display_url} has not been reached yet")
+        return self._client
+
     def write_from(self, key: ObjectKey, header: bytes, payload: memoryview) -> int:
-        """Store atomically: build the value under a temporary key, then RENAME."""
-        tmp = b"kvdock:tmp:" + secrets.token_hex(8).encode()
-        pipe = self._client.pipeline(transaction=True)
-        pipe.set(tmp, header)
-        pipe.append(tmp, payload)
-        pipe.rename(tmp, redis_key(key))
-        pipe.execute()
+        """Store atomically: build the value under a temporary key, then RENAME. The temporary
+        key's hash tag is the final key, so both lie in one hash slot (a cluster renames within a
+        slot only), and it expires if the write dies half-way."""
+        final = redis_key(key)
+        tmp = b"{" + final + b"}:tmp:" + secrets.token_hex(8).encode()
+        if self.cluster:  # redis-py refuses RENAME in a cluster pipeline: three commands (RENAME is atomic)
+            self._redis.set(tmp, header, ex=TMP_TTL_S)
+            self._redis.append(tmp, payload)
+            self._redis.rename(tmp, final)
+        else:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.set(tmp, header, ex=TMP_TTL_S)
+            pipe.append(tmp, payload)
+            pipe.rename(tmp, final)
+            pipe.execute()
         return len(header) + len(payload)
 
     def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
-        value = self._client.get(redis_key(key))
+        value = self._redis.get(redis_key(key))
         if value is None:
             return None
         try:
@@ -121,7 +165,7 @@ class RedisTier(StorageTier):
             self.counters.corrupted += 1
             # Deleted so lookups stop counting it; a newer value renamed onto the key meanwhile
             # would go too, which is only a miss.
-            self._client.delete(redis_key(key))
+            self._redis.delete(redis_key(key))
             log.warning("L3: corrupted value for %s (%s); deleted", key.chunk.hex()[:16], e)
             return None
         out[:] = payload
@@ -133,7 +177,7 @@ class RedisTier(StorageTier):
         """One pipelined round trip reading the first bytes of each value (its header)."""
         if not keys:
             return []
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self._redis.pipeline(transaction=False)
         for k in keys:
             pipe.getrange(redis_key(k), 0, self.HEAD_BYTES - 1)
         out = []
@@ -142,7 +186,7 @@ class RedisTier(StorageTier):
                 break
             try:
                 end = objfile.header_end(first)
-                block = first if end <= len(first) else self._client.getrange(redis_key(key), 0, end - 1)
+                block = first if end <= len(first) else self._redis.getrange(redis_key(key), 0, end - 1)
                 header, _ = objfile.decode_header(block)
             except CorruptObject:
                 break  # read_into will find and delete it
@@ -151,13 +195,28 @@ class RedisTier(StorageTier):
 
     def delete(self, key: ObjectKey) -> None:
         """DEL; with the default appendfsync the deletion is as durable as Redis makes anything."""
-        self._client.delete(redis_key(key))
+        self._redis.delete(redis_key(key))
 
     def clear(self) -> int:
         return 0  # shared by other servers: never cleared from here
 
     def status(self) -> dict[str, Any]:
-        return {"kind": "redis", "up": self._up, "url": self.display_url, "last_error": self.last_error}
+        doc: dict[str, Any] = {"kind": "redis", "up": self._up, "url": self.display_url, "last_error": self.last_error}
+        if self.cluster:
+            doc["kind"] = "redis-cluster"
+            doc["nodes"] = self.nodes()
+        return doc
+
+    def nodes(self) -> list[dict[str, str]]:
+        """[any] A cluster's nodes as its client last saw them (``addr``, ``role``: primary or
+        replica), from the client's topology cache: no I/O. A node that failed drops out of it
+        once the cluster has noticed (its replica then shows as primary)."""
+        client = self._client
+        if client is None:
+            return []
+        found = list(client.nodes_manager.nodes_cache.values())
+        return sorted(({"addr": n.name, "role": str(n.server_type)} for n in found), key=lambda d: d["addr"])
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()

@@ -1,0 +1,159 @@
+"""kvdock servers sharing a real local Redis Cluster as L3 (3 masters + 3 replicas): objects on
+every master, byte-exact reads from another server, salts isolated, a master killed under load
+(no client errors, no wrong bytes, L3 back after the promotion), the whole cluster down and back."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import redis as redis_py
+import torch
+
+import kvdock.sdk as kvd
+from helpers import CHUNK, MODEL, RedisClusterProc, ServerProc, make_kv, make_tokens, tier, wait_for, wait_written
+
+
+def keys_per_master(cluster: RedisClusterProc) -> dict[int, int]:
+    return {p: int(redis_py.Redis(port=p).dbsize()) for p, role in cluster.roles().items() if role == "master"}
+
+
+def prompt(i: int) -> list[int]:
+    return make_tokens(2 * CHUNK, start=100_000 * (i + 1))
+
+
+def test_two_servers_share_a_cluster_every_master_holds_objects_salts_stay_apart(
+    make_server, redis_cluster: RedisClusterProc
+) -> None:
+    a = make_server("--redis-url", redis_cluster.url)
+    b = make_server("--redis-url", redis_cluster.url)
+    with kvd.connect(a.url, a.http_url, MODEL, timeout=10) as ca:
+        for i in range(12):
+            kvd.store(ca, make_kv(2 * CHUNK, seed=i), prompt(i))
+        shared = make_tokens(CHUNK, start=7)
+        kvd.store(ca, make_kv(CHUNK, seed=100), shared, cache_salt="alice")
+        kvd.store(ca, make_kv(CHUNK, seed=101), shared, cache_salt="bob")
+    wait_written(a, "l3", 26)
+    counts = keys_per_master(redis_cluster)
+    assert len(counts) == 3 and sum(counts.values()) == 26 and min(counts.values()) > 0, counts
+    with kvd.connect(b.url, b.http_url, MODEL, timeout=10) as cb:
+        assert b.get("/status")["l1"]["objects"] == 0  # every byte below comes from the cluster
+        got = kvd.retrieve_many(cb, [prompt(i) for i in range(12)])
+        assert all(g is not None and torch.equal(g, make_kv(2 * CHUNK, seed=i)) for i, g in enumerate(got))
+        assert torch.equal(kvd.retrieve(cb, shared, cache_salt="alice"), make_kv(CHUNK, seed=100))
+        assert torch.equal(kvd.retrieve(cb, shared, cache_salt="bob"), make_kv(CHUNK, seed=101))
+        assert kvd.retrieve(cb, shared, cache_salt="eve") is None and kvd.retrieve(cb, shared) is None
+        assert kvd.check_server_integrity(cb) == []
+    t = tier(b, "l3")
+    assert t["kind"] == "redis-cluster" and t["hits"] == 26
+    assert sorted(n["role"] for n in t["nodes"]) == ["primary"] * 3 + ["replica"] * 3
+    metrics = b.text("/metrics")
+    assert 'kvdock_tier_cluster_nodes{role="primary",tier="l3"} 3.0' in metrics
+    assert 'kvdock_tier_cluster_nodes{role="replica",tier="l3"} 3.0' in metrics
+
+
+class Load:
+    """Stores of new prompts on one server and retrieves of stored ones on another, in threads,
+    counting client errors and wrong bytes (a miss is fine)."""
+
+    def __init__(self, writer: ServerProc, reader: ServerProc, first: int, stored: list[int]) -> None:
+        self.writer, self.reader, self.next, self.stored = writer, reader, first, list(stored)
+        self.errors: list[str] = []
+        self.wrong = self.hits = self.misses = 0
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._write), threading.Thread(target=self._read)]
+
+    def _write(self) -> None:
+        with kvd.connect(self.writer.url, self.writer.http_url, MODEL, timeout=20) as c:
+            while not self.stop.is_set():
+                try:
+                    kvd.store(c, make_kv(2 * CHUNK, seed=self.next), prompt(self.next))
+                    self.stored.append(self.next)
+                    self.next += 1
+                except Exception as e:  # counted: the test wants none
+                    self.errors.append(f"store: {type(e).__name__}: {e}")
+
+    def _read(self) -> None:
+        rng = random.Random(1)
+        with kvd.connect(self.reader.url, self.reader.http_url, MODEL, timeout=20) as c:
+            while not self.stop.is_set():
+                i = rng.choice(self.stored)
+                try:
+                    got = kvd.retrieve(c, prompt(i))
+                except Exception as e:
+                    self.errors.append(f"retrieve: {type(e).__name__}: {e}")
+                    continue
+                if got is None:
+                    self.misses += 1
+                elif torch.equal(got, make_kv(2 * CHUNK, seed=i)[:, :, : got.shape[2]]):
+                    self.hits += 1  # the whole prompt, or a prefix of it (a chunk lost with its shard)
+                else:
+                    self.wrong += 1
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def test_a_master_killed_under_load_costs_no_errors_no_wrong_bytes_and_l3_comes_back(
+    make_server, redis_cluster: RedisClusterProc
+) -> None:
+    a = make_server("--redis-url", redis_cluster.url)
+    b = make_server("--redis-url", redis_cluster.url, l1_size="1MiB")  # small: it reads from L3 again and again
+    with kvd.connect(a.url, a.http_url, MODEL, timeout=10) as ca:
+        for i in range(40):
+            kvd.store(ca, make_kv(2 * CHUNK, seed=i), prompt(i))
+    wait_written(a, "l3", 80)
+    victim = next(p for p, role in redis_cluster.roles().items() if role == "master")
+    with Load(a, b, 40, list(range(40))) as load:
+        time.sleep(1.0)
+        redis_cluster.kill(victim)
+        time.sleep(6.0)  # the replica is promoted after cluster-node-timeout (1 s) and an election
+    assert load.errors == [] and load.wrong == 0, (load.errors[:5], load.wrong)
+    assert load.hits > 50, (load.hits, load.misses)
+    redis_cluster.wait_ok()  # three masters again: the victim's replica took over
+    wait_for(lambda: tier(a, "l3")["up"] and tier(b, "l3")["up"], "both servers to see L3 up again", 40)
+    written = tier(a, "l3")["writes"]
+    with kvd.connect(a.url, a.http_url, MODEL, timeout=10) as ca:
+        fresh = [prompt(10_000 + i) for i in range(6)]
+        for i, p in enumerate(fresh):
+            kvd.store(ca, make_kv(2 * CHUNK, seed=10_000 + i), p)
+    wait_for(lambda: tier(a, "l3")["writes"] >= written + 12 and tier(a, "l3")["backlog_bytes"] == 0, "fresh writes")
+    hits = tier(b, "l3")["hits"]
+    with kvd.connect(b.url, b.http_url, MODEL, timeout=10) as cb:
+        got = kvd.retrieve_many(cb, fresh)
+        assert all(g is not None and torch.equal(g, make_kv(2 * CHUNK, seed=10_000 + i)) for i, g in enumerate(got))
+        assert kvd.check_server_integrity(cb) == []
+    assert tier(b, "l3")["hits"] == hits + 12  # from the cluster, after the promotion
+    assert f"127.0.0.1:{victim}" not in {n["addr"] for n in tier(b, "l3")["nodes"] if n["role"] == "primary"}
+
+
+def test_the_whole_cluster_down_and_back(make_server, redis_cluster: RedisClusterProc) -> None:
+    a = make_server("--redis-url", redis_cluster.url)
+    b = make_server("--redis-url", redis_cluster.url)
+    with (
+        kvd.connect(a.url, a.http_url, MODEL, timeout=10) as ca,
+        kvd.connect(b.url, b.http_url, MODEL, timeout=10) as cb,
+    ):
+        kvd.store(ca, make_kv(2 * CHUNK, seed=1), prompt(1))
+        wait_written(a, "l3", 2)
+        redis_cluster.stop()
+        kvd.store(ca, make_kv(2 * CHUNK, seed=2), prompt(2))  # L1 takes it; the write-down is skipped
+        assert torch.equal(kvd.retrieve(ca, prompt(2)), make_kv(2 * CHUNK, seed=2))
+        assert kvd.retrieve(cb, prompt(1)) is None  # only the cluster had it: a miss, not an error
+        wait_for(lambda: not tier(b, "l3")["up"], "B to see L3 down")
+        for port in redis_cluster.ports:
+            redis_cluster.start_node(port)  # the same nodes (nodes-*.conf), no data: a cache
+        redis_cluster.wait_ok()
+        wait_for(lambda: tier(a, "l3")["up"] and tier(b, "l3")["up"], "L3 up again without a restart", 60)
+        kvd.store(ca, make_kv(2 * CHUNK, seed=3), prompt(3))
+        wait_for(lambda: tier(a, "l3")["writes"] >= 4, "the write-down after the outage")
+        assert torch.equal(kvd.retrieve(cb, prompt(3)), make_kv(2 * CHUNK, seed=3))
+        assert kvd.check_server_integrity(ca) == [] and kvd.check_server_integrity(cb) == []

@@ -1,0 +1,62 @@
+"""kvdock.storage.redis on a real local Redis Cluster (3 masters, 3 replicas): objects spread over
+every shard, atomic writes within a slot, a cluster that is down at start, the nodes in status."""
+
+from __future__ import annotations
+
+import redis as redis_py
+from test_redis_store import CHUNK, GEO, NB, H, K, get, payload, put
+
+from helpers import RedisClusterProc, cluster_ports
+from kvdock.storage.redis import RedisTier
+
+
+def masters(cluster: RedisClusterProc) -> list[int]:
+    return [port for port, role in cluster.roles().items() if role == "master"]
+
+
+def test_objects_spread_over_every_master_and_read_back_byte_exact(redis_cluster: RedisClusterProc) -> None:
+    store = RedisTier(redis_cluster.url, timeout=2.0)
+    try:
+        store.probe()
+        assert store.up()
+        for i in range(1, 61):
+            put(store, K(i))
+        assert all(get(store, K(i)) == payload(i) for i in range(1, 61))
+        assert store.heads([K(i) for i in range(1, 61)]) == [H(i) for i in range(1, 61)]  # pipelined over nodes
+        counts = [redis_py.Redis(port=p).dbsize() for p in masters(redis_cluster)]
+        assert len(counts) == 3 and sum(counts) == 60 and min(counts) > 5, counts  # not one slot for all
+        leftovers = [k for p in masters(redis_cluster) for k in redis_py.Redis(port=p).scan_iter("*:tmp:*")]
+        assert leftovers == []  # every temporary key was renamed within its slot
+        store.delete(K(7))
+        assert get(store, K(7)) is None and store.heads([K(6), K(7), K(8)]) == [H(6)]
+        doc = store.status()
+        assert doc["kind"] == "redis-cluster" and doc["up"] is True
+        assert sorted(n["role"] for n in doc["nodes"]) == ["primary"] * 3 + ["replica"] * 3
+        assert {n["addr"] for n in doc["nodes"]} == {f"127.0.0.1:{p}" for p in redis_cluster.ports}
+    finally:
+        store.close()
+
+
+def test_a_cluster_that_is_down_at_start_is_a_down_tier_until_it_comes(tmp_path) -> None:
+    work = tmp_path / "c"
+    work.mkdir()
+    cluster = RedisClusterProc(cluster_ports(6), work)
+    store = RedisTier(cluster.url, timeout=0.5)
+    try:
+        store.probe()  # no node answers: down, and no client yet
+        doc = store.status()
+        assert not store.up() and doc["nodes"] == [] and "cannot be connected" in doc["last_error"]
+        out = memoryview(bytearray(NB))
+        try:
+            store.read_into(K(1), out, GEO, CHUNK)
+            raise AssertionError("a read with no cluster must raise (the lane marks the tier down)")
+        except redis_py.ConnectionError as e:
+            assert "has not been reached yet" in str(e)
+        cluster.start()
+        store.probe()
+        assert store.up()
+        put(store, K(1))
+        assert get(store, K(1)) == payload(1)
+    finally:
+        store.close()
+        cluster.stop()

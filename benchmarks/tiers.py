@@ -9,7 +9,10 @@ written down to both tiers, then times ``kvdock.sdk.retrieve`` of the whole pref
 * L1: A holds it in its pool (median of ``--reps``);
 * L2: A's L1 emptied (``POST /admin/clear?tier=l1``) and the files dropped from the page cache
   (``posix_fadvise(DONTNEED)``; also ``/proc/sys/vm/drop_caches`` when writable), before each rep;
-* L3: B's L1 emptied before each rep, so every chunk comes from Redis.
+* L3: B's L1 emptied before each rep, so every chunk comes from Redis;
+* L3 cluster: server C on a local Redis Cluster (3 masters + 3 replicas, ``kvdock.testing.
+  RedisCluster``) stores the same KV, and its L1 is emptied before each rep, so every chunk comes
+  from the cluster's shards.
 
 Each retrieve is checked byte-exact (torch.equal). Also reported: how long the write-down to L2
 and L3 took after the store returned, and a plain in-process copy of the same bytes as a baseline.
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 
 import kvdock.sdk as kvd
-from kvdock.testing import ServerProcess, free_port, launch_server
+from kvdock.testing import RedisCluster, ServerProcess, cluster_ports, free_port, launch_server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import gbps, timed
@@ -112,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         disk = Path(tmp) / "l2"
         url = f"redis://127.0.0.1:{rport}/0"
         common = ["--log-level", "WARNING", "--redis-url", url]
+        (Path(tmp) / "cluster").mkdir()
+        cluster = RedisCluster(cluster_ports(6), Path(tmp) / "cluster").start()
         a = launch_server(*common, "--disk-dir", str(disk), l1_size=args.l1_size, chunk_size=args.chunk_size)
         b = launch_server(*common, "--no-disk", l1_size=args.l1_size, chunk_size=args.chunk_size)
+        on_cluster = ["--log-level", "WARNING", "--redis-url", cluster.url, "--no-disk"]
+        c = launch_server(*on_cluster, l1_size=args.l1_size, chunk_size=args.chunk_size)
         try:
-            for srv in (a, b):
+            for srv in (a, b, c):
                 srv.wait_ready()
                 kvd.register_model(
                     srv.url,
@@ -128,13 +135,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
             ca = kvd.connect(a.url, a.http_url, MODEL)
             cb = kvd.connect(b.url, b.http_url, MODEL)
+            cc = kvd.connect(c.url, c.http_url, MODEL)
             t_store, _ = timed(lambda: kvd.store(ca, kv, tokens))
             t_l2 = wait_written(a, "l2", chunks)
             t_l3 = wait_written(a, "l3", chunks)
-            results: dict[str, list[float]] = {"L1": [], "L2": [], "L3": []}
+            t_cluster_store, _ = timed(lambda: kvd.store(cc, kv, tokens))
+            t_cluster = wait_written(c, "l3", chunks)
+            results: dict[str, list[float]] = {"L1": [], "L2": [], "L3": [], "L3 cluster": []}
             how = ""
             for _ in range(args.reps):
-                for tier, ctx, srv in (("L1", ca, None), ("L2", ca, a), ("L3", cb, b)):
+                for tier, ctx, srv in (("L1", ca, None), ("L2", ca, a), ("L3", cb, b), ("L3 cluster", cc, c)):
                     if srv is not None:
                         clear_l1(srv)
                         if tier == "L2":
@@ -147,17 +157,20 @@ def main(argv: list[str] | None = None) -> int:
             base = [timed(lambda: torch.empty_like(kv).copy_(kv))[0] for _ in range(args.reps)]
             ca.close()
             cb.close()
+            cc.close()
             tiers_a = status(a)["tiers"]
         finally:
-            for srv in (a, b):
+            for srv in (a, b, c):
                 srv.stop()
             redis.kill()
             redis.wait()
+            cluster.stop()
 
     print(
         f"\nstore returned after {t_store * 1e3:.1f} ms; the write-down (both tiers in parallel) was done "
         f"{t_l2 * 1e3:.0f} ms later for L2 ({gbps(nbytes, t_l2 + t_store):.2f} GB/s incl. checksum and fsync) "
-        f"and {(t_l2 + t_l3) * 1e3:.0f} ms later for L3"
+        f"and {(t_l2 + t_l3) * 1e3:.0f} ms later for L3; on the cluster, the write-down was done "
+        f"{t_cluster * 1e3:.0f} ms after its store returned ({gbps(nbytes, t_cluster + t_cluster_store):.2f} GB/s)"
     )
     print(f"L2 page cache before each L2 rep: {how}\n")
     rows = [("source", "retrieve GB/s (median)", "best", "seconds (median)")]
@@ -185,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                     "store_s": t_store,
                     "writedown_l2_s": t_l2,
                     "writedown_l3_s": t_l3,
+                    "writedown_cluster_s": t_cluster,
                     "page_cache": how,
                 },
                 indent=2,

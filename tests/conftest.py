@@ -11,18 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import kvdock.sdk as kvd
-from helpers import (
-    CHUNK,
-    GEOMETRY,
-    MODEL,
-    RedisClusterProc,
-    RedisProc,
-    ServerProc,
-    cluster_ports,
-    free_port,
-    serving,
-    start_server,
-)
+from helpers import CHUNK, GEOMETRY, MODEL, RedisProc, ServerProc, free_port, serving, start_server
+from kvdock.testing import RedisCluster, cluster_ports
 
 # tests/integrations/vllm needs vLLM, which lives in its own virtual environment (.ci/run makes it and runs
 # them there; README "Tests"); a python without vLLM collects everything else.
@@ -95,11 +85,11 @@ def transport_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
 
 
 @pytest.fixture
-def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterProc]:
+def redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
     """A real local Redis Cluster (3 masters, 3 replicas) on free loopback ports, killed at teardown."""
     work = tmp_path / "cluster"
     work.mkdir()
-    cluster = RedisClusterProc(cluster_ports(6), work)
+    cluster = RedisCluster(cluster_ports(6), work)
     try:
         yield cluster.start()
     finally:

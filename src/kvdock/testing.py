@@ -1,5 +1,6 @@
 """``kvdock.testing``: a ``kvdock serve`` child process on free loopback ports, what tests,
-benchmarks and examples use to run a real server. Only the standard library; never imported by
+benchmarks and examples use to run a real server, and a local Redis Cluster for the shared tier.
+Only the standard library (and the ``redis-server`` / ``redis-cli`` binaries); never imported by
 the server itself.
 
     from kvdock.testing import start_server
@@ -143,3 +144,121 @@ def launch_server(
 def start_server(*extra: str, timeout: float = 120.0, **kwargs: Any) -> ServerProcess:
     """launch_server (same arguments), then wait_ready."""
     return launch_server(*extra, **kwargs).wait_ready(timeout)
+
+
+def cluster_ports(n: int) -> list[int]:
+    """``n`` loopback ports that are free, each with its cluster bus port (+10000) free too."""
+    import random
+
+    found: list[int] = []
+    while len(found) < n:
+        port = random.randrange(20000, 30000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        if port not in found:
+            found.append(port)
+    return found
+
+
+@dataclass
+class RedisCluster:
+    """A real Redis Cluster on loopback: ``masters`` masters and the rest of ``ports`` as their
+    replicas (``redis-server`` in cluster mode, a short cluster-node-timeout so failovers take
+    about two seconds), made with ``redis-cli --cluster create``. Nodes can be killed and started
+    again by port; ``url`` is what ``kvdock serve --redis-url`` takes."""
+
+    ports: list[int]
+    workdir: Path
+    masters: int = 3
+    node_timeout_ms: int = 1000
+    procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:2]) + "/"
+
+    def cli(self, port: int, *args: str) -> str:
+        """``redis-cli -p PORT ARGS...``'s output (RuntimeError if it fails)."""
+        r = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=10)
+        if r.returncode != 0 or r.stdout.startswith(("ERR", "Could not connect")):
+            raise RuntimeError(f"redis-cli -p {port} {' '.join(args)}: {r.stdout or r.stderr}")
+        return r.stdout
+
+    def start_node(self, port: int) -> None:
+        self.procs[port] = subprocess.Popen(
+            [
+                "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--cluster-enabled", "yes", "--cluster-config-file", str(self.workdir / f"nodes-{port}.conf"),
+                "--cluster-node-timeout", str(self.node_timeout_ms), "--dir", str(self.workdir),
+                # replicas attach at once, and show in CLUSTER SLOTS once their offset moves, which
+                # the master's pings to them do (every 10 s by default)
+                "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1",
+            ],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def start(self) -> RedisCluster:
+        for port in self.ports:
+            self.start_node(port)
+        for port in self.ports:
+            self._wait(lambda p=port: self.cli(p, "ping").strip() == "PONG", f"node {port} to start")
+        replicas = len(self.ports) // self.masters - 1
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+             "--cluster-replicas", str(replicas), "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        self.wait_ok()
+        return self
+
+    def info(self, port: int) -> dict[str, str]:
+        return dict(line.split(":", 1) for line in self.cli(port, "cluster", "info").split() if ":" in line)
+
+    def live(self) -> list[int]:
+        return [p for p, proc in self.procs.items() if proc.poll() is None]
+
+    def roles(self) -> dict[int, str]:
+        """Each live node's role ("master" or "slave"), as it says itself."""
+        return {p: self.cli(p, "role").split()[0] for p in self.live()}
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Until every live node reports ``cluster_state:ok``, ``masters`` masters are live, and
+        every slot range lists its replicas (a client made before they attached would not know them)."""
+        replicas = len(self.ports) // self.masters - 1
+
+        def ok() -> bool:
+            live = self.live()
+            if not all(self.info(p).get("cluster_state") == "ok" for p in live):
+                return False
+            if sum(r == "master" for r in self.roles().values()) != self.masters:
+                return False
+            slots = json.loads(self.cli(live[0], "--json", "cluster", "slots"))
+            return all(len(r) - 3 >= min(replicas, len(live) // self.masters - 1) for r in slots)
+
+        self._wait(ok, "the cluster to be ok", timeout)
+
+    def kill(self, port: int) -> None:
+        proc = self.procs[port]
+        proc.kill()
+        proc.wait()
+
+    def stop(self) -> None:
+        for port in self.live():
+            self.kill(port)
+
+    @staticmethod
+    def _wait(cond: Any, what: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if cond():
+                    return
+            except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {what}")
+            time.sleep(0.05)

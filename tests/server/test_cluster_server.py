@@ -12,10 +12,11 @@ import redis as redis_py
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, MODEL, RedisClusterProc, ServerProc, make_kv, make_tokens, tier, wait_for, wait_written
+from helpers import CHUNK, MODEL, ServerProc, make_kv, make_tokens, tier, wait_for, wait_written
+from kvdock.testing import RedisCluster
 
 
-def keys_per_master(cluster: RedisClusterProc) -> dict[int, int]:
+def keys_per_master(cluster: RedisCluster) -> dict[int, int]:
     return {p: int(redis_py.Redis(port=p).dbsize()) for p, role in cluster.roles().items() if role == "master"}
 
 
@@ -24,7 +25,7 @@ def prompt(i: int) -> list[int]:
 
 
 def test_two_servers_share_a_cluster_every_master_holds_objects_salts_stay_apart(
-    make_server, redis_cluster: RedisClusterProc
+    make_server, redis_cluster: RedisCluster
 ) -> None:
     a = make_server("--redis-url", redis_cluster.url)
     b = make_server("--redis-url", redis_cluster.url)
@@ -103,7 +104,7 @@ class Load:
 
 
 def test_a_master_killed_under_load_costs_no_errors_no_wrong_bytes_and_l3_comes_back(
-    make_server, redis_cluster: RedisClusterProc
+    make_server, redis_cluster: RedisCluster
 ) -> None:
     a = make_server("--redis-url", redis_cluster.url)
     b = make_server("--redis-url", redis_cluster.url, l1_size="1MiB")  # small: it reads from L3 again and again
@@ -135,7 +136,7 @@ def test_a_master_killed_under_load_costs_no_errors_no_wrong_bytes_and_l3_comes_
     assert f"127.0.0.1:{victim}" not in {n["addr"] for n in tier(b, "l3")["nodes"] if n["role"] == "primary"}
 
 
-def test_the_whole_cluster_down_and_back(make_server, redis_cluster: RedisClusterProc) -> None:
+def test_the_whole_cluster_down_and_back(make_server, redis_cluster: RedisCluster) -> None:
     a = make_server("--redis-url", redis_cluster.url)
     b = make_server("--redis-url", redis_cluster.url)
     with (

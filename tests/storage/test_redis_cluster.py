@@ -6,15 +6,15 @@ from __future__ import annotations
 import redis as redis_py
 from test_redis_store import CHUNK, GEO, NB, H, K, get, payload, put
 
-from helpers import RedisClusterProc, cluster_ports
 from kvdock.storage.redis import RedisTier
+from kvdock.testing import RedisCluster, cluster_ports
 
 
-def masters(cluster: RedisClusterProc) -> list[int]:
+def masters(cluster: RedisCluster) -> list[int]:
     return [port for port, role in cluster.roles().items() if role == "master"]
 
 
-def test_objects_spread_over_every_master_and_read_back_byte_exact(redis_cluster: RedisClusterProc) -> None:
+def test_objects_spread_over_every_master_and_read_back_byte_exact(redis_cluster: RedisCluster) -> None:
     store = RedisTier(redis_cluster.url, timeout=2.0)
     try:
         store.probe()
@@ -40,7 +40,7 @@ def test_objects_spread_over_every_master_and_read_back_byte_exact(redis_cluster
 def test_a_cluster_that_is_down_at_start_is_a_down_tier_until_it_comes(tmp_path) -> None:
     work = tmp_path / "c"
     work.mkdir()
-    cluster = RedisClusterProc(cluster_ports(6), work)
+    cluster = RedisCluster(cluster_ports(6), work)
     store = RedisTier(cluster.url, timeout=0.5)
     try:
         store.probe()  # no node answers: down, and no client yet

@@ -354,3 +354,9 @@ def test_cluster_urls_are_taken_apart_or_refused() -> None:
     with pytest.raises(ConfigError, match="redis_url must start with one of redis://"):
         ServerConfig(redis_url="cluster://h:1").validate()
     assert ServerConfig(redis_url="redis+cluster://127.0.0.1:7000").validate().redis_url
+
+
+def test_the_l3_budget_is_a_size() -> None:
+    assert load_server_config({"redis_max_bytes": "2GiB"}, env={}).redis_max_bytes == 2 * 2**30
+    assert load_server_config({}, env={"KVDOCK_REDIS_MAX_BYTES": "1MiB"}).redis_max_bytes == 2**20
+    assert load_server_config({}, env={}).redis_max_bytes == 0

@@ -25,7 +25,7 @@ DEFAULT_URL = f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}"
 DEFAULT_HTTP_URL = f"http://{DEFAULT_HOST}:{DEFAULT_HTTP_PORT}"
 L1_AUTO_FRACTION = 0.25  # of available memory, when --l1-size is not given
 DISK_AUTO_FRACTION = 0.2  # of the free space in the disk dir, when --disk-size is not given
-SIZE_FIELDS = ("l1_size", "disk_size")
+SIZE_FIELDS = ("l1_size", "disk_size", "redis_max_bytes")
 
 # Hard bounds on what one model registration may declare (checked by the server and the SDK).
 MAX_NUM_LAYERS = 4096
@@ -94,6 +94,7 @@ class ServerConfig:
     disk_size: int = 0  # bytes; 0 = DISK_AUTO_FRACTION of the free space there
     no_disk: bool = False
     redis_url: str = ""  # L3: one Redis, or a cluster (redis+cluster://H:P,H:P/); "" = off
+    redis_max_bytes: int = 0  # bytes of this server's own writes kept in L3 (LRU); 0 = Redis' maxmemory decides
     admin_token: str = ""
     log_level: str = "INFO"
     kv_events_port: int = 0  # PUB socket of KV events (protocol/events.py); 0 = off

@@ -27,7 +27,7 @@ def prompt(i: int) -> list[int]:
 def test_two_servers_share_a_cluster_every_master_holds_objects_salts_stay_apart(
     make_server, redis_cluster: RedisCluster
 ) -> None:
-    a = make_server("--redis-url", redis_cluster.url)
+    a = make_server("--redis-url", redis_cluster.url, "--redis-max-bytes", "1MiB")
     b = make_server("--redis-url", redis_cluster.url)
     with kvd.connect(a.url, a.http_url, MODEL, timeout=10) as ca:
         for i in range(12):
@@ -36,6 +36,8 @@ def test_two_servers_share_a_cluster_every_master_holds_objects_salts_stay_apart
         kvd.store(ca, make_kv(CHUNK, seed=100), shared, cache_salt="alice")
         kvd.store(ca, make_kv(CHUNK, seed=101), shared, cache_salt="bob")
     wait_written(a, "l3", 26)
+    budget = tier(a, "l3")
+    assert budget["capacity_bytes"] == 2**20 and 26 * 3072 < budget["used_bytes"] <= 26 * (3072 + 4096)  # + a header
     counts = keys_per_master(redis_cluster)
     assert len(counts) == 3 and sum(counts.values()) == 26 and min(counts.values()) > 0, counts
     with kvd.connect(b.url, b.http_url, MODEL, timeout=10) as cb:

@@ -10,6 +10,7 @@ import pytest
 import redis as redis_py
 
 from helpers import RedisProc
+from kvdock.errors import NoRoom
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.storage import TIER_KINDS, objfile
@@ -303,5 +304,29 @@ def test_display_url_of_a_password_with_an_at_sign(redis_server: RedisProc, raw:
         assert store.up() and store.last_error == ""  # the URL works: this is the password
         assert "ss" not in store.display_url, store.display_url
         assert store.display_url == f"redis://***@127.0.0.1:{redis_server.port}/0"
+    finally:
+        store.close()
+
+
+def test_a_budget_keeps_this_servers_writes_within_max_bytes_lru_first(redis_server: RedisProc, raw) -> None:
+    size = len(objfile.encode_header(K(1), DTYPE, SHAPE, memoryview(payload(1)), 1, 0)) + NB
+    store = RedisTier(redis_server.url, timeout=2.0, max_bytes=3 * size)
+    try:
+        for i in (1, 2, 3):
+            put(store, K(i))
+        assert store.status()["used_bytes"] == 3 * size and store.status()["capacity_bytes"] == 3 * size
+        assert get(store, K(1)) == payload(1)  # read here: K(1) is now the most recently used
+        put(store, K(4))  # over budget: the least recently used of this server's writes goes
+        assert get(store, K(2)) is None and raw.dbsize() == 3
+        assert [get(store, K(i)) is not None for i in (1, 3, 4)] == [True, True, True]
+        put(store, K(4), payload(40), Head(40, 0))  # rewriting a key takes no more room
+        assert raw.dbsize() == 3 and store.status()["used_bytes"] == 3 * size
+        store.delete(K(3))
+        assert store.status()["used_bytes"] == 2 * size
+        big = RedisTier(redis_server.url, timeout=2.0, max_bytes=size - 1)
+        with pytest.raises(NoRoom, match="do not fit in the L3 budget"):
+            put(big, K(9))
+        assert get(store, K(9)) is None and raw.dbsize() == 2
+        big.close()
     finally:
         store.close()

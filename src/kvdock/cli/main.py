@@ -22,7 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     names = (
         "host port http_port chunk_size l1_size session_ttl client_ttl max_models max_request_tokens admin_token "
-        "log_level disk_dir disk_size redis_url kv_events_port"
+        "log_level disk_dir disk_size redis_url redis_max_bytes kv_events_port"
     )
     cli: dict[str, object] = {k: getattr(args, k) for k in names.split()}
     cli["no_shm"] = True if args.no_shm else None
@@ -242,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-url",
         help="L3 shared by servers: a Redis/Valkey (redis://[:PASSWORD@]HOST:PORT/DB, rediss://) or a Redis "
         "Cluster (redis+cluster://[:PASSWORD@]HOST:PORT,HOST:PORT/, rediss+cluster://)",
+    )
+    s.add_argument(
+        "--redis-max-bytes",
+        help="L3 budget of this server's own writes, e.g. 50GiB: past it, its least recently used are deleted",
     )
     s.add_argument("--kv-events-port", type=int, help="publish KV events (chunks stored / removed) on this port")
     s.add_argument(

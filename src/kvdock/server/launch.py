@@ -125,7 +125,7 @@ def _open_redis(config: ServerConfig) -> RedisTier | None:
         return None
     from kvdock.storage.redis import RedisTier  # imports redis-py: only a server with an L3 does
 
-    store = tier_factory("l3")(config.redis_url)
+    store = tier_factory("l3")(config.redis_url, max_bytes=config.redis_max_bytes)
     assert isinstance(store, RedisTier)
     store.probe()
     if store.up():

@@ -18,6 +18,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import redis as redis_py
@@ -25,7 +26,7 @@ import redis.cluster as redis_cluster
 from blake3 import blake3
 
 from kvdock.config import CLUSTER_SCHEMES, parse_cluster_url
-from kvdock.errors import CorruptObject
+from kvdock.errors import CorruptObject, NoRoom
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.storage import objfile
@@ -68,9 +69,14 @@ class RedisTier(StorageTier):
 
     name = "l3"
 
-    def __init__(self, url: str, timeout: float = 5.0) -> None:
+    def __init__(self, url: str, timeout: float = 5.0, max_bytes: int = 0) -> None:
         self.url = url
         self.timeout = timeout
+        # with max_bytes, this server keeps at most that many bytes of its own writes in L3,
+        # deleting the least recently used of them (written or read here) to make room
+        self.max_bytes = max_bytes
+        self._written: OrderedDict[bytes, int] = OrderedDict()  # redis key -> bytes (under _lock)
+        self._written_bytes = 0
         self.cluster = url.startswith(CLUSTER_SCHEMES)
         self.counters = TierCounters()
         # a cluster client connects when made: made by the first probe, so that a server whose
@@ -136,6 +142,8 @@ class RedisTier(StorageTier):
         key's hash tag is the final key, so both lie in one hash slot (a cluster renames within a
         slot only), and it expires if the write dies half-way."""
         final = redis_key(key)
+        size = len(header) + len(payload)
+        self._make_room(final, size)
         tmp = b"{" + final + b"}:tmp:" + secrets.token_hex(8).encode()
         if self.cluster:  # redis-py refuses RENAME in a cluster pipeline: three commands (RENAME is atomic)
             self._redis.set(tmp, header, ex=TMP_TTL_S)
@@ -147,7 +155,32 @@ class RedisTier(StorageTier):
             pipe.append(tmp, payload)
             pipe.rename(tmp, final)
             pipe.execute()
-        return len(header) + len(payload)
+        if self.max_bytes:
+            with self._lock:
+                self._written_bytes += size - self._written.pop(final, 0)
+                self._written[final] = size
+        return size
+
+    def _make_room(self, final: bytes, size: int) -> None:
+        """[writer] Delete this server's least recently used writes until ``size`` more bytes fit
+        in ``max_bytes``; NoRoom if they never can. (A key deleted here may hold another server's
+        newer write by now: that is a miss for it, never wrong bytes.)"""
+        if not self.max_bytes:
+            return
+        if size > self.max_bytes:
+            raise NoRoom(f"{size} bytes do not fit in the L3 budget of {self.max_bytes}")
+        while True:
+            with self._lock:
+                over = self._written_bytes - self._written.get(final, 0) + size - self.max_bytes
+                if over <= 0 or not self._written:
+                    return
+                victim, nbytes = next(iter(self._written.items()))
+                if victim == final:
+                    self._written.move_to_end(victim)
+                    continue
+                del self._written[victim]
+                self._written_bytes -= nbytes
+            self._redis.delete(victim)
 
     def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
         value = self._redis.get(redis_key(key))
@@ -169,6 +202,10 @@ class RedisTier(StorageTier):
             log.warning("L3: corrupted value for %s (%s); deleted", key.chunk.hex()[:16], e)
             return None
         out[:] = payload
+        if self.max_bytes:
+            with self._lock:
+                if redis_key(key) in self._written:
+                    self._written.move_to_end(redis_key(key))
         return Head(header.version, header.parent)
 
     HEAD_BYTES = 512  # enough for the header of any object (fetched whole if it is longer)
@@ -196,12 +233,16 @@ class RedisTier(StorageTier):
     def delete(self, key: ObjectKey) -> None:
         """DEL; with the default appendfsync the deletion is as durable as Redis makes anything."""
         self._redis.delete(redis_key(key))
+        with self._lock:
+            self._written_bytes -= self._written.pop(redis_key(key), 0)
 
     def clear(self) -> int:
         return 0  # shared by other servers: never cleared from here
 
     def status(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"kind": "redis", "up": self._up, "url": self.display_url, "last_error": self.last_error}
+        if self.max_bytes:  # what this server wrote and keeps there (other servers' writes not counted)
+            doc["used_bytes"], doc["capacity_bytes"] = self._written_bytes, self.max_bytes
         if self.cluster:
             doc["kind"] = "redis-cluster"
             doc["nodes"] = self.nodes()

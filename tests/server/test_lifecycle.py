@@ -132,11 +132,12 @@ def test_default_l1_size_is_printed(tmp_path) -> None:
     try:
         assert p.stdout is not None
         lines: list[str] = []
-        while not lines or "kvdock serving" not in lines[-1]:  # a stale-segment note may come first
+        while not lines or "L1 size:" not in lines[-1]:  # a stale-segment note may come first
             lines.append(p.stdout.readline())
             assert lines[-1], f"server exited: {lines}"
-        size_line = next(x for x in lines if "L1 size:" in x)
-        assert "auto: 25% of available memory" in size_line, lines
+        assert "auto: 25% of available memory" in lines[-1], lines
     finally:
+        # at once: no need to wait while it pre-faults a quarter of the machine's memory (an
+        # interrupted start unwinds and exits 130, as after Ctrl-C)
         p.send_signal(signal.SIGTERM)
-        assert p.wait(30) == 0
+        assert p.wait(30) in (0, 130)

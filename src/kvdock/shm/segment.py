@@ -118,7 +118,7 @@ class PoolSegment:
             try:
                 os.posix_fallocate(fd, 0, size)
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-            except OSError:
+            except BaseException:  # ENOSPC, or a SIGTERM / Ctrl-C while it pre-faults (seconds)
                 os.unlink(SHM_DIR / name)
                 raise
         finally:

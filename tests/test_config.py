@@ -360,3 +360,23 @@ def test_the_l3_budget_is_a_size() -> None:
     assert load_server_config({"redis_max_bytes": "2GiB"}, env={}).redis_max_bytes == 2 * 2**30
     assert load_server_config({}, env={"KVDOCK_REDIS_MAX_BYTES": "1MiB"}).redis_max_bytes == 2**20
     assert load_server_config({}, env={}).redis_max_bytes == 0
+
+
+def test_cluster_urls_with_ipv6_start_nodes_and_ports_that_collide() -> None:
+    from kvdock.config import parse_cluster_url
+
+    assert parse_cluster_url("redis+cluster://[::1]:7000,10.0.0.2:7001/").nodes == (("::1", 7000), ("10.0.0.2", 7001))
+    with pytest.raises(ConfigError, match="'::1:7000' is not HOST:PORT"):
+        parse_cluster_url("redis+cluster://::1:7000")  # ambiguous without brackets
+    with pytest.raises(ConfigError, match="kv_events_port 5555 must differ"):
+        ServerConfig(kv_events_port=5555).validate()
+    assert ServerConfig(kv_events_port=5557).validate().kv_events_url == "tcp://127.0.0.1:5557"
+
+
+def test_events_name_the_host_when_the_server_binds_every_address() -> None:
+    import socket
+
+    from kvdock.server.events import advertised_url
+
+    assert advertised_url(ServerConfig(host="0.0.0.0", port=6000)) == f"tcp://{socket.getfqdn()}:6000"
+    assert advertised_url(ServerConfig(host="10.1.2.3", port=6000)) == "tcp://10.1.2.3:6000"

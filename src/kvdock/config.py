@@ -122,6 +122,11 @@ class ServerConfig:
         for name in ("port", "http_port", "kv_events_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} out of range: {getattr(self, name)}")
+        ports = [p for p in (self.port, self.http_port, self.kv_events_port) if p]
+        if len(set(ports)) != len(ports):
+            raise ConfigError(
+                f"port {self.port}, http_port {self.http_port} and kv_events_port {self.kv_events_port} must differ"
+            )
         return self
 
 
@@ -236,12 +241,13 @@ def parse_cluster_url(url: str) -> ClusterURL:
     nodes = []
     for part in hosts.rstrip("/").split(","):
         host, sep, port = part.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        bracketed = host.startswith("[") and host.endswith("]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or (":" in host and not bracketed):
             raise ConfigError(
                 f"redis_url {url!r}: {part!r} is not HOST:PORT "
-                "(a cluster URL lists its start nodes: redis+cluster://HOST:PORT,HOST:PORT/)"
+                "(a cluster URL lists its start nodes: redis+cluster://HOST:PORT,[IPV6]:PORT/)"
             )
-        nodes.append((host, int(port)))
+        nodes.append((host[1:-1] if bracketed else host, int(port)))
     return ClusterURL(tuple(nodes), unquote(user) or None, unquote(password) or None, url.startswith("rediss"))
 
 

@@ -51,6 +51,12 @@ def chunk_hashes(tokens: np.ndarray, chunk_size: int) -> list[bytes]:
     return out
 
 
+def namespace(model: str, rank: int, salt: str) -> str:
+    """The 32-hex-digit name of a (model, rank, cache_salt) namespace: what L3 keys and KV events
+    carry instead of the salt itself (a salt is a secret of its tenant)."""
+    return blake3(model.encode() + b"\0" + str(rank).encode() + b"\0" + salt.encode()).hexdigest()[:32]
+
+
 def tokens_from_bytes(data: bytes) -> np.ndarray:
     """Decode the wire form of token ids; raises ValueError on a ragged buffer."""
     if len(data) % TOKEN_DTYPE.itemsize:

@@ -8,6 +8,7 @@ import random
 import threading
 import time
 
+import pytest
 import redis as redis_py
 import torch
 
@@ -27,6 +28,9 @@ def prompt(i: int) -> list[int]:
 def test_two_servers_share_a_cluster_every_master_holds_objects_salts_stay_apart(
     make_server, redis_cluster: RedisCluster
 ) -> None:
+    node = redis_cluster.ports[0]
+    with pytest.raises(RuntimeError, match="is a Redis Cluster node: give the cluster as redis\\+cluster://"):
+        make_server("--redis-url", f"redis://127.0.0.1:{node}/0")  # one node reaches one shard only
     a = make_server("--redis-url", redis_cluster.url, "--redis-max-bytes", "1MiB")
     b = make_server("--redis-url", redis_cluster.url)
     with kvd.connect(a.url, a.http_url, MODEL, timeout=10) as ca:
@@ -160,3 +164,43 @@ def test_the_whole_cluster_down_and_back(make_server, redis_cluster: RedisCluste
         wait_for(lambda: tier(a, "l3")["writes"] >= 4, "the write-down after the outage")
         assert torch.equal(kvd.retrieve(cb, prompt(3)), make_kv(2 * CHUNK, seed=3))
         assert kvd.check_server_integrity(ca) == [] and kvd.check_server_integrity(cb) == []
+
+
+def test_a_shard_that_stops_answering_costs_one_bounded_wait_then_misses(
+    make_server, redis_cluster: RedisCluster
+) -> None:
+    """Both nodes of a shard SIGSTOPped (they accept connections and never answer): a request that
+    needs L3 waits at most about two socket timeouts, once; then the tier is down and requests are
+    served from L1 or miss at once, and L3 comes back after SIGCONT. (redis-py's default of ten
+    retries once made each such call take a minute, and clients got errors.)"""
+    import os
+    import signal
+
+    a = make_server("--redis-url", redis_cluster.url)
+    b = make_server("--redis-url", redis_cluster.url)
+    with kvd.connect(a.url, a.http_url, MODEL, timeout=30) as ca:
+        for i in range(20):
+            kvd.store(ca, make_kv(2 * CHUNK, seed=i), prompt(i))
+    wait_written(a, "l3", 40)
+    master = next(p for p, role in redis_cluster.roles().items() if role == "master")
+    stopped = [master] + [p for p, r in redis_cluster.roles().items() if r == "slave" and
+                          f"master_port:{master}" in redis_cluster.cli(p, "info", "replication")]  # fmt: skip
+    for p in stopped:
+        os.kill(redis_cluster.procs[p].pid, signal.SIGSTOP)
+    try:
+        with kvd.connect(b.url, b.http_url, MODEL, timeout=30) as cb:
+            t0 = time.monotonic()
+            got = kvd.retrieve_many(cb, [prompt(i) for i in range(20)])  # some need the stopped shard
+            first = time.monotonic() - t0
+            assert first < 15, first
+            assert all(
+                g is None or torch.equal(g, make_kv(2 * CHUNK, seed=i)[:, :, : g.shape[2]]) for i, g in enumerate(got)
+            )
+            wait_for(lambda: not tier(b, "l3")["up"], "B to see L3 down", 20)
+            t0 = time.monotonic()
+            assert kvd.retrieve(cb, prompt(999)) is None  # not cached anywhere: a miss, at once
+            assert time.monotonic() - t0 < 2
+    finally:
+        for p in stopped:
+            os.kill(redis_cluster.procs[p].pid, signal.SIGCONT)
+    wait_for(lambda: tier(b, "l3")["up"], "L3 back after SIGCONT", 60)

@@ -7,13 +7,14 @@ import contextlib
 import json
 import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 
 import kvdock.sdk as kvd
 from helpers import CHUNK, MODEL, free_port, make_kv, make_tokens
-from kvdock.keys import ObjectKey, chunk_hashes
-from kvdock.protocol.events import ChunkRemoved, ChunkStored
+from kvdock.keys import ObjectKey, chunk_hashes, namespace
+from kvdock.protocol.events import AllChunksCleared, ChunkRemoved, ChunkStored
 from kvdock.server.events import ChunkEvents
 from kvdock.server.metrics import Metrics
 from kvdock.storage.memory import L1Object
@@ -66,8 +67,9 @@ def test_stored_and_evicted_chunks_are_published_in_order(make_server) -> None:
             kvd.store(c, make_kv(CHUNK, seed=2), a[:CHUNK], cache_salt="s")
             seen = events.read(lambda e: sum(isinstance(x, ChunkStored) for x in e) >= 2)
             stored = [x for x in seen if isinstance(x, ChunkStored)]
-            assert stored[0] == ChunkStored(hashes(a), MODEL, 0, "", CHUNK)  # one event for the 3 chunks
-            assert stored[1] == ChunkStored(hashes(a)[:1], MODEL, 0, "s", CHUNK)
+            assert stored[0] == ChunkStored(hashes(a), MODEL, 0, namespace(MODEL, 0, ""), CHUNK)  # one for 3 chunks
+            assert stored[1] == ChunkStored(hashes(a)[:1], MODEL, 0, namespace(MODEL, 0, "s"), CHUNK)
+            assert "s" not in {x.namespace for x in stored}  # the salt itself is never published
             events.events.clear()
             big = make_tokens(256 * CHUNK, start=20_000)  # the whole pool: evicts everything else
             kvd.store(c, make_kv(256 * CHUNK, seed=3), big)
@@ -77,6 +79,10 @@ def test_stored_and_evicted_chunks_are_published_in_order(make_server) -> None:
             assert all(x.medium == "l1" for x in seen)  # type: ignore[attr-defined]
             assert srv.metric("kvdock_evictions_total") >= 5
             assert events.seqs == sorted(events.seqs)
+            events.events.clear()
+            req = urllib.request.Request(srv.http_url + "/admin/clear?tier=l1", method="POST")
+            urllib.request.urlopen(req, timeout=10).close()
+            assert events.read(lambda e: bool(e)) == [AllChunksCleared("l1")]  # one event, not 256
     finally:
         events.sub.close()
 
@@ -133,9 +139,17 @@ def test_consecutive_chunks_share_an_event_and_a_full_backlog_drops_the_oldest(m
     journal.stored(obj("x", 3))  # a third event: the oldest goes
     assert journal.flush("tcp://h:1") == 2
     (batch,) = sent
-    assert batch.dropped == 2 and batch.server == "tcp://h:1"
+    assert batch.server == "tcp://h:1" and batch.dropped == 2  # the first event: 2 chunks stored
     assert batch.events == [
-        ChunkRemoved([bytes([1]) * 32], MODEL, 0, ""),
-        ChunkStored([bytes([3]) * 32], MODEL, 0, "x", CHUNK),
+        ChunkRemoved([bytes([1]) * 32], MODEL, 0, namespace(MODEL, 0, "")),
+        ChunkStored([bytes([3]) * 32], MODEL, 0, namespace(MODEL, 0, "x"), CHUNK),
     ]
+    assert namespace(MODEL, 0, "x") != namespace(MODEL, 0, "") and len(namespace(MODEL, 0, "x")) == 32
     assert journal.flush("tcp://h:1") == 0
+
+
+def test_kvdock_events_says_when_nothing_listens(capsys) -> None:
+    from kvdock.cli.main import main
+
+    assert main(["events", "--url", f"tcp://127.0.0.1:{free_port()}", "--timeout", "1"]) == 2
+    assert "nothing answers at tcp://127.0.0.1:" in capsys.readouterr().err

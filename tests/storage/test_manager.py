@@ -59,6 +59,9 @@ class Harness:
         if evicted:
             self.evicted.append(obj.key)
 
+    def cleared(self) -> None:
+        pass
+
     def check(self) -> None:
         self.mgr.check_integrity()
 

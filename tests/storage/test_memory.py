@@ -37,6 +37,9 @@ class Harness:
         else:
             self.deleted.append(obj.key)
 
+    def cleared(self) -> None:
+        self.deleted.append(ObjectKey("*", 0, "", b""))
+
     def put(self, key: ObjectKey, nbytes: int = SMALL) -> L1Object:
         obj = self.store.reserve(key, nbytes)
         assert obj is not None, f"no room for {key}"

@@ -3,10 +3,11 @@ every shard, atomic writes within a slot, a cluster that is down at start, the n
 
 from __future__ import annotations
 
+import pytest
 import redis as redis_py
 from test_redis_store import CHUNK, GEO, NB, H, K, get, payload, put
 
-from kvdock.storage.redis import RedisTier
+from kvdock.storage.redis import RedisTier, redis_key
 from kvdock.testing import RedisCluster, cluster_ports
 
 
@@ -25,8 +26,10 @@ def test_objects_spread_over_every_master_and_read_back_byte_exact(redis_cluster
         assert store.heads([K(i) for i in range(1, 61)]) == [H(i) for i in range(1, 61)]  # pipelined over nodes
         counts = [redis_py.Redis(port=p).dbsize() for p in masters(redis_cluster)]
         assert len(counts) == 3 and sum(counts) == 60 and min(counts) > 5, counts  # not one slot for all
-        leftovers = [k for p in masters(redis_cluster) for k in redis_py.Redis(port=p).scan_iter("*:tmp:*")]
-        assert leftovers == []  # every temporary key was renamed within its slot
+        ttls = {
+            redis_py.Redis(port=p).ttl(k) for p in masters(redis_cluster) for k in redis_py.Redis(port=p).scan_iter()
+        }
+        assert ttls == {-1}  # no temporary keys, no expiry
         store.delete(K(7))
         assert get(store, K(7)) is None and store.heads([K(6), K(7), K(8)]) == [H(6)]
         doc = store.status()
@@ -60,3 +63,33 @@ def test_a_cluster_that_is_down_at_start_is_a_down_tier_until_it_comes(tmp_path)
     finally:
         store.close()
         cluster.stop()
+
+
+def test_a_deletion_no_replica_acknowledges_is_refused(redis_cluster: RedisCluster) -> None:
+    """Replication is asynchronous: a replica promoted after a master acknowledged a DEL (the
+    older version an overwrite replaced) could bring that version back. A deletion waits for a
+    replica of its shard, and raises (the overwrite is then refused) when none has it in time."""
+    import os
+    import signal
+
+    store = RedisTier(redis_cluster.url, timeout=5.0)
+    try:
+        store.probe()
+        put(store, K(1))
+        master = store._redis.get_node_from_key(redis_key(K(1))).port
+        replica = next(
+            p for p, role in redis_cluster.roles().items()
+            if role == "slave" and f"master_port:{master}" in redis_cluster.cli(p, "info", "replication")
+        )  # fmt: skip
+        os.kill(redis_cluster.procs[replica].pid, signal.SIGSTOP)  # it stops taking the stream,
+        redis_cluster.cli(master, "client", "kill", "type", "replica")  # and the master forgets it
+        try:
+            with pytest.raises(redis_py.RedisError, match=r"no replica of .* acknowledged the deletion"):
+                store.delete(K(1))
+        finally:
+            os.kill(redis_cluster.procs[replica].pid, signal.SIGCONT)
+        put(store, K(2))
+        store.delete(K(2))  # acknowledged: fine
+        assert get(store, K(2)) is None
+    finally:
+        store.close()

@@ -180,6 +180,7 @@ def _events(args: argparse.Namespace) -> int:
 
     from kvdock.transport.events import EventSubscriber
 
+    _check_reachable(args.url)
     sub = EventSubscriber(args.url)
     seen, expect = 0, None
     try:
@@ -191,6 +192,8 @@ def _events(args: argparse.Namespace) -> int:
             if expect is not None and seq != expect:
                 print(json.dumps({"missed_batches": seq - expect}), flush=True)
             expect = seq + 1
+            if batch.dropped:
+                print(json.dumps({"dropped_chunks": batch.dropped}), flush=True)  # the server's backlog overflowed
             for event in batch.events:
                 # the tag names the event ("type": "ChunkStored", ...)
                 doc = {"seq": seq, "ts": batch.ts, "server": batch.server, **msgspec.to_builtins(event)}
@@ -201,6 +204,20 @@ def _events(args: argparse.Namespace) -> int:
     finally:
         sub.close()
     return 0
+
+
+def _check_reachable(url: str) -> None:
+    """ConfigError if nothing listens at a ``tcp://HOST:PORT`` URL (a SUB socket would wait
+    silently forever, which looks like a server with no events)."""
+    import socket
+
+    if not url.startswith("tcp://"):
+        return
+    host, _, port = url.removeprefix("tcp://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"nothing answers at {url} ({e}); is the server running with --kv-events-port?") from None
 
 
 def _client_flags(p: argparse.ArgumentParser) -> None:

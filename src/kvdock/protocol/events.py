@@ -24,27 +24,31 @@ class _Event(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
 
 
 class ChunkStored(_Event, frozen=True):
-    """Chunks of one model, rank and salt became readable on this server (in ``medium``)."""
+    """Chunks of one namespace became readable on this server (in ``medium``). ``namespace`` is
+    ``kvdock.keys.namespace(model, rank, cache_salt)``: a router computes it for a request's salt;
+    the salt itself, a tenant's secret, is never published."""
 
     chunk_hashes: list[bytes]
     model: str
     rank: int
-    cache_salt: str
+    namespace: str
     chunk_size: int
     medium: str = "l1"
 
 
 class ChunkRemoved(_Event, frozen=True):
-    """Chunks left ``medium`` (evicted, deleted, cleared) and are no longer served from it."""
+    """Chunks left ``medium`` (evicted or deleted) and are no longer served from it."""
 
     chunk_hashes: list[bytes]
     model: str
     rank: int
-    cache_salt: str
+    namespace: str
     medium: str = "l1"
 
 
 class AllChunksCleared(_Event, frozen=True):
+    """Everything left ``medium`` (an admin clear)."""
+
     medium: str = "l1"
 
 
@@ -55,7 +59,7 @@ class KVEventBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ts: float  # time.time() when the batch was sent
     server: str  # the publishing server's ZMQ URL (which host to route to)
     events: list[Event]
-    dropped: int = 0  # events this server dropped before this batch (a backlog over its cap)
+    dropped: int = 0  # chunk hashes this server dropped since its last batch (a backlog over its cap)
 
 
 _encoder = msgspec.msgpack.Encoder()

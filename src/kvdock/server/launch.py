@@ -26,7 +26,7 @@ from kvdock.errors import ConfigError, DiskInUseError, ProtocolError
 from kvdock.protocol import ErrorCode, decode_request, encode
 from kvdock.protocol.messages import Error, PrepareRetrieve, PrepareRetrieveMany
 from kvdock.server.dispatch import handle
-from kvdock.server.events import FLUSH_S, ChunkEvents
+from kvdock.server.events import FLUSH_S, ChunkEvents, advertised_url
 from kvdock.server.http import make_app, request_logger
 from kvdock.server.metrics import Metrics
 from kvdock.server.registry import Registry
@@ -129,6 +129,12 @@ def _open_redis(config: ServerConfig) -> RedisTier | None:
     assert isinstance(store, RedisTier)
     store.probe()
     if store.up():
+        if store.is_cluster_node():
+            store.close()
+            raise ConfigError(
+                f"{store.display_url} is a Redis Cluster node: give the cluster as "
+                f"redis+cluster://HOST:PORT,HOST:PORT/ (one node's URL reaches only its own shard)"
+            )
         log.info("L3 redis %s: connected", store.display_url)
     return store
 
@@ -341,7 +347,7 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
             asyncio.create_task(_probe(state)),
         ]
         if config.kv_events_url:
-            tasks.append(asyncio.create_task(_publish_events(state, config.zmq_url)))
+            tasks.append(asyncio.create_task(_publish_events(state, advertised_url(config))))
             log.info("KV events: %s", config.kv_events_url)
         if ready is not None:
             ready.set()

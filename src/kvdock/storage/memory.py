@@ -47,6 +47,9 @@ class L1Watcher(Protocol):
     def removed(self, obj: L1Object, evicted: bool) -> None:
         """``obj``'s key has no READY object any more: evicted (LRU, for room) or deleted."""
 
+    def cleared(self) -> None:
+        """No key has a READY object any more (:meth:`L1Store.clear`; no ``removed`` calls)."""
+
 
 class L1Store:
     """Objects of the L1 pool. Not thread-safe: the server calls it from its event loop only."""
@@ -187,10 +190,13 @@ class L1Store:
 
     def clear(self) -> int:
         """Delete every READY object; returns how many. Reservations in flight are kept."""
-        keys = list(self._ready)
-        for key in keys:
-            self.remove(key)
-        return len(keys)
+        objs = list(self._ready.values())
+        self._ready.clear()
+        for obj in objs:
+            self._retire(obj)
+        if self._watcher:
+            self._watcher.cleared()
+        return len(objs)
 
     def _retire(self, obj: L1Object) -> None:
         if self._ready.get(obj.key) is obj:

@@ -15,7 +15,6 @@ event loop, so it is guarded by a lock.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -23,11 +22,12 @@ from typing import Any
 
 import redis as redis_py
 import redis.cluster as redis_cluster
-from blake3 import blake3
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from kvdock.config import CLUSTER_SCHEMES, parse_cluster_url
 from kvdock.errors import CorruptObject, NoRoom
-from kvdock.keys import ObjectKey
+from kvdock.keys import ObjectKey, namespace
 from kvdock.layout import KVGeometry
 from kvdock.storage import objfile
 from kvdock.storage.tier import Head, StorageTier, TierCounters, tier_kind
@@ -37,7 +37,11 @@ log = logging.getLogger(__name__)
 BACKOFF_MAX = 30.0
 # RedisClusterException (no slots, cluster down at start) is not a RedisError
 ERRORS = (redis_py.RedisError, redis_py.exceptions.RedisClusterException, OSError)
-TMP_TTL_S = 300  # a temporary key left by a write that died half-way expires
+# SET + APPEND of one key as one script: Redis runs a script atomically, so readers see the old
+# value or the whole new one, and it is a single-key command (it goes to the key's node, follows
+# slot migrations, and needs no temporary key: no TTL, no leftovers, no multi-key RENAME)
+WRITE_SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]); redis.call('APPEND', KEYS[1], ARGV[2])"
+DELETE_WAIT_MS = 1000  # how long a deletion waits for a replica to have it too (cluster)
 
 
 def make_client(url: str, timeout: float) -> Any:
@@ -55,12 +59,14 @@ def make_client(url: str, timeout: float) -> Any:
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         require_full_coverage=False,  # the shards that are up keep serving while one fails over
+        # one retry (after a failover the first attempt finds the old primary gone); the default
+        # of ten turned a shard that stopped answering into a minute per call on the lane's thread
+        retry=Retry(NoBackoff(), 1),
     )
 
 
 def redis_key(key: ObjectKey) -> bytes:
-    ns = blake3(key.model.encode() + b"\0" + str(key.rank).encode() + b"\0" + key.salt.encode()).hexdigest()[:32]
-    return f"kvdock:v1:{ns}:{key.chunk.hex()}".encode()
+    return f"kvdock:v1:{namespace(key.model, key.rank, key.salt)}:{key.chunk.hex()}".encode()
 
 
 @tier_kind("l3")
@@ -117,11 +123,16 @@ class RedisTier(StorageTier):
             return not self._up and time.monotonic() >= self._retry_at
 
     def probe(self) -> None:
-        """PING (making the cluster client first if need be); on success mark the tier up again."""
+        """PING (making the cluster client first if need be; every primary of a cluster); on
+        success mark the tier up again. While a shard of a cluster is down the whole tier is
+        down for this server: its reads are misses until the shard's replica has taken over."""
         try:
             if self._client is None:
                 self._client = make_client(self.url, self.timeout)
-            self._client.ping()
+            if self.cluster:  # every shard: a default node answering says nothing of a dead master
+                self._client.ping(target_nodes=redis_cluster.RedisCluster.PRIMARIES)
+            else:
+                self._client.ping()
         except ERRORS as e:
             self.failed(e)
             return
@@ -131,6 +142,14 @@ class RedisTier(StorageTier):
             self._up = True
             self._backoff = 1.0
 
+    def is_cluster_node(self) -> bool:
+        """[any, at start] Whether a single-server URL points at a Redis Cluster node (it would
+        answer MOVED for the other shards' keys)."""
+        try:
+            return not self.cluster and int(self._redis.info("cluster").get("cluster_enabled", 0)) == 1
+        except ERRORS:
+            return False
+
     @property
     def _redis(self) -> Any:
         if self._client is None:  # a cluster never reached yet (the lane marks the tier down)
@@ -138,23 +157,11 @@ class RedisTier(StorageTier):
         return self._client
 
     def write_from(self, key: ObjectKey, header: bytes, payload: memoryview) -> int:
-        """Store atomically: build the value under a temporary key, then RENAME. The temporary
-        key's hash tag is the final key, so both lie in one hash slot (a cluster renames within a
-        slot only), and it expires if the write dies half-way."""
+        """Store ``header + payload`` under the key in one atomic script (WRITE_SCRIPT)."""
         final = redis_key(key)
         size = len(header) + len(payload)
         self._make_room(final, size)
-        tmp = b"{" + final + b"}:tmp:" + secrets.token_hex(8).encode()
-        if self.cluster:  # redis-py refuses RENAME in a cluster pipeline: three commands (RENAME is atomic)
-            self._redis.set(tmp, header, ex=TMP_TTL_S)
-            self._redis.append(tmp, payload)
-            self._redis.rename(tmp, final)
-        else:
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.set(tmp, header, ex=TMP_TTL_S)
-            pipe.append(tmp, payload)
-            pipe.rename(tmp, final)
-            pipe.execute()
+        self._redis.eval(WRITE_SCRIPT, 1, final, header, payload)
         if self.max_bytes:
             with self._lock:
                 self._written_bytes += size - self._written.pop(final, 0)
@@ -231,8 +238,30 @@ class RedisTier(StorageTier):
         return out
 
     def delete(self, key: ObjectKey) -> None:
-        """DEL; with the default appendfsync the deletion is as durable as Redis makes anything."""
-        self._redis.delete(redis_key(key))
+        """DEL; with the default appendfsync the deletion is as durable as Redis makes anything.
+        On a cluster the DEL is followed by WAIT on the same connection: a replica promoted later
+        must not bring back the version an overwrite deleted (replication is asynchronous), so
+        the deletion raises (and the overwrite is refused) unless a replica of the key's shard
+        has it too, or the cluster lists no replica for that shard. (Best effort, as Redis says of
+        WAIT.)"""
+        final = redis_key(key)
+        if not self.cluster:
+            self._redis.delete(final)
+        else:
+            client = self._redis
+            shard = client.nodes_manager.slots_cache.get(client.keyslot(final), [])
+            node = client.get_node_from_key(final)
+            pipe = client.get_redis_connection(node).pipeline(transaction=False)
+            pipe.delete(final)
+            pipe.execute_command("WAIT", 1, DELETE_WAIT_MS)
+            _, acked = pipe.execute()
+            # a replica that is merely disconnected now can still be promoted: while the topology
+            # lists one for this shard, one must have the deletion
+            if int(acked) < 1 and len(shard) > 1:
+                raise redis_py.exceptions.RedisError(
+                    f"no replica of {node.name} acknowledged the deletion of an overwritten chunk within "
+                    f"{DELETE_WAIT_MS} ms; a failover could bring the old version back"
+                )
         with self._lock:
             self._written_bytes -= self._written.pop(redis_key(key), 0)
 

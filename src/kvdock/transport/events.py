@@ -12,9 +12,10 @@ from kvdock.protocol.events import TOPIC, KVEventBatch, decode_batch, encode_bat
 
 class EventPublisher:
     """A PUB socket bound to ``url``. Sends never block: a subscriber that does not keep up loses
-    messages past zmq's high-water mark (it sees a gap in ``seq``). The event loop only."""
+    messages past zmq's high-water mark (it sees a gap in ``seq``), so a subscriber that stops
+    reading holds at most ``hwm`` batches of this server's memory. The event loop only."""
 
-    def __init__(self, url: str, hwm: int = 10_000) -> None:
+    def __init__(self, url: str, hwm: int = 8) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -152,7 +152,7 @@ def cluster_ports(n: int) -> list[int]:
 
     found: list[int] = []
     while len(found) < n:
-        port = random.randrange(20000, 30000)
+        port = random.randrange(10000, 20000)  # and its bus below 30000: clear of the ephemeral ports
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", port))

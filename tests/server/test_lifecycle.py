@@ -141,3 +141,14 @@ def test_default_l1_size_is_printed(tmp_path) -> None:
         # interrupted start unwinds and exits 130, as after Ctrl-C)
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) in (0, 130)
+
+
+def test_a_control_port_in_use_is_a_clear_error(tmp_path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(
+            RuntimeError, match=r"exited with 2:[\s\S]*cannot listen on tcp://127.0.0.1:\d+: Address already in use"
+        ):
+            start_server(tmp_path, port=port)

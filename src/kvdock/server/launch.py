@@ -322,7 +322,10 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
     # no frame of a valid request is larger than a chunk (which fits in the pool) or the token ids
     # of the largest request: refuse bigger ones before zmq buffers them
     max_frame = max(state.manager.l1.allocator.capacity, 4 * config.max_request_tokens) + (1 << 20)
-    control = ControlServer(config.zmq_url, max_frame)
+    try:
+        control = ControlServer(config.zmq_url, max_frame)
+    except zmq.ZMQError as e:
+        raise ConfigError(f"cannot listen on {config.zmq_url}: {e}") from None
     runner = web.AppRunner(make_app(state, config), access_log=None, logger=request_logger())
     await runner.setup()
     try:

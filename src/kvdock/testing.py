@@ -227,7 +227,8 @@ class RedisCluster:
 
     def wait_ok(self, timeout: float = 30.0) -> None:
         """Until every live node reports ``cluster_state:ok``, ``masters`` masters are live, and
-        every slot range lists its replicas (a client made before they attached would not know them)."""
+        every node lists the replicas of every slot range (a client made before they attached
+        would not know them)."""
         replicas = len(self.ports) // self.masters - 1
 
         def ok() -> bool:
@@ -236,8 +237,12 @@ class RedisCluster:
                 return False
             if sum(r == "master" for r in self.roles().values()) != self.masters:
                 return False
-            slots = json.loads(self.cli(live[0], "--json", "cluster", "slots"))
-            return all(len(r) - 3 >= min(replicas, len(live) // self.masters - 1) for r in slots)
+            want = min(replicas, len(live) // self.masters - 1)
+            for port in live:  # every node's view: a client asks whichever it reaches first
+                slots = json.loads(self.cli(port, "--json", "cluster", "slots"))
+                if not all(len(r) - 3 >= want for r in slots):
+                    return False
+            return True
 
         self._wait(ok, "the cluster to be ok", timeout)
 

@@ -55,6 +55,7 @@ def test_two_servers_share_a_cluster_every_master_holds_objects_salts_stay_apart
     t = tier(b, "l3")
     assert t["kind"] == "redis-cluster" and t["hits"] == 26
     assert sorted(n["role"] for n in t["nodes"]) == ["primary"] * 3 + ["replica"] * 3
+    assert {n["state"] for n in t["nodes"]} == {"up"}
     metrics = b.text("/metrics")
     assert 'kvdock_tier_cluster_nodes{role="primary",tier="l3"} 3.0' in metrics
     assert 'kvdock_tier_cluster_nodes{role="replica",tier="l3"} 3.0' in metrics
@@ -197,6 +198,13 @@ def test_a_shard_that_stops_answering_costs_one_bounded_wait_then_misses(
                 g is None or torch.equal(g, make_kv(2 * CHUNK, seed=i)[:, :, : g.shape[2]]) for i, g in enumerate(got)
             )
             wait_for(lambda: not tier(b, "l3")["up"], "B to see L3 down", 20)
+            addr = f"127.0.0.1:{master}"
+            wait_for(
+                lambda: any(n["addr"] == addr and n["state"].startswith("down: ") for n in tier(b, "l3")["nodes"]),
+                "/status to name the master that does not answer",
+                30,
+            )
+            assert b.metric('kvdock_tier_cluster_nodes_down{tier="l3"}') == 1
             t0 = time.monotonic()
             assert kvd.retrieve(cb, prompt(999)) is None  # not cached anywhere: a miss, at once
             assert time.monotonic() - t0 < 2
@@ -204,3 +212,4 @@ def test_a_shard_that_stops_answering_costs_one_bounded_wait_then_misses(
         for p in stopped:
             os.kill(redis_cluster.procs[p].pid, signal.SIGCONT)
     wait_for(lambda: tier(b, "l3")["up"], "L3 back after SIGCONT", 60)
+    assert {n["state"] for n in tier(b, "l3")["nodes"]} == {"up"}

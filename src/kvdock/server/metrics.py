@@ -97,11 +97,19 @@ class _TierCollector(Collector):
         nodes = GaugeMetricFamily(
             "kvdock_tier_cluster_nodes", "Nodes of a clustered tier as its client sees them", labels=["tier", "role"]
         )
+        down = GaugeMetricFamily(
+            "kvdock_tier_cluster_nodes_down", "Cluster nodes the tier's last probe could not reach", labels=["tier"]
+        )
         for lane in lanes:
-            roles = [n["role"] for n in lane.tier.status().get("nodes", [])]
+            found = lane.tier.status().get("nodes")
+            if found is None:
+                continue
+            roles = [n["role"] for n in found]
             for role in sorted(set(roles)):
                 nodes.add_metric([lane.name, role], roles.count(role))
+            down.add_metric([lane.name], sum(n["state"] != "up" for n in found))
         gauges["cluster_nodes"] = nodes
+        gauges["cluster_nodes_down"] = down
         backlog = GaugeMetricFamily("kvdock_writeback_backlog_bytes", "Bytes queued for write-down to lower tiers")
         backlog.add_metric([], sum(lane.backlog_bytes for lane in lanes))
         quarantined = GaugeMetricFamily(

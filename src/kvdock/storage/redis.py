@@ -83,6 +83,7 @@ class RedisTier(StorageTier):
         self.max_bytes = max_bytes
         self._written: OrderedDict[bytes, int] = OrderedDict()  # redis key -> bytes (under _lock)
         self._written_bytes = 0
+        self._down_nodes: dict[str, str] = {}  # cluster nodes the last probe could not reach (under _lock)
         self.cluster = url.startswith(CLUSTER_SCHEMES)
         self.counters = TierCounters()
         # a cluster client connects when made: made by the first probe, so that a server whose
@@ -130,17 +131,34 @@ class RedisTier(StorageTier):
             if self._client is None:
                 self._client = make_client(self.url, self.timeout)
             if self.cluster:  # every shard: a default node answering says nothing of a dead master
-                self._client.ping(target_nodes=redis_cluster.RedisCluster.PRIMARIES)
+                self._ping_primaries()
             else:
                 self._client.ping()
         except ERRORS as e:
             self.failed(e)
             return
         with self._lock:
+            self._down_nodes.clear()
             if not self._up:
                 log.warning("L3 %s is back", self.display_url)
             self._up = True
             self._backoff = 1.0
+
+    def _ping_primaries(self) -> None:
+        """PING every primary the client knows, noting which do not answer (for /status); raises
+        the first error."""
+        client = self._client
+        down: dict[str, str] = {}
+        for node in client.get_primaries():
+            try:
+                client.ping(target_nodes=node)
+            except ERRORS as e:
+                down[node.name] = f"{type(e).__name__}: {e}"
+        with self._lock:
+            self._down_nodes = down
+        if down:
+            name, err = next(iter(down.items()))
+            raise redis_py.ConnectionError(f"{len(down)} primary node(s) do not answer; {name}: {err}")
 
     def is_cluster_node(self) -> bool:
         """[any, at start] Whether a single-server URL points at a Redis Cluster node (it would
@@ -278,14 +296,21 @@ class RedisTier(StorageTier):
         return doc
 
     def nodes(self) -> list[dict[str, str]]:
-        """[any] A cluster's nodes as its client last saw them (``addr``, ``role``: primary or
-        replica), from the client's topology cache: no I/O. A node that failed drops out of it
-        once the cluster has noticed (its replica then shows as primary)."""
+        """[any] A cluster's nodes as its client last saw them: ``addr``, ``role`` (primary or
+        replica) and ``state`` ("up", or "down: <error>" for a primary the last probe could not
+        reach), from the client's topology cache: no I/O. A node that failed drops out of the
+        topology once the cluster has noticed (its replica then shows as primary)."""
         client = self._client
         if client is None:
             return []
+        with self._lock:
+            down = dict(self._down_nodes)
         found = list(client.nodes_manager.nodes_cache.values())
-        return sorted(({"addr": n.name, "role": str(n.server_type)} for n in found), key=lambda d: d["addr"])
+        docs = [
+            {"addr": n.name, "role": str(n.server_type), "state": f"down: {down[n.name]}" if n.name in down else "up"}
+            for n in found
+        ]
+        return sorted(docs, key=lambda d: d["addr"])
 
     def close(self) -> None:
         if self._client is not None:

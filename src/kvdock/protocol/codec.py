@@ -18,19 +18,21 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+def decode_with(decoder: msgspec.msgpack.Decoder[Any], data: bytes | memoryview, what: str) -> Any:
+    """``decoder.decode(data)``; ProtocolError naming ``what`` for anything it does not accept."""
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"malformed {what}: {e}") from None
+    except RecursionError:  # msgspec's answer to absurdly deep nesting
+        raise ProtocolError(f"malformed {what}: nested too deeply") from None
+
+
 def decode_request(data: bytes | memoryview) -> Any:
     """Decode one request; ProtocolError for anything that is not a valid request."""
-    try:
-        return _request_decoder.decode(data)
-    except msgspec.DecodeError as e:
-        raise ProtocolError(f"malformed request: {e}") from None
-    except RecursionError:  # msgspec's answer to absurdly deep nesting
-        raise ProtocolError("malformed request: nested too deeply") from None
+    return decode_with(_request_decoder, data, "request")
 
 
 def decode_reply(data: bytes | memoryview) -> Any:
     """Decode one reply; ProtocolError for anything that is not a valid reply."""
-    try:
-        return _reply_decoder.decode(data)
-    except msgspec.DecodeError as e:
-        raise ProtocolError(f"malformed reply: {e}") from None
+    return decode_with(_reply_decoder, data, "reply")

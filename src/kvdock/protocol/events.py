@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvdock.errors import ProtocolError
+from kvdock.protocol.codec import decode_with
 
 TOPIC = b"kvdock"
 
@@ -72,7 +72,5 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 def decode_batch(data: bytes | memoryview) -> KVEventBatch:
     """ProtocolError for anything that is not a batch."""
-    try:
-        return _decoder.decode(data)
-    except msgspec.DecodeError as e:
-        raise ProtocolError(f"malformed KV event batch: {e}") from None
+    batch: KVEventBatch = decode_with(_decoder, data, "KV event batch")
+    return batch

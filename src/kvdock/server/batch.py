@@ -15,7 +15,7 @@ from kvdock.keys import ObjectKey
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
 from kvdock.server import retrieval
-from kvdock.server.handlers import check_request, client_of, keys_of
+from kvdock.server.handlers import check_request, client_of, hashed_keys
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
 from kvdock.storage import Session
@@ -39,7 +39,7 @@ def _batch_keys(
         )
     for t, s in zip(tokens, salts, strict=True):
         check_request(state, t, s)
-    return [keys_of(state, client, t, s) for t, s in zip(tokens, salts, strict=True)]
+    return [hashed_keys(state, client, t, s) for t, s in zip(tokens, salts, strict=True)]
 
 
 def lookup_many(state: ServerState, req: m.LookupMany, payload: Payload) -> Outcome:

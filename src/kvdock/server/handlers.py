@@ -48,6 +48,11 @@ def check_request(state: ServerState, tokens: bytes, salt: str) -> None:
 def keys_of(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -> list[keymod.ObjectKey]:
     """The chunk keys of a request's tokens, checked first (check_request)."""
     check_request(state, tokens, salt)
+    return hashed_keys(state, client, tokens, salt)
+
+
+def hashed_keys(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -> list[keymod.ObjectKey]:
+    """The chunk keys of tokens that passed check_request already."""
     arr = keymod.tokens_from_bytes(tokens)
     model = client.model.layout.model_name
     return [keymod.ObjectKey(model, client.kv_rank, salt, h) for h in keymod.chunk_hashes(arr, state.chunk_size)]

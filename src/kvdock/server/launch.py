@@ -23,6 +23,7 @@ from kvdock.config import (
     format_size,
 )
 from kvdock.errors import ConfigError, DiskInUseError, ProtocolError
+from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import ErrorCode, decode_request, encode
 from kvdock.protocol.messages import Error, PrepareRetrieve, PrepareRetrieveMany
 from kvdock.server.dispatch import handle
@@ -193,7 +194,7 @@ def _reply_bound(state: ServerState, req: object) -> int:
     if client is None or client.transport != "inline":
         return 0
     prompts = req.tokens if isinstance(req, PrepareRetrieveMany) else [req.tokens]
-    return sum(len(t) // 4 // state.chunk_size for t in prompts) * client.model.slot_nbytes
+    return sum(len(t) // TOKEN_DTYPE.itemsize // state.chunk_size for t in prompts) * client.model.slot_nbytes
 
 
 def _count_unsent(state: ServerState, identity: bytes, n: int) -> None:

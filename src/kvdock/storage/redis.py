@@ -208,7 +208,8 @@ class RedisTier(StorageTier):
             self._redis.delete(victim)
 
     def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
-        value = self._redis.get(redis_key(key))
+        rkey = redis_key(key)
+        value = self._redis.get(rkey)
         if value is None:
             return None
         try:
@@ -223,14 +224,14 @@ class RedisTier(StorageTier):
             self.counters.corrupted += 1
             # Deleted so lookups stop counting it; a newer value renamed onto the key meanwhile
             # would go too, which is only a miss.
-            self._redis.delete(redis_key(key))
+            self._redis.delete(rkey)
             log.warning("L3: corrupted value for %s (%s); deleted", key.chunk.hex()[:16], e)
             return None
         out[:] = payload
         if self.max_bytes:
             with self._lock:
-                if redis_key(key) in self._written:
-                    self._written.move_to_end(redis_key(key))
+                if rkey in self._written:
+                    self._written.move_to_end(rkey)
         return Head(header.version, header.parent)
 
     HEAD_BYTES = 512  # enough for the header of any object (fetched whole if it is longer)
@@ -281,7 +282,7 @@ class RedisTier(StorageTier):
                     f"{DELETE_WAIT_MS} ms; a failover could bring the old version back"
                 )
         with self._lock:
-            self._written_bytes -= self._written.pop(redis_key(key), 0)
+            self._written_bytes -= self._written.pop(final, 0)
 
     def clear(self) -> int:
         return 0  # shared by other servers: never cleared from here

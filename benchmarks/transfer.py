@@ -51,9 +51,10 @@ import torch
 import kvdock
 import kvdock.sdk as kvd
 from kvdock.sdk.context import TORCH_DTYPES
-from kvdock.testing import ServerProcess, launch_server
+from kvdock.testing import ServerProcess, free_port, launch_server
 
 sys.path.insert(0, str(Path(__file__).parent))
+from baselines import chunk_runs, memmove2, raw_zmq
 from common import cpu_busy_s, gbps, own_cpu_s, timed
 
 MODEL = "bench-transfer"
@@ -121,7 +122,7 @@ def _baseline_retrieve(src: list[torch.Tensor], shape: tuple[int, ...], dtype: t
 
 
 def bench_throughput(
-    srv: ServerProcess, transport: str, kv: torch.Tensor, chunk: int, reps: int, cold_pause: float
+    srv: ServerProcess, transport: str, kv: torch.Tensor, chunk: int, reps: int, cold_pause: float, pool: str
 ) -> list[dict[str, Any]]:
     n_chunks = kv.shape[2] // chunk
     kv = kv[:, :, : n_chunks * chunk]
@@ -129,7 +130,15 @@ def bench_throughput(
     tokens = _tokens(kv.shape[2], 1_000_000)
     rows: list[dict[str, Any]] = []
 
-    with kvd.connect(srv.url, srv.http_url, MODEL) as ctx:
+    connect_ms = []
+    for _ in range(10):
+        t, c = timed(lambda: kvd.connect(srv.url, srv.http_url, MODEL))
+        connect_ms.append(t * 1e3)
+        c.close()
+    with (
+        kvd.connect(srv.url, srv.http_url, MODEL) as ctx,
+        raw_zmq(f"tcp://127.0.0.1:{free_port()}", nbytes) if transport == "inline" else _none() as peer,
+    ):
         if ctx.transport != transport:
             raise RuntimeError(f"{transport} server granted transport {ctx.transport!r}, expected {transport!r}")
 
@@ -146,11 +155,15 @@ def bench_throughput(
             d.zero_()  # allocated and touched
         time.sleep(cold_pause)
         b_cold, _ = timed(lambda: _baseline_store(kv, dst, chunk))
-        warm, b_warm = [], []
-        for _ in range(reps):  # interleaved, so both see the same machine state
+        runs = chunk_runs(kv, dst, chunk)
+        warm, b_warm, more = [], [], {"memmove2": [], "zmq": []}
+        for _ in range(reps):  # interleaved, so all see the same machine state
             warm.append(timed(lambda: sdk_store(True))[0])
             b_warm.append(timed(lambda: _baseline_store(kv, dst, chunk))[0])
-        rows.append(_row(transport, "store", nbytes, t_cold, warm, b_cold, b_warm, "overwrite=True, same tokens"))
+            more["memmove2"].append(timed(lambda: memmove2(runs, to_chunks=True))[0])
+            if peer:
+                more["zmq"].append(timed(peer.put)[0])
+        rows.append(_row(transport, "store", nbytes, t_cold, warm, b_cold, b_warm, "overwrite=True, same tokens", more))
 
         # ---- retrieve
         def sdk_retrieve() -> torch.Tensor:
@@ -169,7 +182,9 @@ def bench_throughput(
         if not torch.equal(out, kv):
             raise RuntimeError("baseline retrieve is wrong (benchmark bug)")
         del out
-        warm, b_warm = [], []
+        buf = torch.zeros(tuple(kv.shape), dtype=kv.dtype)  # allocated and touched
+        back = chunk_runs(buf, dst, chunk)
+        warm, b_warm, more = [], [], {"memmove2": [], "zmq": []}
         for _ in range(reps):
             t, out = timed(sdk_retrieve)
             del out  # free before the next allocation, as a caller that drops the result would
@@ -177,10 +192,14 @@ def bench_throughput(
             t, out = timed(lambda: _baseline_retrieve(dst, tuple(kv.shape), kv.dtype, chunk))
             del out
             b_warm.append(t)
-        rows.append(_row(transport, "retrieve", nbytes, t_cold, warm, b_cold, b_warm, "fresh output tensor each call"))
+            more["memmove2"].append(timed(lambda: memmove2(back, to_chunks=False))[0])
+            if peer:
+                more["zmq"].append(timed(peer.get)[0])
+        rows.append(
+            _row(transport, "retrieve", nbytes, t_cold, warm, b_cold, b_warm, "fresh output tensor each call", more)
+        )
 
         # ---- retrieve into a buffer the caller keeps (retrieve(..., out=buf)): no page faults
-        buf = torch.zeros(tuple(kv.shape), dtype=kv.dtype)  # allocated and touched
 
         def sdk_retrieve_into() -> None:
             got = kvd.retrieve(ctx, tokens, out=buf)
@@ -195,23 +214,57 @@ def bench_throughput(
         if not torch.equal(buf, kv):
             raise RuntimeError(f"{transport}: CORRECTNESS FAILURE: retrieve(out=) differs from the stored KV")
         b_cold, _ = timed(baseline_into)
-        warm, b_warm = [], []
+        warm, b_warm, more = [], [], {"memmove2": [], "zmq": []}
         for _ in range(reps):
             warm.append(timed(sdk_retrieve_into)[0])
             b_warm.append(timed(baseline_into)[0])
-        rows.append(_row(transport, "retrieve_out", nbytes, t_cold, warm, b_cold, b_warm, "into a reused buffer"))
+            more["memmove2"].append(timed(lambda: memmove2(back, to_chunks=False))[0])
+            if peer:
+                more["zmq"].append(timed(peer.get)[0])
+        rows.append(_row(transport, "retrieve_out", nbytes, t_cold, warm, b_cold, b_warm, "into a reused buffer", more))
+
+        if transport == "shm":  # ---- a zero-copy view of the whole prefix, opened and closed
+
+            def one_view() -> None:
+                with kvd.view(ctx, tokens) as v:
+                    if v.num_tokens != kv.shape[2]:
+                        raise RuntimeError(f"view of {v.num_tokens} tokens, expected {kv.shape[2]}")
+
+            ms = [timed(one_view)[0] * 1e3 for _ in range(max(reps, 20))]
+            rows[-1]["view_ms"] = {"p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99), "bytes": nbytes}
 
         problems = kvd.check_server_integrity(ctx)
         if problems:
             raise RuntimeError(f"{transport}: server integrity check failed: {problems}")
+    rows[0]["connect_ms"] = {"p50_ms": _pct(connect_ms, 50), "min_ms": min(connect_ms)}
+    rows[0]["pool"] = pool
     return rows
 
 
+@contextmanager
+def _none() -> Iterator[None]:
+    yield None
+
+
 def _row(
-    transport: str, op: str, nbytes: int, cold: float, warm: list[float], b_cold: float, b_warm: list[float], note: str
+    transport: str,
+    op: str,
+    nbytes: int,
+    cold: float,
+    warm: list[float],
+    b_cold: float,
+    b_warm: list[float],
+    note: str,
+    more: dict[str, list[float]],
 ) -> dict[str, Any]:
     w, bw = statistics.median(warm), statistics.median(b_warm)
-    return {
+    extra = {}
+    for name, times in more.items():
+        if times:
+            extra[f"{name}_warm_s"] = times
+            extra[f"{name}_warm_gbps"] = gbps(nbytes, statistics.median(times))
+            extra[f"ratio_{name}"] = statistics.median(times) / w
+    return extra | {
         "transport": transport,
         "op": op,
         "bytes": nbytes,
@@ -262,10 +315,20 @@ def bench_latency(srv: ServerProcess, transport: str, chunk: int, iters: int) ->
         out = kvd.retrieve(ctx, tokens)
         if out is None or not torch.equal(out, kv):
             raise RuntimeError(f"{transport}: CORRECTNESS FAILURE on the one-chunk retrieve")
+
+        def one_view() -> None:
+            with kvd.view(ctx, tokens) as v:
+                if v.num_tokens != chunk:
+                    raise RuntimeError(f"{transport}: one-chunk view missed")
+
         res: dict[str, Any] = {"transport": transport, "chunk_bytes": kv.numel() * kv.element_size(), "iters": iters}
-        for op, fn in (("retrieve", one_retrieve), ("store", one_store), ("lookup_rtt", one_lookup)):
-            ms = series(fn)
-            res[op] = {"p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99), "mean_ms": statistics.fmean(ms)}
+        with raw_zmq(f"tcp://127.0.0.1:{free_port()}", 0) as peer:
+            ops = [("retrieve", one_retrieve), ("store", one_store), ("lookup_rtt", one_lookup)]
+            ops += [("view", one_view)] if transport == "shm" else []
+            ops += [("raw_zmq_rtt", peer.ping)]
+            for op, fn in ops:
+                ms = series(fn)
+                res[op] = {"p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99), "mean_ms": statistics.fmean(ms)}
     return res
 
 
@@ -277,32 +340,64 @@ def print_table(rows: list[dict[str, Any]], lat: list[dict[str, Any]], nbytes: i
     print(f"Throughput over {nbytes / 1e9:.3f} GB ({nbytes / 2**30:.3f} GiB) per call; GB = 1e9 bytes.")
     print("Warm store = median of overwrite=True stores of the same tokens (every chunk rewritten).")
     print("ratio = SDK GB/s / baseline GB/s (1.00 = as fast as the bare copy).")
-    hdr = ("transport", "op", "cold GB/s", "warm GB/s", "baseline cold", "baseline warm", "ratio cold", "ratio warm")
+    print("mm2 = two-thread glibc memmove of the same runs between touched buffers; zmq = raw pyzmq")
+    print("send/recv of the same bytes over loopback TCP (inline only); ratio x = baseline time / SDK time.")
+    hdr = (
+        "transport",
+        "op",
+        "cold GB/s",
+        "warm GB/s",
+        "copy_ warm",
+        "mm2 warm",
+        "zmq warm",
+        "x copy_",
+        "x mm2",
+        "x zmq",
+    )
+
+    def num(r: dict[str, Any], key: str) -> str:
+        return f"{r[key]:.2f}" if key in r else "-"
+
     lines = [hdr] + [
         (
             r["transport"],
             r["op"],
-            f"{r['cold_gbps']:.2f}",
-            f"{r['warm_gbps']:.2f}",
-            f"{r['baseline_cold_gbps']:.2f}",
-            f"{r['baseline_warm_gbps']:.2f}",
-            f"{r['ratio_cold']:.2f}",
-            f"{r['ratio_warm']:.2f}",
+            num(r, "cold_gbps"),
+            num(r, "warm_gbps"),
+            num(r, "baseline_warm_gbps"),
+            num(r, "memmove2_warm_gbps"),
+            num(r, "zmq_warm_gbps"),
+            num(r, "ratio_warm"),
+            num(r, "ratio_memmove2"),
+            num(r, "ratio_zmq"),
         )
         for r in rows
     ]
     _print_md(lines)
+    print()
+    for r in rows:
+        if "connect_ms" in r:
+            c = r["connect_ms"]
+            print(f"{r['transport']}: connect() p50 {c['p50_ms']:.2f} ms (min {c['min_ms']:.2f}), pool of {r['pool']}")
+        if "view_ms" in r:
+            v = r["view_ms"]
+            print(f"{r['transport']}: view() of the whole {v['bytes'] / 2**20:.0f} MiB prefix, opened and closed: "
+                  f"p50 {v['p50_ms']:.3f} ms, p99 {v['p99_ms']:.3f} ms")  # fmt: skip
     if lat:
         print()
         print(
             f"One-chunk latency ({lat[0]['chunk_bytes'] // 1024} KiB, {lat[0]['iters']} iterations; "
-            "store uses overwrite=True; lookup = one control round trip, no data):"
+            "store uses overwrite=True; lookup = one control round trip, no data; view = open + close; "
+            "raw_zmq_rtt = a bare pyzmq round trip, the floor):"
         )
         lines = [("transport", "op", "p50 ms", "p99 ms", "mean ms")]
         for r in lat:
-            for op in ("retrieve", "store", "lookup_rtt"):
-                s = r[op]
-                lines.append((r["transport"], op, f"{s['p50_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['mean_ms']:.3f}"))
+            for op in ("retrieve", "store", "lookup_rtt", "view", "raw_zmq_rtt"):
+                if op in r:
+                    s = r[op]
+                    lines.append(
+                        (r["transport"], op, f"{s['p50_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['mean_ms']:.3f}")
+                    )
         _print_md(lines)
 
 
@@ -330,7 +425,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES))
     p.add_argument("--tokens", type=int, default=4096, help="tokens per throughput transfer (whole chunks count)")
     p.add_argument("--chunk-size", type=int, default=256, help="server chunk size in tokens")
-    p.add_argument("--l1-size", default="2GiB", help="L1 pool of each server")
+    p.add_argument("--l1-size", default="4GiB", help="L1 pool of each server")
     p.add_argument("--reps", type=int, default=5, help="warm repetitions (median reported)")
     p.add_argument("--lat-iters", type=int, default=500, help="iterations per latency series (0 = skip)")
     p.add_argument(
@@ -417,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             kvd.register_model(srv.url, srv.http_url, LAT_MODEL, **LAT_GEOMETRY)  # type: ignore[arg-type]
         for t, srv in srvs.items():
             print(f"[{t}] throughput ...", flush=True)
-            rows += bench_throughput(srv, t, kv, args.chunk_size, args.reps, args.cold_pause)
+            rows += bench_throughput(srv, t, kv, args.chunk_size, args.reps, args.cold_pause, args.l1_size)
             print(f"[{t}] correctness: retrieved == stored (torch.equal): OK", flush=True)
             if args.lat_iters > 0:
                 print(f"[{t}] latency ...", flush=True)

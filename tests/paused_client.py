@@ -3,10 +3,13 @@ of leases running out under a paused client. Run as a script:
 
     python paused_client.py URL HTTP_URL MODEL read  TOKENS_START N_TOKENS OUT.pt
     python paused_client.py URL HTTP_URL MODEL write TOKENS_START N_TOKENS SEED
+    python paused_client.py URL HTTP_URL MODEL view  TOKENS_START N_TOKENS -
 
 ``read`` retrieves the tokens, stopping before its first copy out of the pool, and saves what it
 got (torch.save) to OUT.pt; ``write`` stores ``make_kv(N_TOKENS, seed=SEED)``, stopping before its
-first copy into the pool. Each prints ``paused`` before stopping, and one JSON line at the end.
+first copy into the pool; ``view`` opens a zero-copy view of the tokens and stops inside the
+block, then reads chunk 0 again and closes it. Each prints ``paused`` before stopping, and one
+JSON line at the end.
 """
 
 from __future__ import annotations
@@ -47,7 +50,16 @@ def main() -> None:
     tokens = make_tokens(int(n), start=int(start))
     with kvd.connect(url, http_url, model, timeout=10) as ctx:
         assert ctx.transport == "shm", ctx.transport
-        if what == "read":
+        if what == "view":
+            try:
+                with kvd.view(ctx, tokens) as v:
+                    print("paused", flush=True)
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                    after = v.chunk(0).clone()
+                print(json.dumps({"closed": "ok", "zeros": bool((after == 0).all())}), flush=True)
+            except kvd.KVCacheSDKError as e:
+                print(json.dumps({"error": type(e).__name__, "message": str(e)}), flush=True)
+        elif what == "read":
             calls = pause_once(transfer.ShmTransfer, "read")
             kv = kvd.retrieve(ctx, tokens)
             torch.save(kv, arg)

@@ -308,3 +308,22 @@ def test_normalize_rejects_0d_array() -> None:
         normalize_tokens(np.array(7))
     with pytest.raises(ValueError, match="one-dimensional"):
         normalize_tokens(torch.tensor(7))
+
+
+def test_a_list_of_ints_takes_the_native_path_with_the_same_checks() -> None:
+    from kvdock.keys import MAX_TOKEN_ID
+
+    assert normalize_tokens([0, 5, MAX_TOKEN_ID]).tolist() == [0, 5, MAX_TOKEN_ID]
+    assert normalize_tokens((7, 8)).dtype == np.dtype("<u4")
+    got = normalize_tokens(list(range(10_000)))
+    assert got.flags.writeable and np.array_equal(got, np.arange(10_000, dtype=np.uint32))
+    for bad, err, msg in [
+        ([1, True], TypeError, "got bool True"),
+        ([1, 2.0], TypeError, "got float 2.0"),
+        ([3, -1], ValueError, "out of range"),
+        ([MAX_TOKEN_ID + 1], ValueError, "out of range"),
+        ([2**80], ValueError, "out of range"),
+    ]:
+        with pytest.raises(err, match=msg):
+            normalize_tokens(bad)
+    assert normalize_tokens([np.int64(3), 4]).tolist() == [3, 4]  # numpy ints: the general path

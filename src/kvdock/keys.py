@@ -18,6 +18,8 @@ from typing import NamedTuple
 import numpy as np
 from blake3 import blake3
 
+from kvdock import _native  # type: ignore[attr-defined]
+
 TOKEN_DTYPE = np.dtype("<u4")
 MAX_TOKEN_ID = 2**32 - 1
 SEED = blake3(b"kvdock/chunk-key/v1").digest()
@@ -87,6 +89,9 @@ def normalize_tokens(tokens: object) -> np.ndarray:
                 f"token ids must be a sequence of integers, got a {type(tokens).__name__} "
                 "(its order is not a token order; pass a list)"
             )
+        packed = _native.pack_tokens(tokens)  # a list or tuple of plain ints: one pass in C
+        if packed is not None:
+            return np.frombuffer(packed, dtype=TOKEN_DTYPE)
         try:
             seq = list(tokens)  # type: ignore[call-overload]
         except TypeError:

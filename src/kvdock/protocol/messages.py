@@ -8,7 +8,7 @@ import msgspec
 
 from kvdock.layout import KVGeometry
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 Transport = Literal["shm", "inline"]
 
@@ -186,6 +186,14 @@ class EndSession(_Msg, frozen=True):
     session_id: str
 
 
+class RenewSessions(_Msg, frozen=True):
+    """Renew the leases of open sessions (zero-copy views keep their pins while they are open).
+    Answered Renewed."""
+
+    client_id: str
+    session_ids: list[str]
+
+
 class CheckIntegrity(_Msg, frozen=True):
     pass
 
@@ -213,6 +221,7 @@ Request = (
     | PrepareRetrieveMany
     | Locate
     | EndSession
+    | RenewSessions
     | CheckIntegrity
     | CloseClient
 )
@@ -309,6 +318,13 @@ class Done(_Msg, frozen=True):
     pass
 
 
+class Renewed(_Msg, frozen=True):
+    """The sessions of a RenewSessions that are no longer open (ended, or their lease ran out):
+    their pins are gone. The others were renewed."""
+
+    gone: list[str]
+
+
 class IntegrityReport(_Msg, frozen=True):
     ok: bool
     problems: list[str]
@@ -328,6 +344,7 @@ Reply = (
     | RetrieveManyPrepared
     | Located
     | Done
+    | Renewed
     | IntegrityReport
 )
 

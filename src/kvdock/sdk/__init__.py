@@ -4,6 +4,8 @@ import kvdock.sdk as kvd
 
 ctx = kvd.connect("tcp://127.0.0.1:5555", "http://127.0.0.1:9000", "my-model")
 kv = kvd.retrieve(ctx, tokens)          # [2, L, hit_tokens, D] or None
+with kvd.view(ctx, tokens) as v:        # zero-copy, read-only: v.chunk(i) is a slot of the pool
+    ...
 ok = kvd.store(ctx, kv, other_tokens)   # True if anything new was stored
 kvd.close(ctx)
 """
@@ -20,6 +22,7 @@ from kvdock.errors import (
     UnknownModelError,
 )
 from kvdock.sdk.batch import lookup_many, retrieve_many
+from kvdock.sdk.buffers import BufferPool, PoolStats, buffer_pool, set_buffer_pool_bytes
 from kvdock.sdk.bundle import Bundle, BundleManifest, ImportResult, export_bundle, import_bundle, read_bundle
 from kvdock.sdk.context import KVCacheContext, close, connect
 from kvdock.sdk.http import server_config, server_status
@@ -36,8 +39,10 @@ from kvdock.sdk.ops import (
 )
 from kvdock.sdk.registration import ModelRegistration, make_layout, register_layout, register_model
 from kvdock.sdk.transfer import ChunkSink, ChunkSource
+from kvdock.sdk.view import PrefixView, view
 
 __all__ = [
+    "BufferPool",
     "Bundle",
     "BundleManifest",
     "ImportResult",
@@ -52,12 +57,15 @@ __all__ = [
     "PermissionDeniedError",
     "ModelRegistration",
     "PoolFullError",
+    "PoolStats",
+    "PrefixView",
     "PrefixDiff",
     "ServerError",
     "ServerUnavailableError",
     "StoreConflictError",
     "StoreResult",
     "UnknownModelError",
+    "buffer_pool",
     "check_server_integrity",
     "close",
     "connect",
@@ -77,7 +85,9 @@ __all__ = [
     "retrieve_many",
     "server_config",
     "server_status",
+    "set_buffer_pool_bytes",
     "store",
     "store_chunks",
     "store_from",
+    "view",
 ]

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -155,6 +156,8 @@ class KVCacheContext:
         self._answered = threading.local()  # .client_id: what this thread's last call was answered as
         self._closed = False
         self._reconnect_lock = threading.Lock()
+        self.session_ttl = 30.0  # the server's lease of a session (from /config)
+        self._views: weakref.WeakSet[Any] = weakref.WeakSet()  # open zero-copy views (sdk.view)
 
     @property
     def transport(self) -> str:
@@ -268,11 +271,21 @@ class KVCacheContext:
     def new_session_id() -> str:
         return uuid.uuid4().hex
 
+    def track_view(self, view: Any) -> None:
+        """Remember an open zero-copy view: :meth:`close` releases it first."""
+        with self._refs:
+            self._views.add(view)
+
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Stop new requests and copies, wait up to ``wait_s`` for copies in progress in other
         threads, then tell the server this client is gone, unmap the pool (or leave that to the
         last copy still running) and close the sockets. Requests of other threads still waiting
         for a reply get KVCacheSDKError. Harmless twice."""
+        with self._refs:
+            views = list(self._views)
+        for v in views:  # their tensors read zeros from now on; they hold transfer guards
+            with contextlib.suppress(KVCacheSDKError):
+                v.close()
         with self._refs:
             if self._closed:
                 return
@@ -319,6 +332,7 @@ def connect(url: str, http_url: str, model_name: str, timeout: float = 60.0) -> 
         raise
     ctx = KVCacheContext(url, http_url, reg.layout, reg.chunk_size, conn, reg.client_id, reg.transfer)
     ctx.max_request_tokens = reg.max_request_tokens
+    ctx.session_ttl = reg.session_ttl
     return ctx
 
 
@@ -329,6 +343,7 @@ class _Registration:
     client_id: str
     transfer: Transfer
     max_request_tokens: int = 0  # the server's limit (0: not advertised)
+    session_ttl: float = 30.0
 
 
 def _register(conn: Connection, http_url: str, model_name: str) -> _Registration:
@@ -371,7 +386,14 @@ def _register(conn: Connection, http_url: str, model_name: str) -> _Registration
         if segment is not None:
             segment.close()
         transfer = InlineTransfer(geo, chunk_size, dtype)
-    return _Registration(lay, chunk_size, reply.client_id, transfer, int(config.get("max_request_tokens") or 0))
+    return _Registration(
+        lay,
+        chunk_size,
+        reply.client_id,
+        transfer,
+        int(config.get("max_request_tokens") or 0),
+        float(config.get("session_ttl") or 30.0),
+    )
 
 
 def _try_attach(config: dict[str, Any]) -> PoolSegment | None:

@@ -86,6 +86,9 @@ class _Stats:
             self.digests.append(digest(src))
             self.squares += src.float().square().sum(dim=(2, 3), dtype=torch.float64)
 
+    def finish(self) -> None:
+        pass
+
 
 def inspect_prefix(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> Inspection:
     """Where each whole chunk of ``tokens`` is stored, and checksums and per-layer K/V norms of

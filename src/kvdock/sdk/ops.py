@@ -22,6 +22,7 @@ from kvdock.errors import (
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
 from kvdock.sdk import validate
+from kvdock.sdk.buffers import buffer_pool
 from kvdock.sdk.context import KVCacheContext
 from kvdock.sdk.transfer import ChunkSink, ChunkSource, TensorChunks
 from kvdock.transport.client import Response
@@ -44,7 +45,7 @@ def whole_chunks(ctx: KVCacheContext, arr: np.ndarray) -> bytes:
     return arr[:n].tobytes()
 
 
-def _prepare(ctx: KVCacheContext, sid: str, msg: m.PrepareStore | m.PrepareRetrieve) -> Response:
+def prepare(ctx: KVCacheContext, sid: str, msg: m.PrepareStore | m.PrepareRetrieve) -> Response:
     """A prepare whose reply may never come (timeout): release whatever it may have opened."""
     try:
         return ctx.call(msg)
@@ -140,7 +141,7 @@ def _store_once(
 ) -> tuple[m.StorePrepared, int]:
     """One PrepareStore / copy / CommitStore; returns the plan and how many chunks were committed."""
     sid = ctx.new_session_id()
-    prep = _prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite)).reply
+    prep = prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite)).reply
     if not prep.slots:
         return prep, 0
     cid = ctx.answered_client_id()  # the session's client, even if another thread registers again
@@ -231,7 +232,7 @@ class Landing:
         n = max(hit - self.start, 0)
         if self.out is None:
             p, _, _, d = self.ctx.geometry.chunk_shape(n)
-            self.kv = torch.empty((p, len(self.layers), n, d), dtype=self.ctx.dtype)
+            self.kv = buffer_pool().empty((p, len(self.layers), n, d), self.ctx.dtype)
         else:
             self.kv = self.out[:, :, :n]
         return TensorChunks(self.kv, self.ctx.chunk_size, self.start // self.ctx.chunk_size)
@@ -281,7 +282,7 @@ def _retrieve_once(
     sid = ctx.new_session_id()
     # the server loads chunks that only L2/L3 hold into L1 first; it must answer before we give up
     msg = m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2, part=part)
-    resp = _prepare(ctx, sid, msg)
+    resp = prepare(ctx, sid, msg)
     slots = resp.reply.slots
     if not slots:
         return 0

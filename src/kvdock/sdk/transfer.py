@@ -15,6 +15,9 @@ codec, so each chunk moves between the engine's pages and a slot in one copy.
 
 from __future__ import annotations
 
+import logging
+import mmap
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import Protocol
@@ -23,32 +26,47 @@ import torch
 
 from kvdock.errors import KVCacheSDKError, LeaseExpiredError
 from kvdock.layout import KVGeometry
+from kvdock.memcpy import Copier, populate
 from kvdock.protocol.messages import ReadPart, SlotRef
+from kvdock.sdk.buffers import buffer_pool
 from kvdock.shm import PoolSegment
 from kvdock.shm.slots import ALIGN
+
+log = logging.getLogger("kvdock.sdk")
 
 
 class ChunkSource(Protocol):
     def put(self, index: int, dst: torch.Tensor) -> None:
         """Write chunk ``index`` (of the tokens being stored) into ``dst``, a contiguous
-        ``[2, L, chunk_size, D]`` buffer that is valid only during the call."""
+        ``[2, L, chunk_size, D]`` buffer that stays valid until :meth:`finish` returns."""
+
+    def finish(self) -> None:
+        """Every put of this transfer was made: complete any copy still pending (a source may
+        batch them). Called once, before the chunks are committed."""
 
 
 class ChunkSink(Protocol):
     def take(self, index: int, src: torch.Tensor) -> None:
         """Read chunk ``index`` of the retrieved prefix from ``src`` (``[2, L, chunk_size, D]``,
-        valid only during the call). The bytes are verified only after every take: a transfer
-        that then raises LeaseExpiredError has handed garbage to some takes."""
+        valid until :meth:`finish` returns)."""
+
+    def finish(self) -> None:
+        """Every take of this transfer was made: complete any copy still pending. The bytes are
+        verified only after it: a transfer that then raises LeaseExpiredError has handed
+        garbage to some takes."""
 
 
 class TensorChunks:
     """A ``KV_2LTD`` tensor ``[planes, L, T, D]`` as a source or sink of ``chunk_size``-token
-    chunks, chunk ``first_chunk`` at token 0 (a sink of a read from chunk ``first_chunk`` on)."""
+    chunks, chunk ``first_chunk`` at token 0 (a sink of a read from chunk ``first_chunk`` on).
+    The copies of one transfer run together at :meth:`finish`, on ``threads`` threads
+    (:mod:`kvdock.memcpy`)."""
 
-    def __init__(self, kv: torch.Tensor, chunk_size: int, first_chunk: int = 0) -> None:
+    def __init__(self, kv: torch.Tensor, chunk_size: int, first_chunk: int = 0, threads: int = 0) -> None:
         self.kv = kv
         self.chunk_size = chunk_size
         self.first_chunk = first_chunk
+        self._copier = Copier(threads)
 
     def _span(self, index: int) -> torch.Tensor:
         c = self.chunk_size
@@ -56,10 +74,13 @@ class TensorChunks:
         return self.kv[:, :, at : at + c]
 
     def put(self, index: int, dst: torch.Tensor) -> None:
-        dst.copy_(self._span(index))
+        self._copier.add(dst, self._span(index))
 
     def take(self, index: int, src: torch.Tensor) -> None:
-        self._span(index).copy_(src)
+        self._copier.add(self._span(index), src)
+
+    def finish(self) -> None:
+        self._copier.run()
 
 
 def layer_slice(part: ReadPart | None) -> slice:
@@ -94,6 +115,41 @@ class Transfer:
         pass
 
 
+class Prefault:
+    """Faults a mapping's pages into this process's page tables on a background thread, so that
+    connect() returns at once (populating 4 GiB takes ~140 ms) and copies then take no page
+    faults. A copy that comes before the thread is done populates its own range first
+    (:meth:`ensure`), which costs what the faults would, in one call."""
+
+    STEP = 64 << 20  # per call: stop() waits for at most one step
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self._addr, self._nbytes = addr, nbytes
+        self.done = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvdock-prefault", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for at in range(0, self._nbytes, self.STEP):
+                if self._stop.is_set():
+                    return
+                populate(self._addr + at, min(self.STEP, self._nbytes - at))
+            self.done = True
+        except OSError as e:  # not fatal: the copies fault the pages in themselves
+            log.debug("prefaulting the pool stopped: %s", e)
+
+    def ensure(self, addr: int, nbytes: int) -> None:
+        """Populate ``[addr, addr + nbytes)`` now unless the whole mapping already is."""
+        if not self.done:
+            populate(addr, nbytes)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class ShmTransfer(Transfer):
     name = "shm"
 
@@ -103,14 +159,18 @@ class ShmTransfer(Transfer):
         self._pool: torch.Tensor | None = torch.frombuffer(segment.buf, dtype=torch.uint8)
         self._gens = segment.generations()
         self._base = segment.data_offset
+        self._addr = self._pool.data_ptr()
+        self._prefault = Prefault(self._addr + segment.table_offset, segment.size - segment.table_offset)
 
     def _slot(self, offset: int) -> torch.Tensor:
         assert self._pool is not None, "transfer closed"
+        self._prefault.ensure(self._addr + offset, self.chunk_nbytes)
         return self._pool[offset : offset + self.chunk_nbytes].view(self.dtype).view(self.chunk_shape)
 
     def write(self, slots: Sequence[SlotRef], source: ChunkSource) -> list[memoryview]:
         for s in slots:
             source.put(s.index, self._slot(s.offset))
+        source.finish()
         return []
 
     def read(
@@ -119,16 +179,27 @@ class ShmTransfer(Transfer):
         layers, first = layer_slice(part), part.first_chunk if part else 0
         for j, s in enumerate(slots[first:], first):
             sink.take(j, self._slot(s.offset)[:, layers])
-        # seqlock read side: the copies above are complete (copy_ returned) before these loads
-        gens = self._gens
-        moved = [s.index for s in slots if int(gens[(s.offset - self._base) // ALIGN]) != s.gen]
+        sink.finish()
+        # seqlock read side: the copies above are complete (finish returned) before these loads
+        moved = self.moved(slots)
         if moved:
             raise LeaseExpiredError(
                 f"the lease of this retrieve ran out during the copy and {len(moved)} slot(s) were reused "
                 "(was the process paused?); the bytes were discarded"
             )
 
+    def moved(self, slots: Sequence[SlotRef]) -> list[int]:
+        """The chunks whose slot was freed (and maybe handed out again) since ``slots`` were
+        handed out: their generation is no longer the one the server gave."""
+        gens = self._gens
+        return [s.index for s in slots if int(gens[(s.offset - self._base) // ALIGN]) != s.gen]
+
+    def map_readonly(self) -> mmap.mmap:
+        """A new read-only mapping of the pool (for zero-copy views)."""
+        return self._segment.map_readonly()
+
     def close(self) -> None:
+        self._prefault.stop()
         self._pool = None
         del self._gens
         self._segment.close()
@@ -139,12 +210,14 @@ class InlineTransfer(Transfer):
     commits_reads = False  # the server copied the bytes into the reply and released them at once
 
     def write(self, slots: Sequence[SlotRef], source: ChunkSource) -> list[memoryview]:
-        frames = []
-        for s in slots:
-            buf = torch.empty(self.chunk_shape, dtype=self.dtype)
-            source.put(s.index, buf)
-            frames.append(buf.view(torch.uint8).numpy().data)
-        return frames
+        # one staging tensor for all chunks, from the buffer pool: it goes back when zmq is done
+        # with the frames (their memoryviews hold it)
+        staging = buffer_pool().empty((len(slots), *self.chunk_shape), self.dtype)
+        for i, s in enumerate(slots):
+            source.put(s.index, staging[i])
+        source.finish()
+        raw = staging.view(torch.uint8).view(len(slots), -1).numpy()
+        return [raw[i].data for i in range(len(slots))]
 
     def read(
         self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink, part: ReadPart | None = None
@@ -168,3 +241,4 @@ class InlineTransfer(Transfer):
             whole = torch.frombuffer(frames[0], dtype=torch.uint8)
         for j, s in enumerate(sent, first):
             sink.take(j, whole[s.offset : s.offset + per].view(self.dtype).view(shape))
+        sink.finish()

@@ -31,6 +31,7 @@ HANDLERS: dict[type, Handler] = {
     m.PrepareRetrieveMany: b.prepare_retrieve_many,
     m.Locate: r.locate,
     m.EndSession: st.end_session,
+    m.RenewSessions: h.renew_sessions,
     m.CheckIntegrity: h.check_integrity,
     m.CloseClient: h.close_client,
 }

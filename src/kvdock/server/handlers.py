@@ -118,3 +118,21 @@ def refresh_gauges(state: ServerState) -> None:
     state.metrics.l1_capacity.set(alloc.capacity)
     state.metrics.l1_objects.set(len(state.manager.l1))
     state.metrics.sessions.set(state.manager.session_count)
+
+
+def renew_sessions(state: ServerState, req: m.RenewSessions, payload: Payload) -> Reply:
+    client = client_of(state, req.client_id)
+    if len(req.session_ids) > MAX_RENEW:
+        count = len(req.session_ids)
+        raise RequestError(f"at most {MAX_RENEW} sessions per RenewSessions, got {count}", ErrorCode.LIMIT)
+    sessions = state.manager.sessions
+    gone = []
+    for sid in req.session_ids:
+        if sessions.has(client.client_id, sid):
+            sessions.get(client.client_id, sid)  # renews its lease
+        else:
+            gone.append(sid)
+    return Reply(m.Renewed(gone))
+
+
+MAX_RENEW = 4096

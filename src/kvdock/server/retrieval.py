@@ -23,6 +23,7 @@ import numpy as np
 
 from kvdock.errors import RequestError
 from kvdock.keys import ObjectKey
+from kvdock.memcpy import Copier
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
 from kvdock.server.handlers import client_of, count_hits, keys_of
@@ -280,9 +281,11 @@ def _gather(views: list[memoryview], out: memoryview, cut: Cut) -> None:
     """Copy ``cut``'s part of each slot in ``views`` into ``out``, one after another."""
     dst = np.frombuffer(out, np.uint8)
     per = cut.nbytes
+    copier = Copier()
     for i, v in enumerate(views):
         rows = np.frombuffer(v, np.uint8).reshape(cut.planes, cut.layers, cut.row)[:, cut.picked]
-        np.copyto(dst[i * per : (i + 1) * per].reshape(rows.shape), rows)  # without the GIL
+        copier.add(dst[i * per : (i + 1) * per].reshape(rows.shape), rows)
+    copier.run()  # without the GIL
 
 
 def _count_retrieved(state: ServerState, nbytes: int) -> None:

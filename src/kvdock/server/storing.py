@@ -11,6 +11,7 @@ import numpy as np
 
 from kvdock.errors import RequestError, SessionError
 from kvdock.keys import ObjectKey
+from kvdock.memcpy import Copier
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
 from kvdock.server.handlers import client_of, keys_of
@@ -100,8 +101,10 @@ async def _commit_later(
 
 
 def _copy_frames(views: list[memoryview], frames: Payload) -> None:
+    copier = Copier()
     for view, frame in zip(views, frames, strict=True):
-        np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(frame, np.uint8))  # without the GIL
+        copier.add(np.frombuffer(view, np.uint8), np.frombuffer(frame, np.uint8))
+    copier.run()  # without the GIL
 
 
 def _commit(state: ServerState, client: ClientEntry, req: m.CommitStore, deletes_ok: bool) -> Reply:

@@ -136,7 +136,8 @@ class PoolSegment:
 
     @classmethod
     def attach(cls, name: str) -> PoolSegment:
-        """Map an existing segment read-write; OSError if it cannot be opened, ValueError if it is not ours."""
+        """Map an existing segment read-write, without faulting its pages in; OSError if it
+        cannot be opened, ValueError if it is not ours."""
         if "/" in name or not name.startswith(PREFIX):
             raise ValueError(f"not a kvdock segment name: {name!r}")
         fd = os.open(SHM_DIR / name, os.O_RDWR)
@@ -144,8 +145,9 @@ class PoolSegment:
             size = os.fstat(fd).st_size
             if size < HEADER_SIZE:
                 raise ValueError(f"segment {name} is too small to be a kvdock pool")
-            # populate the page tables now so that the first copy runs as fast as the hundredth
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            # not populated here: for a large pool that takes ~35 ms per GiB; the client's
+            # transfer faults the pages in in the background (kvdock.sdk.transfer.Prefault)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
         magic, version = _HEADER.unpack_from(mm, 0)[:2]
@@ -157,6 +159,16 @@ class PoolSegment:
         except ValueError:
             mm.close()
             raise
+
+    def map_readonly(self) -> mmap.mmap:
+        """A second, read-only mapping of the same segment (not populated): tensors on it cannot
+        write into the pool (a write is a SIGSEGV, not a corrupted cache). OSError if the segment
+        is gone."""
+        fd = os.open(SHM_DIR / self.name, os.O_RDONLY)
+        try:
+            return mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Unmap. Harmless twice. Exported buffers still alive keep the mapping until collected."""

@@ -57,6 +57,9 @@ class _Blocks:
             return  # vLLM computed or cached these blocks itself
         self.w.bridge.scatter(self.w.codec, self.ids[first:end], src[:, :, (first - index * per) * self.w.block_size :])
 
+    def finish(self) -> None:
+        pass  # every gather and scatter is done when it returns
+
 
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, vllm_config: Any, link: Link | None = None) -> None:

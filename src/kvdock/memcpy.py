@@ -1,0 +1,168 @@
+"""Bulk copies between CPU tensors and mapped memory, at memory bandwidth.
+
+A KV chunk moves as a few long contiguous runs (one per K/V plane and layer), so every copy of
+the data plane is a list of ``(dst, src)`` address pairs of one run length, handed in one call to
+the native helper (``kvdock._native``): it splits the bytes across threads, releases the GIL and
+uses streaming stores for large copies. torch's ``copy_`` of the same strided views ran at
+0.6-0.7x of it (docs/benchmarks.md).
+
+:class:`Copier` collects the copies of one transfer (every chunk of a store or retrieve) and runs
+them together at :meth:`Copier.run`, so the threads start once per transfer, not once per chunk.
+Tensors whose layouts do not reduce to runs (non-CPU, mismatched shapes, odd strides) are copied
+with ``copy_`` at once; the result is the same either way.
+
+Thread count: :func:`default_threads` (``KVDOCK_COPY_THREADS``, else the CPUs this process may
+run on, at most :data:`MAX_DEFAULT_THREADS`); each Copier may be given its own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvdock import _native  # type: ignore[attr-defined]
+
+MAX_DEFAULT_THREADS = 8  # memory bandwidth is saturated long before: more threads only contend
+MIN_PART = 1 << 20  # a thread is worth starting for a MiB or more
+STREAM_MIN = 8 << 20  # streaming stores from this much on: the destination is not read from cache soon
+ENV_THREADS = "KVDOCK_COPY_THREADS"
+
+
+def default_threads() -> int:
+    """``KVDOCK_COPY_THREADS`` if set (a positive int; ValueError otherwise), else the number of
+    CPUs this process may use, at most MAX_DEFAULT_THREADS."""
+    raw = os.environ.get(ENV_THREADS, "").strip()
+    if raw:
+        if not raw.isdigit() or not 0 < int(raw) <= _native.MAX_THREADS:
+            raise ValueError(f"{ENV_THREADS}={raw!r}: expected a whole number of threads in 1..{_native.MAX_THREADS}")
+        return int(raw)
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_DEFAULT_THREADS))
+
+
+def check_threads(threads: int) -> int:
+    """``threads`` if it is a usable thread count (0 means :func:`default_threads`); ValueError otherwise."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= _native.MAX_THREADS:
+        raise ValueError(f"copy threads must be an int in 0..{_native.MAX_THREADS} (0: default), got {threads!r}")
+    return threads or default_threads()
+
+
+MIN_RUN = 256  # shorter runs: torch's copy_ does better than a call per run
+
+Array = torch.Tensor | np.ndarray
+
+
+@dataclass(frozen=True)
+class _Layout:
+    addr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in bytes
+    itemsize: int
+
+    def dense_tail(self) -> int:
+        """How many trailing dims are laid out densely, row-major (size-1 dims always are)."""
+        expected, k = self.itemsize, 0
+        for n, st in zip(reversed(self.shape), reversed(self.strides), strict=True):
+            if n != 1 and st != expected:
+                break
+            expected *= n
+            k += 1
+        return k
+
+    def addresses(self, dims: int) -> np.ndarray:
+        """The start address of every run when the first ``dims`` dims are the outer ones."""
+        addr = np.full(1, self.addr, dtype=np.uint64)
+        for n, st in zip(self.shape[:dims], self.strides[:dims], strict=True):
+            addr = (addr[:, None] + np.arange(n, dtype=np.uint64) * np.uint64(st)).reshape(-1)
+        return addr
+
+
+def _layout(x: Array) -> _Layout | None:
+    if isinstance(x, np.ndarray):
+        return _Layout(x.ctypes.data, x.shape, x.strides, x.itemsize)
+    if x.device.type != "cpu":
+        return None
+    esz = x.element_size()
+    return _Layout(x.data_ptr(), tuple(x.shape), tuple(st * esz for st in x.stride()), esz)
+
+
+class Copier:
+    """The copies of one transfer, run together. Not thread-safe: one per transfer.
+
+    :meth:`add` may copy at once (a layout that does not reduce to long runs) or later, at
+    :meth:`run`: both arrays must stay alive and unchanged until then."""
+
+    def __init__(self, threads: int = 0) -> None:
+        self.threads = check_threads(threads)
+        self._pending: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # run bytes -> addresses
+        self._keep: list[Array] = []  # what the addresses point into
+
+    def add(self, dst: Array, src: Array) -> None:
+        """Copy ``src`` into ``dst`` (two tensors, or two numpy arrays, of one shape and element
+        size): now, or at :meth:`run`."""
+        if tuple(dst.shape) != tuple(src.shape):
+            raise ValueError(f"cannot copy an array of shape {tuple(src.shape)} into one of {tuple(dst.shape)}")
+        runs = self._runs(dst, src)
+        if runs is None:
+            if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+                dst.copy_(src)
+            elif isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+                np.copyto(dst, src)
+            else:
+                raise TypeError("copy between two tensors or two numpy arrays, not one of each")
+            return
+        run, d, s = runs
+        dsts, srcs = self._pending.setdefault(run, ([], []))
+        dsts.append(d)
+        srcs.append(s)
+        self._keep += (dst, src)
+
+    @staticmethod
+    def _runs(dst: Array, src: Array) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """(run bytes, dst addresses, src addresses), or None if copy_ / copyto should do it."""
+        if type(dst) is not type(src) or dst.dtype != src.dtype:
+            return None
+        ld, ls = _layout(dst), _layout(src)
+        if ld is None or ls is None or 0 in ld.shape:
+            return None
+        k = min(ld.dense_tail(), ls.dense_tail())
+        outer = len(ld.shape) - k
+        run = ld.itemsize * int(np.prod(ld.shape[outer:], dtype=np.int64))
+        if not k or run < MIN_RUN:
+            return None
+        return run, ld.addresses(outer), ls.addresses(outer)
+
+    def run(self) -> None:
+        """Run the pending copies (the GIL is released meanwhile). Harmless twice."""
+        pending, self._pending = self._pending, {}
+        try:
+            for run, (dsts, srcs) in pending.items():
+                d = dsts[0] if len(dsts) == 1 else np.concatenate(dsts)
+                s = srcs[0] if len(srcs) == 1 else np.concatenate(srcs)
+                _native.copy_runs(d, s, run, self.threads, MIN_PART, STREAM_MIN)
+        finally:
+            self._keep.clear()
+
+
+def copy(dst: Array, src: Array, threads: int = 0) -> None:
+    """``dst.copy_(src)`` (or ``np.copyto``) for same-shaped arrays, through a :class:`Copier`."""
+    c = Copier(threads)
+    c.add(dst, src)
+    c.run()
+
+
+def copy_bytes(dst: int, src: int, nbytes: int, threads: int = 0) -> None:
+    """Copy ``nbytes`` from address ``src`` to address ``dst``; the caller keeps both mapped."""
+    _native.copy(dst, src, nbytes, check_threads(threads), MIN_PART, STREAM_MIN)
+
+
+def populate(addr: int, nbytes: int, write: bool = True) -> None:
+    """Fault in the pages of ``[addr, addr + nbytes)`` now, without the GIL (OSError if unmapped)."""
+    _native.populate(addr, nbytes, write)
+
+
+def blank(addr: int, nbytes: int) -> None:
+    """Replace a page-aligned range of this process's mappings with read-only zero pages."""
+    _native.blank(addr, nbytes)

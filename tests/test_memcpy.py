@@ -1,0 +1,112 @@
+"""kvdock.memcpy: copies through the native helper are byte-exact for every layout the data plane
+uses (strided chunks, layer subsets, numpy frames), on any thread count, with and without
+streaming stores; what does not reduce to runs falls back to copy_."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+import torch
+
+from kvdock import memcpy
+
+
+def _kv(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunks_of_a_kv_tensor_go_to_slots_and_back_byte_exact(threads: int, dtype: torch.dtype) -> None:
+    kv = _kv((2, 5, 96, 64), seed=1, dtype=dtype)
+    slots = [torch.empty((2, 5, 32, 64), dtype=dtype) for _ in range(3)]
+    c = memcpy.Copier(threads)
+    for j, slot in enumerate(slots):
+        c.add(slot, kv[:, :, j * 32 : (j + 1) * 32])
+    c.run()
+    out = torch.full_like(kv, 7)
+    for j, slot in enumerate(slots):
+        assert torch.equal(slot, kv[:, :, j * 32 : (j + 1) * 32])
+        c.add(out[:, :, j * 32 : (j + 1) * 32], slot)
+    c.run()
+    assert torch.equal(out, kv)
+    c.run()  # nothing pending: harmless
+
+
+def test_large_copies_use_streaming_stores_and_split_at_odd_offsets() -> None:
+    n = memcpy.STREAM_MIN + 12345  # over the streaming threshold, not a multiple of anything
+    src = torch.randint(0, 256, (n + 3,), dtype=torch.uint8)
+    dst = torch.zeros(n + 5, dtype=torch.uint8)
+    for threads in (1, 2, 7):
+        dst.zero_()
+        memcpy.copy(dst[5:], src[3:], threads)  # unaligned on both sides
+        assert torch.equal(dst[5:], src[3:]) and not dst[:5].any()
+    memcpy.copy_bytes(dst.data_ptr(), src.data_ptr(), 1000, 2)
+    assert torch.equal(dst[:1000], src[:1000])
+
+
+def test_a_layer_subset_and_numpy_frames_copy_exactly() -> None:
+    frame = np.frombuffer(np.random.default_rng(2).bytes(2 * 6 * 4096), dtype=np.uint8)  # read-only, like a zmq frame
+    rows = frame.reshape(2, 6, 4096)[:, 1:6:2]
+    out = np.zeros((2, 3, 4096), dtype=np.uint8)
+    memcpy.copy(out, rows)
+    assert np.array_equal(out, rows)
+    kv = _kv((2, 6, 16, 32), seed=3)
+    part = torch.empty((2, 2, 16, 32), dtype=torch.bfloat16)
+    memcpy.copy(part, kv[:, 2:6:2])
+    assert torch.equal(part, kv[:, 2:6:2])
+
+
+def test_layouts_without_long_runs_fall_back_to_copy_and_stay_exact() -> None:
+    x = torch.randn(64, 48)
+    t = torch.empty(48, 64).t()  # transposed: no dense innermost dim
+    memcpy.copy(t, x)
+    assert torch.equal(t, x)
+    small = torch.randn(4, 3)  # runs under MIN_RUN
+    dst = torch.empty(4, 3)
+    memcpy.copy(dst, small)
+    assert torch.equal(dst, small)
+    empty = torch.empty(0, 5)
+    memcpy.copy(empty, torch.empty(0, 5))
+
+
+def test_bad_copies_are_refused() -> None:
+    with pytest.raises(ValueError, match="shape"):
+        memcpy.copy(torch.empty(3, 4), torch.empty(4, 3))
+    with pytest.raises(TypeError, match="two tensors or two numpy arrays"):
+        memcpy.copy(torch.empty(3, 4), np.zeros((3, 4), np.float32))
+    with pytest.raises(ValueError, match="copy threads"):
+        memcpy.Copier(-1)
+    with pytest.raises(ValueError, match="copy threads"):
+        memcpy.Copier(1000)
+
+
+def test_default_threads_come_from_the_environment_or_the_cpus(monkeypatch) -> None:
+    monkeypatch.setenv(memcpy.ENV_THREADS, "3")
+    assert memcpy.default_threads() == 3 and memcpy.Copier().threads == 3
+    monkeypatch.setenv(memcpy.ENV_THREADS, "zero")
+    with pytest.raises(ValueError, match="KVDOCK_COPY_THREADS='zero'"):
+        memcpy.default_threads()
+    monkeypatch.delenv(memcpy.ENV_THREADS)
+    import os
+
+    assert memcpy.default_threads() == min(len(os.sched_getaffinity(0)), memcpy.MAX_DEFAULT_THREADS)
+
+
+def test_populate_faults_pages_in_and_blank_replaces_them_with_zeros() -> None:
+    mm = mmap.mmap(-1, 1 << 20)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    memcpy.populate(arr.ctypes.data, len(arr))
+    arr[:] = 9
+    memcpy.populate(arr.ctypes.data, len(arr), write=False)
+    assert int(arr.sum()) == 9 * len(arr)  # populating never changes the bytes
+    memcpy.blank(arr.ctypes.data, 1 << 16)
+    assert not arr[: 1 << 16].any() and (arr[1 << 16 :] == 9).all()
+    with pytest.raises(ValueError, match="page-aligned"):
+        memcpy.blank(arr.ctypes.data + 1, 4096)
+    del arr
+    mm.close()
+    with pytest.raises(OSError):
+        memcpy.populate(1 << 46, 4096)  # nothing mapped there

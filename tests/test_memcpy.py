@@ -43,8 +43,6 @@ def test_large_copies_use_streaming_stores_and_split_at_odd_offsets() -> None:
         dst.zero_()
         memcpy.copy(dst[5:], src[3:], threads)  # unaligned on both sides
         assert torch.equal(dst[5:], src[3:]) and not dst[:5].any()
-    memcpy.copy_bytes(dst.data_ptr(), src.data_ptr(), 1000, 2)
-    assert torch.equal(dst[:1000], src[:1000])
 
 
 def test_a_layer_subset_and_numpy_frames_copy_exactly() -> None:
@@ -110,3 +108,23 @@ def test_populate_faults_pages_in_and_blank_replaces_them_with_zeros() -> None:
     mm.close()
     with pytest.raises(OSError):
         memcpy.populate(1 << 46, 4096)  # nothing mapped there
+
+
+def test_what_copy_refuses_or_interprets_is_left_to_it() -> None:
+    x = torch.randn(8, 512)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        memcpy.copy(torch.empty(1, 512).expand(8, 512), x)  # overlapping destination
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        memcpy.copy(torch.zeros(8, 512, requires_grad=True), x)
+    c = torch.randn(8, 512, dtype=torch.complex64)
+    out = torch.empty_like(c)
+    memcpy.copy(out, c.conj())  # a lazy conjugate: copy_ materializes it
+    assert torch.equal(out, c.conj())
+    frozen = np.frombuffer(bytes(8192), np.uint8)
+    with pytest.raises(ValueError, match="read-only"):
+        memcpy.copy(frozen, np.ones(8192, np.uint8))
+    assert not frozen.any()
+    a = np.arange(64 * 1024, dtype=np.uint8).reshape(64, 1024)
+    b = np.zeros((64, 1024), np.uint8)
+    memcpy.copy(b, a[::-1])  # negative strides
+    assert np.array_equal(b, a[::-1])

@@ -1,6 +1,6 @@
 /* kvdock._native: the few things Python does too slowly for kvdock's data plane.
  *
- * - copy_runs / copy: copies of contiguous runs of bytes, split across threads, without the GIL;
+ * - copy_runs: copies of contiguous runs of bytes, split across threads, without the GIL;
  * - populate / blank: faulting a range of pages in, and replacing one with zero pages;
  * - pack_tokens: a list of Python ints as uint32 token ids, checked, in one pass.
  *
@@ -131,7 +131,8 @@ static void copy_runs(const uint64_t *dst, const uint64_t *src, uint64_t count, 
     pthread_t tids[MAX_THREADS];
     int started[MAX_THREADS];
     for (int t = 0; t < threads; t++) {
-        /* cut at 4 KiB boundaries so that no two threads write the same cache line or page */
+        /* cut the concatenated runs at multiples of 4 KiB: a run that starts page-aligned (as
+         * slots and large tensors do) is split at page boundaries, not mid cache line */
         uint64_t from = total / threads * t, to = t + 1 == threads ? total : total / threads * (t + 1);
         parts[t] = (part_t){dst, src, run, from & ~(uint64_t)4095, t + 1 == threads ? to : to & ~(uint64_t)4095,
                             total >= stream_min};
@@ -189,25 +190,13 @@ static PyObject *py_copy_runs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(copy_doc,
-             "copy(dst, src, nbytes, threads, min_part, stream_min)\n\n"
-             "Copy ``nbytes`` from address ``src`` to address ``dst`` (one run), as copy_runs.");
-
-static PyObject *py_copy(PyObject *self, PyObject *args) {
-    unsigned long long dst, src, nbytes, min_part, stream_min;
-    int threads;
-    if (!PyArg_ParseTuple(args, "KKKiKK", &dst, &src, &nbytes, &threads, &min_part, &stream_min)) return NULL;
-    uint64_t d = dst, s = src;
-    Py_BEGIN_ALLOW_THREADS copy_runs(&d, &s, 1, nbytes, threads, min_part, stream_min);
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
-}
-
 PyDoc_STRVAR(populate_doc,
              "populate(addr, nbytes, write)\n\n"
              "Map the pages of [addr, addr + nbytes) into the page tables now (madvise\n"
-             "MADV_POPULATE_WRITE or _READ), so that later copies take no page faults. Falls back to\n"
-             "reading a byte of every page on kernels without it. The GIL is released meanwhile.\n"
-             "OSError if the range is not mapped.");
+             "MADV_POPULATE_WRITE or _READ), so that later copies take no page faults. On kernels\n"
+             "older than 5.14 it falls back to reading a byte of every page (never writing: the\n"
+             "range may be shared), which maps private anonymous memory to the zero page only.\n"
+             "The GIL is released meanwhile. OSError if the range is not mapped.");
 
 static PyObject *py_populate(PyObject *self, PyObject *args) {
     unsigned long long addr, nbytes;
@@ -282,7 +271,6 @@ static PyMethodDef methods[] = {
     {"pack_tokens", py_pack_tokens, METH_O, pack_tokens_doc},
     {"blank", py_blank, METH_VARARGS, blank_doc},
     {"copy_runs", py_copy_runs, METH_VARARGS, copy_runs_doc},
-    {"copy", py_copy, METH_VARARGS, copy_doc},
     {"populate", py_populate, METH_VARARGS, populate_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -72,20 +72,33 @@ class _Layout:
         return k
 
     def addresses(self, dims: int) -> np.ndarray:
-        """The start address of every run when the first ``dims`` dims are the outer ones."""
-        addr = np.full(1, self.addr, dtype=np.uint64)
+        """The start address of every run when the first ``dims`` dims are the outer ones
+        (strides may be negative: the arithmetic is signed, user-space addresses fit)."""
+        addr = np.full(1, self.addr, dtype=np.int64)
         for n, st in zip(self.shape[:dims], self.strides[:dims], strict=True):
-            addr = (addr[:, None] + np.arange(n, dtype=np.uint64) * np.uint64(st)).reshape(-1)
-        return addr
+            addr = (addr[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
+        return addr.view(np.uint64)
 
 
-def _layout(x: Array) -> _Layout | None:
+def _layout(x: Array, writing: bool) -> _Layout | None:
+    """``x``'s layout, or None where only copy_ / copyto know what a copy means (a lazily
+    conjugated or negated tensor) or must refuse it (a read-only array, a leaf that needs grad)."""
     if isinstance(x, np.ndarray):
+        if writing and not x.flags.writeable:
+            return None
         return _Layout(x.ctypes.data, x.shape, x.strides, x.itemsize)
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or x.is_conj() or x.is_neg() or (writing and x.requires_grad):
         return None
     esz = x.element_size()
     return _Layout(x.data_ptr(), tuple(x.shape), tuple(st * esz for st in x.stride()), esz)
+
+
+def _disjoint(addr: np.ndarray, run: int) -> bool:
+    """Whether runs of ``run`` bytes at ``addr`` never overlap (a destination written twice,
+    e.g. an expanded tensor, is copy_'s to refuse)."""
+    if len(addr) < 2:
+        return True
+    return bool((np.diff(np.sort(addr)) >= run).all())
 
 
 class Copier:
@@ -124,7 +137,7 @@ class Copier:
         """(run bytes, dst addresses, src addresses), or None if copy_ / copyto should do it."""
         if type(dst) is not type(src) or dst.dtype != src.dtype:
             return None
-        ld, ls = _layout(dst), _layout(src)
+        ld, ls = _layout(dst, writing=True), _layout(src, writing=False)
         if ld is None or ls is None or 0 in ld.shape:
             return None
         k = min(ld.dense_tail(), ls.dense_tail())
@@ -132,7 +145,10 @@ class Copier:
         run = ld.itemsize * int(np.prod(ld.shape[outer:], dtype=np.int64))
         if not k or run < MIN_RUN:
             return None
-        return run, ld.addresses(outer), ls.addresses(outer)
+        d = ld.addresses(outer)
+        if not _disjoint(d, run):
+            return None
+        return run, d, ls.addresses(outer)
 
     def run(self) -> None:
         """Run the pending copies (the GIL is released meanwhile). Harmless twice."""
@@ -151,11 +167,6 @@ def copy(dst: Array, src: Array, threads: int = 0) -> None:
     c = Copier(threads)
     c.add(dst, src)
     c.run()
-
-
-def copy_bytes(dst: int, src: int, nbytes: int, threads: int = 0) -> None:
-    """Copy ``nbytes`` from address ``src`` to address ``dst``; the caller keeps both mapped."""
-    _native.copy(dst, src, nbytes, check_threads(threads), MIN_PART, STREAM_MIN)
 
 
 def populate(addr: int, nbytes: int, write: bool = True) -> None:

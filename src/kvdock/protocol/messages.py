@@ -186,9 +186,12 @@ class EndSession(_Msg, frozen=True):
     session_id: str
 
 
+MAX_RENEW = 4096  # sessions per RenewSessions
+
+
 class RenewSessions(_Msg, frozen=True):
-    """Renew the leases of open sessions (zero-copy views keep their pins while they are open).
-    Answered Renewed."""
+    """Renew the leases of open sessions (zero-copy views keep their pins while they are open),
+    at most MAX_RENEW. Answered Renewed."""
 
     client_id: str
     session_ids: list[str]
@@ -349,6 +352,7 @@ Reply = (
 )
 
 __all__ = [
+    "MAX_RENEW",
     "PROTOCOL_VERSION",
     "Transport",
     "EngineInfo",

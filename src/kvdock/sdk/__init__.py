@@ -39,7 +39,7 @@ from kvdock.sdk.ops import (
 )
 from kvdock.sdk.registration import ModelRegistration, make_layout, register_layout, register_model
 from kvdock.sdk.transfer import ChunkSink, ChunkSource
-from kvdock.sdk.view import PrefixView, view
+from kvdock.sdk.views import PrefixView, view
 
 __all__ = [
     "BufferPool",

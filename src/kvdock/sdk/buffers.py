@@ -16,13 +16,18 @@ the blocks in use fill the bound. Free blocks are unmapped least recently used f
 A block is reused for a request between half its size and its size.
 
 Tensors from the pool are ordinary, except that their storage cannot be resized (``resize_``
-raises), as with any tensor made from a buffer.
+raises), as with any tensor made from a buffer. ``share_memory_()`` (which torch.multiprocessing
+calls when a tensor is put on a queue) moves the tensor to new memory and gives its block back:
+a numpy array or DLPack capsule taken from the tensor *before* that points into the block, which
+the next retrieve may reuse -- as with torch's own allocator, where it would point into freed
+memory. Take such exports after ``share_memory_()``, or copy them.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import queue
 import threading
 import weakref
 from collections import OrderedDict
@@ -31,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvdock.config import parse_size
+from kvdock.errors import ConfigError
 from kvdock.memcpy import populate
 
 MIN_POOLED = 1 << 20  # smaller tensors come from malloc's own free lists without new faults
@@ -68,13 +75,17 @@ class _Block:
 
 class BufferPool:
     """Pre-faulted blocks handed out as tensors. Thread-safe: blocks come back from whichever
-    thread frees their last tensor."""
+    thread frees their last tensor (through a queue, taken in at the next call)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = _check_bytes(max_bytes)
         self._lock = threading.Lock()
         self._free: OrderedDict[int, _Block] = OrderedDict()  # least recently freed first
         self._used: dict[int, _Block] = {}
+        # ids of blocks whose last tensor is gone, queued by their finalizers: a finalizer may run
+        # inside any locked section of this thread (a GC pass), so it must not take _lock;
+        # SimpleQueue.put is safe there. Drained under _lock by _reap.
+        self._returned: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._held = 0
         self._next_id = 0
         self._reused = self._mapped = self._unpooled = 0
@@ -90,12 +101,13 @@ class BufferPool:
             return torch.empty(shape, dtype=dtype)
         view = block.array[:nbytes]
         # the tensor's storage holds ``view``; when the last tensor on it is freed, so is ``view``
-        weakref.finalize(view, self._give_back, block.id).atexit = False
+        weakref.finalize(view, self._returned.put, block.id).atexit = False
         return torch.from_numpy(view).view(dtype).view(shape)
 
     def _take(self, nbytes: int) -> _Block | None:
         size = -(-nbytes // GRAIN) * GRAIN
         with self._lock:
+            self._reap()
             if size > self.max_bytes:
                 return None
             fits = [b for b in self._free.values() if size <= b.size <= 2 * size]
@@ -123,8 +135,12 @@ class BufferPool:
             self._mapped += 1
         return block
 
-    def _give_back(self, ident: int) -> None:
-        with self._lock:
+    def _reap(self) -> None:  # under _lock
+        while True:
+            try:
+                ident = self._returned.get_nowait()
+            except queue.Empty:
+                return
             block = self._used.pop(ident)
             if self._held > self.max_bytes:  # the bound was lowered meanwhile
                 self._held -= block.size
@@ -141,6 +157,7 @@ class BufferPool:
         """Change the bound; free blocks over it are unmapped now, blocks in use when they come back."""
         max_bytes = _check_bytes(max_bytes)
         with self._lock:
+            self._reap()
             self.max_bytes = max_bytes
             while self._free and self._held > max_bytes:
                 self._drop(next(iter(self._free)))
@@ -148,17 +165,20 @@ class BufferPool:
     def trim(self) -> None:
         """Unmap every free block."""
         with self._lock:
+            self._reap()
             while self._free:
                 self._drop(next(iter(self._free)))
 
     def stats(self) -> PoolStats:
         with self._lock:
+            self._reap()
             free = sum(b.size for b in self._free.values())
             return PoolStats(self._held, free, self._reused, self._mapped, self._unpooled)
 
     def check_integrity(self) -> list[str]:
         """Problems with the pool's bookkeeping (empty: sound)."""
         with self._lock:
+            self._reap()
             problems = []
             held = sum(b.size for b in (*self._free.values(), *self._used.values()))
             if held != self._held:
@@ -179,13 +199,18 @@ def _check_bytes(value: object) -> int:
     return value
 
 
-def _default_max_bytes() -> int:
+def default_max_bytes() -> int:
+    """``KVDOCK_BUFFER_POOL_BYTES`` (a size: ``1GiB``, ``512MiB``, ``0``) or DEFAULT_MAX_BYTES;
+    ValueError for anything else."""
     raw = os.environ.get(ENV_MAX_BYTES, "").strip()
     if not raw:
         return DEFAULT_MAX_BYTES
-    if not raw.isdigit():
-        raise ValueError(f"{ENV_MAX_BYTES}={raw!r}: expected a whole number of bytes (0 turns pooling off)")
-    return int(raw)
+    try:
+        return parse_size(raw)
+    except ConfigError:
+        raise ValueError(
+            f"{ENV_MAX_BYTES}={raw!r}: expected a size such as 1GiB or 512MiB (0 turns pooling off)"
+        ) from None
 
 
 _process_pool: BufferPool | None = None
@@ -197,7 +222,7 @@ def buffer_pool() -> BufferPool:
     global _process_pool
     with _process_lock:
         if _process_pool is None:
-            _process_pool = BufferPool(_default_max_bytes())
+            _process_pool = BufferPool(default_max_bytes())
         return _process_pool
 
 

@@ -8,7 +8,6 @@ import os
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -83,9 +82,9 @@ class Connection:
         except ValueError as e:
             raise InvalidInputError(str(e)) from None
 
-    def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = ()) -> Response:
+    def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = (), timeout: float | None = None) -> Response:
         try:
-            resp = self._client.call(msg, payload)
+            resp = self._client.call(msg, payload, timeout)
         except ControlTimeout as e:
             if self._client.closed:
                 raise KVCacheSDKError(f"the connection to {self.url} is closed (KVCacheContext.close())") from None
@@ -157,7 +156,7 @@ class KVCacheContext:
         self._closed = False
         self._reconnect_lock = threading.Lock()
         self.session_ttl = 30.0  # the server's lease of a session (from /config)
-        self._views: weakref.WeakSet[Any] = weakref.WeakSet()  # open zero-copy views (sdk.view)
+        self._views: set[Any] = set()  # the leases of open zero-copy views (sdk.views)
 
     @property
     def transport(self) -> str:
@@ -181,6 +180,15 @@ class KVCacheContext:
         KVCacheSDKError if the context is closed, or if this thread's last request was answered
         for an older registration than the current one (the server restarted in between, so the
         slots it handed out are not in the pool now mapped)."""
+        ref = self.hold_transfer()
+        try:
+            yield ref.transfer
+        finally:
+            self.drop_transfer(ref)
+
+    def hold_transfer(self) -> _TransferRef:
+        """What :meth:`transfer` does on entry, for a holder that outlives a ``with`` block (a
+        zero-copy view): pair it with :meth:`drop_transfer`. Never from a finalizer (it locks)."""
         with self._refs:
             if self._closed:
                 raise KVCacheSDKError("this KVCacheContext is closed")
@@ -191,15 +199,15 @@ class KVCacheContext:
                     f"the server at {self.url} restarted during this transfer (nothing was copied); retry"
                 )
             ref.users += 1
-        try:
-            yield ref.transfer
-        finally:
-            with self._refs:
-                ref.users -= 1
-                last = ref.retired and ref.users == 0
-                self._refs.notify_all()
-            if last:
-                ref.transfer.close()
+            return ref
+
+    def drop_transfer(self, ref: _TransferRef) -> None:
+        with self._refs:
+            ref.users -= 1
+            last = ref.retired and ref.users == 0
+            self._refs.notify_all()
+        if last:
+            ref.transfer.close()
 
     def _retire(self, new: _TransferRef | None) -> None:
         """Swap the current transfer for ``new`` (under _refs); close the old one if unused."""
@@ -210,8 +218,9 @@ class KVCacheContext:
         if old.users == 0:
             old.transfer.close()
 
-    def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = ()) -> Response:
-        """Send one control message (KVCacheSDKError if closed, unreachable or refused).
+    def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = (), timeout: float | None = None) -> Response:
+        """Send one control message (KVCacheSDKError if closed, unreachable or refused), waiting
+        up to ``timeout`` (default: the context's) for the reply.
 
         If the server restarted meanwhile (it no longer knows this client), a request that starts
         a flow (lookup, prepare) registers again and is retried once; a layout that changed with
@@ -220,7 +229,7 @@ class KVCacheContext:
             raise KVCacheSDKError("this KVCacheContext is closed")
         stale_id = getattr(msg, "client_id", self.client_id)
         try:
-            resp = self._conn.call(msg, payload)
+            resp = self._conn.call(msg, payload, timeout)
         except KVCacheSDKError as e:
             if e.code != ErrorCode.UNKNOWN_CLIENT or not isinstance(msg, _RESTARTABLE):
                 raise
@@ -230,7 +239,7 @@ class KVCacheContext:
                 if self.client_id == stale_id:
                     self._reconnect()
             msg = msgspec.structs.replace(msg, client_id=self.client_id)
-            resp = self._conn.call(msg, payload)
+            resp = self._conn.call(msg, payload, timeout)
         self._answered.client_id = getattr(msg, "client_id", None)
         return resp
 
@@ -251,6 +260,7 @@ class KVCacheContext:
             raise KVCacheSDKError("this KVCacheContext is closed")
         log.info("server %s restarted; registered again", self.url)
         self.max_request_tokens = reg.max_request_tokens
+        self.session_ttl = reg.session_ttl
 
     def notify(self, msg: msgspec.Struct) -> None:
         """Send a message whose reply nobody waits for (dropped on arrival); no-op once closed."""
@@ -271,25 +281,32 @@ class KVCacheContext:
     def new_session_id() -> str:
         return uuid.uuid4().hex
 
-    def track_view(self, view: Any) -> None:
-        """Remember an open zero-copy view: :meth:`close` releases it first."""
+    def track_view(self, lease: Any) -> None:
+        """Remember the lease of an open zero-copy view (anything with ``revoke()``), which
+        :meth:`close` revokes first; KVCacheSDKError once the context is closing."""
         with self._refs:
-            self._views.add(view)
+            if self._closed:
+                raise KVCacheSDKError("this KVCacheContext is closed")
+            self._views.add(lease)
+
+    def untrack_view(self, lease: Any) -> None:
+        with self._refs:
+            self._views.discard(lease)
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
-        """Stop new requests and copies, wait up to ``wait_s`` for copies in progress in other
-        threads, then tell the server this client is gone, unmap the pool (or leave that to the
-        last copy still running) and close the sockets. Requests of other threads still waiting
-        for a reply get KVCacheSDKError. Harmless twice."""
-        with self._refs:
-            views = list(self._views)
-        for v in views:  # their tensors read zeros from now on; they hold transfer guards
-            with contextlib.suppress(KVCacheSDKError):
-                v.close()
+        """Stop new requests and copies, revoke open zero-copy views (their tensors read zeros
+        from now on), wait up to ``wait_s`` for copies in progress in other threads, then tell the
+        server this client is gone, unmap the pool (or leave that to the last copy still running)
+        and close the sockets. Requests of other threads still waiting for a reply get
+        KVCacheSDKError. Harmless twice."""
         with self._refs:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = True  # from here on no new transfer, view or request starts
+            views = list(self._views)
+        for v in views:  # they hold transfers: released before the wait below
+            v.revoke()
+        with self._refs:
             deadline = time.monotonic() + wait_s
             while self._ref.users and (left := deadline - time.monotonic()) > 0:
                 self._refs.wait(left)
@@ -324,6 +341,7 @@ def connect(url: str, http_url: str, model_name: str, timeout: float = 60.0) -> 
     validate.url(url)
     validate.http_url(http_url)
     validate.model_name(model_name)
+    validate.environment()
     conn = Connection(url, timeout)
     try:
         reg = _register(conn, http_url, model_name)

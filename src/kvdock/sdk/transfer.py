@@ -15,6 +15,7 @@ codec, so each chunk moves between the engine's pages and a slot in one copy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import threading
@@ -41,8 +42,9 @@ class ChunkSource(Protocol):
         ``[2, L, chunk_size, D]`` buffer that stays valid until :meth:`finish` returns."""
 
     def finish(self) -> None:
-        """Every put of this transfer was made: complete any copy still pending (a source may
-        batch them). Called once, before the chunks are committed."""
+        """The puts of this transfer are over: complete any copy still pending (a source may
+        batch them). Called once per transfer, also when a put raised, before the chunks are
+        committed. Optional: a source without it copies in put."""
 
 
 class ChunkSink(Protocol):
@@ -51,9 +53,10 @@ class ChunkSink(Protocol):
         valid until :meth:`finish` returns)."""
 
     def finish(self) -> None:
-        """Every take of this transfer was made: complete any copy still pending. The bytes are
-        verified only after it: a transfer that then raises LeaseExpiredError has handed
-        garbage to some takes."""
+        """The takes of this transfer are over: complete any copy still pending. Called once
+        per transfer, also when a take raised (or nothing was taken). The bytes are verified
+        only after it: a transfer that then raises LeaseExpiredError has handed garbage to some
+        takes. Optional: a sink without it copies in take."""
 
 
 class TensorChunks:
@@ -81,6 +84,14 @@ class TensorChunks:
 
     def finish(self) -> None:
         self._copier.run()
+
+
+def finish(end: ChunkSource | ChunkSink) -> None:
+    """End a transfer at ``end``: its pending copies run (also after a failed put or take: the
+    slots are still held then, and a reused sink must not carry them into its next transfer)."""
+    done = getattr(end, "finish", None)
+    if done is not None:
+        done()
 
 
 def layer_slice(part: ReadPart | None) -> slice:
@@ -141,9 +152,11 @@ class Prefault:
             log.debug("prefaulting the pool stopped: %s", e)
 
     def ensure(self, addr: int, nbytes: int) -> None:
-        """Populate ``[addr, addr + nbytes)`` now unless the whole mapping already is."""
+        """Populate ``[addr, addr + nbytes)`` now unless the whole mapping already is (an error
+        only means the copy faults the pages in itself)."""
         if not self.done:
-            populate(addr, nbytes)
+            with contextlib.suppress(OSError):
+                populate(addr, nbytes)
 
     def stop(self) -> None:
         self._stop.set()
@@ -168,18 +181,22 @@ class ShmTransfer(Transfer):
         return self._pool[offset : offset + self.chunk_nbytes].view(self.dtype).view(self.chunk_shape)
 
     def write(self, slots: Sequence[SlotRef], source: ChunkSource) -> list[memoryview]:
-        for s in slots:
-            source.put(s.index, self._slot(s.offset))
-        source.finish()
+        try:
+            for s in slots:
+                source.put(s.index, self._slot(s.offset))
+        finally:
+            finish(source)
         return []
 
     def read(
         self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink, part: ReadPart | None = None
     ) -> None:
         layers, first = layer_slice(part), part.first_chunk if part else 0
-        for j, s in enumerate(slots[first:], first):
-            sink.take(j, self._slot(s.offset)[:, layers])
-        sink.finish()
+        try:
+            for j, s in enumerate(slots[first:], first):
+                sink.take(j, self._slot(s.offset)[:, layers])
+        finally:
+            finish(sink)
         # seqlock read side: the copies above are complete (finish returned) before these loads
         moved = self.moved(slots)
         if moved:
@@ -194,9 +211,9 @@ class ShmTransfer(Transfer):
         gens = self._gens
         return [s.index for s in slots if int(gens[(s.offset - self._base) // ALIGN]) != s.gen]
 
-    def map_readonly(self) -> mmap.mmap:
-        """A new read-only mapping of the pool (for zero-copy views)."""
-        return self._segment.map_readonly()
+    def map_readonly(self, offset: int, length: int) -> mmap.mmap:
+        """A new read-only mapping of part of the pool (for zero-copy views)."""
+        return self._segment.map_readonly(offset, length)
 
     def close(self) -> None:
         self._prefault.stop()
@@ -213,9 +230,11 @@ class InlineTransfer(Transfer):
         # one staging tensor for all chunks, from the buffer pool: it goes back when zmq is done
         # with the frames (their memoryviews hold it)
         staging = buffer_pool().empty((len(slots), *self.chunk_shape), self.dtype)
-        for i, s in enumerate(slots):
-            source.put(s.index, staging[i])
-        source.finish()
+        try:
+            for i, s in enumerate(slots):
+                source.put(s.index, staging[i])
+        finally:
+            finish(source)
         raw = staging.view(torch.uint8).view(len(slots), -1).numpy()
         return [raw[i].data for i in range(len(slots))]
 
@@ -233,12 +252,14 @@ class InlineTransfer(Transfer):
         if len(frames) > 1 or (sent and not all(s.offset >= 0 and s.offset + per <= size for s in sent)):
             got = [len(f) for f in frames]
             raise KVCacheSDKError(f"malformed inline reply: frames of {got} bytes for {len(sent)} chunks of {per}")
-        if not sent:
-            return
-        with warnings.catch_warnings():
-            # the frame is read-only; we only read it, once, into ``out``
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            whole = torch.frombuffer(frames[0], dtype=torch.uint8)
-        for j, s in enumerate(sent, first):
-            sink.take(j, whole[s.offset : s.offset + per].view(self.dtype).view(shape))
-        sink.finish()
+        try:
+            if not sent:
+                return
+            with warnings.catch_warnings():
+                # the frame is read-only; we only read it, once, into ``out``
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                whole = torch.frombuffer(frames[0], dtype=torch.uint8)
+            for j, s in enumerate(sent, first):
+                sink.take(j, whole[s.offset : s.offset + per].view(self.dtype).view(shape))
+        finally:
+            finish(sink)

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvdock import memcpy
 from kvdock.config import MAX_SALT_LEN
 from kvdock.errors import InvalidInputError
 from kvdock.keys import normalize_tokens
+from kvdock.sdk.buffers import default_max_bytes
 
 if TYPE_CHECKING:
     from kvdock.sdk.context import KVCacheContext
@@ -24,6 +26,16 @@ if TYPE_CHECKING:
 MAX_TIMEOUT_S = 24 * 3600.0  # a day; zmq's millisecond timeouts overflow at about 24.8 days
 _ZMQ_SCHEMES = ("tcp://", "ipc://")
 _HTTP_SCHEMES = ("http://", "https://")
+
+
+def environment() -> None:
+    """KVDOCK_COPY_THREADS and KVDOCK_BUFFER_POOL_BYTES, if set, must be usable
+    (InvalidInputError naming the variable otherwise): checked at connect, not at every copy."""
+    try:
+        memcpy.default_threads()
+        default_max_bytes()
+    except ValueError as e:
+        raise InvalidInputError(str(e)) from None
 
 
 def context(ctx: object) -> KVCacheContext:

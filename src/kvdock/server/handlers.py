@@ -122,9 +122,9 @@ def refresh_gauges(state: ServerState) -> None:
 
 def renew_sessions(state: ServerState, req: m.RenewSessions, payload: Payload) -> Reply:
     client = client_of(state, req.client_id)
-    if len(req.session_ids) > MAX_RENEW:
+    if len(req.session_ids) > m.MAX_RENEW:
         count = len(req.session_ids)
-        raise RequestError(f"at most {MAX_RENEW} sessions per RenewSessions, got {count}", ErrorCode.LIMIT)
+        raise RequestError(f"at most {m.MAX_RENEW} sessions per RenewSessions, got {count}", ErrorCode.LIMIT)
     sessions = state.manager.sessions
     gone = []
     for sid in req.session_ids:
@@ -133,6 +133,3 @@ def renew_sessions(state: ServerState, req: m.RenewSessions, payload: Payload) -
         else:
             gone.append(sid)
     return Reply(m.Renewed(gone))
-
-
-MAX_RENEW = 4096

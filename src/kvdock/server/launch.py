@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import zmq
 from aiohttp import web
 
+from kvdock import memcpy
 from kvdock.config import (
     L1_AUTO_FRACTION,
     ServerConfig,
@@ -306,6 +307,10 @@ async def _publish_events(state: ServerState, server: str) -> None:
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
     """Run until SIGINT/SIGTERM. The shared-memory segment is unlinked on every way out, start-up
     failures (port in use) included."""
+    try:
+        memcpy.default_threads()  # a bad KVDOCK_COPY_THREADS fails here, not at the first copy
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     state = build_state(config)
     try:
         await _run(state, config, ready)

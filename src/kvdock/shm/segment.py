@@ -160,13 +160,13 @@ class PoolSegment:
             mm.close()
             raise
 
-    def map_readonly(self) -> mmap.mmap:
-        """A second, read-only mapping of the same segment (not populated): tensors on it cannot
-        write into the pool (a write is a SIGSEGV, not a corrupted cache). OSError if the segment
-        is gone."""
+    def map_readonly(self, offset: int, length: int) -> mmap.mmap:
+        """A second, read-only mapping of ``[offset, offset + length)`` of the segment (``offset``
+        page-aligned; not populated): tensors on it cannot write into the pool (a write is a
+        SIGSEGV, not a corrupted cache). OSError if the segment is gone or the address space full."""
         fd = os.open(SHM_DIR / self.name, os.O_RDONLY)
         try:
-            return mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
         finally:
             os.close(fd)
 

@@ -23,6 +23,9 @@ class Incoming:
     payload: list[memoryview]
 
 
+MAX_QUEUED = 1024  # messages received from zmq but not yet handled
+
+
 class ControlServer:
     """Binds a ROUTER socket; receives requests and sends replies. Never decodes messages.
 
@@ -48,10 +51,13 @@ class ControlServer:
         self._fd = int(self._sock.getsockopt(zmq.FD))
 
     def _drain(self) -> None:
-        sock = self._sock
-        while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            self._queue.append(sock.recv_multipart(zmq.NOBLOCK, copy=False))
-        if self._queue:
+        # At most MAX_QUEUED messages are taken out of zmq: past that they wait in zmq's own
+        # queue (RCVHWM), which pushes back on flooding peers. Reading ZMQ_EVENTS rearms the
+        # FD even when nothing is taken; recv() drains again as the queue shrinks.
+        sock, queued = self._sock, self._queue
+        while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN and len(queued) < MAX_QUEUED:
+            queued.append(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+        if queued:
             self._arrived.set()
 
     async def recv(self) -> Incoming:
@@ -64,6 +70,8 @@ class ControlServer:
             if not self._queue:
                 await self._arrived.wait()
         frames = self._queue.popleft()
+        if len(self._queue) < MAX_QUEUED // 2:
+            self._drain()  # what a full queue left in zmq (its edge may be gone already)
         identity = frames[0].bytes
         if len(frames) < 3:
             return Incoming(identity, frames[1].bytes if len(frames) > 1 else b"", None, [])

@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
+import queue
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Iterator
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -54,48 +58,62 @@ RENEWALS_PER_TTL = 3
 
 
 class _Lease:
-    """What a view and its context's keeper share: the session, the read-only mapping and whether
-    it was released. ``lock`` orders the blanking of the mapping against letting it go: once
-    ``released``, nobody touches the mapping's addresses again."""
+    """What a view, its context and its keeper share: the session, the transfer it holds, the
+    read-only mapping and whether it was released. ``lock`` orders the blanking of the mapping
+    against letting it go: once ``released``, nobody touches the mapping's addresses again.
+    Never used from a finalizer (it locks): a dropped view's lease is queued for its keeper."""
 
-    def __init__(self, ctx: KVCacheContext, client_id: str, session_id: str, mm: object, addr: int, size: int) -> None:
-        self.ctx, self.client_id, self.session_id = ctx, client_id, session_id
-        self.mm, self.addr, self.size = mm, addr, size
+    def __init__(
+        self, ctx: KVCacheContext, client_id: str, session_id: str, hold: Any, mm: mmap.mmap, addr: int
+    ) -> None:
+        self.ctx, self.client_id, self.session_id, self.hold = ctx, client_id, session_id, hold
+        self.mm: mmap.mmap | None = mm
+        self.addr, self.size = addr, -(-len(mm) // mmap.PAGESIZE) * mmap.PAGESIZE  # what mmap mapped
         self.lock = threading.Lock()
         self.released = False
+        self.revoked = False  # released by the context's close(), not by the view's owner
         self.lost = False  # the server no longer holds the session: the mapping was blanked
 
     def lose(self) -> None:
-        """The server no longer holds the pins: blank the mapping now."""
+        """The server no longer holds the pins (or soon will not): blank the mapping now."""
         with self.lock:
             if not self.released and not self.lost:
                 blank(self.addr, self.size)
                 self.lost = True
 
-    def release(self) -> None:
-        """Blank the mapping, then let the pins go. Harmless twice; safe from a finalizer."""
+    def release(self, revoked: bool = False) -> None:
+        """Blank the mapping, then let the pins and the transfer go. Harmless twice. If the
+        blank fails (OSError), nothing is let go: the keeper keeps the pins and the error rises."""
         with self.lock:
             if self.released:
                 return
-            self.released = True
             if not self.lost:
                 blank(self.addr, self.size)
+            self.released, self.revoked = True, revoked
         _keeper(self.ctx).forget(self)
-        self.ctx.notify(m.CommitRetrieve(self.client_id, self.session_id))
+        self.ctx.untrack_view(self)
+        self.ctx.notify(m.CommitRetrieve(self.client_id, self.session_id))  # a no-op once closed
+        self.ctx.drop_transfer(self.hold)
         # never closed here: tensors on the mapping hold a reference to it (not a buffer export),
         # so closing would unmap memory they point into; it goes when the last of them does
         self.mm = None
 
+    def revoke(self) -> None:
+        """The context closes (see KVCacheContext.close)."""
+        self.release(revoked=True)
+
 
 class _Keeper:
-    """Renews the leases of a context's open views, all in one message every ``session_ttl / 3``
-    seconds, on one thread that runs while any view is open."""
+    """Renews the leases of a context's open views, in one message (per MAX_RENEW sessions)
+    every ``session_ttl / 3`` seconds, and releases the leases of views that were garbage
+    collected (their finalizers only queue them: ``dropped.put`` is safe there), on one thread
+    that runs while any lease is kept."""
 
     def __init__(self, ctx: KVCacheContext) -> None:
         self._ctx = weakref.ref(ctx)
-        self.interval = max(ctx.session_ttl / RENEWALS_PER_TTL, 0.05)
         self._lock = threading.Lock()
         self._leases: set[_Lease] = set()
+        self.dropped: queue.SimpleQueue[_Lease] = queue.SimpleQueue()
         self._running = False
 
     def keep(self, lease: _Lease) -> None:
@@ -111,37 +129,55 @@ class _Keeper:
             self._leases.discard(lease)
 
     def _run(self) -> None:
-        wake = threading.Event()
+        due = time.monotonic() + _interval(self._ctx())
         while True:
-            wake.wait(self.interval)
-            with self._lock:
-                leases = list(self._leases)
-                if not leases:
-                    self._running = False
-                    return
-            ctx = self._ctx()
-            if ctx is None or ctx.closed:
+            try:
+                ctx = self._ctx()
+                interval = _interval(ctx)
+                del ctx
+                with contextlib.suppress(queue.Empty):
+                    self.dropped.get(timeout=max(0.0, due - time.monotonic())).release()
+                    continue
                 with self._lock:
-                    self._running = False
-                return
-            self.renew(ctx, leases)
+                    leases = list(self._leases)
+                    if not leases:
+                        self._running = False
+                        return
+                ctx = self._ctx()
+                if ctx is None or ctx.closed:  # its close() revoked the live ones; these are gone too
+                    for lease in leases:
+                        lease.lose()
+                        lease.release(revoked=True)
+                    continue
+                self.renew(ctx, leases, timeout=interval)
+                del ctx
+                due = time.monotonic() + interval
+            except Exception:  # never die: the leases would lapse and the slots be reused silently
+                log.exception("the view-lease thread hit an error; going on")
+                due = time.monotonic() + 0.1
 
     @staticmethod
-    def renew(ctx: KVCacheContext, leases: list[_Lease]) -> None:
+    def renew(ctx: KVCacheContext, leases: list[_Lease], timeout: float) -> None:
         by_client: dict[str, dict[str, _Lease]] = {}
         for lease in leases:
             by_client.setdefault(lease.client_id, {})[lease.session_id] = lease
         for client_id, mine in by_client.items():
-            try:
-                reply = ctx.call(m.RenewSessions(client_id, list(mine))).reply
-            except KVCacheSDKError as e:  # unreachable for now: the leases may still hold
-                if e.code == ErrorCode.UNKNOWN_CLIENT:  # the server restarted: the pins are gone
-                    reply = m.Renewed(list(mine))
-                else:
-                    log.warning("could not renew the leases of %d view(s): %s", len(mine), e)
-                    continue
-            for sid in reply.gone:
-                mine[sid].lose()
+            sids = list(mine)
+            for at in range(0, len(sids), m.MAX_RENEW):
+                part = sids[at : at + m.MAX_RENEW]
+                try:
+                    gone = ctx.call(m.RenewSessions(client_id, part), timeout=timeout).reply.gone
+                except KVCacheSDKError as e:
+                    if e.code != ErrorCode.UNKNOWN_CLIENT:  # unreachable for now: the leases may still hold
+                        log.warning("could not renew the leases of %d view(s): %s", len(part), e)
+                        continue
+                    gone = part  # the server restarted or forgot the client: the pins are gone
+                for sid in gone:
+                    mine[sid].lose()
+
+
+def _interval(ctx: KVCacheContext | None) -> float:
+    return max((ctx.session_ttl if ctx is not None else 30.0) / RENEWALS_PER_TTL, 0.05)
 
 
 _keepers: weakref.WeakKeyDictionary[KVCacheContext, _Keeper] = weakref.WeakKeyDictionary()
@@ -161,7 +197,8 @@ class PrefixView:
 
     ``num_tokens`` tokens in ``len(view)`` chunks; :meth:`chunk` gives chunk ``i`` as a
     ``[2, L, chunk_size, D]`` tensor on the slot itself. Valid until :meth:`close`; thread-safe
-    for reading."""
+    for reading. A snapshot: an overwrite of the tokens acknowledged while the view is open does
+    not change it (as it does not change a tensor retrieved before)."""
 
     def __init__(self, ctx: KVCacheContext, client_id: str, session_id: str, slots: list[m.SlotRef]) -> None:
         self._ctx = ctx
@@ -172,26 +209,41 @@ class PrefixView:
         self._shape = ctx.geometry.chunk_shape(ctx.chunk_size)
         self._nbytes = ctx.geometry.chunk_nbytes(ctx.chunk_size)
         self._lease: _Lease | None = None
-        self._guard = contextlib.ExitStack()
+        self._reported = False
         if not slots:
             return
+        hold = lease = None
         try:
-            transfer = self._guard.enter_context(ctx.transfer())
+            hold = ctx.hold_transfer()
+            transfer = hold.transfer
             if not isinstance(transfer, ShmTransfer):
                 raise KVCacheSDKError("view() maps the server's shared memory; this context uses the inline transport")
             self._transfer = transfer
-            mm = transfer.map_readonly()
+            # only the span of its slots: a view costs address space for what it shows, not the pool
+            lo = min(s.offset for s in slots) // mmap.PAGESIZE * mmap.PAGESIZE
+            hi = max(s.offset for s in slots) + self._nbytes
+            self._lo = lo
+            try:
+                mm = transfer.map_readonly(lo, hi - lo)
+            except OSError as e:
+                raise KVCacheSDKError(f"cannot map the server's pool read-only: {e}") from None
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 self._base = torch.frombuffer(mm, dtype=torch.uint8)
+            lease = _Lease(ctx, client_id, session_id, hold, mm, self._base.data_ptr())
+            ctx.track_view(lease)  # KVCacheSDKError if the context is closing
+            keeper = _keeper(ctx)
+            keeper.keep(lease)
         except BaseException:
-            self._guard.close()
-            ctx.notify(m.CommitRetrieve(client_id, session_id))
+            if lease is not None:
+                lease.release()
+            else:
+                if hold is not None:
+                    ctx.drop_transfer(hold)
+                ctx.notify(m.CommitRetrieve(client_id, session_id))
             raise
-        self._lease = lease = _Lease(ctx, client_id, session_id, mm, self._base.data_ptr(), len(mm))
-        ctx.track_view(self)
-        _keeper(ctx).keep(lease)
-        weakref.finalize(self, lease.release).atexit = False
+        self._lease = lease
+        weakref.finalize(self, keeper.dropped.put, lease).atexit = False
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -211,7 +263,7 @@ class PrefixView:
             raise IndexError(f"chunk {index} of a view of {len(self._slots)} chunks")
         if self.closed:
             raise KVCacheSDKError("this view is closed")
-        off = self._slots[index].offset
+        off = self._slots[index].offset - self._lo
         return self._base[off : off + self._nbytes].view(self.dtype).view(self._shape)
 
     def tensor(self, layers: range | None = None) -> torch.Tensor:
@@ -228,14 +280,22 @@ class PrefixView:
         return out
 
     def verify(self) -> None:
-        """LeaseExpiredError if any slot was handed to another object since the view opened (or
-        the server no longer holds the view's pins): what was read from the view may be wrong."""
+        """LeaseExpiredError if the view is no longer sound: a slot was handed to another object
+        since it opened, the server no longer holds its pins, or it was released (its context
+        closed) while in use. What was read from it may then be wrong (or zeros)."""
         lease = self._lease
         if lease is None:
             return
-        if lease.lost:
-            raise LeaseExpiredError("the server released this view's pins (its lease ran out): discard what was read")
-        moved = self._transfer.moved(self._slots)
+        with lease.lock:  # a release waits: the transfer stays mapped while its generations are read
+            if lease.released:
+                raise LeaseExpiredError(
+                    "this view was released (its context closed?) while in use: discard what was read"
+                )
+            if lease.lost:
+                raise LeaseExpiredError(
+                    "the server released this view's pins (its lease ran out): discard what was read"
+                )
+            moved = self._transfer.moved(self._slots)
         if moved:
             raise LeaseExpiredError(
                 f"{len(moved)} slot(s) of this view were reused while it was open (was the process paused "
@@ -245,15 +305,26 @@ class PrefixView:
     def close(self) -> None:
         """Check the view (:meth:`verify`), then release it: its tensors read zeros from now on
         and the server may evict the prefix. Raises LeaseExpiredError from the check, after
-        releasing. Harmless twice."""
+        releasing, and once if the context revoked the view while it was open. Harmless twice."""
         lease = self._lease
-        if lease is None or lease.released:
+        if lease is None:
+            return
+        if lease.released:
+            if lease.revoked and not self._reported:
+                self._reported = True
+                raise LeaseExpiredError(
+                    "this view was revoked by its context's close() while open: discard what was read"
+                )
             return
         try:
             self.verify()
         finally:
             lease.release()
-            self._guard.close()
+
+    def revoke(self) -> None:
+        """Release the view for its context's close(); its owner's close() then raises."""
+        if self._lease is not None:
+            self._lease.revoke()
 
     def __enter__(self) -> PrefixView:
         return self

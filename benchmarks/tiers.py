@@ -15,10 +15,14 @@ written down to both tiers, then times ``kvdock.sdk.retrieve`` of the whole pref
   from the cluster's shards.
 
 Each retrieve is checked byte-exact (torch.equal). Also reported: how long the write-down to L2
-and L3 took after the store returned, and a plain in-process copy of the same bytes as a baseline.
+and L3 took after the store returned, a plain in-process copy of the same bytes as a baseline,
+and the L3 read rate on the server side: the bytes servers B and C read from Redis into their L1
+slots over the time their L3 lane spent reading them (the tier counters of /status), which leaves
+out the SDK's own copy and the round trips of the retrieve.
 
     python benchmarks/tiers.py                # 32 layers x 8 heads x 128, bf16, 2048 tokens
     python benchmarks/tiers.py --quick        # smoke test
+    python benchmarks/tiers.py --tiers L3,L3-cluster --reps 5   # only the L3 reads
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+import kvdock
 import kvdock.sdk as kvd
 from kvdock.testing import RedisCluster, ServerProcess, cluster_ports, free_port, launch_server
 
@@ -43,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import gbps, timed
 
 MODEL = "bench-tiers"
+TIERS = ("L1", "L2", "L3", "L3-cluster")
 
 
 def status(srv: ServerProcess) -> dict:
@@ -92,8 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--l1-size", default="2GiB")
     p.add_argument("--quick", action="store_true", help="2 layers, 1024 tokens, 2 reps")
+    p.add_argument("--tiers", default=",".join(TIERS), help=f"which to time, of {','.join(TIERS)} (default: all)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
+    timed_tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if not timed_tiers or set(timed_tiers) - set(TIERS):
+        p.error(f"--tiers takes a comma-separated list of {', '.join(TIERS)}")
     if args.quick:
         args.layers, args.tokens, args.reps, args.l1_size = 2, 1024, 2, "256MiB"
     shape = (2, args.layers, args.tokens, args.kv_heads * args.head_dim)
@@ -103,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     chunks = args.tokens // args.chunk_size
     print(
         f"kvdock tier benchmark: KV {list(shape)} bfloat16 = {nbytes / 2**20:.0f} MiB, {chunks} chunks, "
-        f"{args.reps} reps, {os.cpu_count()} CPUs"
+        f"{args.reps} reps, {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
+        f"kvdock from {Path(kvdock.__file__).parent}"
     )
 
     with tempfile.TemporaryDirectory(prefix="kvdock-tiers-") as tmp:
@@ -141,10 +152,12 @@ def main(argv: list[str] | None = None) -> int:
             t_l3 = wait_written(a, "l3", chunks)
             t_cluster_store, _ = timed(lambda: kvd.store(cc, kv, tokens))
             t_cluster = wait_written(c, "l3", chunks)
-            results: dict[str, list[float]] = {"L1": [], "L2": [], "L3": [], "L3 cluster": []}
+            results: dict[str, list[float]] = {t: [] for t in TIERS if t in timed_tiers}
             how = ""
             for _ in range(args.reps):
-                for tier, ctx, srv in (("L1", ca, None), ("L2", ca, a), ("L3", cb, b), ("L3 cluster", cc, c)):
+                for tier, ctx, srv in (("L1", ca, None), ("L2", ca, a), ("L3", cb, b), ("L3-cluster", cc, c)):
+                    if tier not in results:
+                        continue
                     if srv is not None:
                         clear_l1(srv)
                         if tier == "L2":
@@ -158,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             ca.close()
             cb.close()
             cc.close()
-            tiers_a = status(a)["tiers"]
+            tiers_a, tiers_b, tiers_c = (status(s)["tiers"] for s in (a, b, c))
         finally:
             for srv in (a, b, c):
                 srv.stop()
@@ -184,10 +197,20 @@ def main(argv: list[str] | None = None) -> int:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
         if i == 0:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    print(
-        f"\nL2 read latency per chunk (server side): "
-        f"{tiers_a['l2']['read_seconds'] / max(1, tiers_a['l2']['hits']) * 1e3:.1f} ms"
-    )
+    if "L2" in results:
+        print(
+            f"\nL2 read latency per chunk (server side): "
+            f"{tiers_a['l2']['read_seconds'] / max(1, tiers_a['l2']['hits']) * 1e3:.1f} ms"
+        )
+    l3_read: dict[str, float] = {}
+    for tier, st in (("L3", tiers_b["l3"]), ("L3-cluster", tiers_c["l3"])):
+        if tier in results and st["hits"]:
+            l3_read[tier] = gbps(st["bytes_read"], st["read_seconds"])
+            per_chunk_ms, chunk_mib = st["read_seconds"] / st["hits"] * 1e3, st["bytes_read"] / st["hits"] / 2**20
+            print(
+                f"{tier} read, Redis -> L1 slot (server side, {st['hits']} chunks): {l3_read[tier]:.2f} GB/s, "
+                f"{per_chunk_ms:.1f} ms per {chunk_mib:.0f} MiB chunk"
+            )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -200,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                     "writedown_l3_s": t_l3,
                     "writedown_cluster_s": t_cluster,
                     "page_cache": how,
+                    "l3_read_gbps_server_side": l3_read,
                 },
                 indent=2,
             )

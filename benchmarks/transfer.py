@@ -223,7 +223,7 @@ def bench_throughput(
                 more["zmq"].append(timed(peer.get)[0])
         rows.append(_row(transport, "retrieve_out", nbytes, t_cold, warm, b_cold, b_warm, "into a reused buffer", more))
 
-        if transport == "shm":  # ---- a zero-copy view of the whole prefix, opened and closed
+        if transport == "shm" and hasattr(kvd, "view"):  # ---- a zero-copy view of the prefix (older kvdock has none)
 
             def one_view() -> None:
                 with kvd.view(ctx, tokens) as v:
@@ -324,7 +324,7 @@ def bench_latency(srv: ServerProcess, transport: str, chunk: int, iters: int) ->
         res: dict[str, Any] = {"transport": transport, "chunk_bytes": kv.numel() * kv.element_size(), "iters": iters}
         with raw_zmq(f"tcp://127.0.0.1:{free_port()}", 0) as peer:
             ops = [("retrieve", one_retrieve), ("store", one_store), ("lookup_rtt", one_lookup)]
-            ops += [("view", one_view)] if transport == "shm" else []
+            ops += [("view", one_view)] if transport == "shm" and hasattr(kvd, "view") else []
             ops += [("raw_zmq_rtt", peer.ping)]
             for op, fn in ops:
                 ms = series(fn)

@@ -58,9 +58,11 @@ def get(store: RedisTier, key: ObjectKey, head: Head | None = None) -> bytes | N
     return bytes(out)
 
 
-@pytest.fixture
-def store(redis_server: RedisProc) -> Iterator[RedisTier]:
+@pytest.fixture(params=["fast", "plain"])
+def store(redis_server: RedisProc, request: pytest.FixtureRequest) -> Iterator[RedisTier]:
+    """The tier, reading with its fast read (the default) or with redis-py's GET only."""
     s = RedisTier(redis_server.url, timeout=2.0)
+    s.fast_reads = request.param == "fast"
     yield s
     s.close()
 
@@ -153,15 +155,19 @@ def test_corrupted_value_is_a_counted_miss(
     store: RedisTier, raw: redis_py.Redis, mangle, caplog: pytest.LogCaptureFixture
 ) -> None:  # type: ignore[no-untyped-def]
     # changed on purpose: read_into reports a corrupted value as absent (and counts it) instead of
-    # raising CorruptObject, and never touches ``out`` with it
+    # raising CorruptObject; the plain read never touches ``out`` with it, the fast read only with
+    # a value of the expected length (received into ``out`` before its checks: like a disk read,
+    # a miss leaves the slot's bytes undefined, and the manager frees the slot)
     put(store, K(1))
     value = raw.get(redis_key(K(1)))
     assert value is not None
-    raw.set(redis_key(K(1)), mangle(value))
+    mangled = mangle(value)
+    raw.set(redis_key(K(1)), mangled)
     out = memoryview(bytearray(b"\x07" * NB))
     with caplog.at_level(logging.WARNING, "kvdock.storage.redis"):
         assert store.read_into(K(1), out, GEO, CHUNK) is None
-    assert bytes(out) == b"\x07" * NB
+    if not store.fast_reads or len(mangled) != len(value):
+        assert bytes(out) == b"\x07" * NB
     assert store.counters.corrupted == 1
     assert "L3: corrupted value for " + K(1).chunk.hex()[:16] in caplog.text
 

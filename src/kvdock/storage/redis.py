@@ -14,6 +14,7 @@ event loop, so it is guarded by a lock.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -29,7 +30,7 @@ from kvdock.config import CLUSTER_SCHEMES, parse_cluster_url
 from kvdock.errors import CorruptObject, NoRoom
 from kvdock.keys import ObjectKey, namespace
 from kvdock.layout import KVGeometry
-from kvdock.storage import objfile
+from kvdock.storage import objfile, resp
 from kvdock.storage.tier import Head, StorageTier, TierCounters, tier_kind
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,13 @@ ERRORS = (redis_py.RedisError, redis_py.exceptions.RedisClusterException, OSErro
 # slot migrations, and needs no temporary key: no TTL, no leftovers, no multi-key RENAME)
 WRITE_SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]); redis.call('APPEND', KEYS[1], ARGV[2])"
 DELETE_WAIT_MS = 1000  # how long a deletion waits for a replica to have it too (cluster)
+
+
+class _Fallback(enum.Enum):
+    FALLBACK = 0
+
+
+FALLBACK = _Fallback.FALLBACK  # what a fast read answers when a plain GET must decide
 
 
 def make_client(url: str, timeout: float) -> Any:
@@ -105,7 +113,6 @@ class RedisTier(StorageTier):
 
     def up(self) -> bool:
         return self._up
-
 
     def failed(self, err: BaseException) -> None:
         """Mark the tier down after an error (logs on the transition only)."""
@@ -208,7 +215,64 @@ class RedisTier(StorageTier):
             self._redis.delete(victim)
 
     def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
+        """The fast read (:meth:`_read_fast`), or redis-py's GET where it cannot decide."""
         rkey = redis_key(key)
+        found = self._read_fast(rkey, key, out, geometry, chunk_size) if self.fast_reads else FALLBACK
+        if found is FALLBACK:
+            found = self._read_plain(rkey, key, out, geometry, chunk_size)
+        if found is not None and self.max_bytes:
+            with self._lock:
+                if rkey in self._written:
+                    self._written.move_to_end(rkey)
+        return found
+
+    fast_reads = True  # False: every read is one GET parsed by redis-py (the only read before resp.py)
+
+    def _read_fast(
+        self, rkey: bytes, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int
+    ) -> Head | _Fallback | None:
+        """Receive the value straight into ``out`` (:func:`resp.receive`, on a connection of the
+        pool of the key's node, hashing it as it lands) and verify it as the plain read does: its
+        head, None if absent, FALLBACK where the plain read must decide (a value of another size or
+        failing a check, which it deletes if it really is corrupt; a MOVED or ASK redirection, which
+        it follows; a connection that failed, after which it reconnects and refreshes a cluster's
+        topology). ``out`` holds undefined bytes unless a head is returned (the manager then frees
+        the slot)."""
+        nbytes = geometry.chunk_nbytes(chunk_size)
+        if out.nbytes != nbytes or out.itemsize != 1 or not out.c_contiguous:
+            return FALLBACK
+        client = self._redis
+        try:
+            node = client.get_redis_connection(client.get_node_from_key(rkey)) if self.cluster else client
+        except ERRORS:  # no node known for the slot (a cluster being re-sharded or failing over)
+            return FALLBACK
+        pool = node.connection_pool
+        if getattr(pool, "cache", None) is not None:  # client-side caching: the pool's own reads only
+            return FALLBACK
+        shape = list(geometry.chunk_shape(chunk_size))
+        head = memoryview(bytearray(objfile.header_block_size(key, geometry.dtype, shape, nbytes)))
+        digest = resp.hasher()
+        present = resp.receive(pool, rkey, head, out, digest.update)
+        if present is None:
+            return FALLBACK
+        if not present:
+            return None
+        try:
+            header, offset = objfile.decode_header(head)
+            objfile.check(header, key, geometry, chunk_size)
+            if offset != len(head) or header.nbytes != nbytes:
+                raise CorruptObject("value length does not match its header")
+            if digest.digest() != header.checksum:
+                raise CorruptObject("checksum mismatch")
+        except CorruptObject:
+            return FALLBACK
+        return Head(header.version, header.parent)
+
+    def _read_plain(
+        self, rkey: bytes, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int
+    ) -> Head | None:
+        """One GET through redis-py (its parser makes the value a bytes object), checked, then
+        copied into ``out``."""
         value = self._redis.get(rkey)
         if value is None:
             return None
@@ -228,10 +292,6 @@ class RedisTier(StorageTier):
             log.warning("L3: corrupted value for %s (%s); deleted", key.chunk.hex()[:16], e)
             return None
         out[:] = payload
-        if self.max_bytes:
-            with self._lock:
-                if rkey in self._written:
-                    self._written.move_to_end(rkey)
         return Head(header.version, header.parent)
 
     HEAD_BYTES = 512  # enough for the header of any object (fetched whole if it is longer)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
-import torch
 
 from kvdock import _native  # type: ignore[attr-defined]
 
@@ -51,7 +51,12 @@ def check_threads(threads: int) -> int:
 
 MIN_RUN = 256  # shorter runs: torch's copy_ does better than a call per run
 
-Array = torch.Tensor | np.ndarray
+if TYPE_CHECKING:
+    import torch
+
+# torch is not imported at run time: the server copies numpy arrays only, and importing torch
+# costs a server ~2.5 s of start-up
+Array = Union["torch.Tensor", np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -119,10 +124,10 @@ class Copier:
             raise ValueError(f"cannot copy an array of shape {tuple(src.shape)} into one of {tuple(dst.shape)}")
         runs = self._runs(dst, src)
         if runs is None:
-            if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
-                dst.copy_(src)
-            elif isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+            if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
                 np.copyto(dst, src)
+            elif not isinstance(dst, np.ndarray) and not isinstance(src, np.ndarray):
+                dst.copy_(src)  # two tensors
             else:
                 raise TypeError("copy between two tensors or two numpy arrays, not one of each")
             return

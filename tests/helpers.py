@@ -159,3 +159,17 @@ def wait_written(srv: ServerProcess, name: str, n: int) -> None:
         lambda: tier(srv, name)["writes"] >= n and srv.get("/status")["tiers"]["writeback_backlog_bytes"] == 0,
         f"{n} writes to {name}",
     )
+
+
+def open_sessions(srv: ServerProcess) -> int:
+    """The sessions the server holds now (/status)."""
+    return int(srv.get("/status")["sessions"])
+
+
+def wait_sessions(srv: ServerProcess, want: int, timeout: float = 10) -> None:
+    """Until the server holds ``want`` sessions: a CommitRetrieve needs no answer, so /status
+    (HTTP) may see it a moment after the call that sent it returned."""
+    deadline = time.monotonic() + timeout
+    while open_sessions(srv) != want:
+        assert time.monotonic() < deadline, f"sessions {open_sessions(srv)}, want {want}"
+        time.sleep(0.02)

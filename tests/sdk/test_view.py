@@ -15,22 +15,10 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, MODEL, make_kv, make_tokens
+from helpers import CHUNK, MODEL, make_kv, make_tokens, open_sessions, wait_sessions
 from kvdock.protocol import messages as m
 
 PAUSED = str(Path(__file__).parent.parent / "paused_client.py")
-
-
-def _sessions(srv) -> int:
-    return int(srv.get("/status")["sessions"])
-
-
-def _wait_sessions(srv, want: int, timeout: float = 10) -> None:
-    """The view's CommitRetrieve needs no answer: /status (HTTP) may see it a moment later."""
-    deadline = time.monotonic() + timeout
-    while _sessions(srv) != want:
-        assert time.monotonic() < deadline, f"sessions {_sessions(srv)}, want {want}"
-        time.sleep(0.02)
 
 
 def test_a_view_shows_the_stored_bytes_chunk_by_chunk_without_a_copy(server, ctx) -> None:
@@ -46,12 +34,12 @@ def test_a_view_shows_the_stored_bytes_chunk_by_chunk_without_a_copy(server, ctx
         assert v.chunk(2).data_ptr() == v.chunk(2).data_ptr()
         assert torch.equal(v.tensor(), kv[:, :, : 4 * CHUNK])
         assert torch.equal(v.tensor(layers=range(1, 3)), kv[:, 1:3, : 4 * CHUNK])
-        assert _sessions(server) == 1  # pinned while open
+        assert open_sessions(server) == 1  # pinned while open
         with pytest.raises(IndexError, match="chunk 4 of a view of 4 chunks"):
             v.chunk(4)
         with pytest.raises(kvd.InvalidInputError, match="layers"):
             v.tensor(layers=range(2, 9))
-    _wait_sessions(server, 0)
+    wait_sessions(server, 0)
     assert kvd.check_server_integrity(ctx) == []
 
 
@@ -95,7 +83,7 @@ def test_a_miss_is_an_empty_view(server, ctx) -> None:
         assert v.tensor().shape == (2, 3, 0, 16)
     with kvd.view(ctx, make_tokens(CHUNK - 1)) as v:  # no whole chunk
         assert v.num_tokens == 0
-    assert _sessions(server) == 0
+    assert open_sessions(server) == 0
 
 
 def test_a_view_holds_its_pins_past_the_session_ttl(make_server) -> None:
@@ -107,10 +95,10 @@ def test_a_view_holds_its_pins_past_the_session_ttl(make_server) -> None:
         with kvd.view(c, toks) as v:
             deadline = time.monotonic() + 2.0  # over three leases: renewed every 0.2 s meanwhile
             while time.monotonic() < deadline:
-                assert _sessions(srv) == 1
+                assert open_sessions(srv) == 1
                 time.sleep(0.1)
             assert torch.equal(v.chunk(0), kv[:, :, :CHUNK])
-        _wait_sessions(srv, 0)
+        wait_sessions(srv, 0)
         assert "kvdock_expired_sessions_total 0.0" in srv.text("/metrics")
 
 
@@ -123,16 +111,16 @@ def test_closing_the_context_or_dropping_the_view_releases_it(server) -> None:
         del v
         gc.collect()
         deadline = time.monotonic() + 5
-        while _sessions(server) and time.monotonic() < deadline:
+        while open_sessions(server) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert _sessions(server) == 0 and bool((kept == 0).all())
+        assert open_sessions(server) == 0 and bool((kept == 0).all())
         v2 = kvd.view(c, toks)
         kept = v2.chunk(0)
     assert v2.closed and bool((kept == 0).all())  # the context closed it first
     deadline = time.monotonic() + 5
-    while _sessions(server) and time.monotonic() < deadline:
+    while open_sessions(server) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _sessions(server) == 0
+    assert open_sessions(server) == 0
 
 
 def test_the_inline_transport_has_no_views(make_server) -> None:
@@ -154,7 +142,7 @@ def test_a_view_paused_past_its_lease_raises_instead_of_passing_off_other_bytes(
         )
         assert child.stdout is not None and child.stdout.readline().strip() == "paused"
         deadline = time.monotonic() + 10
-        while _sessions(srv):  # its lease runs out while it is stopped
+        while open_sessions(srv):  # its lease runs out while it is stopped
             assert time.monotonic() < deadline
             time.sleep(0.05)
         kvd.store(c, make_kv(4 * CHUNK, seed=2), a, overwrite=True)  # the viewed slots are freed ...

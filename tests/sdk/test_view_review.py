@@ -11,20 +11,9 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, MODEL, make_kv, make_tokens
+from helpers import CHUNK, MODEL, make_kv, make_tokens, open_sessions, wait_sessions
 from kvdock.protocol import messages as m
 from kvdock.sdk import views
-
-
-def _sessions(srv) -> int:
-    return int(srv.get("/status")["sessions"])
-
-
-def _wait_sessions(srv, want: int, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while _sessions(srv) != want:
-        assert time.monotonic() < deadline, f"sessions {_sessions(srv)}, want {want}"
-        time.sleep(0.02)
 
 
 def test_closing_the_context_revokes_a_view_and_its_owner_hears_of_it(server) -> None:
@@ -40,7 +29,7 @@ def test_closing_the_context_revokes_a_view_and_its_owner_hears_of_it(server) ->
     v.close()  # reported once
     with pytest.raises(kvd.LeaseExpiredError, match="released"):
         v.verify()
-    _wait_sessions(server, 0)
+    wait_sessions(server, 0)
 
 
 def test_a_view_of_a_pool_that_is_not_a_whole_number_of_pages_closes_cleanly(make_server) -> None:
@@ -53,7 +42,7 @@ def test_a_view_of_a_pool_that_is_not_a_whole_number_of_pages_closes_cleanly(mak
             kept = v.chunk(0)
             assert torch.equal(kept, kv)
         assert bool((kept == 0).all())
-        _wait_sessions(srv, 0)
+        wait_sessions(srv, 0)
 
 
 def test_a_gather_racing_a_release_raises_instead_of_returning_zeros(server, ctx, monkeypatch) -> None:
@@ -101,7 +90,7 @@ def test_the_keeper_outlives_an_unexpected_error(make_server, monkeypatch) -> No
         with kvd.view(c, toks) as v:
             deadline = time.monotonic() + 2.5
             while time.monotonic() < deadline:
-                assert _sessions(srv) == 1
+                assert open_sessions(srv) == 1
                 time.sleep(0.1)
             v.verify()
         assert failures == [1]
@@ -121,7 +110,7 @@ def test_dropping_pooled_tensors_and_views_under_held_locks_never_deadlocks(serv
     with ctx._conn._client._sock_lock, ctx._refs:
         del v
         gc.collect()  # the finalizer only queues the lease for the keeper
-    _wait_sessions(server, 0)
+    wait_sessions(server, 0)
     assert bool((kept == 0).all())
 
 

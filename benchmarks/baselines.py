@@ -6,12 +6,17 @@
 * :class:`RawZmq`: a child process with a ROUTER socket on loopback TCP that answers a request
   with N payload bytes (sent zero-copy), or swallows N bytes and answers; the client side is a
   plain pyzmq DEALER (``recv(copy=False)``): what the inline transport could reach at best.
+* :class:`RawUnix`: a child process that echoes on a UNIX stream socket, read and written by the
+  two Python threads themselves: the round trip the local control channel could reach at best.
 """
 
 from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
+import os
+import socket
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -111,6 +116,59 @@ class RawZmq:
 @contextmanager
 def raw_zmq(url: str, nbytes: int) -> Iterator[RawZmq]:
     peer = RawZmq(url, nbytes)
+    try:
+        yield peer
+    finally:
+        peer.close()
+
+
+def _echo_unix(path: str, ready: Any) -> None:
+    lis = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lis.bind(path)
+    lis.listen(1)
+    ready.set()
+    conn, _ = lis.accept()
+    while True:
+        data = conn.recv(65536)
+        if not data or data == b"stop":
+            break
+        conn.sendall(data)
+    conn.close()
+    lis.close()
+
+
+class RawUnix:
+    """A child process that echoes small messages on a UNIX socket (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="kvdock-bench-")
+        path = os.path.join(self._dir, "echo.sock")
+        ready = mp.get_context("spawn").Event()
+        self._proc = mp.get_context("spawn").Process(target=_echo_unix, args=(path, ready), daemon=True)
+        self._proc.start()
+        if not ready.wait(60):
+            raise RuntimeError("the raw unix peer did not start")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._buf = bytearray(65536)
+
+    def ping(self) -> None:
+        self._sock.sendall(b"p" * 64)
+        got = 0
+        while got < 64:
+            got += self._sock.recv_into(self._buf)
+
+    def close(self) -> None:
+        self._sock.sendall(b"stop")
+        self._proc.join(10)
+        self._sock.close()
+        os.unlink(os.path.join(self._dir, "echo.sock"))
+        os.rmdir(self._dir)
+
+
+@contextmanager
+def raw_unix() -> Iterator[RawUnix]:
+    peer = RawUnix()
     try:
         yield peer
     finally:

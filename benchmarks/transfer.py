@@ -54,7 +54,7 @@ from kvdock.sdk.context import TORCH_DTYPES
 from kvdock.testing import ServerProcess, free_port, launch_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from baselines import chunk_runs, memmove2, raw_zmq
+from baselines import chunk_runs, memmove2, raw_unix, raw_zmq
 from common import cpu_busy_s, gbps, own_cpu_s, timed
 
 MODEL = "bench-transfer"
@@ -322,10 +322,11 @@ def bench_latency(srv: ServerProcess, transport: str, chunk: int, iters: int) ->
                     raise RuntimeError(f"{transport}: one-chunk view missed")
 
         res: dict[str, Any] = {"transport": transport, "chunk_bytes": kv.numel() * kv.element_size(), "iters": iters}
-        with raw_zmq(f"tcp://127.0.0.1:{free_port()}", 0) as peer:
+        res["channel"] = getattr(ctx._conn, "channel", "zmq")  # the control channel: the local socket or zmq
+        with raw_zmq(f"tcp://127.0.0.1:{free_port()}", 0) as peer, raw_unix() as unix:
             ops = [("retrieve", one_retrieve), ("store", one_store), ("lookup_rtt", one_lookup)]
             ops += [("view", one_view)] if transport == "shm" and hasattr(kvd, "view") else []
-            ops += [("raw_zmq_rtt", peer.ping)]
+            ops += [("raw_zmq_rtt", peer.ping), ("raw_unix_rtt", unix.ping)]
             for op, fn in ops:
                 ms = series(fn)
                 res[op] = {"p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99), "mean_ms": statistics.fmean(ms)}
@@ -388,11 +389,13 @@ def print_table(rows: list[dict[str, Any]], lat: list[dict[str, Any]], nbytes: i
         print(
             f"One-chunk latency ({lat[0]['chunk_bytes'] // 1024} KiB, {lat[0]['iters']} iterations; "
             "store uses overwrite=True; lookup = one control round trip, no data; view = open + close; "
-            "raw_zmq_rtt = a bare pyzmq round trip, the floor):"
+            "raw_zmq_rtt / raw_unix_rtt = a bare pyzmq / UNIX-socket round trip between two Python "
+            "processes, the floors of the two control channels):"
         )
         lines = [("transport", "op", "p50 ms", "p99 ms", "mean ms")]
         for r in lat:
-            for op in ("retrieve", "store", "lookup_rtt", "view", "raw_zmq_rtt"):
+            lines.append((r["transport"], f"(control channel: {r['channel']})", "", "", ""))
+            for op in ("retrieve", "store", "lookup_rtt", "view", "raw_zmq_rtt", "raw_unix_rtt"):
                 if op in r:
                     s = r[op]
                     lines.append(

@@ -86,6 +86,7 @@ class ServerConfig:
     chunk_size: int = 256
     l1_size: int = 0  # bytes; 0 = L1_AUTO_FRACTION of available memory
     no_shm: bool = False
+    no_local_socket: bool = False  # shared-memory clients keep their control messages on zmq
     session_ttl: float = 30.0
     client_ttl: float = 300.0  # seconds before a silent client's registration is forgotten
     max_models: int = 64  # model registrations the server keeps

@@ -4,6 +4,7 @@
     ├── ConfigError                 bad flag, env variable or config file value
     ├── ProtocolError               a message that cannot be decoded or is out of place
     ├── ControlTimeout              (transport) no reply within the timeout
+    │   └── ConnectionLost          the server closed the connection: no reply will come
     ├── DiskInUseError              (storage) another live server holds the L2 directory
     ├── CorruptObject               (storage) bytes that are not the object they claim to be
     ├── NoRoom                      (storage) an object that does not fit in a tier: write skipped
@@ -45,6 +46,16 @@ class ProtocolError(KVDockError):
 
 class ControlTimeout(KVDockError, TimeoutError):
     """No reply arrived within the timeout."""
+
+
+class ConnectionLost(ControlTimeout):
+    """The connection to the server closed (it exited, or dropped this client's local channel):
+    no reply will come, so the caller learns it at once instead of at the timeout. ``sent``:
+    whether the request had left (if not, it can go another way without running twice)."""
+
+    def __init__(self, message: str, sent: bool = True) -> None:
+        super().__init__(message)
+        self.sent = sent
 
 
 class DiskInUseError(KVDockError, RuntimeError):
@@ -130,4 +141,3 @@ class ServerError(KVCacheSDKError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
-

@@ -27,6 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
     cli: dict[str, object] = {k: getattr(args, k) for k in names.split()}
     cli["no_shm"] = True if args.no_shm else None
     cli["no_disk"] = True if args.no_disk else None
+    cli["no_local_socket"] = True if args.no_local_socket else None
     config = load_server_config(cli, config_file=args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # until the event loop installs its own handlers, SIGTERM unwinds like Ctrl-C (cleanup runs)
@@ -246,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-size", type=int, help="tokens per stored chunk (default 256)")
     s.add_argument("--l1-size", help="L1 pool size, e.g. 2GiB (default: 1/4 of available memory)")
     s.add_argument("--no-shm", action="store_true", help="share no memory: every client uses the inline transport")
+    s.add_argument(
+        "--no-local-socket",
+        action="store_true",
+        help="offer shared-memory clients no local UNIX socket: their control messages go over zmq too",
+    )
     s.add_argument("--session-ttl", type=float, help="seconds before a silent session's pins are released (default 30)")
     s.add_argument(
         "--client-ttl", type=float, help="seconds before a silent client's registration is forgotten (default 300)"
@@ -329,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
         "events",
         help="print a server's KV events (serve --kv-events-port) as JSON lines",
         description="Subscribe to a server's KV events and print one JSON line per event (chunk "
-        "hashes in hex). A gap in the batches' seq is printed as {\"missed_batches\": n}.",
+        'hashes in hex). A gap in the batches\' seq is printed as {"missed_batches": n}.',
     )
     ev.add_argument("--url", required=True, help="the events URL, e.g. tcp://127.0.0.1:5557")
     ev.add_argument("--count", type=int, help="stop after this many events (exit 1 if they do not come)")

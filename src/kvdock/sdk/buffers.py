@@ -25,6 +25,7 @@ memory. Take such exports after ``share_memory_()``, or copy them.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import queue
@@ -93,7 +94,7 @@ class BufferPool:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized contiguous CPU tensor (like ``torch.empty``), from a pooled block when
         one fits."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize  # (np.prod of a tuple costs ~15 us)
         block = self._take(nbytes) if nbytes >= MIN_POOLED else None
         if block is None:
             with self._lock:

@@ -20,18 +20,17 @@ from kvdock import layout
 from kvdock.errors import (
     InvalidInputError,
     KVCacheSDKError,
-    ServerUnavailableError,
     UnknownModelError,
 )
 from kvdock.protocol import ErrorCode
 from kvdock.protocol import messages as m
-from kvdock.protocol.codes import sdk_error
 from kvdock.sdk import validate
+from kvdock.sdk.connection import Connection
 from kvdock.sdk.http import get_json
 from kvdock.sdk.transfer import InlineTransfer, ShmTransfer, Transfer
 from kvdock.shm import PoolSegment
 from kvdock.shm.segment import proc_start_time
-from kvdock.transport.client import ControlClient, ControlTimeout, Response
+from kvdock.transport.client import Response
 
 log = logging.getLogger("kvdock.sdk")
 
@@ -68,36 +67,6 @@ def find_model(status: dict[str, Any], model_name: str) -> m.ModelLayout:
     if lay.model_name != model_name:
         raise KVCacheSDKError(f"the server's /status entry for {model_name!r} holds the layout of {lay.model_name!r}")
     return lay
-
-
-class Connection:
-    """A control-plane client that turns timeouts and Error replies into SDK errors. Threads may
-    share it: each call waits only for its own reply."""
-
-    def __init__(self, url: str, timeout: float) -> None:
-        self.url = validate.url(url)
-        self.timeout = validate.timeout(timeout)
-        try:
-            self._client = ControlClient(url, self.timeout)
-        except ValueError as e:
-            raise InvalidInputError(str(e)) from None
-
-    def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = (), timeout: float | None = None) -> Response:
-        try:
-            resp = self._client.call(msg, payload, timeout)
-        except ControlTimeout as e:
-            if self._client.closed:
-                raise KVCacheSDKError(f"the connection to {self.url} is closed (KVCacheContext.close())") from None
-            raise ServerUnavailableError(f"kvdock server at {self.url}: {e}") from None
-        if isinstance(resp.reply, m.Error):
-            raise sdk_error(resp.reply.code, resp.reply.message)
-        return resp
-
-    def send_nowait(self, msg: msgspec.Struct) -> None:
-        self._client.send_nowait(msg)
-
-    def close(self, linger_s: float = 0.0) -> None:
-        self._client.close(linger_s)
 
 
 _RESTARTABLE = (m.Lookup, m.PrepareStore, m.PrepareRetrieve, m.LookupMany, m.PrepareRetrieveMany, m.Locate)
@@ -400,10 +369,12 @@ def _register(conn: Connection, http_url: str, model_name: str) -> _Registration
     transfer: Transfer
     if reply.transport == "shm" and segment is not None:
         transfer = ShmTransfer(geo, chunk_size, dtype, segment)
+        conn.use_local(reply.local_url)
     else:
         if segment is not None:
             segment.close()
         transfer = InlineTransfer(geo, chunk_size, dtype)
+        conn.use_local("")
     return _Registration(
         lay,
         chunk_size,

@@ -89,7 +89,10 @@ def register_client(state: ServerState, req: m.RegisterClient, payload: Payload)
         req.instance_id, req.model_name, req.kv_rank, "shm" if use_shm else "inline"
     )
     client.pid, client.pid_start = req.pid, req.pid_start
-    return Reply(m.ClientRegistered(client.client_id, client.transport, state.chunk_size, client.model.slot_nbytes))
+    local = state.local_url if use_shm else ""
+    return Reply(
+        m.ClientRegistered(client.client_id, client.transport, state.chunk_size, client.model.slot_nbytes, local)
+    )
 
 
 def count_hits(state: ServerState, hit_chunks: int, asked_chunks: int) -> None:

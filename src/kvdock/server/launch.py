@@ -4,12 +4,11 @@ SIGINT/SIGTERM (the shared-memory segment is unlinked)."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from aiohttp import web
@@ -141,29 +140,20 @@ def _open_redis(config: ServerConfig) -> RedisTier | None:
     return store
 
 
-async def _serve_control(state: ServerState, control: ControlServer) -> None:
-    waiting: set[asyncio.Task[None]] = set()  # replies that wait for a lower tier
-    while True:
-        msg: Incoming = await control.recv()
-        try:
-            await _serve_one(state, control, msg, waiting)
-        except Exception:  # e.g. a reply that cannot be sent: log it, keep serving everyone else
-            log.exception("control plane")
-
-
-async def _serve_one(
-    state: ServerState, control: ControlServer, msg: Incoming, waiting: set[asyncio.Task[None]]
-) -> None:
+def _serve_one(state: ServerState, control: ControlServer, msg: Incoming, waiting: set[asyncio.Task[None]]) -> None:
+    """Handle one request, from the control server's reader callback: reply at once, or in a
+    task (``waiting``) when the handler waits for a lower tier or the reply's frames must be
+    tracked until sent."""
     try:
         if msg.header is None:
             raise ProtocolError("expected frames [seq, header, *payload]")
         req = decode_request(msg.header)
     except ProtocolError as e:
         state.metrics.errors.labels(ErrorCode.MALFORMED.value).inc()
-        await control.send(msg.identity, msg.seq, encode(Error(ErrorCode.MALFORMED.value, str(e))))
+        control.send(msg, encode(Error(ErrorCode.MALFORMED.value, str(e))))
         return
     out: Outcome
-    unsent = state.unsent.get(msg.identity, 0)
+    unsent = state.unsent.get(msg.peer, 0)
     reserved = 0
     retrieving = isinstance(req, (PrepareRetrieve, PrepareRetrieveMany))
     if retrieving and unsent > state.max_unsent_bytes:
@@ -174,17 +164,21 @@ async def _serve_one(
         # an inline retrieve's reply counts against its client's cap from now on, so retrieves
         # sent back to back cannot all pass the check before any reply exists
         reserved = _reply_bound(state, req)
-        _count_unsent(state, msg.identity, reserved)
+        _count_unsent(state, msg.peer, reserved)
         try:
             out = handle(state, req, msg.payload)
         except Exception as e:  # a bug must not take the server down for everyone else
             out = _internal_error(state, req, e)
-    if inspect.isawaitable(out):
-        task = asyncio.create_task(_reply_later(state, control, msg, req, out, waiting, reserved))
-        waiting.add(task)
-        task.add_done_callback(waiting.discard)
+    if isinstance(out, Reply):
+        _send(state, control, msg, out, waiting, reserved)
         return
-    await _send(state, control, msg, out, waiting, reserved)
+    _spawn(waiting, _reply_later(state, control, msg, req, out, waiting, reserved))
+
+
+def _spawn(waiting: set[asyncio.Task[None]], coro: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.create_task(coro)
+    waiting.add(task)
+    task.add_done_callback(waiting.discard)
 
 
 def _reply_bound(state: ServerState, req: object) -> int:
@@ -198,13 +192,13 @@ def _reply_bound(state: ServerState, req: object) -> int:
     return sum(len(t) // TOKEN_DTYPE.itemsize // state.chunk_size for t in prompts) * client.model.slot_nbytes
 
 
-def _count_unsent(state: ServerState, identity: bytes, n: int) -> None:
-    left = state.unsent.pop(identity, 0) + n
+def _count_unsent(state: ServerState, peer: tuple[int, bytes], n: int) -> None:
+    left = state.unsent.pop(peer, 0) + n
     if left:
-        state.unsent[identity] = left
+        state.unsent[peer] = left
 
 
-async def _send(
+def _send(
     state: ServerState,
     control: ControlServer,
     msg: Incoming,
@@ -217,24 +211,22 @@ async def _send(
     ``reserved`` count taken when the request arrived is released then too."""
     header = encode(reply.message)
     if not reply.frames:
-        _count_unsent(state, msg.identity, -reserved)
-        await control.send(msg.identity, msg.seq, header)
+        _count_unsent(state, msg.peer, -reserved)
+        control.send(msg, header)
         return
     size = max(reserved, sum(len(f) for f in reply.frames))
-    _count_unsent(state, msg.identity, size - reserved)
+    _count_unsent(state, msg.peer, size - reserved)
 
     async def send_and_count() -> None:
         try:
-            await control.send_tracked(msg.identity, msg.seq, header, reply.frames)
+            await control.send_tracked(msg, header, reply.frames)
         finally:
-            _count_unsent(state, msg.identity, -size)
+            _count_unsent(state, msg.peer, -size)
         if reply.pooled:  # zmq is done with them (not on an error above: then they are dropped)
             for frame in reply.frames:
                 state.reply_buffers.give(frame)
 
-    task = asyncio.create_task(send_and_count())
-    waiting.add(task)
-    task.add_done_callback(waiting.discard)
+    _spawn(waiting, send_and_count())
 
 
 async def _reply_later(
@@ -251,7 +243,7 @@ async def _reply_later(
     except Exception as e:
         reply = _internal_error(state, req, e)
     try:
-        await _send(state, control, msg, reply, waiting, reserved)
+        _send(state, control, msg, reply, waiting, reserved)
     except Exception:
         log.exception("sending a deferred reply")
 
@@ -329,9 +321,10 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
     # of the largest request: refuse bigger ones before zmq buffers them
     max_frame = max(state.manager.l1.allocator.capacity, 4 * config.max_request_tokens) + (1 << 20)
     try:
-        control = ControlServer(config.zmq_url, max_frame)
+        control = ControlServer(config.zmq_url, max_frame, local=state.shm_enabled and not config.no_local_socket)
     except zmq.ZMQError as e:
         raise ConfigError(f"cannot listen on {config.zmq_url}: {e}") from None
+    state.local_url = control.local_url
     runner = web.AppRunner(make_app(state, config), access_log=None, logger=request_logger())
     await runner.setup()
     try:
@@ -341,8 +334,9 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         log.info(
-            "kvdock serving: zmq %s, http http://%s:%d, chunk_size %d, L1 %s (%s%s)",
+            "kvdock serving: zmq %s%s, http http://%s:%d, chunk_size %d, L1 %s (%s%s)",
             config.zmq_url,
+            f" and {control.local_url}" if control.local_url else "",
             config.host,
             config.http_port,
             config.chunk_size,
@@ -350,8 +344,9 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
             "shared memory " if state.shm_enabled else "private memory, inline transport only",
             state.segment.name,
         )
+        waiting: set[asyncio.Task[None]] = set()  # replies that wait for a lower tier or to be sent
+        control.start(lambda msg: _serve_one(state, control, msg, waiting))
         tasks = [
-            asyncio.create_task(_serve_control(state, control)),
             asyncio.create_task(_reap(state, config.session_ttl)),
             asyncio.create_task(_probe(state)),
         ]

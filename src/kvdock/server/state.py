@@ -76,9 +76,10 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     events: ChunkEvents | None = None  # the L1 store's watcher (KV events when they are on)
     copier: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "kvdock-copy"))
+    local_url: str = ""  # the control plane's local UNIX socket, offered to shared-memory clients
     max_unsent_bytes: int = 1 << 30  # per client: inline reply bytes not yet read; past it, BUSY
     max_total_unsent_bytes: int = 4 << 30  # the same for all clients together (many sockets)
-    unsent: dict[bytes, int] = field(default_factory=dict)  # zmq identity -> reply bytes not yet sent
+    unsent: dict[tuple[int, bytes], int] = field(default_factory=dict)  # Incoming.peer -> reply bytes not yet sent
     reply_buffers: ReplyBuffers = field(default_factory=lambda: ReplyBuffers(1 << 30))
     # fault injection for tests: each inline copy sleeps first (a copy can't be made slow on demand)
     fault_copy_delay_s: float = field(default_factory=lambda: float(os.environ.get(FAULT_COPY_ENV, "0") or 0))

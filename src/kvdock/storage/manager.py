@@ -49,7 +49,6 @@ __all__ = ["Placement", "PrefetchJob", "StorageManager", "StorePlan"]
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Placement:
     """An object stored under a key in tier ``tier`` (``"l1"``, or a lane's name), with its head."""

@@ -1,4 +1,7 @@
-"""DEALER client for the control plane (used by the SDK and engines), shared by many threads.
+"""The control-plane client (used by the SDK and engines), shared by many threads.
+
+It talks over a *channel*: a zmq DEALER socket (``ZmqChannel``, any zmq URL) or the server's
+local UNIX socket (``transport.local.LocalChannel``, a ``unix://`` URL), picked by the URL.
 
 Every request carries a fresh ``seq`` frame that the server echoes in its reply, so several
 threads can have requests in flight on one socket and each waits only for its own reply: a
@@ -7,22 +10,25 @@ delay the others.
 
 How the waiting works (leader/follower, no background thread):
 
-* ``_sock_lock`` guards every use of the socket (zmq sockets are not thread-safe). It is held
+* ``_sock_lock`` guards every use of the channel (zmq sockets are not thread-safe). It is held
   only to send, or to receive what has already arrived (non-blocking), never while waiting.
 * A caller opens a slot for its seq in ``_slots`` before sending. Whoever receives a reply puts
   it in the slot of its seq and notifies ``_cond``; a reply without a slot (its caller gave up)
   is dropped.
-* Of the threads waiting, one at a time is the *leader*: it sleeps in ``poll()`` on the socket's
-  ``ZMQ_FD`` (an OS file descriptor, which needs no lock) and on a wake-up pipe, then takes the
+* Of the threads waiting, one at a time is the *leader*: it sleeps in ``poll()`` on the channel's
+  file descriptor (zmq's ``ZMQ_FD``; it needs no lock) and on a wake-up pipe, then takes the
   socket lock and receives everything that arrived. The others, the *followers*, wait on
   ``_cond``. A leader whose reply came hands the role on (notify) and returns.
 * ``ZMQ_FD`` is edge-triggered: it only signals again for what arrives after someone emptied the
-  socket. So whoever holds the socket lock receives until ``ZMQ_EVENTS`` shows nothing more
-  before letting go (a sender too, while a leader sleeps: the send may have taken the edge), and
+  socket (the UNIX socket's is level-triggered: there the same rules are merely redundant). So
+  whoever holds the socket lock receives until the channel has nothing more before letting go
+  (a sender too, while a leader sleeps: the send may have taken the edge), and
   if it delivered a reply while another thread leads, it writes a byte to the wake-up pipe so
   that the leader looks at its slot again.
 
 A single thread pays no thread switch: it sends, becomes the leader and receives its own reply.
+A channel that breaks (the server closed the UNIX socket) fails every waiting call at once with
+ConnectionLost, and every later one.
 """
 
 from __future__ import annotations
@@ -36,15 +42,16 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
 
-from kvdock.errors import ControlTimeout
+from kvdock.errors import ConnectionLost, ControlTimeout
 from kvdock.protocol import decode_reply, encode
+from kvdock.transport.local import SCHEME, LocalChannel
 
-__all__ = ["ControlClient", "ControlTimeout", "Response"]
+__all__ = ["ConnectionLost", "ControlClient", "ControlTimeout", "Response"]
 
 Buffer = bytes | memoryview
 
@@ -57,22 +64,46 @@ def _close_fds(*fds: int) -> None:
 
 @dataclass
 class Response:
-    """A decoded reply and the raw payload frames that came with it (kept alive by this object)."""
+    """A decoded reply and the raw payload frames that came with it (each view keeps its frame's
+    memory alive)."""
 
     reply: Any
-    frames: list[zmq.Frame]
+    frames: list[memoryview]
 
     def buffers(self) -> list[memoryview]:
-        return [f.buffer for f in self.frames]
+        return self.frames
 
 
-class ControlClient:
-    """One DEALER socket to one server. Thread-safe, and calls of different threads overlap (see
-    the module docstring). ``url`` must be a zmq endpoint (ValueError otherwise)."""
+class Channel(Protocol):
+    """One connection to a server, as ControlClient drives it: every method but ``fileno`` is
+    called under the client's socket lock."""
+
+    edge_triggered: bool  # fileno signals only for what arrived after ``receive`` emptied it
+
+    def fileno(self) -> int:
+        """An OS descriptor that polls readable when a message may have arrived."""
+        ...
+
+    def send(self, frames: Sequence[Buffer], deadline: float | None) -> None:
+        """Send one message, waiting until ``deadline`` (monotonic) for room, or not at all when
+        None. ControlTimeout if it could not be sent; ConnectionLost if the channel broke."""
+        ...
+
+    def receive(self) -> list[list[memoryview]]:
+        """Every message that has arrived (maybe none); never waits. ConnectionLost if broken."""
+        ...
+
+    def close(self, linger_s: float) -> None:
+        """Close, letting queued messages leave for up to ``linger_s``."""
+        ...
+
+
+class ZmqChannel:
+    """A DEALER socket (any zmq endpoint; ValueError otherwise)."""
+
+    edge_triggered = True
 
     def __init__(self, url: str, timeout: float) -> None:
-        self.url = url
-        self.timeout = timeout
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         try:
@@ -86,6 +117,46 @@ class ControlClient:
         fd = self._sock.getsockopt(zmq.FD)
         assert isinstance(fd, int)
         self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def send(self, frames: Sequence[Buffer], deadline: float | None) -> None:
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK if deadline is None else 0, copy=False)
+        except zmq.Again:
+            raise ControlTimeout("the message could not be queued in time") from None
+        except zmq.ZMQError as e:
+            raise ControlTimeout(f"the message could not be sent: {e}") from None
+
+    def receive(self) -> list[list[memoryview]]:
+        # ZMQ_EVENTS, unlike a recv that fails with EAGAIN, costs no exception; once it reports
+        # nothing to read, ZMQ_FD signals again for the next message
+        out = []
+        while int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            out.append([f.buffer for f in self._sock.recv_multipart(zmq.NOBLOCK, copy=False)])
+        return out
+
+    def close(self, linger_s: float) -> None:
+        self._sock.close(linger=int(linger_s * 1000))
+        self._ctx.term()
+
+
+def open_channel(url: str, timeout: float) -> Channel:
+    """The channel for ``url``: ``unix://PATH`` is a server's local socket, anything else zmq."""
+    return LocalChannel(url, timeout) if url.startswith(SCHEME) else ZmqChannel(url, timeout)
+
+
+class ControlClient:
+    """One channel to one server. Thread-safe, and calls of different threads overlap (see the
+    module docstring). ``url``: a zmq endpoint or a ``unix://`` local socket (ValueError if it
+    cannot be used)."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._chan = open_channel(url, timeout)
+        self._fd = self._chan.fileno()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -94,54 +165,69 @@ class ControlClient:
         self._poller.register(self._fd, select.POLLIN)
         self._poller.register(self._wake_r, select.POLLIN)
         self._sock_lock = threading.Lock()
-        self._cond = threading.Condition(threading.Lock())
+        # _cond's own lock, entered directly: Condition.__enter__ is a Python-level call, and a
+        # call takes the lock up to nine times
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         # under _cond: seq -> the reply frames once received (None while awaited)
-        self._slots: dict[bytes, list[zmq.Frame] | None] = {}
+        self._slots: dict[bytes, list[memoryview] | None] = {}
         self._leader: threading.Thread | None = None
         self._seq = 0
         self._closed = False
+        self._lost: ConnectionLost | None = None  # once the channel broke (under _cond)
 
     @property
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def lost(self) -> bool:
+        """Whether the channel broke (the server closed it): every call fails from then on."""
+        return self._lost is not None
+
     def call(self, msg: msgspec.Struct, payload: Sequence[Buffer] = (), timeout: float | None = None) -> Response:
         """Send ``msg`` (plus raw payload frames, zero-copy: leave them unchanged until this
         returns) and wait for its reply; ControlTimeout if none comes in time or the client is
-        closed meanwhile."""
+        closed meanwhile, ConnectionLost (``sent`` says whether the message left) if the channel
+        broke."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         header = encode(msg)
-        with self._cond:
+        with self._mutex:
             if self._closed:
                 raise ControlTimeout(f"the client of {self.url} is closed")
             seq = self._next_seq()
             self._slots[seq] = None
         try:
             try:
-                self._send([seq, header, *payload], 0)
-            except zmq.Again:
+                self._send([seq, header, *payload], deadline)
+            except ConnectionLost as e:
+                raise ConnectionLost(str(e), sent=False) from None
+            except ControlTimeout:
                 raise ControlTimeout(f"could not send to {self.url} within {limit:.1f}s") from None
             frames = self._wait(seq, deadline, limit)
         finally:
-            with self._cond:
+            with self._mutex:
                 self._slots.pop(seq, None)
-        return Response(decode_reply(frames[1].buffer), frames[2:])
+        return Response(decode_reply(frames[1]), frames[2:])
 
-    def send_nowait(self, msg: msgspec.Struct) -> None:
+    def send_nowait(self, msg: msgspec.Struct) -> bool:
         """Send without waiting; the reply is dropped when it arrives (used for best-effort
-        cleanup). Does nothing once closed."""
-        with self._cond:
+        cleanup). Whether it was sent: not once closed or broken, nor when it would block."""
+        with self._mutex:
             if self._closed:
-                return
+                return False
             seq = self._next_seq()
-        with contextlib.suppress(zmq.ZMQError, ControlTimeout):
-            self._send([seq, encode(msg)], zmq.NOBLOCK)
+        try:
+            self._send([seq, encode(msg)], None)
+        except ControlTimeout:
+            return False
+        return True
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket and context, waiting up to ``linger_s`` for queued messages to leave;
         threads still waiting for a reply get ControlTimeout. Harmless to call twice."""
-        with self._cond:
+        with self._mutex:
             if self._closed:
                 return
             self._closed = True
@@ -150,9 +236,8 @@ class ControlClient:
                 self._poke()
                 self._cond.wait(0.05)
         with self._sock_lock:
-            self._sock.close(linger=int(linger_s * 1000))
-            self._ctx.term()
-        with self._cond:  # pokes happen under _cond, while a leader exists: none can now
+            self._chan.close(linger_s)
+        with self._mutex:  # pokes happen under _cond, while a leader exists: none can now
             self._close_pipe()
 
     # --- internals -----------------------------------------------------------------------------
@@ -161,12 +246,15 @@ class ControlClient:
         self._seq += 1
         return self._seq.to_bytes(8, "little")
 
-    def _send(self, frames: list[Any], flags: int) -> None:
+    def _send(self, frames: list[Any], deadline: float | None) -> None:
         with self._sock_lock:
             if self._closed:  # checked under the lock that close() takes to close the socket
                 raise ControlTimeout(f"the client of {self.url} is closed")
             try:
-                self._sock.send_multipart(frames, flags=flags, copy=False)
+                self._chan.send(frames, deadline)
+            except ConnectionLost as e:
+                self._broke(e)
+                raise
             finally:
                 # The send may have consumed ZMQ_FD's edge, which matters to a leader asleep in
                 # poll() now; a leader that starts later drains first (under this lock) anyway.
@@ -178,39 +266,50 @@ class ControlClient:
         """Receive everything that arrived and deliver it (socket lock held). Whether any reply
         went to a waiting caller."""
         delivered = False
-        # ZMQ_EVENTS, unlike a recv that fails with EAGAIN, costs no exception; once it reports
-        # nothing to read, ZMQ_FD signals again for the next message
-        while int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        try:
+            arrived = self._chan.receive()
+        except ConnectionLost as e:
+            self._broke(e)
+            return True
+        for frames in arrived:
             if len(frames) < 2:
                 continue
-            seq = frames[0].bytes
-            with self._cond:
+            seq = bytes(frames[0])
+            with self._mutex:
                 if seq in self._slots and self._slots[seq] is None:
                     self._slots[seq] = frames
                     delivered = True
                 # else: a late reply to a request given up on, or a send_nowait's: dropped
         if delivered:
-            with self._cond:
+            with self._mutex:
                 self._cond.notify_all()
         return delivered
+
+    def _broke(self, e: ConnectionLost) -> None:
+        """The channel broke: fail every waiting call (socket lock held)."""
+        with self._mutex:
+            if self._lost is None:
+                self._lost = ConnectionLost(f"{self.url}: {e}")
+            self._cond.notify_all()
 
     def _poke(self) -> None:  # under _cond, while the pipe is open
         with contextlib.suppress(BlockingIOError):  # full: the leader has wake-ups pending anyway
             os.write(self._wake_w, b"\0")
 
     def _poke_leader(self) -> None:
-        with self._cond:
+        with self._mutex:
             if self._leader is not None and self._leader is not threading.current_thread():
                 self._poke()
 
-    def _wait(self, seq: bytes, deadline: float, limit: float) -> list[zmq.Frame]:
+    def _wait(self, seq: bytes, deadline: float, limit: float) -> list[memoryview]:
         while True:
-            with self._cond:
+            with self._mutex:
                 while True:
                     frames = self._slots.get(seq)
                     if frames is not None:
                         return frames
+                    if self._lost is not None:
+                        raise ConnectionLost(str(self._lost))
                     if self._closed:
                         raise ControlTimeout(f"the client of {self.url} was closed while waiting for a reply")
                     remaining = deadline - time.monotonic()
@@ -223,19 +322,24 @@ class ControlClient:
             try:
                 self._lead(seq, deadline)
             finally:
-                with self._cond:
+                with self._mutex:
                     self._leader = None
                     self._cond.notify_all()  # a follower takes over
 
     def _lead(self, seq: bytes, deadline: float) -> None:
         """Receive for everyone until our reply is in, the deadline passed or the client closes."""
+        # a level-triggered channel polls readable for anything not yet received: no need to
+        # look before sleeping (a receive that finds nothing costs a syscall and an exception)
+        look = self._chan.edge_triggered
         while True:
-            with self._sock_lock:
-                if self._closed:
-                    return
-                self._drain()
-            with self._cond:
-                if self._slots.get(seq) is not None or self._closed:
+            if look:
+                with self._sock_lock:
+                    if self._closed:
+                        return
+                    self._drain()
+            look = True
+            with self._mutex:
+                if self._slots.get(seq) is not None or self._closed or self._lost is not None:
                     return
             remaining = deadline - time.monotonic()
             if remaining <= 0:

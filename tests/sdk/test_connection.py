@@ -1,0 +1,164 @@
+"""Which channel an SDK context talks over, and what happens when the local one breaks.
+
+A shared-memory client sends its control messages over the server's local UNIX socket; zmq is
+the fallback. Real servers throughout: a restart, a kill while a call waits, a local connection
+cut under the client, threads sharing one context."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvdock.sdk as kvd
+from helpers import CHUNK, MODEL, make_kv, make_tokens
+from kvdock.testing import start_server
+
+
+def test_a_shared_memory_client_talks_over_the_local_socket(make_server) -> None:
+    srv = make_server()
+    kv, tokens = make_kv(3 * CHUNK, seed=1), make_tokens(3 * CHUNK, start=100)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert c.transport == "shm" and c._conn.channel == "local"
+        assert kvd.store(c, kv, tokens)
+        assert kvd.lookup(c, tokens) == 3 * CHUNK
+        out = kvd.retrieve(c, tokens)
+        assert out is not None and torch.equal(out, kv)
+        assert kvd.check_server_integrity(c) == []
+    assert "unix://" in srv.log()  # the start-up line names the socket
+
+
+@pytest.mark.parametrize("flag", ["--no-local-socket", "--no-shm"])
+def test_without_the_local_socket_everything_goes_over_zmq(make_server, flag: str) -> None:
+    srv = make_server(flag)
+    kv, tokens = make_kv(2 * CHUNK, seed=2), make_tokens(2 * CHUNK, start=200)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert c._conn.channel == "zmq"
+        assert c.transport == ("inline" if flag == "--no-shm" else "shm")
+        assert kvd.store(c, kv, tokens)
+        out = kvd.retrieve(c, tokens)
+        assert out is not None and torch.equal(out, kv)
+    assert "unix://" not in srv.log()
+
+
+def test_the_same_bytes_whichever_channel_stored_them(make_server) -> None:
+    srv = make_server()
+    kv, tokens = make_kv(2 * CHUNK, seed=3), make_tokens(2 * CHUNK, start=300)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as local:
+        assert local._conn.channel == "local"
+        local._conn.use_local("")  # this one stays on zmq
+        assert local._conn.channel == "zmq"
+        assert kvd.store(local, kv, tokens)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert c._conn.channel == "local"
+        out = kvd.retrieve(c, tokens)
+        assert out is not None and torch.equal(out, kv)
+
+
+def test_a_local_connection_cut_under_the_client_falls_back_to_zmq(make_server) -> None:
+    srv = make_server()
+    kv, tokens = make_kv(2 * CHUNK, seed=4), make_tokens(2 * CHUNK, start=400)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert kvd.store(c, kv, tokens)
+        c._conn._local._chan._sock.shutdown(2)  # type: ignore[union-attr]  # what a dropped connection looks like
+        out = kvd.retrieve(c, tokens)  # the request could not leave: it went over zmq instead
+        assert out is not None and torch.equal(out, kv)
+        assert c._conn.channel == "zmq"
+        assert kvd.lookup(c, tokens) == 2 * CHUNK
+        assert kvd.check_server_integrity(c) == []
+
+
+def test_after_a_restart_the_client_registers_again_and_takes_the_new_local_socket(make_server, tmp_path) -> None:
+    srv = make_server()
+    kv, tokens = make_kv(CHUNK, seed=5), make_tokens(CHUNK, start=500)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        first = c._conn._local.url  # type: ignore[union-attr]
+        assert kvd.store(c, kv, tokens)
+        srv.stop()
+        again = _restart(srv, tmp_path)
+        try:
+            kvd.register_model(again.url, again.http_url, MODEL, dtype="bfloat16", timeout=10, **_geometry())
+            assert kvd.store(c, kv, tokens)  # the dead socket's EPIPE sent it over zmq: registered again
+            assert c._conn.channel == "local" and c._conn._local.url != first  # type: ignore[union-attr]
+            out = kvd.retrieve(c, tokens)
+            assert out is not None and torch.equal(out, kv)
+        finally:
+            assert again.stop() == 0
+
+
+def test_a_server_killed_while_a_call_waits_fails_it_at_once_not_at_the_timeout(make_server) -> None:
+    srv = make_server()
+    tokens = make_tokens(CHUNK, start=600)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) as c:
+        assert kvd.lookup(c, tokens) == 0
+        srv.proc.send_signal(signal.SIGSTOP)  # the request is sent, its reply never comes
+        errors: list[BaseException] = []
+
+        def ask() -> None:
+            try:
+                kvd.lookup(c, tokens)
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=ask)
+        t.start()
+        time.sleep(0.3)
+        killed = time.monotonic()
+        srv.proc.kill()
+        srv.proc.wait()
+        t.join(20)
+        assert not t.is_alive()
+        assert time.monotonic() - killed < 10  # the timeout is 60 s
+        assert len(errors) == 1 and type(errors[0]) is kvd.ServerUnavailableError
+        assert "closed" in str(errors[0])
+
+
+def test_threads_sharing_a_context_over_the_local_socket_each_get_their_own_replies(make_server) -> None:
+    srv = make_server()
+    prompts = [
+        (make_kv(CHUNK * (1 + i % 3), seed=10 + i), make_tokens(CHUNK * (1 + i % 3), start=1000 * (i + 1)))
+        for i in range(8)
+    ]
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        for kv, tokens in prompts:
+            assert kvd.store(c, kv, tokens)
+        bad: list[str] = []
+
+        def work(i: int) -> None:
+            kv, tokens = prompts[i]
+            for _ in range(40):
+                if kvd.lookup(c, tokens) != len(tokens):
+                    bad.append(f"lookup {i}")
+                out = kvd.retrieve(c, tokens)
+                if out is None or not torch.equal(out, kv):
+                    bad.append(f"retrieve {i}")
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert bad == [] and c._conn.channel == "local"
+        assert kvd.check_server_integrity(c) == []
+
+
+def _geometry() -> dict[str, int]:
+    from helpers import GEOMETRY
+
+    return dict(GEOMETRY)
+
+
+def _restart(srv, tmp_path: Path):  # type: ignore[no-untyped-def]
+    return start_server(
+        "--no-disk",
+        l1_size="64MiB",
+        chunk_size=CHUNK,
+        port=srv.port,
+        http_port=srv.http_port,
+        log_path=tmp_path / "again.log",
+        timeout=30,
+    )

@@ -16,6 +16,7 @@ import torch
 
 import kvdock.sdk as kvd
 from helpers import CHUNK, MODEL, make_kv, make_tokens
+from kvdock.sdk import connection as connmod
 from kvdock.testing import start_server
 
 
@@ -59,17 +60,35 @@ def test_the_same_bytes_whichever_channel_stored_them(make_server) -> None:
         assert out is not None and torch.equal(out, kv)
 
 
-def test_a_local_connection_cut_under_the_client_falls_back_to_zmq(make_server) -> None:
+def test_a_local_connection_cut_under_the_client_falls_back_to_zmq_then_comes_back(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     srv = make_server()
     kv, tokens = make_kv(2 * CHUNK, seed=4), make_tokens(2 * CHUNK, start=400)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
         assert kvd.store(c, kv, tokens)
+        first = c._conn._local
         c._conn._local._chan._sock.shutdown(2)  # type: ignore[union-attr]  # what a dropped connection looks like
+        c._conn._retry_at = time.monotonic() + 600  # not due yet (whatever the test's pace)
         out = kvd.retrieve(c, tokens)  # the request could not leave: it went over zmq instead
         assert out is not None and torch.equal(out, kv)
         assert c._conn.channel == "zmq"
-        assert kvd.lookup(c, tokens) == 2 * CHUNK
+        assert kvd.lookup(c, tokens) == 2 * CHUNK  # not retried before LOCAL_RETRY_S
+        assert c._conn.channel == "zmq"
+        monkeypatch.setattr(connmod, "LOCAL_RETRY_S", 600.0)
+        c._conn._retry_at = 0.0  # due now
+        assert kvd.lookup(c, tokens) == 2 * CHUNK  # the local socket is tried again, and works
+        assert c._conn.channel == "local" and c._conn._local is not first
         assert kvd.check_server_integrity(c) == []
+
+
+def test_registering_again_at_the_same_server_keeps_the_working_local_client(make_server) -> None:
+    srv = make_server()
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        local = c._conn._local
+        c._reconnect()  # what a client_ttl expiry makes a request do: the same server, the same socket
+        assert c._conn._local is local and not local.closed  # type: ignore[union-attr]
+        assert kvd.lookup(c, make_tokens(CHUNK)) == 0
 
 
 def test_after_a_restart_the_client_registers_again_and_takes_the_new_local_socket(make_server, tmp_path) -> None:

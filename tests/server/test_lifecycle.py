@@ -152,3 +152,90 @@ def test_a_control_port_in_use_is_a_clear_error(tmp_path) -> None:
             RuntimeError, match=r"exited with 2:[\s\S]*cannot listen on tcp://127.0.0.1:\d+: Address already in use"
         ):
             start_server(tmp_path, port=port)
+
+
+def _local_path(srv) -> str:  # type: ignore[no-untyped-def]
+    line = next(line for line in srv.log().splitlines() if "kvdock serving" in line)
+    return line.split("unix://")[1].split(",")[0]
+
+
+def test_the_local_socket_is_private_and_removed_at_exit(tmp_path) -> None:
+    srv = start_server(tmp_path)
+    path = Path(_local_path(srv))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert srv.stop() == 0
+    assert not path.parent.exists()
+
+
+def test_a_shutdown_while_clients_keep_asking_logs_no_traceback(tmp_path) -> None:
+    import threading
+
+    import kvdock.sdk as kvd
+    from helpers import GEOMETRY, MODEL
+
+    srv = start_server(tmp_path)
+    kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", timeout=10, **GEOMETRY)
+    stop = threading.Event()
+    done: list[str] = []
+
+    def ask(channel: str) -> None:
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=2) as c:
+            if channel == "zmq":
+                c._conn.use_local("")
+            n = 0
+            while not stop.is_set():
+                try:
+                    kvd.lookup(c, list(range(64)))
+                    n += 1
+                except kvd.KVCacheSDKError:
+                    break
+            done.append(f"{channel}:{n}")
+
+    threads = [threading.Thread(target=ask, args=(ch,)) for ch in ("local", "zmq", "local")]
+    for t in threads:
+        t.start()
+    import time
+
+    time.sleep(1.0)
+    assert srv.stop() == 0
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert len(done) == 3 and all(int(d.split(":")[1]) > 0 for d in done), done
+    log = srv.log()
+    assert "shutting down" in log
+    assert "Traceback" not in log and "Exception in callback" not in log, log[-3000:]
+
+
+def test_a_socket_path_too_long_leaves_the_server_on_zmq_with_a_warning(tmp_path) -> None:
+    import kvdock.sdk as kvd
+    from helpers import GEOMETRY, MODEL
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    srv = start_server(tmp_path, env={"TMPDIR": str(deep)})
+    try:
+        assert "no local control socket" in srv.log() and "unix://" not in srv.log()
+        kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", timeout=10, **GEOMETRY)
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+            assert c.transport == "shm" and c._conn.channel == "zmq"
+            assert kvd.lookup(c, list(range(64))) == 0
+        assert list(deep.iterdir()) == []  # nothing left behind
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_local_message_over_the_request_cap_drops_its_connection(tmp_path) -> None:
+    from kvdock.transport.local import HEAD
+
+    srv = start_server(tmp_path, "--max-request-tokens", "1000")  # local cap: 4000 B + 1 MiB
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(_local_path(srv))
+        s.sendall(HEAD.pack((1 << 20) + 4001 + 8, 2))
+        s.settimeout(10)
+        assert s.recv(100) == b""
+        assert "dropped: not a message" in srv.log()
+        assert srv.text("/healthz")
+    finally:
+        assert srv.stop() == 0

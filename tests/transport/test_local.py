@@ -206,3 +206,117 @@ def test_another_user_cannot_connect(served: _Loop) -> None:
     assert try_as_nobody() == 1
     served.call(served.listener.check_integrity)
     assert served.seen == []
+
+
+# --- found in review ---------------------------------------------------------------------------
+
+
+class _Deaf:
+    """A UNIX listener that accepts one connection and reads nothing until told to."""
+
+    def __init__(self, tmp_path) -> None:  # type: ignore[no-untyped-def]
+        self.path = str(tmp_path / "deaf.sock")
+        self._lis = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._lis.bind(self.path)
+        self._lis.listen(1)
+        self.conn: socket.socket | None = None
+
+    def accept(self) -> socket.socket:
+        self.conn, _ = self._lis.accept()
+        return self.conn
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self._lis.close()
+
+
+def test_a_message_cut_off_by_its_deadline_hangs_up_even_on_a_descriptor_past_1024(tmp_path) -> None:
+    deaf = _Deaf(tmp_path)
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # select() fails past 1024
+    try:
+        chan = LocalChannel(localmod.SCHEME + deaf.path, 5)
+        assert chan.fileno() > 1024
+        peer = deaf.accept()
+        with pytest.raises(ConnectionLost, match="cut off") as info:
+            chan.send([b"s", b"x" * (16 << 20)], time.monotonic() + 0.3)  # more than the socket holds
+        assert info.value.sent is False  # the server drops the half it holds: it may go another way
+        with pytest.raises(ConnectionLost):
+            chan.send([b"s", b"again"], None)
+        peer.settimeout(10)
+        while peer.recv(1 << 20):  # the half message, then the hang-up
+            pass
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        deaf.close()
+
+
+def test_frames_beyond_what_sendmsg_takes_still_make_one_message(served: _Loop) -> None:
+    frames = [b"seq", b"header", *(bytes([i % 256]) * (i % 7) for i in range(2000))]
+    chan = LocalChannel(served.listener.url, 5)
+    assert _ask(chan, frames) == frames  # both ways: the client's send and the server's echo
+    chan.close()
+
+
+def test_no_more_of_a_batch_is_served_once_a_reply_dropped_its_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(localmod, "MAX_UNSENT", 1000)
+    lp = _Loop(lambda lis, cid, frames: lis.send(cid, [frames[0], b"r" * 1_000_000]))  # past the cap
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(lp.listener.path)
+        s.sendall(b"".join(_wire([b"%d" % i, b"ask"]) for i in range(50)))  # one read brings them all
+        s.settimeout(10)
+        while s.recv(1 << 20):  # dropped: read to the EOF
+            pass
+        assert [seq for _, (seq, _) in lp.seen] == [b"0"]  # the other 49 were never run
+        lp.call(lp.listener.check_integrity)
+    finally:
+        lp.close()
+
+
+def test_a_write_to_a_closed_peer_raises_instead_of_killing_with_sigpipe(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    script = f"""
+import signal, socket
+from kvdock.errors import ConnectionLost
+from kvdock.transport.local import LocalChannel
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # what embedding programs do
+lis = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+lis.bind({str(tmp_path / "gone.sock")!r}); lis.listen(1)
+chan = LocalChannel("unix://" + {str(tmp_path / "gone.sock")!r}, 5)
+conn, _ = lis.accept(); conn.close(); lis.close()
+for _ in range(3):
+    try:
+        chan.send([b"s", b"x" * 100000], None)
+    except ConnectionLost as e:
+        assert e.sent is False
+        print("lost")
+        break
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert r.stdout.strip() == "lost"
+
+
+def test_the_last_messages_of_a_client_that_hung_up_still_run() -> None:
+    """Regression: a reply that failed with EPIPE dropped the connection and the rest of its
+    batch, so a closing client's CloseClient (sent last, not awaited) never ran."""
+    lp = _Loop()
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(lp.listener.path)
+        s.sendall(b"".join(_wire([b"%d" % i, b"bye"]) for i in range(50)))
+        s.close()  # before the server read any of it: every reply hits a closed peer
+        deadline = time.monotonic() + 10
+        while len(lp.seen) < 50 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [seq for _, (seq, _) in lp.seen] == [b"%d" % i for i in range(50)]
+        deadline = time.monotonic() + 10
+        while lp.call(lambda: len(lp.listener._conns)) and time.monotonic() < deadline:  # its EOF drops it
+            time.sleep(0.01)
+        assert lp.call(lambda: len(lp.listener._conns)) == 0
+    finally:
+        lp.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -16,14 +18,20 @@ from kvdock.transport.client import ConnectionLost, ControlClient, ControlTimeou
 log = logging.getLogger("kvdock.sdk")
 
 
+LOCAL_RETRY_S = 5.0  # how long a broken local channel waits before it is tried again
+NOWAIT_LOCAL_S = 0.05  # how long a fire-and-forget message waits for room on the local socket
+
+
 class Connection:
     """A control-plane client that turns timeouts and Error replies into SDK errors. Threads may
     share it: each call waits only for its own reply.
 
     Messages go over zmq, or over the server's local UNIX socket once :meth:`use_local` gave
-    one (a shared-memory registration offers it); zmq stays the fallback: a local channel that
-    broke before a request left (the server restarted, or dropped this client) sends it over
-    zmq instead, as it does everything from then on."""
+    one (a shared-memory registration offers it). zmq stays the fallback: a request that could
+    not leave over the local channel (it broke: the server restarted or dropped this client) is
+    sent over zmq instead, and so is everything after it until the local socket, tried again
+    every LOCAL_RETRY_S, takes connections again (or a new registration names another one).
+    ``_lock`` guards which local client is current; the clients themselves are thread-safe."""
 
     def __init__(self, url: str, timeout: float) -> None:
         self.url = validate.url(url)
@@ -32,40 +40,67 @@ class Connection:
             self._client = ControlClient(url, self.timeout)
         except ValueError as e:
             raise InvalidInputError(str(e)) from None
+        self._lock = threading.Lock()
         self._local: ControlClient | None = None
+        self._local_url = ""
+        self._retry_at = 0.0
         self._closed = False
 
     @property
     def channel(self) -> str:
         """``"local"`` or ``"zmq"``: where the next request goes."""
         local = self._local
-        return "local" if local is not None and not local.lost else "zmq"
+        return "local" if local is not None and not local.lost and not local.closed else "zmq"
 
     def use_local(self, local_url: str) -> None:
         """Send over ``local_url`` (a ``unix://`` socket; "" for none) from now on, or over zmq
-        if it cannot be reached. A local client replaced is closed."""
+        if it cannot be reached. A working client of the same URL is kept; one replaced is
+        closed (its waiting callers fail: it belonged to a server that is gone)."""
+        with self._lock:
+            current = self._local
+            if current is not None and current.url == local_url and not current.lost and not current.closed:
+                return
+            self._local_url = local_url
         new = None
         if local_url and not self._closed:
             try:
                 new = ControlClient(local_url, self.timeout)
             except ValueError as e:
                 log.info("cannot use the server's local socket (%s); staying on zmq", e)
-        old, self._local = self._local, new
+        with self._lock:
+            if self._closed or self._local_url != local_url:  # closed, or superseded meanwhile
+                old, new = new, None
+            else:
+                old, self._local = self._local, new
+                self._retry_at = time.monotonic() + LOCAL_RETRY_S
         if old is not None:
             old.close()
 
-    def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = (), timeout: float | None = None) -> Response:
+    def _current(self) -> ControlClient:
+        """The local client if it works, else zmq (trying a broken local socket again when due)."""
         local = self._local
+        if local is not None and not local.lost and not local.closed:
+            return local
+        if self._local_url and time.monotonic() >= self._retry_at:
+            log.warning("the local control channel of %s is down; trying it again (zmq meanwhile)", self.url)
+            with self._lock:
+                if self._local is local:
+                    self._local = None  # so that use_local does not keep it
+            self.use_local(self._local_url)
+            local = self._local
+            if local is not None and not local.lost and not local.closed:
+                return local
+        return self._client
+
+    def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = (), timeout: float | None = None) -> Response:
         try:
-            if local is not None and not local.lost:
-                try:
-                    resp = local.call(msg, payload, timeout)
-                except ConnectionLost as e:
-                    if e.sent:
-                        raise
-                    resp = self._client.call(msg, payload, timeout)
-            else:
-                resp = self._client.call(msg, payload, timeout)
+            client = self._current()
+            try:
+                resp = client.call(msg, payload, timeout)
+            except ConnectionLost as e:
+                if e.sent or client is self._client:
+                    raise
+                resp = self._client.call(msg, payload, timeout)  # it never left: send it over zmq
         except ControlTimeout as e:
             if self._closed:
                 raise KVCacheSDKError(f"the connection to {self.url} is closed (KVCacheContext.close())") from None
@@ -75,12 +110,16 @@ class Connection:
         return resp
 
     def send_nowait(self, msg: msgspec.Struct) -> None:
-        local = self._local
-        if local is None or not local.send_nowait(msg):
+        """Send without waiting for a reply (best effort): over the local channel when it takes
+        the message within NOWAIT_LOCAL_S, else over zmq."""
+        client = self._current()
+        if client is self._client or not client.send_nowait(msg, NOWAIT_LOCAL_S):
             self._client.send_nowait(msg)
 
     def close(self, linger_s: float = 0.0) -> None:
-        self._closed = True
-        if self._local is not None:
-            self._local.close()  # what was written stays readable for the server
+        with self._lock:
+            self._closed = True
+            local, self._local = self._local, None
+        if local is not None:
+            local.close()  # what was written stays readable for the server
         self._client.close(linger_s)

@@ -296,8 +296,9 @@ def _retrieve_once(
     except BaseException:
         ctx.end_session(sid, cid)
         raise
-    # Releasing the pins needs no answer: messages on one socket arrive in order, and the
-    # session's lease covers a lost one. Not waiting saves a round trip per retrieve.
+    # Releasing the pins needs no answer: the session's lease covers a lost or late one (it
+    # goes over zmq if the local socket has no room for 50 ms, and may then overtake later
+    # requests: a pin is released late, nothing else). Not waiting saves a round trip.
     if commits:
         ctx.notify(m.CommitRetrieve(cid, sid))
     return hit

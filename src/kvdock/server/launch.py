@@ -321,7 +321,9 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
     # of the largest request: refuse bigger ones before zmq buffers them
     max_frame = max(state.manager.l1.allocator.capacity, 4 * config.max_request_tokens) + (1 << 20)
     try:
-        control = ControlServer(config.zmq_url, max_frame, local=state.shm_enabled and not config.no_local_socket)
+        # local clients share memory: their messages carry token ids, never chunk bytes
+        local_max = 4 * config.max_request_tokens + (1 << 20) if state.shm_enabled and not config.no_local_socket else 0
+        control = ControlServer(config.zmq_url, max_frame, local_max)
     except zmq.ZMQError as e:
         raise ConfigError(f"cannot listen on {config.zmq_url}: {e}") from None
     state.local_url = control.local_url
@@ -357,9 +359,10 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
             ready.set()
         await stop.wait()
         log.info("shutting down")
-        for t in tasks:
+        control.stop()  # no request is taken from here on
+        for t in [*tasks, *waiting]:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *waiting, return_exceptions=True)
     finally:
         await runner.cleanup()
         control.close()

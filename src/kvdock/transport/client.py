@@ -11,7 +11,9 @@ delay the others.
 How the waiting works (leader/follower, no background thread):
 
 * ``_sock_lock`` guards every use of the channel (zmq sockets are not thread-safe). It is held
-  only to send, or to receive what has already arrived (non-blocking), never while waiting.
+  only to send, or to receive what has already arrived (non-blocking), never while waiting for a
+  reply. A send may wait for room in the socket (zmq's SNDTIMEO, the local socket's deadline),
+  and the lock with it: the server reads without waiting for anything, so that wait is short.
 * A caller opens a slot for its seq in ``_slots`` before sending. Whoever receives a reply puts
   it in the slot of its seq and notifies ``_cond``; a reply without a slot (its caller gave up)
   is dropped.
@@ -194,8 +196,8 @@ class ControlClient:
         deadline = time.monotonic() + limit
         header = encode(msg)
         with self._mutex:
-            if self._closed:
-                raise ControlTimeout(f"the client of {self.url} is closed")
+            if self._closed:  # nothing sent: a caller may send it another way
+                raise ConnectionLost(f"the client of {self.url} is closed", sent=False)
             seq = self._next_seq()
             self._slots[seq] = None
         try:
@@ -211,15 +213,16 @@ class ControlClient:
                 self._slots.pop(seq, None)
         return Response(decode_reply(frames[1]), frames[2:])
 
-    def send_nowait(self, msg: msgspec.Struct) -> bool:
-        """Send without waiting; the reply is dropped when it arrives (used for best-effort
-        cleanup). Whether it was sent: not once closed or broken, nor when it would block."""
+    def send_nowait(self, msg: msgspec.Struct, wait_s: float = 0.0) -> bool:
+        """Send without waiting for the reply, which is dropped when it arrives (used for
+        best-effort cleanup); waits up to ``wait_s`` for room to send. Whether it was sent: not
+        once closed or broken, nor when there was no room."""
         with self._mutex:
             if self._closed:
                 return False
             seq = self._next_seq()
         try:
-            self._send([seq, encode(msg)], None)
+            self._send([seq, encode(msg)], time.monotonic() + wait_s if wait_s > 0 else None)
         except ControlTimeout:
             return False
         return True

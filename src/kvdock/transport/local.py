@@ -40,10 +40,12 @@ READ_BYTES = 1 << 20  # per recv, through a reused buffer (a fresh one costs an 
 MAX_CONNECTIONS = 1024
 MAX_UNSENT = 64 << 20  # a connection whose client leaves this much of its replies unread is dropped
 SCHEME = "unix://"
+IOV_FRAMES = 512  # past this many frames one joined buffer is sent (sendmsg takes at most 1024)
 
 
 def pack(frames: Sequence[Buffer]) -> list[Buffer]:
-    """The buffers of one message (for ``sendmsg``: the frames themselves are not copied)."""
+    """The buffers of one message (for ``sendmsg``: the frames themselves are not copied, unless
+    there are more than IOV_FRAMES of them)."""
     lens = [memoryview(f).nbytes for f in frames]
     if not 0 < len(lens) <= MAX_FRAMES:
         raise ProtocolError(f"a message has 1 to {MAX_FRAMES} frames, not {len(lens)}")
@@ -51,6 +53,8 @@ def pack(frames: Sequence[Buffer]) -> list[Buffer]:
     body = len(counts) + sum(lens)
     if body >= 1 << 32:
         raise ProtocolError(f"a message of {body} bytes is over the local channel's 4 GiB")
+    if len(lens) > IOV_FRAMES:
+        return [HEAD.pack(body, len(lens)), counts, b"".join(frames)]
     return [HEAD.pack(body, len(lens)), counts, *frames]
 
 
@@ -113,6 +117,7 @@ class _Conn:
     sock: socket.socket
     reader: FrameReader
     out: bytearray = field(default_factory=bytearray)
+    deaf: bool = False  # a send failed (the client is gone): replies are dropped, its EOF follows
 
 
 class LocalListener:
@@ -128,13 +133,20 @@ class LocalListener:
     thread only."""
 
     def __init__(self, max_body: int) -> None:
+        """OSError if the socket cannot be made (an unwritable TMPDIR, a path over the 107 bytes
+        a UNIX socket's may have); nothing is left behind then."""
         self._dir = tempfile.mkdtemp(prefix="kvdock-")  # 0700
         self.path = os.path.join(self._dir, "control.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        os.chmod(self.path, 0o600)
-        self._listener.listen(128)
-        self._listener.setblocking(False)
+        try:
+            self._listener.bind(self.path)
+            os.chmod(self.path, 0o600)
+            self._listener.listen(128)
+            self._listener.setblocking(False)
+        except BaseException:
+            self._listener.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         self._max_body = max_body
         self._conns: dict[int, _Conn] = {}
         self._next_id = 0
@@ -147,8 +159,8 @@ class LocalListener:
         return SCHEME + self.path
 
     def start(self, loop: asyncio.AbstractEventLoop, handler: Callable[[int, list[memoryview]], None]) -> None:
-        """Accept connections from now on and hand their messages to ``handler`` (which must not
-        raise)."""
+        """Accept connections from now on and hand their messages to ``handler``; a ProtocolError
+        it raises drops the message's connection, anything else must not escape it."""
         self._loop, self._handler = loop, handler
         loop.add_reader(self._listener.fileno(), self._accept)
 
@@ -156,16 +168,18 @@ class LocalListener:
         """Send one message to connection ``cid``, or drop it if that connection is gone. The
         frames are not referenced after the call returns."""
         conn = self._conns.get(cid)
-        if conn is None:
+        if conn is None or conn.deaf:
             return
         bufs = pack(frames)
         if not conn.out:
             try:
-                sent = conn.sock.sendmsg(bufs)
+                sent = conn.sock.sendmsg(bufs, (), socket.MSG_NOSIGNAL)
             except BlockingIOError:
                 sent = 0
-            except OSError:  # the client is gone (EPIPE): its EOF is read next
-                self._drop(cid, None)
+            except OSError:
+                # The client is gone (EPIPE). What it sent before still runs: a closing client's
+                # last messages (CommitRetrieve, CloseClient) are exactly the ones that matter.
+                conn.deaf = True
                 return
             for b in bufs:
                 size = memoryview(b).nbytes
@@ -181,16 +195,25 @@ class LocalListener:
         if len(conn.out) > MAX_UNSENT:
             self._drop(cid, f"{len(conn.out)} bytes of replies unread")
 
+    def stop(self) -> None:
+        """Take no more connections or messages (replies still go out until close). Harmless twice."""
+        if self._loop is not None and not self._loop.is_closed() and self._listener.fileno() >= 0:
+            self._loop.remove_reader(self._listener.fileno())
+            for conn in self._conns.values():
+                self._loop.remove_reader(conn.sock.fileno())
+        self._handler = None
+
     def close(self) -> None:
+        self.stop()
         for cid in list(self._conns):
             self._drop(cid, None)
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._listener.fileno())
         self._listener.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def check_integrity(self) -> None:
-        """Every connection is watched by the loop and has at most MAX_UNSENT bytes waiting."""
+        """Every listed connection is open, has at most MAX_UNSENT bytes waiting, and an id that
+        was handed out; at most MAX_CONNECTIONS are listed."""
+        assert len(self._conns) <= MAX_CONNECTIONS, f"{len(self._conns)} connections listed"
         for cid, conn in self._conns.items():
             assert conn.sock.fileno() >= 0, f"connection {cid} is closed but still listed"
             assert len(conn.out) <= MAX_UNSENT, f"connection {cid} holds {len(conn.out)} unsent bytes"
@@ -207,7 +230,11 @@ class LocalListener:
             except OSError as e:  # EMFILE and the like: the client sees a closed socket
                 log.warning("local control channel: accept failed: %s", e)
                 return
-            if _peer_uid(sock) != os.geteuid() or len(self._conns) >= MAX_CONNECTIONS:
+            try:
+                refused = _peer_uid(sock) != os.geteuid() or len(self._conns) >= MAX_CONNECTIONS
+            except OSError:
+                refused = True
+            if refused:
                 sock.close()
                 continue
             sock.setblocking(False)
@@ -220,13 +247,17 @@ class LocalListener:
         conn = self._conns.get(cid)
         if conn is None:
             return
+        handler = self._handler
+        if handler is None:  # stopped
+            return
         if not conn.reader.read_from(conn.sock, self._scratch):
             self._drop(cid, None)
             return
-        assert self._handler is not None
         try:
             for frames in conn.reader.messages():
-                self._handler(cid, frames)
+                handler(cid, frames)
+                if cid not in self._conns:  # dropped for leaving its replies unread: serve no more
+                    return
         except ProtocolError as e:
             self._drop(cid, str(e))
 
@@ -235,11 +266,14 @@ class LocalListener:
         if conn is None:
             return
         try:
-            sent = conn.sock.send(conn.out)
+            sent = conn.sock.send(conn.out, socket.MSG_NOSIGNAL)
         except (BlockingIOError, InterruptedError):
             return
-        except OSError:
-            self._drop(cid, None)
+        except OSError:  # gone, as in send(): its EOF drops it
+            conn.deaf = True
+            conn.out.clear()
+            assert self._loop is not None
+            self._loop.remove_writer(conn.sock.fileno())
             return
         del conn.out[:sent]
         if not conn.out:
@@ -285,33 +319,43 @@ class LocalChannel:
 
     def send(self, frames: Sequence[Buffer], deadline: float | None) -> None:
         """Write a whole message, waiting until ``deadline`` (monotonic; None: fail at once) for
-        room; ControlTimeout if that passes first (ConnectionLost: then the connection is
-        unusable, since half a message went out)."""
+        room; ControlTimeout if that passes first with nothing sent. Whatever stops a message
+        halfway (the deadline, an error, an exception in this thread) hangs up, so that the
+        server drops the half it holds, and raises ConnectionLost (or the exception)."""
         if self._lost:
-            raise ConnectionLost("the server closed the local control connection")
+            raise ConnectionLost("the server closed the local control connection", sent=False)
         bufs: list[memoryview] = [memoryview(b).cast("B") for b in pack(frames)]
         started = False
-        while bufs:
-            try:
-                sent = self._sock.sendmsg(bufs)
-            except BlockingIOError:
-                sent = 0
-            except OSError as e:
+        try:
+            while bufs:
+                try:
+                    sent = self._sock.sendmsg(bufs, (), socket.MSG_NOSIGNAL)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as e:
+                    self._lost = True
+                    raise ConnectionLost(f"the local control connection failed: {e}", sent=False) from None
+                started = started or sent > 0
+                while bufs and sent >= bufs[0].nbytes:
+                    sent -= bufs.pop(0).nbytes
+                if bufs:
+                    bufs[0] = bufs[0][sent:]
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is None or left <= 0 or not self._writable(left):
+                        if started:  # hung up below: the server drops the half it holds unrun
+                            raise ConnectionLost("a message was cut off: the server did not read it", sent=False)
+                        raise ControlTimeout("the server did not take the message in time")
+        except BaseException:
+            if started and bufs:  # the server holds half a message: hang up, so that it drops it
                 self._lost = True
-                raise ConnectionLost(f"the local control connection failed: {e}") from None
-            started = started or sent > 0
-            while bufs and sent >= bufs[0].nbytes:
-                sent -= bufs.pop(0).nbytes
-            if bufs:
-                bufs[0] = bufs[0][sent:]
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is None or left <= 0 or not select.select([], [self._sock], [], left)[1]:
-                    if started:  # the server holds half a message: hang up, so that it drops it
-                        self._lost = True
-                        with contextlib.suppress(OSError):
-                            self._sock.shutdown(socket.SHUT_RDWR)
-                        raise ConnectionLost("a message was cut off: the server did not read it in time")
-                    raise ControlTimeout("the server did not take the message in time")
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+            raise
+
+    def _writable(self, timeout_s: float) -> bool:
+        poller = select.poll()  # not select(): descriptors past 1024 are common in engines
+        poller.register(self._sock.fileno(), select.POLLOUT)
+        return bool(poller.poll(max(1, int(timeout_s * 1000))))
 
     def receive(self) -> list[list[memoryview]]:
         """Every message that has arrived (maybe none); never waits. One read as a rule: the

@@ -60,7 +60,10 @@ class ControlServer:
     ROUTER_MANDATORY drops a reply to a peer whose queue is full or gone. The event loop's
     thread only."""
 
-    def __init__(self, url: str, max_frame_bytes: int = 16 * 2**30, local: bool = False) -> None:
+    def __init__(self, url: str, max_frame_bytes: int = 16 * 2**30, local_max_bytes: int = 0) -> None:
+        """Bind ``url`` (zmq.ZMQError if it cannot be), taking frames of at most
+        ``max_frame_bytes``; with ``local_max_bytes``, also a local socket for messages of at
+        most that many bytes (if it cannot be made, a warning, and the server runs without)."""
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -70,8 +73,14 @@ class ControlServer:
         self._sock.bind(url)
         self.url = url
         self._fd = int(self._sock.getsockopt(zmq.FD))
-        self._local = LocalListener(max_frame_bytes) if local else None
+        self._local: LocalListener | None = None
+        if local_max_bytes:
+            try:
+                self._local = LocalListener(local_max_bytes)
+            except OSError as e:
+                log.warning("no local control socket (%s): shared-memory clients use zmq", e)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = False
         self._handler: Handler | None = None
         self._reading = False  # inside _on_zmq: it looks at ZMQ_EVENTS again before it returns
         self._scheduled = False  # an _on_zmq call is due in the next turn of the loop
@@ -103,6 +112,8 @@ class ControlServer:
 
     def _on_zmq(self) -> None:
         self._scheduled = False
+        if self._stopped:
+            return
         sock = self._sock
         self._reading = True
         try:
@@ -121,6 +132,8 @@ class ControlServer:
             self._loop.call_soon(self._on_zmq)
 
     def _send(self, frames: list[Any]) -> None:
+        if self._stopped:  # shutting down: late replies are dropped, as zmq would at close
+            return
         try:
             self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         finally:
@@ -156,10 +169,18 @@ class ControlServer:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    def close(self) -> None:
-        if self._local is not None:
-            self._local.close()
+    def stop(self) -> None:
+        """Handle no more requests and send nothing more over zmq (shutdown's first step; local
+        replies already queued still go out until close). Harmless twice."""
+        self._stopped = True
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
+        if self._local is not None:
+            self._local.stop()
+
+    def close(self) -> None:
+        self.stop()
+        if self._local is not None:
+            self._local.close()
         self._sock.close(linger=0)
         self._ctx.term()

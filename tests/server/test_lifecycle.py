@@ -239,3 +239,34 @@ def test_a_local_message_over_the_request_cap_drops_its_connection(tmp_path) -> 
         assert srv.text("/healthz")
     finally:
         assert srv.stop() == 0
+
+
+def test_a_killed_servers_socket_directory_is_removed_at_the_next_start(tmp_path) -> None:
+    import tempfile
+
+    dead = start_server(tmp_path)
+    path = Path(_local_path(dead))
+    dead.stop(signal.SIGKILL)
+    assert path.exists()  # nobody removed it
+    other = Path(tempfile.mkdtemp(prefix="kvdock-"))  # not a socket directory: left alone
+    try:
+        srv = start_server(tmp_path)
+        assert not path.parent.exists() and other.exists()
+        assert Path(_local_path(srv)).exists()  # a live server's own is kept
+        assert srv.stop() == 0
+    finally:
+        other.rmdir()
+
+
+def test_the_server_raises_its_descriptor_limit(tmp_path) -> None:
+    import resource
+
+    srv = start_server(tmp_path)
+    try:
+        line = next(x for x in Path(f"/proc/{srv.proc.pid}/limits").read_text().splitlines() if "open files" in x)
+        soft, hard = line.split()[3:5]
+        expected = 1 << 16 if hard == "unlimited" else min(int(hard), 1 << 16)
+        assert int(soft) >= min(expected, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        assert int(soft) >= 4096 or int(soft) == int(hard)
+    finally:
+        assert srv.stop() == 0

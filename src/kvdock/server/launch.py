@@ -4,7 +4,9 @@ SIGINT/SIGTERM (the shared-memory segment is unlinked)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import resource
 import signal
 from collections.abc import Awaitable, Coroutine
 from pathlib import Path
@@ -34,6 +36,7 @@ from kvdock.server.registry import Registry
 from kvdock.server.state import Outcome, Reply, ServerState
 from kvdock.shm import PoolSegment, SlotAllocator, cleanup_stale
 from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane, tier_factory
+from kvdock.transport import listener
 from kvdock.transport.events import EventPublisher
 from kvdock.transport.server import ControlServer, Incoming
 
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from kvdock.storage.redis import RedisTier
 
 log = logging.getLogger("kvdock.server")
+FD_LIMIT = 1 << 16  # descriptors the server asks for (its soft limit, within the hard one)
 
 
 def build_state(config: ServerConfig) -> ServerState:
@@ -48,6 +52,9 @@ def build_state(config: ServerConfig) -> ServerState:
     stale = cleanup_stale()
     if stale:
         log.info("removed %d stale shared-memory segment(s) of dead servers: %s", len(stale), ", ".join(stale))
+    stale = listener.cleanup_stale()
+    if stale:
+        log.info("removed %d stale local socket director(ies) of dead servers", len(stale))
     size = config.l1_size or auto_l1_size()
     if not config.l1_size:
         log.info(
@@ -303,6 +310,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
         memcpy.default_threads()  # a bad KVDOCK_COPY_THREADS fails here, not at the first copy
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _raise_fd_limit()
     state = build_state(config)
     try:
         await _run(state, config, ready)
@@ -314,6 +322,16 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
             state.events.close()
         state.segment.unlink()
         state.segment.close()
+
+
+def _raise_fd_limit() -> None:
+    """Every client holds a socket (two for a local one): the common soft limit of 1024
+    descriptors would run out before the connection caps do, so take what the hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_LIMIT if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | None) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import zmq
 
-from kvdock.transport.local import LocalListener
+from kvdock.transport.listener import LocalListener
 
 log = logging.getLogger("kvdock.transport")
 
@@ -150,11 +150,17 @@ class ControlServer:
         self._send([to.identity, to.seq, header, *payload])
 
     async def send_tracked(self, to: Incoming, header: bytes, payload: Sequence[Buffer]) -> None:
-        """Send the reply to request ``to`` and return once no payload buffer is needed any more
-        (zmq wrote them to the peer's socket or dropped them because the peer went away; the
-        local socket copies them at once)."""
+        """Send the reply to request ``to`` and return once it no longer waits in the server:
+        zmq wrote the payload buffers to the peer's socket (or dropped them because the peer
+        went away), or the local socket took the reply (it copies what it cannot write at once,
+        and that copy counts as unsent until written)."""
         if to.local:
-            self.send(to, header, payload)
+            assert self._local is not None
+            mark = self._local.send(to.local, [to.seq, header, *payload])
+            delay = 0.0005
+            while not self._local.written(to.local, mark):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
             return
         # A tracker per frame: send_multipart's own tracks the last frame only, and none at all
         # when that one is small enough for zmq to copy.

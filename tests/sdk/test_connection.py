@@ -181,3 +181,32 @@ def _restart(srv, tmp_path: Path):  # type: ignore[no-untyped-def]
         log_path=tmp_path / "again.log",
         timeout=30,
     )
+
+
+def test_threads_that_retry_the_local_socket_at_once_all_get_their_replies(make_server) -> None:
+    """Regression: two threads retrying the broken local channel together each made a client,
+    and the second closed the first while a call waited on it (a spurious ServerUnavailableError)."""
+    srv = make_server()
+    tokens = make_tokens(CHUNK, start=700)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert kvd.store(c, make_kv(CHUNK, seed=7), tokens)
+        for _ in range(5):
+            c._conn._local._chan._sock.shutdown(2)  # type: ignore[union-attr]
+            c._conn._retry_at = 0.0  # due: every thread below may try it
+            errors: list[BaseException] = []
+            barrier = threading.Barrier(8)
+
+            def ask(barrier: threading.Barrier = barrier, errors: list[BaseException] = errors) -> None:
+                barrier.wait()
+                try:
+                    for _ in range(5):
+                        assert kvd.lookup(c, tokens) == CHUNK
+                except BaseException as e:
+                    errors.append(e)
+
+            threads = [threading.Thread(target=ask) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert errors == [] and c._conn.channel == "local"

@@ -332,3 +332,36 @@ def test_a_flood_on_one_connection_lets_the_others_in_between(served: _Loop) -> 
     sender.join(30)
     other.close()
     flood.close()
+
+
+def test_stale_directories_go_and_nothing_else(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cleanup_stale removes a dead server's directory only: not a live one (even with its backlog
+    full: the probe never waits), not one holding a plain file of that name, not a link."""
+    monkeypatch.setattr(lismod.tempfile, "gettempdir", lambda: str(tmp_path))
+    dead, busy, plain, target = (tmp_path / f"kvdock-{n}" for n in ("dead", "busy", "plain", "target"))
+    for d in (dead, busy, plain, target):
+        d.mkdir(mode=0o700)
+    gone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    gone.bind(str(dead / "control.sock"))
+    gone.close()  # bound, never listening again: what a killed server leaves
+    full = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    full.bind(str(busy / "control.sock"))
+    full.listen(0)  # a stalled server: nobody accepts
+    waiting = []
+    for _ in range(4):
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            c.connect(str(busy / "control.sock"))
+        waiting.append(c)
+    (plain / "control.sock").write_text("not a socket")
+    (target / "control.sock").symlink_to(dead / "control.sock")
+    (tmp_path / "kvdock-link").symlink_to(dead, target_is_directory=True)
+    started = time.monotonic()
+    removed = lismod.cleanup_stale()
+    assert time.monotonic() - started < 5
+    assert removed == [str(dead)] and not dead.exists()
+    assert busy.exists() and plain.exists() and target.exists()
+    full.close()
+    for c in waiting:
+        c.close()

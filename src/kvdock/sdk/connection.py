@@ -68,8 +68,10 @@ class Connection:
             except ValueError as e:
                 log.info("cannot use the server's local socket (%s); staying on zmq", e)
         with self._lock:
-            if self._closed or self._local_url != local_url:  # closed, or superseded meanwhile
-                old, new = new, None
+            current = self._local
+            working = current is not None and current.url == local_url and not current.lost and not current.closed
+            if self._closed or self._local_url != local_url or working:  # closed, superseded, or
+                old, new = new, None  # another thread's retry got there first: keep that one
             else:
                 old, self._local = self._local, new
                 self._retry_at = time.monotonic() + LOCAL_RETRY_S

@@ -18,6 +18,8 @@ from aiohttp import web
 from kvdock import memcpy
 from kvdock.config import (
     L1_AUTO_FRACTION,
+    MAX_BATCH,
+    MAX_SALT_LEN,
     ServerConfig,
     auto_disk_size,
     auto_l1_size,
@@ -339,8 +341,11 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
     # of the largest request: refuse bigger ones before zmq buffers them
     max_frame = max(state.manager.l1.allocator.capacity, 4 * config.max_request_tokens) + (1 << 20)
     try:
-        # local clients share memory: their messages carry token ids, never chunk bytes
-        local_max = 4 * config.max_request_tokens + (1 << 20) if state.shm_enabled and not config.no_local_socket else 0
+        # local clients share memory: their messages carry token ids, never chunk bytes (and a
+        # batch's per-prompt salts and session ids)
+        local_max = 4 * config.max_request_tokens + MAX_BATCH * (4 * MAX_SALT_LEN + 128) + (1 << 20)
+        if not state.shm_enabled or config.no_local_socket:
+            local_max = 0
         control = ControlServer(config.zmq_url, max_frame, local_max)
     except zmq.ZMQError as e:
         raise ConfigError(f"cannot listen on {config.zmq_url}: {e}") from None

@@ -252,7 +252,7 @@ class ControlClient:
     def _send(self, frames: list[Any], deadline: float | None) -> None:
         with self._sock_lock:
             if self._closed:  # checked under the lock that close() takes to close the socket
-                raise ControlTimeout(f"the client of {self.url} is closed")
+                raise ConnectionLost(f"the client of {self.url} is closed", sent=False)
             try:
                 self._chan.send(frames, deadline)
             except ConnectionLost as e:

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import struct
 import tempfile
 from collections.abc import Callable, Sequence
@@ -38,15 +39,21 @@ def _peer_uid(sock: socket.socket) -> int:
 
 def cleanup_stale() -> list[str]:
     """Remove the socket directories of this user's servers that no longer run (a killed server
-    leaves its own behind); returns their paths. A directory is stale when its socket refuses
-    connections."""
+    leaves its own behind); returns their paths. A directory is stale when it is this user's own
+    (not a link) and holds nothing but a socket named SOCKET_NAME that refuses connections (a
+    server binds under another name and renames once it listens, so a starting one is never
+    taken for a dead one). Never waits: a live server whose backlog is full is left alone."""
     removed = []
     for d in Path(tempfile.gettempdir()).glob(DIR_PREFIX + "*"):
         sock_path = d / SOCKET_NAME
         try:
-            if d.stat().st_uid != os.geteuid() or sorted(p.name for p in d.iterdir()) != [SOCKET_NAME]:
+            st = d.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            if sorted(p.name for p in d.iterdir()) != [SOCKET_NAME] or not stat.S_ISSOCK(sock_path.lstat().st_mode):
                 continue
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.setblocking(False)
                 probe.connect(str(sock_path))
         except ConnectionRefusedError:
             shutil.rmtree(d, ignore_errors=True)
@@ -75,8 +82,9 @@ class LocalListener:
     from the loop's reader callbacks, at most MAX_BATCH of one connection per turn of the loop
     (the connection is not read until its backlog is worked off), so a flooding client shares
     the loop with the others. Received bytes not yet handled are bounded per message (the
-    framing's ``max_body``) and for all connections together (MAX_BUFFERED: the connection that
-    goes past it is dropped). ``send`` never blocks: what the socket does not take at once is
+    framing's ``max_body``) and, for unfinished messages, for all connections together
+    (MAX_BUFFERED: a connection whose read passes it while holding no complete message is
+    dropped; complete ones are worked off first). ``send`` never blocks: what the socket does not take at once is
     kept and written when it can be (:meth:`written` tells when), and a connection with more
     than MAX_UNSENT unwritten bytes is dropped, with no more of its messages run. A message
     that cannot be one, an EOF or a socket error closes its connection; a client gone before
@@ -88,14 +96,19 @@ class LocalListener:
         a UNIX socket's may have); nothing is left behind then."""
         self._dir = tempfile.mkdtemp(prefix=DIR_PREFIX)  # 0700
         self.path = os.path.join(self._dir, SOCKET_NAME)
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        binding = os.path.join(self._dir, "binding.sock")  # renamed once it listens (cleanup_stale)
         try:
-            self._listener.bind(self.path)
-            os.chmod(self.path, 0o600)
-            self._listener.listen(128)
-            self._listener.setblocking(False)
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self._listener.bind(binding)
+                os.chmod(binding, 0o600)
+                self._listener.listen(128)
+                self._listener.setblocking(False)
+                os.rename(binding, self.path)
+            except BaseException:
+                self._listener.close()
+                raise
         except BaseException:
-            self._listener.close()
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
         self._max_body = max_body
@@ -135,7 +148,7 @@ class LocalListener:
             except OSError:
                 # The client is gone (EPIPE). What it sent before still runs: a closing client's
                 # last messages (CommitRetrieve, CloseClient) are exactly the ones that matter.
-                conn.deaf = True
+                self._deafen(conn)
                 return conn.queued
             self._written[cid] = self._written.get(cid, 0) + sent
             for b in bufs:
@@ -198,8 +211,11 @@ class LocalListener:
             except OSError as e:
                 # out of descriptors: the connection stays in the backlog and the listener reads
                 # as ready at once, so stop watching it for a moment instead of spinning
-                log.warning("local control channel: accept failed (%s); pausing %g s", e, ACCEPT_PAUSE_S)
-                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                out_of_room = e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+                log.warning(
+                    "local control channel: accept failed (%s)%s", e, f"; pausing {ACCEPT_PAUSE_S:g} s" * out_of_room
+                )
+                if out_of_room:
                     self._loop.remove_reader(self._listener.fileno())
                     self._loop.call_later(ACCEPT_PAUSE_S, self._resume_accepting)
                 return
@@ -259,6 +275,14 @@ class LocalListener:
             conn.paused = False
             loop.add_reader(conn.sock.fileno(), self._read, cid)
 
+    @staticmethod
+    def _deafen(conn: _Conn) -> None:
+        """No more replies to ``conn``. Shut its sending side too: a client still alive (the send
+        failed for want of memory, say) then reads EOF and stops waiting, instead of timing out."""
+        conn.deaf = True
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_WR)
+
     def _count(self, cid: int, conn: _Conn) -> None:
         if cid in self._conns:  # a dropped one's share left with it
             self._buffered += conn.reader.pending - conn.counted
@@ -274,7 +298,7 @@ class LocalListener:
         except (BlockingIOError, InterruptedError):
             return
         except OSError:  # gone, as in send(): its EOF drops it
-            conn.deaf = True
+            self._deafen(conn)
             conn.out.clear()
             self._loop.remove_writer(conn.sock.fileno())
             return

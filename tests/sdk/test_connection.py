@@ -9,15 +9,13 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, MODEL, make_kv, make_tokens
+from helpers import CHUNK, MODEL, make_kv, make_tokens, start_server
 from kvdock.sdk import connection as connmod
-from kvdock.testing import start_server
 
 
 def test_a_shared_memory_client_talks_over_the_local_socket(make_server) -> None:
@@ -98,7 +96,7 @@ def test_after_a_restart_the_client_registers_again_and_takes_the_new_local_sock
         first = c._conn._local.url  # type: ignore[union-attr]
         assert kvd.store(c, kv, tokens)
         srv.stop()
-        again = _restart(srv, tmp_path)
+        again = start_server(tmp_path, chunk_size=CHUNK, port=srv.port, http_port=srv.http_port)
         try:
             kvd.register_model(again.url, again.http_url, MODEL, dtype="bfloat16", timeout=10, **_geometry())
             assert kvd.store(c, kv, tokens)  # the dead socket's EPIPE sent it over zmq: registered again
@@ -169,18 +167,6 @@ def _geometry() -> dict[str, int]:
     from helpers import GEOMETRY
 
     return dict(GEOMETRY)
-
-
-def _restart(srv, tmp_path: Path):  # type: ignore[no-untyped-def]
-    return start_server(
-        "--no-disk",
-        l1_size="64MiB",
-        chunk_size=CHUNK,
-        port=srv.port,
-        http_port=srv.http_port,
-        log_path=tmp_path / "again.log",
-        timeout=30,
-    )
 
 
 def test_threads_that_retry_the_local_socket_at_once_all_get_their_replies(make_server) -> None:

@@ -181,7 +181,7 @@ def test_hnd_registration_decodes_the_same_geometry(server) -> None:
 
 
 def test_context_survives_a_server_restart(make_server, tmp_path) -> None:
-    from kvdock.testing import start_server
+    from helpers import start_server
 
     disk = str(tmp_path / "l2")
     srv = make_server("--disk-dir", disk)
@@ -194,16 +194,7 @@ def test_context_survives_a_server_restart(make_server, tmp_path) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         srv.stop()
-        again = start_server(
-            "--disk-dir",
-            disk,
-            l1_size="64MiB",
-            chunk_size=CHUNK,
-            port=srv.port,
-            http_port=srv.http_port,
-            log_path=tmp_path / "again.log",
-            timeout=30,
-        )
+        again = start_server(tmp_path, "--disk-dir", disk, chunk_size=CHUNK, port=srv.port, http_port=srv.http_port)
         try:
             out = kvd.retrieve(c, tokens)  # registers again, maps the new pool, loads from L2
             assert out is not None and torch.equal(out, kv)

@@ -226,16 +226,18 @@ def test_a_socket_path_too_long_leaves_the_server_on_zmq_with_a_warning(tmp_path
 
 
 def test_a_local_message_over_the_request_cap_drops_its_connection(tmp_path) -> None:
+    from kvdock.config import MAX_BATCH, MAX_SALT_LEN
     from kvdock.transport.local import HEAD
 
-    srv = start_server(tmp_path, "--max-request-tokens", "1000")  # local cap: 4000 B + 1 MiB
+    srv = start_server(tmp_path, "--max-request-tokens", "1000")
+    cap = 4 * 1000 + MAX_BATCH * (4 * MAX_SALT_LEN + 128) + (1 << 20)  # token ids, a batch's salts
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(_local_path(srv))
-        s.sendall(HEAD.pack((1 << 20) + 4001 + 8, 2))
+        s.sendall(HEAD.pack(cap + 1, 2))
         s.settimeout(10)
         assert s.recv(100) == b""
-        assert "dropped: not a message" in srv.log()
+        assert f"dropped: not a message: body of {cap + 1} bytes, 2 frames (at most {cap} bytes)" in srv.log()
         assert srv.text("/healthz")
     finally:
         assert srv.stop() == 0

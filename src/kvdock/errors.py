@@ -7,6 +7,7 @@
     │   └── ConnectionLost          the server closed the connection: no reply will come
     ├── DiskInUseError              (storage) another live server holds the L2 directory
     ├── CorruptObject               (storage) bytes that are not the object they claim to be
+    ├── UnexpectedReply             (storage) an L3 reply the fast read does not parse: it falls back
     ├── NoRoom                      (storage) an object that does not fit in a tier: write skipped
     ├── UnsupportedLayoutError      (codecs) an engine KV layout no codec knows: refused, never guessed
     ├── RequestError                (server) a request refused with an ErrorCode
@@ -64,6 +65,11 @@ class DiskInUseError(KVDockError, RuntimeError):
 
 class CorruptObject(KVDockError, ValueError):
     """Bytes that are not a valid object, or not the object they were expected to be."""
+
+
+class UnexpectedReply(KVDockError):
+    """An L3 reply that is not the one the fast read expects (storage.resp): the caller falls back
+    to a plain GET, and the connection may hold the rest of the reply, so it is never reused."""
 
 
 class NoRoom(KVDockError):

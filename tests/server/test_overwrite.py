@@ -209,7 +209,7 @@ def test_prepare_retrieve_of_a_prefetch_session_never_returns_an_overwritten_ver
         hit = len(slots) * CHUNK
         out = torch.empty_like(new)
         with ctx.transfer() as t:
-            t.read(slots, resp.buffers(), out[:, :, :hit])
+            t.read(slots, resp.frames, out[:, :, :hit])
         ctx.notify(m.CommitRetrieve(ctx.client_id, "p"))
         assert hit == 0 or torch.equal(out[:, :, :hit], new[:, :, :hit]), "the overwritten version came back"
 

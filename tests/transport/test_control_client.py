@@ -192,7 +192,7 @@ def test_payload_frames_come_zero_copy_and_stay_alive(peer: ScriptedServer) -> N
     client.close()  # the frames belong to the response, not to the socket
     # views of zmq's own frames, not copies
     assert all(isinstance(f, memoryview) and isinstance(f.obj, zmq.Frame) for f in resp.frames)
-    bufs = resp.buffers()
+    bufs = resp.frames
     assert [len(b) for b in bufs] == [len(big), 1] and bufs[0] == big and bytes(bufs[1]) == b"x"
 
 

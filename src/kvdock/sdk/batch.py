@@ -129,7 +129,7 @@ def _retrieve_group(
     try:
         if len(rows) != len(group):
             raise KVCacheSDKError(f"malformed reply: {len(rows)} slot lists for {len(group)} prompts")
-        frames = resp.buffers()
+        frames = resp.frames
         with ctx.transfer() as t:
             for i, row in zip(group, rows, strict=True):
                 if len(row) <= first:

@@ -50,15 +50,14 @@ class Connection:
     def channel(self) -> str:
         """``"local"`` or ``"zmq"``: where the next request goes."""
         local = self._local
-        return "local" if local is not None and not local.lost and not local.closed else "zmq"
+        return "local" if local is not None and local.usable else "zmq"
 
     def use_local(self, local_url: str) -> None:
         """Send over ``local_url`` (a ``unix://`` socket; "" for none) from now on, or over zmq
         if it cannot be reached. A working client of the same URL is kept; one replaced is
         closed (its waiting callers fail: it belonged to a server that is gone)."""
         with self._lock:
-            current = self._local
-            if current is not None and current.url == local_url and not current.lost and not current.closed:
+            if self._serves(local_url):
                 return
             self._local_url = local_url
         new = None
@@ -68,9 +67,7 @@ class Connection:
             except ValueError as e:
                 log.info("cannot use the server's local socket (%s); staying on zmq", e)
         with self._lock:
-            current = self._local
-            working = current is not None and current.url == local_url and not current.lost and not current.closed
-            if self._closed or self._local_url != local_url or working:  # closed, superseded, or
+            if self._closed or self._local_url != local_url or self._serves(local_url):  # closed, superseded, or
                 old, new = new, None  # another thread's retry got there first: keep that one
             else:
                 old, self._local = self._local, new
@@ -78,10 +75,14 @@ class Connection:
         if old is not None:
             old.close()
 
+    def _serves(self, local_url: str) -> bool:  # under _lock
+        current = self._local
+        return current is not None and current.url == local_url and current.usable
+
     def _current(self) -> ControlClient:
         """The local client if it works, else zmq (trying a broken local socket again when due)."""
         local = self._local
-        if local is not None and not local.lost and not local.closed:
+        if local is not None and local.usable:
             return local
         if self._local_url and time.monotonic() >= self._retry_at:
             log.warning("the local control channel of %s is down; trying it again (zmq meanwhile)", self.url)
@@ -90,7 +91,7 @@ class Connection:
                     self._local = None  # so that use_local does not keep it
             self.use_local(self._local_url)
             local = self._local
-            if local is not None and not local.lost and not local.closed:
+            if local is not None and local.usable:
                 return local
         return self._client
 

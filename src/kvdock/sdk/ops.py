@@ -291,7 +291,7 @@ def _retrieve_once(
     try:
         sink = make_sink(hit)
         with ctx.transfer() as t:
-            t.read(slots, resp.buffers(), sink, part)
+            t.read(slots, resp.frames, sink, part)
             commits = t.commits_reads
     except BaseException:
         ctx.end_session(sid, cid)

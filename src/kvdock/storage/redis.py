@@ -251,7 +251,7 @@ class RedisTier(StorageTier):
             return FALLBACK
         shape = list(geometry.chunk_shape(chunk_size))
         head = memoryview(bytearray(objfile.header_block_size(key, geometry.dtype, shape, nbytes)))
-        digest = resp.hasher()
+        digest = objfile.hasher()
         present = resp.receive(pool, rkey, head, out, digest.update)
         if present is None:
             return FALLBACK

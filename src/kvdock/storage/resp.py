@@ -14,7 +14,8 @@ payload's pieces are received with ``socket.recv_into`` into the destination mem
 handed to ``on_piece`` (the checksum) as it lands. The transaction makes the pieces one atomic
 snapshot of the value. Only the exact shape of the reply this transaction gives is accepted:
 anything else (an error such as MOVED or ASK, a RESP3 push, another length) raises
-:class:`Unexpected` with the rest of the reply unread, so the caller must drop the connection.
+:class:`~kvdock.errors.UnexpectedReply` with the rest of the reply unread, so the caller must
+drop the connection.
 """
 
 from __future__ import annotations
@@ -24,17 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 import redis as redis_py
-from blake3 import blake3
+
+from kvdock.errors import UnexpectedReply
 
 log = logging.getLogger(__name__)
 
 PIECE = 1 << 20  # bytes per GETRANGE: measured 1.1-1.2 GB/s at 256 KiB-1 MiB, 0.6 for one GET
 _MAX_LINE = 64  # a status, integer or bulk length line of these replies is far shorter
-
-
-class Unexpected(Exception):
-    """The reply is not the one the fast path expects (the caller falls back to a plain GET);
-    the connection may hold the rest of it: never reuse it."""
 
 
 class Reader:
@@ -68,19 +65,19 @@ class Reader:
                 self.start = i + 2
                 return line
             if self.end - self.start > _MAX_LINE:
-                raise Unexpected("a reply line is too long")
+                raise UnexpectedReply("a reply line is too long")
             self._fill()
 
     def expect(self, want: bytes) -> None:
         line = self.line()
         if line != want:
-            raise Unexpected(f"expected {want!r}, got {line[:200]!r}")
+            raise UnexpectedReply(f"expected {want!r}, got {line[:200]!r}")
 
     def number(self, kind: bytes) -> int:
         """The number of a ``:n`` (integer), ``*n`` (array) or ``$n`` (bulk length) line."""
         line = self.line()
         if line[:1] != kind or not line[1:].isdigit():
-            raise Unexpected(f"expected {kind!r}<n>, got {line[:200]!r}")
+            raise UnexpectedReply(f"expected {kind!r}<n>, got {line[:200]!r}")
         return int(line[1:])
 
     def into(self, dst: memoryview) -> None:
@@ -99,7 +96,7 @@ class Reader:
     def bulk_into(self, dst: memoryview) -> None:
         """One bulk string of exactly ``len(dst)`` bytes into ``dst``."""
         if self.number(b"$") != len(dst):
-            raise Unexpected("a bulk string of another length")
+            raise UnexpectedReply("a bulk string of another length")
         self.into(dst)
         self.expect(b"")  # its CRLF
 
@@ -114,7 +111,7 @@ def read_value(
     ``conn`` (a redis-py Connection with nothing pending): its first ``len(head)`` bytes into
     ``head``, the rest into ``out`` (``on_piece`` is called with each piece once it landed).
     False if the key does not exist (the connection is then clean, as after a True). Raises
-    :class:`Unexpected` (also for a value of another length) or redis-py's ConnectionError /
+    :class:`~kvdock.errors.UnexpectedReply` (also for a value of another length) or redis-py's ConnectionError /
     TimeoutError with the reply partly read: the caller must disconnect ``conn``."""
     size = len(out)
     pieces = [(off, min(size, off + PIECE)) for off in range(0, size, PIECE)]
@@ -132,35 +129,28 @@ def read_value(
         for _ in cmds[1:-1]:
             r.expect(b"+QUEUED")
         if r.number(b"*") != len(cmds) - 2:
-            raise Unexpected("EXEC gave another number of replies")
+            raise UnexpectedReply("EXEC gave another number of replies")
         exists, length = r.number(b":"), r.number(b":")
         if not exists:
             for _ in range(len(cmds) - 4):  # the GETRANGEs of an absent key: empty strings
                 r.bulk_into(memoryview(bytearray()))
             if not r.drained():
-                raise Unexpected("bytes after the reply")
+                raise UnexpectedReply("bytes after the reply")
             return False
         if length != h + size:
-            raise Unexpected(f"the value has {length} bytes, not {h + size}")
+            raise UnexpectedReply(f"the value has {length} bytes, not {h + size}")
         r.bulk_into(head)
         for a, b in pieces:
             piece = out[a:b]
             r.bulk_into(piece)
             on_piece(piece)
         if not r.drained():
-            raise Unexpected("bytes after the reply")
+            raise UnexpectedReply("bytes after the reply")
     except TimeoutError as e:
         raise redis_py.TimeoutError(f"timeout reading a value from L3: {e}") from None
     except OSError as e:
         raise redis_py.ConnectionError(f"error reading a value from L3: {e}") from None
     return True
-
-
-def hasher() -> Any:
-    """An incremental :func:`kvdock.storage.objfile.checksum` (a blake3 digest does not depend on
-    how its input is split): the payload is hashed piece by piece as it lands, while the server
-    is still sending the next pieces."""
-    return blake3(max_threads=blake3.AUTO)
 
 
 def receive(
@@ -181,7 +171,7 @@ def receive(
         found = read_value(conn, key, head, out, on_piece)
         clean = True
         return found
-    except Unexpected as e:
+    except UnexpectedReply as e:
         log.debug("L3: a fast read of %r fell back: %s", key, e)
         return None
     except redis_py.ConnectionError:

@@ -72,9 +72,6 @@ class Response:
     reply: Any
     frames: list[memoryview]
 
-    def buffers(self) -> list[memoryview]:
-        return self.frames
-
 
 class Channel(Protocol):
     """One connection to a server, as ControlClient drives it: every method but ``fileno`` is
@@ -186,6 +183,11 @@ class ControlClient:
     def lost(self) -> bool:
         """Whether the channel broke (the server closed it): every call fails from then on."""
         return self._lost is not None
+
+    @property
+    def usable(self) -> bool:
+        """Neither closed nor broken."""
+        return not self._closed and self._lost is None
 
     def call(self, msg: msgspec.Struct, payload: Sequence[Buffer] = (), timeout: float | None = None) -> Response:
         """Send ``msg`` (plus raw payload frames, zero-copy: leave them unchanged until this

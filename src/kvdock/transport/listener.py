@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvdock.errors import ProtocolError
-from kvdock.transport.local import READ_BYTES, SCHEME, Buffer, FrameReader, pack
+from kvdock.transport.local import HEAD, READ_BYTES, SCHEME, Buffer, FrameReader, pack
 
 log = logging.getLogger("kvdock.transport")
 
 MAX_CONNECTIONS = 1024
 MAX_UNSENT = 64 << 20  # a connection whose client leaves this much of its replies unread is dropped
 MAX_BUFFERED = 256 << 20  # bytes received and not yet handled, all connections together
-MAX_BATCH = 256  # messages of one connection handled per turn of the event loop
+MAX_BATCH = 256  # messages of one source (a local connection, the zmq socket) handled per turn of the loop
 ACCEPT_PAUSE_S = 0.5  # out of descriptors: stop accepting this long
 DIR_PREFIX = "kvdock-"
 SOCKET_NAME = "control.sock"
@@ -69,6 +69,7 @@ class _Conn:
     reader: FrameReader
     out: bytearray = field(default_factory=bytearray)  # reply bytes the socket has not taken yet
     queued: int = 0  # reply bytes ever sent to this connection (written or waiting in out)
+    written: int = 0  # of those, the bytes the socket took
     deaf: bool = False  # a send failed (the client is gone): replies are dropped, its EOF follows
     paused: bool = False  # not read while complete messages wait (more than MAX_BATCH arrived)
     counted: int = 0  # what this connection adds to LocalListener._buffered
@@ -118,7 +119,6 @@ class LocalListener:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handler: Handler | None = None
         self._scratch = memoryview(bytearray(READ_BYTES))
-        self._written: dict[int, int] = {}  # cid -> reply bytes written to the socket so far
 
     @property
     def url(self) -> str:
@@ -138,7 +138,7 @@ class LocalListener:
         if conn is None or conn.deaf:
             return 0
         bufs = pack(frames)
-        size = sum(memoryview(b).nbytes for b in bufs)
+        size = HEAD.size + HEAD.unpack(bufs[0])[0]
         conn.queued += size
         if not conn.out:
             try:
@@ -150,12 +150,13 @@ class LocalListener:
                 # last messages (CommitRetrieve, CloseClient) are exactly the ones that matter.
                 self._deafen(conn)
                 return conn.queued
-            self._written[cid] = self._written.get(cid, 0) + sent
-            for b in bufs:
-                n = memoryview(b).nbytes
-                if sent < n:
-                    conn.out += memoryview(b)[sent:]
-                sent = max(0, sent - n)
+            conn.written += sent
+            if sent < size:  # keep what the socket did not take
+                for b in bufs:
+                    n = memoryview(b).nbytes
+                    if sent < n:
+                        conn.out += memoryview(b)[sent:]
+                    sent = max(0, sent - n)
             if conn.out:
                 assert self._loop is not None
                 self._loop.add_writer(conn.sock.fileno(), self._flush, cid)
@@ -170,7 +171,7 @@ class LocalListener:
         """Whether the reply that :meth:`send` gave ``mark`` for no longer waits in the server
         (written to the socket, or dropped with its connection)."""
         conn = self._conns.get(cid)
-        return conn is None or conn.deaf or self._written.get(cid, 0) >= mark
+        return conn is None or conn.deaf or conn.written >= mark
 
     def stop(self) -> None:
         """Take no more connections or messages (replies still go out until close). Harmless twice."""
@@ -194,7 +195,7 @@ class LocalListener:
         for cid, conn in self._conns.items():
             assert conn.sock.fileno() >= 0, f"connection {cid} is closed but still listed"
             assert len(conn.out) <= MAX_UNSENT, f"connection {cid} holds {len(conn.out)} unsent bytes"
-            assert self._written.get(cid, 0) + len(conn.out) <= conn.queued or conn.deaf, f"connection {cid}"
+            assert conn.written + len(conn.out) <= conn.queued or conn.deaf, f"connection {cid}"
             assert 0 < cid <= self._next_id
         held = sum(c.reader.pending for c in self._conns.values())
         assert held == self._buffered, f"{self._buffered} bytes counted as buffered, {held} held"
@@ -303,7 +304,7 @@ class LocalListener:
             self._loop.remove_writer(conn.sock.fileno())
             return
         del conn.out[:sent]
-        self._written[cid] = self._written.get(cid, 0) + sent
+        conn.written += sent
         if not conn.out:
             self._loop.remove_writer(conn.sock.fileno())
 
@@ -311,7 +312,6 @@ class LocalListener:
         conn = self._conns.pop(cid, None)
         if conn is None:  # dropped already (a handler's send failed while its batch ran)
             return
-        self._written.pop(cid, None)
         self._buffered -= conn.counted
         if why:
             log.warning("local control channel: connection %d dropped: %s", cid, why)

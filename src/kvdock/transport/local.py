@@ -17,7 +17,6 @@ framing) the client side, driven by ``transport.client.ControlClient``, which se
 from __future__ import annotations
 
 import contextlib
-import logging
 import select
 import socket
 import struct
@@ -25,8 +24,6 @@ import time
 from collections.abc import Iterator, Sequence
 
 from kvdock.errors import ConnectionLost, ControlTimeout, ProtocolError
-
-log = logging.getLogger("kvdock.transport")
 
 Buffer = bytes | bytearray | memoryview
 HEAD = struct.Struct("<II")

@@ -10,7 +10,7 @@ from typing import Any
 
 import zmq
 
-from kvdock.transport.listener import LocalListener
+from kvdock.transport.listener import MAX_BATCH, LocalListener
 
 log = logging.getLogger("kvdock.transport")
 
@@ -42,7 +42,6 @@ def _incoming(identity: bytes, frames: list[memoryview], local: int = 0) -> Inco
 
 
 Handler = Callable[[Incoming], None]
-MAX_BATCH = 256  # zmq messages handled per turn of the event loop
 
 
 class ControlServer:

@@ -5,11 +5,11 @@ of leases running out under a paused client. Run as a script:
     python paused_client.py URL HTTP_URL MODEL write TOKENS_START N_TOKENS SEED
     python paused_client.py URL HTTP_URL MODEL view  TOKENS_START N_TOKENS -
 
-``read`` retrieves the tokens, stopping before its first copy out of the pool, and saves what it
-got (torch.save) to OUT.pt; ``write`` stores ``make_kv(N_TOKENS, seed=SEED)``, stopping before its
-first copy into the pool; ``view`` opens a zero-copy view of the tokens and stops inside the
-block, then reads chunk 0 again and closes it. Each prints ``paused`` before stopping, and one
-JSON line at the end.
+``read`` retrieves the tokens (from the pool directory, unless KVDOCK_FAST_READS=0), stopping
+before its first copy out of the pool, and saves what it got (torch.save) to OUT.pt; ``write``
+stores ``make_kv(N_TOKENS, seed=SEED)``, stopping before its first copy into the pool; ``view``
+opens a zero-copy view of the tokens and stops inside the block, then reads chunk 0 again and
+closes it. Each prints ``paused`` before stopping, and one JSON line at the end.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
             except kvd.KVCacheSDKError as e:
                 print(json.dumps({"error": type(e).__name__, "message": str(e)}), flush=True)
         elif what == "read":
-            calls = pause_once(transfer.ShmTransfer, "read")
+            calls = pause_once(transfer.ShmTransfer, "read_at")  # (both ways of reading go through it)
             kv = kvd.retrieve(ctx, tokens)
             torch.save(kv, arg)
             print(json.dumps({"reads": calls[0]}), flush=True)

@@ -87,6 +87,7 @@ class ServerConfig:
     l1_size: int = 0  # bytes; 0 = L1_AUTO_FRACTION of available memory
     no_shm: bool = False
     no_local_socket: bool = False  # shared-memory clients keep their control messages on zmq
+    no_fast_reads: bool = False  # no pool directory: every lookup and retrieve asks the server
     session_ttl: float = 30.0
     client_ttl: float = 300.0  # seconds before a silent client's registration is forgotten
     max_models: int = 64  # model registrations the server keeps

@@ -12,6 +12,7 @@ An object's identity is ``ObjectKey(model, rank, salt, chunk)``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Set
 from typing import NamedTuple
 
@@ -57,6 +58,18 @@ def namespace(model: str, rank: int, salt: str) -> str:
     """The 32-hex-digit name of a (model, rank, cache_salt) namespace: what L3 keys and KV events
     carry instead of the salt itself (a salt is a secret of its tenant)."""
     return blake3(model.encode() + b"\0" + str(rank).encode() + b"\0" + salt.encode()).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=4096)
+def namespace_digest(model: str, rank: int, salt: str) -> bytes:
+    """The 32-byte digest of a (model, rank, cache_salt) namespace: with a chunk hash, what names
+    an object in the pool directory (:mod:`kvdock.shm.directory`). Each field is length-prefixed,
+    so no two namespaces share a digest input."""
+    h = blake3(b"kvdock/namespace/v1")
+    for field in (model.encode(), str(rank).encode(), salt.encode()):
+        h.update(len(field).to_bytes(8, "little"))
+        h.update(field)
+    return h.digest()
 
 
 def tokens_from_bytes(data: bytes) -> np.ndarray:

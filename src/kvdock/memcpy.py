@@ -17,6 +17,7 @@ run on, at most :data:`MAX_DEFAULT_THREADS`); each Copier may be given its own.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -34,8 +35,13 @@ ENV_THREADS = "KVDOCK_COPY_THREADS"
 
 def default_threads() -> int:
     """``KVDOCK_COPY_THREADS`` if set (a positive int; ValueError otherwise), else the number of
-    CPUs this process may use, at most MAX_DEFAULT_THREADS."""
-    raw = os.environ.get(ENV_THREADS, "").strip()
+    CPUs this process may use, at most MAX_DEFAULT_THREADS (as it was when first asked: every
+    transfer asks, and the affinity is a system call)."""
+    return _threads_for(os.environ.get(ENV_THREADS, "").strip())
+
+
+@functools.lru_cache(maxsize=8)
+def _threads_for(raw: str) -> int:
     if raw:
         if not raw.isdigit() or not 0 < int(raw) <= _native.MAX_THREADS:
             raise ValueError(f"{ENV_THREADS}={raw!r}: expected a whole number of threads in 1..{_native.MAX_THREADS}")
@@ -44,10 +50,11 @@ def default_threads() -> int:
 
 
 def check_threads(threads: int) -> int:
-    """``threads`` if it is a usable thread count (0 means :func:`default_threads`); ValueError otherwise."""
+    """``threads`` if it is a usable thread count (0 means :func:`default_threads`, not looked up
+    here); ValueError otherwise."""
     if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= _native.MAX_THREADS:
         raise ValueError(f"copy threads must be an int in 0..{_native.MAX_THREADS} (0: default), got {threads!r}")
-    return threads or default_threads()
+    return threads
 
 
 MIN_RUN = 256  # shorter runs: torch's copy_ does better than a call per run
@@ -114,9 +121,14 @@ class Copier:
     :meth:`run`: both arrays must stay alive and unchanged until then."""
 
     def __init__(self, threads: int = 0) -> None:
-        self.threads = check_threads(threads)
+        self._threads = check_threads(threads)
         self._pending: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # run bytes -> addresses
-        self._keep: list[Array] = []  # what the addresses point into
+        self._keep: list[object] = []  # what the addresses point into
+
+    @property
+    def threads(self) -> int:
+        """How many threads a large copy runs on (a copy too small to split runs on one)."""
+        return self._threads or default_threads()
 
     def add(self, dst: Array, src: Array) -> None:
         """Copy ``src`` into ``dst`` (two tensors, or two numpy arrays, of one shape and element
@@ -137,6 +149,16 @@ class Copier:
         dsts.append(d)
         srcs.append(s)
         self._keep += (dst, src)
+
+    def add_runs(self, run: int, dst: np.ndarray, src: np.ndarray, keep: object) -> None:
+        """Copy ``run`` bytes from each address of ``src`` to the address at the same index of
+        ``dst`` (uint64 arrays) at :meth:`run`, holding ``keep`` (what they point into) until
+        then. The caller vouches for the addresses: valid, and no two destination runs overlap."""
+        assert run > 0 and dst.dtype == src.dtype == np.uint64 and len(dst) == len(src)
+        dsts, srcs = self._pending.setdefault(run, ([], []))
+        dsts.append(dst)
+        srcs.append(src)
+        self._keep.append(keep)
 
     @staticmethod
     def _runs(dst: Array, src: Array) -> tuple[int, np.ndarray, np.ndarray] | None:
@@ -163,7 +185,9 @@ class Copier:
             for run, (dsts, srcs) in pending.items():
                 d = dsts[0] if len(dsts) == 1 else np.concatenate(dsts)
                 s = srcs[0] if len(srcs) == 1 else np.concatenate(srcs)
-                _native.copy_runs(d, s, run, self.threads, MIN_PART, STREAM_MIN)
+                # (the default thread count is an environment lookup: not for a copy too small to split)
+                threads = self.threads if run * len(d) >= 2 * MIN_PART else 1
+                _native.copy_runs(d, s, run, threads, MIN_PART, STREAM_MIN)
         finally:
             self._keep.clear()
 

@@ -111,6 +111,7 @@ def test_a_server_killed_while_a_call_waits_fails_it_at_once_not_at_the_timeout(
     srv = make_server()
     tokens = make_tokens(CHUNK, start=600)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) as c:
+        c.fast_reads = False  # lookups are requests here
         assert kvd.lookup(c, tokens) == 0
         srv.proc.send_signal(signal.SIGSTOP)  # the request is sent, its reply never comes
         errors: list[BaseException] = []

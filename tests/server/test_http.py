@@ -75,6 +75,9 @@ def test_healthz_and_metrics(server, ctx) -> None:
     assert kvd.store(ctx, kv, make_tokens(3 * CHUNK)) is False
     assert kvd.retrieve(ctx, make_tokens(5 * CHUNK)) is not None
     assert kvd.lookup(ctx, make_tokens(2 * CHUNK)) == 2 * CHUNK
+    # reads answered from the pool directory are reported to the server a moment later, and at
+    # the latest before the next request
+    assert kvd.check_server_integrity(ctx) == []
     text = server.text("/metrics")
     expected = [
         "kvdock_stores_total 1.0",

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from helpers import free_port, start_server
-from kvdock.shm.segment import _V1, HEADER_SIZE, MAGIC, PREFIX, table_bytes
+from kvdock.shm.directory import entries_for
+from kvdock.shm.segment import _V1, HEADER_SIZE, MAGIC, PREFIX, directory_bytes, table_bytes
 
 SHM = Path("/dev/shm")
 
@@ -47,7 +48,8 @@ def test_segment_is_private_prefaulted_and_unlinked_on_signal(tmp_path, sig) -> 
     path = _segment(srv)
     st = path.stat()
     assert stat.S_IMODE(st.st_mode) == 0o600
-    assert st.st_size == HEADER_SIZE + table_bytes(32 * 2**20) + 32 * 2**20  # header, generations, slots
+    # header, generations, directory, slots
+    assert st.st_size == HEADER_SIZE + table_bytes(32 * 2**20) + directory_bytes(entries_for(32 * 2**20)) + 32 * 2**20
     assert st.st_blocks * 512 >= st.st_size  # allocated up front, not sparse
     assert srv.stop(sig) == 0
     assert not path.exists()

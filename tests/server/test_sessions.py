@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -96,12 +97,13 @@ def test_killed_retrieve_releases_its_pins(make_server) -> None:
 PAUSED = str(Path(__file__).parent.parent / "paused_client.py")
 
 
-def _paused_child(srv, what: str, start: int, n: int, arg: str) -> subprocess.Popen[str]:
+def _paused_child(srv, what: str, start: int, n: int, arg: str, fast_reads: bool = True) -> subprocess.Popen[str]:
     p = subprocess.Popen(
         [sys.executable, PAUSED, srv.url, srv.http_url, MODEL, what, str(start), str(n), arg],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=os.environ | {"KVDOCK_FAST_READS": "1" if fast_reads else "0"},
     )
     assert p.stdout is not None
     line = p.stdout.readline().strip()
@@ -130,15 +132,18 @@ def _finish(p: subprocess.Popen[str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_a_paused_reader_never_returns_reused_slots(make_server, tmp_path) -> None:
+@pytest.mark.parametrize("fast_reads", [False, True], ids=["session", "directory"])
+def test_a_paused_reader_never_returns_reused_slots(make_server, tmp_path, fast_reads: bool) -> None:
+    """A reader stopped between learning where the chunks are (PrepareRetrieve's slots, or the
+    pool directory's entries) and copying them, while the slots are freed and reused."""
     srv = make_server("--session-ttl", "2")
     a, b = make_tokens(4 * CHUNK), make_tokens(4 * CHUNK, start=50_000)
     old, new, other = make_kv(4 * CHUNK, seed=1), make_kv(4 * CHUNK, seed=2), make_kv(4 * CHUNK, seed=3)
     out = tmp_path / "got.pt"
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
         assert kvd.store(c, old, a)
-        child = _paused_child(srv, "read", 0, 4 * CHUNK, str(out))  # holds PrepareRetrieve's slots
-        _wait_status(srv, lambda s: s["sessions"], 0)  # its lease ran out while it is stopped
+        child = _paused_child(srv, "read", 0, 4 * CHUNK, str(out), fast_reads)  # knows the old slots
+        _wait_status(srv, lambda s: s["sessions"], 0)  # its lease ran out while it is stopped (or it has none)
         assert kvd.store(c, new, a, overwrite=True)  # the old slots are freed ...
         assert kvd.store(c, other, b)  # ... and handed to other tokens
         child.send_signal(signal.SIGCONT)
@@ -518,6 +523,7 @@ def test_a_reregistration_during_a_copy_leaves_no_quarantine_behind(make_server,
     srv = make_server("--client-ttl", "1")
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as ctx:
         assert ctx.transport == "shm"
+        ctx.fast_reads = False  # the lookup below must reach the server (and register again)
         old_id = ctx.client_id
         real = ShmTransfer.write
 

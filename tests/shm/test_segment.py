@@ -25,6 +25,7 @@ from kvdock.shm.segment import (
     VERSION,
     PoolSegment,
     cleanup_stale,
+    directory_bytes,
     table_bytes,
 )
 
@@ -53,13 +54,15 @@ def _header(path: Path) -> tuple:
 
 
 def _rewrite_header(path: Path, **changes: int) -> None:
-    magic, ver, pid, start, nonce, size, table, data = _header(path)
+    magic, ver, pid, start, nonce, size, table, data, directory, entries = _header(path)
     pid = changes.get("pid", pid)
     start = changes.get("start", start)
     table = changes.get("table", table)
     data = changes.get("data", data)
+    directory = changes.get("directory", directory)
+    entries = changes.get("entries", entries)
     with open(path, "r+b") as f:
-        f.write(seg_mod._HEADER.pack(magic, ver, pid, start, nonce, size, table, data))
+        f.write(seg_mod._HEADER.pack(magic, ver, pid, start, nonce, size, table, data, directory, entries))
 
 
 def _dead_pid() -> int:
@@ -110,9 +113,11 @@ def test_names_and_nonces_differ_between_segments(created: list[PoolSegment]) ->
 
 def test_header_records_magic_pid_start_time_and_size(created: list[PoolSegment]) -> None:
     s = _create(created, 4096)
-    magic, ver, pid, start, nonce, size, table, data = _header(SHM_DIR / s.name)
+    magic, ver, pid, start, nonce, size, table, data, directory, entries = _header(SHM_DIR / s.name)
     assert magic == MAGIC == b"KVDOCKL1"
-    assert ver == VERSION == 2
+    assert ver == VERSION == 3
+    assert (directory, entries) == (data, 0) == (s.directory_offset, s.directory_entries)  # no directory asked for
+    assert (s.creator_pid, s.creator_start) == (pid, start)
     assert pid == os.getpid()
     assert start == seg_mod._proc_start_time(os.getpid()) and start > 0
     assert nonce.hex() == s.nonce
@@ -215,7 +220,7 @@ def test_attach_rejects_too_small_file() -> None:
 
 def test_attach_rejects_file_without_magic() -> None:
     name = PREFIX + "test-nomagic-" + os.urandom(4).hex()
-    with _stray_file(name, b"\x00" * (2 * HEADER_SIZE)), pytest.raises(ValueError, match="has no kvdock v2 header"):
+    with _stray_file(name, b"\x00" * (2 * HEADER_SIZE)), pytest.raises(ValueError, match="has no kvdock v3 header"):
         PoolSegment.attach(name)
 
 
@@ -281,6 +286,34 @@ def test_attach_refuses_an_impossible_layout(created: list[PoolSegment]) -> None
     with pytest.raises(ValueError, match="impossible layout"):
         PoolSegment.attach(s.name)
     _rewrite_header(SHM_DIR / s.name, table=0, data=s.data_offset)
+    with pytest.raises(ValueError, match="impossible layout"):
+        PoolSegment.attach(s.name)
+    _rewrite_header(SHM_DIR / s.name, table=s.table_offset, entries=8)  # a directory past the slot area's start
+    with pytest.raises(ValueError, match="impossible layout"):
+        PoolSegment.attach(s.name)
+
+
+def test_a_directory_lies_between_the_table_and_the_slot_area(created: list[PoolSegment]) -> None:
+    s = PoolSegment.create(4096, 64)
+    created.append(s)
+    other = PoolSegment.attach(s.name)
+    created.append(other)
+    for seg in (s, other):
+        assert (seg.directory_offset, seg.directory_entries) == (HEADER_SIZE + table_bytes(4096), 64)
+        assert seg.data_offset == seg.directory_offset + directory_bytes(64) == seg.directory_offset + 2 * PAGE
+        assert seg.size == seg.data_offset + 4096
+    assert bytes(s.buf[s.directory_offset : s.data_offset]) == b"\0" * (2 * PAGE)  # every entry free
+    words = s.state_words()
+    words[1] = 5  # the server's state words ...
+    assert int(other.state_words()[1]) == 5  # ... in the header every client maps
+    del words
+
+
+@pytest.mark.parametrize("entries", [24, 12])  # 3 buckets: not a power of two; 12: not whole buckets
+def test_attach_refuses_a_directory_of_impossible_size(created: list[PoolSegment], entries: int) -> None:
+    s = PoolSegment.create(4096, 32)
+    created.append(s)
+    _rewrite_header(SHM_DIR / s.name, entries=entries)
     with pytest.raises(ValueError, match="impossible layout"):
         PoolSegment.attach(s.name)
 

@@ -28,6 +28,7 @@ def _serve(args: argparse.Namespace) -> int:
     cli["no_shm"] = True if args.no_shm else None
     cli["no_disk"] = True if args.no_disk else None
     cli["no_local_socket"] = True if args.no_local_socket else None
+    cli["no_fast_reads"] = True if args.no_fast_reads else None
     config = load_server_config(cli, config_file=args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # until the event loop installs its own handlers, SIGTERM unwinds like Ctrl-C (cleanup runs)
@@ -251,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-local-socket",
         action="store_true",
         help="offer shared-memory clients no local UNIX socket: their control messages go over zmq too",
+    )
+    s.add_argument(
+        "--no-fast-reads",
+        action="store_true",
+        help="publish no pool directory: shared-memory clients ask the server for every lookup and retrieve",
     )
     s.add_argument("--session-ttl", type=float, help="seconds before a silent session's pins are released (default 30)")
     s.add_argument(

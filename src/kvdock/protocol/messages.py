@@ -8,7 +8,7 @@ import msgspec
 
 from kvdock.layout import KVGeometry
 
-PROTOCOL_VERSION = 6  # 6: ClientRegistered.local_url (the local control socket)
+PROTOCOL_VERSION = 7  # 7: FastReads (reads from the pool directory); 6: ClientRegistered.local_url
 
 Transport = Literal["shm", "inline"]
 
@@ -151,6 +151,30 @@ class CommitRetrieve(_Msg, frozen=True):
     session_id: str
 
 
+class FastReads(_Msg, frozen=True):
+    """Sent without waiting for a reply after lookups and retrieves that a shared-memory client
+    answered from the pool directory, without a session (``kvdock.sdk.fastpath``; one message
+    reports the reads of up to a few milliseconds). The server counts them as it would count
+    the ops, renews the client's lease, and makes the objects the retrieves copied most recently
+    used. ``asked`` and ``hit`` are whole chunks over all the reads; the retrieves list the
+    (``entries``, ``offsets``, ``gens``) they found each copied chunk at, and ``nbytes`` copied."""
+
+    client_id: str
+    lookups: int
+    retrieves: int
+    asked: int
+    hit: int
+    entries: list[int] = []
+    offsets: list[int] = []
+    gens: list[int] = []
+    nbytes: int = 0
+
+
+# Requests the server never answers, not even with an error: their senders do not wait, and
+# replies nobody reads would pile up in a client that sends nothing else.
+UNANSWERED = (FastReads,)
+
+
 class LookupMany(_Msg, frozen=True):
     """Lookups of several prompts in one message: prompt ``i`` is ``tokens[i]`` under
     ``cache_salts[i]`` (the lists have the same length, at most MAX_BATCH; the token counts add up
@@ -220,6 +244,7 @@ Request = (
     | CommitStore
     | PrepareRetrieve
     | CommitRetrieve
+    | FastReads
     | LookupMany
     | PrepareRetrieveMany
     | Locate

@@ -14,6 +14,7 @@ from kvdock.protocol import messages as m
 from kvdock.protocol.codes import sdk_error
 from kvdock.sdk import validate
 from kvdock.transport.client import ConnectionLost, ControlClient, ControlTimeout, Response
+from kvdock.transport.local import PeerWatch
 
 log = logging.getLogger("kvdock.sdk")
 
@@ -94,6 +95,11 @@ class Connection:
             if local is not None and local.usable:
                 return local
         return self._client
+
+    def peer_watch(self) -> PeerWatch | None:
+        """A watch of the server's end of the local channel in use (None when on zmq)."""
+        local = self._local
+        return local.peer_watch() if local is not None else None
 
     def call(self, msg: msgspec.Struct, payload: Sequence[memoryview] = (), timeout: float | None = None) -> Response:
         try:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -26,11 +25,13 @@ from kvdock.protocol import ErrorCode
 from kvdock.protocol import messages as m
 from kvdock.sdk import validate
 from kvdock.sdk.connection import Connection
+from kvdock.sdk.fastpath import Reporter
 from kvdock.sdk.http import get_json
 from kvdock.sdk.transfer import InlineTransfer, ShmTransfer, Transfer
 from kvdock.shm import PoolSegment
 from kvdock.shm.segment import proc_start_time
 from kvdock.transport.client import Response
+from kvdock.transport.local import PeerWatch
 
 log = logging.getLogger("kvdock.sdk")
 
@@ -86,6 +87,22 @@ class _TransferRef:
         self.retired = False
 
 
+class _Holding:
+    """``with ctx.transfer() as t``: a class, not a generator (this is on every copy's path)."""
+
+    __slots__ = ("_answered", "_ctx", "_ref")
+
+    def __init__(self, ctx: KVCacheContext, answered: bool) -> None:
+        self._ctx, self._answered = ctx, answered
+
+    def __enter__(self) -> Transfer:
+        self._ref = self._ctx.hold_transfer(self._answered)
+        return self._ref.transfer
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.drop_transfer(self._ref)
+
+
 class KVCacheContext:
     """A connected SDK context (from :func:`connect`). Close it with :func:`close` or ``with``.
 
@@ -126,6 +143,10 @@ class KVCacheContext:
         self._reconnect_lock = threading.Lock()
         self.session_ttl = 30.0  # the server's lease of a session (from /config)
         self._views: set[Any] = set()  # the leases of open zero-copy views (sdk.views)
+        # lookups and retrieves may be answered from the pool directory (sdk.fastpath), and
+        # what they read is reported to the server, before any request of this context
+        self.fast_reads = validate.fast_reads_default()
+        self.reporter = Reporter(conn.send_nowait, lambda: self.client_id)
 
     @property
     def transport(self) -> str:
@@ -141,29 +162,25 @@ class KVCacheContext:
     def closed(self) -> bool:
         return self._closed
 
-    @contextlib.contextmanager
-    def transfer(self) -> Iterator[Transfer]:
+    def transfer(self, answered: bool = True) -> _Holding:
         """``with ctx.transfer() as t:`` — the transfer to copy through, kept mapped until the
         block ends even if another thread closes the context or registers again meanwhile.
 
-        KVCacheSDKError if the context is closed, or if this thread's last request was answered
-        for an older registration than the current one (the server restarted in between, so the
-        slots it handed out are not in the pool now mapped)."""
-        ref = self.hold_transfer()
-        try:
-            yield ref.transfer
-        finally:
-            self.drop_transfer(ref)
+        KVCacheSDKError if the context is closed, or (``answered``: the slots come from the
+        server's last answer to this thread) if this thread's last request was answered for an
+        older registration than the current one (the server restarted in between, so the slots
+        it handed out are not in the pool now mapped)."""
+        return _Holding(self, answered)
 
-    def hold_transfer(self) -> _TransferRef:
+    def hold_transfer(self, answered: bool = True) -> _TransferRef:
         """What :meth:`transfer` does on entry, for a holder that outlives a ``with`` block (a
         zero-copy view): pair it with :meth:`drop_transfer`. Never from a finalizer (it locks)."""
         with self._refs:
             if self._closed:
                 raise KVCacheSDKError("this KVCacheContext is closed")
             ref = self._ref
-            answered = getattr(self._answered, "client_id", None)
-            if answered is not None and answered != ref.client_id:
+            last = getattr(self._answered, "client_id", None) if answered else None
+            if last is not None and last != ref.client_id:
                 raise KVCacheSDKError(
                     f"the server at {self.url} restarted during this transfer (nothing was copied); retry"
                 )
@@ -196,6 +213,8 @@ class KVCacheContext:
         the restart raises KVCacheSDKError."""
         if self._closed:
             raise KVCacheSDKError("this KVCacheContext is closed")
+        if self.reporter.pending:
+            self.reporter.flush()
         stale_id = getattr(msg, "client_id", self.client_id)
         try:
             resp = self._conn.call(msg, payload, timeout)
@@ -283,6 +302,7 @@ class KVCacheContext:
             if copying:
                 log.warning("closing a KVCacheContext while %d copies still run; unmapped after them", copying)
             self._retire(None)
+        self.reporter.close()
         # only now: the server must not release a copy's pins while it runs; with no copy left,
         # it may free (not quarantine) the reservations of stores that will now never copy
         self._conn.send_nowait(m.CloseClient(self.client_id, idle=not copying))
@@ -368,8 +388,8 @@ def _register(conn: Connection, http_url: str, model_name: str) -> _Registration
     dtype = TORCH_DTYPES[geo.dtype]
     transfer: Transfer
     if reply.transport == "shm" and segment is not None:
-        transfer = ShmTransfer(geo, chunk_size, dtype, segment)
         conn.use_local(reply.local_url)
+        transfer = ShmTransfer(geo, chunk_size, dtype, segment, _watch_creator(conn, segment))
     else:
         if segment is not None:
             segment.close()
@@ -383,6 +403,21 @@ def _register(conn: Connection, http_url: str, model_name: str) -> _Registration
         int(config.get("max_request_tokens") or 0),
         float(config.get("session_ttl") or 30.0),
     )
+
+
+def _watch_creator(conn: Connection, segment: PoolSegment) -> PeerWatch | None:
+    """A watch of the local connection's server end if the process there created ``segment``
+    (its pid, and that pid's start time, are the segment's creator's), else None: only then does
+    the watch tell whether the segment's directory still means something."""
+    watch = conn.peer_watch()
+    if watch is None:
+        return None
+    pid, start = segment.creator_pid, segment.creator_start
+    if watch.pid != pid or not start or proc_start_time(pid) != start:
+        log.info("the local socket's peer (pid %d) did not create the pool; reads ask the server", watch.pid)
+        watch.close()
+        return None
+    return watch
 
 
 def _try_attach(config: dict[str, Any]) -> PoolSegment | None:

@@ -21,7 +21,7 @@ from kvdock.errors import (
 )
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
-from kvdock.sdk import validate
+from kvdock.sdk import fastpath, validate
 from kvdock.sdk.buffers import buffer_pool
 from kvdock.sdk.context import KVCacheContext
 from kvdock.sdk.transfer import ChunkSink, ChunkSource, TensorChunks
@@ -262,6 +262,9 @@ def _retrieve_with_retry(
     sink: Callable[[int], ChunkSink],
     part: m.ReadPart | None = None,
 ) -> int:
+    hit = fastpath.retrieve(ctx, whole, cache_salt, sink, part)
+    if hit is not None:
+        return hit
     try:
         return _retrieve_once(ctx, whole, cache_salt, sink, part)
     except LeaseExpiredError:
@@ -312,6 +315,9 @@ def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:
     cache_salt = validate.cache_salt(cache_salt)
     if not whole:
         return 0
+    hit = fastpath.lookup(ctx, whole, cache_salt)
+    if hit is not None:
+        return hit
     return int(ctx.call(m.Lookup(ctx.client_id, whole, cache_salt)).reply.hit_tokens)
 
 

@@ -16,6 +16,7 @@ codec, so each chunk moves between the engine's pages and a slot in one copy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import mmap
 import threading
@@ -23,6 +24,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvdock.errors import KVCacheSDKError, LeaseExpiredError
@@ -31,7 +33,9 @@ from kvdock.memcpy import Copier, populate
 from kvdock.protocol.messages import ReadPart, SlotRef
 from kvdock.sdk.buffers import buffer_pool
 from kvdock.shm import PoolSegment
+from kvdock.shm.directory import DirectoryReader
 from kvdock.shm.slots import ALIGN
+from kvdock.transport.local import PeerWatch
 
 log = logging.getLogger("kvdock.sdk")
 
@@ -85,6 +89,70 @@ class TensorChunks:
     def finish(self) -> None:
         self._copier.run()
 
+    def add_slots(
+        self, taking: bool, chunks: np.ndarray, slots: np.ndarray, shape: Shape, layers: slice, dtype: torch.dtype
+    ) -> bool:
+        """Queue the copies between chunks ``chunks`` (indices) of the tensor and the slots at addresses
+        ``slots`` (one per chunk; a slot holds a ``shape`` chunk ``[planes, L, chunk_size, D]``
+        of ``dtype``, of which the tensor holds ``layers``), into the tensor when ``taking``, as
+        one run per chunk, plane and layer: what :meth:`put` / :meth:`take` of each chunk do,
+        computed at once. False (nothing queued) when the tensor has no such runs."""
+        kv = self.kv
+        planes, num_layers, c, d = shape
+        picked = range(num_layers)[layers]
+        if (
+            kv.dtype != dtype
+            or not kv.is_cpu
+            or kv.is_conj()
+            or kv.is_neg()
+            or (taking and kv.requires_grad)
+            or tuple(kv.shape) != (planes, len(picked), kv.shape[2], d)
+            or not len(chunks)
+            or (int(chunks.max() if len(chunks) > 1 else chunks[0]) - self.first_chunk + 1) * c > kv.shape[2]
+            or int(chunks.min() if len(chunks) > 1 else chunks[0]) < self.first_chunk
+        ):
+            return False
+        s0, s1, s2, s3 = kv.stride()
+        # each (plane, layer) holds dense [T, D] rows; blocks that may not overlap must not
+        rows = kv.shape[2] * d
+        span = (len(picked) - 1) * s1 + rows  # of a plane
+        if s3 != 1 or s2 != d or not _apart(len(picked), s1, rows) or not _apart(planes, s0, span):
+            return False
+        es = kv.element_size()
+        run, in_tensor, in_slot = _grid(planes, num_layers, picked, s0 * es, s1 * es, c * d * es)
+        at = (chunks - self.first_chunk) * (c * d * es) + kv.data_ptr()  # where each chunk starts in the tensor
+        t = (at[:, None] + in_tensor).reshape(-1).view(np.uint64)
+        sl = (slots[:, None] + in_slot).reshape(-1).view(np.uint64)
+        if taking:
+            self._copier.add_runs(run, t, sl, kv)
+        else:
+            self._copier.add_runs(run, sl, t, kv)
+        return True
+
+
+@functools.lru_cache(maxsize=64)
+def _grid(
+    planes: int, num_layers: int, picked: range, plane: int, layer: int, row: int
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """The runs of one chunk: (run bytes, their offsets in the tensor, their offsets in the slot),
+    one run per plane and picked layer (``plane``/``layer``: the tensor's strides in bytes,
+    ``row``: a layer's bytes of one chunk), or one run for all when both sides are dense."""
+    p = np.arange(planes, dtype=np.int64)[:, None]
+    in_tensor = (p * plane + np.arange(len(picked), dtype=np.int64) * layer).reshape(-1)
+    in_slot = ((p * num_layers + np.asarray(picked, dtype=np.int64)) * row).reshape(-1)
+    dense = np.arange(len(in_slot), dtype=np.int64) * row
+    if np.array_equal(in_tensor, dense) and np.array_equal(in_slot, dense):
+        return row * len(dense), dense[:1], dense[:1]
+    return row, in_tensor, in_slot
+
+
+Shape = tuple[int, int, int, int]
+
+
+def _apart(n: int, stride: int, extent: int) -> bool:
+    """Whether ``n`` blocks of ``extent`` elements, ``stride`` apart, never overlap."""
+    return n <= 1 or stride >= extent
+
 
 def finish(end: ChunkSource | ChunkSink) -> None:
     """End a transfer at ``end``: its pending copies run (also after a failed put or take: the
@@ -107,6 +175,10 @@ class Transfer:
         self.dtype = dtype
         self.chunk_shape = geometry.chunk_shape(chunk_size)
         self.chunk_nbytes = geometry.chunk_nbytes(chunk_size)
+
+    def directory(self) -> DirectoryReader | None:
+        """The pool directory, when reads may use it now (:mod:`kvdock.sdk.fastpath`)."""
+        return None
 
     def write(self, slots: Sequence[SlotRef], source: ChunkSource) -> list[memoryview]:
         """Put chunk ``slot.index`` of ``source`` into each slot; returns payload frames to send (inline)."""
@@ -164,26 +236,61 @@ class Prefault:
 
 
 class ShmTransfer(Transfer):
+    """Copies through the mapped pool. With ``watch`` (of a local connection to the process that
+    created ``segment``: the caller checked) and a directory in the segment, reads may skip the
+    server (:meth:`directory`); the transfer owns the watch from then on."""
+
     name = "shm"
 
-    def __init__(self, geometry: KVGeometry, chunk_size: int, dtype: torch.dtype, segment: PoolSegment) -> None:
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        chunk_size: int,
+        dtype: torch.dtype,
+        segment: PoolSegment,
+        watch: PeerWatch | None = None,
+    ) -> None:
         super().__init__(geometry, chunk_size, dtype)
         self._segment = segment
+        self._watch = watch
+        self._directory = DirectoryReader(segment) if watch is not None and segment.directory_entries else None
         self._pool: torch.Tensor | None = torch.frombuffer(segment.buf, dtype=torch.uint8)
         self._gens = segment.generations()
         self._base = segment.data_offset
         self._addr = self._pool.data_ptr()
         self._prefault = Prefault(self._addr + segment.table_offset, segment.size - segment.table_offset)
 
+    def directory(self) -> DirectoryReader | None:
+        """The pool directory while the server publishes one and is alive: the process that made
+        the segment still holds our local connection (a directory whose server is gone may show
+        what a server started since has overwritten)."""
+        d, watch = self._directory, self._watch
+        if d is None or watch is None or not d.live or not watch.alive():
+            return None
+        return d
+
     def _slot(self, offset: int) -> torch.Tensor:
         assert self._pool is not None, "transfer closed"
         self._prefault.ensure(self._addr + offset, self.chunk_nbytes)
         return self._pool[offset : offset + self.chunk_nbytes].view(self.dtype).view(self.chunk_shape)
 
+    def _direct(self, end: object, taking: bool, indices: np.ndarray, offsets: np.ndarray, layers: slice) -> bool:
+        """Queue the copies of a plain tensor ``end`` with the slots at ``offsets`` as runs
+        (TensorChunks.add_slots); False if ``end`` is something else or has no such runs."""
+        if type(end) is not TensorChunks or not len(offsets):  # (a subclass may put or take otherwise)
+            return False
+        if not self._prefault.done:
+            for off in offsets.tolist():
+                self._prefault.ensure(self._addr + off, self.chunk_nbytes)
+        return end.add_slots(taking, indices, self._addr + offsets, self.chunk_shape, layers, self.dtype)
+
     def write(self, slots: Sequence[SlotRef], source: ChunkSource) -> list[memoryview]:
         try:
-            for s in slots:
-                source.put(s.index, self._slot(s.offset))
+            indices = np.fromiter((s.index for s in slots), np.int64, len(slots))
+            offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
+            if not self._direct(source, False, indices, offsets, slice(None)):
+                for s in slots:
+                    source.put(s.index, self._slot(s.offset))
         finally:
             finish(source)
         return []
@@ -191,25 +298,38 @@ class ShmTransfer(Transfer):
     def read(
         self, slots: Sequence[SlotRef], frames: Sequence[memoryview], sink: ChunkSink, part: ReadPart | None = None
     ) -> None:
+        offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
+        gens = np.fromiter((s.gen for s in slots), np.uint64, len(slots))
+        self.read_at(offsets, gens, sink, part)
+
+    def read_at(self, offsets: np.ndarray, gens: np.ndarray, sink: ChunkSink, part: ReadPart | None = None) -> None:
+        """:meth:`read` of the chunks whose slots are at ``offsets`` with generations ``gens``
+        (chunk ``j`` at ``offsets[j]``)."""
         layers, first = layer_slice(part), part.first_chunk if part else 0
         try:
-            for j, s in enumerate(slots[first:], first):
-                sink.take(j, self._slot(s.offset)[:, layers])
+            rest = offsets[first:]
+            if not self._direct(sink, True, np.arange(first, len(offsets)), rest, layers):
+                for j, off in enumerate(rest.tolist(), first):
+                    sink.take(j, self._slot(off)[:, layers])
         finally:
             finish(sink)
         # seqlock read side: the copies above are complete (finish returned) before these loads
-        moved = self.moved(slots)
+        moved = np.count_nonzero(self._generations(offsets) != gens)
         if moved:
             raise LeaseExpiredError(
-                f"the lease of this retrieve ran out during the copy and {len(moved)} slot(s) were reused "
+                f"the lease of this retrieve ran out during the copy and {moved} slot(s) were reused "
                 "(was the process paused?); the bytes were discarded"
             )
+
+    def _generations(self, offsets: np.ndarray) -> np.ndarray:
+        return self._gens[(offsets - self._base) // ALIGN]
 
     def moved(self, slots: Sequence[SlotRef]) -> list[int]:
         """The chunks whose slot was freed (and maybe handed out again) since ``slots`` were
         handed out: their generation is no longer the one the server gave."""
-        gens = self._gens
-        return [s.index for s in slots if int(gens[(s.offset - self._base) // ALIGN]) != s.gen]
+        offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
+        gens = np.fromiter((s.gen for s in slots), np.uint64, len(slots))
+        return [slots[i].index for i in np.flatnonzero(self._generations(offsets) != gens).tolist()]
 
     def map_readonly(self, offset: int, length: int) -> mmap.mmap:
         """A new read-only mapping of part of the pool (for zero-copy views)."""
@@ -219,6 +339,10 @@ class ShmTransfer(Transfer):
         self._prefault.stop()
         self._pool = None
         del self._gens
+        if self._directory is not None:
+            self._directory.close()
+        if self._watch is not None:
+            self._watch.close()
         self._segment.close()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,14 +29,29 @@ _ZMQ_SCHEMES = ("tcp://", "ipc://")
 _HTTP_SCHEMES = ("http://", "https://")
 
 
+FAST_READS_ENV = "KVDOCK_FAST_READS"
+
+
 def environment() -> None:
-    """KVDOCK_COPY_THREADS and KVDOCK_BUFFER_POOL_BYTES, if set, must be usable
+    """KVDOCK_COPY_THREADS, KVDOCK_BUFFER_POOL_BYTES and KVDOCK_FAST_READS, if set, must be usable
     (InvalidInputError naming the variable otherwise): checked at connect, not at every copy."""
     try:
         memcpy.default_threads()
         default_max_bytes()
+        fast_reads_default()
     except ValueError as e:
         raise InvalidInputError(str(e)) from None
+
+
+def fast_reads_default() -> bool:
+    """KVDOCK_FAST_READS: whether a new context reads from the pool directory (default yes;
+    ``0``/``false``/``no``/``off`` turn it off, ``1``/``true``/``yes``/``on`` on; ValueError else)."""
+    raw = os.environ.get(FAST_READS_ENV, "").strip().lower()
+    if raw in ("", "1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{FAST_READS_ENV}={raw!r}: expected 1 or 0 (on or off)")
 
 
 def context(ctx: object) -> KVCacheContext:

@@ -27,6 +27,7 @@ HANDLERS: dict[type, Handler] = {
     m.CommitStore: st.commit_store,
     m.PrepareRetrieve: r.prepare_retrieve,
     m.CommitRetrieve: r.commit_retrieve,
+    m.FastReads: r.fast_reads,
     m.LookupMany: b.lookup_many,
     m.PrepareRetrieveMany: b.prepare_retrieve_many,
     m.Locate: r.locate,

@@ -29,14 +29,15 @@ from kvdock.config import (
 from kvdock.errors import ConfigError, DiskInUseError, ProtocolError
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import ErrorCode, decode_request, encode
-from kvdock.protocol.messages import Error, PrepareRetrieve, PrepareRetrieveMany
+from kvdock.protocol.messages import UNANSWERED, Error, PrepareRetrieve, PrepareRetrieveMany
 from kvdock.server.dispatch import handle
 from kvdock.server.events import FLUSH_S, ChunkEvents, advertised_url
 from kvdock.server.http import make_app, request_logger
 from kvdock.server.metrics import Metrics
 from kvdock.server.registry import Registry
-from kvdock.server.state import Outcome, Reply, ServerState
+from kvdock.server.state import Outcome, Reply, ServerState, fault_retrieve_miss
 from kvdock.shm import PoolSegment, SlotAllocator, cleanup_stale
+from kvdock.shm.directory import Directory, entries_for
 from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane, tier_factory
 from kvdock.transport import listener
 from kvdock.transport.events import EventPublisher
@@ -64,7 +65,13 @@ def build_state(config: ServerConfig) -> ServerState:
             format_size(size),
             L1_AUTO_FRACTION * 100,
         )
-    segment = PoolSegment.anonymous(size) if config.no_shm else PoolSegment.create(size)
+    # a pool directory (fast reads) is read by clients that check the server is alive through its
+    # local socket; the retrieve-miss fault must reach every retrieve
+    fast_reads = not (config.no_shm or config.no_local_socket or config.no_fast_reads or fault_retrieve_miss())
+    if config.no_shm:
+        segment = PoolSegment.anonymous(size)
+    else:
+        segment = PoolSegment.create(size, entries_for(size) if fast_reads else 0)
     lanes: list[TierLane] = []
     publisher: EventPublisher | None = None
     try:
@@ -72,7 +79,8 @@ def build_state(config: ServerConfig) -> ServerState:
         allocator = SlotAllocator(segment.data_offset, size, segment.generations())
         publisher = _open_events(config)
         events = ChunkEvents(metrics, config.chunk_size, publisher)
-        l1 = L1Store(allocator, watcher=events, memory=segment.buf)
+        directory = Directory(segment) if fast_reads else None
+        l1 = L1Store(allocator, watcher=events, memory=segment.buf, directory=directory)
         disk = _open_disk(config)
         registry = Registry(
             config.chunk_size,
@@ -84,6 +92,8 @@ def build_state(config: ServerConfig) -> ServerState:
         redis = _open_redis(config)
         lanes = [TierLane(t, l1) for t in (disk, redis) if t is not None]
         manager = StorageManager(l1, config.session_ttl, lanes, registry.geometry_of, registry.chunk_size)
+        if directory is not None:
+            directory.set_state(live=True, complete=not lanes)
     except BaseException:
         for lane in lanes:
             lane.close()
@@ -178,6 +188,8 @@ def _serve_one(state: ServerState, control: ControlServer, msg: Incoming, waitin
             out = handle(state, req, msg.payload)
         except Exception as e:  # a bug must not take the server down for everyone else
             out = _internal_error(state, req, e)
+    if isinstance(req, UNANSWERED) and isinstance(out, Reply):
+        return
     if isinstance(out, Reply):
         _send(state, control, msg, out, waiting, reserved)
         return

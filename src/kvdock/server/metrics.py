@@ -24,6 +24,9 @@ class Metrics:
         self.stores = Counter("kvdock_stores", "Committed store requests", registry=r)
         self.retrieves = Counter("kvdock_retrieves", "Committed retrieve requests", registry=r)
         self.lookups = Counter("kvdock_lookups", "Lookup requests", registry=r)
+        self.fast_reads = Counter(
+            "kvdock_fast_reads", "Lookups and retrieves clients answered from the pool directory", ["op"], registry=r
+        )
         self.hit_tokens = Counter("kvdock_hit_tokens", "Tokens found by lookups and retrieves", registry=r)
         self.miss_tokens = Counter("kvdock_miss_tokens", "Whole-chunk tokens asked for and not found", registry=r)
         self.stored_chunks = Counter("kvdock_stored_chunks", "Chunks written", registry=r)

@@ -293,6 +293,34 @@ def _count_retrieved(state: ServerState, nbytes: int) -> None:
     state.metrics.retrieved_bytes.inc(nbytes)
 
 
+MAX_REPORTED = 1 << 16  # chunks one FastReads may list (the SDK sends at most 4096)
+
+
+def fast_reads(state: ServerState, req: m.FastReads, payload: Payload) -> Reply:
+    """Count lookups and retrieves a client answered from the pool directory, renew its lease
+    (if the server still knows it), and make what the retrieves copied most recently used (only
+    objects still in the slot the client found them in)."""
+    state.registry.touch(req.client_id)
+    n = len(req.entries)
+    if not (
+        0 <= req.hit <= req.asked
+        and min(req.lookups, req.retrieves, req.nbytes) >= 0
+        and len(req.offsets) == len(req.gens) == n <= min(req.hit, MAX_REPORTED)
+    ):
+        raise RequestError(f"FastReads of {req.asked} chunks, {req.hit} hit, {n} entries is not a possible report")
+    l1 = state.manager.l1
+    for entry, offset, gen in zip(req.entries, req.offsets, req.gens, strict=True):
+        l1.touch(entry, offset, gen)
+    metrics = state.metrics
+    metrics.lookups.inc(req.lookups)
+    metrics.retrieves.inc(req.retrieves)
+    metrics.retrieved_bytes.inc(req.nbytes)
+    metrics.fast_reads.labels("lookup").inc(req.lookups)
+    metrics.fast_reads.labels("retrieve").inc(req.retrieves)
+    count_hits(state, req.hit, req.asked)
+    return Reply(m.Done())
+
+
 def commit_retrieve(state: ServerState, req: m.CommitRetrieve, payload: Payload) -> Reply:
     client = client_of(state, req.client_id)
     n = state.manager.commit_retrieve(client.client_id, req.session_id)

@@ -63,6 +63,11 @@ class ReplyBuffers:
 Outcome = Reply | Awaitable[Reply]
 
 
+def fault_retrieve_miss() -> bool:
+    """Whether the retrieve-miss fault is on (the environment of the server process)."""
+    return os.environ.get(FAULT_RETRIEVE_MISS_ENV) == "1"
+
+
 @dataclass
 class ServerState:
     """Owned by the event loop; ``copier`` threads copy inline payloads between frames and slots
@@ -85,7 +90,7 @@ class ServerState:
     fault_copy_delay_s: float = field(default_factory=lambda: float(os.environ.get(FAULT_COPY_ENV, "0") or 0))
     # ... and every retrieve finds nothing, as if evicted right after a lookup found it (an
     # engine's lookup and load cannot be split apart on demand)
-    fault_retrieve_miss: bool = field(default_factory=lambda: os.environ.get(FAULT_RETRIEVE_MISS_ENV) == "1")
+    fault_retrieve_miss: bool = field(default_factory=fault_retrieve_miss)
 
     async def copy(self, fn: Callable[..., None], *args: object) -> None:
         """Run an inline copy ``fn(*args)`` on a copier thread (the caller holds the slots)."""

@@ -4,10 +4,12 @@ Linux only: segments are files under ``/dev/shm``. We open them directly instead
 ``multiprocessing.shared_memory`` because on Python < 3.13 its resource tracker unlinks a segment
 when any process that merely *attached* to it exits.
 
-Layout: a 4 KiB header, the slot generation table, then the slot area. The header carries a
-magic, the creator's pid and process start time (to detect stale segments of dead servers), a
-random nonce (a client proves it mapped the same segment by echoing it when it registers) and
-where the table and the slot area start.
+Layout: a 4 KiB header, the slot generation table, the directory (may be empty), then the slot
+area. The header carries a magic, the creator's pid and process start time (to detect stale
+segments of dead servers, and to tell that a local socket's peer is this segment's server), a
+random nonce (a client proves it mapped the same segment by echoing it when it registers), where
+the table, the directory and the slot area start, and at ``STATE_OFFSET`` the directory's state
+words (:mod:`kvdock.shm.directory`).
 
 The generation table has one little-endian u64 per 4 KiB page of the slot area; the entry of a
 slot's first page is that slot's generation. The server bumps it each time the slot is freed,
@@ -35,9 +37,14 @@ PREFIX = "kvdock-"
 HEADER_SIZE = 4096
 PAGE = 4096
 MAGIC = b"KVDOCKL1"
-VERSION = 2
-# magic, version, pid, start time, nonce, total size, generation table offset, slot area offset
-_HEADER = struct.Struct("<8sIIQ32sQQQ")
+VERSION = 3  # 3: the directory
+# magic, version, pid, start time, nonce, total size, generation table offset, slot area offset,
+# directory offset, directory entries
+_HEADER = struct.Struct("<8sIIQ32sQQQQQ")
+ENTRY_SIZE = 128  # bytes of one directory entry (kvdock.shm.directory; _directory.c agrees)
+BUCKET = 8  # entries per directory bucket
+STATE_OFFSET = 1024  # the directory's state words (u64s), written by the server only
+STATE_WORDS = 4
 _V1 = struct.Struct("<8sIIQ32sQ")  # what cleanup_stale needs, the same in every version
 
 
@@ -45,6 +52,11 @@ def table_bytes(data_size: int) -> int:
     """Size of the generation table for a slot area of ``data_size`` bytes (page-aligned)."""
     entries = -(-data_size // PAGE)
     return -(-entries * 8 // PAGE) * PAGE
+
+
+def directory_bytes(entries: int) -> int:
+    """Size of a directory of ``entries`` entries, rounded up to pages."""
+    return -(-entries * ENTRY_SIZE // PAGE) * PAGE
 
 
 def proc_start_time(pid: int) -> int | None:
@@ -81,9 +93,17 @@ class PoolSegment:
 
     def __init__(self, name: str, mm: mmap.mmap, owner: bool) -> None:
         fields = _HEADER.unpack_from(mm, 0)
+        self.creator_pid, self.creator_start = int(fields[2]), int(fields[3])
         self.table_offset = int(fields[6])
         self.data_offset = int(fields[7])  # where slot offsets start (SlotAllocator's base)
-        if not (HEADER_SIZE <= self.table_offset <= self.data_offset <= len(mm)):
+        self.directory_offset = int(fields[8])
+        self.directory_entries = int(fields[9])
+        dir_end = self.directory_offset + self.directory_entries * ENTRY_SIZE
+        if not (
+            HEADER_SIZE <= self.table_offset <= self.directory_offset <= dir_end <= self.data_offset <= len(mm)
+            and self.directory_entries % BUCKET == 0
+            and (self.directory_entries // BUCKET) & (self.directory_entries // BUCKET - 1) == 0
+        ):
             raise ValueError(f"segment {name} has an impossible layout")
         self.name = name
         self.size = len(mm)
@@ -94,6 +114,11 @@ class PoolSegment:
     @property
     def data_size(self) -> int:
         return self.size - self.data_offset
+
+    def state_words(self) -> np.ndarray:
+        """The directory's state words as a writable u64 array viewing the header (drop it
+        before :meth:`close`)."""
+        return np.frombuffer(self.buf, dtype="<u8", count=STATE_WORDS, offset=STATE_OFFSET)
 
     def generations(self) -> np.ndarray:
         """The generation table as a writable u64 array that views the mapping (one entry per
@@ -106,13 +131,14 @@ class PoolSegment:
         return _HEADER.unpack_from(self._mm, 0)[4].hex()
 
     @classmethod
-    def create(cls, data_size: int) -> PoolSegment:
-        """Create, allocate and pre-fault a new segment (mode 0600, random name).
+    def create(cls, data_size: int, directory_entries: int = 0) -> PoolSegment:
+        """Create, allocate and pre-fault a new segment (mode 0600, random name) with a directory
+        of ``directory_entries`` (0, or a power-of-two number of buckets of BUCKET entries).
 
         Raises OSError (ENOSPC) if /dev/shm cannot hold it, instead of SIGBUS on a later write.
         """
         name = PREFIX + secrets.token_hex(16)
-        size = HEADER_SIZE + table_bytes(data_size) + data_size
+        size = HEADER_SIZE + table_bytes(data_size) + directory_bytes(directory_entries) + data_size
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
@@ -123,7 +149,7 @@ class PoolSegment:
                 raise
         finally:
             os.close(fd)
-        _write_header(mm, data_size)
+        _write_header(mm, data_size, directory_entries)
         return cls(name, mm, owner=True)
 
     @classmethod
@@ -131,7 +157,7 @@ class PoolSegment:
         """Private pre-faulted memory for a server that shares no memory (``--no-shm``)."""
         size = HEADER_SIZE + table_bytes(data_size) + data_size
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
-        _write_header(mm, data_size)
+        _write_header(mm, data_size, 0)
         return cls("", mm, owner=True)
 
     @classmethod
@@ -209,10 +235,12 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
-def _write_header(mm: mmap.mmap, data_size: int) -> None:
+def _write_header(mm: mmap.mmap, data_size: int, directory_entries: int) -> None:
     pid = os.getpid()
     table = HEADER_SIZE
-    data = table + table_bytes(data_size)
+    directory = table + table_bytes(data_size)
+    data = directory + directory_bytes(directory_entries)
     start = _proc_start_time(pid) or 0
-    header = _HEADER.pack(MAGIC, VERSION, pid, start, secrets.token_bytes(32), len(mm), table, data)
+    nonce = secrets.token_bytes(32)
+    header = _HEADER.pack(MAGIC, VERSION, pid, start, nonce, len(mm), table, data, directory, directory_entries)
     mm[: len(header)] = header

@@ -6,7 +6,11 @@ Invariants (checked by :meth:`L1Store.check_integrity`):
 * at most one READY and one RESERVED object per key;
 * the LRU list holds exactly the READY, unpinned, live objects, least recently used first;
 * an object replaced by an overwrite (or deleted) while pinned is no longer *live*: it keeps its
-  slot until its last pin is released, then the slot is freed.
+  slot until its last pin is released, then the slot is freed;
+* with a directory (:mod:`kvdock.shm.directory`), every READY object is published there (or,
+  its bucket being full, counted as unindexed) from the moment it becomes READY until it stops
+  being READY, which is before its slot is freed: clients that read the directory without the
+  server never find a key whose object is gone, nor a slot whose object is.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvdock.keys import ObjectKey
+from kvdock.keys import ObjectKey, namespace_digest
+from kvdock.shm.directory import Directory
 from kvdock.shm.slots import SlotAllocator, aligned
 
 
@@ -35,6 +40,7 @@ class L1Object:
     live: bool = True
     version: int = 0  # unique per stored version (see kvdock.storage.manager: the version chain)
     parent: int = 0  # the version of the previous chunk of its prefix when stored; 0 for the first
+    entry: int = -1  # while READY: its directory entry (-1: none, or no room there)
 
 
 class L1Watcher(Protocol):
@@ -59,6 +65,7 @@ class L1Store:
         allocator: SlotAllocator,
         watcher: L1Watcher | None = None,
         memory: memoryview | None = None,
+        directory: Directory | None = None,
     ) -> None:
         self.allocator = allocator
         self._memory = memory  # the pool's bytes, for workers that copy to and from lower tiers
@@ -69,6 +76,13 @@ class L1Store:
         self._detached: set[L1Object] = set()  # reservations set aside, still holding a slot
         self._watcher = watcher
         self.evictions = 0
+        self._directory = directory
+        self._published: dict[int, L1Object] = {}  # directory entry -> the READY object there
+        self._unindexed = 0  # READY objects the directory had no room for
+
+    @property
+    def directory(self) -> Directory | None:
+        return self._directory
 
     def __len__(self) -> int:
         return len(self._ready)
@@ -119,6 +133,7 @@ class L1Store:
             if aligned(obj.nbytes) == slot_size:
                 del self._lru[key]
                 del self._ready[key]
+                self._unpublish(obj)
                 obj.live = False
                 self.allocator.free(obj.offset)
                 self.evictions += 1
@@ -133,10 +148,12 @@ class L1Store:
         del self._reserved[obj.key]
         old = self._ready.get(obj.key)
         if old is not None:
-            self._retire(old)
+            self._retire(old, successor=obj)
         obj.state = State.READY
         self._ready[obj.key] = obj
         self._lru[obj.key] = obj
+        if old is None:
+            self._publish(obj)
         if self._watcher:
             self._watcher.stored(obj)
 
@@ -198,15 +215,94 @@ class L1Store:
             self._watcher.cleared()
         return len(objs)
 
-    def _retire(self, obj: L1Object) -> None:
+    def _retire(self, obj: L1Object, successor: L1Object | None = None) -> None:
+        """``obj`` (READY and live, maybe no longer in ``_ready``: clear) stops being readable;
+        ``successor``, a new version of its key, takes its place in the directory."""
         if self._ready.get(obj.key) is obj:
             del self._ready[obj.key]
+        if successor is not None:
+            self._hand_over(obj, successor)
+        else:
+            self._unpublish(obj)
         obj.live = False
         if obj.pins:
             self._retired.add(obj)
         else:
             del self._lru[obj.key]
             self.allocator.free(obj.offset)
+
+    def touch(self, entry: int, offset: int, gen: int) -> bool:
+        """A client read the object published at ``entry`` (found in slot ``offset`` of generation
+        ``gen``) without the server: make it most recently used, as a retrieve's unpin would.
+        False if that object is gone (its slot was freed since, or the entry holds another)."""
+        obj = self._published.get(entry)
+        if obj is None or obj.offset != offset or self.allocator.generation(offset) != gen:
+            return False
+        if obj.key in self._lru:
+            self._lru.move_to_end(obj.key)
+        return True
+
+    def _publish(self, obj: L1Object) -> None:
+        d = self._directory
+        if d is None:
+            return
+        k = obj.key
+        gen = self.allocator.generation(obj.offset)
+        ns = namespace_digest(k.model, k.rank, k.salt)
+        obj.entry = d.publish(ns, k.chunk, obj.offset, gen, obj.nbytes, obj.version, obj.parent)
+        if obj.entry >= 0:
+            self._published[obj.entry] = obj
+        else:
+            self._unindexed += 1
+            d.set_unindexed(self._unindexed)
+
+    def _hand_over(self, old: L1Object, new: L1Object) -> None:
+        """``new`` replaces ``old`` (READY, live, same key) in the directory in one write: a reader
+        during an overwrite's commit finds one version or the other, never a miss that could pass
+        for a final one."""
+        d = self._directory
+        if d is None:
+            return
+        if old.entry < 0:  # it had no entry: nor does its successor
+            new.entry = -1
+            return
+        k = new.key
+        gen = self.allocator.generation(new.offset)
+        ns = namespace_digest(k.model, k.rank, k.salt)
+        d.rewrite(old.entry, ns, k.chunk, new.offset, gen, new.nbytes, new.version, new.parent)
+        new.entry, old.entry = old.entry, -1
+        self._published[new.entry] = new
+
+    def _unpublish(self, obj: L1Object) -> None:
+        """``obj`` (READY, live) stops being readable: out of the directory, before its slot may
+        be freed."""
+        d = self._directory
+        if d is None:
+            return
+        if obj.entry >= 0:
+            d.unpublish(obj.entry)
+            del self._published[obj.entry]
+            obj.entry = -1
+        else:
+            self._unindexed -= 1
+            d.set_unindexed(self._unindexed)
+
+    def _check_directory(self, d: Directory) -> None:
+        d.check_integrity()
+        unindexed = 0
+        for obj in self._ready.values():
+            if obj.entry < 0:
+                unindexed += 1
+                continue
+            assert self._published.get(obj.entry) is obj, "a READY object's entry names another object"
+            k = obj.key
+            got = d.read(obj.entry)
+            gen = self.allocator.generation(obj.offset)
+            want = (namespace_digest(k.model, k.rank, k.salt), k.chunk, obj.offset, gen)
+            assert got is not None and (got.ns, got.chunk, got.offset, got.gen) == want, "a directory entry is wrong"
+            assert (got.nbytes, got.version, got.parent) == (obj.nbytes, obj.version, obj.parent)
+        assert len(self._published) == d.published == len(self._ready) - unindexed, "the directory holds stale entries"
+        assert unindexed == self._unindexed == d.unindexed, "the unindexed count is wrong"
 
     def check_integrity(self) -> None:
         """Assert the invariants in the module docstring and the allocator's own."""
@@ -229,3 +325,5 @@ class L1Store:
         assert total == self.allocator.used_bytes, (
             f"objects hold {total} bytes, allocator says {self.allocator.used_bytes}"
         )
+        if self._directory is not None:
+            self._check_directory(self._directory)

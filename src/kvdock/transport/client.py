@@ -51,7 +51,7 @@ import zmq
 
 from kvdock.errors import ConnectionLost, ControlTimeout
 from kvdock.protocol import decode_reply, encode
-from kvdock.transport.local import SCHEME, LocalChannel
+from kvdock.transport.local import SCHEME, LocalChannel, PeerWatch
 
 __all__ = ["ConnectionLost", "ControlClient", "ControlTimeout", "Response"]
 
@@ -188,6 +188,16 @@ class ControlClient:
     def usable(self) -> bool:
         """Neither closed nor broken."""
         return not self._closed and self._lost is None
+
+    def peer_watch(self) -> PeerWatch | None:
+        """A watch of the server's end of a local channel (None for zmq, or once unusable)."""
+        with self._sock_lock:
+            if not self.usable or not isinstance(self._chan, LocalChannel):
+                return None
+            try:
+                return self._chan.watch()
+            except OSError:
+                return None
 
     def call(self, msg: msgspec.Struct, payload: Sequence[Buffer] = (), timeout: float | None = None) -> Response:
         """Send ``msg`` (plus raw payload frames, zero-copy: leave them unchanged until this

@@ -17,6 +17,7 @@ framing) the client side, driven by ``transport.client.ControlClient``, which se
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import socket
 import struct
@@ -104,6 +105,36 @@ class FrameReader:
             yield frames
 
 
+class PeerWatch:
+    """Whether the process at the other end of a local connection still holds it, told without
+    reading anything: a duplicate of the connection's descriptor (so that closing the connection
+    never lets its number name another file), polled for a hang-up. ``pid`` is the peer's, as the
+    kernel recorded it when the server listened (``SO_PEERCRED``). A process that dies, or drops
+    the connection, hangs it up at once. Thread-safe; :meth:`close` only once no thread polls."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+        self.pid = _CREDS.unpack(creds)[0]
+        self._fd = os.dup(sock.fileno())
+
+    def alive(self) -> bool:
+        """False once the peer hung up (or either side shut the connection down)."""
+        if self._fd < 0:
+            return False
+        poller = select.poll()  # per call: a poll object is not for two threads at once
+        poller.register(self._fd, select.POLLRDHUP)  # (POLLHUP, POLLERR and POLLNVAL always count)
+        return not poller.poll(0)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
 class LocalChannel:
     """The client's end: one connection to a LocalListener. Not thread-safe (ControlClient
     serializes every call but ``fileno``). ``fileno`` is level-triggered: readable while bytes
@@ -128,6 +159,10 @@ class LocalChannel:
 
     def fileno(self) -> int:
         return self._sock.fileno()
+
+    def watch(self) -> PeerWatch:
+        """A watch of the server's end of this connection (OSError if the socket is closed)."""
+        return PeerWatch(self._sock)
 
     def send(self, frames: Sequence[Buffer], deadline: float | None) -> None:
         """Write a whole message, waiting until ``deadline`` (monotonic; None: fail at once) for

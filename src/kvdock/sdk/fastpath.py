@@ -1,0 +1,196 @@
+"""Lookups and retrieves answered from the pool directory, without a round trip to the server.
+
+A shared-memory client whose server publishes a directory of its readable L1 objects
+(:mod:`kvdock.shm.directory`) looks a prompt's chunk keys up there itself, and a retrieve copies
+the slots it found straight away. That saves the round trip (0.08-0.10 ms between two processes
+on a 2-vCPU VM before any work) and the server's work per request. The answer is the server's:
+
+* only while the process that created the segment still holds our local connection
+  (``ShmTransfer.directory``): a directory of a server that is gone may show KV that a server
+  started since has overwritten;
+* only for a full hit (every whole chunk is published and the version chain holds), or when the
+  directory says for sure that the first chunk it lacks is not cached anywhere (no lower tier,
+  nothing unindexed). Otherwise (a partial hit that L2 or L3 may extend, a chunk that does not
+  chain, an entry being rewritten) these functions return None and the caller asks the server;
+* a retrieve checks every slot's generation after its copy (``ShmTransfer.read``): a slot
+  freed meanwhile (evicted, replaced by an overwrite) means None, and the caller asks the
+  server, whose answer then goes to the sink again (a sink can be handed garbage for some chunks
+  before it gets the real ones: the same contract as a copy that outlives its lease).
+
+The server is told what it would have seen (its counters, the client's lease, and the LRU order of
+what a retrieve copied) by a :class:`Reporter`: :class:`~kvdock.protocol.messages.FastReads`
+messages (never answered), each covering the reads of up to ``FLUSH_S`` and sent before any other
+request of the context, so one client's eviction order is the same as through the server. (A
+message per read would cost the reader more than the read: a send wakes the server.) No session
+is opened and nothing is pinned: the generation check is what makes the copy safe.
+
+``ctx.fast_reads = False`` (or ``KVDOCK_FAST_READS=0`` before connecting) sends every read to
+the server; so does a server started with ``--no-fast-reads``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvdock.errors import LeaseExpiredError
+from kvdock.keys import TOKEN_DTYPE, chunk_hashes, namespace_digest
+from kvdock.protocol import messages as m
+from kvdock.sdk.transfer import ChunkSink, ShmTransfer, Transfer, layer_slice
+from kvdock.shm.directory import Found
+
+if TYPE_CHECKING:
+    from kvdock.sdk.context import KVCacheContext
+
+
+FLUSH_S = 0.001  # a reading thread sends what is held once the oldest read is this old
+IDLE_FLUSH_S = 0.02  # ... and the reporter's own thread once it is this old (no read came since)
+MAX_HELD = 4096  # chunks a Reporter holds back at most
+
+
+class Reporter:
+    """The reads of one context the server has not been told of yet, sent as one FastReads: by
+    the next reading thread once the oldest is FLUSH_S old (or MAX_HELD chunks are held), before
+    the context's next request (:meth:`flush`), at :meth:`close`, and else by a thread of the
+    reporter once the oldest is IDLE_FLUSH_S old. That thread wakes rarely (about twice per
+    IDLE_FLUSH_S while reads go on, never while none are held): on 2 CPUs every wake-up of a
+    second Python thread costs the reading thread a GIL hand-over. Thread-safe."""
+
+    def __init__(self, send: Callable[[m.FastReads], None], client_id: Callable[[], str]) -> None:
+        self._send, self._client_id = send, client_id
+        self._cond = threading.Condition(threading.Lock())
+        self._since = 0.0  # when the oldest held read was added; 0: nothing held
+        self._counts = [0, 0, 0, 0, 0]  # lookups, retrieves, asked, hit, nbytes
+        self._entries: list[int] = []
+        self._offsets: list[int] = []
+        self._gens: list[int] = []
+        self._thread: threading.Thread | None = None
+        self._asleep = False  # the thread waits for something to be held (it needs a notify)
+        self._closed = False
+
+    @property
+    def pending(self) -> bool:
+        return self._since != 0.0
+
+    def add(self, asked: int, hit: int, found: Found | None = None, nbytes: int = 0) -> None:
+        """A lookup (``found`` None) or a retrieve of ``found`` (``nbytes`` copied) was answered."""
+        now = time.monotonic()
+        with self._cond:
+            c = self._counts
+            if found is None:
+                c[0] += 1
+            elif hit:
+                c[1] += 1
+                self._entries += found.entries.tolist()
+                self._offsets += found.offsets.tolist()
+                self._gens += found.gens.tolist()
+            c[2] += asked
+            c[3] += hit
+            c[4] += nbytes
+            if not self._since:
+                self._since = now
+                self._wake()
+            due = now - self._since >= FLUSH_S or len(self._entries) >= MAX_HELD
+        if due:
+            self.flush()
+
+    def _wake(self) -> None:  # under _cond: something is held now
+        if self._closed:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvdock-fast-reads", daemon=True)
+            self._thread.start()
+        elif self._asleep:
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._since and not self._closed:
+                    self._asleep = True
+                    self._cond.wait()
+                    self._asleep = False
+                if self._closed:
+                    return
+                left = self._since + IDLE_FLUSH_S - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+            self.flush()
+
+    def flush(self) -> None:
+        """Send what is held (nothing if nothing is)."""
+        with self._cond:
+            if not self._since:
+                return
+            (lookups, retrieves, asked, hit, nbytes), self._counts = self._counts, [0, 0, 0, 0, 0]
+            entries, offsets, gens = self._entries, self._offsets, self._gens
+            self._entries, self._offsets, self._gens = [], [], []
+            self._since = 0.0
+        self._send(m.FastReads(self._client_id(), lookups, retrieves, asked, hit, entries, offsets, gens, nbytes))
+
+    def close(self) -> None:
+        """Send what is held and stop the thread. Harmless twice."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self.flush()
+
+
+def _find(ctx: KVCacheContext, t: Transfer, whole: bytes, cache_salt: str) -> Found | None:
+    """The directory's answer for the whole chunks ``whole`` (token bytes), if it is final."""
+    directory = t.directory() if ctx.fast_reads else None
+    if directory is None:
+        return None
+    hashes = b"".join(chunk_hashes(np.frombuffer(whole, TOKEN_DTYPE), ctx.chunk_size))
+    ns = namespace_digest(ctx.model_name, 0, cache_salt)
+    found = directory.find(ns, hashes, t.chunk_nbytes)
+    if found.ended == "all" or (found.ended == "absent" and directory.complete):
+        return found
+    return None
+
+
+def lookup(ctx: KVCacheContext, whole: bytes, cache_salt: str) -> int | None:
+    """How many leading tokens of ``whole`` are cached (as ``Lookup`` would answer), or None:
+    ask the server."""
+    with ctx.transfer(answered=False) as t:
+        found = _find(ctx, t, whole, cache_salt)
+    if found is None:
+        return None
+    ctx.reporter.add(len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size, found.count)
+    return found.count * ctx.chunk_size
+
+
+def retrieve(
+    ctx: KVCacheContext,
+    whole: bytes,
+    cache_salt: str,
+    make_sink: Callable[[int], ChunkSink],
+    part: m.ReadPart | None,
+) -> int | None:
+    """Copy the cached prefix of ``whole`` to ``make_sink(hit tokens)`` as ``PrepareRetrieve``
+    would hand it out (``part`` of each chunk) and return the hit in tokens, or None: ask the
+    server (nothing was copied, or what was may be garbage)."""
+    with ctx.transfer(answered=False) as t:
+        found = _find(ctx, t, whole, cache_salt)
+        if found is None:
+            return None
+        if found.count:
+            sink = make_sink(found.count * ctx.chunk_size)
+            try:
+                assert isinstance(t, ShmTransfer)  # the only one with a directory
+                t.read_at(found.offsets, found.gens, sink, part)
+            except LeaseExpiredError:  # a slot was freed during the copy
+                return None
+        layers = len(range(ctx.geometry.num_layers)[layer_slice(part)])
+        copied = max(found.count - (part.first_chunk if part else 0), 0)
+        nbytes = copied * t.chunk_nbytes // ctx.geometry.num_layers * layers
+    ctx.reporter.add(len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size, found.count, found, nbytes)
+    return found.count * ctx.chunk_size

@@ -1,0 +1,341 @@
+"""kvdock.sdk.fastpath: lookups and retrieves answered from the pool directory, against real servers.
+
+What must hold: the same answers and bytes as through the server, never a stale or mixed version
+(overwrites, restarts, concurrent writers in other processes), misses final only where no lower
+tier could add to them, and the server still counting the reads and keeping their chunks recently
+used."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvdock.sdk as kvd
+from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, start_server, wait_written
+from kvdock.protocol import messages as m
+from kvdock.sdk.context import _watch_creator
+from kvdock.shm import PoolSegment
+from kvdock.transport.client import ControlClient
+
+
+def requests(srv, op: str) -> float:
+    return srv.metric(f'kvdock_requests_total{{op="{op}"}}', 0.0)
+
+
+def served(srv) -> tuple[float, float]:
+    """How many Lookup and PrepareRetrieve requests the server got."""
+    return requests(srv, "Lookup"), requests(srv, "PrepareRetrieve")
+
+
+def wait_metric(srv, name: str, want: float, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := srv.metric(name, 0.0)) != want:
+        assert time.monotonic() < deadline, f"{name} = {got}, want {want}"
+        time.sleep(0.02)
+
+
+def test_a_full_hit_is_read_without_asking_the_server(server) -> None:
+    tokens = make_tokens(4 * CHUNK)
+    kv = make_kv(4 * CHUNK, seed=1)
+    with kvd.connect(server.url, server.http_url, MODEL, timeout=10) as c:
+        assert kvd.store(c, kv, tokens)
+        before = served(server)
+        assert kvd.lookup(c, tokens) == 4 * CHUNK
+        assert kvd.lookup(c, [*tokens, 1, 2, 3]) == 4 * CHUNK  # a partial tail is not asked for
+        got = kvd.retrieve(c, tokens)
+        assert got is not None and torch.equal(got, kv)
+        out = torch.full((2, GEOMETRY["num_layers"], 5 * CHUNK, 16), 7.0, dtype=torch.bfloat16)
+        view = kvd.retrieve(c, tokens, out=out)
+        assert view is not None and view.data_ptr() == out.data_ptr() and torch.equal(view, kv)
+        assert (out[:, :, 4 * CHUNK :] == 7).all()  # nothing past the hit written
+        part = kvd.retrieve(c, tokens, layers=range(1, 3), start=2 * CHUNK)
+        assert part is not None and torch.equal(part, kv[:, 1:3, 2 * CHUNK :])
+        got_chunks: dict[int, torch.Tensor] = {}
+
+        class Sink:
+            def take(self, index: int, src: torch.Tensor) -> None:
+                got_chunks[index] = src.clone()
+
+        assert kvd.retrieve_into(c, tokens, Sink()) == 4 * CHUNK
+        assert torch.equal(torch.cat([got_chunks[i] for i in range(4)], dim=2), kv)
+        assert served(server) == before  # not one request
+    # closing sent what was held back: the server counted every read as if it had served it
+    wait_metric(server, 'kvdock_fast_reads_total{op="retrieve"}', 4.0)
+    assert server.metric('kvdock_fast_reads_total{op="lookup"}') == 2.0
+    assert server.metric("kvdock_retrieves_total") == 4.0
+    assert server.metric("kvdock_lookups_total") == 2.0
+    layer_bytes = kv[:, :1, :CHUNK].numel() * 2
+    whole = 3 * 4 * layer_bytes  # three layers of four chunks
+    assert server.metric("kvdock_retrieved_bytes_total") == 3 * whole + 2 * 2 * layer_bytes
+    assert server.metric("kvdock_hit_tokens_total") == 6 * 4 * CHUNK
+
+
+def test_a_miss_is_answered_locally_only_when_no_lower_tier_could_add_to_it(make_server, tmp_path: Path) -> None:
+    kv = make_kv(2 * CHUNK, seed=2)
+    tokens = make_tokens(4 * CHUNK, start=1000)
+    no_tiers = make_server()
+    with_l2 = make_server("--disk-dir", str(tmp_path / "l2"))
+    for srv, local in ((no_tiers, True), (with_l2, False)):
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+            assert kvd.store(c, kv, tokens[: 2 * CHUNK])
+            lookups, retrieves = served(srv)
+            assert kvd.lookup(c, tokens) == 2 * CHUNK
+            got = kvd.retrieve(c, tokens)
+            assert got is not None and torch.equal(got, kv)
+            assert kvd.lookup(c, make_tokens(CHUNK, start=90_000)) == 0
+            assert kvd.retrieve(c, make_tokens(CHUNK, start=90_000)) is None
+            asked = (2, 2) if not local else (0, 0)
+            assert served(srv) == (lookups + asked[0], retrieves + asked[1]), srv
+    # what only L2 holds is found through the server
+    with kvd.connect(with_l2.url, with_l2.http_url, MODEL, timeout=10) as c:
+        wait_written(with_l2, "l2", 2)
+        request = urllib.request.Request(with_l2.http_url + "/admin/clear?tier=l1", method="POST")
+        urllib.request.urlopen(request, timeout=10).read()
+        lookups, retrieves = served(with_l2)
+        got = kvd.retrieve(c, tokens)
+        assert got is not None and torch.equal(got, kv)
+        assert served(with_l2) == (lookups, retrieves + 1)
+
+
+def test_salts_and_models_are_separate_in_the_directory(make_server) -> None:
+    srv = make_server()
+    kvd.register_model(srv.url, srv.http_url, "other", dtype="bfloat16", **GEOMETRY, timeout=10)
+    tokens = make_tokens(2 * CHUNK, start=2000)
+    kv = make_kv(2 * CHUNK, seed=3)
+    with kvd.connect(srv.url, srv.http_url, MODEL) as c, kvd.connect(srv.url, srv.http_url, "other") as o:
+        assert kvd.store(c, kv, tokens, cache_salt="tenant-a")
+        assert kvd.lookup(c, tokens) == 0 and kvd.retrieve(c, tokens) is None
+        assert kvd.lookup(c, tokens, cache_salt="tenant-b") == 0
+        assert kvd.lookup(o, tokens, cache_salt="tenant-a") == 0 and kvd.retrieve(o, tokens, "tenant-a") is None
+        got = kvd.retrieve(c, tokens, "tenant-a")
+        assert got is not None and torch.equal(got, kv)
+        assert served(srv) == (0, 0)
+
+
+def test_an_overwrite_is_seen_by_every_client_once_it_returns(server) -> None:
+    tokens = make_tokens(3 * CHUNK, start=3000)
+    with (
+        kvd.connect(server.url, server.http_url, MODEL) as reader,
+        kvd.connect(server.url, server.http_url, MODEL) as w,
+    ):
+        for version in range(5):
+            kv = make_kv(3 * CHUNK, seed=100 + version)
+            assert kvd.store(w, kv, tokens, overwrite=True)
+            got = kvd.retrieve(reader, tokens)
+            assert got is not None and torch.equal(got, kv), version
+        assert served(server)[1] == 0  # all of them from the directory
+        assert kvd.check_server_integrity(reader) == []
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    import torch, kvdock.sdk as kvd
+    from helpers import make_tokens
+    url, http, model, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    tokens = make_tokens(4 * 16, start=5000)
+    with kvd.connect(url, http, model) as c:
+        for v in range(1, n + 1):  # version v: every element of every chunk is v
+            kvd.store(c, torch.full((2, 3, 4 * 16, 16), float(v), dtype=torch.bfloat16), tokens, overwrite=True)
+    print("done", flush=True)
+    """
+)
+
+
+def test_reads_racing_overwrites_in_another_process_never_mix_versions(server) -> None:
+    tokens = make_tokens(4 * CHUNK, start=5000)
+    script = WRITER.format(tests=str(Path(__file__).parent.parent))
+    with kvd.connect(server.url, server.http_url, MODEL) as c:
+        kvd.store(c, torch.zeros(2, 3, 4 * CHUNK, 16, dtype=torch.bfloat16), tokens)
+        p = subprocess.Popen(
+            [sys.executable, "-c", script, server.url, server.http_url, MODEL, "300"], stdout=subprocess.PIPE, text=True
+        )
+        seen: set[float] = set()
+        reads = 0
+        while p.poll() is None or reads < 50:
+            got = kvd.retrieve(c, tokens)
+            reads += 1
+            if got is None:  # a miss is allowed (never wrong bytes)
+                continue
+            values = got.unique()
+            assert len(values) == 1, f"a mix of versions {values.tolist()}"
+            assert got.shape[2] % CHUNK == 0
+            seen.add(float(values[0]))
+        assert p.wait() == 0 and p.stdout is not None and p.stdout.read().strip() == "done"
+        final = kvd.retrieve(c, tokens)
+        assert final is not None and (final == 300).all()
+        assert len(seen) > 3, seen  # the reads did overlap the writes
+        assert kvd.check_server_integrity(c) == []
+
+
+def test_a_chunk_read_from_the_directory_stays_recently_used(make_server) -> None:
+    srv = make_server(l1_size="16KiB")  # four one-page slots
+    chunks = [make_tokens(CHUNK, start=10_000 * (i + 1)) for i in range(5)]
+    with kvd.connect(srv.url, srv.http_url, MODEL) as c:
+        for toks in chunks[:4]:
+            assert kvd.store(c, make_kv(CHUNK), toks)
+        assert kvd.retrieve(c, chunks[0]) is not None  # from the directory: the oldest is now the newest
+        assert kvd.store(c, make_kv(CHUNK), chunks[4])  # evicts the least recently used: chunks[1]
+        assert [kvd.lookup(c, t) // CHUNK for t in chunks] == [1, 0, 1, 1, 1]
+        assert served(srv) == (0, 0)
+
+
+def test_a_restarted_server_is_never_read_through_the_old_pool(make_server, tmp_path: Path) -> None:
+    srv = make_server()
+    tokens = make_tokens(2 * CHUNK, start=6000)
+    old, new = make_kv(2 * CHUNK, seed=4), make_kv(2 * CHUNK, seed=5)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert kvd.store(c, old, tokens)
+        assert torch.equal(kvd.retrieve(c, tokens), old)  # type: ignore[arg-type]
+        assert c._transfer.directory() is not None
+        srv.proc.kill()
+        srv.proc.wait()
+        assert c._transfer.directory() is None  # its server is gone: the directory means nothing
+        again = start_server(tmp_path, chunk_size=CHUNK, port=srv.port, http_port=srv.http_port)
+        try:
+            kvd.register_model(again.url, again.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
+            with kvd.connect(again.url, again.http_url, MODEL) as w:
+                assert kvd.store(w, new, tokens)
+            got = kvd.retrieve(c, tokens)  # registers again, maps the new pool
+            assert got is not None and torch.equal(got, new)
+            assert c._transfer.directory() is not None
+            assert torch.equal(kvd.retrieve(c, tokens), new)  # type: ignore[arg-type]
+        finally:
+            assert again.stop() == 0
+
+
+def test_a_stopped_server_still_answers_from_its_directory(server) -> None:
+    tokens = make_tokens(CHUNK, start=7000)
+    kv = make_kv(CHUNK, seed=6)
+    with kvd.connect(server.url, server.http_url, MODEL, timeout=5) as c:
+        assert kvd.store(c, kv, tokens)
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(3):  # its state cannot change while it is stopped
+                assert torch.equal(kvd.retrieve(c, tokens), kv)  # type: ignore[arg-type]
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("how", ["server flag", "environment", "context"])
+def test_fast_reads_can_be_turned_off(make_server, monkeypatch, how: str) -> None:
+    srv = make_server(*(["--no-fast-reads"] if how == "server flag" else []))
+    if how == "environment":
+        monkeypatch.setenv("KVDOCK_FAST_READS", "0")
+    tokens = make_tokens(CHUNK, start=8000)
+    with kvd.connect(srv.url, srv.http_url, MODEL) as c:
+        if how == "context":
+            c.fast_reads = False
+        assert kvd.store(c, make_kv(CHUNK), tokens)
+        assert kvd.lookup(c, tokens) == CHUNK and kvd.retrieve(c, tokens) is not None
+        assert served(srv) == (1, 1)
+        assert (c._transfer.directory() is None) == (how == "server flag")
+
+
+def test_a_bad_fast_reads_setting_is_refused_at_connect(server, monkeypatch) -> None:
+    monkeypatch.setenv("KVDOCK_FAST_READS", "maybe")
+    with pytest.raises(kvd.InvalidInputError, match="KVDOCK_FAST_READS"):
+        kvd.connect(server.url, server.http_url, MODEL)
+
+
+def test_inline_clients_have_no_directory(make_server) -> None:
+    srv = make_server("--no-shm")
+    with kvd.connect(srv.url, srv.http_url, MODEL) as c:
+        assert c.transport == "inline" and c._transfer.directory() is None
+        assert kvd.lookup(c, make_tokens(CHUNK)) == 0
+        assert served(srv)[0] == 1
+
+
+def test_reads_alone_keep_the_client_registered(make_server) -> None:
+    srv = make_server("--client-ttl", "1")
+    tokens = make_tokens(CHUNK, start=9000)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        assert kvd.store(c, make_kv(CHUNK), tokens)
+        first = c.client_id
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:  # only directory reads for 2.5 client leases
+            assert kvd.lookup(c, tokens) == CHUNK
+            time.sleep(0.01)
+        assert kvd.store(c, make_kv(CHUNK), make_tokens(CHUNK, start=9100))
+        assert c.client_id == first  # never forgotten: no registration again
+    assert srv.metric("kvdock_expired_clients_total", 0.0) == 0.0
+
+
+def test_held_reads_reach_the_server_before_the_next_request(server) -> None:
+    tokens = make_tokens(CHUNK, start=9500)
+    with kvd.connect(server.url, server.http_url, MODEL) as c:
+        assert kvd.store(c, make_kv(CHUNK), tokens)
+        for _ in range(10):
+            kvd.lookup(c, tokens)
+        assert kvd.check_server_integrity(c) == []  # a request: what was held went first, on the same socket
+        assert server.metric("kvdock_lookups_total") == 10.0
+        assert requests(server, "FastReads") <= 10
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        m.FastReads("x", 0, 1, asked=1, hit=2),  # more hits than asked
+        m.FastReads("x", 0, 1, asked=2, hit=1, entries=[0, 1], offsets=[0, 1], gens=[0, 0]),  # more entries than hits
+        m.FastReads("x", 0, 1, asked=2, hit=2, entries=[0], offsets=[4096], gens=[]),  # ragged
+        m.FastReads("x", -1, 0, asked=0, hit=0),
+        m.FastReads("x", 0, 1, asked=2**40, hit=0),  # more than any request may ask
+        m.FastReads(
+            "nobody", 0, 1, asked=1, hit=1, entries=[10**9], offsets=[12345], gens=[7]
+        ),  # fine, touches nothing
+    ],
+)
+def test_fast_reads_reports_are_never_answered_and_bad_ones_change_nothing(server, report: m.FastReads) -> None:
+    tokens = make_tokens(CHUNK, start=9700)
+    with kvd.connect(server.url, server.http_url, MODEL) as c:
+        assert kvd.store(c, make_kv(CHUNK), tokens)
+        before = server.get("/status")["l1"]
+        client = ControlClient(server.url, 5.0)
+        try:
+            with pytest.raises(Exception, match="no reply"):
+                client.call(report, timeout=0.5)  # never answered, not even with an error
+            assert isinstance(client.call(m.Ping()).reply, m.Pong)
+        finally:
+            client.close()
+        assert server.get("/status")["l1"] == before
+        assert kvd.check_server_integrity(c) == []
+        assert torch.equal(kvd.retrieve(c, tokens), make_kv(CHUNK))  # type: ignore[arg-type]
+
+
+def test_only_the_process_that_made_the_pool_is_watched(server) -> None:
+    with kvd.connect(server.url, server.http_url, MODEL) as c:
+        assert c._transfer.directory() is not None
+        mine = PoolSegment.create(4096, 8)  # made by this process, not by the server
+        try:
+            assert _watch_creator(c._conn, mine) is None
+            theirs = PoolSegment.attach(server.get("/config")["l1"]["shm_name"])
+            watch = _watch_creator(c._conn, theirs)
+            assert watch is not None and watch.pid == server.proc.pid and watch.alive()
+            watch.close()
+            assert not watch.alive()
+            theirs.close()
+        finally:
+            mine.close()
+            mine.unlink()
+
+
+def test_a_killed_server_hangs_up_the_watch_at_once(make_server) -> None:
+    srv = make_server()
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        watch = c._conn.peer_watch()
+        assert watch is not None and watch.alive()
+        srv.proc.send_signal(signal.SIGSTOP)
+        assert watch.alive()  # stopped is not gone
+        srv.proc.kill()
+        srv.proc.wait()
+        assert not watch.alive()
+        watch.close()

@@ -19,8 +19,10 @@ through the public SDK (``kvdock.sdk``):
   cold baseline = first run, warm = median of ``--reps`` (warm SDK and baseline runs interleave);
   every cold measurement, SDK and baseline alike, follows ``--cold-pause`` seconds of idle so that
   both start from the same memory state (see the flag's help);
-* p50/p99 latency of a one-chunk (512 KiB) retrieve and store (``overwrite=True``), and of a
-  bare control-plane round trip (``lookup``) for reference.
+* p50/p99 latency of a one-chunk (512 KiB) retrieve and lookup, answered from the pool
+  directory (fast reads, shared memory only) and asked of the server (``*_rtt``: one control
+  round trip each), of a one-chunk store (``overwrite=True``) and view, and the bare round trips
+  of the two control channels (raw pyzmq, raw UNIX socket) for reference.
 
 GB = 1e9 bytes. The servers are stopped with SIGTERM at the end, also on error or Ctrl-C.
 
@@ -323,11 +325,17 @@ def bench_latency(srv: ServerProcess, transport: str, chunk: int, iters: int) ->
 
         res: dict[str, Any] = {"transport": transport, "chunk_bytes": kv.numel() * kv.element_size(), "iters": iters}
         res["channel"] = getattr(ctx._conn, "channel", "zmq")  # the control channel: the local socket or zmq
+        # reads answered from the pool directory (fast reads), where the client has one, and the
+        # same reads asked of the server (the ``*_rtt`` rows: one control round trip each)
+        fast = ctx._transfer.directory() is not None
         with raw_zmq(f"tcp://127.0.0.1:{free_port()}", 0) as peer, raw_unix() as unix:
-            ops = [("retrieve", one_retrieve), ("store", one_store), ("lookup_rtt", one_lookup)]
-            ops += [("view", one_view)] if transport == "shm" and hasattr(kvd, "view") else []
-            ops += [("raw_zmq_rtt", peer.ping), ("raw_unix_rtt", unix.ping)]
-            for op, fn in ops:
+            ops = [("retrieve_rtt", one_retrieve, False), ("lookup_rtt", one_lookup, False)]
+            ops += [("store", one_store, False)]
+            ops += [("retrieve", one_retrieve, True), ("lookup", one_lookup, True)] if fast else []
+            ops += [("view", one_view, False)] if transport == "shm" else []
+            ops += [("raw_zmq_rtt", peer.ping, False), ("raw_unix_rtt", unix.ping, False)]
+            for op, fn, reads_fast in ops:
+                ctx.fast_reads = reads_fast
                 ms = series(fn)
                 res[op] = {"p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99), "mean_ms": statistics.fmean(ms)}
     return res
@@ -388,20 +396,24 @@ def print_table(rows: list[dict[str, Any]], lat: list[dict[str, Any]], nbytes: i
         print()
         print(
             f"One-chunk latency ({lat[0]['chunk_bytes'] // 1024} KiB, {lat[0]['iters']} iterations; "
-            "store uses overwrite=True; lookup = one control round trip, no data; view = open + close; "
-            "raw_zmq_rtt / raw_unix_rtt = a bare pyzmq / UNIX-socket round trip between two Python "
-            "processes, the floors of the two control channels):"
+            "store uses overwrite=True; lookup / retrieve = answered from the pool directory (fast reads: "
+            "no round trip); lookup_rtt / retrieve_rtt = the same asked of the server (one control round "
+            "trip); view = open + close; raw_zmq_rtt / raw_unix_rtt = a bare pyzmq / UNIX-socket round trip "
+            "between two Python processes, the floors of the two control channels):"
         )
         lines = [("transport", "op", "p50 ms", "p99 ms", "mean ms")]
         for r in lat:
             lines.append((r["transport"], f"(control channel: {r['channel']})", "", "", ""))
-            for op in ("retrieve", "store", "lookup_rtt", "view", "raw_zmq_rtt", "raw_unix_rtt"):
+            for op in LAT_OPS:
                 if op in r:
                     s = r[op]
                     lines.append(
                         (r["transport"], op, f"{s['p50_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['mean_ms']:.3f}")
                     )
         _print_md(lines)
+
+
+LAT_OPS = ("lookup", "retrieve", "lookup_rtt", "retrieve_rtt", "store", "view", "raw_zmq_rtt", "raw_unix_rtt")
 
 
 def _print_md(lines: list[tuple[str, ...]]) -> None:

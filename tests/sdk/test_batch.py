@@ -42,6 +42,7 @@ def stored_prompts(ctx: kvd.KVCacheContext, base: int) -> list[list[int]]:
 
 
 def test_lookup_many_equals_the_single_lookups_in_one_round_trip(transport_server: ServerProc, bctx) -> None:
+    bctx.fast_reads = False  # every prompt goes to the server (see the test of fast batches below)
     prompts = stored_prompts(bctx, 100_000)
     singles = [kvd.lookup(bctx, p) for p in prompts]
     assert singles == [4 * CHUNK, 3 * CHUNK, 2 * CHUNK, 0, 0, 0, 4 * CHUNK]
@@ -53,6 +54,7 @@ def test_lookup_many_equals_the_single_lookups_in_one_round_trip(transport_serve
 
 def test_retrieve_many_equals_the_single_retrieves_in_one_round_trip(transport_server: ServerProc, bctx) -> None:
     srv = transport_server
+    bctx.fast_reads = False
     prompts = stored_prompts(bctx, 200_000)
     singles = [kvd.retrieve(bctx, p) for p in prompts]
     before = (requests(srv, "PrepareRetrieveMany"), requests(srv, "PrepareRetrieve"))
@@ -70,6 +72,28 @@ def test_retrieve_many_equals_the_single_retrieves_in_one_round_trip(transport_s
     )
     assert kvd.check_server_integrity(bctx) == []
     assert srv.get("/status")["sessions"] == 0  # every session of the batch was released
+
+
+def test_a_batch_the_pool_directory_answers_sends_nothing(make_server, tmp_path: Path) -> None:
+    """Each prompt is answered from the pool directory where its single call would be (a full
+    hit, or a final miss: no L2), the others in one message, with the same results."""
+    for srv in (make_server(), make_server("--disk-dir", str(tmp_path / "l2"))):
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+            prompts = stored_prompts(c, 500_000)
+            c.fast_reads = False
+            slow_hits, slow_kv = kvd.lookup_many(c, prompts), kvd.retrieve_many(c, prompts)
+            c.fast_reads = True
+            before = (requests(srv, "LookupMany"), requests(srv, "PrepareRetrieveMany"))
+            assert kvd.lookup_many(c, prompts) == slow_hits
+            got = kvd.retrieve_many(c, prompts)
+            for g, s in zip(got, slow_kv, strict=True):
+                assert (g is None and s is None) or (g is not None and s is not None and torch.equal(g, s))
+            # with an L2, the partial hits and the miss may grow there: those go to the server
+            asked = (1, 1) if "--disk-dir" in srv.args else (0, 0)
+            assert (requests(srv, "LookupMany"), requests(srv, "PrepareRetrieveMany")) == (
+                before[0] + asked[0],
+                before[1] + asked[1],
+            )
 
 
 @pytest.mark.parametrize(("layers", "start"), [(range(1, 3), 0), (None, 2 * CHUNK), (range(0, 3, 2), CHUNK)])
@@ -99,6 +123,7 @@ def test_one_salt_per_prompt(bctx) -> None:
 def test_a_batch_over_the_request_limit_is_split(make_server) -> None:
     srv = make_server("--max-request-tokens", str(4 * CHUNK))
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        c.fast_reads = False  # every prompt goes to the server
         prompts = [make_tokens(3 * CHUNK, start=1000 * i) for i in range(5)]  # 15 chunks: 5 requests of 4
         for i, p in enumerate(prompts):
             kvd.store(c, make_kv(len(p), seed=i), p)

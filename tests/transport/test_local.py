@@ -121,3 +121,43 @@ for _ in range(3):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, (r.returncode, r.stderr)
     assert r.stdout.strip() == "lost"
+
+
+def test_a_peer_watch_sees_the_peer_hang_up_and_never_a_reused_descriptor(tmp_path) -> None:
+    deaf = _Deaf(tmp_path)
+    try:
+        chan = LocalChannel(localmod.SCHEME + deaf.path, 5)
+        peer = deaf.accept()
+        watch = chan.watch()
+        assert watch.pid == os.getpid()  # SO_PEERCRED: the process that listened
+        peer.sendall(b"unread bytes")  # data waiting is not a hang-up
+        assert watch.alive()
+        chan.close()  # our own end closed: the watch keeps the connection open and alive
+        other = os.open(os.devnull, os.O_RDONLY)  # may take the closed descriptor's number
+        try:
+            assert watch.alive()
+        finally:
+            os.close(other)
+        peer.close()  # the peer hangs up
+        assert not watch.alive()
+        watch.close()
+        watch.close()  # harmless twice
+        assert not watch.alive()
+    finally:
+        deaf.close()
+
+
+def test_a_fire_and_forget_message_on_a_broken_channel_is_not_sent_and_raises_nothing(tmp_path) -> None:
+    from kvdock.protocol import messages as m
+    from kvdock.transport.client import ControlClient
+
+    deaf = _Deaf(tmp_path)
+    try:
+        client = ControlClient(localmod.SCHEME + deaf.path, 5)
+        deaf.accept().close()  # the server drops the connection
+        sent = [client.send_nowait(m.Ping()) for _ in range(3)]  # the first may still reach the socket
+        assert sent[-1] is False and not client.usable
+        client.close()
+        assert client.send_nowait(m.Ping()) is False
+    finally:
+        deaf.close()

@@ -1,7 +1,8 @@
 """lookup_many / retrieve_many: many prompts in one round trip.
 
 Each prompt gets what its single call would give (:func:`~kvdock.sdk.ops.lookup`,
-:func:`~kvdock.sdk.ops.retrieve`); the batch shares one message to the server and one reply.
+:func:`~kvdock.sdk.ops.retrieve`); prompts the pool directory answers (:mod:`kvdock.sdk.fastpath`)
+are answered there, and the rest share one message to the server and one reply.
 A batch larger than one request may be (``MAX_BATCH`` prompts, or more tokens than the server's
 ``max_request_tokens`` together) is sent as several messages, in order.
 """
@@ -17,7 +18,7 @@ from kvdock.config import MAX_BATCH
 from kvdock.errors import InvalidInputError, KVCacheSDKError, LeaseExpiredError, ServerUnavailableError
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
-from kvdock.sdk import validate
+from kvdock.sdk import fastpath, validate
 from kvdock.sdk.context import KVCacheContext
 from kvdock.sdk.ops import Landing, retrieve, whole_chunks
 
@@ -63,7 +64,14 @@ def lookup_many(ctx: KVCacheContext, prompts: Sequence[object], cache_salt: str 
     ctx = validate.context(ctx)
     wholes, salts = _requests(ctx, prompts, cache_salt)
     hits = [0] * len(wholes)
-    for group in _groups(ctx, wholes, [i for i, w in enumerate(wholes) if w]):
+    todo = []  # the prompts the pool directory cannot answer (sdk.fastpath), for the server
+    for i, w in enumerate(wholes):
+        hit = fastpath.lookup(ctx, w, salts[i]) if w else 0
+        if hit is None:
+            todo.append(i)
+        else:
+            hits[i] = hit
+    for group in _groups(ctx, wholes, todo):
         reply = ctx.call(m.LookupMany(ctx.client_id, [wholes[i] for i in group], [salts[i] for i in group])).reply
         if len(reply.hit_tokens) != len(group):
             raise KVCacheSDKError(f"malformed reply: {len(reply.hit_tokens)} hits for {len(group)} prompts")
@@ -89,7 +97,16 @@ def retrieve_many(
     picked = validate.layers(ctx, layers)
     start = validate.start(ctx, start)
     results: list[torch.Tensor | None] = [None] * len(wholes)
-    todo = [i for i, w in enumerate(wholes) if len(w) // TOKEN_DTYPE.itemsize > start]
+    todo = []  # the prompts the pool directory cannot answer (sdk.fastpath), for the server
+    for i, w in enumerate(wholes):
+        if len(w) // TOKEN_DTYPE.itemsize <= start:
+            continue
+        landing = Landing(ctx, picked, start)
+        hit = fastpath.retrieve(ctx, w, salts[i], landing.sink, landing.part)
+        if hit is None:
+            todo.append(i)
+        else:
+            results[i] = landing.result(hit)
     # inline replies carry the bytes: keep each one well under the server's cap per client
     reply_bytes = INLINE_BATCH_BYTES if ctx.transport == "inline" else 0
     for group in _groups(ctx, wholes, todo, reply_bytes):

@@ -30,6 +30,7 @@ the server; so does a server started with ``--no-fast-reads``.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,8 @@ from kvdock.shm.directory import Found
 
 if TYPE_CHECKING:
     from kvdock.sdk.context import KVCacheContext
+
+log = logging.getLogger("kvdock.sdk")
 
 
 FLUSH_S = 0.001  # a reading thread sends what is held once the oldest read is this old
@@ -131,7 +134,11 @@ class Reporter:
             entries, offsets, gens = self._entries, self._offsets, self._gens
             self._entries, self._offsets, self._gens = [], [], []
             self._since = 0.0
-        self._send(m.FastReads(self._client_id(), lookups, retrieves, asked, hit, entries, offsets, gens, nbytes))
+        report = m.FastReads(self._client_id(), lookups, retrieves, asked, hit, entries, offsets, gens, nbytes)
+        try:
+            self._send(report)
+        except Exception as e:  # a lost report costs counts and LRU order, never a read
+            log.debug("a FastReads report was not sent: %s", e)
 
     def close(self) -> None:
         """Send what is held and stop the thread. Harmless twice."""
@@ -146,7 +153,7 @@ class Reporter:
 
 def _find(ctx: KVCacheContext, t: Transfer, whole: bytes, cache_salt: str) -> Found | None:
     """The directory's answer for the whole chunks ``whole`` (token bytes), if it is final."""
-    directory = t.directory() if ctx.fast_reads else None
+    directory = t.directory()
     if directory is None:
         return None
     hashes = b"".join(chunk_hashes(np.frombuffer(whole, TOKEN_DTYPE), ctx.chunk_size))
@@ -160,6 +167,8 @@ def _find(ctx: KVCacheContext, t: Transfer, whole: bytes, cache_salt: str) -> Fo
 def lookup(ctx: KVCacheContext, whole: bytes, cache_salt: str) -> int | None:
     """How many leading tokens of ``whole`` are cached (as ``Lookup`` would answer), or None:
     ask the server."""
+    if not ctx.fast_reads:
+        return None
     with ctx.transfer(answered=False) as t:
         found = _find(ctx, t, whole, cache_salt)
     if found is None:
@@ -178,6 +187,8 @@ def retrieve(
     """Copy the cached prefix of ``whole`` to ``make_sink(hit tokens)`` as ``PrepareRetrieve``
     would hand it out (``part`` of each chunk) and return the hit in tokens, or None: ask the
     server (nothing was copied, or what was may be garbage)."""
+    if not ctx.fast_reads:
+        return None
     with ctx.transfer(answered=False) as t:
         found = _find(ctx, t, whole, cache_salt)
         if found is None:

@@ -228,14 +228,15 @@ class ControlClient:
     def send_nowait(self, msg: msgspec.Struct, wait_s: float = 0.0) -> bool:
         """Send without waiting for the reply, which is dropped when it arrives (used for
         best-effort cleanup); waits up to ``wait_s`` for room to send. Whether it was sent: not
-        once closed or broken, nor when there was no room."""
+        once closed or broken (also when that happens meanwhile), nor when there was no room.
+        Never raises for the channel's state."""
         with self._mutex:
             if self._closed:
                 return False
             seq = self._next_seq()
         try:
             self._send([seq, encode(msg)], time.monotonic() + wait_s if wait_s > 0 else None)
-        except ControlTimeout:
+        except ControlTimeout:  # no room, or the channel broke (ConnectionLost is one)
             return False
         return True
 

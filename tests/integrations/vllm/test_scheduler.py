@@ -139,7 +139,12 @@ def test_a_lookup_done_within_the_wait_is_answered_by_the_first_ask(server: Serv
     s.shutdown()
 
 
-def test_a_hung_server_never_blocks_the_scheduler_and_is_a_miss_after_timeout(server: ServerProcess) -> None:
+def test_a_hung_server_never_blocks_the_scheduler_and_is_a_miss_after_timeout(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a stopped server's pool directory still answers lookups (fast reads: its state cannot change);
+    # these lookups must reach the server, which does not answer
+    monkeypatch.setenv("KVDOCK_FAST_READS", "0")
     clock = Clock()
     s = side(server, clock, lookup_wait=0.0)
     assert ask(s, request("warm", list(range(1, 100)))) == 0  # connected
@@ -154,7 +159,10 @@ def test_a_hung_server_never_blocks_the_scheduler_and_is_a_miss_after_timeout(se
     s.shutdown()
 
 
-def test_a_hung_server_costs_one_lookup_wait_then_busy_steps_never_wait(server: ServerProcess) -> None:
+def test_a_hung_server_costs_one_lookup_wait_then_busy_steps_never_wait(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVDOCK_FAST_READS", "0")  # the lookups must reach the stopped server (see above)
     # the injected clock never moves: no request times out; the SDK's own timeout (20 s) is far away
     s = side(server, Clock(), lookup_wait=1.0, timeout=20.0)
     assert ask(s, request("warm", list(range(1, 100)))) == 0  # connected: a fast lookup

@@ -2,7 +2,8 @@
  *
  * - copy_runs: copies of contiguous runs of bytes, split across threads, without the GIL;
  * - populate / blank: faulting a range of pages in, and replacing one with zero pages;
- * - pack_tokens: a list of Python ints as uint32 token ids, checked, in one pass.
+ * - pack_tokens: a list of Python ints as uint32 token ids, checked, in one pass;
+ * - moved: the seqlock read side of a copy out of pool slots (their generations, read after it).
  *
  * A KV chunk is 2*L contiguous runs (one per K/V plane and layer) in a [2, L, T, D] tensor, and
  * one contiguous block in a pool slot. torch's copy_ of such strided views runs at 0.6-0.7x of
@@ -267,7 +268,56 @@ static PyObject *py_pack_tokens(PyObject *self, PyObject *seq) {
     return out;
 }
 
+PyDoc_STRVAR(moved_doc,
+             "moved(table, entries, base, offsets, gens, mask) -> int\n\n"
+             "After a copy out of pool slots: how many of them were freed since their generations\n"
+             "``gens`` were read, comparing the generation table (``entries`` u64s at address ``table``,\n"
+             "one per 4 KiB page of the slot area at ``base``) entry of each slot (``offsets``: int64)\n"
+             "with its uint64 ``gens``, after an acquire fence: every load of the copy, made before the\n"
+             "call, is done before the table is read (free on x86-64, a barrier on arm64). Writes 1 into\n"
+             "the uint8 ``mask`` for each moved slot (an offset outside the table counts as moved).");
+
+static PyObject *py_moved(PyObject *self, PyObject *args) {
+    unsigned long long table, entries, base;
+    PyObject *off_obj, *gen_obj, *mask_obj;
+    if (!PyArg_ParseTuple(args, "KKKOOO", &table, &entries, &base, &off_obj, &gen_obj, &mask_obj)) return NULL;
+    Py_buffer offs, gens, mask;
+    if (get_u64s(off_obj, &offs, "offsets") < 0) return NULL;
+    if (get_u64s(gen_obj, &gens, "gens") < 0) {
+        PyBuffer_Release(&offs);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(mask_obj, &mask, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&offs);
+        PyBuffer_Release(&gens);
+        return NULL;
+    }
+    Py_ssize_t n = offs.len / 8;
+    long long moved = -1;
+    if (gens.len != offs.len || mask.len < n) {
+        PyErr_SetString(PyExc_ValueError, "offsets, gens and mask must have one item per slot");
+    } else {
+        const uint64_t *gen_table = (const uint64_t *)(uintptr_t)table;
+        const uint64_t *o = (const uint64_t *)offs.buf, *g = (const uint64_t *)gens.buf;
+        uint8_t *out = (uint8_t *)mask.buf;
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        moved = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t page = (o[i] - base) / 4096;
+            int bad = o[i] < base || page >= entries || __atomic_load_n(&gen_table[page], __ATOMIC_RELAXED) != g[i];
+            out[i] = (uint8_t)bad;
+            moved += bad;
+        }
+    }
+    PyBuffer_Release(&offs);
+    PyBuffer_Release(&gens);
+    PyBuffer_Release(&mask);
+    if (moved < 0) return NULL;
+    return PyLong_FromLongLong(moved);
+}
+
 static PyMethodDef methods[] = {
+    {"moved", py_moved, METH_VARARGS, moved_doc},
     {"pack_tokens", py_pack_tokens, METH_O, pack_tokens_doc},
     {"blank", py_blank, METH_VARARGS, blank_doc},
     {"copy_runs", py_copy_runs, METH_VARARGS, copy_runs_doc},

@@ -14,7 +14,7 @@ from helpers import CHUNK, GEOMETRY, MODEL, free_port, make_kv, make_tokens
 from kvdock.errors import KVCacheSDKError
 from kvdock.layout import KVGeometry
 from kvdock.protocol import messages as m
-from kvdock.sdk.context import find_model
+from kvdock.sdk.handshake import find_model
 
 
 def test_unreachable_http_names_the_url() -> None:

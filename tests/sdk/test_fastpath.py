@@ -21,7 +21,7 @@ import torch
 import kvdock.sdk as kvd
 from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, start_server, wait_written
 from kvdock.protocol import messages as m
-from kvdock.sdk.context import _watch_creator
+from kvdock.sdk.handshake import watch_creator
 from kvdock.shm import PoolSegment
 from kvdock.transport.client import ControlClient
 
@@ -316,9 +316,9 @@ def test_only_the_process_that_made_the_pool_is_watched(server) -> None:
         assert c._transfer.directory() is not None
         mine = PoolSegment.create(4096, 8)  # made by this process, not by the server
         try:
-            assert _watch_creator(c._conn, mine) is None
+            assert watch_creator(c._conn, mine) is None
             theirs = PoolSegment.attach(server.get("/config")["l1"]["shm_name"])
-            watch = _watch_creator(c._conn, theirs)
+            watch = watch_creator(c._conn, theirs)
             assert watch is not None and watch.pid == server.proc.pid and watch.alive()
             watch.close()
             assert not watch.alive()

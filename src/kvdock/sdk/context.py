@@ -1,74 +1,30 @@
-"""KVCacheContext: one SDK connection to one server for one model, and the handshake that makes it."""
+"""KVCacheContext: one SDK connection to one server for one model (the handshake that makes it is
+:mod:`kvdock.sdk.handshake`)."""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import msgspec
-import torch
 
-from kvdock import layout
-from kvdock.errors import (
-    InvalidInputError,
-    KVCacheSDKError,
-    UnknownModelError,
-)
+from kvdock.errors import KVCacheSDKError
 from kvdock.protocol import ErrorCode
 from kvdock.protocol import messages as m
 from kvdock.sdk import validate
 from kvdock.sdk.connection import Connection
 from kvdock.sdk.fastpath import Reporter
-from kvdock.sdk.http import get_json
-from kvdock.sdk.transfer import InlineTransfer, ShmTransfer, Transfer
-from kvdock.shm import PoolSegment
-from kvdock.shm.segment import proc_start_time
+from kvdock.sdk.handshake import TORCH_DTYPES, register
+from kvdock.sdk.transfer import Transfer
 from kvdock.transport.client import Response
-from kvdock.transport.local import PeerWatch
 
 log = logging.getLogger("kvdock.sdk")
-
-TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in layout.DTYPE_SIZES}
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """``torch.bfloat16`` or ``"bfloat16"`` → ``"bfloat16"``; InvalidInputError if unsupported."""
-    name = str(dtype).removeprefix("torch.")
-    try:
-        return layout.check_dtype(name)
-    except ValueError as e:
-        raise InvalidInputError(str(e)) from None
-
-
-def find_model(status: dict[str, Any], model_name: str) -> m.ModelLayout:
-    """``model_name``'s layout from /status (the ModelLayout under its entry's ``layout``);
-    UnknownModelError lists the known ones, KVCacheSDKError if it cannot be decoded."""
-    entries = {e.get("model_name"): e for e in status.get("cache_context_meta", [])}
-    entry = entries.get(model_name)
-    if entry is None:
-        known = ", ".join(sorted(str(name) for name in entries)) or "none"
-        raise UnknownModelError(f"model {model_name!r} is not registered with the server; registered models: {known}")
-    try:
-        lay = msgspec.convert(entry["layout"], m.ModelLayout)
-        lay.geometry.check()
-    except KeyError:
-        raise KVCacheSDKError(
-            f"the server's /status has no layout for {model_name!r} (a server older than protocol "
-            f"{m.PROTOCOL_VERSION}?)"
-        ) from None
-    except (msgspec.ValidationError, ValueError) as e:
-        raise KVCacheSDKError(f"cannot decode the layout of {model_name!r}: {e}") from None
-    if lay.model_name != model_name:
-        raise KVCacheSDKError(f"the server's /status entry for {model_name!r} holds the layout of {lay.model_name!r}")
-    return lay
-
 
 _RESTARTABLE = (m.Lookup, m.PrepareStore, m.PrepareRetrieve, m.LookupMany, m.PrepareRetrieveMany, m.Locate)
 CLOSE_WAIT_S = 10.0  # how long close() waits for copies in progress before it stops waiting
@@ -135,6 +91,7 @@ class KVCacheContext:
         # checked here so that an oversized request is refused at once, never sent (the server
         # refuses it too, and drops frames larger than any request)
         self.max_request_tokens = 0
+        self.kv_rank = 0  # the rank it registered as: its objects' namespace (handshake.SDK_RANK)
         self._conn = conn
         self._ref = _TransferRef(transfer, client_id)
         self._refs = threading.Condition(threading.Lock())  # guards _ref, its counts, _closed
@@ -146,7 +103,9 @@ class KVCacheContext:
         # lookups and retrieves may be answered from the pool directory (sdk.fastpath), and
         # what they read is reported to the server, before any request of this context
         self.fast_reads = validate.fast_reads_default()
-        self.reporter = Reporter(conn.send_nowait, lambda: self.client_id)
+        # (a weak reference: the reporter's thread must not keep an unclosed context alive)
+        me = weakref.ref(self)
+        self.reporter = Reporter(conn.send_nowait, lambda: getattr(me(), "client_id", ""))
 
     @property
     def transport(self) -> str:
@@ -232,7 +191,7 @@ class KVCacheContext:
         return resp
 
     def _reconnect(self) -> None:
-        reg = _register(self._conn, self.http_url, self.model_name)
+        reg = register(self._conn, self.http_url, self.model_name)
         if reg.layout.geometry != self.geometry or reg.chunk_size != self.chunk_size:
             reg.transfer.close()
             self._conn.send_nowait(m.CloseClient(reg.client_id))  # the server registered it already
@@ -249,6 +208,7 @@ class KVCacheContext:
         log.info("server %s restarted; registered again", self.url)
         self.max_request_tokens = reg.max_request_tokens
         self.session_ttl = reg.session_ttl
+        self.kv_rank = reg.kv_rank
 
     def notify(self, msg: msgspec.Struct) -> None:
         """Send a message whose reply nobody waits for (dropped on arrival); no-op once closed."""
@@ -333,102 +293,15 @@ def connect(url: str, http_url: str, model_name: str, timeout: float = 60.0) -> 
     validate.environment()
     conn = Connection(url, timeout)
     try:
-        reg = _register(conn, http_url, model_name)
+        reg = register(conn, http_url, model_name)
     except BaseException:
         conn.close()
         raise
     ctx = KVCacheContext(url, http_url, reg.layout, reg.chunk_size, conn, reg.client_id, reg.transfer)
     ctx.max_request_tokens = reg.max_request_tokens
     ctx.session_ttl = reg.session_ttl
+    ctx.kv_rank = reg.kv_rank
     return ctx
-
-
-@dataclass
-class _Registration:
-    layout: m.ModelLayout
-    chunk_size: int
-    client_id: str
-    transfer: Transfer
-    max_request_tokens: int = 0  # the server's limit (0: not advertised)
-    session_ttl: float = 30.0
-
-
-def _register(conn: Connection, http_url: str, model_name: str) -> _Registration:
-    """The handshake of DESIGN.md section 4 over ``conn`` (used again after a server restart)."""
-    timeout = conn.timeout
-    config = get_json(http_url, "/config", timeout)
-    lay = find_model(get_json(http_url, "/status", timeout), model_name)
-    geo = lay.geometry
-    chunk_size = int(config["chunk_size"])
-    if geo.world_size != 1:
-        raise KVCacheSDKError(f"{model_name!r} has world_size {geo.world_size}; the SDK supports world_size 1 only")
-    if geo.kv_kind != layout.KV_PAIR:
-        raise KVCacheSDKError(f"{model_name!r} has kv_kind {geo.kv_kind!r}; the SDK supports K/V pairs only")
-    segment = _try_attach(config)
-    try:
-        reply = conn.call(
-            m.RegisterClient(
-                m.PROTOCOL_VERSION,
-                str(os.getpid()),
-                model_name,
-                0,
-                segment.nonce if segment else "",
-                pid=os.getpid(),
-                pid_start=proc_start_time(os.getpid()) or 0,
-            )
-        ).reply
-        if reply.chunk_size != chunk_size or reply.slot_nbytes != geo.chunk_nbytes(chunk_size):
-            raise KVCacheSDKError(
-                f"{conn.url} and {http_url} do not describe the same server (chunk size or layout differ)"
-            )
-    except BaseException:
-        if segment:
-            segment.close()
-        raise
-    dtype = TORCH_DTYPES[geo.dtype]
-    transfer: Transfer
-    if reply.transport == "shm" and segment is not None:
-        conn.use_local(reply.local_url)
-        transfer = ShmTransfer(geo, chunk_size, dtype, segment, _watch_creator(conn, segment))
-    else:
-        if segment is not None:
-            segment.close()
-        transfer = InlineTransfer(geo, chunk_size, dtype)
-        conn.use_local("")
-    return _Registration(
-        lay,
-        chunk_size,
-        reply.client_id,
-        transfer,
-        int(config.get("max_request_tokens") or 0),
-        float(config.get("session_ttl") or 30.0),
-    )
-
-
-def _watch_creator(conn: Connection, segment: PoolSegment) -> PeerWatch | None:
-    """A watch of the local connection's server end if the process there created ``segment``
-    (its pid, and that pid's start time, are the segment's creator's), else None: only then does
-    the watch tell whether the segment's directory still means something."""
-    watch = conn.peer_watch()
-    if watch is None:
-        return None
-    pid, start = segment.creator_pid, segment.creator_start
-    if watch.pid != pid or not start or proc_start_time(pid) != start:
-        log.info("the local socket's peer (pid %d) did not create the pool; reads ask the server", watch.pid)
-        watch.close()
-        return None
-    return watch
-
-
-def _try_attach(config: dict[str, Any]) -> PoolSegment | None:
-    l1 = config.get("l1", {})
-    if not l1.get("shm_enabled") or not l1.get("shm_name"):
-        return None
-    try:
-        return PoolSegment.attach(l1["shm_name"])
-    except (OSError, ValueError) as e:
-        log.info("cannot map the server's shared memory (%s); using the inline transport", e)
-        return None
 
 
 def close(ctx: KVCacheContext) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -56,12 +57,16 @@ MAX_HELD = 4096  # chunks a Reporter holds back at most
 
 
 class Reporter:
-    """The reads of one context the server has not been told of yet, sent as one FastReads: by
-    the next reading thread once the oldest is FLUSH_S old (or MAX_HELD chunks are held), before
-    the context's next request (:meth:`flush`), at :meth:`close`, and else by a thread of the
-    reporter once the oldest is IDLE_FLUSH_S old. That thread wakes rarely (about twice per
-    IDLE_FLUSH_S while reads go on, never while none are held): on 2 CPUs every wake-up of a
-    second Python thread costs the reading thread a GIL hand-over. Thread-safe."""
+    """The reads of one context the server has not been told of yet, sent as FastReads: by the
+    next reading thread once the oldest is FLUSH_S old (or MAX_HELD chunks would be held), by
+    :meth:`flush` (the context calls it before each of its requests, so a thread's own next
+    request reaches the server after the reads it did before it), at :meth:`close`, and else by
+    a thread of the reporter once the oldest is IDLE_FLUSH_S old. That thread wakes rarely (about
+    twice per IDLE_FLUSH_S while reads go on, once a second otherwise): on 2 CPUs every wake-up of
+    a second Python thread costs the reading thread a GIL hand-over. It holds the reporter only
+    weakly, and ends once the reporter is gone (a context dropped without close()). A message
+    lists at most MAX_HELD chunks (a long read's go in several): well inside what one local
+    message may carry. Thread-safe; not across fork()."""
 
     def __init__(self, send: Callable[[m.FastReads], None], client_id: Callable[[], str]) -> None:
         self._send, self._client_id = send, client_id
@@ -73,7 +78,7 @@ class Reporter:
         self._gens: list[int] = []
         self._thread: threading.Thread | None = None
         self._asleep = False  # the thread waits for something to be held (it needs a notify)
-        self._closed = False
+        self.closed = False
 
     @property
     def pending(self) -> bool:
@@ -81,12 +86,15 @@ class Reporter:
 
     def add(self, asked: int, hit: int, found: Found | None = None, nbytes: int = 0) -> None:
         """A lookup (``found`` None) or a retrieve of ``found`` (``nbytes`` copied) was answered."""
+        chunks = found.count if found is not None and hit else 0
+        if chunks and len(self._entries) + chunks > MAX_HELD:
+            self.flush()  # what is held goes alone: a message stays small
         now = time.monotonic()
         with self._cond:
             c = self._counts
             if found is None:
                 c[0] += 1
-            elif hit:
+            elif chunks:
                 c[1] += 1
                 self._entries += found.entries.tolist()
                 self._offsets += found.offsets.tolist()
@@ -102,31 +110,22 @@ class Reporter:
             self.flush()
 
     def _wake(self) -> None:  # under _cond: something is held now
-        if self._closed:
+        if self.closed:
             return
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvdock-fast-reads", daemon=True)
+            args = (weakref.ref(self), self._cond)
+            self._thread = threading.Thread(target=_report_idle, args=args, name="kvdock-fast-reads", daemon=True)
             self._thread.start()
         elif self._asleep:
             self._cond.notify()
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._since and not self._closed:
-                    self._asleep = True
-                    self._cond.wait()
-                    self._asleep = False
-                if self._closed:
-                    return
-                left = self._since + IDLE_FLUSH_S - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
-                    continue
-            self.flush()
+    def due(self) -> float | None:
+        """Under ``_cond``: seconds until what is held is IDLE_FLUSH_S old (<= 0: now), None if
+        nothing is held."""
+        return self._since + IDLE_FLUSH_S - time.monotonic() if self._since else None
 
     def flush(self) -> None:
-        """Send what is held (nothing if nothing is)."""
+        """Send what is held (nothing if nothing is), in messages of at most MAX_HELD chunks."""
         with self._cond:
             if not self._since:
                 return
@@ -134,21 +133,45 @@ class Reporter:
             entries, offsets, gens = self._entries, self._offsets, self._gens
             self._entries, self._offsets, self._gens = [], [], []
             self._since = 0.0
-        report = m.FastReads(self._client_id(), lookups, retrieves, asked, hit, entries, offsets, gens, nbytes)
-        try:
-            self._send(report)
-        except Exception as e:  # a lost report costs counts and LRU order, never a read
-            log.debug("a FastReads report was not sent: %s", e)
+        client_id = self._client_id()
+        for at in range(0, max(len(entries), 1), MAX_HELD):
+            cut = slice(at, at + MAX_HELD)
+            report = m.FastReads(
+                client_id, lookups, retrieves, asked, hit, entries[cut], offsets[cut], gens[cut], nbytes
+            )
+            lookups = retrieves = asked = hit = nbytes = 0  # counted once, with the first part
+            try:
+                self._send(report)
+            except Exception as e:  # a lost report costs counts and LRU order, never a read
+                log.debug("a FastReads report was not sent: %s", e)
 
     def close(self) -> None:
         """Send what is held and stop the thread. Harmless twice."""
         with self._cond:
-            self._closed = True
+            self.closed = True
             self._cond.notify()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         self.flush()
+
+
+def _report_idle(ref: weakref.ref[Reporter], cond: threading.Condition) -> None:
+    """The reporter's thread: sends what is held once it is IDLE_FLUSH_S old; ends when the
+    reporter is closed or gone (it holds it only while it looks at it)."""
+    while True:
+        with cond:
+            reporter = ref()
+            if reporter is None or reporter.closed:
+                return
+            left = reporter.due()
+            if left is None or left > 0:
+                reporter._asleep = left is None
+                del reporter  # not kept while waiting
+                cond.wait(1.0 if left is None else left)
+                continue
+        reporter.flush()
+        del reporter
 
 
 def _find(ctx: KVCacheContext, t: Transfer, whole: bytes, cache_salt: str) -> Found | None:
@@ -157,7 +180,7 @@ def _find(ctx: KVCacheContext, t: Transfer, whole: bytes, cache_salt: str) -> Fo
     if directory is None:
         return None
     hashes = b"".join(chunk_hashes(np.frombuffer(whole, TOKEN_DTYPE), ctx.chunk_size))
-    ns = namespace_digest(ctx.model_name, 0, cache_salt)
+    ns = namespace_digest(ctx.model_name, ctx.kv_rank, cache_salt)
     found = directory.find(ns, hashes, t.chunk_nbytes)
     if found.ended == "all" or (found.ended == "absent" and directory.complete):
         return found

@@ -12,7 +12,7 @@ from kvdock.config import MAX_NAME_LEN
 from kvdock.errors import InvalidInputError
 from kvdock.protocol import messages as m
 from kvdock.sdk.connection import Connection
-from kvdock.sdk.context import dtype_name
+from kvdock.sdk.handshake import dtype_name
 from kvdock.sdk.http import get_json
 
 

@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kvdock import _native  # type: ignore[attr-defined]
 from kvdock.errors import KVCacheSDKError, LeaseExpiredError
 from kvdock.layout import KVGeometry
 from kvdock.memcpy import Copier, populate
@@ -34,7 +35,6 @@ from kvdock.protocol.messages import ReadPart, SlotRef
 from kvdock.sdk.buffers import buffer_pool
 from kvdock.shm import PoolSegment
 from kvdock.shm.directory import DirectoryReader
-from kvdock.shm.slots import ALIGN
 from kvdock.transport.local import PeerWatch
 
 log = logging.getLogger("kvdock.sdk")
@@ -313,23 +313,30 @@ class ShmTransfer(Transfer):
                     sink.take(j, self._slot(off)[:, layers])
         finally:
             finish(sink)
-        # seqlock read side: the copies above are complete (finish returned) before these loads
-        moved = np.count_nonzero(self._generations(offsets) != gens)
-        if moved:
+        # seqlock read side: the copies above are complete (finish returned); the generations
+        # are read after an acquire fence (native), so no load of the copy comes after them
+        moved = self._moved(offsets, gens)
+        if moved.any():
             raise LeaseExpiredError(
-                f"the lease of this retrieve ran out during the copy and {moved} slot(s) were reused "
-                "(was the process paused?); the bytes were discarded"
+                f"the lease of this retrieve ran out during the copy and {np.count_nonzero(moved)} slot(s) were "
+                "reused (was the process paused?); the bytes were discarded"
             )
 
-    def _generations(self, offsets: np.ndarray) -> np.ndarray:
-        return self._gens[(offsets - self._base) // ALIGN]
+    def _moved(self, offsets: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """Which of the slots at ``offsets`` were freed since they had the generations ``gens``
+        (a uint8 mask; see ``_native.moved``)."""
+        mask = np.zeros(len(offsets), np.uint8)
+        table = self._gens
+        offs, want = np.ascontiguousarray(offsets, np.uint64), np.ascontiguousarray(gens, np.uint64)
+        _native.moved(table.ctypes.data, len(table), self._base, offs, want, mask)
+        return mask
 
     def moved(self, slots: Sequence[SlotRef]) -> list[int]:
         """The chunks whose slot was freed (and maybe handed out again) since ``slots`` were
         handed out: their generation is no longer the one the server gave."""
         offsets = np.fromiter((s.offset for s in slots), np.int64, len(slots))
         gens = np.fromiter((s.gen for s in slots), np.uint64, len(slots))
-        return [slots[i].index for i in np.flatnonzero(self._generations(offsets) != gens).tolist()]
+        return [slots[i].index for i in np.flatnonzero(self._moved(offsets, gens)).tolist()]
 
     def map_readonly(self, offset: int, length: int) -> mmap.mmap:
         """A new read-only mapping of part of the pool (for zero-copy views)."""

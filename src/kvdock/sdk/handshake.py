@@ -1,0 +1,156 @@
+"""The handshake of an SDK context with a server (DESIGN.md section 4): read /config and /status,
+decode the model's layout, map the shared-memory pool when this process can, register as a
+client, and pick the transfer (shared memory with a watch of the server, or inline frames).
+Used by :func:`kvdock.sdk.connect` and again after a server restart."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from kvdock import layout
+from kvdock.errors import InvalidInputError, KVCacheSDKError, UnknownModelError
+from kvdock.protocol import messages as m
+from kvdock.sdk.connection import Connection
+from kvdock.sdk.http import get_json
+from kvdock.sdk.transfer import InlineTransfer, ShmTransfer, Transfer
+from kvdock.shm import PoolSegment
+from kvdock.shm.segment import proc_start_time
+from kvdock.transport.local import PeerWatch
+
+log = logging.getLogger("kvdock.sdk")
+
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in layout.DTYPE_SIZES}
+SDK_RANK = 0  # the SDK holds a model's whole KV (world_size 1): it registers as rank 0
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` or ``"bfloat16"`` → ``"bfloat16"``; InvalidInputError if unsupported."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return layout.check_dtype(name)
+    except ValueError as e:
+        raise InvalidInputError(str(e)) from None
+
+
+def find_model(status: dict[str, Any], model_name: str) -> m.ModelLayout:
+    """``model_name``'s layout from /status (the ModelLayout under its entry's ``layout``);
+    UnknownModelError lists the known ones, KVCacheSDKError if it cannot be decoded."""
+    entries = {e.get("model_name"): e for e in status.get("cache_context_meta", [])}
+    entry = entries.get(model_name)
+    if entry is None:
+        known = ", ".join(sorted(str(name) for name in entries)) or "none"
+        raise UnknownModelError(f"model {model_name!r} is not registered with the server; registered models: {known}")
+    try:
+        lay = msgspec.convert(entry["layout"], m.ModelLayout)
+        lay.geometry.check()
+    except KeyError:
+        raise KVCacheSDKError(
+            f"the server's /status has no layout for {model_name!r} (a server older than protocol "
+            f"{m.PROTOCOL_VERSION}?)"
+        ) from None
+    except (msgspec.ValidationError, ValueError) as e:
+        raise KVCacheSDKError(f"cannot decode the layout of {model_name!r}: {e}") from None
+    if lay.model_name != model_name:
+        raise KVCacheSDKError(f"the server's /status entry for {model_name!r} holds the layout of {lay.model_name!r}")
+    return lay
+
+
+@dataclass
+class Registration:
+    """What a handshake got: the model's layout, the server's chunk size and limits, this
+    client's id and rank, and the transfer to copy through."""
+
+    layout: m.ModelLayout
+    chunk_size: int
+    client_id: str
+    transfer: Transfer
+    max_request_tokens: int = 0  # the server's limit (0: not advertised)
+    session_ttl: float = 30.0
+    kv_rank: int = 0  # the rank this client registered as (its objects' namespace)
+
+
+def register(conn: Connection, http_url: str, model_name: str) -> Registration:
+    """The handshake of DESIGN.md section 4 over ``conn`` (used again after a server restart)."""
+    timeout = conn.timeout
+    config = get_json(http_url, "/config", timeout)
+    lay = find_model(get_json(http_url, "/status", timeout), model_name)
+    geo = lay.geometry
+    chunk_size = int(config["chunk_size"])
+    if geo.world_size != 1:
+        raise KVCacheSDKError(f"{model_name!r} has world_size {geo.world_size}; the SDK supports world_size 1 only")
+    if geo.kv_kind != layout.KV_PAIR:
+        raise KVCacheSDKError(f"{model_name!r} has kv_kind {geo.kv_kind!r}; the SDK supports K/V pairs only")
+    segment = try_attach(config)
+    try:
+        reply = conn.call(
+            m.RegisterClient(
+                m.PROTOCOL_VERSION,
+                str(os.getpid()),
+                model_name,
+                SDK_RANK,
+                segment.nonce if segment else "",
+                pid=os.getpid(),
+                pid_start=proc_start_time(os.getpid()) or 0,
+            )
+        ).reply
+        if reply.chunk_size != chunk_size or reply.slot_nbytes != geo.chunk_nbytes(chunk_size):
+            raise KVCacheSDKError(
+                f"{conn.url} and {http_url} do not describe the same server (chunk size or layout differ)"
+            )
+    except BaseException:
+        if segment:
+            segment.close()
+        raise
+    dtype = TORCH_DTYPES[geo.dtype]
+    transfer: Transfer
+    if reply.transport == "shm" and segment is not None:
+        conn.use_local(reply.local_url)
+        transfer = ShmTransfer(geo, chunk_size, dtype, segment, watch_creator(conn, segment))
+    else:
+        if segment is not None:
+            segment.close()
+        transfer = InlineTransfer(geo, chunk_size, dtype)
+        conn.use_local("")
+    return Registration(
+        lay,
+        chunk_size,
+        reply.client_id,
+        transfer,
+        int(config.get("max_request_tokens") or 0),
+        float(config.get("session_ttl") or 30.0),
+        SDK_RANK,
+    )
+
+
+def watch_creator(conn: Connection, segment: PoolSegment) -> PeerWatch | None:
+    """A watch of the local connection's server end if the process there created ``segment``
+    (its pid, and that pid's start time, are the segment's creator's), else None: only then does
+    the watch tell whether the segment's directory still means something."""
+    watch = conn.peer_watch()
+    if watch is None:
+        return None
+    pid, start = segment.creator_pid, segment.creator_start
+    if watch.pid != pid or not start or proc_start_time(pid) != start:
+        log.info("the local socket's peer (pid %d) did not create the pool; reads ask the server", watch.pid)
+        watch.close()
+        return None
+    return watch
+
+
+def try_attach(config: dict[str, Any]) -> PoolSegment | None:
+    l1 = config.get("l1", {})
+    if not l1.get("shm_enabled") or not l1.get("shm_name"):
+        return None
+    try:
+        return PoolSegment.attach(l1["shm_name"])
+    except (OSError, ValueError) as e:
+        log.info("cannot map the server's shared memory (%s); using the inline transport", e)
+        return None
+
+

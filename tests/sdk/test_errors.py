@@ -369,22 +369,29 @@ def test_kv_that_requires_grad_is_stored_as_its_values(make_server, transport: s
 # ---------------------------------------------------------------- regressions
 
 
-@pytest.mark.parametrize("kind", ["overlapping", "requires_grad"])
+@pytest.mark.parametrize("kind", ["expanded", "overlapping layers", "requires_grad"])
 def test_retrieve_out_unusable_buffer_is_an_invalid_input_error(ctx: kvd.KVCacheContext, kind: str) -> None:
     """Regression: retrieve(..., out=buf) only checked shape, dtype and device: a buffer whose
     elements overlap (an expand()ed tensor) or that requires grad failed inside copy_ with a bare
-    RuntimeError instead of the promised InvalidInputError."""
+    RuntimeError instead of the promised InvalidInputError. And an as_strided view whose layers
+    share memory (adversarial test) was written into, returning what the last writes left."""
     n = 2 * CHUNK
     tokens = make_tokens(n)
     assert kvd.store(ctx, make_kv(n), tokens)
-    d = ctx.geometry.hidden_dim
-    if kind == "overlapping":
-        out = torch.zeros(2, ctx.geometry.num_layers, 1, d, dtype=ctx.dtype).expand(-1, -1, n, -1)
+    layers, d = ctx.geometry.num_layers, ctx.geometry.hidden_dim
+    backing = torch.full((2 * layers * n * d,), 3.0, dtype=ctx.dtype)
+    if kind == "expanded":
+        out = torch.zeros(2, layers, 1, d, dtype=ctx.dtype).expand(-1, -1, n, -1)
+    elif kind == "overlapping layers":  # a layer's stride is half a layer
+        out = backing.as_strided((2, layers, n, d), (layers * n * d, n * d // 2, d, 1))
     else:
-        out = torch.zeros(2, ctx.geometry.num_layers, n, d, dtype=ctx.dtype, requires_grad=True)
-    match = "overlapping elements" if kind == "overlapping" else "must not require grad"
-    with pytest.raises(kvd.InvalidInputError, match=match):
-        kvd.retrieve(ctx, tokens, out=out)
+        out = torch.zeros(2, layers, n, d, dtype=ctx.dtype, requires_grad=True)
+    match = "must not require grad" if kind == "requires_grad" else "overlapping elements"
+    for fast in (True, False):
+        ctx.fast_reads = fast
+        with pytest.raises(kvd.InvalidInputError, match=match):
+            kvd.retrieve(ctx, tokens, out=out)
+    assert (backing == 3.0).all()  # nothing written
 
 
 def test_failed_reregistration_leaks_no_server_side_clients(make_server, tmp_path) -> None:

@@ -339,3 +339,63 @@ def test_a_killed_server_hangs_up_the_watch_at_once(make_server) -> None:
         srv.proc.wait()
         assert not watch.alive()
         watch.close()
+
+
+def test_a_read_redone_with_a_shorter_hit_leaves_no_bytes_in_out_past_it(server, monkeypatch) -> None:
+    """Regression (adversarial test): a fast read whose slots moved during its copy is redone
+    through the server; when that finds less, ``out`` past the returned view held the bytes the
+    first copy wrote (another object's, under load)."""
+    from kvdock.sdk.transfer import ShmTransfer
+
+    tokens = make_tokens(2 * CHUNK, start=9900)
+    with kvd.connect(server.url, server.http_url, MODEL) as c:
+        assert kvd.store(c, make_kv(2 * CHUNK, seed=8), tokens)
+        real = ShmTransfer._moved
+        calls = []
+
+        def clear_first(self, offsets, gens):  # type: ignore[no-untyped-def]
+            if not calls:  # the fast read's copy is done: everything goes before its check
+                request = urllib.request.Request(server.http_url + "/admin/clear?tier=l1", method="POST")
+                urllib.request.urlopen(request, timeout=10).read()
+            calls.append(len(offsets))
+            return real(self, offsets, gens)
+
+        monkeypatch.setattr(ShmTransfer, "_moved", clear_first)
+        out = torch.full((2, GEOMETRY["num_layers"], 3 * CHUNK, 16), 5.0, dtype=torch.bfloat16)
+        assert kvd.retrieve(c, tokens, out=out) is None  # redone through the server: nothing left
+        assert calls == [2]  # the fast read copied both chunks, then found them gone
+        assert (out[:, :, : 2 * CHUNK] == 0).all()  # what it wrote is zeroed, not left
+        assert (out[:, :, 2 * CHUNK :] == 5).all()  # never handed: untouched
+
+
+UNCLOSED = textwrap.dedent(
+    """
+    import faulthandler, gc, sys, threading, time, weakref
+    import torch, kvdock.sdk as kvd
+    faulthandler.dump_traceback_later(30, exit=True)  # a hang fails the test with a stack dump
+    url, http, model = sys.argv[1:4]
+    refs = []
+    for i in range(5):
+        c = kvd.connect(url, http, model)
+        toks = list(range(1000 * i, 1000 * i + 32))
+        kvd.store(c, torch.zeros(2, 3, 32, 16, dtype=torch.bfloat16), toks)
+        assert kvd.retrieve(c, toks) is not None  # a fast read: the reporter's thread runs
+        refs.append(weakref.ref(c))
+        del c  # dropped without close()
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(t.name == "kvdock-fast-reads" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(sum(r() is not None for r in refs), sorted({t.name for t in threading.enumerate()}))
+    """
+)
+
+
+def test_a_context_dropped_without_close_is_freed_with_its_reporter(server) -> None:
+    """Regression (both reviews): the reporter referred to its context, which then lived on as
+    long as the reporter's thread did, and was freed only by a GC pass that hung in zmq."""
+    p = subprocess.run(
+        [sys.executable, "-c", UNCLOSED, server.url, server.http_url, MODEL], capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "0 ['MainThread']"

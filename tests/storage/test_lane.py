@@ -17,10 +17,13 @@ import pytest
 from helpers import RedisProc
 from kvdock.storage import disk as diskmod
 from kvdock.storage import objfile
+from kvdock.storage.manager import L1Hit
 from kvdock.storage.tier import Head
 from tierworld import CHUNK, FILE, GEO, NB, SHAPE, K, World, head, payload, run, until
 
 KEYS = [K(i) for i in range(1, 4)]
+
+NONE_IN_L1 = L1Hit(0, 0)  # count() from the first key
 
 
 def disk_bytes(w: World, key: object) -> bytes:
@@ -287,7 +290,7 @@ def test_redis_outage_degrades_to_l2(tmp_path: Path, redis_server: RedisProc, ca
         assert (l2.writes, l3.writes, l3.writes_skipped) == (4, 0, 3)
         w.evict_l1([*KEYS, K(4)])
         keys = [*KEYS, K(4), K(5)]
-        assert await w.mgr.count(keys, 0) == 4  # from L2, without asking the down L3
+        assert await w.mgr.count(keys, NONE_IN_L1) == 4  # from L2, without asking the down L3
         session = await w.prefetch("r", keys)
         assert [o.key for o in session.pinned] == keys[:4] and l2.hits == 4 and l3.hits == 0
         w.mgr.commit_retrieve("c", "r")
@@ -315,7 +318,7 @@ def test_on_reader_errors_mark_the_tier_down_and_give_the_default(tmp_path: Path
         assert await lane.on_reader(lane.tier.heads, [K(1)], default=None) is None
         assert not w.redis.up()
         w.evict_l1([K(1)])
-        assert await w.mgr.count([K(1)], 0) == 0  # a down tier is not asked
+        assert await w.mgr.count([K(1)], NONE_IN_L1) == 0  # a down tier is not asked
         assert await lane.read(K(1), memoryview(bytearray(NB)), GEO, CHUNK, 0) is None
         assert lane.counters.hits == 0
 

@@ -20,7 +20,7 @@ from kvdock.keys import ObjectKey
 from kvdock.shm.segment import proc_start_time
 from kvdock.shm.slots import ALIGN, SlotAllocator
 from kvdock.storage.disk import DiskTier
-from kvdock.storage.manager import StorageManager, StorePlan
+from kvdock.storage.manager import L1Hit, StorageManager, StorePlan
 from kvdock.storage.memory import L1Object, L1Store, State
 from kvdock.storage.sessions import Writer
 from kvdock.storage.tier import Head
@@ -31,6 +31,8 @@ from tierworld import K as WK
 P = ALIGN
 NB = 1000  # one page per slot
 TTL = 10.0
+
+NONE_IN_L1 = L1Hit(0, 0)  # count() from the first key
 
 
 def K(i: int) -> ObjectKey:
@@ -744,8 +746,8 @@ def test_prefetch_promotes_from_l2_after_l1_eviction(tmp_path: Path) -> None:
         w.store([WK(7), WK(8), WK(9)])  # evicts KEYS from the 3-slot L1
         assert w.l1.evictions == 3 and all(w.l1.get(k) is None for k in KEYS)
         await w.drain()
-        assert await w.mgr.count(KEYS, 0) == 3
-        assert await w.mgr.count([*KEYS, WK(50), WK(9)], 0) == 3
+        assert await w.mgr.count(KEYS, NONE_IN_L1) == 3
+        assert await w.mgr.count([*KEYS, WK(50), WK(9)], NONE_IN_L1) == 3
         session = await w.prefetch("r", KEYS)
         assert [o.key for o in session.pinned] == KEYS and all(o.pins == 1 for o in session.pinned)
         for k in KEYS:
@@ -765,7 +767,7 @@ def test_prefetch_stops_at_the_first_miss(tmp_path: Path) -> None:
         await w.drain()
         w.evict_l1([WK(1), WK(2), WK(4)])
         keys = [WK(1), WK(2), WK(3), WK(4)]
-        assert await w.mgr.count(keys, 0) == 2
+        assert await w.mgr.count(keys, NONE_IN_L1) == 2
         session = await w.prefetch("r", keys)
         assert [o.key for o in session.pinned] == [WK(1), WK(2)]
         assert w.l1.get(WK(4)) is None and w.lanes["l2"].counters.hits == 2
@@ -779,7 +781,7 @@ def test_prefetch_continues_after_the_l1_run(tmp_path: Path) -> None:
         w.store(KEYS)
         await w.drain()
         w.evict_l1(KEYS[1:])
-        assert await w.mgr.count(KEYS, 1) == 3
+        assert await w.mgr.count(KEYS, w.mgr.l1_hit(KEYS)) == 3
         session = await w.prefetch("r", KEYS)
         assert [o.key for o in session.pinned] == KEYS
         assert w.lanes["l2"].counters.hits == 2  # the first was already in L1
@@ -802,8 +804,8 @@ def test_prefetch_from_l3_where_l2_lacks(tmp_path: Path, redis_server: RedisProc
         for k in keys[1:3]:
             w.disk.delete(k)
         w.evict_l1(keys)
-        assert await w.mgr.count(keys, 0) == 4
-        assert await w.mgr.count([*keys, WK(5)], 0) == 4
+        assert await w.mgr.count(keys, NONE_IN_L1) == 4
+        assert await w.mgr.count([*keys, WK(5)], NONE_IN_L1) == 4
         session = await w.prefetch("r", keys)
         assert [o.key for o in session.pinned] == keys
         for k in keys:
@@ -827,14 +829,14 @@ def test_corrupt_disk_file_is_deleted_and_stops_the_prefetch(tmp_path: Path) -> 
             last = f.read(1)
             f.seek(ALIGN + WNB - 1)
             f.write(bytes([last[0] ^ 0xFF]))
-        assert await w.mgr.count(KEYS, 0) == 3  # not known to be bad until read
+        assert await w.mgr.count(KEYS, NONE_IN_L1) == 3  # not known to be bad until read
         session = await w.prefetch("r", KEYS)
         assert [o.key for o in session.pinned] == [WK(1)]
         assert w.disk.counters.corrupted == 1 and w.disk.counters.hits == 1
         assert not bad.exists() and not w.disk.knows(WK(2)) and w.disk.knows(WK(3))
         assert w.l1.get(WK(2)) is None and w.l1.get(WK(3)) is None and w.l1.reserved_count() == 0
         assert w.disk.used_bytes == 2 * FILE
-        assert await w.mgr.count(KEYS, 1) == 1
+        assert await w.mgr.count(KEYS, w.mgr.l1_hit(KEYS[:1])) == 1
         w.mgr.commit_retrieve("c", "r")
 
     run(tmp_path, body)
@@ -1017,7 +1019,7 @@ def test_overwrite_deletes_the_older_version_from_every_tier(tmp_path: Path, red
         # changed on purpose (version chains): the prefetch used to return new, new, OLD: the third
         # chunk, computed over the older first two, names the older second chunk as its parent, so
         # the prefix ends before it
-        assert await w.mgr.count(KEYS, 0) == 2
+        assert await w.mgr.count(KEYS, NONE_IN_L1) == 2
         session = await w.prefetch("r", KEYS)
         assert [bytes(w.l1.view(o)) for o in session.pinned] == [payload(KEYS[0], 2), payload(KEYS[1], 2)]
         assert w.lanes["l2"].counters.hits == 2
@@ -1087,11 +1089,11 @@ def test_overwrite_with_pool_full_chunks_never_leaves_a_mixed_prefix(tmp_path: P
         # the older versions of the chunks that found no room are not visible anywhere any more
         assert w.mgr.lookup_l1(KEYS) == 1 and w.l1.get(KEYS[1]) is None and w.l1.get(KEYS[2]) is None
         assert w.disk.knows(KEYS[1])  # still on disk: its deletion is queued
-        assert await w.mgr.count(KEYS, 1) == 1
+        assert await w.mgr.count(KEYS, w.mgr.l1_hit(KEYS[:1])) == 1
         gate.set()
         assert await w.mgr.wait_deletes("c", "s") is True
         assert w.mgr.commit_store("c", "s", [0]) == 1
-        assert w.mgr.lookup_l1(KEYS) == 1 and await w.mgr.count(KEYS, 1) == 1
+        assert w.mgr.lookup_l1(KEYS) == 1 and await w.mgr.count(KEYS, w.mgr.l1_hit(KEYS[:1])) == 1
         assert w.l1_bytes(KEYS[0]) == payload(KEYS[0], 2)
         assert bytes(w.l1.view(reader.pinned[1])) == payload(KEYS[1], 1)  # the reader's copy was intact
         w.mgr.commit_retrieve("c", "reader")
@@ -1119,14 +1121,14 @@ def test_count_and_loads_skip_keys_being_deleted(tmp_path: Path) -> None:
         assert w.mgr._deleting == {WK(1): 1} and w.mgr.session_count == 1
         w.mgr.commit_retrieve("c", "pin")  # room for a load now
         assert w.disk.knows(WK(1))  # the older version is still on disk ...
-        assert await w.mgr.count([WK(1)], 0) == 0  # ... but not counted
+        assert await w.mgr.count([WK(1)], NONE_IN_L1) == 0  # ... but not counted
         session = await w.prefetch("r", [WK(1)])
         assert session.pinned == [] and w.disk.counters.hits == 0  # ... nor loaded
         assert w.l1.get(WK(1)) is None and w.l1.reserved_count() == 0
         w.mgr.end_session("c", "r")
         gate.set()
         await until(lambda: not w.mgr._deleting)
-        assert not w.disk.knows(WK(1)) and await w.mgr.count([WK(1)], 0) == 0
+        assert not w.disk.knows(WK(1)) and await w.mgr.count([WK(1)], NONE_IN_L1) == 0
         assert w.disk.counters.deletes == 1
 
     run(tmp_path, body, slots=2)
@@ -1142,7 +1144,7 @@ def test_count_of_a_tier_without_index_stops_at_a_key_being_deleted(tmp_path: Pa
         old = w.store(KEYS, version=1)
         await w.drain()
         w.evict_l1(KEYS)
-        assert await w.mgr.count(KEYS, 0) == 3  # Redis answers heads() for the whole run
+        assert await w.mgr.count(KEYS, NONE_IN_L1) == 3  # Redis answers heads() for the whole run
         session = await w.prefetch("r0", KEYS[:1])  # the first chunk back in L1
         w.mgr.commit_retrieve("c", "r0")
         gate = w.block("l3")
@@ -1150,11 +1152,11 @@ def test_count_of_a_tier_without_index_stops_at_a_key_being_deleted(tmp_path: Pa
         await until(lambda: KEYS[1] in w.mgr._deleting)
         assert w.redis.heads(KEYS) == [head(o) for o in old]  # the older versions are still there ...
         assert w.mgr.lookup_l1(KEYS) == 1  # (the older first chunk is still visible in L1)
-        assert await w.mgr.count(KEYS, 0) == 1  # ... and the run stops before the second
-        assert await w.mgr.count(KEYS, 1) == 1
+        assert await w.mgr.count(KEYS, NONE_IN_L1) == 1  # ... and the run stops before the second
+        assert await w.mgr.count(KEYS, w.mgr.l1_hit(KEYS[:1])) == 1
         gate.set()
         assert await asyncio.wait_for(task, 10) == 2
-        assert await w.mgr.count(KEYS, 0) == 2  # the new versions are in L1; the old third does not follow
+        assert await w.mgr.count(KEYS, NONE_IN_L1) == 2  # the new versions are in L1; the old third does not follow
         await w.drain()
         assert w.redis.heads(KEYS) == [head(w.l1.get(k)) for k in KEYS[:2]] + [head(old[2])]  # type: ignore[arg-type]
         session = await w.prefetch("r", KEYS)
@@ -1444,7 +1446,7 @@ def test_an_overwrite_ends_a_sibling_prefix_after_the_chunks_it_replaced(tmp_pat
         w.store([A, B, C])
         (d0,) = w.store([A, B, D], deduped=2)
         await w.drain()
-        assert w.mgr.lookup_l1([A, B, D]) == 3 and await w.mgr.count([A, B, D], 0) == 3
+        assert w.mgr.lookup_l1([A, B, D]) == 3 and await w.mgr.count([A, B, D], NONE_IN_L1) == 3
         assert await w.store_async([A, B, C], version=1, overwrite=True) == 3
         await w.drain()
         a1, b1 = w.l1.get(A), w.l1.get(B)
@@ -1452,10 +1454,10 @@ def test_an_overwrite_ends_a_sibling_prefix_after_the_chunks_it_replaced(tmp_pat
         # D is still in L1 and on L2 as it was stored: after the older B
         assert w.l1.get(D) is d0 and w.disk.knows(D) == head(d0) and d0.parent not in (0, b1.version)
         assert w.mgr.lookup_l1([A, B, D]) == 2  # L1
-        assert await w.mgr.count([A, B, D], 2) == 2  # neither L1's D nor L2's follows the new B
+        assert await w.mgr.count([A, B, D], w.mgr.l1_hit([A, B])) == 2  # neither L1's D nor L2's follows the new B
         w.evict_l1([A, B, C, D])
         assert w.disk.heads([A, B, D]) == [head(a1), head(b1), head(d0)]
-        assert await w.mgr.count([A, B, D], 0) == 2  # L2
+        assert await w.mgr.count([A, B, D], NONE_IN_L1) == 2  # L2
         session = await w.prefetch("r", [A, B, D])  # a prefetch
         assert [o.key for o in session.pinned] == [A, B]
         assert [bytes(w.l1.view(o)) for o in session.pinned] == [payload(A, 1), payload(B, 1)]
@@ -1488,7 +1490,7 @@ def test_a_store_after_an_overwrite_writes_the_sibling_chunk_anew(tmp_path: Path
         await w.drain()
         assert w.disk.knows(D) == head(d2)  # the new D replaced the older one on L2 too
         w.evict_l1([A, B, C, D])
-        assert await w.mgr.count([A, B, D], 0) == 3
+        assert await w.mgr.count([A, B, D], NONE_IN_L1) == 3
         session = await w.prefetch("r", [A, B, D])
         assert [bytes(w.l1.view(o)) for o in session.pinned] == [payload(A, 1), payload(B, 1), payload(D, 2)]
         assert head(session.pinned[2]) == head(d2)
@@ -1510,7 +1512,7 @@ def test_objects_written_before_version_chains_are_still_one_prefix(tmp_path: Pa
     async def body(w: World) -> None:
         assert w.disk is not None
         assert w.disk.heads(keys) == [Head(0, 0)] * 3
-        assert w.mgr.lookup_l1(keys) == 0 and await w.mgr.count(keys, 0) == 3
+        assert w.mgr.lookup_l1(keys) == 0 and await w.mgr.count(keys, NONE_IN_L1) == 3
         session = await w.prefetch("r", keys)
         assert [bytes(w.l1.view(o)) for o in session.pinned] == [payload(k) for k in keys]
         assert [head(o) for o in session.pinned] == [Head(0, 0)] * 3
@@ -1521,7 +1523,7 @@ def test_objects_written_before_version_chains_are_still_one_prefix(tmp_path: Pa
         assert new.parent == 0 and new.version != 0
         await w.drain()
         w.evict_l1([*keys, WK(4)])
-        assert await w.mgr.count([*keys, WK(4)], 0) == 4
+        assert await w.mgr.count([*keys, WK(4)], NONE_IN_L1) == 4
         session = await w.prefetch("r2", [*keys, WK(4)])
         assert [o.key for o in session.pinned] == [*keys, WK(4)] and w.disk.counters.hits == 7
         w.mgr.commit_retrieve("c", "r2")
@@ -1539,7 +1541,7 @@ def test_a_load_that_finds_an_object_of_another_chain_is_not_a_hit(tmp_path: Pat
         assert await w.store_async([A, B, C], version=1, overwrite=True) == 3
         await w.drain()
         w.evict_l1([A, B, C, D])
-        assert await w.mgr.count([A, B, D], 0) == 2
+        assert await w.mgr.count([A, B, D], NONE_IN_L1) == 2
         session = await w.prefetch("r", [A, B, D])
         assert [o.key for o in session.pinned] == [A, B]  # D, after the older B, is refused
         w.mgr.commit_retrieve("c", "r")
@@ -1547,3 +1549,20 @@ def test_a_load_that_finds_an_object_of_another_chain_is_not_a_hit(tmp_path: Pat
         assert (l3.hits, l3.bytes_read) == (2, 2 * WNB), "an object thrown away counts as promoted into L1"
 
     run(tmp_path, body, redis_url=redis_server.url, disk=False)
+
+
+def test_a_count_goes_on_from_the_l1_run_taken_even_if_it_was_evicted_since(tmp_path: Path) -> None:
+    """A lookup takes L1's run in its handler and asks the lower tiers in a task that starts
+    later: the run's last object may be evicted by then (it used to raise AttributeError)."""
+
+    async def body(w: World) -> None:
+        w.store(KEYS)
+        await w.drain()
+        w.evict_l1(KEYS[1:])
+        hit = w.mgr.l1_hit(KEYS)
+        assert hit.count == 1 and hit.parent == w.l1.get(KEYS[0]).version  # type: ignore[union-attr]
+        w.evict_l1(KEYS[:1])  # before the count runs
+        assert await w.mgr.count(KEYS, hit) == 3  # L2's chunks 1 and 2 chain to the version taken
+        w.check()
+
+    run(tmp_path, body)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -194,7 +195,8 @@ def retrieve(
     With ``out`` (a CPU tensor ``[2, L', T, D]`` of the model's dtype, ``L'`` the layers asked
     for, T at least the whole-chunk length of ``tokens`` minus ``start``), the KV is written into
     it instead and the view ``out[:, :, :hit_tokens - start]`` is returned: reusing one buffer
-    avoids the page faults of a fresh tensor, the main cost of a large retrieve. Raises
+    avoids the page faults of a fresh tensor, the main cost of a large retrieve. Nothing past that
+    view is written, but zeros where a copy that had to be redone (a slot moved during it) wrote. Raises
     InvalidInputError for an unusable ``out``, ``layers`` or ``start``; LeaseExpiredError if the
     copy outlived its lease twice in a row (the process was paused: nothing wrong is returned)."""
     ctx = validate.context(ctx)
@@ -211,9 +213,13 @@ def retrieve(
     try:
         hit = _retrieve_with_retry(ctx, whole, cache_salt, landing.sink, landing.part)
     except RuntimeError as e:  # torch refusing to write into the caller's ``out``
+        landing.result(0)
         if out is None or isinstance(e, KVDockError):
             raise
         raise InvalidInputError(f"cannot write into out: {e}") from None
+    except BaseException:
+        landing.result(0)
+        raise
     return landing.result(hit)
 
 
@@ -224,6 +230,7 @@ class Landing:
     def __init__(self, ctx: KVCacheContext, layers: range, start: int, out: torch.Tensor | None = None) -> None:
         self.ctx, self.layers, self.start, self.out = ctx, layers, start, out
         self.kv: torch.Tensor | None = None
+        self.handed = 0  # tokens of ``out`` a sink was given (a copy that was redone may have left garbage)
         whole = layers == range(ctx.geometry.num_layers) and not start
         # what to ask the server for (an inline reply then carries only these bytes)
         self.part = None if whole else m.ReadPart(layers.start, layers.stop, layers.step, start // ctx.chunk_size)
@@ -235,10 +242,18 @@ class Landing:
             self.kv = buffer_pool().empty((p, len(self.layers), n, d), self.ctx.dtype)
         else:
             self.kv = self.out[:, :, :n]
+            self.handed = max(self.handed, n)
         return TensorChunks(self.kv, self.ctx.chunk_size, self.start // self.ctx.chunk_size)
 
     def result(self, hit: int) -> torch.Tensor | None:
-        """What retrieve returns for a hit of ``hit`` tokens: None when it does not pass ``start``."""
+        """What retrieve returns for a hit of ``hit`` tokens: None when it does not pass ``start``.
+        The part of ``out`` past it that an earlier attempt was given (it was discarded: a slot
+        moved during its copy) is zeroed, so ``out`` never holds another object's bytes there."""
+        n = max(hit - self.start, 0)
+        if self.out is not None and self.handed > n:
+            with contextlib.suppress(RuntimeError):  # (an out torch cannot write: refused already)
+                self.out[:, :, n : self.handed].zero_()
+            self.handed = n
         return self.kv if hit > self.start else None
 
 

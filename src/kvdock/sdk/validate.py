@@ -235,6 +235,21 @@ def out(ctx: KVCacheContext, value: object, num_tokens: int, num_layers: int | N
     _tensor_usable("out", value)
     if value.requires_grad:
         raise InvalidInputError("out must not require grad (retrieve writes into it in place)")
-    if any(stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape, strict=True)):
-        raise InvalidInputError("out must not have overlapping elements (a stride of 0, e.g. from expand())")
+    if _may_overlap(value):
+        raise InvalidInputError(
+            f"out must not have overlapping elements (strides {list(value.stride())} for shape {list(value.shape)}: "
+            "a stride of 0 from expand(), or an as_strided view whose rows share memory)"
+        )
     return value
+
+
+def _may_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: unless every stride, taken smallest first,
+    steps past all the elements the smaller ones span (what every view of a dense tensor does)."""
+    dims = sorted((abs(st), n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+    span = 1  # elements covered by the dims taken so far, from the first to the last + 1
+    for stride, n in dims:
+        if stride < span:
+            return True
+        span += (n - 1) * stride
+    return False

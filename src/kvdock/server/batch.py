@@ -46,7 +46,7 @@ def lookup_many(state: ServerState, req: m.LookupMany, payload: Payload) -> Outc
     client = client_of(state, req.client_id)
     keysets = _batch_keys(state, client, req.tokens, req.cache_salts)
     state.metrics.lookups.inc(len(keysets))
-    in_l1 = [state.manager.lookup_l1(keys) for keys in keysets]
+    in_l1 = [state.manager.l1_hit(keys) for keys in keysets]
     return retrieval.count_all(state, in_l1, keysets, lambda hits: Reply(m.LookupManyResult(hits)))
 
 

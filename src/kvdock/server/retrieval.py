@@ -30,7 +30,7 @@ from kvdock.server.handlers import client_of, count_hits, keys_of
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
 from kvdock.storage import L1Object, Session
-from kvdock.storage.manager import PrefetchJob
+from kvdock.storage.manager import L1Hit, PrefetchJob
 
 
 async def locate(state: ServerState, req: m.Locate, payload: Payload) -> Reply:
@@ -50,32 +50,33 @@ def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Outcome:
         session = mgr.open_retrieve(client.client_id, req.session_id, keys)
         if mgr.start_prefetch(session) is None and not session.pinned:
             mgr.end_session(client.client_id, req.session_id)
-        in_l1 = len(session.pinned)
+        pinned = session.pinned
+        in_l1 = L1Hit(len(pinned), pinned[-1].version if pinned else 0)
     else:
-        in_l1 = mgr.lookup_l1(keys)
+        in_l1 = mgr.l1_hit(keys)
     return count_all(state, [in_l1], [keys], lambda hits: Reply(m.LookupResult(hits[0])))
 
 
 def count_all(
-    state: ServerState, in_l1: list[int], keysets: list[list[ObjectKey]], reply: Callable[[list[int]], Reply]
+    state: ServerState, in_l1: list[L1Hit], keysets: list[list[ObjectKey]], reply: Callable[[list[int]], Reply]
 ) -> Outcome:
-    """``reply(hit tokens of each key list)``, given that the first ``in_l1[i]`` keys of list
-    ``i`` are in L1: at once when no lower tier can add any, else once they have been asked
-    (every list at the same time)."""
-    if not state.manager.lanes or all(n == len(k) for n, k in zip(in_l1, keysets, strict=True)):
-        return _counted(state, in_l1, keysets, reply)
+    """``reply(hit tokens of each key list)``, given the run of list ``i`` that L1 held when the
+    handler looked (``in_l1[i]``): at once when no lower tier can add any, else once they have
+    been asked (every list at the same time; L1 may have changed by then)."""
+    if not state.manager.lanes or all(h.count == len(k) for h, k in zip(in_l1, keysets, strict=True)):
+        return _counted(state, [h.count for h in in_l1], keysets, reply)
     return _count_lower(state, in_l1, keysets, reply)
 
 
 async def _count_lower(
-    state: ServerState, in_l1: list[int], keysets: list[list[ObjectKey]], reply: Callable[[list[int]], Reply]
+    state: ServerState, in_l1: list[L1Hit], keysets: list[list[ObjectKey]], reply: Callable[[list[int]], Reply]
 ) -> Reply:
     mgr = state.manager
 
-    async def count(n: int, keys: list[ObjectKey]) -> int:
-        return n if n == len(keys) else await mgr.count(keys, n)
+    async def count(hit: L1Hit, keys: list[ObjectKey]) -> int:
+        return hit.count if hit.count == len(keys) else await mgr.count(keys, hit)
 
-    hits = await asyncio.gather(*(count(n, keys) for n, keys in zip(in_l1, keysets, strict=True)))
+    hits = await asyncio.gather(*(count(h, keys) for h, keys in zip(in_l1, keysets, strict=True)))
     return _counted(state, list(hits), keysets, reply)
 
 

@@ -44,7 +44,7 @@ from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
 from kvdock.storage.tier import Head
 
-__all__ = ["Placement", "PrefetchJob", "StorageManager", "StorePlan"]
+__all__ = ["L1Hit", "Placement", "PrefetchJob", "StorageManager", "StorePlan"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,16 @@ class Placement:
 
     tier: str
     head: Head
+
+
+@dataclass(frozen=True)
+class L1Hit:
+    """The leading run of a key list that L1 holds as one version chain, as it was when asked:
+    its length and the version of its last object (0 for none), which the next chunk of a lower
+    tier must chain to."""
+
+    count: int
+    parent: int
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,11 @@ class StorageManager:
         """Number of leading chunks of ``keys`` that are READY in L1 and form one version chain."""
         return len(self._l1_run(keys))
 
+    def l1_hit(self, keys: list[ObjectKey]) -> L1Hit:
+        """:meth:`lookup_l1`, with the version the rest must chain to (see :meth:`count`)."""
+        run = self._l1_run(keys)
+        return L1Hit(len(run), run[-1].version if run else 0)
+
     def _l1_run(self, keys: list[ObjectKey]) -> list[L1Object]:
         run: list[L1Object] = []
         parent = 0
@@ -116,12 +131,12 @@ class StorageManager:
             parent = obj.version
         return run
 
-    async def count(self, keys: list[ObjectKey], start: int) -> int:
+    async def count(self, keys: list[ObjectKey], start: L1Hit) -> int:
         """How many leading ``keys`` are cached in any tier as one version chain, given that the
-        first ``start`` are in L1. A key whose older version is being deleted counts only if L1
-        has the new one."""
-        n = start
-        parent = self.l1.get(keys[start - 1]).version if start else 0  # type: ignore[union-attr]
+        first ``start.count`` were in L1 when ``start`` was taken (they may be gone by the time
+        this runs: it counts on from ``start.parent``, never re-reading them). A key whose older
+        version is being deleted counts only if L1 has the new one."""
+        n, parent = start.count, start.parent
         remote: list[Head] | None = None  # heads from the tiers without an index, fetched once
         remote_at = n
         lanes = [lane for lane in self.lanes if lane.tier.up()]

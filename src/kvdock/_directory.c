@@ -146,19 +146,28 @@ static PyObject *py_publish(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(rewrite_doc,
-             "rewrite(addr, entry, ns, chunk, offset, gen, nbytes, version, parent)\n\n"
+             "rewrite(addr, entries, entry, ns, chunk, offset, gen, nbytes, version, parent)\n\n"
              "Replace published entry number ``entry`` with another object of the same key in one\n"
              "write: a reader sees the old object or the new one, never no object (an overwrite).");
 
+static int check_entry(unsigned long long entry, unsigned long long entries) {
+    if (entry >= entries) {
+        PyErr_Format(PyExc_IndexError, "entry %llu of a directory of %llu", entry, entries);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_rewrite(PyObject *self, PyObject *args) {
-    unsigned long long addr, entry;
+    unsigned long long addr, entries, entry;
     PyObject *ns_obj, *chunk_obj;
     fields_t f;
     unsigned long long offset, gen, nbytes, version, parent;
-    if (!PyArg_ParseTuple(args, "KKOOKKKKK", &addr, &entry, &ns_obj, &chunk_obj, &offset, &gen, &nbytes, &version,
-                          &parent))
+    if (!PyArg_ParseTuple(args, "KKKOOKKKKK", &addr, &entries, &entry, &ns_obj, &chunk_obj, &offset, &gen, &nbytes,
+                          &version, &parent))
         return NULL;
-    if (get_digest(ns_obj, f.ns, "ns") < 0 || get_digest(chunk_obj, f.chunk, "chunk") < 0) return NULL;
+    if (check_entry(entry, entries) < 0 || get_digest(ns_obj, f.ns, "ns") < 0 || get_digest(chunk_obj, f.chunk, "chunk") < 0)
+        return NULL;
     entry_t *e = (entry_t *)(uintptr_t)addr + entry;
     if (offset == 0 || LOAD(&e->offset) == 0 || memcmp((const void *)e->chunk, f.chunk, 32) ||
         memcmp((const void *)e->ns, f.ns, 32)) {
@@ -171,12 +180,12 @@ static PyObject *py_rewrite(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(unpublish_doc,
-             "unpublish(addr, entry)\n\n"
+             "unpublish(addr, entries, entry)\n\n"
              "Free entry number ``entry`` (readers see no key there from now on).");
 
 static PyObject *py_unpublish(PyObject *self, PyObject *args) {
-    unsigned long long addr, entry;
-    if (!PyArg_ParseTuple(args, "KK", &addr, &entry)) return NULL;
+    unsigned long long addr, entries, entry;
+    if (!PyArg_ParseTuple(args, "KKK", &addr, &entries, &entry) || check_entry(entry, entries) < 0) return NULL;
     entry_t *e = (entry_t *)(uintptr_t)addr + entry;
     fields_t f;
     memset(&f, 0, sizeof f);
@@ -185,12 +194,12 @@ static PyObject *py_unpublish(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(read_doc,
-             "read(addr, entry) -> (ns, chunk, offset, gen, nbytes, version, parent) | None\n\n"
+             "read(addr, entries, entry) -> (ns, chunk, offset, gen, nbytes, version, parent) | None\n\n"
              "One entry as a reader sees it (None: free, or it kept changing).");
 
 static PyObject *py_read(PyObject *self, PyObject *args) {
-    unsigned long long addr, entry;
-    if (!PyArg_ParseTuple(args, "KK", &addr, &entry)) return NULL;
+    unsigned long long addr, entries, entry;
+    if (!PyArg_ParseTuple(args, "KKK", &addr, &entries, &entry) || check_entry(entry, entries) < 0) return NULL;
     fields_t f;
     if (!read_entry((entry_t *)(uintptr_t)addr + entry, &f) || f.offset == 0) Py_RETURN_NONE;
     return Py_BuildValue("(y#y#KKKKK)", (const char *)f.ns, (Py_ssize_t)32, (const char *)f.chunk, (Py_ssize_t)32,
@@ -198,7 +207,7 @@ static PyObject *py_read(PyObject *self, PyObject *args) {
                          (unsigned long long)f.version, (unsigned long long)f.parent);
 }
 
-enum { FOUND = 0, ABSENT = 1, UNSURE = 2 };
+enum { FOUND = 0, ABSENT = 1, UNSURE = 2, BROKEN = 3 };
 
 /* Look key (ns, chunk) up in its bucket: FOUND (and its fields), ABSENT, or UNSURE when an entry
  * that could have been it kept changing while it was read. */
@@ -226,8 +235,8 @@ PyDoc_STRVAR(find_doc,
              "one's parent is the version of the one before; 0 for the first) and name a slot of\n"
              "``nbytes`` bytes, page-aligned, within [lo, hi). Writes (entry, offset, gen) of each into\n"
              "``out`` (a writable uint64 buffer, 3 per chunk) and returns how many, and why it stopped:\n"
-             "0 at the end, 1 at a chunk that is not published, 2 at one it cannot vouch for (present\n"
-             "but not chaining or not such a slot, or an entry that kept changing).");
+             "0 at the end, 1 at a chunk that is not published, 2 at one it cannot vouch for (not such\n"
+             "a slot, or an entry that kept changing), 3 at one that does not chain to the one before.");
 
 static PyObject *py_find(PyObject *self, PyObject *args) {
     unsigned long long addr, nbuckets, lo, hi, nbytes;
@@ -260,9 +269,12 @@ static PyObject *py_find(PyObject *self, PyObject *args) {
         uint64_t at = 0;
         status = lookup(entries, nbuckets, ns, chunk, &f, &at);
         if (status != FOUND) break;
-        if (f.parent != parent || f.nbytes != nbytes || f.offset < lo || f.offset > hi || hi - f.offset < nbytes ||
-            f.offset % 4096) {
+        if (f.nbytes != nbytes || f.offset < lo || f.offset > hi || hi - f.offset < nbytes || f.offset % 4096) {
             status = UNSURE;
+            break;
+        }
+        if (f.parent != parent) {
+            status = BROKEN;
             break;
         }
         dst[3 * i] = at;

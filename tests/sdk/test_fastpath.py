@@ -281,24 +281,29 @@ def test_held_reads_reach_the_server_before_the_next_request(server) -> None:
         assert requests(server, "FastReads") <= 10
 
 
+COUNTERS = ("kvdock_lookups_total", "kvdock_retrieves_total", "kvdock_hit_tokens_total", "kvdock_miss_tokens_total")
+
+
 @pytest.mark.parametrize(
-    "report",
+    ("report", "counted"),
     [
-        m.FastReads("x", 0, 1, asked=1, hit=2),  # more hits than asked
-        m.FastReads("x", 0, 1, asked=2, hit=1, entries=[0, 1], offsets=[0, 1], gens=[0, 0]),  # more entries than hits
-        m.FastReads("x", 0, 1, asked=2, hit=2, entries=[0], offsets=[4096], gens=[]),  # ragged
-        m.FastReads("x", -1, 0, asked=0, hit=0),
-        m.FastReads("x", 0, 1, asked=2**40, hit=0),  # more than any request may ask
-        m.FastReads(
-            "nobody", 0, 1, asked=1, hit=1, entries=[10**9], offsets=[12345], gens=[7]
-        ),  # fine, touches nothing
+        (m.FastReads("x", 0, 1, asked=1, hit=2), False),  # more hits than asked
+        (m.FastReads("x", 0, 1, asked=2, hit=2, entries=[0], offsets=[4096], gens=[]), False),  # ragged
+        (m.FastReads("x", -1, 0, asked=0, hit=0), False),
+        (m.FastReads("x", 0, 1, asked=2**40, hit=0), False),  # more than any request may ask
+        (m.FastReads("x", 10**12, 0, asked=10**12, hit=0), False),  # more reads than a report may count
+        (m.FastReads("x", 0, 1, asked=1, hit=1, nbytes=1 << 40), False),  # more bytes than a chunk holds
+        (m.FastReads("x", 0, 1, asked=9, hit=9, entries=[0] * 4097, offsets=[0] * 4097, gens=[0] * 4097), False),
+        (m.FastReads("nobody", 0, 1, asked=1, hit=1, entries=[10**9], offsets=[12345], gens=[7]), True),  # no touch
     ],
 )
-def test_fast_reads_reports_are_never_answered_and_bad_ones_change_nothing(server, report: m.FastReads) -> None:
+def test_fast_reads_reports_are_never_answered_and_bad_ones_change_nothing(
+    server, report: m.FastReads, counted: bool
+) -> None:
     tokens = make_tokens(CHUNK, start=9700)
     with kvd.connect(server.url, server.http_url, MODEL) as c:
         assert kvd.store(c, make_kv(CHUNK), tokens)
-        before = server.get("/status")["l1"]
+        before = server.get("/status")["l1"], [server.metric(name) for name in COUNTERS]
         client = ControlClient(server.url, 5.0)
         try:
             with pytest.raises(Exception, match="no reply"):
@@ -306,9 +311,31 @@ def test_fast_reads_reports_are_never_answered_and_bad_ones_change_nothing(serve
             assert isinstance(client.call(m.Ping()).reply, m.Pong)
         finally:
             client.close()
-        assert server.get("/status")["l1"] == before
+        after = server.get("/status")["l1"], [server.metric(name) for name in COUNTERS]
+        assert after[0] == before[0]
+        assert (after[1] != before[1]) == counted
+        errors = server.metric('kvdock_errors_total{code="bad_request"}', 0.0)
+        assert (errors == 0) == counted
         assert kvd.check_server_integrity(c) == []
         assert torch.equal(kvd.retrieve(c, tokens), make_kv(CHUNK))  # type: ignore[arg-type]
+
+
+def test_a_client_flooding_reports_gets_only_its_touch_budget(server) -> None:
+    """Adversarial test: reports are never answered, so no unread reply ever slows a client that
+    floods them; past its budget of LRU touches the server skips them (and still counts reads)."""
+    from kvdock.server.registry import TOUCH_BURST, TOUCH_RATE
+
+    with kvd.connect(server.url, server.http_url, MODEL) as c:
+        n, reports = 4096, 100
+        flood = m.FastReads(c.client_id, 0, 0, asked=0, hit=0, entries=[0] * n, offsets=[0] * n, gens=[0] * n)
+        started = time.monotonic()
+        for _ in range(reports):
+            c._conn.send_nowait(flood)
+        assert kvd.check_server_integrity(c) == []  # a request: after every report, on the same socket
+        took = time.monotonic() - started
+        skipped = server.metric("kvdock_fast_reads_untouched_total")
+        assert skipped >= n * reports - TOUCH_BURST - TOUCH_RATE * took
+        assert skipped < n * reports
 
 
 def test_only_the_process_that_made_the_pool_is_watched(server) -> None:
@@ -399,3 +426,47 @@ def test_a_context_dropped_without_close_is_freed_with_its_reporter(server) -> N
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip() == "0 ['MainThread']"
+
+
+def test_fast_reads_come_back_after_the_server_drops_the_local_connection(server, monkeypatch) -> None:
+    """Review: the watch of the server was made once, at registration: once the server dropped
+    that local connection (here for a malformed frame) every read went to it for good."""
+    from kvdock.sdk import connection
+
+    monkeypatch.setattr(connection, "LOCAL_RETRY_S", 0.05)
+    tokens = make_tokens(CHUNK, start=9800)
+    with kvd.connect(server.url, server.http_url, MODEL) as c:
+        assert kvd.store(c, make_kv(CHUNK), tokens)
+        assert c._transfer.directory() is not None
+        c._conn._local._chan._sock.sendall(b"\xff" * 8)  # type: ignore[union-attr]  # not a message
+        deadline = time.monotonic() + 10
+        while not c._transfer.watch_lost:  # type: ignore[attr-defined]  # the server hangs up
+            assert time.monotonic() < deadline, "the server kept the connection"
+            time.sleep(0.01)
+        while c._transfer.watch_lost:  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "the watch was never replaced"
+            assert torch.equal(kvd.retrieve(c, tokens), make_kv(CHUNK))  # type: ignore[arg-type]  # via the server
+            time.sleep(0.02)
+        assert c._conn.channel == "local"
+        before = served(server)
+        for _ in range(5):
+            assert torch.equal(kvd.retrieve(c, tokens), make_kv(CHUNK))  # type: ignore[arg-type]
+        assert served(server) == before  # from the directory again
+
+
+def test_a_tail_left_by_an_overwrite_of_a_shorter_prefix_is_a_final_miss_without_lower_tiers(server) -> None:
+    """Review: after an overwrite of a prompt's first chunks, its old later chunks stay in L1 but
+    no longer chain: a lookup of the whole prompt stops there, and with no lower tier that is
+    final, answered from the directory instead of sending every such read to the server."""
+    tokens = make_tokens(4 * CHUNK, start=9600)
+    new = make_kv(2 * CHUNK, seed=12)
+    with kvd.connect(server.url, server.http_url, MODEL) as c:
+        assert kvd.store(c, make_kv(4 * CHUNK, seed=11), tokens)
+        assert kvd.store(c, new, tokens[: 2 * CHUNK], overwrite=True)
+        before = served(server)
+        assert kvd.lookup(c, tokens) == 2 * CHUNK
+        got = kvd.retrieve(c, tokens)
+        assert got is not None and torch.equal(got, new)  # never the old tail after the new head
+        assert served(server) == before
+        c.fast_reads = False
+        assert kvd.lookup(c, tokens) == 2 * CHUNK  # what the server answers too

@@ -582,3 +582,17 @@ def test_hf_connect_passes_the_admin_token_through(make_server) -> None:
     with hf.connect(model, srv.url, srv.http_url, model_name="llama", timeout=10, admin_token="s3cret") as ctx:
         assert ctx.model_name == "llama"
     assert [e["model_name"] for e in srv.get("/status")["cache_context_meta"]] == ["llama"]
+
+
+def test_a_clients_touch_budget_refills_at_its_rate_up_to_its_burst() -> None:
+    from kvdock.server.registry import TOUCH_BURST, TOUCH_RATE, ClientEntry
+
+    client = ClientEntry("id", "inst", None, 0, "shm")  # type: ignore[arg-type]
+    assert client.allow_touches(TOUCH_BURST + 5) == TOUCH_BURST  # a burst, then nothing
+    assert client.allow_touches(1) == 0
+    client.last_seen = 0.001  # a millisecond later (the request's time)
+    assert client.allow_touches(10**6) == int(0.001 * TOUCH_RATE)
+    client.last_seen = 3600.0  # an hour idle refills the burst, not more
+    assert client.allow_touches(10**9) == TOUCH_BURST
+    client.last_seen = 1.0  # a clock that went back gives nothing
+    assert client.allow_touches(10) == 0

@@ -51,8 +51,7 @@ def seg() -> Iterator[PoolSegment]:
 
 @pytest.fixture
 def pair(seg: PoolSegment) -> Iterator[tuple[Directory, DirectoryReader]]:
-    d, r = Directory(seg), DirectoryReader(seg)
-    d.set_state(live=True, complete=True)
+    d, r = Directory(seg, complete=True), DirectoryReader(seg)
     yield d, r
     d.close()
     r.close()
@@ -78,7 +77,8 @@ def test_a_published_chain_is_found_with_its_slots(seg: PoolSegment, pair) -> No
         d.publish(NS, h, slot(i, seg), 5 + i, SLOT, versions[i], versions[i - 1] if i else 0)
         for i, h in enumerate(hashes)
     ]
-    assert all(e >= 0 for e in entries) and d.published == 3
+    assert all(e >= 0 for e in entries)
+    d.check_integrity(3)
     found = r.find(NS, b"".join(hashes), SLOT)
     assert found.ended == "all" and found.count == 3
     assert found.entries.tolist() == entries
@@ -89,10 +89,10 @@ def test_a_published_chain_is_found_with_its_slots(seg: PoolSegment, pair) -> No
     assert e is not None and (e.ns, e.chunk, e.offset, e.gen, e.nbytes, e.version, e.parent) == (
         NS, hashes[1], slot(1, seg), 6, SLOT, 22, 11,
     )  # fmt: skip
-    d.check_integrity()
+    d.check_integrity(3)
 
 
-def test_lookups_stop_at_an_absent_chunk_and_at_one_they_cannot_vouch_for(seg: PoolSegment, pair) -> None:
+def test_lookups_stop_at_an_absent_a_broken_or_an_unsure_chunk(seg: PoolSegment, pair) -> None:
     d, r = pair
     h = [digest(i) for i in range(4)]
     d.publish(NS, h[0], slot(0, seg), 0, SLOT, 1, 0)
@@ -102,7 +102,7 @@ def test_lookups_stop_at_an_absent_chunk_and_at_one_they_cannot_vouch_for(seg: P
     assert (found.count, found.ended) == (2, "absent")
     d.publish(NS, h[2], slot(2, seg), 0, SLOT, 9, 7)  # present, but its parent is not chunk 1's version
     found = r.find(NS, b"".join(h), SLOT)
-    assert (found.count, found.ended) == (2, "unsure")
+    assert (found.count, found.ended) == (2, "broken")
     assert r.find(NS, b"".join(h[:2]), SLOT + 4096).ended == "unsure"  # another slot size: not this model's
     assert r.find(OTHER_NS, b"".join(h), SLOT).count == 0  # another namespace sees nothing
     assert (r.find(NS, b"", SLOT).count, r.find(NS, b"", SLOT).ended) == (0, "all")
@@ -111,7 +111,7 @@ def test_lookups_stop_at_an_absent_chunk_and_at_one_they_cannot_vouch_for(seg: P
 def test_a_first_chunk_must_have_no_parent(seg: PoolSegment, pair) -> None:
     d, r = pair
     d.publish(NS, digest(0), slot(0, seg), 0, SLOT, 1, 77)  # a chunk 1 of some other prefix, at position 0
-    assert (r.find(NS, digest(0), SLOT).count, r.find(NS, digest(0), SLOT).ended) == (0, "unsure")
+    assert (r.find(NS, digest(0), SLOT).count, r.find(NS, digest(0), SLOT).ended) == (0, "broken")
 
 
 @pytest.mark.parametrize("where", ["before the slot area", "past the pool", "not page-aligned"])
@@ -133,12 +133,12 @@ def test_unpublish_frees_the_entry_and_a_full_bucket_refuses(seg: PoolSegment, p
     entries = [d.publish(NS, h, slot(i, seg), 0, SLOT, i + 1, 0) for i, h in enumerate(hashes[:BUCKET])]
     assert sorted(entries) == list(range(BUCKET))  # bucket 0 is entries 0..7
     assert d.publish(NS, hashes[BUCKET], slot(BUCKET, seg), 0, SLOT, 99, 0) == -1  # no room: the caller counts it
-    assert d.published == BUCKET
+    d.check_integrity(BUCKET)
     d.unpublish(entries[3])
     assert r.find(NS, hashes[3], SLOT).ended == "absent" and d.read(entries[3]) is None
     assert d.publish(NS, hashes[BUCKET], slot(BUCKET, seg), 0, SLOT, 99, 0) == entries[3]  # the freed entry
     assert r.find(NS, hashes[BUCKET], SLOT).offsets.tolist() == [slot(BUCKET, seg)]
-    d.check_integrity()
+    d.check_integrity(BUCKET)
 
 
 def test_rewrite_replaces_an_entry_of_the_same_key_only(seg: PoolSegment, pair) -> None:
@@ -147,42 +147,61 @@ def test_rewrite_replaces_an_entry_of_the_same_key_only(seg: PoolSegment, pair) 
     d.rewrite(entry, NS, digest(0), slot(4, seg), 8, SLOT, 2, 0)
     found = r.find(NS, digest(0), SLOT)
     assert (found.entries.tolist(), found.offsets.tolist(), found.gens.tolist()) == ([entry], [slot(4, seg)], [8])
-    assert d.published == 1
+    d.check_integrity(1)
     with pytest.raises(ValueError, match="same key"):
         d.rewrite(entry, NS, digest(1), slot(4, seg), 8, SLOT, 2, 0)
     with pytest.raises(ValueError, match="same key"):
         d.rewrite(entry, OTHER_NS, digest(0), slot(4, seg), 8, SLOT, 2, 0)
     with pytest.raises(ValueError, match="same key"):
         d.rewrite(entry + 1, NS, digest(0), slot(4, seg), 8, SLOT, 2, 0)  # a free entry
-    d.check_integrity()
+    d.check_integrity(1)
 
 
-def test_complete_needs_the_flag_and_nothing_unindexed(pair) -> None:
+def test_complete_needs_the_flag_and_nothing_unindexed(seg: PoolSegment, pair) -> None:
     d, r = pair
-    assert r.complete
+    assert r.complete and r.live
     d.set_unindexed(1)
     assert r.unindexed == 1 and not r.complete and r.live
     d.set_unindexed(0)
-    d.set_state(live=True, complete=False)
+    assert r.complete
+    other = Directory(seg, complete=False)  # what a server with a lower tier writes
     assert not r.complete and r.live
-    d.set_state(live=False, complete=False)
-    assert not r.live
+    other.close()
+
+
+def test_a_segment_without_entries_has_no_directory_and_entries_are_bounds_checked(seg: PoolSegment, pair) -> None:
+    bare = PoolSegment.create(4096)
+    try:
+        with pytest.raises(ValueError, match="no directory"):
+            Directory(bare, complete=True)
+        with pytest.raises(ValueError, match="no directory"):
+            DirectoryReader(bare)
+    finally:
+        bare.close()
+        bare.unlink()
+    d, _ = pair
+    for bad in (-1, d.entries):
+        with pytest.raises(IndexError):
+            d.unpublish(bad)
+        with pytest.raises(IndexError):
+            d.read(bad)
+    d.close()
+    with pytest.raises(ValueError, match="closed"):
+        d.unpublish(0)
 
 
 def test_check_integrity_finds_a_miscount_and_an_entry_out_of_its_bucket(seg: PoolSegment, pair) -> None:
     d, _ = pair
     d.publish(NS, next(in_bucket(0, d.nbuckets, NS)), slot(0, seg), 0, SLOT, 1, 0)
-    d.published += 1
-    with pytest.raises(AssertionError, match="2 published"):
-        d.check_integrity()
-    d.published -= 1
-    d.check_integrity()
+    with pytest.raises(AssertionError, match="1 directory entries in use, 2 published"):
+        d.check_integrity(2)
+    d.check_integrity(1)
     # move the entry's bytes into bucket 1 behind the writer's back
     raw = np.frombuffer(seg.buf, np.uint8, count=128 * 16, offset=seg.directory_offset)
     raw[8 * 128 : 9 * 128] = raw[0:128]
     raw[0:128] = 0
     with pytest.raises(AssertionError, match="not in their key's bucket"):
-        d.check_integrity()
+        d.check_integrity(1)
     del raw
 
 

@@ -125,6 +125,13 @@ class Connection:
         if client is self._client or not client.send_nowait(msg, NOWAIT_LOCAL_S):
             self._client.send_nowait(msg)
 
+    def send_report(self, msg: msgspec.Struct) -> None:
+        """Like :meth:`send_nowait`, but never waiting for room on the local socket (a thread
+        that reads from the pool directory must not wait for a server that does not read)."""
+        client = self._current()
+        if client is self._client or not client.send_nowait(msg):
+            self._client.send_nowait(msg)
+
     def close(self, linger_s: float = 0.0) -> None:
         with self._lock:
             self._closed = True

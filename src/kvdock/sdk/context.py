@@ -20,14 +20,15 @@ from kvdock.protocol import messages as m
 from kvdock.sdk import validate
 from kvdock.sdk.connection import Connection
 from kvdock.sdk.fastpath import Reporter
-from kvdock.sdk.handshake import TORCH_DTYPES, register
-from kvdock.sdk.transfer import Transfer
+from kvdock.sdk.handshake import TORCH_DTYPES, register, watch_creator
+from kvdock.sdk.transfer import ShmTransfer, Transfer
 from kvdock.transport.client import Response
 
 log = logging.getLogger("kvdock.sdk")
 
 _RESTARTABLE = (m.Lookup, m.PrepareStore, m.PrepareRetrieve, m.LookupMany, m.PrepareRetrieveMany, m.Locate)
 CLOSE_WAIT_S = 10.0  # how long close() waits for copies in progress before it stops waiting
+REWATCH_S = 1.0  # how often a transfer whose server watch hung up tries another
 
 
 class _TransferRef:
@@ -105,7 +106,7 @@ class KVCacheContext:
         self.fast_reads = validate.fast_reads_default()
         # (a weak reference: the reporter's thread must not keep an unclosed context alive)
         me = weakref.ref(self)
-        self.reporter = Reporter(conn.send_nowait, lambda: getattr(me(), "client_id", ""))
+        self.reporter = Reporter(conn.send_report, lambda: getattr(me(), "client_id", ""))
 
     @property
     def transport(self) -> str:
@@ -209,6 +210,22 @@ class KVCacheContext:
         self.max_request_tokens = reg.max_request_tokens
         self.session_ttl = reg.session_ttl
         self.kv_rank = reg.kv_rank
+
+    def rewatch(self, transfer: Transfer) -> None:
+        """If ``transfer`` lost its watch of the server (the local connection it watched hung up)
+        while this registration stands, watch the server again through the connection's current
+        local channel, when that leads to the process that made the pool (after a server
+        restart it does not: the next request registers again). At most every REWATCH_S."""
+        if not isinstance(transfer, ShmTransfer) or not transfer.watch_lost:
+            return
+        now = time.monotonic()
+        if now < transfer.rewatch_at:
+            return
+        transfer.rewatch_at = now + REWATCH_S
+        watch = watch_creator(self._conn, transfer.segment)
+        if watch is not None:
+            log.info("watching the server at %s again: reads use its pool directory", self.url)
+            transfer.rewatch(watch)
 
     def notify(self, msg: msgspec.Struct) -> None:
         """Send a message whose reply nobody waits for (dropped on arrival); no-op once closed."""

@@ -9,9 +9,11 @@ on a 2-vCPU VM before any work) and the server's work per request. The answer is
   (``ShmTransfer.directory``): a directory of a server that is gone may show KV that a server
   started since has overwritten;
 * only for a full hit (every whole chunk is published and the version chain holds), or when the
-  directory says for sure that the first chunk it lacks is not cached anywhere (no lower tier,
-  nothing unindexed). Otherwise (a partial hit that L2 or L3 may extend, a chunk that does not
-  chain, an entry being rewritten) these functions return None and the caller asks the server;
+  directory says for sure that nothing past the chunks found is cached (no lower tier, nothing
+  unindexed): the next chunk is not published, or its version does not chain (an older or
+  newer version of its prefix; looked at twice, as an overwrite's commit rewrites a prefix chunk
+  by chunk). Otherwise (a partial hit that L2 or L3 may extend, an entry being rewritten) these
+  functions return None and the caller asks the server;
 * a retrieve checks every slot's generation after its copy (``ShmTransfer.read``): a slot
   freed meanwhile (evicted, replaced by an overwrite) means None, and the caller asks the
   server, whose answer then goes to the sink again (a sink can be handed garbage for some chunks
@@ -178,11 +180,14 @@ def _find(ctx: KVCacheContext, t: Transfer, whole: bytes, cache_salt: str) -> Fo
     """The directory's answer for the whole chunks ``whole`` (token bytes), if it is final."""
     directory = t.directory()
     if directory is None:
+        ctx.rewatch(t)  # for the next reads, if the server only dropped our local connection
         return None
     hashes = b"".join(chunk_hashes(np.frombuffer(whole, TOKEN_DTYPE), ctx.chunk_size))
     ns = namespace_digest(ctx.model_name, ctx.kv_rank, cache_salt)
     found = directory.find(ns, hashes, t.chunk_nbytes)
-    if found.ended == "all" or (found.ended == "absent" and directory.complete):
+    if found.ended == "broken":  # an overwrite's commit rewrites a prefix chunk by chunk: look again
+        found = directory.find(ns, hashes, t.chunk_nbytes)
+    if found.ended == "all" or (found.ended in ("absent", "broken") and directory.complete):
         return found
     return None
 

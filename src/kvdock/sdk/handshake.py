@@ -136,6 +136,9 @@ def watch_creator(conn: Connection, segment: PoolSegment) -> PeerWatch | None:
     if watch is None:
         return None
     pid, start = segment.creator_pid, segment.creator_start
+    if not watch.alive():  # a channel not yet known to be broken
+        watch.close()
+        return None
     if watch.pid != pid or not start or proc_start_time(pid) != start:
         log.info("the local socket's peer (pid %d) did not create the pool; reads ask the server", watch.pid)
         watch.close()

@@ -236,9 +236,10 @@ class Prefault:
 
 
 class ShmTransfer(Transfer):
-    """Copies through the mapped pool. With ``watch`` (of a local connection to the process that
-    created ``segment``: the caller checked) and a directory in the segment, reads may skip the
-    server (:meth:`directory`); the transfer owns the watch from then on."""
+    """Copies through the mapped pool. With a watch of a local connection to the process that
+    created ``segment`` (``watch``, or one given later to :meth:`rewatch`: the caller checked it)
+    and a directory in the segment, reads may skip the server (:meth:`directory`). The transfer
+    owns its watches, and closes them when it closes."""
 
     name = "shm"
 
@@ -251,9 +252,12 @@ class ShmTransfer(Transfer):
         watch: PeerWatch | None = None,
     ) -> None:
         super().__init__(geometry, chunk_size, dtype)
-        self._segment = segment
+        self.segment = segment
         self._watch = watch
-        self._directory = DirectoryReader(segment) if watch is not None and segment.directory_entries else None
+        self._watches = [watch] if watch is not None else []  # every one it had: a thread may still poll one
+        self._watch_lock = threading.Lock()
+        self.rewatch_at = 0.0  # when a lost watch may be replaced next (KVCacheContext.rewatch)
+        self._directory = DirectoryReader(segment) if segment.directory_entries else None
         self._pool: torch.Tensor | None = torch.frombuffer(segment.buf, dtype=torch.uint8)
         self._gens = segment.generations()
         self._base = segment.data_offset
@@ -268,6 +272,20 @@ class ShmTransfer(Transfer):
         if d is None or watch is None or not d.live or not watch.alive():
             return None
         return d
+
+    @property
+    def watch_lost(self) -> bool:
+        """Whether reads could use the directory but for the watch: it hung up (the server dropped
+        or broke that local connection, or is gone), or there never was one."""
+        d, watch = self._directory, self._watch
+        return d is not None and d.live and (watch is None or not watch.alive())
+
+    def rewatch(self, watch: PeerWatch) -> None:
+        """Watch the server through ``watch`` from now on (of the process that made the segment:
+        the caller checked). The old watches stay open until :meth:`close`."""
+        with self._watch_lock:
+            self._watches.append(watch)
+            self._watch = watch
 
     def _slot(self, offset: int) -> torch.Tensor:
         assert self._pool is not None, "transfer closed"
@@ -340,7 +358,7 @@ class ShmTransfer(Transfer):
 
     def map_readonly(self, offset: int, length: int) -> mmap.mmap:
         """A new read-only mapping of part of the pool (for zero-copy views)."""
-        return self._segment.map_readonly(offset, length)
+        return self.segment.map_readonly(offset, length)
 
     def close(self) -> None:
         self._prefault.stop()
@@ -348,9 +366,10 @@ class ShmTransfer(Transfer):
         del self._gens
         if self._directory is not None:
             self._directory.close()
-        if self._watch is not None:
-            self._watch.close()
-        self._segment.close()
+        with self._watch_lock:
+            for w in self._watches:
+                w.close()
+        self.segment.close()
 
 
 class InlineTransfer(Transfer):

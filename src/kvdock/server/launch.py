@@ -79,21 +79,20 @@ def build_state(config: ServerConfig) -> ServerState:
         allocator = SlotAllocator(segment.data_offset, size, segment.generations())
         publisher = _open_events(config)
         events = ChunkEvents(metrics, config.chunk_size, publisher)
-        directory = Directory(segment) if fast_reads else None
-        l1 = L1Store(allocator, watcher=events, memory=segment.buf, directory=directory)
         disk = _open_disk(config)
         registry = Registry(
             config.chunk_size,
             disk.root / "models.msgpack" if disk is not None else None,
             config=config,
-            pool_capacity=l1.allocator.capacity,
+            pool_capacity=allocator.capacity,
         )
         metrics.watch_registry(registry)
         redis = _open_redis(config)
+        # without a lower tier, what the directory lacks is not cached at all (fast reads' misses)
+        directory = Directory(segment, complete=disk is None and redis is None) if fast_reads else None
+        l1 = L1Store(allocator, watcher=events, memory=segment.buf, directory=directory)
         lanes = [TierLane(t, l1) for t in (disk, redis) if t is not None]
         manager = StorageManager(l1, config.session_ttl, lanes, registry.geometry_of, registry.chunk_size)
-        if directory is not None:
-            directory.set_state(live=True, complete=not lanes)
     except BaseException:
         for lane in lanes:
             lane.close()

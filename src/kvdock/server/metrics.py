@@ -27,6 +27,11 @@ class Metrics:
         self.fast_reads = Counter(
             "kvdock_fast_reads", "Lookups and retrieves clients answered from the pool directory", ["op"], registry=r
         )
+        self.fast_reads_untouched = Counter(
+            "kvdock_fast_reads_untouched",
+            "Chunks read from the pool directory whose LRU touch was skipped (a client over its touch budget)",
+            registry=r,
+        )
         self.hit_tokens = Counter("kvdock_hit_tokens", "Tokens found by lookups and retrieves", registry=r)
         self.miss_tokens = Counter("kvdock_miss_tokens", "Whole-chunk tokens asked for and not found", registry=r)
         self.stored_chunks = Counter("kvdock_stored_chunks", "Chunks written", registry=r)

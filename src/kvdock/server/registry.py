@@ -45,6 +45,10 @@ class ModelEntry:
         return self.layout.geometry
 
 
+TOUCH_RATE = 1 << 18  # LRU touches per second one client's reads may make (~0.1 s of the event loop)
+TOUCH_BURST = 1 << 14
+
+
 @dataclass(eq=False)
 class ClientEntry:
     client_id: str  # a capability: whoever knows it acts as the client, so it is never shown
@@ -55,6 +59,19 @@ class ClientEntry:
     last_seen: float = 0.0  # the Registry's clock at the last request naming this client
     pid: int = 0  # the client process (shared-memory clients: checked at registration)
     pid_start: int = 0
+    touch_budget: float = TOUCH_BURST  # LRU touches its FastReads reports may make now
+    touch_at: float = 0.0  # the clock when the budget was last counted
+
+    def allow_touches(self, want: int) -> int:
+        """How many of ``want`` LRU touches of a FastReads report to make, as of ``last_seen``
+        (the request's time): TOUCH_RATE per second, TOUCH_BURST at once. A report is never
+        answered, so nothing else slows a client that floods them; the rest are skipped (the
+        counters still count every read)."""
+        budget = min(TOUCH_BURST, self.touch_budget + max(self.last_seen - self.touch_at, 0.0) * TOUCH_RATE)
+        self.touch_at = self.last_seen
+        allowed = min(want, int(budget))
+        self.touch_budget = budget - allowed
+        return allowed
 
 
 class Registry:

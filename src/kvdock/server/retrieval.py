@@ -294,24 +294,37 @@ def _count_retrieved(state: ServerState, nbytes: int) -> None:
     state.metrics.retrieved_bytes.inc(nbytes)
 
 
-MAX_REPORTED = 1 << 16  # chunks one FastReads may list (the SDK sends at most 4096)
+MAX_REPORTED = 4096  # chunks one FastReads may list (what the SDK's Reporter puts in one)
+MAX_REPORTED_READS = 1 << 20  # reads one FastReads may count
 
 
 def fast_reads(state: ServerState, req: m.FastReads, payload: Payload) -> Reply:
-    """Count lookups and retrieves a client answered from the pool directory, renew its lease
-    (if the server still knows it), and make what the retrieves copied most recently used (only
-    objects still in the slot the client found them in)."""
-    state.registry.touch(req.client_id)
-    n = len(req.entries)
+    """Count lookups and retrieves a client answered from the pool directory, renew its lease,
+    and make what the retrieves copied most recently used: only objects still in the slot the
+    client found them in, only for a client this server knows (a report of a client of the
+    server before a restart names another pool), at most the client's touch budget."""
+    n, reads = len(req.entries), req.lookups + req.retrieves
+    most_chunks = reads * (state.registry.max_request_tokens // state.chunk_size)
+    largest = max((model.slot_nbytes for model in state.registry.models.values()), default=0)
     if not (
-        0 <= req.hit <= req.asked
-        and min(req.lookups, req.retrieves, req.nbytes) >= 0
-        and len(req.offsets) == len(req.gens) == n <= min(req.hit, MAX_REPORTED)
+        min(req.lookups, req.retrieves, req.asked, req.hit, req.nbytes) >= 0
+        and reads <= MAX_REPORTED_READS
+        and req.hit <= req.asked <= most_chunks
+        and req.nbytes <= req.hit * largest
+        and len(req.offsets) == len(req.gens) == n <= MAX_REPORTED
     ):
-        raise RequestError(f"FastReads of {req.asked} chunks, {req.hit} hit, {n} entries is not a possible report")
-    l1 = state.manager.l1
-    for entry, offset, gen in zip(req.entries, req.offsets, req.gens, strict=True):
-        l1.touch(entry, offset, gen)
+        raise RequestError(
+            f"FastReads of {reads} reads, {req.asked} chunks asked, {req.hit} hit, {req.nbytes} bytes "
+            f"and {n} entries is not a possible report"
+        )
+    client = state.registry.touch(req.client_id)
+    if client is not None and n:
+        allowed = client.allow_touches(n)
+        l1 = state.manager.l1
+        for entry, offset, gen in zip(req.entries[:allowed], req.offsets[:allowed], req.gens[:allowed], strict=True):
+            l1.touch(entry, offset, gen)
+        if allowed < n:
+            state.metrics.fast_reads_untouched.inc(n - allowed)
     metrics = state.metrics
     metrics.lookups.inc(req.lookups)
     metrics.retrieves.inc(req.retrieves)

@@ -71,9 +71,10 @@ class Entry:
 @dataclass(frozen=True)
 class Found:
     """What :meth:`DirectoryReader.find` found of one prompt: the first ``count`` chunks, with
-    their entries, slot offsets and slot generations; ``ended``: "all" (every chunk), "absent" (the next chunk
-    is not published) or "unsure" (the next one is, but cannot be vouched for: it does not chain,
-    or its entry kept changing while it was read)."""
+    their entries, slot offsets and slot generations; ``ended``: "all" (every chunk), "absent"
+    (the next chunk is not published), "broken" (it is, but does not chain to the one before: another version of
+    its prefix) or "unsure" (it cannot be vouched for: its entry kept changing while it was read,
+    or it names no slot of this model)."""
 
     count: int
     entries: np.ndarray  # int64
@@ -82,7 +83,7 @@ class Found:
     ended: str
 
 
-_ENDED = ("all", "absent", "unsure")
+_ENDED = ("all", "absent", "unsure", "broken")
 _SEQ, _CHUNK0, _NS0, _OFFSET = 0, 1, 5, 9  # u64 words of an entry (_directory.c's entry_t)
 
 
@@ -92,6 +93,8 @@ class _Mapped:
 
     def __init__(self, segment: PoolSegment) -> None:
         self.entries = segment.directory_entries
+        if not self.entries:
+            raise ValueError("the segment has no directory (its server publishes none)")
         self.nbuckets = self.entries // BUCKET
         self._bytes: np.ndarray | None = np.frombuffer(
             segment.buf, np.uint8, count=self.entries * ENTRY_SIZE, offset=segment.directory_offset
@@ -104,10 +107,18 @@ class _Mapped:
         """READY objects the server has not published (their buckets were full)."""
         return int(self.state[W_UNINDEXED]) if len(self.state) else 0
 
+    def _entry(self, entry: int) -> int:
+        """``entry`` if this open directory has it; IndexError (not an assert: the native side
+        writes at ``addr + entry`` as told), ValueError once closed."""
+        if self._bytes is None:
+            raise ValueError("the directory is closed")
+        if not 0 <= entry < self.entries:
+            raise IndexError(f"entry {entry} of a directory of {self.entries}")
+        return entry
+
     def read(self, entry: int) -> Entry | None:
         """Entry ``entry`` as a reader sees it (None: free, or it kept changing)."""
-        assert 0 <= entry < self.entries and self._bytes is not None
-        got = _directory.read(self.addr, entry)
+        got = _directory.read(self.addr, self.entries, self._entry(entry))
         return None if got is None else Entry(*got)
 
     def close(self) -> None:
@@ -116,49 +127,42 @@ class _Mapped:
 
 
 class Directory(_Mapped):
-    """The writing side (the server's L1 store owns it). Not thread-safe: the event loop only."""
+    """The writing side: one per server, owned by its L1 store, which alone writes the entries and
+    the state words (from the event loop; not thread-safe). ``complete``: the server has no lower
+    tier. The state says LIVE from construction on."""
 
-    def __init__(self, segment: PoolSegment) -> None:
+    def __init__(self, segment: PoolSegment, complete: bool) -> None:
         super().__init__(segment)
-        assert self.entries, "a directory needs entries"
-        self.published = 0
+        self.state[W_FLAGS] = LIVE | (COMPLETE if complete else 0)
 
     def publish(self, ns: bytes, chunk: bytes, offset: int, gen: int, nbytes: int, version: int, parent: int) -> int:
         """Publish key (``ns``, ``chunk``), which must not be published now; its entry number, or
         -1 if its bucket is full (the caller then counts it as unindexed)."""
-        entry = int(_directory.publish(self.addr, self.nbuckets, ns, chunk, offset, gen, nbytes, version, parent))
-        if entry >= 0:
-            self.published += 1
-        return entry
+        self._entry(0)
+        return int(_directory.publish(self.addr, self.nbuckets, ns, chunk, offset, gen, nbytes, version, parent))
 
     def rewrite(
         self, entry: int, ns: bytes, chunk: bytes, offset: int, gen: int, nbytes: int, version: int, parent: int
     ) -> None:
         """Make published ``entry`` name another object of its key (``ns``, ``chunk``), in one
         write: readers see the old object or the new one, never none (an overwrite's commit)."""
-        assert 0 <= entry < self.entries
-        _directory.rewrite(self.addr, entry, ns, chunk, offset, gen, nbytes, version, parent)
+        _directory.rewrite(self.addr, self.entries, self._entry(entry), ns, chunk, offset, gen, nbytes, version, parent)
 
     def unpublish(self, entry: int) -> None:
         """Free entry ``entry`` (a published one)."""
-        assert 0 <= entry < self.entries
-        _directory.unpublish(self.addr, entry)
-        self.published -= 1
-
-    def set_state(self, live: bool, complete: bool) -> None:
-        self.state[W_FLAGS] = (LIVE if live else 0) | (COMPLETE if complete else 0)
+        _directory.unpublish(self.addr, self.entries, self._entry(entry))
 
     def set_unindexed(self, count: int) -> None:
         self.state[W_UNINDEXED] = count
 
-    def check_integrity(self) -> None:
-        """Assert that no entry is mid-write, exactly ``published`` are in use, and each one in use
-        is in its key's bucket (the writer's own view: no seqlock needed)."""
+    def check_integrity(self, published: int) -> None:
+        """Assert that no entry is mid-write, exactly ``published`` (the owner's count) are in use,
+        and each one in use is in its key's bucket (the writer's own view: no seqlock needed)."""
         assert self._bytes is not None
         words = self._bytes.view("<u8").reshape(-1, ENTRY_SIZE // 8)
         assert not (words[:, _SEQ] & 1).any(), "a directory entry is left mid-write"
         used = np.flatnonzero(words[:, _OFFSET])
-        assert len(used) == self.published, f"{len(used)} entries in use, {self.published} published"
+        assert len(used) == published, f"{len(used)} directory entries in use, {published} published"
         buckets = (words[used, _CHUNK0] ^ words[used, _NS0]) & np.uint64(self.nbuckets - 1)
         misplaced = used[buckets != used // BUCKET]
         assert not len(misplaced), f"entries {misplaced[:5].tolist()} are not in their key's bucket"

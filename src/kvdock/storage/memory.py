@@ -288,7 +288,9 @@ class L1Store:
             d.set_unindexed(self._unindexed)
 
     def _check_directory(self, d: Directory) -> None:
-        d.check_integrity()
+        """Every READY object and its entry agree (an entry ↔ object pair is kept twice: in
+        ``_published`` for :meth:`touch`, in ``obj.entry`` to unpublish it), the directory holds
+        no other entry, and the unindexed count is right."""
         unindexed = 0
         for obj in self._ready.values():
             if obj.entry < 0:
@@ -301,7 +303,8 @@ class L1Store:
             want = (namespace_digest(k.model, k.rank, k.salt), k.chunk, obj.offset, gen)
             assert got is not None and (got.ns, got.chunk, got.offset, got.gen) == want, "a directory entry is wrong"
             assert (got.nbytes, got.version, got.parent) == (obj.nbytes, obj.version, obj.parent)
-        assert len(self._published) == d.published == len(self._ready) - unindexed, "the directory holds stale entries"
+        assert len(self._published) == len(self._ready) - unindexed, "a published object is no longer READY"
+        d.check_integrity(len(self._published))  # (its message: more entries in use than published)
         assert unindexed == self._unindexed == d.unindexed, "the unindexed count is wrong"
 
     def check_integrity(self) -> None:

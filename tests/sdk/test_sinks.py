@@ -8,7 +8,7 @@ import torch
 
 import kvdock.sdk as kvd
 from helpers import CHUNK, MODEL, make_kv, make_tokens
-from kvdock.sdk.transfer import TensorChunks
+from kvdock.sdk.chunks import TensorChunks
 
 
 def test_a_take_that_raises_leaves_no_copy_pending(transport_server) -> None:

@@ -24,6 +24,7 @@ from kvdock.errors import (
 from kvdock.sdk.batch import lookup_many, retrieve_many
 from kvdock.sdk.buffers import BufferPool, PoolStats, buffer_pool, set_buffer_pool_bytes
 from kvdock.sdk.bundle import Bundle, BundleManifest, ImportResult, export_bundle, import_bundle, read_bundle
+from kvdock.sdk.chunks import ChunkSink, ChunkSource
 from kvdock.sdk.context import KVCacheContext, close, connect
 from kvdock.sdk.http import server_config, server_status
 from kvdock.sdk.inspection import ChunkInfo, Inspection, PrefixDiff, diff_prefixes, inspect_prefix, plot_norms
@@ -38,7 +39,6 @@ from kvdock.sdk.ops import (
     store_from,
 )
 from kvdock.sdk.registration import ModelRegistration, make_layout, register_layout, register_model
-from kvdock.sdk.transfer import ChunkSink, ChunkSource
 from kvdock.sdk.views import PrefixView, view
 
 __all__ = [

@@ -44,7 +44,8 @@ import numpy as np
 from kvdock.errors import LeaseExpiredError
 from kvdock.keys import TOKEN_DTYPE, chunk_hashes, namespace_digest
 from kvdock.protocol import messages as m
-from kvdock.sdk.transfer import ChunkSink, ShmTransfer, Transfer, layer_slice
+from kvdock.sdk.chunks import ChunkSink
+from kvdock.sdk.transfer import ShmTransfer, Transfer, layer_slice
 from kvdock.shm.directory import Found
 
 if TYPE_CHECKING:

@@ -24,8 +24,8 @@ from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
 from kvdock.sdk import fastpath, validate
 from kvdock.sdk.buffers import buffer_pool
+from kvdock.sdk.chunks import ChunkSink, ChunkSource, TensorChunks
 from kvdock.sdk.context import KVCacheContext
-from kvdock.sdk.transfer import ChunkSink, ChunkSource, TensorChunks
 from kvdock.transport.client import Response
 
 log = logging.getLogger("kvdock.sdk")

@@ -1,0 +1,140 @@
+"""The two ends of a transfer: where a store's chunks come from (:class:`ChunkSource`) and where a
+retrieve's go (:class:`ChunkSink`). For the SDK's own calls both are a ``KV_2LTD`` tensor
+(:class:`TensorChunks`); for an engine, its paged KV through a codec, so each chunk moves between
+the engine's pages and a slot in one copy. The transfers (:mod:`kvdock.sdk.transfer`) hand each
+end one chunk at a time, or a plain tensor all of its chunks' copies at once
+(:meth:`TensorChunks.add_slots`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kvdock.memcpy import Copier
+
+
+class ChunkSource(Protocol):
+    def put(self, index: int, dst: torch.Tensor) -> None:
+        """Write chunk ``index`` (of the tokens being stored) into ``dst``, a contiguous
+        ``[2, L, chunk_size, D]`` buffer that stays valid until :meth:`finish` returns."""
+
+    def finish(self) -> None:
+        """The puts of this transfer are over: complete any copy still pending (a source may
+        batch them). Called once per transfer, also when a put raised, before the chunks are
+        committed. Optional: a source without it copies in put."""
+
+
+class ChunkSink(Protocol):
+    def take(self, index: int, src: torch.Tensor) -> None:
+        """Read chunk ``index`` of the retrieved prefix from ``src`` (``[2, L, chunk_size, D]``,
+        valid until :meth:`finish` returns)."""
+
+    def finish(self) -> None:
+        """The takes of this transfer are over: complete any copy still pending. Called once
+        per transfer, also when a take raised (or nothing was taken). The bytes are verified
+        only after it: a transfer that then raises LeaseExpiredError has handed garbage to some
+        takes. Optional: a sink without it copies in take."""
+
+
+class TensorChunks:
+    """A ``KV_2LTD`` tensor ``[planes, L, T, D]`` as a source or sink of ``chunk_size``-token
+    chunks, chunk ``first_chunk`` at token 0 (a sink of a read from chunk ``first_chunk`` on).
+    The copies of one transfer run together at :meth:`finish`, on ``threads`` threads
+    (:mod:`kvdock.memcpy`)."""
+
+    def __init__(self, kv: torch.Tensor, chunk_size: int, first_chunk: int = 0, threads: int = 0) -> None:
+        self.kv = kv
+        self.chunk_size = chunk_size
+        self.first_chunk = first_chunk
+        self._copier = Copier(threads)
+
+    def _span(self, index: int) -> torch.Tensor:
+        c = self.chunk_size
+        at = (index - self.first_chunk) * c
+        return self.kv[:, :, at : at + c]
+
+    def put(self, index: int, dst: torch.Tensor) -> None:
+        self._copier.add(dst, self._span(index))
+
+    def take(self, index: int, src: torch.Tensor) -> None:
+        self._copier.add(self._span(index), src)
+
+    def finish(self) -> None:
+        self._copier.run()
+
+    def add_slots(
+        self, taking: bool, chunks: np.ndarray, slots: np.ndarray, shape: Shape, layers: slice, dtype: torch.dtype
+    ) -> bool:
+        """Queue the copies between chunks ``chunks`` (indices) of the tensor and the slots at addresses
+        ``slots`` (one per chunk; a slot holds a ``shape`` chunk ``[planes, L, chunk_size, D]``
+        of ``dtype``, of which the tensor holds ``layers``), into the tensor when ``taking``, as
+        one run per chunk, plane and layer: what :meth:`put` / :meth:`take` of each chunk do,
+        computed at once. False (nothing queued) when the tensor has no such runs."""
+        kv = self.kv
+        planes, num_layers, c, d = shape
+        picked = range(num_layers)[layers]
+        if (
+            kv.dtype != dtype
+            or not kv.is_cpu
+            or kv.is_conj()
+            or kv.is_neg()
+            or (taking and kv.requires_grad)
+            or tuple(kv.shape) != (planes, len(picked), kv.shape[2], d)
+            or not len(chunks)
+            or (int(chunks.max() if len(chunks) > 1 else chunks[0]) - self.first_chunk + 1) * c > kv.shape[2]
+            or int(chunks.min() if len(chunks) > 1 else chunks[0]) < self.first_chunk
+        ):
+            return False
+        s0, s1, s2, s3 = kv.stride()
+        # each (plane, layer) holds dense [T, D] rows; blocks that may not overlap must not
+        rows = kv.shape[2] * d
+        span = (len(picked) - 1) * s1 + rows  # of a plane
+        if s3 != 1 or s2 != d or not _apart(len(picked), s1, rows) or not _apart(planes, s0, span):
+            return False
+        es = kv.element_size()
+        run, in_tensor, in_slot = _grid(planes, num_layers, picked, s0 * es, s1 * es, c * d * es)
+        at = (chunks - self.first_chunk) * (c * d * es) + kv.data_ptr()  # where each chunk starts in the tensor
+        t = (at[:, None] + in_tensor).reshape(-1).view(np.uint64)
+        sl = (slots[:, None] + in_slot).reshape(-1).view(np.uint64)
+        if taking:
+            self._copier.add_runs(run, t, sl, kv)
+        else:
+            self._copier.add_runs(run, sl, t, kv)
+        return True
+
+
+@functools.lru_cache(maxsize=64)
+def _grid(
+    planes: int, num_layers: int, picked: range, plane: int, layer: int, row: int
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """The runs of one chunk: (run bytes, their offsets in the tensor, their offsets in the slot),
+    one run per plane and picked layer (``plane``/``layer``: the tensor's strides in bytes,
+    ``row``: a layer's bytes of one chunk), or one run for all when both sides are dense."""
+    p = np.arange(planes, dtype=np.int64)[:, None]
+    in_tensor = (p * plane + np.arange(len(picked), dtype=np.int64) * layer).reshape(-1)
+    in_slot = ((p * num_layers + np.asarray(picked, dtype=np.int64)) * row).reshape(-1)
+    dense = np.arange(len(in_slot), dtype=np.int64) * row
+    if np.array_equal(in_tensor, dense) and np.array_equal(in_slot, dense):
+        return row * len(dense), dense[:1], dense[:1]
+    return row, in_tensor, in_slot
+
+
+Shape = tuple[int, int, int, int]
+
+
+def _apart(n: int, stride: int, extent: int) -> bool:
+    """Whether ``n`` blocks of ``extent`` elements, ``stride`` apart, never overlap."""
+    return n <= 1 or stride >= extent
+
+
+def finish(end: ChunkSource | ChunkSink) -> None:
+    """End a transfer at ``end``: its pending copies run (also after a failed put or take: the
+    slots are still held then, and a reused sink must not carry them into its next transfer)."""
+    done = getattr(end, "finish", None)
+    if done is not None:
+        done()
+
+

@@ -8,8 +8,9 @@ Each slot has a *generation* (one u64 per page, kept in the segment's generation
 clients can read it): :meth:`SlotAllocator.free` bumps it before the slot can be allocated again.
 A reader that is told "chunk i is at offset o, generation g", copies the slot, then reads the
 generation again and finds g, copied bytes that nobody could have been handed for writing since
-it was told (the seqlock read side; on x86-64 loads are not reordered with older loads, and the
-server's bump reaches the next writer only through a socket, after the bump is stored).
+it was told (the seqlock read side: the reader loads the generation after an acquire fence,
+``_native.moved``, and the server's bump reaches the next writer only through a socket, after the
+bump is stored).
 """
 
 from __future__ import annotations

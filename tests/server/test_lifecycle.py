@@ -45,13 +45,17 @@ def _segment(srv) -> Path:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_segment_is_private_prefaulted_and_unlinked_on_signal(tmp_path, sig) -> None:
     srv = start_server(tmp_path, l1_size="32MiB")
-    path = _segment(srv)
-    st = path.stat()
-    assert stat.S_IMODE(st.st_mode) == 0o600
-    # header, generations, directory, slots
-    assert st.st_size == HEADER_SIZE + table_bytes(32 * 2**20) + directory_bytes(entries_for(32 * 2**20)) + 32 * 2**20
-    assert st.st_blocks * 512 >= st.st_size  # allocated up front, not sparse
-    assert srv.stop(sig) == 0
+    try:
+        path = _segment(srv)
+        st = path.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        # header, generations, directory, slots
+        size = HEADER_SIZE + table_bytes(32 * 2**20) + directory_bytes(entries_for(32 * 2**20)) + 32 * 2**20
+        assert st.st_size == size
+        assert st.st_blocks * 512 >= st.st_size  # allocated up front, not sparse
+    finally:
+        code = srv.stop(sig)  # (a failed check above must not leave the server running)
+    assert code == 0
     assert not path.exists()
     assert "shutting down" in srv.log()
 

@@ -74,29 +74,15 @@ class TensorChunks:
         one run per chunk, plane and layer: what :meth:`put` / :meth:`take` of each chunk do,
         computed at once. False (nothing queued) when the tensor has no such runs."""
         kv = self.kv
-        planes, num_layers, c, d = shape
-        picked = range(num_layers)[layers]
-        if (
-            kv.dtype != dtype
-            or not kv.is_cpu
-            or kv.is_conj()
-            or kv.is_neg()
-            or (taking and kv.requires_grad)
-            or tuple(kv.shape) != (planes, len(picked), kv.shape[2], d)
-            or not len(chunks)
-            or (int(chunks.max() if len(chunks) > 1 else chunks[0]) - self.first_chunk + 1) * c > kv.shape[2]
-            or int(chunks.min() if len(chunks) > 1 else chunks[0]) < self.first_chunk
-        ):
+        if kv.dtype != dtype or not kv.is_cpu or kv.is_conj() or kv.is_neg() or (taking and kv.requires_grad):
             return False
-        s0, s1, s2, s3 = kv.stride()
-        # each (plane, layer) holds dense [T, D] rows; blocks that may not overlap must not
-        rows = kv.shape[2] * d
-        span = (len(picked) - 1) * s1 + rows  # of a plane
-        if s3 != 1 or s2 != d or not _apart(len(picked), s1, rows) or not _apart(planes, s0, span):
+        n = len(chunks)
+        lo, hi = (int(chunks.min()), int(chunks.max())) if n > 1 else (int(chunks[0]), int(chunks[0])) if n else (0, -1)
+        plan = _plan(tuple(kv.shape), kv.stride(), kv.element_size(), shape, range(shape[1])[layers])
+        if plan is None or not n or lo < self.first_chunk or (hi - self.first_chunk + 1) * shape[2] > kv.shape[2]:
             return False
-        es = kv.element_size()
-        run, in_tensor, in_slot = _grid(planes, num_layers, picked, s0 * es, s1 * es, c * d * es)
-        at = (chunks - self.first_chunk) * (c * d * es) + kv.data_ptr()  # where each chunk starts in the tensor
+        run, in_tensor, in_slot, step = plan
+        at = (chunks - self.first_chunk) * step + kv.data_ptr()  # where each chunk starts in the tensor
         t = (at[:, None] + in_tensor).reshape(-1).view(np.uint64)
         sl = (slots[:, None] + in_slot).reshape(-1).view(np.uint64)
         if taking:
@@ -107,19 +93,31 @@ class TensorChunks:
 
 
 @functools.lru_cache(maxsize=64)
-def _grid(
-    planes: int, num_layers: int, picked: range, plane: int, layer: int, row: int
-) -> tuple[int, np.ndarray, np.ndarray]:
-    """The runs of one chunk: (run bytes, their offsets in the tensor, their offsets in the slot),
-    one run per plane and picked layer (``plane``/``layer``: the tensor's strides in bytes,
-    ``row``: a layer's bytes of one chunk), or one run for all when both sides are dense."""
+def _plan(
+    size: tuple[int, ...], stride: tuple[int, ...], itemsize: int, shape: Shape, picked: range
+) -> tuple[int, np.ndarray, np.ndarray, int] | None:
+    """How chunks of a tensor of ``size`` and ``stride`` (elements) copy to and from slots of a
+    ``shape`` chunk, of which it holds layers ``picked``: (run bytes, each run's offset in the
+    tensor's chunk, each run's offset in the slot, bytes from one chunk of the tensor to the
+    next), one run per plane and picked layer, or one run for all when both sides are dense.
+    None when the tensor's chunks are not such runs: its rows of a (plane, layer) must be dense
+    ``[T, D]`` blocks that do not overlap. Cached: a transfer asks for every chunk's copies."""
+    planes, num_layers, c, d = shape
+    if not picked or len(size) != 4 or (size[0], size[1], size[3]) != (planes, len(picked), d):
+        return None
+    s0, s1, s2, s3 = stride
+    rows = size[2] * d
+    span = (len(picked) - 1) * s1 + rows  # of a plane
+    if s3 != 1 or s2 != d or not _apart(len(picked), s1, rows) or not _apart(planes, s0, span):
+        return None
+    row = c * d * itemsize  # one layer of one chunk
     p = np.arange(planes, dtype=np.int64)[:, None]
-    in_tensor = (p * plane + np.arange(len(picked), dtype=np.int64) * layer).reshape(-1)
+    in_tensor = (p * s0 * itemsize + np.arange(len(picked), dtype=np.int64) * s1 * itemsize).reshape(-1)
     in_slot = ((p * num_layers + np.asarray(picked, dtype=np.int64)) * row).reshape(-1)
     dense = np.arange(len(in_slot), dtype=np.int64) * row
     if np.array_equal(in_tensor, dense) and np.array_equal(in_slot, dense):
-        return row * len(dense), dense[:1], dense[:1]
-    return row, in_tensor, in_slot
+        return row * len(dense), dense[:1], dense[:1], row
+    return row, in_tensor, in_slot, row
 
 
 Shape = tuple[int, int, int, int]

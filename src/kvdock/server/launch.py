@@ -4,9 +4,7 @@ SIGINT/SIGTERM (the shared-memory segment is unlinked)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import resource
 import signal
 from collections.abc import Awaitable, Coroutine
 from pathlib import Path
@@ -35,6 +33,7 @@ from kvdock.server.events import FLUSH_S, ChunkEvents, advertised_url
 from kvdock.server.http import make_app, request_logger
 from kvdock.server.metrics import Metrics
 from kvdock.server.registry import Registry
+from kvdock.server.resources import keep_freed_memory, raise_fd_limit
 from kvdock.server.state import Outcome, Reply, ServerState, fault_retrieve_miss
 from kvdock.shm import PoolSegment, SlotAllocator, cleanup_stale
 from kvdock.shm.directory import Directory, entries_for
@@ -47,7 +46,6 @@ if TYPE_CHECKING:
     from kvdock.storage.redis import RedisTier
 
 log = logging.getLogger("kvdock.server")
-FD_LIMIT = 1 << 16  # descriptors the server asks for (its soft limit, within the hard one)
 
 
 def build_state(config: ServerConfig) -> ServerState:
@@ -323,7 +321,8 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
         memcpy.default_threads()  # a bad KVDOCK_COPY_THREADS fails here, not at the first copy
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _raise_fd_limit()
+    raise_fd_limit()
+    keep_freed_memory()
     state = build_state(config)
     try:
         await _run(state, config, ready)
@@ -335,16 +334,6 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
             state.events.close()
         state.segment.unlink()
         state.segment.close()
-
-
-def _raise_fd_limit() -> None:
-    """Every client holds a socket (two for a local one): the common soft limit of 1024
-    descriptors would run out before the connection caps do, so take what the hard limit allows."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = FD_LIMIT if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | None) -> None:

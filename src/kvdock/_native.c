@@ -3,6 +3,7 @@
  * - copy_runs: copies of contiguous runs of bytes, split across threads, without the GIL;
  * - populate / blank: faulting a range of pages in, and replacing one with zero pages;
  * - pack_tokens: a list of Python ints as uint32 token ids, checked, in one pass;
+ * - copy_grid: the copies between a tensor's chunks and pool slots, planned once per chunk;
  * - moved: the seqlock read side of a copy out of pool slots (their generations, read after it).
  *
  * A KV chunk is 2*L contiguous runs (one per K/V plane and layer) in a [2, L, T, D] tensor, and
@@ -268,6 +269,52 @@ static PyObject *py_pack_tokens(PyObject *self, PyObject *seq) {
     return out;
 }
 
+PyDoc_STRVAR(copy_grid_doc,
+             "copy_grid(base, step, chunks, slots, in_tensor, in_slot, run, taking, threads, min_part, stream_min)\n\n"
+             "The copies between chunks of a tensor and pool slots, planned per chunk: chunk i of the\n"
+             "tensor starts at ``base + chunks[i] * step``, its slot at ``slots[i]``, and each holds runs\n"
+             "of ``run`` bytes at offsets ``in_tensor[k]`` / ``in_slot[k]`` (int64 buffers). Copies into\n"
+             "the tensor when ``taking``, else into the slots, as copy_runs does (threads, streaming).\n"
+             "The caller vouches that every address is valid and no two destination runs overlap.");
+
+static PyObject *py_copy_grid(PyObject *self, PyObject *args) {
+    unsigned long long base, step, run, min_part, stream_min;
+    PyObject *objs[4];
+    int taking, threads;
+    if (!PyArg_ParseTuple(args, "KKOOOOKpiKK", &base, &step, &objs[0], &objs[1], &objs[2], &objs[3], &run, &taking,
+                          &threads, &min_part, &stream_min))
+        return NULL;
+    Py_buffer b[4];
+    int got = 0;
+    for (; got < 4; got++)
+        if (get_u64s(objs[got], &b[got], "grid") < 0) break;
+    PyObject *result = NULL;
+    uint64_t *dst = NULL, *src = NULL;
+    if (got == 4) {
+        uint64_t nc = (uint64_t)b[0].len / 8, nk = (uint64_t)b[2].len / 8, n = nc * nk;
+        if (b[1].len != b[0].len || b[3].len != b[2].len) {
+            PyErr_SetString(PyExc_ValueError, "chunks and slots, in_tensor and in_slot must have one item each");
+        } else if (n && !((dst = PyMem_Malloc(n * 8)) && (src = PyMem_Malloc(n * 8)))) {
+            PyErr_NoMemory();
+        } else {
+            const uint64_t *chunks = b[0].buf, *slots = b[1].buf, *in_t = b[2].buf, *in_s = b[3].buf;
+            for (uint64_t i = 0; i < nc; i++)
+                for (uint64_t k = 0; k < nk; k++) {
+                    uint64_t t = base + chunks[i] * step + in_t[k], sl = slots[i] + in_s[k];
+                    dst[i * nk + k] = taking ? t : sl;
+                    src[i * nk + k] = taking ? sl : t;
+                }
+            Py_BEGIN_ALLOW_THREADS copy_runs(dst, src, n, run, threads, min_part, stream_min);
+            Py_END_ALLOW_THREADS result = Py_None;
+            Py_INCREF(result);
+        }
+    }
+    PyMem_Free(dst);
+    PyMem_Free(src);
+    for (int i = 0; i < got; i++) PyBuffer_Release(&b[i]);
+    return result;
+}
+
 PyDoc_STRVAR(moved_doc,
              "moved(table, entries, base, offsets, gens, mask) -> int\n\n"
              "After a copy out of pool slots: how many of them were freed since their generations\n"
@@ -275,7 +322,8 @@ PyDoc_STRVAR(moved_doc,
              "one per 4 KiB page of the slot area at ``base``) entry of each slot (``offsets``: int64)\n"
              "with its uint64 ``gens``, after an acquire fence: every load of the copy, made before the\n"
              "call, is done before the table is read (free on x86-64, a barrier on arm64). Writes 1 into\n"
-             "the uint8 ``mask`` for each moved slot (an offset outside the table counts as moved).");
+             "the uint8 ``mask`` (or None) for each moved slot (an offset outside the table counts as\n"
+             "moved). Offsets may be int64 (they are never negative).");
 
 static PyObject *py_moved(PyObject *self, PyObject *args) {
     unsigned long long table, entries, base;
@@ -287,37 +335,39 @@ static PyObject *py_moved(PyObject *self, PyObject *args) {
         PyBuffer_Release(&offs);
         return NULL;
     }
-    if (PyObject_GetBuffer(mask_obj, &mask, PyBUF_WRITABLE) < 0) {
+    int has_mask = mask_obj != Py_None;
+    if (has_mask && PyObject_GetBuffer(mask_obj, &mask, PyBUF_WRITABLE) < 0) {
         PyBuffer_Release(&offs);
         PyBuffer_Release(&gens);
         return NULL;
     }
     Py_ssize_t n = offs.len / 8;
     long long moved = -1;
-    if (gens.len != offs.len || mask.len < n) {
+    if (gens.len != offs.len || (has_mask && mask.len < n)) {
         PyErr_SetString(PyExc_ValueError, "offsets, gens and mask must have one item per slot");
     } else {
         const uint64_t *gen_table = (const uint64_t *)(uintptr_t)table;
         const uint64_t *o = (const uint64_t *)offs.buf, *g = (const uint64_t *)gens.buf;
-        uint8_t *out = (uint8_t *)mask.buf;
+        uint8_t *out = has_mask ? (uint8_t *)mask.buf : NULL;
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         moved = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
             uint64_t page = (o[i] - base) / 4096;
             int bad = o[i] < base || page >= entries || __atomic_load_n(&gen_table[page], __ATOMIC_RELAXED) != g[i];
-            out[i] = (uint8_t)bad;
+            if (out) out[i] = (uint8_t)bad;
             moved += bad;
         }
     }
     PyBuffer_Release(&offs);
     PyBuffer_Release(&gens);
-    PyBuffer_Release(&mask);
+    if (has_mask) PyBuffer_Release(&mask);
     if (moved < 0) return NULL;
     return PyLong_FromLongLong(moved);
 }
 
 static PyMethodDef methods[] = {
     {"moved", py_moved, METH_VARARGS, moved_doc},
+    {"copy_grid", py_copy_grid, METH_VARARGS, copy_grid_doc},
     {"pack_tokens", py_pack_tokens, METH_O, pack_tokens_doc},
     {"blank", py_blank, METH_VARARGS, blank_doc},
     {"copy_runs", py_copy_runs, METH_VARARGS, copy_runs_doc},

@@ -123,6 +123,7 @@ class Copier:
     def __init__(self, threads: int = 0) -> None:
         self._threads = check_threads(threads)
         self._pending: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # run bytes -> addresses
+        self._grids: list[tuple[object, ...]] = []  # copy_grid arguments
         self._keep: list[object] = []  # what the addresses point into
 
     @property
@@ -160,6 +161,25 @@ class Copier:
         srcs.append(src)
         self._keep.append(keep)
 
+    def add_grid(
+        self,
+        base: int,
+        step: int,
+        chunks: np.ndarray,
+        slots: np.ndarray,
+        in_tensor: np.ndarray,
+        in_slot: np.ndarray,
+        run: int,
+        taking: bool,
+        keep: object,
+    ) -> None:
+        """Copy between chunks of a tensor and slots at :meth:`run`, planned per chunk (see
+        ``_native.copy_grid``; int64 arrays), holding ``keep`` until then. The caller vouches for
+        the addresses, as for :meth:`add_runs`."""
+        assert run > 0 and len(chunks) == len(slots) and len(in_tensor) == len(in_slot)
+        self._grids.append((base, step, chunks, slots, in_tensor, in_slot, run, taking))
+        self._keep.append(keep)
+
     @staticmethod
     def _runs(dst: Array, src: Array) -> tuple[int, np.ndarray, np.ndarray] | None:
         """(run bytes, dst addresses, src addresses), or None if copy_ / copyto should do it."""
@@ -181,7 +201,11 @@ class Copier:
     def run(self) -> None:
         """Run the pending copies (the GIL is released meanwhile). Harmless twice."""
         pending, self._pending = self._pending, {}
+        grids, self._grids = self._grids, []
         try:
+            for grid in grids:
+                total = grid[6] * len(grid[2]) * len(grid[4])  # type: ignore[operator, arg-type]
+                _native.copy_grid(*grid, self.threads if total >= 2 * MIN_PART else 1, MIN_PART, STREAM_MIN)
             for run, (dsts, srcs) in pending.items():
                 d = dsts[0] if len(dsts) == 1 else np.concatenate(dsts)
                 s = srcs[0] if len(srcs) == 1 else np.concatenate(srcs)

@@ -377,7 +377,7 @@ def test_a_read_redone_with_a_shorter_hit_leaves_no_bytes_in_out_past_it(server,
     tokens = make_tokens(2 * CHUNK, start=9900)
     with kvd.connect(server.url, server.http_url, MODEL) as c:
         assert kvd.store(c, make_kv(2 * CHUNK, seed=8), tokens)
-        real = ShmTransfer._moved
+        real = ShmTransfer._count_moved
         calls = []
 
         def clear_first(self, offsets, gens):  # type: ignore[no-untyped-def]
@@ -387,7 +387,7 @@ def test_a_read_redone_with_a_shorter_hit_leaves_no_bytes_in_out_past_it(server,
             calls.append(len(offsets))
             return real(self, offsets, gens)
 
-        monkeypatch.setattr(ShmTransfer, "_moved", clear_first)
+        monkeypatch.setattr(ShmTransfer, "_count_moved", clear_first)
         out = torch.full((2, GEOMETRY["num_layers"], 3 * CHUNK, 16), 5.0, dtype=torch.bfloat16)
         assert kvd.retrieve(c, tokens, out=out) is None  # redone through the server: nothing left
         assert calls == [2]  # the fast read copied both chunks, then found them gone

@@ -82,13 +82,8 @@ class TensorChunks:
         if plan is None or not n or lo < self.first_chunk or (hi - self.first_chunk + 1) * shape[2] > kv.shape[2]:
             return False
         run, in_tensor, in_slot, step = plan
-        at = (chunks - self.first_chunk) * step + kv.data_ptr()  # where each chunk starts in the tensor
-        t = (at[:, None] + in_tensor).reshape(-1).view(np.uint64)
-        sl = (slots[:, None] + in_slot).reshape(-1).view(np.uint64)
-        if taking:
-            self._copier.add_runs(run, t, sl, kv)
-        else:
-            self._copier.add_runs(run, sl, t, kv)
+        positions = chunks - self.first_chunk if self.first_chunk else chunks
+        self._copier.add_grid(kv.data_ptr(), step, positions, slots, in_tensor, in_slot, run, taking, kv)
         return True
 
 

@@ -136,6 +136,7 @@ class ShmTransfer(Transfer):
         self._directory = DirectoryReader(segment) if segment.directory_entries else None
         self._pool: torch.Tensor | None = torch.frombuffer(segment.buf, dtype=torch.uint8)
         self._gens = segment.generations()
+        self._gens_addr = self._gens.ctypes.data
         self._base = segment.data_offset
         self._addr = self._pool.data_ptr()
         self._prefault = Prefault(self._addr + segment.table_offset, segment.size - segment.table_offset)
@@ -209,20 +210,24 @@ class ShmTransfer(Transfer):
             finish(sink)
         # seqlock read side: the copies above are complete (finish returned); the generations
         # are read after an acquire fence (native), so no load of the copy comes after them
-        moved = self._moved(offsets, gens)
-        if moved.any():
+        moved = self._count_moved(offsets, gens)
+        if moved:
             raise LeaseExpiredError(
-                f"the lease of this retrieve ran out during the copy and {np.count_nonzero(moved)} slot(s) were "
+                f"the lease of this retrieve ran out during the copy and {moved} slot(s) were "
                 "reused (was the process paused?); the bytes were discarded"
             )
+
+    def _count_moved(self, offsets: np.ndarray, gens: np.ndarray) -> int:
+        """How many of the slots at ``offsets`` were freed since they had the generations ``gens``."""
+        offs, want = np.ascontiguousarray(offsets, np.int64), np.ascontiguousarray(gens, np.uint64)
+        return int(_native.moved(self._gens_addr, len(self._gens), self._base, offs, want, None))
 
     def _moved(self, offsets: np.ndarray, gens: np.ndarray) -> np.ndarray:
         """Which of the slots at ``offsets`` were freed since they had the generations ``gens``
         (a uint8 mask; see ``_native.moved``)."""
         mask = np.zeros(len(offsets), np.uint8)
-        table = self._gens
-        offs, want = np.ascontiguousarray(offsets, np.uint64), np.ascontiguousarray(gens, np.uint64)
-        _native.moved(table.ctypes.data, len(table), self._base, offs, want, mask)
+        offs, want = np.ascontiguousarray(offsets, np.int64), np.ascontiguousarray(gens, np.uint64)
+        _native.moved(self._gens_addr, len(self._gens), self._base, offs, want, mask)
         return mask
 
     def moved(self, slots: Sequence[SlotRef]) -> list[int]:

@@ -196,14 +196,7 @@ def _find(ctx: KVCacheContext, t: Transfer, whole: bytes, cache_salt: str) -> Fo
 def lookup(ctx: KVCacheContext, whole: bytes, cache_salt: str) -> int | None:
     """How many leading tokens of ``whole`` are cached (as ``Lookup`` would answer), or None:
     ask the server."""
-    if not ctx.fast_reads:
-        return None
-    with ctx.transfer(answered=False) as t:
-        found = _find(ctx, t, whole, cache_salt)
-    if found is None:
-        return None
-    ctx.reporter.add(len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size, found.count)
-    return found.count * ctx.chunk_size
+    return _read(ctx, whole, cache_salt)
 
 
 def retrieve(
@@ -216,21 +209,35 @@ def retrieve(
     """Copy the cached prefix of ``whole`` to ``make_sink(hit tokens)`` as ``PrepareRetrieve``
     would hand it out (``part`` of each chunk) and return the hit in tokens, or None: ask the
     server (nothing was copied, or what was may be garbage)."""
+    return _read(ctx, whole, cache_salt, make_sink, part)
+
+
+def _read(
+    ctx: KVCacheContext,
+    whole: bytes,
+    cache_salt: str,
+    make_sink: Callable[[int], ChunkSink] | None = None,
+    part: m.ReadPart | None = None,
+) -> int | None:
+    """A lookup (no ``make_sink``) or a retrieve answered from the directory, reported."""
     if not ctx.fast_reads:
         return None
+    nbytes = 0
     with ctx.transfer(answered=False) as t:
         found = _find(ctx, t, whole, cache_salt)
         if found is None:
             return None
-        if found.count:
-            sink = make_sink(found.count * ctx.chunk_size)
-            try:
-                assert isinstance(t, ShmTransfer)  # the only one with a directory
-                t.read_at(found.offsets, found.gens, sink, part)
-            except LeaseExpiredError:  # a slot was freed during the copy
-                return None
-        layers = len(range(ctx.geometry.num_layers)[layer_slice(part)])
-        copied = max(found.count - (part.first_chunk if part else 0), 0)
-        nbytes = copied * t.chunk_nbytes // ctx.geometry.num_layers * layers
-    ctx.reporter.add(len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size, found.count, found, nbytes)
+        if make_sink is not None:
+            if found.count:
+                sink = make_sink(found.count * ctx.chunk_size)
+                try:
+                    assert isinstance(t, ShmTransfer)  # the only one with a directory
+                    t.read_at(found.offsets, found.gens, sink, part)
+                except LeaseExpiredError:  # a slot was freed during the copy
+                    return None
+            layers = len(range(ctx.geometry.num_layers)[layer_slice(part)])
+            copied = max(found.count - (part.first_chunk if part else 0), 0)
+            nbytes = copied * t.chunk_nbytes // ctx.geometry.num_layers * layers
+    asked = len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size
+    ctx.reporter.add(asked, found.count, found if make_sink is not None else None, nbytes)
     return found.count * ctx.chunk_size

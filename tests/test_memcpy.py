@@ -128,3 +128,34 @@ def test_what_copy_refuses_or_interprets_is_left_to_it() -> None:
     b = np.zeros((64, 1024), np.uint8)
     memcpy.copy(b, a[::-1])  # negative strides
     assert np.array_equal(b, a[::-1])
+
+
+def test_addresses_must_be_64_bit_integers() -> None:
+    """Second review: any buffer of 8-byte items passed as addresses, floats included."""
+    from kvdock import _native  # type: ignore[attr-defined]
+
+    floats, ints = np.zeros(2, np.float64), np.zeros(2, np.int64)
+    with pytest.raises(TypeError, match="64-bit integers"):
+        _native.copy_runs(floats, ints, 8, 1, 1 << 20, 8 << 20)
+    with pytest.raises(TypeError, match="64-bit integers"):
+        _native.copy_grid(0, 0, floats, ints, ints, ints, 8, True, 1, 1 << 20, 8 << 20)
+    with pytest.raises(TypeError, match="64-bit integers"):
+        _native.moved(0, 0, 0, ints, floats, None)
+    assert _native.moved(0, 0, 4096, np.zeros(0, np.int64), np.zeros(0, np.uint64), None) == 0
+
+
+def test_a_grid_copy_copies_each_chunks_runs_in_either_direction() -> None:
+    from kvdock import _native  # type: ignore[attr-defined]
+
+    tensor = np.arange(64, dtype=np.uint8)  # two chunks of 32 bytes: runs of 8 at 0 and 16
+    slots = [np.full(16, 100 + i, np.uint8) for i in range(2)]  # each slot: two runs of 8
+    addrs = np.array([s.ctypes.data for s in slots], np.int64)
+    grid = (np.array([0, 1], np.int64), addrs, np.array([0, 16], np.int64), np.array([0, 8], np.int64))
+    _native.copy_grid(tensor.ctypes.data, 32, *grid, 8, True, 1, 1 << 20, 8 << 20)
+    want = np.arange(64, dtype=np.uint8)
+    for i in range(2):
+        want[32 * i : 32 * i + 8] = want[32 * i + 16 : 32 * i + 24] = 100 + i
+    assert np.array_equal(tensor, want)
+    tensor[:] = 7
+    _native.copy_grid(tensor.ctypes.data, 32, *grid, 8, False, 1, 1 << 20, 8 << 20)
+    assert all((s == 7).all() for s in slots)

@@ -153,8 +153,10 @@ static void copy_runs(const uint64_t *dst, const uint64_t *src, uint64_t count, 
 
 static int get_u64s(PyObject *obj, Py_buffer *view, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
-    if (view->itemsize != 8 || view->len % 8) {
-        PyErr_Format(PyExc_TypeError, "%s must be a contiguous buffer of uint64", what);
+    const char *fmt = view->format ? view->format : "B";
+    char kind = fmt[strlen(fmt) - 1]; /* after any byte-order mark */
+    if (view->itemsize != 8 || view->len % 8 || !strchr("lLqQ", kind)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous buffer of 64-bit integers", what);
         PyBuffer_Release(view);
         return -1;
     }

@@ -7,14 +7,17 @@ used."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -294,7 +297,7 @@ COUNTERS = ("kvdock_lookups_total", "kvdock_retrieves_total", "kvdock_hit_tokens
         (m.FastReads("x", 10**12, 0, asked=10**12, hit=0), False),  # more reads than a report may count
         (m.FastReads("x", 0, 1, asked=1, hit=1, nbytes=1 << 40), False),  # more bytes than a chunk holds
         (m.FastReads("x", 0, 1, asked=9, hit=9, entries=[0] * 4097, offsets=[0] * 4097, gens=[0] * 4097), False),
-        (m.FastReads("nobody", 0, 1, asked=1, hit=1, entries=[10**9], offsets=[12345], gens=[7]), True),  # no touch
+        (m.FastReads("nobody", 0, 1, asked=1, hit=1, entries=[10**9], offsets=[12345], gens=[7]), False),  # unknown
     ],
 )
 def test_fast_reads_reports_are_never_answered_and_bad_ones_change_nothing(
@@ -315,6 +318,7 @@ def test_fast_reads_reports_are_never_answered_and_bad_ones_change_nothing(
         assert after[0] == before[0]
         assert (after[1] != before[1]) == counted
         errors = server.metric('kvdock_errors_total{code="bad_request"}', 0.0)
+        errors += server.metric('kvdock_errors_total{code="unknown_client"}', 0.0)
         assert (errors == 0) == counted
         assert kvd.check_server_integrity(c) == []
         assert torch.equal(kvd.retrieve(c, tokens), make_kv(CHUNK))  # type: ignore[arg-type]
@@ -470,3 +474,110 @@ def test_a_tail_left_by_an_overwrite_of_a_shorter_prefix_is_a_final_miss_without
         assert served(server) == before
         c.fast_reads = False
         assert kvd.lookup(c, tokens) == 2 * CHUNK  # what the server answers too
+
+
+def test_a_report_never_cuts_the_local_channel_nor_waits_for_a_server_that_does_not_read(server) -> None:
+    """Second review: a report the socket took only in part was cut off, and the hang-up failed
+    every other thread's request; and a read waited behind another thread's send for as long as
+    the server did not read. Reports are now sent whole or not at all, without waiting."""
+    tokens = make_tokens(CHUNK, start=9400)
+    with kvd.connect(server.url, server.http_url, MODEL, timeout=20) as c:
+        assert kvd.store(c, make_kv(CHUNK), tokens)
+        local = c._conn._local
+        assert local is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            n = 512
+            big = m.FastReads(c.client_id, 0, 0, 0, 0, [10**12] * n, [10**12] * n, [10**12] * n)
+            for _ in range(200):  # ~3 MiB: more than the local socket holds (the rest goes over zmq)
+                c._conn.send_report(big)
+            assert local.usable  # what the local socket had no room for was not cut off there
+            # another thread's request waits for room (the socket is full), holding the socket
+            blocked_errors: list[BaseException] = []
+
+            def ask() -> None:
+                try:  # a request larger than what the socket holds
+                    c.call(m.Lookup(c.client_id, np.arange(60_000 * CHUNK, dtype=np.uint32).tobytes()))
+                except BaseException as e:
+                    blocked_errors.append(e)
+
+            blocked = threading.Thread(target=ask, daemon=True)
+            blocked.start()
+            time.sleep(0.3)
+            started = time.monotonic()
+            for _ in range(20):  # reads whose reports are due: none waits
+                assert torch.equal(kvd.retrieve(c, tokens), make_kv(CHUNK))  # type: ignore[arg-type]
+                c.reporter.flush()
+            assert time.monotonic() - started < 1.0
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        blocked.join(20)
+        assert not blocked.is_alive() and not blocked_errors, blocked_errors  # it went through
+        assert local.usable and c._conn.channel == "local" and c._transfer.directory() is not None
+        assert kvd.check_server_integrity(c) == []  # a request: what was held goes first
+        assert not c.reporter.pending
+
+
+def test_replaced_server_watches_are_closed(server, monkeypatch) -> None:
+    """Second review: every re-watch kept the old watch's descriptor until the context closed."""
+    from kvdock.sdk import connection
+
+    monkeypatch.setattr(connection, "LOCAL_RETRY_S", 0.05)
+    monkeypatch.setattr("kvdock.sdk.context.REWATCH_S", 0.0)
+    tokens = make_tokens(CHUNK, start=9300)
+    with kvd.connect(server.url, server.http_url, MODEL) as c:
+        assert kvd.store(c, make_kv(CHUNK), tokens)
+        fds = []
+        for _ in range(6):
+            c._conn._local._chan._sock.sendall(b"\xff" * 8)  # type: ignore[union-attr]  # the server drops us
+            deadline = time.monotonic() + 10
+            while not c._transfer.watch_lost:  # type: ignore[attr-defined]
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            while c._transfer.watch_lost:  # type: ignore[attr-defined]
+                assert time.monotonic() < deadline, "the watch was never replaced"
+                kvd.retrieve(c, tokens)
+                time.sleep(0.01)
+            fds.append(len(os.listdir("/proc/self/fd")))
+        assert fds[-1] <= fds[1] + 1, fds  # not one more per drop
+
+
+def test_a_reporter_holds_what_it_cannot_send_and_splits_what_it_sends(monkeypatch) -> None:
+    """The reporter's own contract, with a stand-in for the socket (refusing on demand is what a
+    real one does only when its server stops reading)."""
+    from kvdock.sdk import fastpath
+    from kvdock.shm.directory import Found
+
+    monkeypatch.setattr(fastpath, "MAX_KEPT", 1500)
+    accept = [False]
+    sent: list[m.FastReads] = []
+
+    def send(report: m.FastReads) -> bool:
+        if accept[0]:
+            sent.append(report)
+        return accept[0]
+
+    r = fastpath.Reporter(send, lambda: "me")
+    try:
+
+        def found(first: int, n: int) -> Found:
+            ids = np.arange(first, first + n, dtype=np.int64)
+            return Found(n, ids, ids * 4096, ids.astype(np.uint64), "all")
+
+        r.add(3, 2)  # a lookup: 3 chunks asked, 2 found
+        r.add(1000, 1000, found(0, 1000), 1000 * 64)
+        assert not r.flush() and sent == [] and r.pending  # refused: held again
+        r.add(1000, 1000, found(1000, 1000), 1000 * 64)
+        assert not r.flush()  # refused again: held again, past MAX_KEPT chunks the oldest go
+        accept[0] = True
+        assert r.flush() and not r.pending
+        assert [len(x.entries) for x in sent] == [512, 512, 476]  # PER_MESSAGE; the oldest 500 dropped
+        assert sent[0].entries[:2] == [500, 501] and sent[-1].entries[-1] == 1999  # in order, newest kept
+        assert [(x.lookups, x.retrieves, x.asked, x.hit, x.nbytes) for x in sent] == [
+            (1, 2, 2003, 2002, 2000 * 64),  # every read counted, once
+            (0, 0, 0, 0, 0),
+            (0, 0, 0, 0, 0),
+        ]
+        assert all(x.client_id == "me" and x.offsets == [e * 4096 for e in x.entries] for x in sent)
+    finally:
+        r.close()

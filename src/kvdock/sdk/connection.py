@@ -125,12 +125,15 @@ class Connection:
         if client is self._client or not client.send_nowait(msg, NOWAIT_LOCAL_S):
             self._client.send_nowait(msg)
 
-    def send_report(self, msg: msgspec.Struct) -> None:
-        """Like :meth:`send_nowait`, but never waiting for room on the local socket (a thread
-        that reads from the pool directory must not wait for a server that does not read)."""
-        client = self._current()
-        if client is self._client or not client.send_nowait(msg):
-            self._client.send_nowait(msg)
+    def send_report(self, msg: msgspec.Struct) -> bool:
+        """Send a small message now or not at all (``ControlClient.try_send``): over the local
+        channel if it takes it at once, else over zmq if that does. A thread that reads from the
+        pool directory must wait neither for a server that does not read nor for another thread
+        that is sending. Whether it was sent."""
+        local = self._local
+        if local is not None and local.usable and local.try_send(msg):
+            return True
+        return self._client.try_send(msg)
 
     def close(self, linger_s: float = 0.0) -> None:
         with self._lock:

@@ -20,7 +20,10 @@ from kvdock.protocol import messages as m
 from kvdock.sdk import validate
 from kvdock.sdk.connection import Connection
 from kvdock.sdk.fastpath import Reporter
-from kvdock.sdk.handshake import TORCH_DTYPES, register, watch_creator
+from kvdock.sdk.handshake import TORCH_DTYPES as TORCH_DTYPES  # re-exported (moved to handshake)
+from kvdock.sdk.handshake import dtype_name as dtype_name
+from kvdock.sdk.handshake import find_model as find_model
+from kvdock.sdk.handshake import register, watch_creator
 from kvdock.sdk.transfer import ShmTransfer, Transfer
 from kvdock.transport.client import Response
 

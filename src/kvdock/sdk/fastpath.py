@@ -56,22 +56,28 @@ log = logging.getLogger("kvdock.sdk")
 
 FLUSH_S = 0.001  # a reading thread sends what is held once the oldest read is this old
 IDLE_FLUSH_S = 0.02  # ... and the reporter's own thread once it is this old (no read came since)
-MAX_HELD = 4096  # chunks a Reporter holds back at most
+MAX_HELD = 4096  # chunks a Reporter holds before it sends them
+PER_MESSAGE = 512  # chunks one FastReads lists: ~14 KiB, written to a socket whole or not at all
+MAX_KEPT = 1 << 16  # chunks kept for a server that does not read (older ones' LRU touches are dropped)
 
 
 class Reporter:
     """The reads of one context the server has not been told of yet, sent as FastReads: by the
-    next reading thread once the oldest is FLUSH_S old (or MAX_HELD chunks would be held), by
-    :meth:`flush` (the context calls it before each of its requests, so a thread's own next
-    request reaches the server after the reads it did before it), at :meth:`close`, and else by
-    a thread of the reporter once the oldest is IDLE_FLUSH_S old. That thread wakes rarely (about
-    twice per IDLE_FLUSH_S while reads go on, once a second otherwise): on 2 CPUs every wake-up of
-    a second Python thread costs the reading thread a GIL hand-over. It holds the reporter only
-    weakly, and ends once the reporter is gone (a context dropped without close()). A message
-    lists at most MAX_HELD chunks (a long read's go in several): well inside what one local
-    message may carry. Thread-safe; not across fork()."""
+    next reading thread once the oldest is FLUSH_S old (or MAX_HELD chunks are held), by
+    :meth:`flush` (the context calls it before each of its requests, so a thread's next request
+    reaches the server after the reads it did before, as a rule: a report goes over the local
+    socket when that takes it at once, else over zmq), at :meth:`close`, and else by a thread of
+    the reporter once the oldest is IDLE_FLUSH_S old. That thread wakes rarely (about twice per
+    IDLE_FLUSH_S while reads go on, once a second otherwise): on 2 CPUs every wake-up of a second
+    Python thread costs the reading thread a GIL hand-over. It holds the reporter only weakly,
+    and ends once the reporter is gone (a context dropped without close()).
 
-    def __init__(self, send: Callable[[m.FastReads], None], client_id: Callable[[], str]) -> None:
+    ``send`` never waits (``Connection.send_report``): what it cannot send now stays held for
+    the next try (the counts all of it, the LRU touches at most MAX_KEPT chunks). A message
+    lists at most PER_MESSAGE chunks, so a socket takes it whole or not at all. Thread-safe; not
+    across fork()."""
+
+    def __init__(self, send: Callable[[m.FastReads], bool], client_id: Callable[[], str]) -> None:
         self._send, self._client_id = send, client_id
         self._cond = threading.Condition(threading.Lock())
         self._since = 0.0  # when the oldest held read was added; 0: nothing held
@@ -89,15 +95,12 @@ class Reporter:
 
     def add(self, asked: int, hit: int, found: Found | None = None, nbytes: int = 0) -> None:
         """A lookup (``found`` None) or a retrieve of ``found`` (``nbytes`` copied) was answered."""
-        chunks = found.count if found is not None and hit else 0
-        if chunks and len(self._entries) + chunks > MAX_HELD:
-            self.flush()  # what is held goes alone: a message stays small
         now = time.monotonic()
         with self._cond:
             c = self._counts
             if found is None:
                 c[0] += 1
-            elif chunks:
+            elif hit:
                 c[1] += 1
                 self._entries += found.entries.tolist()
                 self._offsets += found.offsets.tolist()
@@ -127,26 +130,44 @@ class Reporter:
         nothing is held."""
         return self._since + IDLE_FLUSH_S - time.monotonic() if self._since else None
 
-    def flush(self) -> None:
-        """Send what is held (nothing if nothing is), in messages of at most MAX_HELD chunks."""
+    def flush(self) -> bool:
+        """Send what is held (nothing if nothing is), in messages of at most PER_MESSAGE chunks;
+        what cannot be sent now is held again (then False)."""
         with self._cond:
             if not self._since:
-                return
-            (lookups, retrieves, asked, hit, nbytes), self._counts = self._counts, [0, 0, 0, 0, 0]
+                return True
+            since, counts = self._since, self._counts
             entries, offsets, gens = self._entries, self._offsets, self._gens
+            self._since, self._counts = 0.0, [0, 0, 0, 0, 0]
             self._entries, self._offsets, self._gens = [], [], []
-            self._since = 0.0
         client_id = self._client_id()
-        for at in range(0, max(len(entries), 1), MAX_HELD):
-            cut = slice(at, at + MAX_HELD)
+        for at in range(0, max(len(entries), 1), PER_MESSAGE):
+            cut = slice(at, at + PER_MESSAGE)
+            lookups, retrieves, asked, hit, nbytes = counts
             report = m.FastReads(
                 client_id, lookups, retrieves, asked, hit, entries[cut], offsets[cut], gens[cut], nbytes
             )
-            lookups = retrieves = asked = hit = nbytes = 0  # counted once, with the first part
             try:
-                self._send(report)
-            except Exception as e:  # a lost report costs counts and LRU order, never a read
+                sent = self._send(report)
+            except Exception as e:  # never raised into a read: a lost report costs counts and LRU order
                 log.debug("a FastReads report was not sent: %s", e)
+                sent = True  # (dropped)
+            if not sent:  # the server does not read, or another thread is sending: later
+                self._hold_again(since, counts, entries[at:], offsets[at:], gens[at:])
+                return False
+            counts = [0, 0, 0, 0, 0]  # counted once, with the first message
+        return True
+
+    def _hold_again(
+        self, since: float, counts: list[int], entries: list[int], offsets: list[int], gens: list[int]
+    ) -> None:
+        with self._cond:
+            self._since = min(self._since or since, since)
+            self._counts = [a + b for a, b in zip(self._counts, counts, strict=True)]
+            self._entries[:0], self._offsets[:0], self._gens[:0] = entries, offsets, gens
+            if len(self._entries) > MAX_KEPT:  # the oldest reads' touches go, their counts stay
+                drop = len(self._entries) - MAX_KEPT
+                del self._entries[:drop], self._offsets[:drop], self._gens[:drop]
 
     def close(self) -> None:
         """Send what is held and stop the thread. Harmless twice."""
@@ -160,20 +181,25 @@ class Reporter:
 
 
 def _report_idle(ref: weakref.ref[Reporter], cond: threading.Condition) -> None:
-    """The reporter's thread: sends what is held once it is IDLE_FLUSH_S old; ends when the
-    reporter is closed or gone (it holds it only while it looks at it)."""
+    """The reporter's thread: sends what is held once it is IDLE_FLUSH_S old (if it cannot,
+    tries again IDLE_FLUSH_S later); ends when the reporter is closed or gone (it holds it only
+    while it looks at it)."""
+    retry_at = 0.0
     while True:
         with cond:
             reporter = ref()
             if reporter is None or reporter.closed:
                 return
             left = reporter.due()
+            if left is not None:
+                left = max(left, retry_at - time.monotonic())
             if left is None or left > 0:
                 reporter._asleep = left is None
                 del reporter  # not kept while waiting
                 cond.wait(1.0 if left is None else left)
                 continue
-        reporter.flush()
+        if not reporter.flush():
+            retry_at = time.monotonic() + IDLE_FLUSH_S
         del reporter
 
 

@@ -130,7 +130,6 @@ class ShmTransfer(Transfer):
         super().__init__(geometry, chunk_size, dtype)
         self.segment = segment
         self._watch = watch
-        self._watches = [watch] if watch is not None else []  # every one it had: a thread may still poll one
         self._watch_lock = threading.Lock()
         self.rewatch_at = 0.0  # when a lost watch may be replaced next (KVCacheContext.rewatch)
         self._directory = DirectoryReader(segment) if segment.directory_entries else None
@@ -159,10 +158,12 @@ class ShmTransfer(Transfer):
 
     def rewatch(self, watch: PeerWatch) -> None:
         """Watch the server through ``watch`` from now on (of the process that made the segment:
-        the caller checked). The old watches stay open until :meth:`close`."""
+        the caller checked); the old watch is closed (a thread polling it meanwhile is told the
+        server is gone, and asks the server)."""
         with self._watch_lock:
-            self._watches.append(watch)
-            self._watch = watch
+            old, self._watch = self._watch, watch
+        if old is not None:
+            old.close()
 
     def _slot(self, offset: int) -> torch.Tensor:
         assert self._pool is not None, "transfer closed"
@@ -248,8 +249,9 @@ class ShmTransfer(Transfer):
         if self._directory is not None:
             self._directory.close()
         with self._watch_lock:
-            for w in self._watches:
-                w.close()
+            watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.close()
         self.segment.close()
 
 

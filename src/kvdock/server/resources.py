@@ -26,8 +26,11 @@ def keep_freed_memory() -> bool:
     messages that libzmq mallocs (a chunk each: 32 MiB for a 32-layer model), which glibc maps
     fresh every time; on VMs that report free pages to their host, touching fresh memory costs
     up to 8 µs per 4 KiB, and a 1 GiB inline store spent 1-3 s of the server's CPU in page
-    faults (0.3 s without them). The resident size then stays at the heap's high-water mark,
-    which the inline caps bound. False where the C library has no ``mallopt`` (not glibc)."""
+    faults (0.3 s without them). The price: the resident size stays at the high-water mark of
+    the payloads held at once (the chunks of the inline stores being committed, the unsent
+    retrieve replies, which are capped) until the process ends. Blocks larger than a thread's
+    heap (64 MiB) are still mapped fresh. False where the C library has no ``mallopt`` (not
+    glibc)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

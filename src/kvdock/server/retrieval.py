@@ -301,8 +301,9 @@ MAX_REPORTED_READS = 1 << 20  # reads one FastReads may count
 def fast_reads(state: ServerState, req: m.FastReads, payload: Payload) -> Reply:
     """Count lookups and retrieves a client answered from the pool directory, renew its lease,
     and make what the retrieves copied most recently used: only objects still in the slot the
-    client found them in, only for a client this server knows (a report of a client of the
-    server before a restart names another pool), at most the client's touch budget."""
+    client found them in, at most the client's touch budget. Only for a client this server knows:
+    a report of a client of the server before a restart names another pool, and one of nobody
+    must not inflate the counters."""
     n, reads = len(req.entries), req.lookups + req.retrieves
     most_chunks = reads * (state.registry.max_request_tokens // state.chunk_size)
     largest = max((model.slot_nbytes for model in state.registry.models.values()), default=0)
@@ -318,7 +319,9 @@ def fast_reads(state: ServerState, req: m.FastReads, payload: Payload) -> Reply:
             f"and {n} entries is not a possible report"
         )
     client = state.registry.touch(req.client_id)
-    if client is not None and n:
+    if client is None:  # not counted: of a registration this server does not know (or bogus)
+        raise RequestError(f"client {req.client_id!r} is not registered", ErrorCode.UNKNOWN_CLIENT)
+    if n:
         allowed = client.allow_touches(n)
         l1 = state.manager.l1
         for entry, offset, gen in zip(req.entries[:allowed], req.offsets[:allowed], req.gens[:allowed], strict=True):

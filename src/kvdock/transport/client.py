@@ -262,8 +262,25 @@ class ControlClient:
         self._seq += 1
         return self._seq.to_bytes(8, "little")
 
-    def _send(self, frames: list[Any], deadline: float | None) -> None:
-        with self._sock_lock:
+    def try_send(self, msg: msgspec.Struct) -> bool:
+        """Send a message whose reply nobody waits for now or not at all: never waiting for the
+        socket (another thread may be sending through it) nor for room in it. False when either
+        is busy (nothing was sent), or the client is closed or broken. A local message that fits
+        one socket buffer unit (about 32 KiB) is written whole or not at all, never cut off."""
+        with self._mutex:
+            if self._closed:
+                return False
+            seq = self._next_seq()
+        try:
+            self._send([seq, encode(msg)], None, block=False)
+        except ControlTimeout:  # busy, no room, or broken (ConnectionLost is one)
+            return False
+        return True
+
+    def _send(self, frames: list[Any], deadline: float | None, block: bool = True) -> None:
+        if not self._sock_lock.acquire(blocking=block):
+            raise ControlTimeout(f"the socket of {self.url} is busy")
+        try:
             if self._closed:  # checked under the lock that close() takes to close the socket
                 raise ConnectionLost(f"the client of {self.url} is closed", sent=False)
             try:
@@ -275,6 +292,8 @@ class ControlClient:
                 # The send may have consumed ZMQ_FD's edge, which matters to a leader asleep in
                 # poll() now; a leader that starts later drains first (under this lock) anyway.
                 delivered = self._leader is not None and self._drain()
+        finally:
+            self._sock_lock.release()
         if delivered:
             self._poke_leader()
 

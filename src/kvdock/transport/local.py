@@ -21,6 +21,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -110,23 +111,27 @@ class PeerWatch:
     reading anything: a duplicate of the connection's descriptor (so that closing the connection
     never lets its number name another file), polled for a hang-up. ``pid`` is the peer's, as the
     kernel recorded it when the server listened (``SO_PEERCRED``). A process that dies, or drops
-    the connection, hangs it up at once. Thread-safe; :meth:`close` only once no thread polls."""
+    the connection, hangs it up at once. Thread-safe: :meth:`close` waits for a poll in progress,
+    and a closed watch says the peer is gone."""
 
     def __init__(self, sock: socket.socket) -> None:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
         self.pid = _CREDS.unpack(creds)[0]
         self._fd = os.dup(sock.fileno())
+        self._lock = threading.Lock()  # the descriptor is never closed under a poll of it
 
     def alive(self) -> bool:
-        """False once the peer hung up (or either side shut the connection down)."""
-        if self._fd < 0:
-            return False
-        poller = select.poll()  # per call: a poll object is not for two threads at once
-        poller.register(self._fd, select.POLLRDHUP)  # (POLLHUP, POLLERR and POLLNVAL always count)
-        return not poller.poll(0)
+        """False once the peer hung up (or either side shut the connection down), or closed."""
+        with self._lock:
+            if self._fd < 0:
+                return False
+            poller = select.poll()  # per call: a poll object is not for two threads at once
+            poller.register(self._fd, select.POLLRDHUP)  # (POLLHUP, POLLERR and POLLNVAL always count)
+            return not poller.poll(0)
 
     def close(self) -> None:
-        fd, self._fd = self._fd, -1
+        with self._lock:
+            fd, self._fd = self._fd, -1
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)

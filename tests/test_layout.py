@@ -140,12 +140,34 @@ def test_geometry_wire_form_is_strict() -> None:
         ({"dtype": "torch.bfloat16"}, "unsupported KV dtype 'torch.bfloat16'"),
         ({"kv_kind": "mla"}, "unknown kv_kind 'mla'; known: pair, latent"),
         ({"kv_kind": ""}, "unknown kv_kind ''"),
+        ({"total_kv_heads": 4097}, "total_kv_heads must be between 0 and 4096, got 4097"),
+        ({"total_kv_heads": True}, "total_kv_heads must be between 0 and 4096, got True"),
+        ({"total_kv_heads": 3}, "total_kv_heads 3 does not fit world_size 1 ranks of 2 KV head(s)"),
+        ({"world_size": 4, "num_kv_heads": 1, "total_kv_heads": 3}, "total_kv_heads 3 does not fit world_size 4"),
+        ({"kv_kind": "latent"}, "an MLA latent cache has one latent per token (num_kv_heads 1), got num_kv_heads 2"),
     ],
 )
 def test_check_names_the_impossible_field(changes: dict, message: str) -> None:
     g = msgspec.structs.replace(KVGeometry(3, 2, 8, "bfloat16"), **changes)
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         g.check()
+
+
+def test_shards_of_tensor_parallel_ranks() -> None:
+    tp4 = KVGeometry(3, 2, 8, "float16", world_size=4, rank=2)
+    assert (tp4.kv_heads_total, tp4.shards, [tp4.shard_of(r) for r in range(4)]) == (8, 4, [0, 1, 2, 3])
+    assert tp4.logical() == KVGeometry(3, 8, 8, "float16") and tp4.at_rank(0).rank == 0
+    # 2 KV heads over 8 ranks: each head on 4 ranks (vLLM: shard = rank // replicas), stored once
+    gqa = KVGeometry(3, 1, 8, "float16", world_size=8, total_kv_heads=2)
+    assert (gqa.shards, [gqa.shard_of(r) for r in range(8)]) == (2, [0, 0, 0, 0, 1, 1, 1, 1])
+    assert gqa.logical() == KVGeometry(3, 2, 8, "float16")
+    # an explicit total that is the product changes nothing but the field
+    assert KVGeometry(3, 2, 8, "float16", world_size=4, total_kv_heads=8).check().shards == 4
+    # an MLA latent is the same on every rank: one shard
+    mla = KVGeometry(3, 1, 576, "float16", kv_kind=KV_LATENT, world_size=4, rank=3)
+    assert (mla.kv_heads_total, mla.shards, mla.shard_of(3)) == (1, 1, 0)
+    assert mla.logical() == KVGeometry(3, 1, 576, "float16", kv_kind=KV_LATENT)
+    assert mla.logical().chunk_shape(16) == (1, 3, 16, 576)  # KV_1LTD
 
 
 def test_check_accepts_the_bounds_and_every_rank() -> None:

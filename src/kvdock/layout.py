@@ -1,7 +1,8 @@
 """One model's KV geometry (:class:`KVGeometry`), the canonical chunk and engine formats (pure, no torch).
 
 The canonical chunk is ``[planes, num_layers, chunk_size, D]`` with ``D = num_kv_heads * head_dim``
-(the KV of one rank). A K/V cache (:data:`KV_PAIR`) has 2 planes, index 0 = keys, 1 = values: the
+(the KV of one rank, i.e. of one *shard*: see :class:`KVGeometry` for tensor parallelism).
+A K/V cache (:data:`KV_PAIR`) has 2 planes, index 0 = keys, 1 = values: the
 SDK's ``KV_2LTD`` ``[2, L, T, D]``. An MLA latent cache (:data:`KV_LATENT`) has one plane, one
 latent of ``head_dim`` values per token and layer (``num_kv_heads`` 1). One stored object is one
 canonical chunk, whatever the engine's own block size or axis order.
@@ -28,8 +29,9 @@ import msgspec
 from kvdock.config import MAX_HEAD_DIM, MAX_NUM_KV_HEADS, MAX_NUM_LAYERS, MAX_WORLD_SIZE
 
 KV_2LTD = "KV_2LTD"
+KV_1LTD = "KV_1LTD"  # the SDK's format of an MLA latent cache: [1, L, T, kv_lora_rank + qk_rope_head_dim]
 KV_PAIR = "pair"  # K and V: axis 0 of a chunk has 2 planes (0 = keys, 1 = values)
-KV_LATENT = "latent"  # one MLA latent per token: 1 plane (accepted by the type, refused by the server for now)
+KV_LATENT = "latent"  # one MLA latent per token: 1 plane
 KV_PLANES: dict[str, int] = {KV_PAIR: 2, KV_LATENT: 1}
 
 DTYPE_SIZES: dict[str, int] = {
@@ -65,7 +67,16 @@ def concrete_shape(kv_format: str, num_blocks: int, block_size: int, num_kv_head
 
 
 class KVGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One model's KV cache as one rank holds it; the canonical chunk is [planes, L, chunk, D]."""
+    """One model's KV cache as one tensor-parallel rank holds it; the canonical chunk is
+    ``[planes, L, chunk, D]``.
+
+    **Tensor parallelism.** Rank ``rank`` of ``world_size`` holds ``num_kv_heads`` of the model's
+    ``kv_heads_total`` KV heads. Its KV is stored as the objects of its *shard* (:meth:`shard_of`):
+    ranks holding the same heads share one shard, so a head replicated over several ranks (GQA
+    with fewer KV heads than ranks) is stored once, and an MLA latent (the same on every rank)
+    once for all ranks. Shard ``s`` holds KV heads ``[s * num_kv_heads, (s + 1) * num_kv_heads)``
+    of the model; :meth:`logical` is the whole model's KV as one tensor (what the SDK's all-rank
+    context reads and writes)."""
 
     num_layers: int
     num_kv_heads: int  # per rank
@@ -74,6 +85,7 @@ class KVGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_kind: str = KV_PAIR
     world_size: int = 1  # tensor-parallel world size
     rank: int = 0  # tensor-parallel rank
+    total_kv_heads: int = 0  # the model's KV heads over all ranks; 0: num_kv_heads * world_size
 
     @property
     def hidden_dim(self) -> int:
@@ -87,6 +99,38 @@ class KVGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def planes(self) -> int:
         """Axis 0 of a chunk: 2 for a K/V pair, 1 for an MLA latent."""
         return KV_PLANES[self.kv_kind]
+
+    @property
+    def kv_heads_total(self) -> int:
+        """The model's KV heads (an MLA latent counts as one head)."""
+        if self.kv_kind == KV_LATENT:
+            return 1
+        return self.total_kv_heads or self.num_kv_heads * self.world_size
+
+    @property
+    def shards(self) -> int:
+        """How many distinct shards the ranks hold: ``world_size``, fewer when heads are
+        replicated over ranks, 1 for an MLA latent."""
+        return self.kv_heads_total // self.num_kv_heads
+
+    def shard_of(self, rank: int) -> int:
+        """The shard rank ``rank`` holds (whose objects it reads and writes): ranks
+        ``[s * world_size // shards, (s + 1) * world_size // shards)`` hold shard ``s``, the
+        assignment of vLLM's ``QKVParallelLinear`` (``tp_rank // num_kv_head_replicas``)."""
+        return rank * self.shards // self.world_size
+
+    def logical(self) -> KVGeometry:
+        """The whole model's KV (every shard's heads, in order) as one rank would hold it."""
+        return KVGeometry(self.num_layers, self.kv_heads_total, self.head_dim, self.dtype, self.kv_kind)
+
+    def at_rank(self, rank: int) -> KVGeometry:
+        return msgspec.structs.replace(self, rank=rank)
+
+    def canonical(self) -> KVGeometry:
+        """The same shards as rank 0 holds them, ``total_kv_heads`` 0 unless heads are replicated:
+        two geometries of one model's shards compare equal."""
+        replicated = self.kv_kind != KV_LATENT and self.kv_heads_total != self.num_kv_heads * self.world_size
+        return msgspec.structs.replace(self, rank=0, total_kv_heads=self.kv_heads_total if replicated else 0)
 
     def chunk_shape(self, chunk_size: int) -> tuple[int, int, int, int]:
         """Shape of one stored (canonical) chunk: ``(planes, num_layers, chunk_size, hidden_dim)``."""
@@ -111,6 +155,26 @@ class KVGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         check_dtype(self.dtype)
         if self.kv_kind not in KV_PLANES:
             raise ValueError(f"unknown kv_kind {self.kv_kind!r}; known: {', '.join(KV_PLANES)}")
+        total = self.total_kv_heads
+        if isinstance(total, bool) or not isinstance(total, int) or not 0 <= total <= MAX_NUM_KV_HEADS:
+            raise ValueError(f"total_kv_heads must be between 0 and {MAX_NUM_KV_HEADS}, got {total!r}")
+        if self.kv_kind == KV_LATENT:
+            if self.num_kv_heads != 1 or total > 1:
+                raise ValueError(
+                    f"an MLA latent cache has one latent per token (num_kv_heads 1), got num_kv_heads "
+                    f"{self.num_kv_heads} and total_kv_heads {total}"
+                )
+        elif (
+            total
+            and total != self.num_kv_heads * self.world_size
+            and (self.num_kv_heads != 1 or self.world_size % total)
+        ):
+            # (fewer KV heads than ranks: each rank holds one head, shared by world_size // total ranks)
+            raise ValueError(
+                f"total_kv_heads {total} does not fit world_size {self.world_size} ranks of "
+                f"{self.num_kv_heads} KV head(s): it must be num_kv_heads * world_size, or, with one KV "
+                "head per rank, divide world_size (heads replicated over ranks)"
+            )
         return self
 
     @classmethod
@@ -147,6 +211,7 @@ def _bounded(name: str, value: object, most: int) -> None:
 __all__ = [
     "DTYPE_SIZES",
     "FORMAT_AXES",
+    "KV_1LTD",
     "KV_2LTD",
     "KV_LATENT",
     "KV_PAIR",

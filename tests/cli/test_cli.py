@@ -107,15 +107,16 @@ def test_register_errors_are_one_clear_line(server, tmp_path) -> None:
     assert r.returncode == 2 and "'ghost' is not registered" in r.stderr
 
 
-def test_register_an_mla_hf_config_registers_a_latent_geometry_which_the_server_refuses(server, tmp_path) -> None:
+def test_register_an_mla_hf_config_registers_a_latent_geometry(server, tmp_path) -> None:
     cfg = {"num_hidden_layers": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "torch_dtype": "bfloat16"}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     args = ("register", "--url", server.url, "--http-url", server.http_url, "--model", "mla", "--hf-config", str(path))
     r = kvdock(*args)
-    assert r.returncode == 2
-    assert "model 'mla' has kv_kind 'latent': MLA latent caches are not supported yet" in r.stderr
-    assert "mla" not in {e["model_name"] for e in server.get("/status")["cache_context_meta"]}
+    assert r.returncode == 0, r.stderr
+    entry = {e["model_name"]: e for e in server.get("/status")["cache_context_meta"]}["mla"]
+    geo = entry["layout"]["geometry"]
+    assert (geo["kv_kind"], geo["num_layers"], geo["num_kv_heads"], geo["head_dim"]) == ("latent", 4, 1, 40)
 
 
 def test_serve_precedence_cli_over_env_over_file(tmp_path) -> None:

@@ -164,6 +164,7 @@ def test_registration_and_kv_2ltd_seen_from_another_process(
         "kv_kind": "pair",
         "world_size": 1,
         "rank": 0,
+        "total_kv_heads": 0,
     }
     assert entry["kv_cache_layout"]["engine_kv_format"] == "HND"
     assert entry["kv_cache_layout"]["engine_kv_concrete_shape"] == [2, 1, 2, 16, 16]

@@ -52,6 +52,7 @@ def test_config_and_status_documents(server, ctx) -> None:
             "kv_kind": "pair",
             "world_size": 1,
             "rank": 0,
+            "total_kv_heads": 0,
         },
         "tokens_per_block": 16,
         "engine": {

@@ -28,7 +28,7 @@ from kvdock.layout import KV_LATENT, KVGeometry
 from kvdock.protocol import decode_reply, encode
 from kvdock.protocol import messages as m
 from kvdock.sdk.registration import make_layout
-from kvdock.server.registry import Registry
+from kvdock.server.registry import ALL_RANKS, Registry
 
 LAYOUT = make_layout(MODEL, dtype="bfloat16", **GEOMETRY)
 DEAD_URL, DEAD_HTTP = "tcp://127.0.0.1:9", "http://127.0.0.1:9"  # nothing listens there
@@ -147,11 +147,22 @@ def test_live_clients_are_capped() -> None:
         ({"kv_kind": "mla"}, "unknown kv_kind 'mla'; known: pair, latent"),
         ({"rank": 1}, "rank must be between 0 and world_size - 1 = 0, got 1"),
         (
-            {"kv_kind": "latent", "num_kv_heads": 1},
-            "model 'tiny' has kv_kind 'latent': MLA latent caches are not supported yet",
+            {"kv_kind": "latent", "num_kv_heads": 2},
+            "an MLA latent cache has one latent per token (num_kv_heads 1), got num_kv_heads 2 and total_kv_heads 0",
         ),
-        ({"world_size": 2}, "model 'tiny' has world_size 2: tensor parallelism is not supported yet"),
-        ({"world_size": 2, "rank": 1}, "model 'tiny' has world_size 2: tensor parallelism is not supported yet"),
+        ({"world_size": 2, "rank": 2}, "rank must be between 0 and world_size - 1 = 1, got 2"),
+        ({"world_size": 2, "rank": -1}, "rank must be between 0 and world_size - 1 = 1, got -1"),
+        (
+            {"world_size": 4, "num_kv_heads": 1, "total_kv_heads": 3},
+            "total_kv_heads 3 does not fit world_size 4 ranks of 1 KV head(s): it must be num_kv_heads * "
+            "world_size, or, with one KV head per rank, divide world_size (heads replicated over ranks)",
+        ),
+        (
+            {"world_size": 2, "num_kv_heads": 2, "total_kv_heads": 2},
+            "total_kv_heads 2 does not fit world_size 2 ranks of 2 KV head(s): it must be num_kv_heads * "
+            "world_size, or, with one KV head per rank, divide world_size (heads replicated over ranks)",
+        ),
+        ({"total_kv_heads": -1}, "total_kv_heads must be between 0 and 4096, got -1"),
         (
             {"engine": m.EngineInfo(kv_cache_layout="L" * 201)},
             "engine.kv_cache_layout has 201 characters, more than 200",
@@ -223,30 +234,63 @@ def test_same_geometry_with_other_engine_info_and_block_size_shares_the_first_re
         reg.register_model(msgspec.structs.replace(hf, geometry=msgspec.structs.replace(geo, dtype="float16")))
     assert str(err.value) == (
         "model 'tiny' is already registered with a different geometry: layers=3 kv_heads=2 head_dim=8 "
-        "dtype=bfloat16 kv_kind=pair world_size=1 rank=0 (new: layers=3 kv_heads=2 head_dim=8 dtype=float16 "
-        "kv_kind=pair world_size=1 rank=0)"
+        "dtype=bfloat16 kv_kind=pair world_size=1 rank=0 kv_heads_total=2 (new: layers=3 kv_heads=2 head_dim=8 "
+        "dtype=float16 kv_kind=pair world_size=1 rank=0 kv_heads_total=2)"
     )
     assert reg.models[MODEL].layout == vllm
 
 
-def test_latent_and_tensor_parallel_geometries_are_refused() -> None:
+def test_the_ranks_of_a_tensor_parallel_engine_share_one_registration_of_rank_0() -> None:
     reg = Registry(CHUNK)
-    latent = m.ModelLayout("mla", KVGeometry(61, 1, 576, "bfloat16", kv_kind=KV_LATENT), 16)
+    rank1 = m.ModelLayout("tp", KVGeometry(3, 2, 8, "bfloat16", world_size=2, rank=1), 16)
+    entry, created = reg.register_model(rank1)  # whichever rank comes first
+    assert created is True
+    assert entry.geometry == KVGeometry(3, 2, 8, "bfloat16", world_size=2, rank=0)  # the shards, not a rank
+    assert entry.slot_nbytes == 2 * 3 * CHUNK * 2 * 8 * 2  # one shard's chunk: its 2 heads
+    assert reg.register_model(msgspec.structs.replace(rank1, geometry=entry.geometry))[1] is False
+    # an engine sharded otherwise (TP=1, TP=4) has the same model's KV: accepted, stored as first registered
+    for world, heads in ((1, 4), (4, 1)):
+        other = m.ModelLayout("tp", KVGeometry(3, heads, 8, "bfloat16", world_size=world, rank=world - 1), 16)
+        assert reg.register_model(other) == (entry, False)
+    assert reg.models["tp"].geometry.world_size == 2
+    # ranks that disagree on the model are refused, naming both geometries
+    for change in ({"dtype": "float16"}, {"num_layers": 4}, {"head_dim": 16}, {"num_kv_heads": 1}):
+        bad = m.ModelLayout("tp", msgspec.structs.replace(rank1.geometry, **change), 16)
+        with pytest.raises(RegistrationError, match=r"^model 'tp' is already registered with a different geometry"):
+            reg.register_model(bad)
+    assert reg.models["tp"].geometry == entry.geometry
+
+
+def test_shards_of_clients() -> None:
+    """Which shard a client's requests name: its rank's (ranks holding the same heads share one),
+    and every shard for an all-rank client of a model stored in several."""
+    reg = Registry(CHUNK)
+    models = {
+        "tp2": KVGeometry(3, 2, 8, "bfloat16", world_size=2),
+        "gqa": KVGeometry(3, 1, 8, "bfloat16", world_size=4, total_kv_heads=2),  # each head on two ranks
+        "mla": KVGeometry(3, 1, 576, "bfloat16", kv_kind=KV_LATENT, world_size=2),  # the same latent everywhere
+        "one": KVGeometry(3, 2, 8, "bfloat16"),
+    }
+    for name, geo in models.items():
+        reg.register_model(m.ModelLayout(name, geo, 16))
+    shards = {
+        name: [reg.register_client("i", name, r, "shm").shard for r in range(geo.world_size)]
+        for name, geo in models.items()
+    }
+    assert shards == {"tp2": [0, 1], "gqa": [0, 0, 1, 1], "mla": [0, 0], "one": [0]}
+    everyone = {name: reg.register_client("i", name, ALL_RANKS, "shm") for name in models}
+    assert {name: (c.sharded, c.shard) for name, c in everyone.items()} == {
+        "tp2": (True, 0),
+        "gqa": (True, 0),
+        "mla": (False, 0),
+        "one": (False, 0),
+    }
+    assert [models[n].shards for n in models] == [2, 2, 1, 1]
     with pytest.raises(RegistrationError) as err:
-        reg.register_model(latent)
-    assert err.value.code == "registration"
-    assert str(err.value) == "model 'mla' has kv_kind 'latent': MLA latent caches are not supported yet"
-    for rank in (0, 1):
-        tp = m.ModelLayout("tp", KVGeometry(3, 1, 8, "bfloat16", world_size=2, rank=rank), 16)
-        with pytest.raises(RegistrationError) as err:
-            reg.register_model(tp)
-        assert str(err.value) == "model 'tp' has world_size 2: tensor parallelism is not supported yet"
-    assert reg.models == {}
-    # a refused layout under a known name leaves the registration alone
-    reg.register_model(_layout())
-    with pytest.raises(RegistrationError, match="tensor parallelism is not supported yet"):
-        reg.register_model(_layout(world_size=2))
-    assert reg.models[MODEL].layout == _layout()
+        reg.register_client("i", "gqa", 4, "shm")
+    assert str(err.value) == "kv_rank 4 out of range for 'gqa', stored for world_size 4 (ranks 0..3, or -1: every rank)"
+    with pytest.raises(RegistrationError, match="kv_rank -2 out of range"):
+        reg.register_client("i", "gqa", -2, "shm")
 
 
 def test_model_registrations_are_bounded_by_max_models(tmp_path: Path) -> None:

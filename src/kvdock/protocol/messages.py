@@ -8,7 +8,7 @@ import msgspec
 
 from kvdock.layout import KVGeometry
 
-PROTOCOL_VERSION = 7  # 7: FastReads (reads from the pool directory); 6: ClientRegistered.local_url
+PROTOCOL_VERSION = 8  # 8: tensor-parallel shards (KVGeometry.total_kv_heads, kv_rank -1); 7: FastReads
 
 Transport = Literal["shm", "inline"]
 
@@ -78,7 +78,9 @@ class RegisterModel(_Msg, frozen=True):
 
 
 class RegisterClient(_Msg, frozen=True):
-    """Bind a client to one model and rank; ``shm_proof`` is the pool nonce if the client mapped it.
+    """Bind a client to one model and rank (-1: every rank, the whole model's KV: for a model stored
+    in several shards each request is then run once per shard, see ``server.shards``);
+    ``shm_proof`` is the pool nonce if the client mapped it.
     ``pid`` and ``pid_start`` (its start time in clock ticks, from /proc) name the client process:
     shared memory is granted only when the server sees that very process, so that it can tell
     when a paused writer is gone."""

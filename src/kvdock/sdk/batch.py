@@ -62,6 +62,7 @@ def lookup_many(ctx: KVCacheContext, prompts: Sequence[object], cache_salt: str 
     each prompt are cached (multiples of chunk_size). ``cache_salt``: one for all prompts, or a
     list with one per prompt. InvalidInputError names the first bad prompt."""
     ctx = validate.context(ctx)
+    validate.whole_model_only(ctx, "a batch")
     wholes, salts = _requests(ctx, prompts, cache_salt)
     hits = [0] * len(wholes)
     todo = []  # the prompts the pool directory cannot answer (sdk.fastpath), for the server
@@ -93,6 +94,7 @@ def retrieve_many(
     share its chunks on the server (each gets its own copy). Raises what retrieve raises; a
     prompt whose copy outlived its lease is retrieved once more on its own."""
     ctx = validate.context(ctx)
+    validate.whole_model_only(ctx, "a batch")
     wholes, salts = _requests(ctx, prompts, cache_salt)
     picked = validate.layers(ctx, layers)
     start = validate.start(ctx, start)

@@ -45,11 +45,13 @@ class TensorChunks:
     The copies of one transfer run together at :meth:`finish`, on ``threads`` threads
     (:mod:`kvdock.memcpy`)."""
 
-    def __init__(self, kv: torch.Tensor, chunk_size: int, first_chunk: int = 0, threads: int = 0) -> None:
+    def __init__(
+        self, kv: torch.Tensor, chunk_size: int, first_chunk: int = 0, threads: int = 0, copier: Copier | None = None
+    ) -> None:
         self.kv = kv
         self.chunk_size = chunk_size
         self.first_chunk = first_chunk
-        self._copier = Copier(threads)
+        self._copier = copier or Copier(threads)
 
     def _span(self, index: int) -> torch.Tensor:
         c = self.chunk_size
@@ -94,21 +96,31 @@ def _plan(
     """How chunks of a tensor of ``size`` and ``stride`` (elements) copy to and from slots of a
     ``shape`` chunk, of which it holds layers ``picked``: (run bytes, each run's offset in the
     tensor's chunk, each run's offset in the slot, bytes from one chunk of the tensor to the
-    next), one run per plane and picked layer, or one run for all when both sides are dense.
-    None when the tensor's chunks are not such runs: its rows of a (plane, layer) must be dense
-    ``[T, D]`` blocks that do not overlap. Cached: a transfer asks for every chunk's copies."""
+    next): one run per plane and picked layer when the tensor's rows are dense (one run for all
+    when both sides are), else one per token (rows of ``D`` elements further apart: one shard's
+    heads of a whole-model tensor). None when the tensor's chunks are no such runs: its rows must
+    be ``D`` contiguous elements that do not overlap. Cached: a transfer asks for every chunk's
+    copies."""
     planes, num_layers, c, d = shape
     if not picked or len(size) != 4 or (size[0], size[1], size[3]) != (planes, len(picked), d):
         return None
     s0, s1, s2, s3 = stride
-    rows = size[2] * d
-    span = (len(picked) - 1) * s1 + rows  # of a plane
-    if s3 != 1 or s2 != d or not _apart(len(picked), s1, rows) or not _apart(planes, s0, span):
+    layer = (size[2] - 1) * s2 + d  # elements one (plane, layer) of the tensor spans
+    span = (len(picked) - 1) * s1 + layer  # of a plane
+    if s3 != 1 or s2 < d or not _apart(len(picked), s1, layer) or not _apart(planes, s0, span):
         return None
+    p = np.arange(planes, dtype=np.int64)[:, None, None]
+    layers = np.arange(len(picked), dtype=np.int64)[None, :, None]
+    in_slot_layers = np.asarray(picked, dtype=np.int64)[None, :, None]
+    if s2 != d:
+        run = d * itemsize
+        t = np.arange(c, dtype=np.int64)
+        in_tensor = ((p * s0 + layers * s1 + t * s2) * itemsize).reshape(-1)
+        in_slot = (((p * num_layers + in_slot_layers) * c + t) * run).reshape(-1)
+        return run, in_tensor, in_slot, c * s2 * itemsize
     row = c * d * itemsize  # one layer of one chunk
-    p = np.arange(planes, dtype=np.int64)[:, None]
-    in_tensor = (p * s0 * itemsize + np.arange(len(picked), dtype=np.int64) * s1 * itemsize).reshape(-1)
-    in_slot = ((p * num_layers + np.asarray(picked, dtype=np.int64)) * row).reshape(-1)
+    in_tensor = ((p * s0 + layers * s1) * itemsize).reshape(-1)
+    in_slot = ((p * num_layers + in_slot_layers) * row).reshape(-1)
     dense = np.arange(len(in_slot), dtype=np.int64) * row
     if np.array_equal(in_tensor, dense) and np.array_equal(in_slot, dense):
         return row * len(dense), dense[:1], dense[:1], row
@@ -123,11 +135,82 @@ def _apart(n: int, stride: int, extent: int) -> bool:
     return n <= 1 or stride >= extent
 
 
+class ShardedChunks:
+    """A source or sink of a model's chunks as the chunks of the ``shards`` shards it is stored in
+    (tensor parallelism: :mod:`kvdock.server.shards`): position ``j`` of a transfer is shard
+    ``j % shards`` of chunk ``j // shards``, i.e. heads ``[s * D / shards, (s + 1) * D / shards)``
+    of the chunk's last axis. Over a :class:`TensorChunks` each shard is a view of the tensor (the
+    copies planned natively, all run together at :meth:`finish`); any other end gets and gives
+    whole chunks through staging tensors (``shape`` ``[planes, L, chunk_size, D]`` of ``dtype``,
+    kept until :meth:`finish`, as the seam's contract asks)."""
+
+    def __init__(self, end: ChunkSource | ChunkSink, shards: int, shape: Shape, dtype: torch.dtype) -> None:
+        self.end, self.shards, self.shape, self.dtype = end, shards, shape, dtype
+        self.width = shape[3] // shards
+        self.parts: list[TensorChunks] = []
+        if type(end) is TensorChunks:
+            kv, w = end.kv, self.width
+            self.parts = [
+                TensorChunks(kv[..., s * w : (s + 1) * w], end.chunk_size, end.first_chunk, copier=end._copier)
+                for s in range(shards)
+            ]
+        self._staged: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, int] = {}  # chunk -> shards taken so far
+
+    def _heads(self, t: torch.Tensor, s: int) -> torch.Tensor:
+        return t[..., s * self.width : (s + 1) * self.width]
+
+    def put(self, index: int, dst: torch.Tensor) -> None:
+        i, s = divmod(index, self.shards)
+        if self.parts:
+            self.parts[s].put(i, dst)
+            return
+        staged = self._staged.get(i)
+        if staged is None:
+            staged = self._staged[i] = torch.empty(self.shape, dtype=self.dtype)
+            self.end.put(i, staged)  # type: ignore[union-attr]
+        dst.copy_(self._heads(staged, s))
+
+    def take(self, index: int, src: torch.Tensor) -> None:
+        i, s = divmod(index, self.shards)
+        if self.parts:
+            self.parts[s].take(i, src)
+            return
+        staged = self._staged.get(i)
+        if staged is None:
+            planes, _, c, d = self.shape
+            staged = self._staged[i] = torch.empty((planes, src.shape[1], c, d), dtype=self.dtype)
+        self._heads(staged, s).copy_(src)
+        self._pending[i] = self._pending.get(i, 0) + 1
+        if self._pending[i] == self.shards:  # every shard of the chunk is in: hand it over whole
+            self.end.take(i, staged)  # type: ignore[union-attr]
+
+    def add_slots(
+        self, taking: bool, chunks: np.ndarray, slots: np.ndarray, shape: Shape, layers: slice, dtype: torch.dtype
+    ) -> bool:
+        """:meth:`TensorChunks.add_slots` of each shard's positions among ``chunks``; False (the
+        caller then puts or takes each position) when the tensor has no such runs."""
+        if not self.parts:
+            return False
+        shard = chunks % self.shards
+        for s, part in enumerate(self.parts):
+            mine = shard == s
+            at = chunks[mine] // self.shards
+            if mine.any() and not part.add_slots(taking, at, slots[mine], shape, layers, dtype):
+                return False  # (a shard queued before is copied again by the caller: the same bytes)
+        return True
+
+    def finish(self) -> None:
+        try:
+            finish(self.end)
+        finally:
+            self._staged.clear()
+            self._pending.clear()
+
+
 def finish(end: ChunkSource | ChunkSink) -> None:
     """End a transfer at ``end``: its pending copies run (also after a failed put or take: the
     slots are still held then, and a reused sink must not carry them into its next transfer)."""
     done = getattr(end, "finish", None)
     if done is not None:
         done()
-
-

@@ -88,14 +88,16 @@ class KVCacheContext:
         self.layout = lay  # as the server registered it (the first registration of the name)
         self.model_name = lay.model_name
         self.chunk_size = chunk_size
-        self.geometry = lay.geometry
+        self.geometry = lay.geometry  # the KV this context reads and writes (connect() sets it)
         self.dtype = TORCH_DTYPES[lay.geometry.dtype]
         self.client_id = client_id
         self.timeout = conn.timeout
         # checked here so that an oversized request is refused at once, never sent (the server
         # refuses it too, and drops frames larger than any request)
         self.max_request_tokens = 0
-        self.kv_rank = 0  # the rank it registered as: its objects' namespace (handshake.SDK_RANK)
+        self.kv_rank: int | None = None  # the rank it reads and writes (None: the whole model)
+        self.shard = 0  # the shard whose objects a single-shard context names
+        self.shards = 1  # stored chunks per chunk of ``geometry`` (>1: the whole of a sharded model)
         self._conn = conn
         self._ref = _TransferRef(transfer, client_id)
         self._refs = threading.Condition(threading.Lock())  # guards _ref, its counts, _closed
@@ -195,8 +197,13 @@ class KVCacheContext:
         return resp
 
     def _reconnect(self) -> None:
-        reg = register(self._conn, self.http_url, self.model_name)
-        if reg.layout.geometry != self.geometry or reg.chunk_size != self.chunk_size:
+        reg = register(self._conn, self.http_url, self.model_name, self.kv_rank)
+        if (reg.geometry, reg.shards, reg.shard, reg.chunk_size) != (
+            self.geometry,
+            self.shards,
+            self.shard,
+            self.chunk_size,
+        ) or reg.layout.geometry != self.layout.geometry:
             reg.transfer.close()
             self._conn.send_nowait(m.CloseClient(reg.client_id))  # the server registered it already
             raise KVCacheSDKError(f"the server at {self.url} restarted with another layout for {self.model_name!r}")
@@ -212,7 +219,6 @@ class KVCacheContext:
         log.info("server %s restarted; registered again", self.url)
         self.max_request_tokens = reg.max_request_tokens
         self.session_ttl = reg.session_ttl
-        self.kv_rank = reg.kv_rank
 
     def rewatch(self, transfer: Transfer) -> None:
         """If ``transfer`` lost its watch of the server (the local connection it watched hung up)
@@ -301,26 +307,37 @@ class KVCacheContext:
         return f"KVCacheContext({self.model_name!r} at {self.url}, chunk_size={self.chunk_size}, {state})"
 
 
-def connect(url: str, http_url: str, model_name: str, timeout: float = 60.0) -> KVCacheContext:
+def connect(
+    url: str, http_url: str, model_name: str, timeout: float = 60.0, *, kv_rank: int | None = None
+) -> KVCacheContext:
     """Connect to a server for ``model_name`` (which must be registered there).
 
     Reads /config and /status, decodes the model's geometry, maps the shared-memory pool when it
-    can and registers as a client. Raises ServerUnavailableError, UnknownModelError or
-    KVCacheSDKError (unsupported layout), InvalidInputError for unusable arguments."""
+    can and registers as a client. ``kv_rank`` None (the default) reads and writes the whole
+    model's KV, ``[2, L, T, num_kv_heads_total * head_dim]`` (``[1, L, T, latent]`` for an MLA
+    model, ``KV_1LTD``), whatever the tensor parallelism of the engines that wrote it: for a model
+    stored in several shards, each chunk is assembled from (and split into) every shard, and
+    counts as cached only when every shard holds it. ``kv_rank=r`` reads and writes what rank
+    ``r`` of an engine of the model's world size holds (``ctx.geometry`` is that rank's).
+    Raises ServerUnavailableError, UnknownModelError or KVCacheSDKError (unsupported layout),
+    InvalidInputError for unusable arguments."""
     validate.url(url)
     validate.http_url(http_url)
     validate.model_name(model_name)
     validate.environment()
+    rank = validate.kv_rank(kv_rank)
     conn = Connection(url, timeout)
     try:
-        reg = register(conn, http_url, model_name)
+        reg = register(conn, http_url, model_name, rank)
     except BaseException:
         conn.close()
         raise
     ctx = KVCacheContext(url, http_url, reg.layout, reg.chunk_size, conn, reg.client_id, reg.transfer)
     ctx.max_request_tokens = reg.max_request_tokens
     ctx.session_ttl = reg.session_ttl
-    ctx.kv_rank = reg.kv_rank
+    ctx.kv_rank, ctx.shard, ctx.shards = reg.kv_rank, reg.shard, reg.shards
+    if reg.geometry is not None:
+        ctx.geometry = reg.geometry
     return ctx
 
 

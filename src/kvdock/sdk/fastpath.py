@@ -210,7 +210,7 @@ def _find(ctx: KVCacheContext, t: Transfer, whole: bytes, cache_salt: str) -> Fo
         ctx.rewatch(t)  # for the next reads, if the server only dropped our local connection
         return None
     hashes = b"".join(chunk_hashes(np.frombuffer(whole, TOKEN_DTYPE), ctx.chunk_size))
-    ns = namespace_digest(ctx.model_name, ctx.kv_rank, cache_salt)
+    ns = namespace_digest(ctx.model_name, ctx.shard, cache_salt)
     found = directory.find(ns, hashes, t.chunk_nbytes)
     if found.ended == "broken":  # an overwrite's commit rewrites a prefix chunk by chunk: look again
         found = directory.find(ns, hashes, t.chunk_nbytes)
@@ -246,7 +246,7 @@ def _read(
     part: m.ReadPart | None = None,
 ) -> int | None:
     """A lookup (no ``make_sink``) or a retrieve answered from the directory, reported."""
-    if not ctx.fast_reads:
+    if not ctx.fast_reads or ctx.shards > 1:  # (a chunk of several shards: see server.shards)
         return None
     nbytes = 0
     with ctx.transfer(answered=False) as t:

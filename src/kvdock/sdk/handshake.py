@@ -15,6 +15,7 @@ import torch
 
 from kvdock import layout
 from kvdock.errors import InvalidInputError, KVCacheSDKError, UnknownModelError
+from kvdock.layout import KVGeometry
 from kvdock.protocol import messages as m
 from kvdock.sdk.connection import Connection
 from kvdock.sdk.http import get_json
@@ -26,7 +27,7 @@ from kvdock.transport.local import PeerWatch
 log = logging.getLogger("kvdock.sdk")
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in layout.DTYPE_SIZES}
-SDK_RANK = 0  # the SDK holds a model's whole KV (world_size 1): it registers as rank 0
+ALL_RANKS = -1  # RegisterClient.kv_rank of the SDK's whole-model view (server.registry.ALL_RANKS)
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -64,7 +65,12 @@ def find_model(status: dict[str, Any], model_name: str) -> m.ModelLayout:
 @dataclass
 class Registration:
     """What a handshake got: the model's layout, the server's chunk size and limits, this
-    client's id and rank, and the transfer to copy through."""
+    client's id, and the transfer to copy through (of one shard's chunks).
+
+    ``geometry`` is the KV the context reads and writes: the whole model's (``kv_rank`` None)
+    or rank ``kv_rank``'s. Each of its chunks is ``shards`` stored chunks (more than one only
+    for the whole of a model stored in several shards: tensor parallelism); ``shard`` is the
+    one a single-shard context's objects are named by."""
 
     layout: m.ModelLayout
     chunk_size: int
@@ -72,20 +78,28 @@ class Registration:
     transfer: Transfer
     max_request_tokens: int = 0  # the server's limit (0: not advertised)
     session_ttl: float = 30.0
-    kv_rank: int = 0  # the rank this client registered as (its objects' namespace)
+    kv_rank: int | None = None
+    geometry: KVGeometry | None = None
+    shard: int = 0
+    shards: int = 1
 
 
-def register(conn: Connection, http_url: str, model_name: str) -> Registration:
-    """The handshake of DESIGN.md section 4 over ``conn`` (used again after a server restart)."""
+def register(conn: Connection, http_url: str, model_name: str, kv_rank: int | None = None) -> Registration:
+    """The handshake of DESIGN.md section 4 over ``conn`` (used again after a server restart),
+    as a client of rank ``kv_rank`` of the model (None: of all of it). InvalidInputError for a
+    rank the model does not have."""
     timeout = conn.timeout
     config = get_json(http_url, "/config", timeout)
     lay = find_model(get_json(http_url, "/status", timeout), model_name)
-    geo = lay.geometry
+    geo = lay.geometry  # the model's shards (rank 0's geometry)
     chunk_size = int(config["chunk_size"])
-    if geo.world_size != 1:
-        raise KVCacheSDKError(f"{model_name!r} has world_size {geo.world_size}; the SDK supports world_size 1 only")
-    if geo.kv_kind != layout.KV_PAIR:
-        raise KVCacheSDKError(f"{model_name!r} has kv_kind {geo.kv_kind!r}; the SDK supports K/V pairs only")
+    if kv_rank is not None and not 0 <= kv_rank < geo.world_size:
+        raise InvalidInputError(
+            f"kv_rank {kv_rank} is not a rank of {model_name!r}, stored for world_size {geo.world_size} "
+            f"(ranks 0..{geo.world_size - 1}; None for the whole model)"
+        )
+    view = geo.logical() if kv_rank is None else geo.at_rank(kv_rank)
+    shards = geo.shards if kv_rank is None else 1
     segment = try_attach(config)
     try:
         reply = conn.call(
@@ -93,7 +107,7 @@ def register(conn: Connection, http_url: str, model_name: str) -> Registration:
                 m.PROTOCOL_VERSION,
                 str(os.getpid()),
                 model_name,
-                SDK_RANK,
+                ALL_RANKS if kv_rank is None else kv_rank,
                 segment.nonce if segment else "",
                 pid=os.getpid(),
                 pid_start=proc_start_time(os.getpid()) or 0,
@@ -124,7 +138,10 @@ def register(conn: Connection, http_url: str, model_name: str) -> Registration:
         transfer,
         int(config.get("max_request_tokens") or 0),
         float(config.get("session_ttl") or 30.0),
-        SDK_RANK,
+        kv_rank,
+        view,
+        0 if kv_rank is None else geo.shard_of(kv_rank),
+        shards,
     )
 
 
@@ -155,5 +172,3 @@ def try_attach(config: dict[str, Any]) -> PoolSegment | None:
     except (OSError, ValueError) as e:
         log.info("cannot map the server's shared memory (%s); using the inline transport", e)
         return None
-
-

@@ -94,6 +94,7 @@ def inspect_prefix(ctx: KVCacheContext, tokens: object, cache_salt: str = "") ->
     """Where each whole chunk of ``tokens`` is stored, and checksums and per-layer K/V norms of
     the cached prefix. Raises what :func:`~kvdock.sdk.retrieve` raises."""
     ctx = validate.context(ctx)
+    validate.whole_model_only(ctx, "inspection")
     arr = validate.tokens(tokens)
     whole = whole_chunks(ctx, arr)
     cache_salt = validate.cache_salt(cache_salt)
@@ -168,6 +169,7 @@ def diff_prefixes(
     hit or a chunk's version), KVCacheSDKError says so rather than mixing versions.
     InvalidInputError for unlike geometries."""
     ctx = validate.context(ctx)
+    validate.whole_model_only(ctx, "inspection")
     other = validate.context(other_ctx) if other_ctx is not None else ctx
     a, b = ctx.geometry, other.geometry
     if (a.planes, a.num_layers, a.hidden_dim) != (b.planes, b.num_layers, b.hidden_dim):

@@ -7,7 +7,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
+import msgspec
 import numpy as np
 import torch
 
@@ -24,7 +26,7 @@ from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
 from kvdock.sdk import fastpath, validate
 from kvdock.sdk.buffers import buffer_pool
-from kvdock.sdk.chunks import ChunkSink, ChunkSource, TensorChunks
+from kvdock.sdk.chunks import ChunkSink, ChunkSource, ShardedChunks, TensorChunks
 from kvdock.sdk.context import KVCacheContext
 from kvdock.transport.client import Response
 
@@ -44,6 +46,19 @@ def whole_chunks(ctx: KVCacheContext, arr: np.ndarray) -> bytes:
         err.code = "limit"
         raise err
     return arr[:n].tobytes()
+
+
+E = TypeVar("E", bound=ChunkSource | ChunkSink)
+
+
+def shards_of(ctx: KVCacheContext, end: E, layers: int | None = None) -> E:
+    """``end`` as the end of a transfer of ``ctx``'s stored chunks: itself, or, when each of the
+    context's chunks is stored in several shards, a :class:`ShardedChunks` over it (of
+    ``layers`` layers, default all)."""
+    if ctx.shards == 1:
+        return end
+    p, n, c, d = ctx.geometry.chunk_shape(ctx.chunk_size)
+    return ShardedChunks(end, ctx.shards, (p, n if layers is None else layers, c, d), ctx.dtype)  # type: ignore[return-value]
 
 
 def prepare(ctx: KVCacheContext, sid: str, msg: m.PrepareStore | m.PrepareRetrieve) -> Response:
@@ -82,7 +97,7 @@ def store_chunks(
     ctx = validate.context(ctx)
     arr = validate.tokens(tokens)
     source = TensorChunks(validate.kv(ctx, kv, len(arr)), ctx.chunk_size)
-    return _store(ctx, source, arr, cache_salt, overwrite)
+    return _store(ctx, shards_of(ctx, source), arr, cache_salt, overwrite)
 
 
 def store_from(
@@ -100,7 +115,7 @@ def store_from(
     ``conflict_wait_s``: how long to wait for chunks another client is writing (an engine passes 0:
     a step never waits; those chunks are reported in flight)."""
     ctx = validate.context(ctx)
-    return _store(ctx, source, validate.tokens(tokens), cache_salt, overwrite, conflict_wait_s)
+    return _store(ctx, shards_of(ctx, source), validate.tokens(tokens), cache_salt, overwrite, conflict_wait_s)
 
 
 def _store(
@@ -115,7 +130,7 @@ def _store(
     whole = whole_chunks(ctx, arr)
     if not whole:
         return StoreResult(0, 0, 0)
-    total = len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size
+    total = len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size * ctx.shards
     stored = 0
     deadline = time.monotonic() + min(conflict_wait_s, ctx.timeout)
     delay = 0.005
@@ -243,7 +258,7 @@ class Landing:
         else:
             self.kv = self.out[:, :, :n]
             self.handed = max(self.handed, n)
-        return TensorChunks(self.kv, self.ctx.chunk_size, self.start // self.ctx.chunk_size)
+        return shards_of(self.ctx, TensorChunks(self.kv, self.ctx.chunk_size, self.start // self.ctx.chunk_size))
 
     def result(self, hit: int) -> torch.Tensor | None:
         """What retrieve returns for a hit of ``hit`` tokens: None when it does not pass ``start``.
@@ -267,7 +282,7 @@ def retrieve_into(ctx: KVCacheContext, tokens: object, sink: ChunkSink, cache_sa
     cache_salt = validate.cache_salt(cache_salt)
     if not whole:
         return 0
-    return _retrieve_with_retry(ctx, whole, cache_salt, lambda hit: sink)
+    return _retrieve_with_retry(ctx, whole, cache_salt, lambda hit: shards_of(ctx, sink))
 
 
 def _retrieve_with_retry(
@@ -305,7 +320,9 @@ def _retrieve_once(
     if not slots:
         return 0
     cid = ctx.answered_client_id()
-    hit = len(slots) * ctx.chunk_size
+    hit = len(slots) // ctx.shards * ctx.chunk_size  # (a model's chunk is ctx.shards slots, in order)
+    if part is not None and ctx.shards > 1:  # the transfer counts slots, the server chunks
+        part = msgspec.structs.replace(part, first_chunk=part.first_chunk * ctx.shards)
     try:
         sink = make_sink(hit)
         with ctx.transfer() as t:

@@ -55,10 +55,16 @@ def make_layout(
     kv_format: str = "NHD",
     world_size: int = 1,
     engine: m.EngineInfo | None = None,
+    rank: int = 0,
+    total_kv_heads: int = 0,
+    kv_kind: str = layout.KV_PAIR,
 ) -> m.ModelLayout:
-    """Build a ModelLayout (geometry of rank 0 of ``world_size``) from explicit geometry;
-    InvalidInputError for impossible values (the bounds are those of the server: at most 4096
-    layers and KV heads, head_dim 16384, world_size 1024, names of 200 characters).
+    """Build a ModelLayout (geometry of rank ``rank`` of ``world_size``, each holding
+    ``num_kv_heads`` of the model's ``total_kv_heads``: see :class:`~kvdock.layout.KVGeometry`)
+    from explicit geometry; InvalidInputError for impossible values (the bounds are those of the
+    server: at most 4096 layers and KV heads, head_dim 16384, world_size 1024, names of 200
+    characters). ``kv_kind="latent"``: an MLA model (``num_kv_heads`` 1, ``head_dim`` the latent's
+    ``kv_lora_rank + qk_rope_head_dim``).
     ``kv_format`` becomes ``engine.kv_cache_layout`` and ``engine.view_shape`` the format's
     one-block shape (``engine``'s other fields are kept)."""
     if not isinstance(model_name, str) or not model_name:
@@ -71,9 +77,10 @@ def make_layout(
         value = getattr(engine, field, "")
         if len(value) > MAX_NAME_LEN:
             raise InvalidInputError(f"engine.{field} has {len(value)} characters, more than {MAX_NAME_LEN}")
-    geo = layout.KVGeometry(num_layers, num_kv_heads, head_dim, dtype_name(dtype), world_size=world_size)
     try:
-        geo.check()
+        geo = layout.KVGeometry(
+            num_layers, num_kv_heads, head_dim, dtype_name(dtype), kv_kind, world_size, rank, total_kv_heads
+        ).check()
         shape = layout.concrete_shape(kv_format, 1, tokens_per_block, num_kv_heads, head_dim)
     except ValueError as e:
         raise InvalidInputError(str(e)) from None
@@ -95,6 +102,9 @@ def register_model(
     world_size: int = 1,
     timeout: float = 60.0,
     admin_token: str = "",
+    rank: int = 0,
+    total_kv_heads: int = 0,
+    kv_kind: str = layout.KV_PAIR,
 ) -> ModelRegistration:
     """Register ``model_name`` with explicit geometry so the SDK works with no engine running.
 
@@ -109,6 +119,9 @@ def register_model(
         tokens_per_block=tokens_per_block,
         kv_format=kv_format,
         world_size=world_size,
+        rank=rank,
+        total_kv_heads=total_kv_heads,
+        kv_kind=kv_kind,
     )
     return register_layout(url, http_url, lay, timeout, admin_token)
 

@@ -30,7 +30,7 @@ from kvdock.layout import KVGeometry
 from kvdock.memcpy import populate
 from kvdock.protocol.messages import ReadPart, SlotRef
 from kvdock.sdk.buffers import buffer_pool
-from kvdock.sdk.chunks import ChunkSink, ChunkSource, TensorChunks, finish
+from kvdock.sdk.chunks import ChunkSink, ChunkSource, ShardedChunks, TensorChunks, finish
 from kvdock.shm import PoolSegment
 from kvdock.shm.directory import DirectoryReader
 from kvdock.transport.local import PeerWatch
@@ -173,12 +173,14 @@ class ShmTransfer(Transfer):
     def _direct(self, end: object, taking: bool, indices: np.ndarray, offsets: np.ndarray, layers: slice) -> bool:
         """Queue the copies of a plain tensor ``end`` with the slots at ``offsets`` as runs
         (TensorChunks.add_slots); False if ``end`` is something else or has no such runs."""
-        if type(end) is not TensorChunks or not len(offsets):  # (a subclass may put or take otherwise)
+        if type(end) not in (TensorChunks, ShardedChunks) or not len(offsets):  # (a subclass may put or take otherwise)
             return False
         if not self._prefault.done:
             for off in offsets.tolist():
                 self._prefault.ensure(self._addr + off, self.chunk_nbytes)
-        return end.add_slots(taking, indices, self._addr + offsets, self.chunk_shape, layers, self.dtype)
+        return end.add_slots(  # type: ignore[attr-defined, no-any-return]
+            taking, indices, self._addr + offsets, self.chunk_shape, layers, self.dtype
+        )
 
     def write(self, slots: Sequence[SlotRef], source: ChunkSource) -> list[memoryview]:
         try:

@@ -198,6 +198,25 @@ def kv(ctx: KVCacheContext, value: object, num_tokens: int) -> torch.Tensor:
     return value if value.device.type == "cpu" else value.cpu()
 
 
+def kv_rank(value: object) -> int | None:
+    """None (the whole model) or a non-negative int rank; InvalidInputError otherwise (the
+    server says whether the model has that rank)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInputError(f"kv_rank must be None (the whole model) or a rank >= 0, got {value!r}")
+    return value
+
+
+def whole_model_only(ctx: KVCacheContext, what: str) -> None:
+    """InvalidInputError when ``ctx`` assembles each chunk from several shards and ``what`` cannot."""
+    if ctx.shards > 1:
+        raise InvalidInputError(
+            f"{what} of {ctx.model_name!r}, stored in {ctx.shards} shards (tensor parallelism), is not supported for "
+            f"the whole model yet; connect with kv_rank=r to work on one rank's shard"
+        )
+
+
 def layers(ctx: KVCacheContext, value: object) -> range:
     """``value`` (None: every layer) as a non-empty increasing range of the model's layers."""
     n = ctx.geometry.num_layers

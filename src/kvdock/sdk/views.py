@@ -349,6 +349,7 @@ def view(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> PrefixVie
     Use it as a context manager. Raises KVCacheSDKError on the inline transport, and what
     :func:`~kvdock.sdk.retrieve` raises for bad input."""
     ctx = validate.context(ctx)
+    validate.whole_model_only(ctx, "a zero-copy view")
     whole = whole_chunks(ctx, validate.tokens(tokens))
     cache_salt = validate.cache_salt(cache_salt)
     if ctx.transport != "shm":

@@ -11,6 +11,7 @@ from kvdock.protocol import messages as m
 from kvdock.server import batch as b
 from kvdock.server import handlers as h
 from kvdock.server import retrieval as r
+from kvdock.server import shards as sh
 from kvdock.server import storing as st
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
 
@@ -38,12 +39,37 @@ HANDLERS: dict[type, Handler] = {
 }
 
 
+# the ops of an all-rank client of a model stored in several shards (ClientEntry.sharded): each
+# is run once per shard (server.shards); those with per-shard state the client cannot tell apart
+# are refused
+SHARDED: dict[type, Handler] = {
+    **HANDLERS,
+    m.Lookup: sh.lookup,
+    m.PrepareStore: sh.prepare_store,
+    m.CommitStore: sh.commit_store,
+    m.PrepareRetrieve: sh.prepare_retrieve,
+    m.CommitRetrieve: sh.commit_retrieve,
+    m.EndSession: sh.end_session,
+    m.QueryPrefetchStatus: sh.refused("prefetch status"),
+    m.WaitPrefetch: sh.refused("prefetch status"),
+    m.LookupMany: sh.refused("a batch lookup"),
+    m.PrepareRetrieveMany: sh.refused("a batch retrieve"),
+    m.Locate: sh.refused("locating chunks"),
+    m.RenewSessions: sh.refused("a zero-copy view"),
+}
+
+
+def _table(state: ServerState, req: Any) -> dict[type, Handler]:
+    client = state.registry.clients.get(getattr(req, "client_id", ""))
+    return SHARDED if client is not None and client.sharded else HANDLERS
+
+
 def handle(state: ServerState, req: Any, payload: Payload) -> Outcome:
     """Run the handler of ``req``; expected failures become an Error reply. Ops that wait for a
     lower tier return an awaitable (the caller must not block the loop on it)."""
     state.metrics.requests.labels(type(req).__name__).inc()
     try:
-        out = HANDLERS[type(req)](state, req, payload)
+        out = _table(state, req)[type(req)](state, req, payload)
     except EXPECTED as e:
         return error_reply(state, e)
     if inspect.isawaitable(out):

@@ -51,11 +51,15 @@ def keys_of(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -
     return hashed_keys(state, client, tokens, salt)
 
 
-def hashed_keys(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -> list[keymod.ObjectKey]:
-    """The chunk keys of tokens that passed check_request already."""
+def hashed_keys(
+    state: ServerState, client: ClientEntry, tokens: bytes, salt: str, shard: int | None = None
+) -> list[keymod.ObjectKey]:
+    """The chunk keys of tokens that passed check_request already, in the client's shard (or
+    ``shard``): an object's key names the shard it holds, never the rank that wrote it."""
     arr = keymod.tokens_from_bytes(tokens)
     model = client.model.layout.model_name
-    return [keymod.ObjectKey(model, client.kv_rank, salt, h) for h in keymod.chunk_hashes(arr, state.chunk_size)]
+    at = client.shard if shard is None else shard
+    return [keymod.ObjectKey(model, at, salt, h) for h in keymod.chunk_hashes(arr, state.chunk_size)]
 
 
 def ping(state: ServerState, req: m.Ping, payload: Payload) -> Reply:

@@ -23,7 +23,7 @@ import msgspec
 
 from kvdock.config import MAX_CLIENTS, MAX_NAME_LEN, ServerConfig, format_size
 from kvdock.errors import RegistrationError
-from kvdock.layout import KV_PAIR, KVGeometry
+from kvdock.layout import KVGeometry
 from kvdock.protocol.codes import ErrorCode
 from kvdock.protocol.messages import ModelLayout, Transport
 
@@ -33,9 +33,13 @@ log = logging.getLogger(__name__)
 MAX_VIEW_DIMS = 16  # entries of an engine's view_shape / view_strides
 
 
+ALL_RANKS = -1  # RegisterClient.kv_rank of a client of every shard of a model (the SDK's logical view)
+
+
 @dataclass(frozen=True)
 class ModelEntry:
-    """A registered model: the first layout registered under its name, and its chunk's size."""
+    """A registered model: the first layout registered under its name (its geometry that of rank
+    0: the shards it is stored in), and the size of one shard's chunk."""
 
     layout: ModelLayout
     slot_nbytes: int
@@ -54,13 +58,26 @@ class ClientEntry:
     client_id: str  # a capability: whoever knows it acts as the client, so it is never shown
     instance_id: str
     model: ModelEntry
-    kv_rank: int
+    kv_rank: int  # ALL_RANKS: a client of every shard (each request is one per shard: server.shards)
     transport: Transport
     last_seen: float = 0.0  # the Registry's clock at the last request naming this client
     pid: int = 0  # the client process (shared-memory clients: checked at registration)
     pid_start: int = 0
     touch_budget: float = TOUCH_BURST  # LRU touches its FastReads reports may make now
     touch_at: float = 0.0  # the clock when the budget was last counted
+
+    @property
+    def shard(self) -> int:
+        """The shard whose objects this client's requests name (0 for an all-rank client of a
+        model stored in one shard, which is then an ordinary client)."""
+        geo = self.model.geometry
+        return 0 if self.kv_rank == ALL_RANKS else geo.shard_of(self.kv_rank)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each request of this client is one per shard (an all-rank client of a model
+        stored in several shards)."""
+        return self.kv_rank == ALL_RANKS and self.model.geometry.shards > 1
 
     def allow_touches(self, want: int) -> int:
         """How many of ``want`` LRU touches of a FastReads report to make, as of ``last_seen``
@@ -165,16 +182,20 @@ class Registry:
             )
 
     def register_model(self, lay: ModelLayout, admin_token: str = "") -> tuple[ModelEntry, bool]:
-        """Check the admin token, validate and add ``lay``; returns (entry, created). A known name
-        with an equal geometry is a no-op that keeps the first layout (engine info and
-        tokens_per_block may differ: a stored chunk does not depend on them); a different
-        geometry for a known name raises RegistrationError, and so does a new name past
-        ``max_models`` (code LIMIT)."""
+        """Check the admin token, validate and add ``lay``; returns (entry, created).
+
+        A known name is a no-op that keeps the first layout when the model's KV is the same: the
+        same layers, heads over all ranks, head_dim, dtype and kind (engine info, tokens_per_block,
+        the rank, even the tensor-parallel world size may differ: the model stays stored in the
+        shards of its first registration, and an engine sharded otherwise re-shards). Any other
+        difference raises RegistrationError (two ranks of one engine with different layers or
+        dtypes, another model under the name), and so does a new name past ``max_models`` (code
+        LIMIT). The layout kept is rank 0's."""
         self.authorize(admin_token)
         entry = self._entry(lay)
         old = self.models.get(lay.model_name)
         if old is not None:
-            if old.geometry != entry.geometry:
+            if old.geometry.logical() != entry.geometry.logical():
                 raise RegistrationError(
                     f"model {lay.model_name!r} is already registered with a different geometry: "
                     f"{_describe(old.geometry)} (new: {_describe(lay.geometry)})"
@@ -209,14 +230,8 @@ class Registry:
             geo = lay.geometry.check()
         except ValueError as e:
             raise RegistrationError(str(e)) from None
-        if geo.kv_kind != KV_PAIR:
-            raise RegistrationError(
-                f"model {lay.model_name!r} has kv_kind {geo.kv_kind!r}: MLA latent caches are not supported yet"
-            )
-        if geo.world_size != 1:
-            raise RegistrationError(
-                f"model {lay.model_name!r} has world_size {geo.world_size}: tensor parallelism is not supported yet"
-            )
+        if geo.rank or geo.total_kv_heads:  # what is kept describes the shards, not the rank that came first
+            lay = msgspec.structs.replace(lay, geometry=geo.canonical())
         if lay.tokens_per_block <= 0:
             raise RegistrationError(f"tokens_per_block must be positive, got {lay.tokens_per_block}")
         if self.chunk_size % lay.tokens_per_block:
@@ -242,8 +257,11 @@ class Registry:
             known = ", ".join(sorted(self.models)) or "none"
             msg = f"unknown model {model_name!r}; registered models: {known}"
             raise RegistrationError(msg, ErrorCode.UNKNOWN_MODEL)
-        if not 0 <= kv_rank < model.geometry.world_size:
-            raise RegistrationError(f"kv_rank {kv_rank} out of range for world_size {model.geometry.world_size}")
+        if kv_rank != ALL_RANKS and not 0 <= kv_rank < model.geometry.world_size:
+            raise RegistrationError(
+                f"kv_rank {kv_rank} out of range for {model_name!r}, stored for world_size {model.geometry.world_size} "
+                f"(ranks 0..{model.geometry.world_size - 1}, or {ALL_RANKS}: every rank)"
+            )
         if len(self.clients) >= self.max_clients:
             raise RegistrationError(
                 f"the server already holds {len(self.clients)} client registrations, its limit; a client silent for "
@@ -296,5 +314,5 @@ def _check_engine(lay: ModelLayout) -> None:
 def _describe(geo: KVGeometry) -> str:
     return (
         f"layers={geo.num_layers} kv_heads={geo.num_kv_heads} head_dim={geo.head_dim} dtype={geo.dtype} "
-        f"kv_kind={geo.kv_kind} world_size={geo.world_size} rank={geo.rank}"
+        f"kv_kind={geo.kv_kind} world_size={geo.world_size} rank={geo.rank} kv_heads_total={geo.kv_heads_total}"
     )

@@ -58,18 +58,27 @@ def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Outcome:
 
 
 def count_all(
-    state: ServerState, in_l1: list[L1Hit], keysets: list[list[ObjectKey]], reply: Callable[[list[int]], Reply]
+    state: ServerState,
+    in_l1: list[L1Hit],
+    keysets: list[list[ObjectKey]],
+    reply: Callable[[list[int]], Reply],
+    common: bool = False,
 ) -> Outcome:
     """``reply(hit tokens of each key list)``, given the run of list ``i`` that L1 held when the
     handler looked (``in_l1[i]``): at once when no lower tier can add any, else once they have
-    been asked (every list at the same time; L1 may have changed by then)."""
+    been asked (every list at the same time; L1 may have changed by then). ``common``: the lists
+    are one request's shards; ``reply`` gets one hit, the chunks every shard holds."""
     if not state.manager.lanes or all(h.count == len(k) for h, k in zip(in_l1, keysets, strict=True)):
-        return _counted(state, [h.count for h in in_l1], keysets, reply)
-    return _count_lower(state, in_l1, keysets, reply)
+        return _counted(state, [h.count for h in in_l1], keysets, reply, common)
+    return _count_lower(state, in_l1, keysets, reply, common)
 
 
 async def _count_lower(
-    state: ServerState, in_l1: list[L1Hit], keysets: list[list[ObjectKey]], reply: Callable[[list[int]], Reply]
+    state: ServerState,
+    in_l1: list[L1Hit],
+    keysets: list[list[ObjectKey]],
+    reply: Callable[[list[int]], Reply],
+    common: bool,
 ) -> Reply:
     mgr = state.manager
 
@@ -77,12 +86,18 @@ async def _count_lower(
         return hit.count if hit.count == len(keys) else await mgr.count(keys, hit)
 
     hits = await asyncio.gather(*(count(h, keys) for h, keys in zip(in_l1, keysets, strict=True)))
-    return _counted(state, list(hits), keysets, reply)
+    return _counted(state, list(hits), keysets, reply, common)
 
 
 def _counted(
-    state: ServerState, hits: list[int], keysets: list[list[ObjectKey]], reply: Callable[[list[int]], Reply]
+    state: ServerState,
+    hits: list[int],
+    keysets: list[list[ObjectKey]],
+    reply: Callable[[list[int]], Reply],
+    common: bool,
 ) -> Reply:
+    if common:
+        hits, keysets = [min(hits)], keysets[:1]
     for n, keys in zip(hits, keysets, strict=True):
         count_hits(state, n, len(keys))
     return reply([n * state.chunk_size for n in hits])
@@ -189,12 +204,17 @@ async def retrieve_later(
     asked: list[int],
     wait_s: float,
     cut: Cut,
+    common: bool = False,
 ) -> Prepared:
     """Wait (up to ``wait_s``) for the sessions' prefetches, then answer for all of them at once:
     so every shared-memory session's lease is renewed just before the reply leaves, and an
     inline reply is one frame. The sessions are held while they wait (their client is waiting
     too), so that one whose chunks were in L1 from the start does not expire meanwhile; one
-    ended meanwhile is released when the wait is over, and then has no hit."""
+    ended meanwhile is released when the wait is over, and then has no hit.
+
+    ``common``: the sessions are one request's shards (:mod:`kvdock.server.shards`): each hands
+    out only the chunks every one of them holds, current in the same step, and the hit is counted
+    once (for the first session's keys), not per shard."""
     mgr = state.manager
     for s in sessions:
         mgr.hold(s)
@@ -206,9 +226,17 @@ async def retrieve_later(
     for s in sessions:
         if isinstance(s.job, PrefetchJob):
             s.job.cancelled = True  # the client gets what is loaded now; stop adding pins
+    runs = [_current_run(s) for s in sessions]
+    if common:
+        n = min(map(len, runs))
+        runs = [run[:n] for run in runs]
+        count_hits(state, n, asked[0])
     if client.transport == "shm":
-        return Prepared([shm_slots(state, client, s, n) for s, n in zip(sessions, asked, strict=True)], [])
-    return await _inline_copy(state, client, sessions, asked, cut)
+        slots = [
+            _shm_reply(state, client, s, run, n, not common) for s, run, n in zip(sessions, runs, asked, strict=True)
+        ]
+        return Prepared(slots, [])
+    return await _inline_copy(state, client, sessions, runs, asked, cut, not common)
 
 
 def _current_run(session: Session) -> list[L1Object]:
@@ -225,10 +253,16 @@ def _current_run(session: Session) -> list[L1Object]:
 def shm_slots(state: ServerState, client: ClientEntry, session: Session, asked: int) -> list[m.SlotRef]:
     """The slots of a shared-memory session's hit (ending the session if it has none); its lease
     is renewed, so the client's copy gets a whole lease however long the wait was."""
+    return _shm_reply(state, client, session, _current_run(session), asked, True)
+
+
+def _shm_reply(
+    state: ServerState, client: ClientEntry, session: Session, hits: list[L1Object], asked: int, count: bool
+) -> list[m.SlotRef]:
     mgr = state.manager
     mgr.sessions.renew(session)
-    hits = _current_run(session)
-    count_hits(state, len(hits), asked)
+    if count:
+        count_hits(state, len(hits), asked)
     if not hits:
         mgr.end_session(client.client_id, session.session_id)
     alloc = mgr.l1.allocator
@@ -236,19 +270,25 @@ def shm_slots(state: ServerState, client: ClientEntry, session: Session, asked: 
 
 
 async def _inline_copy(
-    state: ServerState, client: ClientEntry, sessions: list[Session], asked: list[int], cut: Cut
+    state: ServerState,
+    client: ClientEntry,
+    sessions: list[Session],
+    runs: list[list[L1Object]],
+    asked: list[int],
+    cut: Cut,
+    count: bool,
 ) -> Prepared:
-    """Copy ``cut``'s part of every session's hit into one buffer (the sessions hold the pins
+    """Copy ``cut``'s part of every session's ``runs`` into one buffer (the sessions hold the pins
     meanwhile), then end the sessions, also on failure. One frame for all: zmq then sends that
     buffer itself, and its tracker tells exactly when it is gone, before it is reused."""
     mgr = state.manager
     try:
-        runs = [_current_run(s) for s in sessions]
         per = cut.nbytes
         rows: list[list[m.SlotRef]] = []
         sent: list[L1Object] = []
         for run, n in zip(runs, asked, strict=True):
-            count_hits(state, len(run), n)
+            if count:
+                count_hits(state, len(run), n)
             at = len(sent) - cut.first  # chunk i's part lies at (at + i) * per, from the first chunk on
             rows.append([m.SlotRef(i, (at + i) * per if i >= cut.first else 0) for i in range(len(run))])
             sent += run[cut.first :]
@@ -269,9 +309,12 @@ async def _inline_copy(
             finally:
                 for s in sessions:
                     mgr.unhold(s)
-        for run in runs:
-            if run:
-                _count_retrieved(state, len(run[cut.first :]) * per)
+        if count:
+            for run in runs:
+                if run:
+                    count_retrieved(state, len(run[cut.first :]) * per)
+        elif sent:
+            count_retrieved(state, len(sent) * per)
     finally:
         for s in sessions:
             mgr.end_session(client.client_id, s.session_id)
@@ -289,7 +332,7 @@ def _gather(views: list[memoryview], out: memoryview, cut: Cut) -> None:
     copier.run()  # without the GIL
 
 
-def _count_retrieved(state: ServerState, nbytes: int) -> None:
+def count_retrieved(state: ServerState, nbytes: int) -> None:
     state.metrics.retrieves.inc()
     state.metrics.retrieved_bytes.inc(nbytes)
 
@@ -341,5 +384,5 @@ def fast_reads(state: ServerState, req: m.FastReads, payload: Payload) -> Reply:
 def commit_retrieve(state: ServerState, req: m.CommitRetrieve, payload: Payload) -> Reply:
     client = client_of(state, req.client_id)
     n = state.manager.commit_retrieve(client.client_id, req.session_id)
-    _count_retrieved(state, n * client.model.slot_nbytes)
+    count_retrieved(state, n * client.model.slot_nbytes)
     return Reply(m.Done())

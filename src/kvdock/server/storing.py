@@ -93,14 +93,14 @@ async def _commit_later(
         mgr.hold(session)
         try:
             views = [mgr.l1.view(o) for o in objs]
-            await state.copy(_copy_frames, views, payload)
+            await state.copy(copy_frames, views, payload)
         finally:
             mgr.unhold(session)
     ok = await mgr.wait_deletes(client.client_id, req.session_id)
     return _commit(state, client, req, ok)
 
 
-def _copy_frames(views: list[memoryview], frames: Payload) -> None:
+def copy_frames(views: list[memoryview], frames: Payload) -> None:
     copier = Copier()
     for view, frame in zip(views, frames, strict=True):
         copier.add(np.frombuffer(view, np.uint8), np.frombuffer(frame, np.uint8))

@@ -212,7 +212,7 @@ class StorageManager:
         Opens a session when at least one slot is reserved; SessionError if the id is in use."""
         if self.sessions.has(client_id, session_id) or (client_id, session_id) in self.sessions.quarantine:
             raise SessionError(f"session {session_id!r} is already open")
-        if overwrite and any(self._written_by_other(key) for key in keys):
+        if overwrite and self.contended(keys):
             # Writing the chunks around another client's in-flight write would commit a prefix of
             # two versions: the overwrite writes nothing, and says the whole prefix is contended.
             return StorePlan([], 0, len(keys), 0)
@@ -286,6 +286,11 @@ class StorageManager:
         round trip), for :meth:`prepare_store`'s ``below``."""
         lanes = [lane for lane in self.lanes if lane.tier.up()]
         return dict(zip(keys, await self._remote_heads(lanes, keys), strict=False))
+
+    def contended(self, keys: list[ObjectKey]) -> bool:
+        """Whether another client is writing any of ``keys`` now (an overwrite of them would
+        reserve nothing)."""
+        return any(self._written_by_other(key) for key in keys)
 
     def _written_by_other(self, key: ObjectKey) -> bool:
         pending = self.l1.reservation(key)

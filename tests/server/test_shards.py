@@ -1,0 +1,262 @@
+"""Models stored in several shards (tensor parallelism), through real servers: what each rank
+stores is its shard; the whole-model (all-rank) context assembles and splits chunks across the
+shards (server.shards), and never hands out a chunk that a shard lacks or that mixes versions."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import kvdock.sdk as kvd
+from helpers import CHUNK, ServerProc, make_tokens
+from kvdock.errors import InvalidInputError, KVCacheSDKError
+from kvdock.layout import KV_LATENT, KVGeometry
+from kvdock.protocol import messages as m
+
+LAYERS, HEADS, HEAD_DIM = 3, 2, 8  # per rank: 2 of the model's 4 KV heads at TP=2
+TP = "tp"
+
+
+@pytest.fixture(params=["shm", "inline"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=["bfloat16", "float32"])
+def dtype(request: pytest.FixtureRequest) -> torch.dtype:
+    return getattr(torch, str(request.param))
+
+
+@pytest.fixture
+def srv(make_server: Callable[..., ServerProc], transport: str, dtype: torch.dtype) -> ServerProc:
+    s = make_server(*(["--no-shm"] if transport == "inline" else []), register=None)
+    name = str(dtype).removeprefix("torch.")
+    kvd.register_model(s.url, s.http_url, TP, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                       dtype=name, world_size=2, rank=1, timeout=10)  # fmt: skip
+    return s
+
+
+def connect(srv: ServerProc, model: str = TP, kv_rank: int | None = None) -> kvd.KVCacheContext:
+    return kvd.connect(srv.url, srv.http_url, model, timeout=10, kv_rank=kv_rank)
+
+
+@pytest.fixture
+def contexts(srv: ServerProc, transport: str) -> Iterator[tuple[kvd.KVCacheContext, list[kvd.KVCacheContext]]]:
+    whole, ranks = connect(srv), [connect(srv, kv_rank=r) for r in range(2)]
+    assert {c.transport for c in [whole, *ranks]} == {transport}
+    yield whole, ranks
+    for c in [whole, *ranks]:
+        assert kvd.check_server_integrity(c) == []
+        c.close()
+
+
+def kv_of(geo: KVGeometry, tokens: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(geo.chunk_shape(tokens), generator=g).to(dtype)
+
+
+def objects(ctx: kvd.KVCacheContext) -> int:
+    return int(kvd.server_status(ctx.http_url)["l1"]["objects"])
+
+
+def test_contexts_see_the_whole_model_or_one_rank(contexts, dtype: torch.dtype) -> None:
+    whole, ranks = contexts
+    assert whole.geometry == KVGeometry(LAYERS, 2 * HEADS, HEAD_DIM, whole.geometry.dtype)
+    assert (whole.kv_rank, whole.shards) == (None, 2)
+    assert [(c.kv_rank, c.shard, c.shards, c.geometry.rank) for c in ranks] == [(0, 0, 1, 0), (1, 1, 1, 1)]
+    assert all(c.geometry.hidden_dim == HEADS * HEAD_DIM for c in ranks)
+    assert whole.layout.geometry == KVGeometry(LAYERS, HEADS, HEAD_DIM, whole.geometry.dtype, world_size=2)
+
+
+def test_a_whole_model_store_is_split_into_every_rank_shard(contexts, dtype: torch.dtype) -> None:
+    whole, ranks = contexts
+    tokens = make_tokens(4 * CHUNK)
+    kv = kv_of(whole.geometry, 4 * CHUNK, dtype, 1)
+    r = kvd.store_chunks(whole, kv, tokens)
+    assert (r.stored_chunks, r.deduped_chunks, r.pool_full_chunks) == (8, 0, 0)  # 4 chunks x 2 shards
+    assert objects(whole) == 8
+    assert kvd.lookup(whole, tokens) == 4 * CHUNK
+    got = kvd.retrieve(whole, tokens)
+    assert got is not None and torch.equal(got.view(torch.uint8), kv.view(torch.uint8))
+    for rank, ctx in enumerate(ranks):
+        mine = kvd.retrieve(ctx, tokens)
+        assert mine is not None and torch.equal(mine, kv[..., rank * 16 : (rank + 1) * 16])
+    assert kvd.store(whole, kv, tokens) is False  # every shard of every chunk is there: deduped
+    assert objects(whole) == 8
+
+
+def test_what_the_ranks_store_is_retrieved_whole(contexts, dtype: torch.dtype) -> None:
+    whole, ranks = contexts
+    tokens = make_tokens(3 * CHUNK, start=7)
+    kv = kv_of(whole.geometry, 3 * CHUNK, dtype, 2)
+    for rank, ctx in enumerate(ranks):
+        assert kvd.store(ctx, kv[..., rank * 16 : (rank + 1) * 16].contiguous(), tokens) is True
+    got = kvd.retrieve(whole, tokens)
+    assert got is not None and torch.equal(got, kv)
+    # partial reads and out= assemble the same bytes
+    out = torch.full((2, 2, 2 * CHUNK, 32), 7.0, dtype=dtype)
+    part = kvd.retrieve(whole, tokens, layers=range(1, 3), start=CHUNK, out=out)
+    assert part is not None and part.data_ptr() == out.data_ptr()
+    assert torch.equal(part, kv[:, 1:3, CHUNK:])
+    # an engine's sink gets whole chunks, each assembled from every shard
+    seen: dict[int, torch.Tensor] = {}
+
+    class Sink:
+        def take(self, index: int, src: torch.Tensor) -> None:
+            seen[index] = src.clone()
+
+    assert kvd.retrieve_into(whole, tokens, Sink()) == 3 * CHUNK
+    assert sorted(seen) == [0, 1, 2]
+    assert all(torch.equal(seen[i], kv[:, :, i * CHUNK : (i + 1) * CHUNK]) for i in seen)
+
+
+def test_a_missing_shard_is_a_shorter_hit_never_half_a_chunk(contexts, dtype: torch.dtype) -> None:
+    whole, ranks = contexts
+    tokens = make_tokens(4 * CHUNK, start=100)
+    kv = kv_of(whole.geometry, 4 * CHUNK, dtype, 3)
+    assert kvd.store(ranks[0], kv[..., :16].contiguous(), tokens)
+    assert kvd.lookup(whole, tokens) == 0 and kvd.retrieve(whole, tokens) is None  # rank 1 has nothing
+    assert kvd.store(ranks[1], kv[:, :, : 2 * CHUNK, 16:].contiguous(), tokens[: 2 * CHUNK])
+    assert kvd.lookup(whole, tokens) == 2 * CHUNK
+    got = kvd.retrieve(whole, tokens)
+    assert got is not None and got.shape == (2, LAYERS, 2 * CHUNK, 32) and torch.equal(got, kv[:, :, : 2 * CHUNK])
+    # the whole model's store fills in the missing shard only (rank 0's chunks are deduped)
+    r = kvd.store_chunks(whole, kv, tokens)
+    assert (r.stored_chunks, r.deduped_chunks) == (2, 6)
+    assert torch.equal(kvd.retrieve(whole, tokens), kv)
+
+
+def test_an_overwrite_replaces_every_shard(contexts, dtype: torch.dtype) -> None:
+    whole, ranks = contexts
+    tokens = make_tokens(2 * CHUNK, start=300)
+    old, new = (kv_of(whole.geometry, 2 * CHUNK, dtype, s) for s in (4, 5))
+    assert kvd.store(whole, old, tokens)
+    assert kvd.store(whole, new, tokens, overwrite=True) is True
+    assert torch.equal(kvd.retrieve(whole, tokens), new)
+    for rank, ctx in enumerate(ranks):
+        assert torch.equal(kvd.retrieve(ctx, tokens), new[..., rank * 16 : (rank + 1) * 16])
+    assert objects(whole) == 4
+
+
+def test_an_overwrite_of_chunks_a_shard_is_writing_writes_no_shard(contexts, dtype: torch.dtype) -> None:
+    whole, ranks = contexts
+    tokens = make_tokens(2 * CHUNK, start=500)
+    old, new = (kv_of(whole.geometry, 2 * CHUNK, dtype, s) for s in (6, 7))
+    assert kvd.store(whole, old, tokens)
+    # rank 1 starts an overwrite of its shard and does not commit it yet
+    sid = ranks[1].new_session_id()
+    whole_tokens = torch.tensor(tokens, dtype=torch.int64).numpy().astype("<u4").tobytes()
+    prep = ranks[1].call(m.PrepareStore(ranks[1].client_id, sid, whole_tokens, "", True)).reply
+    assert len(prep.slots) == 2
+    r = kvd.store_chunks(whole, new, tokens, overwrite=True)
+    assert (r.stored_chunks, r.in_flight_chunks) == (0, 4)
+    ranks[1].call(m.EndSession(ranks[1].client_id, sid))
+    assert torch.equal(kvd.retrieve(whole, tokens), old)  # neither shard was overwritten
+
+
+def test_readers_never_see_two_versions_of_a_chunk(contexts, dtype: torch.dtype) -> None:
+    """A writer overwrites the whole model with A and B in turn while a reader retrieves it: each
+    read is all A or all B (per chunk and across the prefix), never shards of both."""
+    whole, _ = contexts
+    tokens = make_tokens(2 * CHUNK, start=900)
+    a = torch.zeros(whole.geometry.chunk_shape(2 * CHUNK), dtype=dtype)
+    b = torch.ones_like(a)
+    kvd.store(whole, a, tokens)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for i in range(60):
+                kvd.store(whole, b if i % 2 == 0 else a, tokens, overwrite=True)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+        finally:
+            stop.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    reads = 0
+    while not stop.is_set() or reads < 5:
+        got = kvd.retrieve(whole, tokens)
+        if got is not None:
+            reads += 1
+            assert torch.equal(got, torch.full_like(got, float(got.flatten()[0]))), "a mix of versions"
+    writer.join()
+    assert not errors
+
+
+def test_replicated_heads_are_stored_once(make_server: Callable[..., ServerProc], dtype: torch.dtype) -> None:
+    """GQA with fewer KV heads than ranks: 2 heads over 4 ranks, each head on two ranks: one copy."""
+    srv = make_server(register=None)
+    name = str(dtype).removeprefix("torch.")
+    kvd.register_model(srv.url, srv.http_url, "gqa", num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM,
+                       dtype=name, world_size=4, total_kv_heads=2, timeout=10)  # fmt: skip
+    whole = connect(srv, "gqa")
+    ranks = [connect(srv, "gqa", r) for r in range(4)]
+    try:
+        assert (whole.shards, whole.geometry.hidden_dim) == (2, 2 * HEAD_DIM)
+        tokens = make_tokens(2 * CHUNK)
+        kv = kv_of(whole.geometry, 2 * CHUNK, dtype, 8)
+        stored = [kvd.store_chunks(c, kv[..., (r // 2) * 8 : (r // 2 + 1) * 8].contiguous(), tokens) for r, c in
+                  enumerate(ranks)]  # fmt: skip
+        assert [(s.stored_chunks, s.deduped_chunks) for s in stored] == [(2, 0), (0, 2), (2, 0), (0, 2)]
+        assert objects(whole) == 4  # 2 chunks x 2 distinct head groups, not x 4 ranks
+        assert torch.equal(kvd.retrieve(whole, tokens), kv)
+        assert torch.equal(kvd.retrieve(ranks[3], tokens), kv[..., 8:])
+        assert kvd.check_server_integrity(whole) == []
+    finally:
+        for c in [whole, *ranks]:
+            c.close()
+
+
+def test_an_mla_latent_is_stored_once_for_every_rank(
+    make_server: Callable[..., ServerProc], transport: str, dtype: torch.dtype
+) -> None:
+    srv = make_server(*(["--no-shm"] if transport == "inline" else []), register=None)
+    name = str(dtype).removeprefix("torch.")
+    kvd.register_model(srv.url, srv.http_url, "mla", num_layers=LAYERS, num_kv_heads=1, head_dim=24, dtype=name,
+                       world_size=2, kv_kind=KV_LATENT, timeout=10)  # fmt: skip
+    whole, ranks = connect(srv, "mla"), [connect(srv, "mla", r) for r in range(2)]
+    try:
+        assert whole.shards == 1 and whole.geometry == KVGeometry(LAYERS, 1, 24, name, KV_LATENT)
+        tokens = make_tokens(3 * CHUNK)
+        latent = kv_of(whole.geometry, 3 * CHUNK, dtype, 9)
+        assert latent.shape == (1, LAYERS, 3 * CHUNK, 24)  # KV_1LTD
+        assert kvd.store(ranks[0], latent, tokens) is True
+        assert kvd.store(ranks[1], latent, tokens) is False  # the same latent: already stored
+        assert objects(whole) == 3
+        assert torch.equal(kvd.retrieve(whole, tokens), latent)
+        assert torch.equal(kvd.retrieve(ranks[1], tokens), latent)
+        with pytest.raises(InvalidInputError, match=r"kv must be KV_2LTD \[1, num_layers=3, tokens, D=24\]"):
+            kvd.store(whole, torch.zeros(2, LAYERS, CHUNK, 24, dtype=dtype), tokens[:CHUNK])
+    finally:
+        for c in [whole, *ranks]:
+            c.close()
+
+
+def test_what_the_whole_model_context_cannot_do_is_refused_clearly(contexts, srv: ServerProc) -> None:
+    whole, _ = contexts
+    tokens = make_tokens(CHUNK)
+    for call, what in (
+        (lambda: kvd.view(whole, tokens), "a zero-copy view"),
+        (lambda: kvd.lookup_many(whole, [tokens]), "a batch"),
+        (lambda: kvd.retrieve_many(whole, [tokens]), "a batch"),
+        (lambda: kvd.inspect_prefix(whole, tokens), "inspection"),
+    ):
+        with pytest.raises(InvalidInputError) as err:
+            call()
+        assert str(err.value) == (
+            f"{what} of 'tp', stored in 2 shards (tensor parallelism), is not supported for the whole model yet; "
+            "connect with kv_rank=r to work on one rank's shard"
+        )
+    # the server refuses them too, for a client that asks anyway
+    raw = m.LookupMany(whole.client_id, [bytes(4 * CHUNK)], [""])
+    with pytest.raises(KVCacheSDKError, match="a batch lookup is not supported for a client of every rank"):
+        whole.call(raw)
+    for bad in (2, -1, True, 1.0):
+        with pytest.raises(InvalidInputError, match="kv_rank"):
+            connect(srv, kv_rank=bad)  # type: ignore[arg-type]

@@ -5,6 +5,8 @@ shards (server.shards), and never hands out a chunk that a shard lacks or that m
 from __future__ import annotations
 
 import threading
+import time
+import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -260,3 +262,75 @@ def test_what_the_whole_model_context_cannot_do_is_refused_clearly(contexts, srv
     for bad in (2, -1, True, 1.0):
         with pytest.raises(InvalidInputError, match="kv_rank"):
             connect(srv, kv_rank=bad)  # type: ignore[arg-type]
+
+
+class Taken:
+    """An engine-like sink: what each take() got."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[int, torch.Tensor] = {}
+
+    def take(self, index: int, src: torch.Tensor) -> None:
+        self.chunks[index] = src.clone()
+
+
+def test_ranks_load_exactly_the_versions_one_lookup_saw(contexts, dtype: torch.dtype) -> None:
+    whole, ranks = contexts
+    tokens = make_tokens(4 * CHUNK, start=2000)
+    old, new = (kv_of(whole.geometry, 4 * CHUNK, dtype, s) for s in (10, 11))
+    assert kvd.store(ranks[0], old[..., :16].contiguous(), tokens)
+    assert kvd.store(ranks[1], old[:, :, : 2 * CHUNK, 16:].contiguous(), tokens[: 2 * CHUNK])
+    seen = kvd.lookup_tips(whole, tokens)
+    assert seen.hit_tokens == 2 * CHUNK and len(seen.versions) == 2 and all(seen.versions)
+    hit = tokens[: seen.hit_tokens]
+    for rank, ctx in enumerate(ranks):  # rank 0 holds 4 chunks: its tip is the one at the cut
+        sink = Taken()
+        assert kvd.retrieve_into(ctx, hit, sink, tips=[seen.versions[rank]]) == 2 * CHUNK
+        assert torch.equal(
+            torch.cat([sink.chunks[0], sink.chunks[1]], 2), old[:, :, : 2 * CHUNK, rank * 16 : (rank + 1) * 16]
+        )
+    sink = Taken()
+    assert kvd.retrieve_into(whole, hit, sink, tips=list(seen.versions)) == 2 * CHUNK
+    assert torch.equal(sink.chunks[1], old[:, :, CHUNK : 2 * CHUNK])
+    # more tokens than the lookup's hit, or another version at the tip: nothing, and the sink untouched
+    sink = Taken()
+    assert kvd.retrieve_into(ranks[0], tokens, sink, tips=[seen.versions[0]]) == 0 and not sink.chunks
+    assert kvd.store(whole, new[:, :, : 2 * CHUNK].contiguous(), hit, overwrite=True)
+    for rank, ctx in enumerate(ranks):
+        assert kvd.retrieve_into(ctx, hit, sink, tips=[seen.versions[rank]]) == 0
+    assert not sink.chunks
+    assert kvd.retrieve_into(whole, hit, sink, tips=list(seen.versions)) == 0 and not sink.chunks
+    again = kvd.lookup_tips(whole, hit)
+    assert again.hit_tokens == 2 * CHUNK and set(again.versions).isdisjoint(seen.versions)
+    assert kvd.retrieve_into(ranks[1], hit, sink, tips=[again.versions[1]]) == 2 * CHUNK
+    with pytest.raises(InvalidInputError, match=r"tips must be 1 version\(s\) from lookup_tips"):
+        kvd.retrieve_into(ranks[1], hit, sink, tips=list(again.versions))
+    with pytest.raises(KVCacheSDKError, match=r"a retrieve of 2 shard\(s\) names 1 tip versions"):
+        whole.call(m.PrepareRetrieve(whole.client_id, "s", b"\0" * 4 * CHUNK, tips=[1]))
+    assert kvd.lookup_tips(whole, make_tokens(CHUNK, start=77777)) == kvd.Tips(0, ())
+
+
+def test_tips_of_chunks_only_a_lower_tier_holds(make_server: Callable[..., ServerProc], tmp_path) -> None:
+    srv = make_server("--disk-dir", str(tmp_path / "l2"), register=None)
+    kvd.register_model(srv.url, srv.http_url, TP, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                       dtype="float32", world_size=2, timeout=10)  # fmt: skip
+    whole, rank1 = connect(srv), connect(srv, kv_rank=1)
+    try:
+        tokens = make_tokens(3 * CHUNK)
+        kv = kv_of(whole.geometry, 3 * CHUNK, torch.float32, 12)
+        assert kvd.store(whole, kv, tokens)
+        seen = kvd.lookup_tips(whole, tokens)
+        deadline = time.monotonic() + 10
+        while srv.get("/status")["tiers"]["l2"]["objects"] < 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        req = urllib.request.Request(srv.http_url + "/admin/clear?tier=l1", method="POST")
+        urllib.request.urlopen(req, timeout=5).read()
+        assert objects(whole) == 0
+        assert kvd.lookup_tips(whole, tokens) == seen  # counted from L2's headers
+        sink = Taken()
+        assert kvd.retrieve_into(rank1, tokens, sink, tips=[seen.versions[1]]) == 3 * CHUNK
+        assert torch.equal(sink.chunks[2], kv[:, :, 2 * CHUNK :, 16:])
+    finally:
+        whole.close()
+        rank1.close()

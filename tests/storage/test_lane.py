@@ -17,13 +17,13 @@ import pytest
 from helpers import RedisProc
 from kvdock.storage import disk as diskmod
 from kvdock.storage import objfile
-from kvdock.storage.manager import L1Hit
+from kvdock.storage.manager import Chain
 from kvdock.storage.tier import Head
 from tierworld import CHUNK, FILE, GEO, NB, SHAPE, K, World, head, payload, run, until
 
 KEYS = [K(i) for i in range(1, 4)]
 
-NONE_IN_L1 = L1Hit(0, 0)  # count() from the first key
+NONE_IN_L1 = Chain(0, 0)  # count() from the first key
 
 
 def disk_bytes(w: World, key: object) -> bytes:

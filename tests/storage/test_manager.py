@@ -20,7 +20,7 @@ from kvdock.keys import ObjectKey
 from kvdock.shm.segment import proc_start_time
 from kvdock.shm.slots import ALIGN, SlotAllocator
 from kvdock.storage.disk import DiskTier
-from kvdock.storage.manager import L1Hit, StorageManager, StorePlan
+from kvdock.storage.manager import Chain, StorageManager, StorePlan
 from kvdock.storage.memory import L1Object, L1Store, State
 from kvdock.storage.sessions import Writer
 from kvdock.storage.tier import Head
@@ -32,7 +32,7 @@ P = ALIGN
 NB = 1000  # one page per slot
 TTL = 10.0
 
-NONE_IN_L1 = L1Hit(0, 0)  # count() from the first key
+NONE_IN_L1 = Chain(0, 0)  # count() from the first key
 
 
 def K(i: int) -> ObjectKey:

@@ -146,6 +146,11 @@ class PrepareRetrieve(_Msg, frozen=True):
     cache_salt: str = ""
     wait_s: float = 30.0
     part: ReadPart | None = None  # None: whole chunks
+    # the versions a lookup saw (LookupResult.tips): hand out every chunk of ``tokens`` if the last
+    # one is this version in each shard the client reads (then so is every chunk before it: versions
+    # chain), or nothing. Ranks of a tensor-parallel engine load what one lookup saw, never each
+    # another version.
+    tips: list[int] | None = None
 
 
 class CommitRetrieve(_Msg, frozen=True):
@@ -286,7 +291,11 @@ class ClientRegistered(_Msg, frozen=True):
 
 
 class LookupResult(_Msg, frozen=True):
+    """``tips``: the version of the hit's last chunk in each shard the client reads (one entry
+    for a single-shard client; none without a hit), for PrepareRetrieve.tips."""
+
     hit_tokens: int
+    tips: list[int] = []
 
 
 class PrefetchStatus(_Msg, frozen=True):

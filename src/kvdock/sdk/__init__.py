@@ -30,8 +30,10 @@ from kvdock.sdk.http import server_config, server_status
 from kvdock.sdk.inspection import ChunkInfo, Inspection, PrefixDiff, diff_prefixes, inspect_prefix, plot_norms
 from kvdock.sdk.ops import (
     StoreResult,
+    Tips,
     check_server_integrity,
     lookup,
+    lookup_tips,
     retrieve,
     retrieve_into,
     store,
@@ -64,6 +66,7 @@ __all__ = [
     "ServerUnavailableError",
     "StoreConflictError",
     "StoreResult",
+    "Tips",
     "UnknownModelError",
     "buffer_pool",
     "check_server_integrity",
@@ -74,6 +77,7 @@ __all__ = [
     "import_bundle",
     "inspect_prefix",
     "lookup",
+    "lookup_tips",
     "lookup_many",
     "read_bundle",
     "make_layout",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -272,17 +272,25 @@ class Landing:
         return self.kv if hit > self.start else None
 
 
-def retrieve_into(ctx: KVCacheContext, tokens: object, sink: ChunkSink, cache_salt: str = "") -> int:
+def retrieve_into(
+    ctx: KVCacheContext, tokens: object, sink: ChunkSink, cache_salt: str = "", *, tips: Sequence[int] | None = None
+) -> int:
     """Retrieve the longest cached whole-chunk prefix of ``tokens`` chunk by chunk into ``sink``
     (``sink.take(i, slot)`` for chunk ``i``, straight from the shared-memory slot); returns the
     number of tokens handed over (0: nothing cached). The engines' seam, like :func:`store_from`.
-    LeaseExpiredError when the copy outlived its lease twice (what ``sink`` got is then garbage)."""
+    LeaseExpiredError when the copy outlived its lease twice (what ``sink`` got is then garbage).
+
+    ``tips`` (from :func:`lookup_tips`, the entries of the shards ``ctx`` reads): retrieve every
+    whole chunk of ``tokens`` only if they are still the versions that lookup saw, else nothing
+    (0; ``sink`` got nothing): the ranks of a tensor-parallel engine each load their shard of the
+    KV one lookup saw, never one rank a version overwritten since and another the new one."""
     ctx = validate.context(ctx)
     whole = whole_chunks(ctx, validate.tokens(tokens))
     cache_salt = validate.cache_salt(cache_salt)
+    vouch = validate.tips(ctx, tips)
     if not whole:
         return 0
-    return _retrieve_with_retry(ctx, whole, cache_salt, lambda hit: shards_of(ctx, sink))
+    return _retrieve_with_retry(ctx, whole, cache_salt, lambda hit: shards_of(ctx, sink), tips=vouch)
 
 
 def _retrieve_with_retry(
@@ -291,15 +299,16 @@ def _retrieve_with_retry(
     cache_salt: str,
     sink: Callable[[int], ChunkSink],
     part: m.ReadPart | None = None,
+    tips: list[int] | None = None,
 ) -> int:
-    hit = fastpath.retrieve(ctx, whole, cache_salt, sink, part)
+    hit = None if tips is not None else fastpath.retrieve(ctx, whole, cache_salt, sink, part)
     if hit is not None:
         return hit
     try:
-        return _retrieve_once(ctx, whole, cache_salt, sink, part)
+        return _retrieve_once(ctx, whole, cache_salt, sink, part, tips)
     except LeaseExpiredError:
         log.warning("a retrieve outlived its lease; trying once more")
-        return _retrieve_once(ctx, whole, cache_salt, sink, part)
+        return _retrieve_once(ctx, whole, cache_salt, sink, part, tips)
 
 
 def _retrieve_once(
@@ -308,13 +317,14 @@ def _retrieve_once(
     cache_salt: str,
     make_sink: Callable[[int], ChunkSink],
     part: m.ReadPart | None,
+    tips: list[int] | None = None,
 ) -> int:
     """One PrepareRetrieve / copy / CommitRetrieve; ``make_sink(hit_tokens)`` gives the sink once
     the hit is known, which gets ``part`` of the chunks (all of them when None). Returns the hit
     in tokens."""
     sid = ctx.new_session_id()
     # the server loads chunks that only L2/L3 hold into L1 first; it must answer before we give up
-    msg = m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2, part=part)
+    msg = m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2, part=part, tips=tips)
     resp = prepare(ctx, sid, msg)
     slots = resp.reply.slots
     if not slots:
@@ -351,6 +361,28 @@ def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:
     if hit is not None:
         return hit
     return int(ctx.call(m.Lookup(ctx.client_id, whole, cache_salt)).reply.hit_tokens)
+
+
+@dataclass(frozen=True)
+class Tips:
+    """What :func:`lookup_tips` saw: the cached whole-chunk prefix, and the version of its last
+    chunk in each shard the context reads (none without a hit)."""
+
+    hit_tokens: int
+    versions: tuple[int, ...]
+
+
+def lookup_tips(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> Tips:
+    """:func:`lookup`, with the versions that :func:`retrieve_into` ``tips=`` then loads (or
+    nothing): what the scheduler of a tensor-parallel engine hands its ranks. Always asks the
+    server."""
+    ctx = validate.context(ctx)
+    whole = whole_chunks(ctx, validate.tokens(tokens))
+    cache_salt = validate.cache_salt(cache_salt)
+    if not whole:
+        return Tips(0, ())
+    reply = ctx.call(m.Lookup(ctx.client_id, whole, cache_salt)).reply
+    return Tips(int(reply.hit_tokens), tuple(int(v) for v in reply.tips))
 
 
 def check_server_integrity(ctx: KVCacheContext) -> list[str]:

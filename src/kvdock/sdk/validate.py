@@ -208,6 +208,19 @@ def kv_rank(value: object) -> int | None:
     return value
 
 
+def tips(ctx: KVCacheContext, value: object) -> list[int] | None:
+    """None, or one u64 version per shard ``ctx`` reads (``ctx.shards``); InvalidInputError otherwise."""
+    if value is None:
+        return None
+    try:
+        out = [int(v) for v in value]  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"tips must be a sequence of versions, got {type(value).__name__}") from None
+    if len(out) != ctx.shards or any(isinstance(v, bool) or not 0 <= v < 2**64 for v in out):
+        raise InvalidInputError(f"tips must be {ctx.shards} version(s) from lookup_tips, got {out[:4]}")
+    return out
+
+
 def whole_model_only(ctx: KVCacheContext, what: str) -> None:
     """InvalidInputError when ``ctx`` assembles each chunk from several shards and ``what`` cannot."""
     if ctx.shards > 1:

@@ -47,7 +47,10 @@ def lookup_many(state: ServerState, req: m.LookupMany, payload: Payload) -> Outc
     keysets = _batch_keys(state, client, req.tokens, req.cache_salts)
     state.metrics.lookups.inc(len(keysets))
     in_l1 = [state.manager.l1_hit(keys) for keys in keysets]
-    return retrieval.count_all(state, in_l1, keysets, lambda hits: Reply(m.LookupManyResult(hits)))
+    size = state.chunk_size
+    return retrieval.count_all(
+        state, in_l1, keysets, lambda runs: Reply(m.LookupManyResult([r.count * size for r in runs]))
+    )
 
 
 def prepare_retrieve_many(state: ServerState, req: m.PrepareRetrieveMany, payload: Payload) -> Outcome:

@@ -30,7 +30,7 @@ from kvdock.server.handlers import client_of, count_hits, keys_of
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
 from kvdock.storage import L1Object, Session
-from kvdock.storage.manager import L1Hit, PrefetchJob
+from kvdock.storage.manager import Chain, PrefetchJob
 
 
 async def locate(state: ServerState, req: m.Locate, payload: Payload) -> Reply:
@@ -51,56 +51,73 @@ def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Outcome:
         if mgr.start_prefetch(session) is None and not session.pinned:
             mgr.end_session(client.client_id, req.session_id)
         pinned = session.pinned
-        in_l1 = L1Hit(len(pinned), pinned[-1].version if pinned else 0)
+        in_l1 = Chain(len(pinned), pinned[-1].version if pinned else 0)
     else:
         in_l1 = mgr.l1_hit(keys)
-    return count_all(state, [in_l1], [keys], lambda hits: Reply(m.LookupResult(hits[0])))
+    return count_all(state, [in_l1], [keys], lambda runs: lookup_result(state, runs))
+
+
+def lookup_result(state: ServerState, runs: list[Chain]) -> Reply:
+    """The LookupResult of one request's runs (one per shard, all of one length)."""
+    n = runs[0].count
+    return Reply(m.LookupResult(n * state.chunk_size, [r.parent for r in runs] if n else []))
 
 
 def count_all(
     state: ServerState,
-    in_l1: list[L1Hit],
+    in_l1: list[Chain],
     keysets: list[list[ObjectKey]],
-    reply: Callable[[list[int]], Reply],
+    reply: Callable[[list[Chain]], Reply],
     common: bool = False,
 ) -> Outcome:
-    """``reply(hit tokens of each key list)``, given the run of list ``i`` that L1 held when the
-    handler looked (``in_l1[i]``): at once when no lower tier can add any, else once they have
-    been asked (every list at the same time; L1 may have changed by then). ``common``: the lists
-    are one request's shards; ``reply`` gets one hit, the chunks every shard holds."""
-    if not state.manager.lanes or all(h.count == len(k) for h, k in zip(in_l1, keysets, strict=True)):
-        return _counted(state, [h.count for h in in_l1], keysets, reply, common)
+    """``reply(the run of each key list)`` (cached in any tier as one version chain), given the run
+    of list ``i`` that L1 held when the handler looked (``in_l1[i]``): at once when no lower tier
+    can add any, else once they have been asked (every list at the same time; L1 may have changed
+    by then). ``common``: the lists are one request's shards; each run is cut to the shortest,
+    with its own tip there (or all are empty when a shard changed while they were counted)."""
+    mgr = state.manager
+    if not mgr.lanes or all(h.count == len(k) for h, k in zip(in_l1, keysets, strict=True)):
+        runs = list(in_l1)
+        if common:  # nothing changed since in_l1 was taken: L1 gives each shard's tip at the cut
+            n = min(r.count for r in runs)
+            runs = [r if r.count == n else mgr.l1_hit(keys[:n]) for r, keys in zip(runs, keysets, strict=True)]
+        return _counted(state, runs, keysets, reply, common)
     return _count_lower(state, in_l1, keysets, reply, common)
 
 
 async def _count_lower(
     state: ServerState,
-    in_l1: list[L1Hit],
+    in_l1: list[Chain],
     keysets: list[list[ObjectKey]],
-    reply: Callable[[list[int]], Reply],
+    reply: Callable[[list[Chain]], Reply],
     common: bool,
 ) -> Reply:
     mgr = state.manager
 
-    async def count(hit: L1Hit, keys: list[ObjectKey]) -> int:
-        return hit.count if hit.count == len(keys) else await mgr.count(keys, hit)
+    async def chain(hit: Chain, keys: list[ObjectKey]) -> Chain:
+        return hit if hit.count == len(keys) else await mgr.chain(keys, hit)
 
-    hits = await asyncio.gather(*(count(h, keys) for h, keys in zip(in_l1, keysets, strict=True)))
-    return _counted(state, list(hits), keysets, reply, common)
+    runs = list(await asyncio.gather(*(chain(h, keys) for h, keys in zip(in_l1, keysets, strict=True))))
+    if common and len({r.count for r in runs}) > 1:  # the longer runs' tips at the cut, counted again
+        n = min(r.count for r in runs)
+        cut = [keys[:n] for keys in keysets]
+        runs = list(await asyncio.gather(*(chain(mgr.l1_hit(keys), keys) for keys in cut)))
+        if any(r.count != n for r in runs):  # a shard changed meanwhile: vouch for nothing
+            runs = [Chain(0, 0) for _ in runs]
+    return _counted(state, runs, keysets, reply, common)
 
 
 def _counted(
     state: ServerState,
-    hits: list[int],
+    runs: list[Chain],
     keysets: list[list[ObjectKey]],
-    reply: Callable[[list[int]], Reply],
+    reply: Callable[[list[Chain]], Reply],
     common: bool,
 ) -> Reply:
-    if common:
-        hits, keysets = [min(hits)], keysets[:1]
-    for n, keys in zip(hits, keysets, strict=True):
-        count_hits(state, n, len(keys))
-    return reply([n * state.chunk_size for n in hits])
+    counted = list(zip(runs[:1], keysets[:1], strict=True) if common else zip(runs, keysets, strict=True))
+    for run, keys in counted:
+        count_hits(state, run.count, len(keys))
+    return reply(runs)
 
 
 def _status(state: ServerState, session: Session) -> Reply:
@@ -163,6 +180,7 @@ def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payloa
     client = client_of(state, req.client_id)
     keys = keys_of(state, client, req.tokens, req.cache_salt)
     cut = cut_of(client, req.part)
+    check_tips(req.tips, 1)
     if state.fault_retrieve_miss:
         return Reply(m.RetrievePrepared([]))
     mgr = state.manager
@@ -174,8 +192,23 @@ def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payloa
         session = mgr.open_retrieve(client.client_id, req.session_id, keys)
         mgr.start_prefetch(session)
     if loading([session]) or client.transport == "inline":
-        return _one(retrieve_later(state, client, [session], [len(keys)], req.wait_s, cut))
-    return Reply(m.RetrievePrepared(shm_slots(state, client, session, len(keys))))
+        return _one(retrieve_later(state, client, [session], [len(keys)], req.wait_s, cut, tips=req.tips))
+    return Reply(m.RetrievePrepared(shm_slots(state, client, session, len(keys), req.tips)))
+
+
+def check_tips(tips: list[int] | None, shards: int) -> None:
+    if tips is not None and len(tips) != shards:
+        raise RequestError(f"a retrieve of {shards} shard(s) names {len(tips)} tip versions (one per shard)")
+
+
+def vouched(runs: list[list[L1Object]], asked: list[int], tips: list[int] | None) -> list[list[L1Object]]:
+    """``runs`` when no tips were asked for, or when each run is every chunk asked for and ends
+    with its tip (the version a lookup saw); else no run at all (a miss)."""
+    if tips is None or all(
+        n and len(run) == n and run[-1].version == tip for run, n, tip in zip(runs, asked, tips, strict=True)
+    ):
+        return runs
+    return [[] for _ in runs]
 
 
 async def _one(pending: Awaitable[Prepared]) -> Reply:
@@ -205,6 +238,7 @@ async def retrieve_later(
     wait_s: float,
     cut: Cut,
     common: bool = False,
+    tips: list[int] | None = None,
 ) -> Prepared:
     """Wait (up to ``wait_s``) for the sessions' prefetches, then answer for all of them at once:
     so every shared-memory session's lease is renewed just before the reply leaves, and an
@@ -214,7 +248,7 @@ async def retrieve_later(
 
     ``common``: the sessions are one request's shards (:mod:`kvdock.server.shards`): each hands
     out only the chunks every one of them holds, current in the same step, and the hit is counted
-    once (for the first session's keys), not per shard."""
+    once (for the first session's keys), not per shard. ``tips``: see :func:`vouched`."""
     mgr = state.manager
     for s in sessions:
         mgr.hold(s)
@@ -230,7 +264,9 @@ async def retrieve_later(
     if common:
         n = min(map(len, runs))
         runs = [run[:n] for run in runs]
-        count_hits(state, n, asked[0])
+    runs = vouched(runs, asked, tips)
+    if common:
+        count_hits(state, len(runs[0]), asked[0])
     if client.transport == "shm":
         slots = [
             _shm_reply(state, client, s, run, n, not common) for s, run, n in zip(sessions, runs, asked, strict=True)
@@ -250,10 +286,13 @@ def _current_run(session: Session) -> list[L1Object]:
     return run
 
 
-def shm_slots(state: ServerState, client: ClientEntry, session: Session, asked: int) -> list[m.SlotRef]:
+def shm_slots(
+    state: ServerState, client: ClientEntry, session: Session, asked: int, tips: list[int] | None = None
+) -> list[m.SlotRef]:
     """The slots of a shared-memory session's hit (ending the session if it has none); its lease
     is renewed, so the client's copy gets a whole lease however long the wait was."""
-    return _shm_reply(state, client, session, _current_run(session), asked, True)
+    run = vouched([_current_run(session)], [asked], tips)[0]
+    return _shm_reply(state, client, session, run, asked, True)
 
 
 def _shm_reply(

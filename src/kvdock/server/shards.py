@@ -57,7 +57,7 @@ def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Outcome:
     keysets = _keysets(state, client, req.tokens, req.cache_salt)
     state.metrics.lookups.inc()
     in_l1 = [state.manager.l1_hit(keys) for keys in keysets]
-    return retrieval.count_all(state, in_l1, keysets, lambda hits: Reply(m.LookupResult(hits[0])), common=True)
+    return retrieval.count_all(state, in_l1, keysets, lambda runs: retrieval.lookup_result(state, runs), common=True)
 
 
 def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payload) -> Outcome:
@@ -69,6 +69,7 @@ def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payloa
     mgr = state.manager
     sids = session_ids(req.session_id, len(keysets))
     _check_free(state, client, sids)
+    retrieval.check_tips(req.tips, len(keysets))
     sessions: list[Session] = []
     try:
         for sid, keys in zip(sids, keysets, strict=True):
@@ -79,7 +80,8 @@ def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payloa
             mgr.end_session(client.client_id, s.session_id)
         raise
     asked = [len(k) for k in keysets]
-    return _interleaved(retrieval.retrieve_later(state, client, sessions, asked, req.wait_s, cut, common=True))
+    pending = retrieval.retrieve_later(state, client, sessions, asked, req.wait_s, cut, common=True, tips=req.tips)
+    return _interleaved(pending)
 
 
 async def _interleaved(pending: Awaitable[retrieval.Prepared]) -> Reply:

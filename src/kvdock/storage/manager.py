@@ -44,7 +44,7 @@ from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
 from kvdock.storage.tier import Head
 
-__all__ = ["L1Hit", "Placement", "PrefetchJob", "StorageManager", "StorePlan"]
+__all__ = ["Chain", "Placement", "PrefetchJob", "StorageManager", "StorePlan"]
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +58,11 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class L1Hit:
-    """The leading run of a key list that L1 holds as one version chain, as it was when asked:
-    its length and the version of its last object (0 for none), which the next chunk of a lower
-    tier must chain to."""
+class Chain:
+    """The leading run of a key list held as one version chain (in L1, or in any tier), as it was
+    when asked: its length and the version of its last object (0 for none), which the next chunk
+    must chain to: the *tip* that names the whole run (a reader that finds the same version there
+    has the same objects before it)."""
 
     count: int
     parent: int
@@ -115,10 +116,10 @@ class StorageManager:
         """Number of leading chunks of ``keys`` that are READY in L1 and form one version chain."""
         return len(self._l1_run(keys))
 
-    def l1_hit(self, keys: list[ObjectKey]) -> L1Hit:
+    def l1_hit(self, keys: list[ObjectKey]) -> Chain:
         """:meth:`lookup_l1`, with the version the rest must chain to (see :meth:`count`)."""
         run = self._l1_run(keys)
-        return L1Hit(len(run), run[-1].version if run else 0)
+        return Chain(len(run), run[-1].version if run else 0)
 
     def _l1_run(self, keys: list[ObjectKey]) -> list[L1Object]:
         run: list[L1Object] = []
@@ -131,11 +132,15 @@ class StorageManager:
             parent = obj.version
         return run
 
-    async def count(self, keys: list[ObjectKey], start: L1Hit) -> int:
+    async def count(self, keys: list[ObjectKey], start: Chain) -> int:
         """How many leading ``keys`` are cached in any tier as one version chain, given that the
         first ``start.count`` were in L1 when ``start`` was taken (they may be gone by the time
         this runs: it counts on from ``start.parent``, never re-reading them). A key whose older
         version is being deleted counts only if L1 has the new one."""
+        return (await self.chain(keys, start)).count
+
+    async def chain(self, keys: list[ObjectKey], start: Chain) -> Chain:
+        """:meth:`count`, with the version of the run's last chunk."""
         n, parent = start.count, start.parent
         remote: list[Head] | None = None  # heads from the tiers without an index, fetched once
         remote_at = n
@@ -156,7 +161,7 @@ class StorageManager:
                 break
             parent = match.version
             n += 1
-        return n
+        return Chain(n, parent)
 
     async def locate(self, keys: list[ObjectKey]) -> tuple[list[list[Placement]], list[str]]:
         """For each key, the objects stored under it in L1 (READY only) and in each reachable lower

@@ -4,16 +4,18 @@ shards (server.shards), and never hands out a chunk that a shard lacks or that m
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, ServerProc, make_tokens
+from helpers import CHUNK, ServerProc, make_tokens, start_server
 from kvdock.errors import InvalidInputError, KVCacheSDKError
 from kvdock.layout import KV_LATENT, KVGeometry
 from kvdock.protocol import messages as m
@@ -145,18 +147,17 @@ def test_an_overwrite_replaces_every_shard(contexts, dtype: torch.dtype) -> None
 
 def test_an_overwrite_of_chunks_a_shard_is_writing_writes_no_shard(contexts, dtype: torch.dtype) -> None:
     whole, ranks = contexts
-    tokens = make_tokens(2 * CHUNK, start=500)
-    old, new = (kv_of(whole.geometry, 2 * CHUNK, dtype, s) for s in (6, 7))
-    assert kvd.store(whole, old, tokens)
-    # rank 1 starts an overwrite of its shard and does not commit it yet
+    tokens = make_tokens(3 * CHUNK, start=500)
+    old, new = (kv_of(whole.geometry, 3 * CHUNK, dtype, s) for s in (6, 7))
+    assert kvd.store(whole, old[:, :, : 2 * CHUNK].contiguous(), tokens[: 2 * CHUNK])
+    # rank 1 starts a store of its shard of the third chunk and does not commit it yet
     sid = ranks[1].new_session_id()
-    whole_tokens = torch.tensor(tokens, dtype=torch.int64).numpy().astype("<u4").tobytes()
-    prep = ranks[1].call(m.PrepareStore(ranks[1].client_id, sid, whole_tokens, "", True)).reply
-    assert len(prep.slots) == 2
+    prep = ranks[1].call(m.PrepareStore(ranks[1].client_id, sid, raw(tokens), "", False)).reply
+    assert [s.index for s in prep.slots] == [2]
     r = kvd.store_chunks(whole, new, tokens, overwrite=True)
-    assert (r.stored_chunks, r.in_flight_chunks) == (0, 4)
+    assert (r.stored_chunks, r.in_flight_chunks) == (0, 6)
     ranks[1].call(m.EndSession(ranks[1].client_id, sid))
-    assert torch.equal(kvd.retrieve(whole, tokens), old)  # neither shard was overwritten
+    assert torch.equal(kvd.retrieve(whole, tokens), old[:, :, : 2 * CHUNK])  # neither shard was overwritten
 
 
 def test_readers_never_see_two_versions_of_a_chunk(contexts, dtype: torch.dtype) -> None:
@@ -334,3 +335,165 @@ def test_tips_of_chunks_only_a_lower_tier_holds(make_server: Callable[..., Serve
     finally:
         whole.close()
         rank1.close()
+
+
+# ---------------------------------------------------------------- regressions found in review
+W = HEADS * HEAD_DIM  # one shard's D
+
+
+def _register(s: ServerProc, name: str = TP) -> None:
+    kvd.register_model(s.url, s.http_url, name, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                       dtype="bfloat16", world_size=2, timeout=10)  # fmt: skip
+
+
+def raw(tokens: list[int]) -> bytes:
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def one_version(got: torch.Tensor | None, *versions: torch.Tensor) -> bool:
+    return got is None or any(torch.equal(got, v[:, :, : got.shape[2]]) for v in versions)
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+# 1 ------------------------------------------------------------------------------------------------
+def test_a_per_rank_overwrite_never_shows_a_chunk_of_two_versions(make_server) -> None:
+    srv = make_server(register=None)
+    _register(srv)
+    whole, rank0 = connect(srv), connect(srv, TP, 0)
+    try:
+        tokens = make_tokens(2 * CHUNK)
+        old, new = (
+            kv_of(whole.geometry, 2 * CHUNK, torch.bfloat16, 1),
+            kv_of(whole.geometry, 2 * CHUNK, torch.bfloat16, 2),
+        )
+        assert kvd.store(whole, old, tokens)
+        # an overwrite of rank 0's shard alone would leave shard 1 old beside it: refused
+        with pytest.raises(KVCacheSDKError, match="an overwrite of one rank's shard of 'tp', stored in 2 shards"):
+            kvd.store(rank0, new[..., :W].contiguous(), tokens, overwrite=True)
+        assert torch.equal(kvd.retrieve(whole, tokens), old)
+        assert kvd.store(rank0, new[..., :W].contiguous(), tokens) is False  # a plain store: deduped
+    finally:
+        whole.close()
+        rank0.close()
+
+
+# 2 ------------------------------------------------------------------------------------------------
+def test_a_commit_never_commits_some_shards_of_an_overwrite(make_server) -> None:
+    srv = make_server("--no-shm", register=None)
+    _register(srv)
+    whole = connect(srv)
+    try:
+        tokens = make_tokens(2 * CHUNK, start=1000)
+        old, new = (
+            kv_of(whole.geometry, 2 * CHUNK, torch.bfloat16, 3),
+            kv_of(whole.geometry, 2 * CHUNK, torch.bfloat16, 4),
+        )
+        assert kvd.store(whole, old, tokens)
+        sid = whole.new_session_id()
+        prep = whole.call(m.PrepareStore(whole.client_id, sid, raw(tokens), "", True)).reply
+        assert [s.index for s in prep.slots] == [0, 1, 2, 3]  # chunk-major: c0s0 c0s1 c1s0 c1s1
+        # shard 1's session goes away before the commit (here: EndSession of "sid/1", which also
+        # is what a CommitRetrieve("sid/1") or an expiry of that shard's lease alone does)
+        whole.call(m.EndSession(whole.client_id, sid + "/1"))
+        frames = [memoryview(new[:, :, i * CHUNK : (i + 1) * CHUNK, :W].contiguous().view(torch.uint8).numpy())
+                  for i in range(2)]  # fmt: skip
+        with pytest.raises(KVCacheSDKError, match=r"no open session .* for every shard"):
+            whole.call(m.CommitStore(whole.client_id, sid, [0, 2]), frames)
+        assert torch.equal(kvd.retrieve(whole, tokens), old)
+        assert one_version(kvd.retrieve(whole, tokens), old, new), "shard 0 committed new, shard 1 kept old"
+    finally:
+        whole.close()
+
+
+# 3 ------------------------------------------------------------------------------------------------
+def test_a_closed_whole_model_client_releases_every_shard_quarantine(make_server) -> None:
+    srv = make_server(register=None)  # shared memory
+    _register(srv)
+    whole = connect(srv)
+    assert whole.transport == "shm"
+    try:
+        sid = whole.new_session_id()
+        prep = whole.call(m.PrepareStore(whole.client_id, sid, raw(make_tokens(2 * CHUNK)), "", False)).reply
+        assert len(prep.slots) == 4
+        # the context is closed while another of its threads copies: every shard is quarantined
+        whole.call(m.CloseClient(whole.client_id, idle=False))
+        assert srv.get("/status")["l1"]["quarantined_bytes"] == 4 * 4096
+        # the copying thread's store then fails and ends its session, as the SDK does
+        with pytest.raises(KVCacheSDKError):
+            whole.call(m.EndSession(whole.client_id, sid))
+        assert srv.get("/status")["l1"]["quarantined_bytes"] == 0, "shard 1's slots stay quarantined"
+    finally:
+        whole.close()
+
+
+# 4 ------------------------------------------------------------------------------------------------
+def test_an_acknowledged_overwrite_of_a_shard_that_found_no_room_is_final(tmp_path) -> None:
+    disk = tmp_path / "l2"
+    slow = {"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.3"}
+    srv = start_server(tmp_path, "--disk-dir", str(disk), l1_size="24KiB", env=slow)  # 6 slots
+    try:
+        _register(srv)
+        whole = connect(srv)
+        tokens = make_tokens(2 * CHUNK, start=5000)
+        old, new = (
+            kv_of(whole.geometry, 2 * CHUNK, torch.bfloat16, 5),
+            kv_of(whole.geometry, 2 * CHUNK, torch.bfloat16, 6),
+        )
+        assert kvd.store(whole, old, tokens)
+        wait_for(lambda: srv.get("/status")["tiers"]["l2"]["writes"] == 4, "the old version on disk")
+        # a reader pins the 4 old objects: 2 slots stay free, shard 0 takes both, shard 1 none
+        sid = whole.new_session_id()
+        assert len(whole.call(m.PrepareRetrieve(whole.client_id, sid, raw(tokens), "", 1.0)).reply.slots) == 4
+        r = kvd.store_chunks(whole, new, tokens, overwrite=True)
+        assert (r.stored_chunks, r.pool_full_chunks) == (2, 2)  # acknowledged
+        deletes = srv.get("/status")["tiers"]["l2"]["deletes"]
+        srv.stop(signal.SIGKILL)  # a crash right after the acknowledgement
+    finally:
+        srv.stop(signal.SIGKILL)
+    srv = start_server(tmp_path, "--disk-dir", str(disk))
+    try:
+        with connect(srv, TP, 1) as rank1:
+            got = kvd.retrieve(rank1, tokens)
+            assert got is None or not torch.equal(got, old[..., W:]), (
+                f"shard 1's old version came back (acknowledged after {deletes} of the 4 deletions)"
+            )
+    finally:
+        srv.stop()
+
+
+# 5 ------------------------------------------------------------------------------------------------
+def test_reusing_the_id_of_a_session_being_committed_leaks_nothing(make_server) -> None:
+    srv = make_server("--no-shm", register=None, env={"KVDOCK_FAULT_COPY_DELAY_S": "1.0"})
+    _register(srv)
+    whole = connect(srv)
+    try:
+        tokens = make_tokens(CHUNK, start=7000)
+        sid = whole.new_session_id()
+        prep = whole.call(m.PrepareStore(whole.client_id, sid, raw(tokens), "", False)).reply
+        assert len(prep.slots) == 2
+        frames = [memoryview(bytearray(LAYERS * 2 * CHUNK * W * 2)) for _ in range(2)]
+        failed: list[BaseException] = []
+
+        def commit() -> None:
+            try:
+                whole.call(m.CommitStore(whole.client_id, sid, [0, 1]), frames)
+            except KVCacheSDKError as e:  # ended meanwhile: the commit is refused
+                failed.append(e)
+
+        t = threading.Thread(target=commit)
+        t.start()
+        time.sleep(0.3)  # the copy is running (sessions busy)
+        whole.call(m.EndSession(whole.client_id, sid))  # ended while busy: released when idle
+        with pytest.raises(KVCacheSDKError):  # the id is refused ...
+            whole.call(m.PrepareStore(whole.client_id, sid, raw(make_tokens(CHUNK, start=8000)), "", False))
+        t.join()
+        assert len(failed) == 1 and "no open session" in str(failed[0])
+        assert kvd.check_server_integrity(whole) == []  # ... and nothing was reserved for it
+    finally:
+        whole.close()

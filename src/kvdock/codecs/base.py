@@ -12,10 +12,11 @@ Codecs are picked from :data:`CODECS` by :class:`CodecKey`; a combination no cod
 for is refused with :class:`~kvdock.errors.UnsupportedLayoutError` (never guessed: a wrong guess
 feeds attention the wrong bytes).
 
-Every paged codec here reduces a layer to two *token views* of logical shape
-``[num_blocks, block_size, kv_heads, head_dim]`` (strided views of the engine's tensor, no copy),
-one for keys and one for values; :meth:`PagedCodec.gather` and :meth:`PagedCodec.scatter` are then
-one ``index_select`` / ``index_copy_`` per layer and plane: one copy, no Python per token.
+Every paged codec here reduces a layer to one *token view* per plane of the chunk, of logical
+shape ``[num_blocks, block_size, kv_heads, head_dim]`` (strided views of the engine's tensor, no
+copy): keys and values for a K/V cache, the latent for an MLA cache (one head of the latent's
+width); :meth:`PagedCodec.gather` and :meth:`PagedCodec.scatter` are then one ``index_select`` /
+``index_copy_`` per layer and plane: one copy, no Python per token.
 """
 
 from __future__ import annotations
@@ -66,14 +67,19 @@ class PagedCodec(ABC):
         for t in layers:
             self.check_layer(t)
         views = [self.token_views(t) for t in layers]
-        self._planes = ([k for k, _ in views], [v for _, v in views])
+        if any(len(v) != geometry.planes for v in views):
+            raise UnsupportedLayoutError(
+                f"{self.key}: the codec's planes do not match the model's {geometry.kv_kind!r} KV"
+            )
+        self._planes = tuple(list(plane) for plane in zip(*views, strict=True))
         self.device = layers[0].device if layers else torch.device("cpu")
 
     def check_layer(self, t: torch.Tensor) -> None:
         """The logical per-layer shape every vLLM backend here shares:
-        ``[num_blocks, kv_heads, block_size, 2 * head_dim]``, in the geometry's dtype."""
+        ``[num_blocks, kv_heads, block_size, planes * head_dim]`` (``2 * head_dim`` for K/V, the
+        latent's width for MLA), in the geometry's dtype."""
         g = self.geometry
-        want = (g.num_kv_heads, self.block_size, 2 * g.head_dim)
+        want = (g.num_kv_heads, self.block_size, g.planes * g.head_dim)
         if t.dim() != 4 or tuple(t.shape[1:]) != want:
             raise UnsupportedLayoutError(
                 f"{self.key}: a layer's KV tensor has shape {list(t.shape)}; want [num_blocks, "
@@ -85,10 +91,10 @@ class PagedCodec(ABC):
             raise UnsupportedLayoutError(f"{self.key}: KV tensors are {t.dtype}, the model is {g.dtype}")
 
     @abstractmethod
-    def token_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``layer`` (already through :meth:`check_layer`) as strided views
-        ``[num_blocks, block_size, kv_heads, head_dim]`` sharing its storage;
-        UnsupportedLayoutError when ``layer`` is not laid out as this codec expects."""
+    def token_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each plane of ``layer`` (already through :meth:`check_layer`: keys and values, or the
+        latent) as a strided view ``[num_blocks, block_size, kv_heads, head_dim]`` sharing its
+        storage; UnsupportedLayoutError when ``layer`` is not laid out as this codec expects."""
 
     def _chunk_view(self, t: torch.Tensor, kv: int, layer: int, n: int) -> torch.Tensor:
         g = self.geometry
@@ -97,14 +103,14 @@ class PagedCodec(ABC):
     def _check_io(self, block_ids: torch.Tensor, t: torch.Tensor) -> int:
         n = int(block_ids.numel())
         g = self.geometry
-        want = (2, g.num_layers, n * self.block_size, g.hidden_dim)
+        want = (g.planes, g.num_layers, n * self.block_size, g.hidden_dim)
         if tuple(t.shape) != want or t.dtype != self._planes[0][0].dtype:
             raise ValueError(f"chunk buffer is {list(t.shape)} {t.dtype}; want {list(want)} {self._planes[0][0].dtype}")
         return n
 
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the tokens of ``block_ids`` (1-D int64, on the engine's device, in token order) into
-        ``out`` (``[2, L, len(block_ids) * block_size, D]``, on the same device, each ``out[kv, l]``
+        ``out`` (``[planes, L, len(block_ids) * block_size, D]``, on the same device, each ``out[p, l]``
         contiguous -- a shared-memory slot is). Mutates only ``out``."""
         n = self._check_io(block_ids, out)
         for kv, plane in enumerate(self._planes):

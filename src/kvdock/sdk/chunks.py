@@ -53,6 +53,11 @@ class TensorChunks:
         self.first_chunk = first_chunk
         self._copier = copier or Copier(threads)
 
+    @property
+    def copier(self) -> Copier:
+        """Where this end queues its copies (others may queue theirs there, to run together)."""
+        return self._copier
+
     def _span(self, index: int) -> torch.Tensor:
         c = self.chunk_size
         at = (index - self.first_chunk) * c
@@ -151,7 +156,7 @@ class ShardedChunks:
         if type(end) is TensorChunks:
             kv, w = end.kv, self.width
             self.parts = [
-                TensorChunks(kv[..., s * w : (s + 1) * w], end.chunk_size, end.first_chunk, copier=end._copier)
+                TensorChunks(kv[..., s * w : (s + 1) * w], end.chunk_size, end.first_chunk, copier=end.copier)
                 for s in range(shards)
             ]
         self._staged: dict[int, torch.Tensor] = {}

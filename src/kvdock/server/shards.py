@@ -45,8 +45,12 @@ def session_ids(session_id: str, shards: int) -> list[str]:
     return [session_id] + [f"{session_id}/{s}" for s in range(1, shards)]
 
 
-def _keysets(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -> list[list[ObjectKey]]:
+def _keysets(
+    state: ServerState, client: ClientEntry, tokens: bytes, salt: str, session_id: str = ""
+) -> list[list[ObjectKey]]:
     check_request(state, tokens, salt)
+    if "/" in session_id:  # ("/" names the shards of a request's session)
+        raise RequestError(f"a whole-model client's session ids must not contain '/': {session_id[:64]!r}")
     return [hashed_keys(state, client, tokens, salt, s) for s in range(client.model.geometry.shards)]
 
 
@@ -62,7 +66,7 @@ def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Outcome:
 
 def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payload) -> Outcome:
     client = client_of(state, req.client_id)
-    keysets = _keysets(state, client, req.tokens, req.cache_salt)
+    keysets = _keysets(state, client, req.tokens, req.cache_salt, req.session_id)
     cut = retrieval.cut_of(client, req.part)
     if state.fault_retrieve_miss:
         return Reply(m.RetrievePrepared([]))
@@ -122,7 +126,7 @@ def end_session(state: ServerState, req: m.EndSession, payload: Payload) -> Repl
 
 def prepare_store(state: ServerState, req: m.PrepareStore, payload: Payload) -> Outcome:
     client = client_of(state, req.client_id)
-    keysets = _keysets(state, client, req.tokens, req.cache_salt)
+    keysets = _keysets(state, client, req.tokens, req.cache_salt, req.session_id)
     mgr = state.manager
     _check_free(state, client, session_ids(req.session_id, len(keysets)))
     if req.overwrite and any(mgr.contended(keys) for keys in keysets):
@@ -150,7 +154,9 @@ def _prepare(
     keysets: list[list[ObjectKey]],
     below: Sequence[dict[ObjectKey, Head] | None],
 ) -> Reply:
-    """Every shard's PrepareStore, in this one step."""
+    """Every shard's PrepareStore, in this one step. Every shard gets a session (one with no slots
+    still holds its deletions of older versions, which the commit waits for), ended at once
+    when no shard reserved anything (the client then does not commit)."""
     mgr = state.manager
     writer = Writer(client.pid, client.pid_start) if client.transport == "shm" else None
     shards = len(keysets)
@@ -159,13 +165,15 @@ def _prepare(
     try:
         for sid, keys, heads in zip(sids, keysets, below, strict=True):
             plan = mgr.prepare_store(
-                client.client_id, sid, keys, client.model.slot_nbytes, req.overwrite, writer, heads
+                client.client_id, sid, keys, client.model.slot_nbytes, req.overwrite, writer, heads, open_empty=True
             )
             plans.append(plan)
     except BaseException:
         for sid in sids[: len(plans)]:
             mgr.end_session(client.client_id, sid)
         raise
+    if not any(p.slots for p in plans):
+        _end_all(state, client, sids)
     alloc = mgr.l1.allocator
     slots = sorted(
         (
@@ -186,22 +194,22 @@ def commit_store(state: ServerState, req: m.CommitStore, payload: Payload) -> Ou
     mgr = state.manager
     shards = client.model.geometry.shards
     sids = session_ids(req.session_id, shards)
-    open_ = [s for s, sid in enumerate(sids) if mgr.sessions.has(client.client_id, sid)]
-    if not open_:
-        mgr.sessions.get(client.client_id, req.session_id)  # SessionError, as for any client
-    if len(set(req.chunks)) != len(req.chunks) or any(c < 0 or c % shards not in open_ for c in req.chunks):
-        raise SessionError(f"chunks {req.chunks[:8]}... were not all reserved by session {req.session_id!r}")
+    _check_group(state, client, sids)
+    if len(set(req.chunks)) != len(req.chunks) or any(c < 0 or c >= 2**62 for c in req.chunks):
+        _end_all(state, client, sids)
+        raise SessionError(f"chunks {req.chunks[:8]} repeat or are out of range")
     if client.transport == "shm" and payload:
+        _end_all(state, client, sids)
         raise RequestError("shared-memory clients send no payload frames")
-    per_shard: dict[int, list[int]] = {s: [] for s in open_}
-    frames: dict[int, list[Any]] = {s: [] for s in open_}
+    per_shard: dict[int, list[int]] = {s: [] for s in range(shards)}
+    frames: dict[int, list[Any]] = {s: [] for s in range(shards)}
     for at, c in enumerate(req.chunks):
         per_shard[c % shards].append(c // shards)
         if client.transport == "inline" and at < len(payload):
             frames[c % shards].append(payload[at])
     objs: dict[int, list[L1Object]] = {}
     try:
-        for s in open_:
+        for s in range(shards):
             objs[s] = mgr.reservations(client.client_id, sids[s], per_shard[s])
         nbytes = client.model.slot_nbytes
         if client.transport == "inline" and (len(payload) != len(req.chunks) or any(len(p) != nbytes for p in payload)):
@@ -211,17 +219,31 @@ def commit_store(state: ServerState, req: m.CommitStore, payload: Payload) -> Ou
                 f"sizes {sizes}",
                 ErrorCode.BAD_PAYLOAD,
             )
-        sessions = [mgr.sessions.get(client.client_id, sids[s]) for s in open_]
+        sessions = [mgr.sessions.get(client.client_id, sid) for sid in sids]
         if any(session.committing for session in sessions):
             raise SessionError(f"session {req.session_id!r} is already being committed")
     except BaseException:
-        _end_all(state, client, [sids[s] for s in open_])  # abort: nothing half-written stays
+        _end_all(state, client, sids)  # abort: nothing half-written stays
         raise
     for session in sessions:
         session.committing = True
+    everyone = list(range(shards))
     if client.transport == "inline" or any(session.deletes for session in sessions):
-        return _commit_later(state, client, req, open_, sids, per_shard, objs, frames)
-    return _commit(state, client, [(sids[s], per_shard[s]) for s in open_], True)
+        return _commit_later(state, client, req, everyone, sids, per_shard, objs, frames)
+    return _commit(state, client, [(sids[s], per_shard[s]) for s in everyone], True)
+
+
+def _check_group(state: ServerState, client: ClientEntry, sids: list[str]) -> None:
+    """SessionError, every shard's session ended, unless all of a request's shard sessions are
+    open: a commit of some shards only could leave a chunk of two versions."""
+    sessions = state.manager.sessions
+    if all(sessions.has(client.client_id, sid) for sid in sids):
+        return
+    expired = sum(sessions.release_quarantine(client.client_id, sid) for sid in sids)
+    _end_all(state, client, sids)
+    if expired:
+        raise SessionError(f"session {sids[0]!r}: its lease ran out before the commit; nothing was stored")
+    raise SessionError(f"no open session {sids[0]!r} for every shard (never opened, ended, or its lease ran out)")
 
 
 async def _commit_later(
@@ -283,10 +305,7 @@ def _end_all(state: ServerState, client: ClientEntry, sids: list[str]) -> None:
 
 def _check_free(state: ServerState, client: ClientEntry, sids: list[str]) -> None:
     """SessionError when one of a request's shard sessions is in use (a client reusing ids)."""
-    sessions = state.manager.sessions
-    taken = [
-        sid for sid in sids if sessions.has(client.client_id, sid) or (client.client_id, sid) in sessions.quarantine
-    ]
+    taken = [sid for sid in sids if state.manager.sessions.in_use(client.client_id, sid)]
     if taken:
         raise SessionError(f"session {taken[0]!r} is already open")
 

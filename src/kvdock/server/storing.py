@@ -24,6 +24,13 @@ from kvdock.storage.tier import Head
 def prepare_store(state: ServerState, req: m.PrepareStore, payload: Payload) -> Outcome:
     client = client_of(state, req.client_id)
     keys = keys_of(state, client, req.tokens, req.cache_salt)
+    shards = client.model.geometry.shards
+    if req.overwrite and shards > 1:  # (a whole-model client's requests go to server.shards)
+        raise RequestError(
+            f"an overwrite of one rank's shard of {client.model.layout.model_name!r}, stored in {shards} shards, "
+            "would leave the other shards' older version beside it (a chunk of two versions): overwrite the whole "
+            "model (a context connected without kv_rank)"
+        )
     mgr = state.manager
     if not req.overwrite and mgr.has_unindexed_tier and mgr.lookup_l1(keys) < len(keys):
         return _prepare_after_heads(state, client, req, keys)  # dedup against L3 too
@@ -117,7 +124,8 @@ def _commit(state: ServerState, client: ClientEntry, req: m.CommitStore, deletes
 
 def end_session(state: ServerState, req: m.EndSession, payload: Payload) -> Reply:
     # Before client_of: a client forgotten meanwhile still ends its copy here, which is what
-    # releases slots quarantined for it.
+    # releases slots quarantined for it (of every shard of a whole-model client's request too).
     state.manager.end_session(req.client_id, req.session_id)
+    state.manager.sessions.release_quarantined_group(req.client_id, req.session_id)
     client_of(state, req.client_id)
     return Reply(m.Done())

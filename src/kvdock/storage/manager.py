@@ -203,6 +203,7 @@ class StorageManager:
         overwrite: bool = False,
         writer: Writer | None = None,
         below: dict[ObjectKey, Head] | None = None,
+        open_empty: bool = False,
     ) -> StorePlan:
         """Reserve slots for the chunks of ``keys`` that need writing, in order, until the pool is
         full. Chunks already stored are pinned until the commit, so that making room for the new
@@ -214,8 +215,10 @@ class StorageManager:
         are quarantined if its lease runs out. ``below``: heads read from the tiers without an
         index (:meth:`unindexed_heads`), so that a chunk only they hold is deduped too.
 
-        Opens a session when at least one slot is reserved; SessionError if the id is in use."""
-        if self.sessions.has(client_id, session_id) or (client_id, session_id) in self.sessions.quarantine:
+        Opens a session when at least one slot is reserved (always with ``open_empty``: one shard
+        of a request whose commit must also wait for its deletions); SessionError if the id is in
+        use."""
+        if self.sessions.in_use(client_id, session_id):  # before anything is reserved for it
             raise SessionError(f"session {session_id!r} is already open")
         if overwrite and self.contended(keys):
             # Writing the chunks around another client's in-flight write would commit a prefix of
@@ -260,7 +263,7 @@ class StorageManager:
                 parent = obj.version
                 slots.append((i, obj))
         deletes = [self._delete_everywhere(key) for key in replaced]
-        if slots:
+        if slots or open_empty:
             self.sessions.open(
                 client_id,
                 session_id,

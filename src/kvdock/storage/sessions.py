@@ -96,11 +96,19 @@ class SessionTable:
     def __iter__(self) -> Any:
         return iter(list(self._open.values()))
 
-    def open(self, client_id: str, session_id: str, **kw: Any) -> Session:
-        """A new session; SessionError if the id is in use (or still quarantined)."""
+    def in_use(self, client_id: str, session_id: str) -> bool:
+        """Whether a session of that id is open, quarantined, or ended but still busy: no new
+        session may take the id (nor reserve anything for it) yet."""
         sid = (client_id, session_id)
-        if sid in self._open or sid in self.quarantine or any((s.client_id, s.session_id) == sid for s in self._ending):
+        return (
+            sid in self._open or sid in self.quarantine or any((s.client_id, s.session_id) == sid for s in self._ending)
+        )
+
+    def open(self, client_id: str, session_id: str, **kw: Any) -> Session:
+        """A new session; SessionError if the id is in use (:meth:`in_use`)."""
+        if self.in_use(client_id, session_id):
             raise SessionError(f"session {session_id!r} is already open")
+        sid = (client_id, session_id)
         session = Session(client_id, session_id, self._clock() + self.ttl, **kw)
         self._open[sid] = session
         return session
@@ -185,6 +193,12 @@ class SessionTable:
         for q in gone:
             self.release_quarantine(q.client_id, q.session_id)
         return sum(len(q.objs) for q in gone)
+
+    def release_quarantined_group(self, client_id: str, session_id: str) -> int:
+        """Release the quarantine of every session of one request's shards (``session_id`` and
+        ``session_id/<shard>``, see server.shards), also for a client the server forgot; how many."""
+        group = [sid for cid, sid in self.quarantine if cid == client_id and sid.startswith(session_id + "/")]
+        return sum(self.release_quarantine(client_id, sid) for sid in [session_id, *group])
 
     def release_quarantine(self, client_id: str, session_id: str) -> bool:
         """Free the slots quarantined for a session (its writer is done); False if none were."""

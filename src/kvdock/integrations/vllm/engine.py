@@ -6,7 +6,10 @@ CONFIG_JSON: ``{"kvdock": {kv_connector_extra_config} or null (no connector), "l
 kwargs}}``; with ``"time_connector": true`` each generate also reports the seconds spent inside
 each of the connector's hooks (engine core and worker share this process, so one timer sees all).
 The engine is ``LLM(..., skip_tokenizer_init=True, enforce_eager=True, block_size=32)`` in this one
-process (engine core and worker in-process: ~20 s less to start). Each stdin line is a
+process (engine core and worker in-process: ~20 s less to start). With ``tensor_parallel_size``
+above 1 the ranks are worker processes (vLLM's ``mp`` executor; on CPU each rank's OpenMP threads
+are bound to its share of this process's CPUs, ``VLLM_CPU_OMP_THREADS_BIND``, unless set); the
+engine runs in a process group of its own, and :meth:`EngineProcess.stop` ends the whole group. Each stdin line is a
 command; each answer is one stdout line starting with ``@@`` (vLLM's output goes elsewhere):
 
     {"op": "generate", "prompts": [[ids], ...], "max_tokens": 8, "salts": ["", ...]}
@@ -23,8 +26,10 @@ RuntimeError with that error and the log's tail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -42,16 +47,20 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     model, dtype, cfg = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    llm_kwargs = cfg.get("llm", {})
+    ranks = int(llm_kwargs.get("tensor_parallel_size", 1)) * int(llm_kwargs.get("pipeline_parallel_size", 1))
+    if ranks > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(ranks))
     kwargs = {
         "skip_tokenizer_init": True,
         "enforce_eager": True,
         "block_size": 32,
         "dtype": dtype,
         "kv_cache_memory_bytes": 256 << 20,
-        "distributed_executor_backend": "uni",
+        "distributed_executor_backend": "uni" if ranks == 1 else "mp",
         "seed": 0,
         "disable_log_stats": False,
-        **cfg.get("llm", {}),
+        **llm_kwargs,
     }
     if cfg.get("kvdock") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
@@ -110,6 +119,17 @@ def main() -> None:
             answer({"error": f"unknown op {op!r}"})
 
 
+def cpu_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``ranks`` local ranks its share of this
+    process's CPUs (vLLM's ``auto`` wants a NUMA node per rank); ranks share CPUs when there are
+    fewer CPUs than ranks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    shares = [
+        cpus[i * len(cpus) // ranks : (i + 1) * len(cpus) // ranks] or [cpus[i % len(cpus)]] for i in range(ranks)
+    ]
+    return "|".join(",".join(map(str, share)) for share in shares)
+
+
 HOOKS = (
     "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
     "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
@@ -162,10 +182,12 @@ class EngineProcess:
             stdout=subprocess.PIPE,
             stderr=self._log,
             env=env,
+            start_new_session=True,  # its worker processes too: stop() ends the group
         )
         self._answers: deque[dict[str, Any]] = deque()
         self._cv = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         ready = self._wait(timeout=start_timeout)
         if "error" in ready:
             try:
@@ -173,6 +195,7 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            self._end_group()
             self._log.close()
             tail = self.log_path.read_text(errors="replace")[-12000:]
             raise RuntimeError(f"vLLM engine failed to start: {ready['error']}; log tail:\n{tail}")
@@ -220,7 +243,15 @@ class EngineProcess:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        self._end_group()
         self._log.close()
+
+    def _end_group(self) -> None:
+        """Kill what is left of the engine's process group (a tensor-parallel engine's workers
+        outlive its ``os._exit``, and hold its output pipe open), then let the reader finish."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._reader.join(10)
 
     def __enter__(self) -> EngineProcess:
         return self

@@ -21,7 +21,9 @@ from typing import TypeVar
 import kvdock.sdk as kvd
 from kvdock.errors import KVCacheSDKError, LeaseExpiredError, PoolFullError, StoreConflictError, UnknownModelError
 from kvdock.integrations.vllm.config import ConnectorConfig
+from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import ModelLayout
+from kvdock.sdk.handshake import find_model
 
 log = logging.getLogger("kvdock.vllm")
 T = TypeVar("T")
@@ -32,10 +34,17 @@ _TRANSIENT = (LeaseExpiredError, PoolFullError, StoreConflictError)
 
 class Link:
     def __init__(
-        self, cfg: ConnectorConfig, layout: ModelLayout | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        cfg: ConnectorConfig,
+        layout: ModelLayout | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rank_for: Callable[[KVGeometry], int | None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.layout = layout  # registered when the server does not know the model (workers only)
+        # the SDK context's kv_rank, from the geometry the server stores the model in (None: the
+        # whole model's context, without asking)
+        self.rank_for = rank_for
         self._clock = clock
         self._ctx: kvd.KVCacheContext | None = None
         self._down_until = float("-inf")
@@ -61,13 +70,21 @@ class Link:
     def _connect(self) -> kvd.KVCacheContext:
         cfg = self.cfg
         try:
-            return kvd.connect(cfg.url, cfg.http_url, cfg.model_name, cfg.timeout)
+            return self._open()
         except UnknownModelError:
             if self.layout is None:
                 raise
         kvd.register_layout(cfg.url, cfg.http_url, self.layout, cfg.timeout, cfg.admin_token)
         log.info("registered %r with kvdock at %s", cfg.model_name, cfg.url)
-        return kvd.connect(cfg.url, cfg.http_url, cfg.model_name, cfg.timeout)
+        return self._open()
+
+    def _open(self) -> kvd.KVCacheContext:
+        cfg = self.cfg
+        rank = None
+        if self.rank_for is not None:
+            stored = find_model(kvd.server_status(cfg.http_url, cfg.timeout), cfg.model_name).geometry
+            rank = self.rank_for(stored)
+        return kvd.connect(cfg.url, cfg.http_url, cfg.model_name, cfg.timeout, kv_rank=rank)
 
     def run(self, what: str, fn: Callable[[kvd.KVCacheContext], T], miss: T) -> T:
         """``fn(ctx)``, or ``miss`` when kvdock is down or ``fn`` fails with a kvdock error (which

@@ -23,6 +23,9 @@ class LoadSpec:
     start: int
     end: int
     cache_salt: str
+    # the versions the scheduler's lookup saw at token ``end`` (one per stored shard: kvd.Tips),
+    # for a tensor-parallel engine's ranks; empty for one rank
+    tips: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

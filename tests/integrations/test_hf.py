@@ -165,6 +165,8 @@ def test_registration_and_kv_2ltd_seen_from_another_process(
         "world_size": 1,
         "rank": 0,
         "total_kv_heads": 0,
+        "pp_size": 1,
+        "pp_rank": 0,
     }
     assert entry["kv_cache_layout"]["engine_kv_format"] == "HND"
     assert entry["kv_cache_layout"]["engine_kv_concrete_shape"] == [2, 1, 2, 16, 16]

@@ -53,6 +53,8 @@ def test_config_and_status_documents(server, ctx) -> None:
             "world_size": 1,
             "rank": 0,
             "total_kv_heads": 0,
+            "pp_size": 1,
+            "pp_rank": 0,
         },
         "tokens_per_block": 16,
         "engine": {

@@ -288,7 +288,7 @@ def test_shards_of_clients() -> None:
     assert [models[n].shards for n in models] == [2, 2, 1, 1]
     with pytest.raises(RegistrationError) as err:
         reg.register_client("i", "gqa", 4, "shm")
-    assert str(err.value) == "kv_rank 4 out of range for 'gqa', stored for world_size 4 (ranks 0..3, or -1: every rank)"
+    assert str(err.value) == "kv_rank 4 out of range for 'gqa', stored for 4 ranks (0..3, or -1: every rank)"
     with pytest.raises(RegistrationError, match="kv_rank -2 out of range"):
         reg.register_client("i", "gqa", -2, "shm")
 

@@ -515,3 +515,109 @@ def test_ranks_that_disagree_on_the_model_are_refused_at_registration(make_serve
     same = {"num_layers": LAYERS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "timeout": 10}
     assert not kvd.register_model(srv.url, srv.http_url, TP, num_kv_heads=HEADS, world_size=2, rank=1, **same).created
     assert not kvd.register_model(srv.url, srv.http_url, TP, num_kv_heads=2 * HEADS, **same).created
+
+
+# ---------------------------------------------------------------- pipeline stages
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_stages_are_shards_of_layers(make_server, transport: str, tp: int) -> None:
+    """2 stages of 2 layers (x tp ranks of 2 heads): each global rank stores its layers' (and
+    heads') shard; the whole model is every stage's layers in order."""
+    srv = make_server(*(["--no-shm"] if transport == "inline" else []), register=None)
+    kvd.register_model(srv.url, srv.http_url, "pp", num_layers=2, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                       dtype="float32", world_size=tp, pp_size=2, pp_rank=1, timeout=10)  # fmt: skip
+    whole = connect(srv, "pp")
+    ranks = [connect(srv, "pp", r) for r in range(2 * tp)]
+    try:
+        w = HEADS * HEAD_DIM
+        assert whole.shards == 2 * tp and whole.geometry == KVGeometry(4, HEADS * tp, HEAD_DIM, "float32")
+        assert [(c.shard, c.geometry.pp_rank, c.geometry.rank) for c in ranks] == [
+            (r, r // tp, r % tp) for r in range(2 * tp)
+        ]
+        tokens = make_tokens(3 * CHUNK)
+        kv = kv_of(whole.geometry, 3 * CHUNK, torch.float32, 20)
+
+        def mine(r: int) -> torch.Tensor:  # global rank r's layers and heads
+            stage, t = divmod(r, tp)
+            return kv[:, 2 * stage : 2 * stage + 2, :, t * w : (t + 1) * w].contiguous()
+
+        for r in range(2 * tp - 1):  # the last rank has stored nothing yet
+            assert kvd.store(ranks[r], mine(r), tokens)
+        assert kvd.lookup(whole, tokens) == 0 and kvd.retrieve(whole, tokens) is None
+        assert kvd.store(ranks[-1], mine(2 * tp - 1)[:, :, : 2 * CHUNK].contiguous(), tokens[: 2 * CHUNK])
+        got = kvd.retrieve(whole, tokens)
+        assert got is not None and torch.equal(got, kv[:, :, : 2 * CHUNK])  # never half a chunk
+        later = kvd.retrieve(whole, tokens, start=CHUNK)  # from a chunk on: every stage's layers
+        assert later is not None and torch.equal(later, kv[:, :, CHUNK : 2 * CHUNK])
+        with pytest.raises(InvalidInputError, match="a read of some layers of 'pp', stored in"):
+            kvd.retrieve(whole, tokens, layers=range(1, 3))
+        # the whole model's store splits into every rank's shard
+        other = make_tokens(2 * CHUNK, start=3000)
+        r = kvd.store_chunks(whole, kv[:, :, : 2 * CHUNK].contiguous(), other)
+        assert r.stored_chunks == 2 * 2 * tp
+        for rank, ctx in enumerate(ranks):
+            assert torch.equal(kvd.retrieve(ctx, other), mine(rank)[:, :, : 2 * CHUNK])
+        assert kvd.check_server_integrity(whole) == []
+    finally:
+        for c in [whole, *ranks]:
+            c.close()
+
+
+def test_a_tips_load_that_outlives_its_lease_raises_and_is_not_tried_again(make_server) -> None:
+    """A retry could find the tips' versions overwritten and answer 0 after the first try's takes
+    handed the sink bytes of reused slots: with tips, LeaseExpiredError instead."""
+    srv = make_server("--session-ttl", "1", register=None)
+    _register(srv)
+    whole, rank0 = connect(srv), connect(srv, TP, 0)
+    try:
+        tokens = make_tokens(2 * CHUNK, start=9000)
+        old, new = (kv_of(whole.geometry, 2 * CHUNK, torch.bfloat16, s) for s in (30, 31))
+        assert kvd.store(whole, old, tokens)
+        seen = kvd.lookup_tips(whole, tokens)
+        rank0.fast_reads = False  # (a tips load asks the server anyway)
+        takes: list[int] = []
+
+        class Slow:
+            def take(self, index: int, src: torch.Tensor) -> None:
+                takes.append(index)
+                if len(takes) == 1:  # past the lease, while the whole model is overwritten
+                    time.sleep(2.5)
+
+        writer = threading.Thread(
+            target=lambda: (time.sleep(1.6), kvd.store(whole, new, tokens, overwrite=True)), daemon=True
+        )
+        writer.start()
+        with pytest.raises(kvd.LeaseExpiredError):
+            kvd.retrieve_into(rank0, tokens, Slow(), tips=[seen.versions[0]])
+        writer.join()
+        assert takes == [0, 1]  # one try
+        assert torch.equal(kvd.retrieve(whole, tokens), new)
+    finally:
+        whole.close()
+        rank0.close()
+
+
+def test_a_client_refuses_a_server_that_stores_the_model_otherwise_than_its_status_said(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layout is read over HTTP, the registration made over the control plane: a model
+    registered again in between (a server restarted with another layout of the same slot size)
+    would file a rank's KV under another shard. Mocked: /status answering another layout."""
+    import msgspec
+
+    from kvdock.sdk import handshake
+
+    srv = make_server(register=None)
+    _register(srv)
+    real = handshake.find_model
+
+    def other(status: dict, name: str) -> m.ModelLayout:  # 4 ranks of 1 head: rank 1 is in shard 0, not 1
+        lay = real(status, name)
+        geo = msgspec.structs.replace(lay.geometry, world_size=4, num_kv_heads=1, total_kv_heads=0)
+        geo = msgspec.structs.replace(geo, head_dim=2 * HEAD_DIM)  # the same slot size
+        return msgspec.structs.replace(lay, geometry=geo)
+
+    monkeypatch.setattr(handshake, "find_model", other)
+    with pytest.raises(KVCacheSDKError, match="do not describe the same server"):
+        connect(srv, TP, 1)

@@ -288,6 +288,7 @@ class ClientRegistered(_Msg, frozen=True):
     chunk_size: int
     slot_nbytes: int
     local_url: str = ""
+    geometry: KVGeometry | None = None  # the model's, as the server stores it (its shards)
 
 
 class LookupResult(_Msg, frozen=True):

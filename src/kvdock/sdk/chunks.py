@@ -142,28 +142,35 @@ def _apart(n: int, stride: int, extent: int) -> bool:
 
 class ShardedChunks:
     """A source or sink of a model's chunks as the chunks of the ``shards`` shards it is stored in
-    (tensor parallelism: :mod:`kvdock.server.shards`): position ``j`` of a transfer is shard
-    ``j % shards`` of chunk ``j // shards``, i.e. heads ``[s * D / shards, (s + 1) * D / shards)``
-    of the chunk's last axis. Over a :class:`TensorChunks` each shard is a view of the tensor (the
-    copies planned natively, all run together at :meth:`finish`); any other end gets and gives
-    whole chunks through staging tensors (``shape`` ``[planes, L, chunk_size, D]`` of ``dtype``,
-    kept until :meth:`finish`, as the seam's contract asks)."""
+    (tensor and pipeline parallelism: :mod:`kvdock.server.shards`): position ``j`` of a transfer
+    is shard ``s = j % shards`` of chunk ``j // shards``; of ``stages`` pipeline stages of equal
+    size, shard ``s`` holds layer block ``s // (shards / stages)`` and, of the chunk's last axis,
+    head block ``s % (shards / stages)``. Over a :class:`TensorChunks` each shard is a view of the
+    tensor (the copies planned natively, all run together at :meth:`finish`); any other end gets
+    and gives whole chunks through staging tensors (``shape`` ``[planes, L, chunk_size, D]`` of
+    ``dtype``, kept until :meth:`finish`, as the seam's contract asks)."""
 
-    def __init__(self, end: ChunkSource | ChunkSink, shards: int, shape: Shape, dtype: torch.dtype) -> None:
+    def __init__(
+        self, end: ChunkSource | ChunkSink, shards: int, shape: Shape, dtype: torch.dtype, stages: int = 1
+    ) -> None:
         self.end, self.shards, self.shape, self.dtype = end, shards, shape, dtype
-        self.width = shape[3] // shards
+        self.per_stage = shards // stages
+        self.depth = shape[1] // stages  # layers of a stage
+        self.width = shape[3] // self.per_stage  # values of a shard's heads
         self.parts: list[TensorChunks] = []
         if type(end) is TensorChunks:
-            kv, w = end.kv, self.width
+            kv = end.kv
             self.parts = [
-                TensorChunks(kv[..., s * w : (s + 1) * w], end.chunk_size, end.first_chunk, copier=end.copier)
+                TensorChunks(self._part(kv, s), end.chunk_size, end.first_chunk, copier=end.copier)
                 for s in range(shards)
             ]
         self._staged: dict[int, torch.Tensor] = {}
         self._pending: dict[int, int] = {}  # chunk -> shards taken so far
 
-    def _heads(self, t: torch.Tensor, s: int) -> torch.Tensor:
-        return t[..., s * self.width : (s + 1) * self.width]
+    def _part(self, t: torch.Tensor, s: int) -> torch.Tensor:
+        stage, block = divmod(s, self.per_stage)
+        layers = slice(stage * self.depth, (stage + 1) * self.depth)
+        return t[:, layers, :, block * self.width : (block + 1) * self.width]
 
     def put(self, index: int, dst: torch.Tensor) -> None:
         i, s = divmod(index, self.shards)
@@ -174,7 +181,7 @@ class ShardedChunks:
         if staged is None:
             staged = self._staged[i] = torch.empty(self.shape, dtype=self.dtype)
             self.end.put(i, staged)  # type: ignore[union-attr]
-        dst.copy_(self._heads(staged, s))
+        dst.copy_(self._part(staged, s))
 
     def take(self, index: int, src: torch.Tensor) -> None:
         i, s = divmod(index, self.shards)
@@ -185,7 +192,7 @@ class ShardedChunks:
         if staged is None:
             planes, _, c, d = self.shape
             staged = self._staged[i] = torch.empty((planes, src.shape[1], c, d), dtype=self.dtype)
-        self._heads(staged, s).copy_(src)
+        self._part(staged, s).copy_(src)
         self._pending[i] = self._pending.get(i, 0) + 1
         if self._pending[i] == self.shards:  # every shard of the chunk is in: hand it over whole
             self.end.take(i, staged)  # type: ignore[union-attr]

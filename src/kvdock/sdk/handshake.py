@@ -93,10 +93,10 @@ def register(conn: Connection, http_url: str, model_name: str, kv_rank: int | No
     lay = find_model(get_json(http_url, "/status", timeout), model_name)
     geo = lay.geometry  # the model's shards (rank 0's geometry)
     chunk_size = int(config["chunk_size"])
-    if kv_rank is not None and not 0 <= kv_rank < geo.world_size:
+    if kv_rank is not None and not 0 <= kv_rank < geo.ranks:
         raise InvalidInputError(
-            f"kv_rank {kv_rank} is not a rank of {model_name!r}, stored for world_size {geo.world_size} "
-            f"(ranks 0..{geo.world_size - 1}; None for the whole model)"
+            f"kv_rank {kv_rank} is not a rank of {model_name!r}, stored for {geo.ranks} ranks "
+            f"(0..{geo.ranks - 1}; None for the whole model)"
         )
     view = geo.logical() if kv_rank is None else geo.at_rank(kv_rank)
     shards = geo.shards if kv_rank is None else 1
@@ -113,7 +113,11 @@ def register(conn: Connection, http_url: str, model_name: str, kv_rank: int | No
                 pid_start=proc_start_time(os.getpid()) or 0,
             )
         ).reply
-        if reply.chunk_size != chunk_size or reply.slot_nbytes != geo.chunk_nbytes(chunk_size):
+        if (
+            reply.chunk_size != chunk_size
+            or reply.slot_nbytes != geo.chunk_nbytes(chunk_size)
+            or reply.geometry != geo  # (registered again otherwise between /status and now)
+        ):
             raise KVCacheSDKError(
                 f"{conn.url} and {http_url} do not describe the same server (chunk size or layout differ)"
             )

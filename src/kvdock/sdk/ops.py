@@ -58,7 +58,9 @@ def shards_of(ctx: KVCacheContext, end: E, layers: int | None = None) -> E:
     if ctx.shards == 1:
         return end
     p, n, c, d = ctx.geometry.chunk_shape(ctx.chunk_size)
-    return ShardedChunks(end, ctx.shards, (p, n if layers is None else layers, c, d), ctx.dtype)  # type: ignore[return-value]
+    stages = ctx.layout.geometry.pp_size
+    shape = (p, n if layers is None else layers, c, d)
+    return ShardedChunks(end, ctx.shards, shape, ctx.dtype, stages)  # type: ignore[return-value]
 
 
 def prepare(ctx: KVCacheContext, sid: str, msg: m.PrepareStore | m.PrepareRetrieve) -> Response:
@@ -218,6 +220,8 @@ def retrieve(
     whole = whole_chunks(ctx, validate.tokens(tokens))
     cache_salt = validate.cache_salt(cache_salt)
     picked = validate.layers(ctx, layers)
+    if ctx.shards > 1 and ctx.layout.geometry.pp_size > 1 and picked != range(ctx.geometry.num_layers):
+        validate.whole_model_only(ctx, "a read of some layers")
     start = validate.start(ctx, start)
     n_whole = len(whole) // TOKEN_DTYPE.itemsize
     if out is not None:
@@ -283,7 +287,9 @@ def retrieve_into(
     ``tips`` (from :func:`lookup_tips`, the entries of the shards ``ctx`` reads): retrieve every
     whole chunk of ``tokens`` only if they are still the versions that lookup saw, else nothing
     (0; ``sink`` got nothing): the ranks of a tensor-parallel engine each load their shard of the
-    KV one lookup saw, never one rank a version overwritten since and another the new one."""
+    KV one lookup saw, never one rank a version overwritten since and another the new one. With
+    ``tips`` a copy that outlives its lease is not tried again: LeaseExpiredError (the sink holds
+    garbage; a second try could find the versions gone and answer 0 after the first one's takes)."""
     ctx = validate.context(ctx)
     whole = whole_chunks(ctx, validate.tokens(tokens))
     cache_salt = validate.cache_salt(cache_salt)
@@ -307,6 +313,8 @@ def _retrieve_with_retry(
     try:
         return _retrieve_once(ctx, whole, cache_salt, sink, part, tips)
     except LeaseExpiredError:
+        if tips is not None:  # (what the sink got is garbage, and a retry may find other versions)
+            raise
         log.warning("a retrieve outlived its lease; trying once more")
         return _retrieve_once(ctx, whole, cache_salt, sink, part, tips)
 

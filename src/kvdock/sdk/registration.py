@@ -58,13 +58,16 @@ def make_layout(
     rank: int = 0,
     total_kv_heads: int = 0,
     kv_kind: str = layout.KV_PAIR,
+    pp_size: int = 1,
+    pp_rank: int = 0,
 ) -> m.ModelLayout:
     """Build a ModelLayout (geometry of rank ``rank`` of ``world_size``, each holding
     ``num_kv_heads`` of the model's ``total_kv_heads``: see :class:`~kvdock.layout.KVGeometry`)
     from explicit geometry; InvalidInputError for impossible values (the bounds are those of the
     server: at most 4096 layers and KV heads, head_dim 16384, world_size 1024, names of 200
     characters). ``kv_kind="latent"``: an MLA model (``num_kv_heads`` 1, ``head_dim`` the latent's
-    ``kv_lora_rank + qk_rope_head_dim``).
+    ``kv_lora_rank + qk_rope_head_dim``). ``pp_size`` pipeline stages of ``num_layers`` layers each
+    (this is stage ``pp_rank``'s).
     ``kv_format`` becomes ``engine.kv_cache_layout`` and ``engine.view_shape`` the format's
     one-block shape (``engine``'s other fields are kept)."""
     if not isinstance(model_name, str) or not model_name:
@@ -79,12 +82,15 @@ def make_layout(
             raise InvalidInputError(f"engine.{field} has {len(value)} characters, more than {MAX_NAME_LEN}")
     try:
         geo = layout.KVGeometry(
-            num_layers, num_kv_heads, head_dim, dtype_name(dtype), kv_kind, world_size, rank, total_kv_heads
-        ).check()
+            num_layers, num_kv_heads, head_dim, dtype_name(dtype), kv_kind, world_size, rank, total_kv_heads,
+            pp_size, pp_rank,
+        ).check()  # fmt: skip
         shape = layout.concrete_shape(kv_format, 1, tokens_per_block, num_kv_heads, head_dim)
     except ValueError as e:
         raise InvalidInputError(str(e)) from None
-    engine = msgspec.structs.replace(engine or m.EngineInfo(), kv_cache_layout=kv_format, view_shape=shape)
+    engine = msgspec.structs.replace(
+        engine or m.EngineInfo(), kv_cache_layout=kv_format, view_shape=shape, pp_rank=pp_rank, pp_size=pp_size
+    )
     return m.ModelLayout(model_name, geo, tokens_per_block, engine)
 
 
@@ -105,6 +111,8 @@ def register_model(
     rank: int = 0,
     total_kv_heads: int = 0,
     kv_kind: str = layout.KV_PAIR,
+    pp_size: int = 1,
+    pp_rank: int = 0,
 ) -> ModelRegistration:
     """Register ``model_name`` with explicit geometry so the SDK works with no engine running.
 
@@ -122,6 +130,8 @@ def register_model(
         rank=rank,
         total_kv_heads=total_kv_heads,
         kv_kind=kv_kind,
+        pp_size=pp_size,
+        pp_rank=pp_rank,
     )
     return register_layout(url, http_url, lay, timeout, admin_token)
 

@@ -95,7 +95,9 @@ def register_client(state: ServerState, req: m.RegisterClient, payload: Payload)
     client.pid, client.pid_start = req.pid, req.pid_start
     local = state.local_url if use_shm else ""
     return Reply(
-        m.ClientRegistered(client.client_id, client.transport, state.chunk_size, client.model.slot_nbytes, local)
+        m.ClientRegistered(
+            client.client_id, client.transport, state.chunk_size, client.model.slot_nbytes, local, client.model.geometry
+        )
     )
 
 

@@ -230,7 +230,7 @@ class Registry:
             geo = lay.geometry.check()
         except ValueError as e:
             raise RegistrationError(str(e)) from None
-        if geo.rank or geo.total_kv_heads:  # what is kept describes the shards, not the rank that came first
+        if geo != geo.canonical():  # what is kept describes the shards, not the rank that came first
             lay = msgspec.structs.replace(lay, geometry=geo.canonical())
         if lay.tokens_per_block <= 0:
             raise RegistrationError(f"tokens_per_block must be positive, got {lay.tokens_per_block}")
@@ -257,10 +257,11 @@ class Registry:
             known = ", ".join(sorted(self.models)) or "none"
             msg = f"unknown model {model_name!r}; registered models: {known}"
             raise RegistrationError(msg, ErrorCode.UNKNOWN_MODEL)
-        if kv_rank != ALL_RANKS and not 0 <= kv_rank < model.geometry.world_size:
+        ranks = model.geometry.ranks
+        if kv_rank != ALL_RANKS and not 0 <= kv_rank < ranks:
             raise RegistrationError(
-                f"kv_rank {kv_rank} out of range for {model_name!r}, stored for world_size {model.geometry.world_size} "
-                f"(ranks 0..{model.geometry.world_size - 1}, or {ALL_RANKS}: every rank)"
+                f"kv_rank {kv_rank} out of range for {model_name!r}, stored for {ranks} ranks "
+                f"(0..{ranks - 1}, or {ALL_RANKS}: every rank)"
             )
         if len(self.clients) >= self.max_clients:
             raise RegistrationError(
@@ -315,4 +316,5 @@ def _describe(geo: KVGeometry) -> str:
     return (
         f"layers={geo.num_layers} kv_heads={geo.num_kv_heads} head_dim={geo.head_dim} dtype={geo.dtype} "
         f"kv_kind={geo.kv_kind} world_size={geo.world_size} rank={geo.rank} kv_heads_total={geo.kv_heads_total}"
+        + (f" pp_size={geo.pp_size} pp_rank={geo.pp_rank}" if geo.pp_size > 1 else "")
     )

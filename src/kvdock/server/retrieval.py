@@ -331,9 +331,10 @@ async def _inline_copy(
             at = len(sent) - cut.first  # chunk i's part lies at (at + i) * per, from the first chunk on
             rows.append([m.SlotRef(i, (at + i) * per if i >= cut.first else 0) for i in range(len(run))])
             sent += run[cut.first :]
-        if len(sessions) > 1 and len(sent) * per > state.max_unsent_bytes:
+        if count and len(sessions) > 1 and len(sent) * per > state.max_unsent_bytes:
             # chunks shared by prompts are copied once per prompt: a batch could ask for far more
-            # than the pool holds (a single retrieve cannot: it gets at most what L1 holds)
+            # than the pool holds (a single retrieve cannot: it gets at most what L1 holds, and
+            # neither can one request's shards, whose objects are all distinct)
             raise RequestError(
                 f"this batch's inline reply would be {len(sent) * per} bytes, over the limit of "
                 f"{state.max_unsent_bytes} per client; ask for fewer prompts at once",

@@ -67,7 +67,7 @@ def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Outcome:
 def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payload) -> Outcome:
     client = client_of(state, req.client_id)
     keysets = _keysets(state, client, req.tokens, req.cache_salt, req.session_id)
-    cut = retrieval.cut_of(client, req.part)
+    cut = retrieval.cut_of(client, _stage_part(client, req.part))
     if state.fault_retrieve_miss:
         return Reply(m.RetrievePrepared([]))
     mgr = state.manager
@@ -86,6 +86,18 @@ def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payloa
     asked = [len(k) for k in keysets]
     pending = retrieval.retrieve_later(state, client, sessions, asked, req.wait_s, cut, common=True, tips=req.tips)
     return _interleaved(pending)
+
+
+def _stage_part(client: ClientEntry, part: m.ReadPart | None) -> m.ReadPart | None:
+    """``part`` (of the whole model's layers) as the part of each shard: the same layers, unless
+    the model's pipeline stages split them, where only every layer (from a chunk on) is a part
+    every shard has."""
+    geo = client.model.geometry
+    if part is None or geo.pp_size == 1:
+        return part
+    if (part.layer_start, part.layer_stop, part.layer_step) != (0, geo.num_layers * geo.pp_size, 1):
+        raise RequestError(_refusal("a read of some layers of a model in pipeline stages"))
+    return m.ReadPart(0, geo.num_layers, 1, part.first_chunk)
 
 
 async def _interleaved(pending: Awaitable[retrieval.Prepared]) -> Reply:

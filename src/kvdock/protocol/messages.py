@@ -8,7 +8,7 @@ import msgspec
 
 from kvdock.layout import KVGeometry
 
-PROTOCOL_VERSION = 8  # 8: tensor-parallel shards (KVGeometry.total_kv_heads, kv_rank -1); 7: FastReads
+PROTOCOL_VERSION = 9  # 9: pipeline stages, ClientRegistered.geometry; 8: tensor-parallel shards; 7: FastReads
 
 Transport = Literal["shm", "inline"]
 

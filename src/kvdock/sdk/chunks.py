@@ -190,8 +190,7 @@ class ShardedChunks:
             return
         staged = self._staged.get(i)
         if staged is None:
-            planes, _, c, d = self.shape
-            staged = self._staged[i] = torch.empty((planes, src.shape[1], c, d), dtype=self.dtype)
+            staged = self._staged[i] = torch.empty(self.shape, dtype=self.dtype)
         self._part(staged, s).copy_(src)
         self._pending[i] = self._pending.get(i, 0) + 1
         if self._pending[i] == self.shards:  # every shard of the chunk is in: hand it over whole

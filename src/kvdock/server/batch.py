@@ -18,7 +18,6 @@ from kvdock.server import retrieval
 from kvdock.server.handlers import check_request, client_of, hashed_keys
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
-from kvdock.storage import Session
 
 
 def _batch_keys(
@@ -67,15 +66,7 @@ def prepare_retrieve_many(state: ServerState, req: m.PrepareRetrieveMany, payloa
     taken = [sid for sid in req.session_ids if mgr.sessions.has(client.client_id, sid)]
     if taken:
         raise RequestError(f"session {taken[0]!r} is already open (a batch opens its own sessions)")
-    sessions: list[Session] = []
-    try:
-        for sid, keys in zip(req.session_ids, keysets, strict=True):
-            sessions.append(mgr.open_retrieve(client.client_id, sid, keys))
-            mgr.start_prefetch(sessions[-1])
-    except BaseException:
-        for s in sessions:
-            mgr.end_session(client.client_id, s.session_id)
-        raise
+    sessions = retrieval.open_retrieves(state, client, req.session_ids, keysets)
     asked = [len(k) for k in keysets]
     if retrieval.loading(sessions) or client.transport == "inline":
         return _many(retrieval.retrieve_later(state, client, sessions, asked, req.wait_s, cut))

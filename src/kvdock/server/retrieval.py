@@ -216,6 +216,24 @@ async def _one(pending: Awaitable[Prepared]) -> Reply:
     return Reply(m.RetrievePrepared(p.slots[0]), p.frames, pooled=True)
 
 
+def open_retrieves(
+    state: ServerState, client: ClientEntry, session_ids: list[str], keysets: list[list[ObjectKey]]
+) -> list[Session]:
+    """One retrieve session per key list, each prefetching what lower tiers hold; all or none
+    (those opened are ended if one cannot be)."""
+    mgr = state.manager
+    sessions: list[Session] = []
+    try:
+        for sid, keys in zip(session_ids, keysets, strict=True):
+            sessions.append(mgr.open_retrieve(client.client_id, sid, keys))
+            mgr.start_prefetch(sessions[-1])
+    except BaseException:
+        for s in sessions:
+            mgr.end_session(client.client_id, s.session_id)
+        raise
+    return sessions
+
+
 def loading(sessions: list[Session]) -> bool:
     """Whether a prefetch of any of ``sessions`` is still loading chunks into L1."""
     return any(isinstance(s.job, PrefetchJob) and not s.job.done.is_set() for s in sessions)

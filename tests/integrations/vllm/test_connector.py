@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engines import Engine, make_tiny_model
+from engines import Engine, hf_kv, make_tiny_model
 
 import kvdock.sdk as kvd
 from kvdock.integrations.vllm.engine import HOOKS
@@ -73,19 +73,6 @@ def loader(
 def sdk(server: ServerProcess, saver: Engine) -> Iterator[kvd.KVCacheContext]:
     with kvd.connect(server.url, server.http_url, MODEL, timeout=30) as ctx:
         yield ctx
-
-
-def hf_kv(model_dir: Path, tokens: list[int]) -> torch.Tensor:
-    """What transformers computes for ``tokens`` with the same weights, as ``[2, L, T, D]``."""
-    from transformers import AutoModelForCausalLM
-    from transformers.cache_utils import DynamicCache
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cache = DynamicCache()
-    with torch.no_grad():
-        model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
-    planes = [[layer.keys[0], layer.values[0]] for layer in cache.layers]  # [H, T, hd] each
-    return torch.stack([torch.stack([p[kv].transpose(0, 1).reshape(len(tokens), -1) for p in planes]) for kv in (0, 1)])
 
 
 def test_registration_lets_the_sdk_connect_by_name_and_describes_the_engine(

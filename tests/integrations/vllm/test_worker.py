@@ -47,6 +47,8 @@ def test_a_pipeline_stage_holds_its_layers_and_stages_must_be_equal() -> None:
     assert str(err.value) == (
         "kvdock: pipeline stages of unequal sizes (5 layers over 2 stages; this stage has 3) are not supported"
     )
+    # one stage: as many KV tensors as vLLM registers (a draft model's layer beside the target's too)
+    assert _geometry(config(2, layers=2), "CPU_ATTN", layer, 3, tp(1, 0), tp(1, 0)).num_layers == 3
 
 
 def test_an_mla_latent_and_the_vllm_cpu_rope_that_would_store_it_wrong() -> None:

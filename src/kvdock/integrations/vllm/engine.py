@@ -188,7 +188,14 @@ class EngineProcess:
         self._cv = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        ready = self._wait(timeout=start_timeout)
+        try:
+            ready = self._wait(timeout=start_timeout)
+        except BaseException:  # (a start that timed out: nothing of it may keep running)
+            self.proc.kill()
+            self.proc.wait()
+            self._end_group()
+            self._log.close()
+            raise
         if "error" in ready:
             try:
                 self.proc.wait(30)

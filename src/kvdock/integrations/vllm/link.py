@@ -100,6 +100,11 @@ class Link:
             self._down(f"kvdock {what} failed: {e}")
         return miss
 
+    def drop(self, why: str) -> None:
+        """Treat kvdock as down for ``retry_s`` (closing the context): the next call after that
+        connects afresh."""
+        self._down(why)
+
     def _down(self, why: str) -> None:
         self.failures += 1
         self._down_until = self._clock() + self.cfg.retry_s

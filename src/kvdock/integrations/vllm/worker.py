@@ -19,6 +19,8 @@ Thread: vLLM's model-runner thread calls every method.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,7 +85,7 @@ def _geometry(vllm_config: Any, backend: str, first: torch.Tensor, layers: int, 
     dtype = str(first.dtype).removeprefix("torch.")
     stages, stage = (pp.world_size, pp.rank_in_group) if pp is not None else (1, 0)
     total_layers = int(getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", layers * stages))
-    if layers * stages != total_layers:
+    if stages > 1 and layers * stages != total_layers:
         raise UnsupportedLayoutError(
             f"kvdock: pipeline stages of unequal sizes ({total_layers} layers over {stages} stages; this stage has "
             f"{layers}) are not supported"
@@ -116,6 +118,23 @@ def _geometry(vllm_config: Any, backend: str, first: torch.Tensor, layers: int, 
     ).check()
 
 
+FAULT_FAIL_LOADS_ENV = "KVDOCK_FAULT_FAIL_LOADS"
+
+
+def _any_rank(failed: list[bool]) -> list[bool]:
+    """Each flag, or-ed over the ranks of this rank's tensor-parallel group: they run every step
+    in lockstep, on the same plan (pipeline stages do not: a stage may be a step ahead of the
+    next, so a collective there could pair different steps)."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    flags = torch.tensor(failed, dtype=torch.int32)
+    group = get_tp_group()
+    if group.world_size > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.cpu_group)
+    return [bool(f) for f in flags.tolist()]
+
+
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, vllm_config: Any, link: Link | None = None) -> None:
         self.cfg = cfg
@@ -129,8 +148,16 @@ class WorkerSide:
         self.placement = Placement(None, None, True)  # where this rank's KV lies among the stored shards
         self._ctx: kvd.KVCacheContext | None = None  # the context the per-chunk state was made for
         self._load_errors: set[int] = set()  # this step's, until vLLM takes them
-        # requests whose load failed, and those blocks: KV computed over them is never saved
+        # requests whose load failed (on this rank or another: see load), and those blocks: KV
+        # computed over them is never saved
         self._poisoned: dict[str, set[int]] = {}
+        self.agree: Callable[[list[bool]], list[bool]] = _any_rank  # (a seam for tests)
+        self._loaded_now: set[str] = set()  # requests that loaded in this step
+        # test-only fault: "salt@rank,...": loads under that cache_salt fail on that global rank
+        # (an engine's ranks failing apart)
+        self._faults = {
+            tuple(f.rsplit("@", 1)) for f in os.environ.get(FAULT_FAIL_LOADS_ENV, "").split(",") if "@" in f
+        }
 
     # -- register_kv_caches ---------------------------------------------------------------------
 
@@ -194,6 +221,9 @@ class WorkerSide:
         problem = ""
         try:
             placed = place(ctx.layout.geometry, self.codec.geometry)
+            if placed.kv_rank != ctx.kv_rank and not strict:  # registered again meanwhile: connect again later
+                self.link.drop(f"kvdock connected as rank {ctx.kv_rank}; this rank's KV is now placed at {placed}")
+                return None
             if placed.kv_rank != ctx.kv_rank:
                 problem = f"kvdock connected as rank {ctx.kv_rank}; this rank's KV is placed at {placed}"
         except ValueError as e:
@@ -222,23 +252,41 @@ class WorkerSide:
     # -- start_load_kv --------------------------------------------------------------------------
 
     def load(self, meta: KvdockMetadata) -> None:
-        for spec in meta.loads:
-            self._load(spec)
+        """Load this step's planned chunks. With several tensor-parallel ranks, a request whose load
+        failed on any of them is poisoned on all: this rank's KV of the step is computed over the
+        other's unfilled blocks too (row-parallel layers all-reduce them in), so no rank may save
+        it. The ranks run the same plan in lockstep, so all take part in the agreement. Pipeline
+        stages cannot agree within a step (see :meth:`save`)."""
+        failed = [self._load(spec) for spec in meta.loads]
+        self._loaded_now = {spec.req_id for spec in meta.loads}
+        if meta.loads and self.codec.geometry.world_size > 1:
+            for spec, bad in zip(meta.loads, self.agree(failed), strict=True):
+                if bad:
+                    bs = self.block_size
+                    self._poisoned.setdefault(spec.req_id, set()).update(
+                        spec.block_ids[spec.start // bs : spec.end // bs]
+                    )
         if isinstance(self.bridge, DeviceBridge):
             self.bridge.synchronize()
 
-    def _load(self, spec: LoadSpec) -> None:
+    def _load(self, spec: LoadSpec) -> bool:
+        """Load one request's planned chunks; whether some of its blocks were not loaded."""
         bs = self.block_size
         wanted = set(spec.block_ids[spec.start // bs : spec.end // bs])
         try:
             link = self.link
-            if link is not None and self._connected() is not None:
+            if (spec.cache_salt, str(self.codec.geometry.global_rank)) in self._faults:
+                log.warning("kvdock: %s fails this load of %s", FAULT_FAIL_LOADS_ENV, spec.req_id)
+            elif link is not None and self._connected() is not None:
                 blocks = _Blocks(self, spec.block_ids, spec.start // bs)
                 dims = self.placement.dims
                 sink = blocks if dims is None else _Part(blocks, *dims)
 
                 def fetch(ctx: kvd.KVCacheContext) -> int:
-                    return kvd.retrieve_into(ctx, spec.tokens, sink, spec.cache_salt, tips=self._tips(ctx, spec))
+                    tips = self._tips(ctx, spec)
+                    if tips == []:  # the lookup vouched for no version: nothing to load
+                        return 0
+                    return kvd.retrieve_into(ctx, spec.tokens, sink, spec.cache_salt, tips=tips)
 
                 hit = link.run("load", fetch, -1)
                 if hit >= 0:
@@ -249,17 +297,16 @@ class WorkerSide:
             log.warning("kvdock: %d planned block(s) of %s not loaded; vLLM recomputes them", len(wanted), spec.req_id)
             self._load_errors |= wanted
             self._poisoned.setdefault(spec.req_id, set()).update(wanted)
+        return bool(wanted)
 
     def _tips(self, ctx: kvd.KVCacheContext, spec: LoadSpec) -> list[int] | None:
         """What a rank of a tensor-parallel engine loads: the versions the scheduler's lookup saw
-        (in the shards ``ctx`` reads), so every rank loads the same KV. A single rank loads what
-        is there (None)."""
+        (in the shards ``ctx`` reads), so every rank loads the same KV; [] when the lookup named
+        none (nothing to load). A single rank loads what is there (None)."""
         if self.codec.geometry.ranks == 1:
             return None
         tips = list(spec.tips) if ctx.shards > 1 else list(spec.tips[ctx.shard : ctx.shard + 1])
-        if len(tips) != ctx.shards:  # (a lookup without tips: nothing vouched for, nothing loaded)
-            return [0] * ctx.shards
-        return tips
+        return tips if len(tips) == ctx.shards else []
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -272,7 +319,14 @@ class WorkerSide:
         of the failure only after this step's forward pass, which attended to whatever the failed
         blocks held, so a request (or a block) with a failed load saves nothing until it ends."""
         bad = set().union(*self._poisoned.values()) if self._poisoned else set()
+        staged = self.codec.geometry.pp_size > 1
         for spec in meta.saves:
+            if staged and spec.req_id in self._loaded_now:
+                # a later stage's KV of this step is computed from an earlier stage's hidden states,
+                # over a load that may have failed there (stages cannot agree within a step): not
+                # saved (a miss, never KV over garbage)
+                log.info("kvdock: not saving %s: it loaded in this step of a pipeline-parallel engine", spec.req_id)
+                continue
             if spec.req_id in self._poisoned or bad.intersection(spec.block_ids):
                 log.info("kvdock: not saving %s: its KV was computed over a failed load", spec.req_id)
                 continue

@@ -196,8 +196,20 @@ def test_bool_env_values(value: str, expected: bool) -> None:
 
 
 def test_env_string_fields_taken_verbatim() -> None:
-    cfg = load_server_config({}, env={"KVDOCK_ADMIN_TOKEN": "s3cr3t", "KVDOCK_HOST": "0.0.0.0"})
-    assert (cfg.admin_token, cfg.host) == ("s3cr3t", "0.0.0.0")
+    env = {"KVDOCK_ADMIN_TOKEN": "s3cr3t", "KVDOCK_HOST": "0.0.0.0", "KVDOCK_INSECURE_ALLOW_REMOTE": "1"}
+    cfg = load_server_config({}, env=env)
+    assert (cfg.admin_token, cfg.host, cfg.insecure_allow_remote) == ("s3cr3t", "0.0.0.0", True)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "kvdock.example.com"])
+def test_a_non_loopback_bind_needs_insecure_allow_remote(host: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_server_config({"host": host}, env={})
+    assert str(err.value).startswith(f"host {host!r} is not a loopback address: every client that reaches it")
+    assert "--insecure-allow-remote (KVDOCK_INSECURE_ALLOW_REMOTE=1)" in str(err.value)
+    assert load_server_config({"host": host, "insecure_allow_remote": True}, env={}).host == host
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert load_server_config({"host": loopback}, env={}).host == loopback
 
 
 # ---------------------------------------------------------------- errors

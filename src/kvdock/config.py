@@ -7,6 +7,7 @@ optional TOML config file (``--config`` / ``KVDOCK_CONFIG``).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import tomllib
@@ -100,6 +101,7 @@ class ServerConfig:
     admin_token: str = ""
     log_level: str = "INFO"
     kv_events_port: int = 0  # PUB socket of KV events (protocol/events.py); 0 = off
+    insecure_allow_remote: bool = False  # bind a non-loopback host although nothing authenticates clients
 
     @property
     def zmq_url(self) -> str:
@@ -124,12 +126,28 @@ class ServerConfig:
         for name in ("port", "http_port", "kv_events_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} out of range: {getattr(self, name)}")
+        if not self.insecure_allow_remote and not is_loopback(self.host):
+            raise ConfigError(
+                f"host {self.host!r} is not a loopback address: every client that reaches it could read any "
+                "namespace's KV it can name, and the inline transport moves KV in plain TCP (docs/security.md). "
+                "Bind it anyway with --insecure-allow-remote (KVDOCK_INSECURE_ALLOW_REMOTE=1), on a trusted network"
+            )
         ports = [p for p in (self.port, self.http_port, self.kv_events_port) if p]
         if len(set(ports)) != len(ports):
             raise ConfigError(
                 f"port {self.port}, http_port {self.http_port} and kv_events_port {self.kv_events_port} must differ"
             )
         return self
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or "localhost") is a loopback address; a name is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _url_host(host: str) -> str:

@@ -285,3 +285,9 @@ def test_the_test_launcher_is_kvdock_testing_and_standard_library_only() -> None
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert imported - {"__future__"} <= sys.stdlib_module_names, imported - sys.stdlib_module_names
+
+
+def test_serve_refuses_a_non_loopback_host_without_insecure_allow_remote() -> None:
+    r = kvdock("serve", "--host", "0.0.0.0", "--no-disk")
+    assert r.returncode == 2
+    assert "host '0.0.0.0' is not a loopback address" in r.stderr and "--insecure-allow-remote" in r.stderr

@@ -29,6 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
     cli["no_disk"] = True if args.no_disk else None
     cli["no_local_socket"] = True if args.no_local_socket else None
     cli["no_fast_reads"] = True if args.no_fast_reads else None
+    cli["insecure_allow_remote"] = True if args.insecure_allow_remote else None
     config = load_server_config(cli, config_file=args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # until the event loop installs its own handlers, SIGTERM unwinds like Ctrl-C (cleanup runs)
@@ -242,7 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     s.add_argument("--config", help="TOML config file (also KVDOCK_CONFIG)")
-    s.add_argument("--host", help="bind address for ZMQ and HTTP (default 127.0.0.1)")
+    s.add_argument(
+        "--host", help="bind address for ZMQ and HTTP (default 127.0.0.1; others need --insecure-allow-remote)"
+    )
+    s.add_argument(
+        "--insecure-allow-remote",
+        action="store_true",
+        help="bind a non-loopback --host although clients are not authenticated (see docs/security.md)",
+    )
     s.add_argument("--port", type=int, help="ZMQ control port (default 5555)")
     s.add_argument("--http-port", type=int, help="HTTP port (default 9000)")
     s.add_argument("--chunk-size", type=int, help="tokens per stored chunk (default 256)")

@@ -6,6 +6,8 @@ RequestError (or SessionError / RegistrationError) turns into an Error reply."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvdock import __version__
 from kvdock import keys as keymod
 from kvdock.config import MAX_SALT_LEN
@@ -51,15 +53,19 @@ def keys_of(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -
     return hashed_keys(state, client, tokens, salt)
 
 
-def hashed_keys(
-    state: ServerState, client: ClientEntry, tokens: bytes, salt: str, shard: int | None = None
-) -> list[keymod.ObjectKey]:
-    """The chunk keys of tokens that passed check_request already, in the client's shard (or
-    ``shard``): an object's key names the shard it holds, never the rank that wrote it."""
-    arr = keymod.tokens_from_bytes(tokens)
+def hashed_keys(state: ServerState, client: ClientEntry, tokens: bytes, salt: str) -> list[keymod.ObjectKey]:
+    """The chunk keys of tokens that passed check_request already, in the client's shard: an
+    object's key names the shard it holds, never the rank that wrote it."""
+    return shard_keys(state, client, tokens, salt, [client.shard])[0]
+
+
+def shard_keys(
+    state: ServerState, client: ClientEntry, tokens: bytes, salt: str, shards: Iterable[int]
+) -> list[list[keymod.ObjectKey]]:
+    """:func:`hashed_keys` in each of ``shards`` (the tokens hashed once)."""
+    hashes = keymod.chunk_hashes(keymod.tokens_from_bytes(tokens), state.chunk_size)
     model = client.model.layout.model_name
-    at = client.shard if shard is None else shard
-    return [keymod.ObjectKey(model, at, salt, h) for h in keymod.chunk_hashes(arr, state.chunk_size)]
+    return [[keymod.ObjectKey(model, s, salt, h) for h in hashes] for s in shards]
 
 
 def ping(state: ServerState, req: m.Ping, payload: Payload) -> Reply:

@@ -33,7 +33,7 @@ from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
 from kvdock.server import retrieval
 from kvdock.server import storing as st
-from kvdock.server.handlers import check_request, client_of, hashed_keys
+from kvdock.server.handlers import check_request, client_of, shard_keys
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
 from kvdock.storage import L1Object, StorePlan, Writer
@@ -51,7 +51,7 @@ def _keysets(
     check_request(state, tokens, salt)
     if "/" in session_id:  # ("/" names the shards of a request's session)
         raise RequestError(f"a whole-model client's session ids must not contain '/': {session_id[:64]!r}")
-    return [hashed_keys(state, client, tokens, salt, s) for s in range(client.model.geometry.shards)]
+    return shard_keys(state, client, tokens, salt, range(client.model.geometry.shards))
 
 
 def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Outcome:

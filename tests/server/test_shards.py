@@ -306,6 +306,11 @@ def test_ranks_load_exactly_the_versions_one_lookup_saw(contexts, dtype: torch.d
     assert kvd.retrieve_into(ranks[1], hit, sink, tips=[again.versions[1]]) == 2 * CHUNK
     with pytest.raises(InvalidInputError, match=r"tips must be 1 version\(s\) from lookup_tips"):
         kvd.retrieve_into(ranks[1], hit, sink, tips=list(again.versions))
+    for bad in ([True], [str(again.versions[1])], [-1], [2**64], [float(again.versions[1])]):
+        with pytest.raises(InvalidInputError, match=r"tips must be 1 version\(s\) from lookup_tips"):
+            kvd.retrieve_into(ranks[1], hit, sink, tips=bad)
+    with pytest.raises(InvalidInputError, match="tips must be a sequence of versions, got int"):
+        kvd.retrieve_into(ranks[1], hit, sink, tips=5)  # type: ignore[arg-type]
     with pytest.raises(KVCacheSDKError, match=r"a retrieve of 2 shard\(s\) names 1 tip versions"):
         whole.call(m.PrepareRetrieve(whole.client_id, "s", b"\0" * 4 * CHUNK, tips=[1]))
     assert kvd.lookup_tips(whole, make_tokens(CHUNK, start=77777)) == kvd.Tips(0, ())

@@ -213,12 +213,14 @@ def tips(ctx: KVCacheContext, value: object) -> list[int] | None:
     if value is None:
         return None
     try:
-        out = [int(v) for v in value]  # type: ignore[attr-defined]
-    except (TypeError, ValueError):
+        given = list(value)  # type: ignore[call-overload]
+    except TypeError:
         raise InvalidInputError(f"tips must be a sequence of versions, got {type(value).__name__}") from None
-    if len(out) != ctx.shards or any(isinstance(v, bool) or not 0 <= v < 2**64 for v in out):
-        raise InvalidInputError(f"tips must be {ctx.shards} version(s) from lookup_tips, got {out[:4]}")
-    return out
+    if len(given) != ctx.shards or any(
+        isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < 2**64 for v in given
+    ):
+        raise InvalidInputError(f"tips must be {ctx.shards} version(s) from lookup_tips, got {given[:4]}")
+    return [int(v) for v in given]
 
 
 def whole_model_only(ctx: KVCacheContext, what: str) -> None:

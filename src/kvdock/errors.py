@@ -5,6 +5,7 @@
     ├── ProtocolError               a message that cannot be decoded or is out of place
     ├── ControlTimeout              (transport) no reply within the timeout
     │   └── ConnectionLost          the server closed the connection: no reply will come
+    │       └── HandshakeRefused    the CURVE handshake failed (key not authorized, wrong server key)
     ├── DiskInUseError              (storage) another live server holds the L2 directory
     ├── CorruptObject               (storage) bytes that are not the object they claim to be
     ├── UnexpectedReply             (storage) an L3 reply the fast read does not parse: it falls back
@@ -20,7 +21,7 @@
         ├── PoolFullError           the server's L1 pool had no room for a store
         ├── StoreConflictError      chunks are being written by another client right now
         ├── LeaseExpiredError       a transfer outlived its lease; its bytes were not used
-        ├── PermissionDeniedError   an admin action without the right token
+        ├── PermissionDeniedError   no right to it: admin token, CURVE key, tenant's models or salts
         └── ServerError             any other refusal; ``code`` says which
 
 Server-side errors travel as an ``Error(code, message)`` reply with a code of
@@ -57,6 +58,11 @@ class ConnectionLost(ControlTimeout):
     def __init__(self, message: str, sent: bool = True) -> None:
         super().__init__(message)
         self.sent = sent
+
+
+class HandshakeRefused(ConnectionLost):
+    """The server refused the connection's CURVE handshake (this client's key is not authorized,
+    it has the wrong server key, or only one side speaks CURVE): no request can get through."""
 
 
 class DiskInUseError(KVDockError, RuntimeError):
@@ -137,7 +143,8 @@ class LeaseExpiredError(KVCacheSDKError):
 
 
 class PermissionDeniedError(KVCacheSDKError):
-    """The server requires the admin token for this action, and it was missing or wrong."""
+    """The server refused this client: an admin action without the right token, a CURVE key it
+    does not authorize, or a model or cache_salt that is not this client's tenant's."""
 
 
 class ServerError(KVCacheSDKError):

@@ -20,7 +20,13 @@ from kvdock.sdk.handshake import find_model
 def test_unreachable_http_names_the_url() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(kvd.ServerUnavailableError, match=f"127.0.0.1:{url.rsplit(':', 1)[1]}/config"):
-        kvd.connect(f"tcp://127.0.0.1:{free_port()}", url, MODEL, timeout=2)
+        kvd.server_config(url, timeout=2)
+
+
+def test_connect_needs_no_http(server) -> None:
+    """The handshake runs over the control plane (Describe): a dead HTTP URL does not matter."""
+    with kvd.connect(server.url, f"http://127.0.0.1:{free_port()}", MODEL, timeout=5) as ctx:
+        assert ctx.chunk_size == server.get("/config")["chunk_size"]
 
 
 def test_silent_zmq_endpoint_times_out_naming_the_url(server) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import kvdock.sdk as kvd
 from helpers import CHUNK, MODEL, free_port, make_kv, make_tokens
 from kvdock.keys import ObjectKey, chunk_hashes, namespace
-from kvdock.protocol.events import AllChunksCleared, ChunkRemoved, ChunkStored
+from kvdock.protocol.events import TOPIC, AllChunksCleared, ChunkRemoved, ChunkStored
 from kvdock.server.events import ChunkEvents
 from kvdock.server.metrics import Metrics
 from kvdock.storage.memory import L1Object
@@ -125,7 +125,8 @@ def test_consecutive_chunks_share_an_event_and_a_full_backlog_drops_the_oldest(m
     sent = []
 
     class Pub:
-        def publish(self, batch):  # type: ignore[no-untyped-def]
+        def publish(self, batch, topic):  # type: ignore[no-untyped-def]
+            assert topic == TOPIC  # (no tenants: one topic)
             sent.append(batch)
 
     journal = ChunkEvents(Metrics(), CHUNK, Pub())  # type: ignore[arg-type]

@@ -606,23 +606,23 @@ def test_a_tips_load_that_outlives_its_lease_raises_and_is_not_tried_again(make_
 def test_a_client_refuses_a_server_that_stores_the_model_otherwise_than_its_status_said(
     make_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The layout is read over HTTP, the registration made over the control plane: a model
-    registered again in between (a server restarted with another layout of the same slot size)
-    would file a rank's KV under another shard. Mocked: /status answering another layout."""
+    """The layout is read (Describe) before the registration: a model registered again in between
+    (a server restarted with another layout of the same slot size) would file a rank's KV under
+    another shard. Mocked: Describe answering another layout."""
     import msgspec
 
     from kvdock.sdk import handshake
 
     srv = make_server(register=None)
     _register(srv)
-    real = handshake.find_model
+    real = handshake.describe
 
-    def other(status: dict, name: str) -> m.ModelLayout:  # 4 ranks of 1 head: rank 1 is in shard 0, not 1
-        lay = real(status, name)
-        geo = msgspec.structs.replace(lay.geometry, world_size=4, num_kv_heads=1, total_kv_heads=0)
+    def other(*args, **kw) -> m.Described:  # type: ignore[no-untyped-def]
+        desc = real(*args, **kw)  # 4 ranks of 1 head: rank 1 is in shard 0, not 1
+        geo = msgspec.structs.replace(desc.layout.geometry, world_size=4, num_kv_heads=1, total_kv_heads=0)
         geo = msgspec.structs.replace(geo, head_dim=2 * HEAD_DIM)  # the same slot size
-        return msgspec.structs.replace(lay, geometry=geo)
+        return msgspec.structs.replace(desc, layout=msgspec.structs.replace(desc.layout, geometry=geo))
 
-    monkeypatch.setattr(handshake, "find_model", other)
-    with pytest.raises(KVCacheSDKError, match="do not describe the same server"):
+    monkeypatch.setattr(handshake, "describe", other)
+    with pytest.raises(KVCacheSDKError, match="changed its chunk size or the layout"):
         connect(srv, TP, 1)

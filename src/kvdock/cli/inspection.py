@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvdock.cli.keys import keys
 from kvdock.errors import ConfigError
 
 if TYPE_CHECKING:  # the SDK imports torch: not for every kvdock command
@@ -21,7 +22,7 @@ def inspect_command(args: argparse.Namespace, token_ids: Callable[[argparse.Name
     tokens = token_ids(args)
     if args.plot:
         check_plot_path(args.plot)  # before the work: a bad path fails at once
-    with sdk.connect(args.url, args.http_url, args.model, args.timeout) as ctx:
+    with sdk.connect(args.url, args.http_url, args.model, args.timeout, **keys(args)) as ctx:
         found = sdk.inspect_prefix(ctx, tokens, args.cache_salt)
     print(json.dumps(found.to_dict()) if args.json else render_inspection(found, len(tokens)))
     if args.plot and found.hit_tokens:
@@ -61,9 +62,9 @@ def diff_command(args: argparse.Namespace, token_ids: Callable[[argparse.Namespa
     if not (args.other_tokens or args.other_tokens_file):
         raise ConfigError("give the other prompt's token ids: --other-tokens or --other-tokens-file")
     theirs = token_ids(argparse.Namespace(tokens=args.other_tokens, tokens_file=args.other_tokens_file))
-    with sdk.connect(args.url, args.http_url, args.model, args.timeout) as ctx:
+    with sdk.connect(args.url, args.http_url, args.model, args.timeout, **keys(args)) as ctx:
         if args.other_model and args.other_model != args.model:
-            with sdk.connect(args.url, args.http_url, args.other_model, args.timeout) as other:
+            with sdk.connect(args.url, args.http_url, args.other_model, args.timeout, **keys(args)) as other:
                 d = sdk.diff_prefixes(ctx, mine, theirs, args.cache_salt, args.other_cache_salt, other)
         else:
             d = sdk.diff_prefixes(ctx, mine, theirs, args.cache_salt, args.other_cache_salt)

@@ -1,4 +1,5 @@
-"""``kvdock serve | status | register | lookup | retrieve | store | export | import | inspect | diff | events``."""
+"""The ``kvdock`` command: serve, keygen, status, register, lookup, retrieve, store, export, import,
+inspect, diff, events."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 from kvdock import __version__
+from kvdock.cli.keys import add_key_flags, keys
 from kvdock.config import DEFAULT_HTTP_URL, DEFAULT_URL, load_server_config
 from kvdock.errors import ConfigError, KVDockError
 
@@ -22,7 +24,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     names = (
         "host port http_port chunk_size l1_size session_ttl client_ttl max_models max_request_tokens admin_token "
-        "log_level disk_dir disk_size redis_url redis_max_bytes kv_events_port"
+        "log_level disk_dir disk_size redis_url redis_max_bytes kv_events_port curve_secret_key curve_authorized_dir "
+        "tenants"
     )
     cli: dict[str, object] = {k: getattr(args, k) for k in names.split()}
     cli["no_shm"] = True if args.no_shm else None
@@ -45,7 +48,8 @@ def _interrupt(signum: int, frame: object) -> None:
 def _status(args: argparse.Namespace) -> int:
     from kvdock.sdk.http import get_json
 
-    print(json.dumps(get_json(args.http_url, "/status", args.timeout), indent=2))
+    token = args.token or os.environ.get("KVDOCK_TOKEN", "")
+    print(json.dumps(get_json(args.http_url, "/status", args.timeout, token), indent=2))
     return 0
 
 
@@ -74,7 +78,7 @@ def _register(args: argparse.Namespace) -> int:
     if kv_kind != lay.geometry.kv_kind:  # an MLA config: registered as such (the server says if it can store it)
         lay = msgspec.structs.replace(lay, geometry=msgspec.structs.replace(lay.geometry, kv_kind=kv_kind))
     token = args.admin_token if args.admin_token is not None else os.environ.get("KVDOCK_ADMIN_TOKEN", "")
-    reg = register_layout(args.url, args.http_url, lay, args.timeout, token)
+    reg = register_layout(args.url, args.http_url, lay, args.timeout, token, **keys(args))
     print(json.dumps({"model_name": reg.model_name, "created": reg.created, "chunk_nbytes": reg.chunk_nbytes}))
     return 0
 
@@ -103,7 +107,7 @@ def _retrieve(args: argparse.Namespace) -> int:
     from kvdock import sdk
 
     tokens = _token_ids(args)
-    with sdk.connect(args.url, args.http_url, args.model, args.timeout) as ctx:
+    with sdk.connect(args.url, args.http_url, args.model, args.timeout, **keys(args)) as ctx:
         kv = sdk.retrieve(ctx, tokens, args.cache_salt)
     hit = 0 if kv is None else kv.shape[2]
     if kv is not None:
@@ -122,7 +126,7 @@ def _store(args: argparse.Namespace) -> int:
         kv = torch.load(args.kv, weights_only=True)  # tensors only: no code from the file runs
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
         raise ConfigError(f"cannot load a tensor from {args.kv}: {e}") from None
-    with sdk.connect(args.url, args.http_url, args.model, args.timeout) as ctx:
+    with sdk.connect(args.url, args.http_url, args.model, args.timeout, **keys(args)) as ctx:
         r = sdk.store_chunks(ctx, kv, tokens, args.cache_salt, overwrite=args.overwrite)
     print(
         json.dumps(
@@ -140,7 +144,7 @@ def _lookup(args: argparse.Namespace) -> int:
     from kvdock import sdk
 
     tokens = _token_ids(args)
-    with sdk.connect(args.url, args.http_url, args.model, args.timeout) as ctx:
+    with sdk.connect(args.url, args.http_url, args.model, args.timeout, **keys(args)) as ctx:
         print(json.dumps({"hit_tokens": sdk.lookup(ctx, tokens, args.cache_salt), "tokens": len(tokens)}))
     return 0
 
@@ -149,7 +153,7 @@ def _export(args: argparse.Namespace) -> int:
     from kvdock import sdk
 
     tokens = _token_ids(args)
-    with sdk.connect(args.url, args.http_url, args.model, args.timeout) as ctx:
+    with sdk.connect(args.url, args.http_url, args.model, args.timeout, **keys(args)) as ctx:
         m = sdk.export_bundle(ctx, tokens, args.out, args.cache_salt, args.note)
     hit = 0 if m is None else m.tokens
     print(json.dumps({"hit_tokens": hit, "tokens": len(tokens), "out": args.out if m is not None else None}))
@@ -162,7 +166,7 @@ def _import(args: argparse.Namespace) -> int:
     bundle = sdk.read_bundle(args.bundle)  # before connecting: a bad file fails alone
     manifest = bundle.manifest
     model = args.model or manifest.model_name
-    with sdk.connect(args.url, args.http_url, model, args.timeout) as ctx:
+    with sdk.connect(args.url, args.http_url, model, args.timeout, **keys(args)) as ctx:
         r = sdk.import_bundle(ctx, bundle, args.cache_salt, args.overwrite, args.allow_other_model)
     out = {
         "model_name": model,
@@ -181,20 +185,22 @@ def _events(args: argparse.Namespace) -> int:
     """Print each KV event as a JSON line until ``--count`` events (or ``--timeout`` s of silence)."""
     import msgspec
 
+    from kvdock.cli.keys import client_keys
     from kvdock.transport.events import EventSubscriber
 
     _check_reachable(args.url)
-    sub = EventSubscriber(args.url)
-    seen, expect = 0, None
+    sub = EventSubscriber(args.url, client_keys(args), args.token or os.environ.get("KVDOCK_TOKEN", ""))
+    seen = 0
+    expect: dict[bytes, int] = {}  # topic -> its next seq (with tenants, an admin sees several)
     try:
         while args.count is None or seen < args.count:
             got = sub.receive(args.timeout)
             if got is None:
                 return 0 if args.count is None else 1
             seq, batch = got
-            if expect is not None and seq != expect:
-                print(json.dumps({"missed_batches": seq - expect}), flush=True)
-            expect = seq + 1
+            if sub.topic in expect and seq != expect[sub.topic]:
+                print(json.dumps({"missed_batches": seq - expect[sub.topic]}), flush=True)
+            expect[sub.topic] = seq + 1
             if batch.dropped:
                 print(json.dumps({"dropped_chunks": batch.dropped}), flush=True)  # the server's backlog overflowed
             for event in batch.events:
@@ -206,6 +212,14 @@ def _events(args: argparse.Namespace) -> int:
                 seen += 1
     finally:
         sub.close()
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from kvdock.transport.curve import keygen
+
+    public, secret = keygen(args.directory, args.name)
+    print(json.dumps({"public": str(public), "secret": str(secret)}))
     return 0
 
 
@@ -227,6 +241,7 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=DEFAULT_URL, help=f"ZMQ control URL (default {DEFAULT_URL})")
     p.add_argument("--http-url", default=DEFAULT_HTTP_URL, help=f"HTTP URL (default {DEFAULT_HTTP_URL})")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
+    add_key_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,6 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure-allow-remote",
         action="store_true",
         help="bind a non-loopback --host although clients are not authenticated (see docs/security.md)",
+    )
+    s.add_argument(
+        "--curve-secret-key",
+        help="the server's secret certificate (kvdock keygen): zmq clients and event subscribers must speak CURVE",
+    )
+    s.add_argument("--curve-authorized-dir", help="directory of the public certificates (*.key) CURVE lets in")
+    s.add_argument(
+        "--tenants",
+        help="tenants file (TOML): each tenant's CURVE keys or tokens, models, cache_salt namespaces and quotas",
     )
     s.add_argument("--port", type=int, help="ZMQ control port (default 5555)")
     s.add_argument("--http-port", type=int, help="HTTP port (default 9000)")
@@ -354,7 +378,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--url", required=True, help="the events URL, e.g. tcp://127.0.0.1:5557")
     ev.add_argument("--count", type=int, help="stop after this many events (exit 1 if they do not come)")
     ev.add_argument("--timeout", type=float, help="stop after this many seconds without an event")
+    add_key_flags(ev)
     ev.set_defaults(func=_events)
+    kg = sub.add_parser(
+        "keygen",
+        help="write a CURVE keypair: NAME.key (public) and NAME.key_secret (0600)",
+        description="Write a CURVE keypair for a server (--curve-secret-key) or a client (--client-key); give "
+        "a client's NAME.key to the server's --curve-authorized-dir and the server's NAME.key to its clients "
+        "(--server-key). Existing files are never overwritten.",
+    )
+    kg.add_argument("directory", help="where to write the two files (created 0700 if missing)")
+    kg.add_argument("--name", default="kvdock", help="the files' base name (default kvdock)")
+    kg.set_defaults(func=_keygen)
     from kvdock.cli.inspection import add_commands
 
     add_commands(sub, token_cmd, _token_ids)

@@ -139,8 +139,14 @@ def connect(
     model_name: str | None = None,
     timeout: float = 60.0,
     admin_token: str = "",
+    *,
+    server_key: str | None = None,
+    client_key: str | None = None,
+    token: str | None = None,
 ) -> kvd.KVCacheContext:
-    """Register ``model``'s KV layout with the server and return a connected SDK context.
+    """Register ``model``'s KV layout with the server and return a connected SDK context
+    (``server_key`` / ``client_key`` for CURVE and ``token`` for a tenant: as in
+    :func:`kvdock.sdk.connect`).
 
     The geometry (layers, KV heads, head_dim) comes from the model's text config, the dtype from the
     model. ``model_name`` defaults to ``config._name_or_path``, else ``config.model_type``.
@@ -154,7 +160,8 @@ def connect(
     spec = _spec(model)
     cfg = model.config
     name = model_name or str(getattr(cfg, "_name_or_path", "") or "") or spec.model_type
-    chunk = int(kvd.server_config(http_url, timeout)["chunk_size"])
+    keys = {"server_key": server_key, "client_key": client_key, "token": token}
+    chunk = kvd.describe_server(url, "", timeout, **keys).chunk_size
     tpb = 16 if chunk % 16 == 0 else chunk
     geo = spec.geometry
     engine = EngineInfo(name="transformers", version=transformers.__version__, attention_backend=spec.attention_backend)
@@ -169,8 +176,8 @@ def connect(
         engine=engine,
     )
     assert lay.geometry == geo, (lay.geometry, geo)
-    kvd.register_layout(url, http_url, lay, timeout, admin_token)
-    return kvd.connect(url, http_url, name, timeout)
+    kvd.register_layout(url, http_url, lay, timeout, admin_token, **keys)
+    return kvd.connect(url, http_url, name, timeout, server_key=server_key, client_key=client_key, token=token)
 
 
 def save_kv(ctx: kvd.KVCacheContext, cache: DynamicCache, tokens: object, cache_salt: str = "", row: int = 0) -> bool:

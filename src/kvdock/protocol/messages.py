@@ -8,7 +8,7 @@ import msgspec
 
 from kvdock.layout import KVGeometry
 
-PROTOCOL_VERSION = 9  # 9: pipeline stages, ClientRegistered.geometry; 8: tensor-parallel shards; 7: FastReads
+PROTOCOL_VERSION = 10  # 10: tenants (Describe, tokens); 9: pipeline stages; 8: tensor-parallel shards
 
 Transport = Literal["shm", "inline"]
 
@@ -72,9 +72,23 @@ class Ping(_Msg, frozen=True):
 
 
 class RegisterModel(_Msg, frozen=True):
+    """Needs the admin token when the server has one, or (with tenants) a tenant that may use the
+    model: proven by the CURVE key the request came with, or by ``token``."""
+
     protocol_version: int
     layout: ModelLayout
     admin_token: str = ""  # required (the server's --admin-token) when the server has one
+    token: str = ""  # a tenant's token
+
+
+class Describe(_Msg, frozen=True):
+    """What a client needs before it registers: the server's settings and ``model_name``'s layout,
+    as the caller may see them (with tenants: only its tenant's models; ``token``: a tenant's token
+    when the CURVE key does not say)."""
+
+    protocol_version: int
+    model_name: str = ""
+    token: str = ""
 
 
 class RegisterClient(_Msg, frozen=True):
@@ -92,6 +106,7 @@ class RegisterClient(_Msg, frozen=True):
     shm_proof: str = ""
     pid: int = 0
     pid_start: int = 0
+    token: str = ""  # a tenant's token (with tenants, when the CURVE key does not name the tenant)
 
 
 class Lookup(_Msg, frozen=True):
@@ -244,6 +259,7 @@ Request = (
     Ping
     | RegisterModel
     | RegisterClient
+    | Describe
     | Lookup
     | QueryPrefetchStatus
     | WaitPrefetch
@@ -277,6 +293,19 @@ class Pong(_Msg, frozen=True):
 class ModelRegistered(_Msg, frozen=True):
     created: bool
     slot_nbytes: int
+
+
+class Described(_Msg, frozen=True):
+    """``layout``: the model's (None when it is not registered, or not the caller's to use);
+    ``models``: the registered models the caller may use; ``shm_name``: the shared-memory pool a
+    client may map and prove in RegisterClient ("" when none is offered to this caller)."""
+
+    chunk_size: int
+    max_request_tokens: int
+    session_ttl: float
+    shm_name: str
+    layout: ModelLayout | None
+    models: list[str]
 
 
 class ClientRegistered(_Msg, frozen=True):
@@ -379,6 +408,7 @@ Reply = (
     | Pong
     | ModelRegistered
     | ClientRegistered
+    | Described
     | LookupResult
     | PrefetchStatus
     | StorePrepared
@@ -421,6 +451,8 @@ __all__ = [
     "Pong",
     "ModelRegistered",
     "ClientRegistered",
+    "Describe",
+    "Described",
     "LookupResult",
     "PrefetchStatus",
     "StorePrepared",

@@ -40,7 +40,7 @@ from kvdock.sdk.ops import (
     store_chunks,
     store_from,
 )
-from kvdock.sdk.registration import ModelRegistration, make_layout, register_layout, register_model
+from kvdock.sdk.registration import ModelRegistration, describe_server, make_layout, register_layout, register_model
 from kvdock.sdk.views import PrefixView, view
 
 __all__ = [
@@ -82,6 +82,7 @@ __all__ = [
     "read_bundle",
     "make_layout",
     "plot_norms",
+    "describe_server",
     "register_layout",
     "register_model",
     "retrieve",

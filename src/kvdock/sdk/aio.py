@@ -136,15 +136,29 @@ async def connect(
     max_concurrency: int = DEFAULT_CONCURRENCY,
     *,
     kv_rank: int | None = None,
+    server_key: str | None = None,
+    client_key: str | None = None,
+    token: str | None = None,
 ) -> AsyncKVCacheContext:
-    """Coroutine of :func:`kvdock.sdk.connect` (``kv_rank`` as there); ``max_concurrency`` calls of
-    the context run at once (the others queue). Cancelled while connecting, the connection is
-    closed once made."""
+    """Coroutine of :func:`kvdock.sdk.connect` (``kv_rank``, the keys and the token as there);
+    ``max_concurrency`` calls of the context run at once (the others queue). Cancelled while
+    connecting, the connection is closed once made."""
     if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or not 1 <= max_concurrency <= 1024:
         raise InvalidInputError(f"max_concurrency must be an int in [1, 1024], got {max_concurrency!r:.40}")
     loop = asyncio.get_running_loop()
     fut = loop.run_in_executor(
-        None, functools.partial(sync_context.connect, url, http_url, model_name, timeout, kv_rank=kv_rank)
+        None,
+        functools.partial(
+            sync_context.connect,
+            url,
+            http_url,
+            model_name,
+            timeout,
+            kv_rank=kv_rank,
+            server_key=server_key,
+            client_key=client_key,
+            token=token,
+        ),
     )
     try:
         ctx = await asyncio.shield(fut)

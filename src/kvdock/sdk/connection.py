@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
 
 import msgspec
 
-from kvdock.errors import InvalidInputError, KVCacheSDKError, ServerUnavailableError
+from kvdock.errors import ConfigError, InvalidInputError, KVCacheSDKError, PermissionDeniedError, ServerUnavailableError
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import sdk_error
 from kvdock.sdk import validate
-from kvdock.transport.client import ConnectionLost, ControlClient, ControlTimeout, Response
+from kvdock.transport.client import ConnectionLost, ControlClient, ControlTimeout, HandshakeRefused, Response
+from kvdock.transport.curve import ClientCurve, resolve_client
 from kvdock.transport.local import PeerWatch
 
 log = logging.getLogger("kvdock.sdk")
@@ -21,6 +23,19 @@ log = logging.getLogger("kvdock.sdk")
 
 LOCAL_RETRY_S = 5.0  # how long a broken local channel waits before it is tried again
 NOWAIT_LOCAL_S = 0.05  # how long a fire-and-forget message waits for room on the local socket
+
+
+KeyPath = str | os.PathLike[str] | None
+
+
+def client_curve(server_key: KeyPath = None, client_key: KeyPath = None) -> ClientCurve | None:
+    """CURVE settings from the server's public certificate and this client's secret one (both or
+    neither), else from ``KVDOCK_CURVE_SERVER_KEY`` / ``KVDOCK_CURVE_CLIENT_KEY``; None: a plain
+    connection. InvalidInputError for a missing or unreadable key file, or only one of them."""
+    try:
+        return resolve_client(server_key, client_key)
+    except ConfigError as e:
+        raise InvalidInputError(str(e)) from None
 
 
 class Connection:
@@ -34,11 +49,13 @@ class Connection:
     every LOCAL_RETRY_S, takes connections again (or a new registration names another one).
     ``_lock`` guards which local client is current; the clients themselves are thread-safe."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, curve: ClientCurve | None = None) -> None:
+        """Over zmq with CURVE when ``curve`` is given (the local socket needs none: it takes
+        only this user's processes)."""
         self.url = validate.url(url)
         self.timeout = validate.timeout(timeout)
         try:
-            self._client = ControlClient(url, self.timeout)
+            self._client = ControlClient(url, self.timeout, curve)
         except ValueError as e:
             raise InvalidInputError(str(e)) from None
         self._lock = threading.Lock()
@@ -110,6 +127,8 @@ class Connection:
                 if e.sent or client is self._client:
                     raise
                 resp = self._client.call(msg, payload, timeout)  # it never left: send it over zmq
+        except HandshakeRefused as e:
+            raise PermissionDeniedError(f"kvdock server at {self.url}: {e}") from None
         except ControlTimeout as e:
             if self._closed:
                 raise KVCacheSDKError(f"the connection to {self.url} is closed (KVCacheContext.close())") from None

@@ -18,7 +18,7 @@ from kvdock.errors import KVCacheSDKError
 from kvdock.protocol import ErrorCode
 from kvdock.protocol import messages as m
 from kvdock.sdk import validate
-from kvdock.sdk.connection import Connection
+from kvdock.sdk.connection import Connection, KeyPath, client_curve
 from kvdock.sdk.fastpath import Reporter
 from kvdock.sdk.handshake import TORCH_DTYPES as TORCH_DTYPES  # re-exported (moved to handshake)
 from kvdock.sdk.handshake import dtype_name as dtype_name
@@ -104,7 +104,8 @@ class KVCacheContext:
         self._answered = threading.local()  # .client_id: what this thread's last call was answered as
         self._closed = False
         self._reconnect_lock = threading.Lock()
-        self.session_ttl = 30.0  # the server's lease of a session (from /config)
+        self.session_ttl = 30.0  # the server's lease of a session (from Describe)
+        self.token = ""  # the tenant token it registered with (again after a server restart)
         self._views: set[Any] = set()  # the leases of open zero-copy views (sdk.views)
         # lookups and retrieves may be answered from the pool directory (sdk.fastpath), and
         # what they read is reported to the server, before any request of this context
@@ -197,7 +198,7 @@ class KVCacheContext:
         return resp
 
     def _reconnect(self) -> None:
-        reg = register(self._conn, self.http_url, self.model_name, self.kv_rank)
+        reg = register(self._conn, self.http_url, self.model_name, self.kv_rank, self.token)
         if (reg.geometry, reg.shards, reg.shard, reg.chunk_size) != (
             self.geometry,
             self.shards,
@@ -308,7 +309,15 @@ class KVCacheContext:
 
 
 def connect(
-    url: str, http_url: str, model_name: str, timeout: float = 60.0, *, kv_rank: int | None = None
+    url: str,
+    http_url: str,
+    model_name: str,
+    timeout: float = 60.0,
+    *,
+    kv_rank: int | None = None,
+    server_key: KeyPath = None,
+    client_key: KeyPath = None,
+    token: str | None = None,
 ) -> KVCacheContext:
     """Connect to a server for ``model_name`` (which must be registered there).
 
@@ -319,22 +328,32 @@ def connect(
     stored in several shards, each chunk is assembled from (and split into) every shard, and
     counts as cached only when every shard holds it. ``kv_rank=r`` reads and writes what rank
     ``r`` of an engine of the model's world size holds (``ctx.geometry`` is that rank's).
+
+    ``server_key`` (the server's public certificate, ``NAME.key``) and ``client_key`` (this
+    client's secret one, ``NAME.key_secret``; both from ``kvdock keygen``) speak CURVE to a server
+    that requires it (default: ``KVDOCK_CURVE_SERVER_KEY`` and ``KVDOCK_CURVE_CLIENT_KEY``).
+    ``token``: a tenant's token, for a server with tenants when the key does not name the tenant
+    (default: ``KVDOCK_TOKEN``).
+
     Raises ServerUnavailableError, UnknownModelError or KVCacheSDKError (unsupported layout),
-    InvalidInputError for unusable arguments."""
+    PermissionDeniedError when the server refuses this client's key, InvalidInputError for
+    unusable arguments."""
     validate.url(url)
     validate.http_url(http_url)
     validate.model_name(model_name)
     validate.environment()
     rank = validate.kv_rank(kv_rank)
-    conn = Connection(url, timeout)
+    tok = validate.token(token)
+    conn = Connection(url, timeout, client_curve(server_key, client_key))
     try:
-        reg = register(conn, http_url, model_name, rank)
+        reg = register(conn, http_url, model_name, rank, tok)
     except BaseException:
         conn.close()
         raise
     ctx = KVCacheContext(url, http_url, reg.layout, reg.chunk_size, conn, reg.client_id, reg.transfer)
     ctx.max_request_tokens = reg.max_request_tokens
     ctx.session_ttl = reg.session_ttl
+    ctx.token = tok
     ctx.kv_rank, ctx.shard, ctx.shards = reg.kv_rank, reg.shard, reg.shards
     if reg.geometry is not None:
         ctx.geometry = reg.geometry

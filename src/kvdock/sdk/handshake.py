@@ -18,7 +18,6 @@ from kvdock.errors import InvalidInputError, KVCacheSDKError, UnknownModelError
 from kvdock.layout import KVGeometry
 from kvdock.protocol import messages as m
 from kvdock.sdk.connection import Connection
-from kvdock.sdk.http import get_json
 from kvdock.sdk.transfer import InlineTransfer, ShmTransfer, Transfer
 from kvdock.shm import PoolSegment
 from kvdock.shm.segment import proc_start_time
@@ -84,15 +83,34 @@ class Registration:
     shards: int = 1
 
 
-def register(conn: Connection, http_url: str, model_name: str, kv_rank: int | None = None) -> Registration:
+def describe(conn: Connection, model_name: str, token: str = "") -> m.Described:
+    """The server's settings and ``model_name``'s layout as this client may see them (over the
+    control plane: with tenants, HTTP shows a client without a token nothing). UnknownModelError
+    lists the models it may use; KVCacheSDKError for a layout it cannot use."""
+    desc: m.Described = conn.call(m.Describe(m.PROTOCOL_VERSION, model_name, token)).reply
+    if desc.layout is None:
+        known = ", ".join(desc.models) or "none"
+        raise UnknownModelError(f"model {model_name!r} is not registered with the server; registered models: {known}")
+    try:
+        desc.layout.geometry.check()
+    except ValueError as e:
+        raise KVCacheSDKError(f"cannot use the layout of {model_name!r}: {e}") from None
+    if desc.layout.model_name != model_name:
+        raise KVCacheSDKError(f"the server described {desc.layout.model_name!r} for {model_name!r}")
+    return desc
+
+
+def register(
+    conn: Connection, http_url: str, model_name: str, kv_rank: int | None = None, token: str = ""
+) -> Registration:
     """The handshake of DESIGN.md section 4 over ``conn`` (used again after a server restart),
-    as a client of rank ``kv_rank`` of the model (None: of all of it). InvalidInputError for a
-    rank the model does not have."""
-    timeout = conn.timeout
-    config = get_json(http_url, "/config", timeout)
-    lay = find_model(get_json(http_url, "/status", timeout), model_name)
+    as a client of rank ``kv_rank`` of the model (None: of all of it), of the tenant ``token``
+    names (or the CURVE key says). InvalidInputError for a rank the model does not have."""
+    desc = describe(conn, model_name, token)
+    lay = desc.layout
+    assert lay is not None
     geo = lay.geometry  # the model's shards (rank 0's geometry)
-    chunk_size = int(config["chunk_size"])
+    chunk_size = desc.chunk_size
     if kv_rank is not None and not 0 <= kv_rank < geo.ranks:
         raise InvalidInputError(
             f"kv_rank {kv_rank} is not a rank of {model_name!r}, stored for {geo.ranks} ranks "
@@ -100,7 +118,7 @@ def register(conn: Connection, http_url: str, model_name: str, kv_rank: int | No
         )
     view = geo.logical() if kv_rank is None else geo.at_rank(kv_rank)
     shards = geo.shards if kv_rank is None else 1
-    segment = try_attach(config)
+    segment = try_attach(desc.shm_name)
     try:
         reply = conn.call(
             m.RegisterClient(
@@ -111,16 +129,15 @@ def register(conn: Connection, http_url: str, model_name: str, kv_rank: int | No
                 segment.nonce if segment else "",
                 pid=os.getpid(),
                 pid_start=proc_start_time(os.getpid()) or 0,
+                token=token,
             )
         ).reply
         if (
             reply.chunk_size != chunk_size
             or reply.slot_nbytes != geo.chunk_nbytes(chunk_size)
-            or reply.geometry != geo  # (registered again otherwise between /status and now)
+            or reply.geometry != geo  # (registered again otherwise between Describe and now)
         ):
-            raise KVCacheSDKError(
-                f"{conn.url} and {http_url} do not describe the same server (chunk size or layout differ)"
-            )
+            raise KVCacheSDKError(f"{conn.url} changed its chunk size or the layout of {model_name!r} meanwhile")
     except BaseException:
         if segment:
             segment.close()
@@ -140,8 +157,8 @@ def register(conn: Connection, http_url: str, model_name: str, kv_rank: int | No
         chunk_size,
         reply.client_id,
         transfer,
-        int(config.get("max_request_tokens") or 0),
-        float(config.get("session_ttl") or 30.0),
+        desc.max_request_tokens,
+        desc.session_ttl,
         kv_rank,
         view,
         0 if kv_rank is None else geo.shard_of(kv_rank),
@@ -167,12 +184,11 @@ def watch_creator(conn: Connection, segment: PoolSegment) -> PeerWatch | None:
     return watch
 
 
-def try_attach(config: dict[str, Any]) -> PoolSegment | None:
-    l1 = config.get("l1", {})
-    if not l1.get("shm_enabled") or not l1.get("shm_name"):
+def try_attach(shm_name: str) -> PoolSegment | None:
+    if not shm_name:
         return None
     try:
-        return PoolSegment.attach(l1["shm_name"])
+        return PoolSegment.attach(shm_name)
     except (OSError, ValueError) as e:
         log.info("cannot map the server's shared memory (%s); using the inline transport", e)
         return None

@@ -11,9 +11,9 @@ from kvdock import layout
 from kvdock.config import MAX_NAME_LEN
 from kvdock.errors import InvalidInputError
 from kvdock.protocol import messages as m
-from kvdock.sdk.connection import Connection
+from kvdock.sdk import validate
+from kvdock.sdk.connection import Connection, KeyPath, client_curve
 from kvdock.sdk.handshake import dtype_name
-from kvdock.sdk.http import get_json
 
 
 @dataclass(frozen=True)
@@ -26,19 +26,28 @@ class ModelRegistration:
 
 
 def register_layout(
-    url: str, http_url: str, lay: m.ModelLayout, timeout: float = 60.0, admin_token: str = ""
+    url: str,
+    http_url: str,
+    lay: m.ModelLayout,
+    timeout: float = 60.0,
+    admin_token: str = "",
+    *,
+    server_key: KeyPath = None,
+    client_key: KeyPath = None,
+    token: str | None = None,
 ) -> ModelRegistration:
     """Register ``lay`` (what engines call). ``admin_token`` is required when the server has one
     (its ``--admin-token``). Raises ServerUnavailableError; PermissionDeniedError without the right
     token; InvalidInputError when the server already holds ``max_models`` models; ServerError with
     code ``registration`` when the server refuses the layout (e.g. same name, different geometry,
-    or a chunk larger than its pool)."""
+    or a chunk larger than its pool). ``server_key`` / ``client_key`` (CURVE) and ``token`` (a
+    tenant's, which may register the models it may use): as in :func:`kvdock.sdk.connect`."""
     if not isinstance(admin_token, str):
         raise InvalidInputError(f"admin_token must be a str, got {type(admin_token).__name__}")
-    get_json(http_url, "/config", timeout)  # fail fast, naming the URL, if the server is down
-    conn = Connection(url, timeout)
+    tok = validate.token(token)
+    conn = Connection(url, timeout, client_curve(server_key, client_key))
     try:
-        reply = conn.call(m.RegisterModel(m.PROTOCOL_VERSION, lay, admin_token)).reply
+        reply = conn.call(m.RegisterModel(m.PROTOCOL_VERSION, lay, admin_token, tok)).reply
     finally:
         conn.close()
     return ModelRegistration(lay.model_name, reply.created, reply.slot_nbytes)
@@ -113,11 +122,15 @@ def register_model(
     kv_kind: str = layout.KV_PAIR,
     pp_size: int = 1,
     pp_rank: int = 0,
+    server_key: KeyPath = None,
+    client_key: KeyPath = None,
+    token: str | None = None,
 ) -> ModelRegistration:
     """Register ``model_name`` with explicit geometry so the SDK works with no engine running.
 
     Registering the same geometry again is harmless (``created=False``); a different geometry
-    raises ServerError (code ``registration``). ``admin_token``: see register_layout."""
+    raises ServerError (code ``registration``). ``admin_token``, ``server_key``, ``client_key``:
+    ``token``: see register_layout."""
     lay = make_layout(
         model_name,
         num_layers=num_layers,
@@ -133,7 +146,30 @@ def register_model(
         pp_size=pp_size,
         pp_rank=pp_rank,
     )
-    return register_layout(url, http_url, lay, timeout, admin_token)
+    return register_layout(
+        url, http_url, lay, timeout, admin_token, server_key=server_key, client_key=client_key, token=token
+    )
 
 
-__all__ = ["ModelRegistration", "make_layout", "register_layout", "register_model"]
+def describe_server(
+    url: str,
+    model_name: str = "",
+    timeout: float = 60.0,
+    *,
+    server_key: KeyPath = None,
+    client_key: KeyPath = None,
+    token: str | None = None,
+) -> m.Described:
+    """The server's chunk size and limits, the models this client may use, and ``model_name``'s
+    layout (None when it is not registered or not this client's tenant's), over the control plane
+    (keys and token as in :func:`kvdock.sdk.connect`)."""
+    tok = validate.token(token)
+    conn = Connection(url, timeout, client_curve(server_key, client_key))
+    try:
+        desc: m.Described = conn.call(m.Describe(m.PROTOCOL_VERSION, model_name, tok)).reply
+    finally:
+        conn.close()
+    return desc
+
+
+__all__ = ["ModelRegistration", "describe_server", "make_layout", "register_layout", "register_model"]

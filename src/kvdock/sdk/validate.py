@@ -287,3 +287,15 @@ def _may_overlap(t: torch.Tensor) -> bool:
             return True
         span += (n - 1) * stride
     return False
+
+
+TOKEN_ENV = "KVDOCK_TOKEN"  # a tenant's token, when connect() is given none
+
+
+def token(value: object) -> str:
+    """A tenant token (None: ``KVDOCK_TOKEN``, else none); InvalidInputError if not a str."""
+    if value is None:
+        return os.environ.get(TOKEN_ENV, "")
+    if not isinstance(value, str):
+        raise InvalidInputError(f"token must be a str, got {type(value).__name__}")
+    return value

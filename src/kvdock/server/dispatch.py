@@ -8,6 +8,7 @@ from typing import Any
 
 from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
+from kvdock.server import access
 from kvdock.server import batch as b
 from kvdock.server import handlers as h
 from kvdock.server import retrieval as r
@@ -17,10 +18,16 @@ from kvdock.server.state import Outcome, Payload, Reply, ServerState
 
 Handler = Callable[[ServerState, Any, Payload], Outcome]
 
-HANDLERS: dict[type, Handler] = {
-    m.Ping: h.ping,
+# the ops whose caller is not a registered client: they learn who it is from the CURVE key the
+# request came with (b"": none, or the local socket) and the token it carries
+IDENTIFIED: dict[type, Callable[[ServerState, Any, Payload, bytes], Outcome]] = {
     m.RegisterModel: h.register_model,
     m.RegisterClient: h.register_client,
+    m.Describe: h.describe,
+}
+
+HANDLERS: dict[type, Handler] = {
+    m.Ping: h.ping,
     m.Lookup: r.lookup,
     m.QueryPrefetchStatus: r.query_prefetch_status,
     m.WaitPrefetch: r.wait_prefetch,
@@ -64,12 +71,18 @@ def _table(state: ServerState, req: Any) -> dict[type, Handler]:
     return SHARDED if client is not None and client.sharded else HANDLERS
 
 
-def handle(state: ServerState, req: Any, payload: Payload) -> Outcome:
-    """Run the handler of ``req``; expected failures become an Error reply. Ops that wait for a
+def handle(state: ServerState, req: Any, payload: Payload, key: bytes = b"") -> Outcome:
+    """Run the handler of ``req``, which came with CURVE key ``key`` (b"": none), after the
+    access checks (server.access); expected failures become an Error reply. Ops that wait for a
     lower tier return an awaitable (the caller must not block the loop on it)."""
     state.metrics.requests.labels(type(req).__name__).inc()
     try:
-        out = _table(state, req)[type(req)](state, req, payload)
+        identified = IDENTIFIED.get(type(req))
+        if identified is not None:
+            out = identified(state, req, payload, key)
+        else:
+            access.check(state, req, key)
+            out = _table(state, req)[type(req)](state, req, payload)
     except EXPECTED as e:
         return error_reply(state, e)
     if inspect.isawaitable(out):

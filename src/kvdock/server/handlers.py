@@ -6,6 +6,7 @@ RequestError (or SessionError / RegistrationError) turns into an Error reply."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from kvdock import __version__
@@ -14,17 +15,19 @@ from kvdock.config import MAX_SALT_LEN
 from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
+from kvdock.server import access
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Payload, Reply, ServerState
 from kvdock.shm.segment import proc_start_time
+
+log = logging.getLogger("kvdock.server")
 
 
 def client_of(state: ServerState, client_id: str) -> ClientEntry:
     """The client a request names, its lease renewed; UNKNOWN_CLIENT if it is not registered."""
     client = state.registry.touch(client_id)
     if client is None:
-        msg = f"client {client_id!r} is not registered (call RegisterClient first)"
-        raise RequestError(msg, ErrorCode.UNKNOWN_CLIENT)
+        raise access.unknown_client(client_id)
     return client
 
 
@@ -79,24 +82,53 @@ def _check_version(version: int) -> None:
         )
 
 
-def register_model(state: ServerState, req: m.RegisterModel, payload: Payload) -> Reply:
+def register_model(state: ServerState, req: m.RegisterModel, payload: Payload, key: bytes = b"") -> Reply:
+    """With tenants: the admin token, or a tenant that may use the model, may register it."""
     _check_version(req.protocol_version)
-    entry, created = state.registry.register_model(req.layout, req.admin_token)
+    authorized = False
+    if state.tenants is not None and not state.registry.is_admin(req.admin_token):
+        access.check_model(access.tenant_of(state, key, req.token), req.layout.model_name)
+        authorized = True
+    entry, created = state.registry.register_model(req.layout, req.admin_token, authorized=authorized)
     return Reply(m.ModelRegistered(created, entry.slot_nbytes))
 
 
-def register_client(state: ServerState, req: m.RegisterClient, payload: Payload) -> Reply:
+def shares_memory(state: ServerState, tenant: object) -> bool:
+    """Whether clients (of ``tenant``) may map the pool. Not with tenants: the one pool holds
+    every tenant's objects, so they get the inline transport."""
+    return state.shm_enabled and state.tenants is None
+
+
+def describe(state: ServerState, req: m.Describe, payload: Payload, key: bytes = b"") -> Reply:
     _check_version(req.protocol_version)
+    tenant = access.tenant_of(state, key, req.token)
+    visible = state.registry.visible(tenant)
+    entry = state.registry.models.get(req.model_name) if req.model_name in visible else None
+    return Reply(
+        m.Described(
+            state.chunk_size,
+            state.registry.max_request_tokens,
+            state.manager.sessions.ttl,
+            state.segment.name if shares_memory(state, tenant) else "",
+            entry.layout if entry is not None else None,
+            sorted(visible),
+        )
+    )
+
+
+def register_client(state: ServerState, req: m.RegisterClient, payload: Payload, key: bytes = b"") -> Reply:
+    _check_version(req.protocol_version)
+    tenant = access.tenant_of(state, key, req.token)
     # Shared memory only for a process this server can see (same PID namespace): a client that
     # writes slots itself must be one whose death the server can detect (see storage.sessions).
     use_shm = (
-        state.shm_enabled
+        shares_memory(state, tenant)
         and req.shm_proof == state.segment.nonce
         and req.pid > 0
         and proc_start_time(req.pid) == req.pid_start
     )
     client = state.registry.register_client(
-        req.instance_id, req.model_name, req.kv_rank, "shm" if use_shm else "inline"
+        req.instance_id, req.model_name, req.kv_rank, "shm" if use_shm else "inline", key=key, tenant=tenant
     )
     client.pid, client.pid_start = req.pid, req.pid_start
     local = state.local_url if use_shm else ""
@@ -123,6 +155,9 @@ def check_integrity(state: ServerState, req: m.CheckIntegrity, payload: Payload)
     try:
         state.manager.check_integrity()
     except AssertionError as e:
+        if state.tenants is not None:  # the message may name another tenant's keys: the log only
+            log.error("integrity check failed: %s", e)
+            return Reply(m.IntegrityReport(False, ["integrity check failed (details in the server log)"]))
         return Reply(m.IntegrityReport(False, [str(e) or "assertion failed"]))
     return Reply(m.IntegrityReport(True, []))
 

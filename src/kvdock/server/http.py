@@ -8,6 +8,12 @@ POST /admin/clear   drop every object from L1 and L2, or one of them with ?tier=
                     (``Authorization: Bearer <token>`` if admin_token is set); the shared L3 is
                     left alone
 
+With tenants (``--tenants``), /config and /status need ``Authorization: Bearer <token>``: the
+admin token sees everything, a tenant's token sees the server's settings and only its own models
+(no pool name: tenants do not map the shared pool, and no counts of other tenants' objects);
+without a token only /healthz and /metrics answer. Admin actions then need the admin token, and
+are refused outright if the server has none.
+
 A request aiohttp cannot parse (a line too long, bad headers) gets its 4xx and one short log
 line, not a traceback (see :func:`request_logger`).
 """
@@ -29,6 +35,7 @@ from kvdock.config import ServerConfig
 from kvdock.layout import FORMAT_AXES, concrete_shape
 from kvdock.protocol.messages import PROTOCOL_VERSION, ModelLayout
 from kvdock.server.handlers import ServerState, refresh_gauges
+from kvdock.server.tenants import Tenant
 
 STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", ServerConfig)
@@ -113,12 +120,49 @@ def tiers_doc(state: ServerState) -> dict[str, Any]:
     return doc
 
 
+def _bearer(request: web.Request) -> str:
+    header = request.headers.get("Authorization", "")
+    return header.removeprefix("Bearer ") if header.startswith("Bearer ") else ""
+
+
+def _scope(request: web.Request) -> Tenant | None:
+    """Whose view a read gets: None for everything (no tenants, or the admin token), else the
+    tenant whose token came; 401 without one."""
+    state = request.app[STATE]
+    if state.tenants is None:
+        return None
+    token = _bearer(request)
+    if token and state.registry.is_admin(token):
+        return None
+    tenant = state.tenants.by_token(token)
+    if tenant is None:
+        raise web.HTTPUnauthorized(
+            text="this server has tenants: /config and /status need a tenant's token or the admin token "
+            "(Authorization: Bearer <token>); /healthz and /metrics need none"
+        )
+    return tenant
+
+
 async def _config(request: web.Request) -> web.Response:
-    return web.json_response(config_doc(request.app[STATE], request.app[CONFIG]))
+    tenant = _scope(request)
+    doc = config_doc(request.app[STATE], request.app[CONFIG])
+    if tenant is not None:  # tenants do not map the shared pool
+        doc["transports"] = ["inline"]
+        doc["l1"] = {"shm_enabled": False, "shm_name": None, "size_bytes": doc["l1"]["size_bytes"]}
+    return web.json_response(doc)
 
 
 async def _status(request: web.Request) -> web.Response:
-    return web.json_response(status_doc(request.app[STATE], request.app[STARTED]))
+    tenant = _scope(request)
+    state = request.app[STATE]
+    doc = status_doc(state, request.app[STARTED])
+    if tenant is not None:  # its models only, and no counts of what others hold
+        visible = set(state.registry.visible(tenant))
+        doc = {k: doc[k] for k in ("health", "server_version", "uptime_s")} | {
+            "tenant": tenant.name,
+            "cache_context_meta": [e for e in doc["cache_context_meta"] if e["model_name"] in visible],
+        }
+    return web.json_response(doc)
 
 
 async def _healthz(request: web.Request) -> web.Response:
@@ -134,9 +178,10 @@ async def _metrics(request: web.Request) -> web.Response:
 def _authorize(request: web.Request) -> None:
     token = request.app[CONFIG].admin_token
     if not token:
+        if request.app[STATE].tenants is not None:
+            raise web.HTTPForbidden(text="admin actions on a server with tenants need its --admin-token (it has none)")
         return
-    header = request.headers.get("Authorization", "")
-    given = header.removeprefix("Bearer ") if header.startswith("Bearer ") else ""
+    given = _bearer(request)
     if not given or not hmac.compare_digest(given.encode(), token.encode()):
         raise web.HTTPUnauthorized(text="admin token required (Authorization: Bearer <token>)")
 

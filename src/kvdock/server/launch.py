@@ -4,6 +4,7 @@ SIGINT/SIGTERM (the shared-memory segment is unlinked)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from collections.abc import Awaitable, Coroutine
@@ -29,16 +30,19 @@ from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import ErrorCode, decode_request, encode
 from kvdock.protocol.messages import UNANSWERED, Error, PrepareRetrieve, PrepareRetrieveMany
 from kvdock.server.dispatch import handle
-from kvdock.server.events import FLUSH_S, ChunkEvents, advertised_url
+from kvdock.server.events import FLUSH_S, ChunkEvents, advertised_url, subscription_topic
 from kvdock.server.http import make_app, request_logger
 from kvdock.server.metrics import Metrics
 from kvdock.server.registry import Registry
 from kvdock.server.resources import keep_freed_memory, raise_fd_limit
 from kvdock.server.state import Outcome, Reply, ServerState, fault_retrieve_miss
+from kvdock.server.tenants import Tenants, load_tenants
 from kvdock.shm import PoolSegment, SlotAllocator, cleanup_stale
 from kvdock.shm.directory import Directory, entries_for
 from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane, tier_factory
 from kvdock.transport import listener
+from kvdock.transport.curve import ServerCurve
+from kvdock.transport.curve import available as curve_available
 from kvdock.transport.events import EventPublisher
 from kvdock.transport.server import ControlServer, Incoming
 
@@ -48,8 +52,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvdock.server")
 
 
-def build_state(config: ServerConfig) -> ServerState:
-    """Create the pool (shared or private) and the storage stack for ``config``."""
+def server_curve(config: ServerConfig, tenants: Tenants | None = None) -> ServerCurve | None:
+    """The CURVE keys of ``config`` (None without), the tenants' keys authorized too: ConfigError
+    for unusable key files, or tenants' keys without CURVE."""
+    if not config.curve:
+        if tenants is not None and tenants.keys:
+            raise ConfigError("the tenants file names CURVE keys, but the server has no --curve-secret-key")
+        return None
+    if not curve_available():
+        raise ConfigError("this libzmq has no CURVE support (pyzmq's wheels have it: reinstall pyzmq)")
+    extra = tenants.keys if tenants is not None else frozenset()
+    return ServerCurve.load(config.curve_secret_key, config.curve_authorized_dir, extra)
+
+
+def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants: Tenants | None = None) -> ServerState:
+    """Create the pool (shared or private) and the storage stack for ``config`` (``curve``: the
+    KV events' subscribers must speak CURVE; ``tenants``: every client is one's)."""
     stale = cleanup_stale()
     if stale:
         log.info("removed %d stale shared-memory segment(s) of dead servers: %s", len(stale), ", ".join(stale))
@@ -75,8 +93,8 @@ def build_state(config: ServerConfig) -> ServerState:
     try:
         metrics = Metrics()
         allocator = SlotAllocator(segment.data_offset, size, segment.generations())
-        publisher = _open_events(config)
-        events = ChunkEvents(metrics, config.chunk_size, publisher)
+        publisher = _open_events(config, curve, tenants)
+        events = ChunkEvents(metrics, config.chunk_size, publisher, tenants)
         disk = _open_disk(config)
         registry = Registry(
             config.chunk_size,
@@ -100,16 +118,22 @@ def build_state(config: ServerConfig) -> ServerState:
         segment.close()
         raise
     metrics.l1_capacity.set(size)
-    state = ServerState(config.chunk_size, segment, not config.no_shm, manager, registry, metrics, events=events)
+    state = ServerState(
+        config.chunk_size, segment, not config.no_shm, manager, registry, metrics, events=events, tenants=tenants
+    )
     metrics.watch_tiers(manager)
     return state
 
 
-def _open_events(config: ServerConfig) -> EventPublisher | None:
+def _open_events(config: ServerConfig, curve: ServerCurve | None, tenants: Tenants | None) -> EventPublisher | None:
     if not config.kv_events_url:
         return None
+    topics = None
+    if tenants is not None:
+        admin = config.admin_token
+        topics = functools.partial(subscription_topic, tenants, admin)
     try:
-        return EventPublisher(config.kv_events_url)
+        return EventPublisher(config.kv_events_url, curve=curve, topics=topics)
     except zmq.ZMQError as e:
         raise ConfigError(f"cannot publish KV events on {config.kv_events_url}: {e}") from None
 
@@ -182,7 +206,7 @@ def _serve_one(state: ServerState, control: ControlServer, msg: Incoming, waitin
         reserved = _reply_bound(state, req)
         _count_unsent(state, msg.peer, reserved)
         try:
-            out = handle(state, req, msg.payload)
+            out = handle(state, req, msg.payload, msg.key)
         except Exception as e:  # a bug must not take the server down for everyone else
             out = _internal_error(state, req, e)
     if isinstance(req, UNANSWERED) and isinstance(out, Reply):
@@ -323,9 +347,17 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
         raise ConfigError(str(e)) from None
     raise_fd_limit()
     keep_freed_memory()
-    state = build_state(config)
+    tenants = load_tenants(config.tenants) if config.tenants else None
+    for tenant in tenants.all.values() if tenants is not None else ():
+        if tenant.quotas:  # a quota that does nothing is worse than none: refused until enforced
+            raise ConfigError(
+                f"tenant {tenant.name!r}: per-tenant quotas ({', '.join(tenant.quotas)}) are not enforced yet; "
+                "remove them from the tenants file"
+            )
+    curve = server_curve(config, tenants)
+    state = build_state(config, curve, tenants)
     try:
-        await _run(state, config, ready)
+        await _run(state, config, ready, curve)
         await state.manager.drain(timeout_s=30.0)  # finish queued write-downs
     finally:
         state.manager.close()
@@ -336,7 +368,9 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
         state.segment.close()
 
 
-async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | None) -> None:
+async def _run(
+    state: ServerState, config: ServerConfig, ready: asyncio.Event | None, curve: ServerCurve | None
+) -> None:
     # no frame of a valid request is larger than a chunk (which fits in the pool) or the token ids
     # of the largest request: refuse bigger ones before zmq buffers them
     max_frame = max(state.manager.l1.allocator.capacity, 4 * config.max_request_tokens) + (1 << 20)
@@ -346,7 +380,7 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
         local_max = 4 * config.max_request_tokens + MAX_BATCH * (4 * MAX_SALT_LEN + 128) + (1 << 20)
         if not state.shm_enabled or config.no_local_socket:
             local_max = 0
-        control = ControlServer(config.zmq_url, max_frame, local_max)
+        control = ControlServer(config.zmq_url, max_frame, local_max, curve)
     except zmq.ZMQError as e:
         raise ConfigError(f"cannot listen on {config.zmq_url}: {e}") from None
     state.local_url = control.local_url
@@ -359,8 +393,10 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         log.info(
-            "kvdock serving: zmq %s%s, http http://%s:%d, chunk_size %d, L1 %s (%s%s)",
+            "kvdock serving: zmq %s%s%s, http http://%s:%d, chunk_size %d, L1 %s (%s%s)",
             config.zmq_url,
+            (f" (CURVE, {len(curve.authorized)} client key(s))" if curve is not None else "")
+            + (f", {len(state.tenants)} tenant(s)" if state.tenants is not None else ""),
             f" and {control.local_url}" if control.local_url else "",
             config.host,
             config.http_port,
@@ -371,6 +407,8 @@ async def _run(state: ServerState, config: ServerConfig, ready: asyncio.Event | 
         )
         waiting: set[asyncio.Task[None]] = set()  # replies that wait for a lower tier or to be sent
         control.start(lambda msg: _serve_one(state, control, msg, waiting))
+        if state.events is not None and state.events.publisher is not None:
+            state.events.publisher.start()
         tasks = [
             asyncio.create_task(_reap(state, config.session_ttl)),
             asyncio.create_task(_probe(state)),

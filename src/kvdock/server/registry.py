@@ -26,6 +26,7 @@ from kvdock.errors import RegistrationError
 from kvdock.layout import KVGeometry
 from kvdock.protocol.codes import ErrorCode
 from kvdock.protocol.messages import ModelLayout, Transport
+from kvdock.server.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class ClientEntry:
     pid_start: int = 0
     touch_budget: float = TOUCH_BURST  # LRU touches its FastReads reports may make now
     touch_at: float = 0.0  # the clock when the budget was last counted
+    key: bytes = b""  # the CURVE key it registered with: its zmq requests must come with it
+    tenant: Tenant | None = None  # with tenants: whose models and salts it may use
 
     @property
     def shard(self) -> int:
@@ -171,17 +174,23 @@ class Registry:
         finally:
             os.close(dfd)
 
+    def is_admin(self, admin_token: str) -> bool:
+        """Whether ``admin_token`` is the server's (False when it has none)."""
+        return bool(self._admin_token) and hmac.compare_digest(admin_token.encode(), self._admin_token.encode())
+
     def authorize(self, admin_token: str) -> None:
         """RegistrationError (code UNAUTHORIZED) unless the server has no admin token or
         ``admin_token`` is it."""
-        if self._admin_token and not hmac.compare_digest(admin_token.encode(), self._admin_token.encode()):
+        if self._admin_token and not self.is_admin(admin_token):
             raise RegistrationError(
                 "registering a model needs the server's admin token (admin_token= in the SDK, --admin-token or "
                 "KVDOCK_ADMIN_TOKEN for kvdock register)",
                 ErrorCode.UNAUTHORIZED,
             )
 
-    def register_model(self, lay: ModelLayout, admin_token: str = "") -> tuple[ModelEntry, bool]:
+    def register_model(
+        self, lay: ModelLayout, admin_token: str = "", *, authorized: bool = False
+    ) -> tuple[ModelEntry, bool]:
         """Check the admin token, validate and add ``lay``; returns (entry, created).
 
         A known name is a no-op that keeps the first layout when the model's KV is the same: the
@@ -190,8 +199,10 @@ class Registry:
         shards of its first registration, and an engine sharded otherwise re-shards). Any other
         difference raises RegistrationError (two ranks of one engine with different layers or
         dtypes, another model under the name), and so does a new name past ``max_models`` (code
-        LIMIT). The layout kept is rank 0's."""
-        self.authorize(admin_token)
+        LIMIT). The layout kept is rank 0's. ``authorized``: the caller checked the right to
+        register (a tenant's), so the admin token is not asked for."""
+        if not authorized:
+            self.authorize(admin_token)
         entry = self._entry(lay)
         old = self.models.get(lay.model_name)
         if old is not None:
@@ -251,10 +262,24 @@ class Registry:
         entry = self.models.get(model_name)
         return None if entry is None else entry.geometry
 
-    def register_client(self, instance_id: str, model_name: str, kv_rank: int, transport: Transport) -> ClientEntry:
+    def register_client(
+        self,
+        instance_id: str,
+        model_name: str,
+        kv_rank: int,
+        transport: Transport,
+        *,
+        key: bytes = b"",
+        tenant: Tenant | None = None,
+    ) -> ClientEntry:
+        """A new client of ``model_name`` (RegistrationError: unknown model, rank out of range, or
+        max_clients reached); with ``tenant``, a model it may not use is as unknown as one never
+        registered, and the error lists only its own."""
         model = self.models.get(model_name)
+        if tenant is not None and not tenant.allows_model(model_name):
+            model = None
         if model is None:
-            known = ", ".join(sorted(self.models)) or "none"
+            known = ", ".join(sorted(self.visible(tenant))) or "none"
             msg = f"unknown model {model_name!r}; registered models: {known}"
             raise RegistrationError(msg, ErrorCode.UNKNOWN_MODEL)
         ranks = model.geometry.ranks
@@ -270,8 +295,13 @@ class Registry:
                 ErrorCode.LIMIT,
             )
         client = ClientEntry(secrets.token_hex(8), instance_id, model, kv_rank, transport, self._clock())
+        client.key, client.tenant = key, tenant
         self.clients[client.client_id] = client
         return client
+
+    def visible(self, tenant: Tenant | None) -> list[str]:
+        """The registered models ``tenant`` may use (None: every one)."""
+        return [name for name in self.models if tenant is None or tenant.allows_model(name)]
 
     def touch(self, client_id: str) -> ClientEntry | None:
         """The client registered as ``client_id``, its lease renewed; None if there is none."""

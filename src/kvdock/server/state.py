@@ -15,6 +15,7 @@ import msgspec
 from kvdock.server.events import ChunkEvents
 from kvdock.server.metrics import Metrics
 from kvdock.server.registry import Registry
+from kvdock.server.tenants import Tenants
 from kvdock.shm import PoolSegment
 from kvdock.storage import StorageManager
 
@@ -82,6 +83,7 @@ class ServerState:
     events: ChunkEvents | None = None  # the L1 store's watcher (KV events when they are on)
     copier: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "kvdock-copy"))
     local_url: str = ""  # the control plane's local UNIX socket, offered to shared-memory clients
+    tenants: Tenants | None = None  # with a tenants file: every client is one tenant's (server.access)
     max_unsent_bytes: int = 1 << 30  # per client: inline reply bytes not yet read; past it, BUSY
     max_total_unsent_bytes: int = 4 << 30  # the same for all clients together (many sockets)
     unsent: dict[tuple[int, bytes], int] = field(default_factory=dict)  # Incoming.peer -> reply bytes not yet sent

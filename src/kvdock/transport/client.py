@@ -12,7 +12,7 @@ How the waiting works (leader/follower, no background thread):
 
 * ``_sock_lock`` guards every use of the channel (zmq sockets are not thread-safe). It is held
   only to send, or to receive what has already arrived (non-blocking), never while waiting for a
-  reply. A send may wait for room in the socket (zmq's SNDTIMEO, the local socket's deadline),
+  reply. A send may wait for room in the socket (until the call's deadline),
   and the lock with it: the server reads without waiting for anything, so that wait is short.
 * A caller opens a slot for its seq in ``_slots`` before sending. Whoever receives a reply puts
   it in the slot of its seq and notifies ``_cond``; a reply without a slot (its caller gave up)
@@ -48,12 +48,14 @@ from typing import Any, Protocol
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from kvdock.errors import ConnectionLost, ControlTimeout
+from kvdock.errors import ConnectionLost, ControlTimeout, HandshakeRefused
 from kvdock.protocol import decode_reply, encode
+from kvdock.transport.curve import ClientCurve, apply_client
 from kvdock.transport.local import SCHEME, LocalChannel, PeerWatch
 
-__all__ = ["ConnectionLost", "ControlClient", "ControlTimeout", "Response"]
+__all__ = ["ConnectionLost", "ControlClient", "ControlTimeout", "HandshakeRefused", "Response"]
 
 Buffer = bytes | memoryview
 
@@ -83,13 +85,19 @@ class Channel(Protocol):
         """An OS descriptor that polls readable when a message may have arrived."""
         ...
 
+    def alert_fd(self) -> int | None:
+        """Another descriptor (edge-triggered) that polls readable when ``receive`` should look
+        at the connection's state; None if there is none."""
+        ...
+
     def send(self, frames: Sequence[Buffer], deadline: float | None) -> None:
         """Send one message, waiting until ``deadline`` (monotonic) for room, or not at all when
         None. ControlTimeout if it could not be sent; ConnectionLost if the channel broke."""
         ...
 
     def receive(self) -> list[list[memoryview]]:
-        """Every message that has arrived (maybe none); never waits. ConnectionLost if broken."""
+        """Every message that has arrived (maybe none); never waits. ConnectionLost if broken
+        (HandshakeRefused: the server refused this client's CURVE handshake)."""
         ...
 
     def close(self, linger_s: float) -> None:
@@ -97,21 +105,38 @@ class Channel(Protocol):
         ...
 
 
+_HANDSHAKE_FAILED: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the server refused this client's CURVE key (not authorized there)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed: a wrong server public key, or CURVE on one side only",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed: CURVE on one side only?",
+}
+
+
 class ZmqChannel:
-    """A DEALER socket (any zmq endpoint; ValueError otherwise)."""
+    """A DEALER socket (any zmq endpoint; ValueError otherwise), a CURVE client with ``curve``.
+
+    A monitor of the socket reports how handshakes end: one that fails (a key the server does not
+    authorize, the wrong server key, CURVE on one side only; libzmq would only retry, silently)
+    fails the waiting calls with HandshakeRefused at once."""
 
     edge_triggered = True
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, curve: ClientCurve | None = None) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
+        self._monitor: zmq.Socket[bytes] | None = None
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+            if curve is not None:
+                apply_client(self._sock, curve)
+            # (also without CURVE: a server that requires it fails the handshake)
+            events = zmq.EVENT_HANDSHAKE_SUCCEEDED
+            for event in _HANDSHAKE_FAILED:
+                events |= event
+            self._monitor = self._sock.get_monitor_socket(events)
             self._sock.connect(url)
         except zmq.ZMQError as e:
-            self._sock.close(linger=0)
-            self._ctx.term()
+            self._close(0)
             raise ValueError(f"cannot connect to {url!r}: {e}") from None
         fd = self._sock.getsockopt(zmq.FD)
         assert isinstance(fd, int)
@@ -120,30 +145,70 @@ class ZmqChannel:
     def fileno(self) -> int:
         return self._fd
 
+    def alert_fd(self) -> int | None:
+        if self._monitor is None:
+            return None
+        fd = self._monitor.getsockopt(zmq.FD)
+        assert isinstance(fd, int)
+        return fd
+
+    def _check_handshake(self) -> None:
+        """HandshakeRefused if the last handshake the monitor reported failed."""
+        mon = self._monitor
+        failed = ""
+        while mon is not None and int(mon.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            event = int(parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))["event"])
+            failed = "" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else _HANDSHAKE_FAILED.get(event, "")
+        if failed:
+            raise HandshakeRefused(failed, sent=False)
+
     def send(self, frames: Sequence[Buffer], deadline: float | None) -> None:
-        try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK if deadline is None else 0, copy=False)
-        except zmq.Again:
-            raise ControlTimeout("the message could not be queued in time") from None
-        except zmq.ZMQError as e:
-            raise ControlTimeout(f"the message could not be sent: {e}") from None
+        # Never a blocking send: a DEALER whose handshake failed has no pipe, and would wait for
+        # one until the deadline; the monitor says why meanwhile.
+        self._check_handshake()
+        poller: zmq.Poller | None = None
+        while True:
+            try:
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                remaining = -1.0 if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ControlTimeout("the message could not be queued in time") from None
+            except zmq.ZMQError as e:
+                raise ControlTimeout(f"the message could not be sent: {e}") from None
+            if poller is None:
+                poller = zmq.Poller()
+                poller.register(self._sock, zmq.POLLOUT)
+                if self._monitor is not None:
+                    poller.register(self._monitor, zmq.POLLIN)
+            poller.poll(max(1, math.ceil(remaining * 1000)))
+            self._check_handshake()
 
     def receive(self) -> list[list[memoryview]]:
         # ZMQ_EVENTS, unlike a recv that fails with EAGAIN, costs no exception; once it reports
         # nothing to read, ZMQ_FD signals again for the next message
+        self._check_handshake()
         out = []
         while int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             out.append([f.buffer for f in self._sock.recv_multipart(zmq.NOBLOCK, copy=False)])
         return out
 
     def close(self, linger_s: float) -> None:
-        self._sock.close(linger=int(linger_s * 1000))
+        self._close(int(linger_s * 1000))
+
+    def _close(self, linger_ms: int) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+        self._sock.close(linger=linger_ms)
         self._ctx.term()
 
 
-def open_channel(url: str, timeout: float) -> Channel:
-    """The channel for ``url``: ``unix://PATH`` is a server's local socket, anything else zmq."""
-    return LocalChannel(url, timeout) if url.startswith(SCHEME) else ZmqChannel(url, timeout)
+def open_channel(url: str, timeout: float, curve: ClientCurve | None = None) -> Channel:
+    """The channel for ``url``: ``unix://PATH`` is a server's local socket (same host, same user:
+    CURVE is not needed there), anything else zmq."""
+    return LocalChannel(url, timeout) if url.startswith(SCHEME) else ZmqChannel(url, curve)
 
 
 class ControlClient:
@@ -151,10 +216,10 @@ class ControlClient:
     module docstring). ``url``: a zmq endpoint or a ``unix://`` local socket (ValueError if it
     cannot be used)."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, curve: ClientCurve | None = None) -> None:
         self.url = url
         self.timeout = timeout
-        self._chan = open_channel(url, timeout)
+        self._chan = open_channel(url, timeout, curve)
         self._fd = self._chan.fileno()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -163,6 +228,9 @@ class ControlClient:
         self._poller = select.poll()  # used by the leader only, so never by two threads at once
         self._poller.register(self._fd, select.POLLIN)
         self._poller.register(self._wake_r, select.POLLIN)
+        alert = self._chan.alert_fd()
+        if alert is not None:
+            self._poller.register(alert, select.POLLIN)
         self._sock_lock = threading.Lock()
         # _cond's own lock, entered directly: Condition.__enter__ is a Python-level call, and a
         # call takes the lock up to nine times
@@ -210,13 +278,15 @@ class ControlClient:
         with self._mutex:
             if self._closed:  # nothing sent: a caller may send it another way
                 raise ConnectionLost(f"the client of {self.url} is closed", sent=False)
+            if self._lost is not None:  # (a send could only wait for room that never comes)
+                raise type(self._lost)(str(self._lost), sent=False)
             seq = self._next_seq()
             self._slots[seq] = None
         try:
             try:
                 self._send([seq, header, *payload], deadline)
             except ConnectionLost as e:
-                raise ConnectionLost(str(e), sent=False) from None
+                raise type(e)(str(e), sent=False) from None
             except ControlTimeout:
                 raise ControlTimeout(f"could not send to {self.url} within {limit:.1f}s") from None
             frames = self._wait(seq, deadline, limit)
@@ -324,7 +394,7 @@ class ControlClient:
         """The channel broke: fail every waiting call (socket lock held)."""
         with self._mutex:
             if self._lost is None:
-                self._lost = ConnectionLost(f"{self.url}: {e}")
+                self._lost = type(e)(f"{self.url}: {e}")
             self._cond.notify_all()
 
     def _poke(self) -> None:  # under _cond, while the pipe is open
@@ -344,7 +414,7 @@ class ControlClient:
                     if frames is not None:
                         return frames
                     if self._lost is not None:
-                        raise ConnectionLost(str(self._lost))
+                        raise type(self._lost)(str(self._lost))
                     if self._closed:
                         raise ControlTimeout(f"the client of {self.url} was closed while waiting for a reply")
                     remaining = deadline - time.monotonic()

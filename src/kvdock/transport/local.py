@@ -165,6 +165,9 @@ class LocalChannel:
     def fileno(self) -> int:
         return self._sock.fileno()
 
+    def alert_fd(self) -> int | None:
+        return None
+
     def watch(self) -> PeerWatch:
         """A watch of the server's end of this connection (OSError if the socket is closed)."""
         return PeerWatch(self._sock)

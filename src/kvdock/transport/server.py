@@ -10,6 +10,7 @@ from typing import Any
 
 import zmq
 
+from kvdock.transport.curve import Gate, ServerCurve, apply_server
 from kvdock.transport.listener import MAX_BATCH, LocalListener
 
 log = logging.getLogger("kvdock.transport")
@@ -27,6 +28,7 @@ class Incoming:
     header: memoryview | None  # None when the frames did not even have the envelope shape
     payload: list[memoryview]
     local: int = 0  # the local connection it came on; 0: zmq
+    key: bytes = b""  # over CURVE: the Z85 public key the sender authenticated with
 
     @property
     def peer(self) -> tuple[int, bytes]:
@@ -35,13 +37,20 @@ class Incoming:
         return (self.local, self.identity)
 
 
-def _incoming(identity: bytes, frames: list[memoryview], local: int = 0) -> Incoming:
+def _incoming(identity: bytes, frames: list[memoryview], local: int = 0, key: bytes = b"") -> Incoming:
     if len(frames) < 2:
-        return Incoming(identity, bytes(frames[0]) if frames else b"", None, [], local)
-    return Incoming(identity, bytes(frames[0]), frames[1], frames[2:], local)
+        return Incoming(identity, bytes(frames[0]) if frames else b"", None, [], local, key)
+    return Incoming(identity, bytes(frames[0]), frames[1], frames[2:], local, key)
 
 
 Handler = Callable[[Incoming], None]
+
+
+def _user_id(frame: zmq.Frame) -> bytes:
+    try:
+        return str(frame.get("User-Id")).encode()
+    except zmq.ZMQError:  # (never over CURVE: the handshake named one)
+        return b""
 
 
 class ControlServer:
@@ -59,17 +68,31 @@ class ControlServer:
     ROUTER_MANDATORY drops a reply to a peer whose queue is full or gone. The event loop's
     thread only."""
 
-    def __init__(self, url: str, max_frame_bytes: int = 16 * 2**30, local_max_bytes: int = 0) -> None:
+    def __init__(
+        self, url: str, max_frame_bytes: int = 16 * 2**30, local_max_bytes: int = 0, curve: ServerCurve | None = None
+    ) -> None:
         """Bind ``url`` (zmq.ZMQError if it cannot be), taking frames of at most
         ``max_frame_bytes``; with ``local_max_bytes``, also a local socket for messages of at
-        most that many bytes (if it cannot be made, a warning, and the server runs without)."""
+        most that many bytes (if it cannot be made, a warning, and the server runs without).
+        With ``curve``, zmq clients must complete a CURVE handshake with a key it allows, and
+        each request carries that key (``Incoming.key``)."""
         self._ctx = zmq.Context()
+        self._gate = Gate(self._ctx, curve) if curve is not None else None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # Without a cap, one client that sends a huge garbage frame could exhaust memory; zmq
         # drops the connection of a peer that sends a larger one.
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-        self._sock.bind(url)
+        if curve is not None:
+            apply_server(self._sock, curve)
+        try:
+            self._sock.bind(url)
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            if self._gate is not None:
+                self._gate.stop()
+            self._ctx.term()
+            raise
         self.url = url
         self._fd = int(self._sock.getsockopt(zmq.FD))
         self._local: LocalListener | None = None
@@ -83,6 +106,11 @@ class ControlServer:
         self._handler: Handler | None = None
         self._reading = False  # inside _on_zmq: it looks at ZMQ_EVENTS again before it returns
         self._scheduled = False  # an _on_zmq call is due in the next turn of the loop
+
+    @property
+    def refused(self) -> int:
+        """CURVE handshakes refused so far (0 without CURVE)."""
+        return self._gate.refused if self._gate is not None else 0
 
     @property
     def local_url(self) -> str:
@@ -120,7 +148,10 @@ class ControlServer:
                 if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return  # reading ZMQ_EVENTS rearmed the FD
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                self._dispatch(_incoming(frames[0].bytes, [f.buffer for f in frames[1:]]))
+                # the key the ZAP handler named as the sender's User-Id (a property of the
+                # message's frames; the routing id frame ROUTER makes up has none)
+                key = _user_id(frames[-1]) if self._gate is not None else b""
+                self._dispatch(_incoming(frames[0].bytes, [f.buffer for f in frames[1:]], key=key))
             self._schedule()  # more may wait, and no edge will say so
         finally:
             self._reading = False
@@ -188,4 +219,6 @@ class ControlServer:
         if self._local is not None:
             self._local.close()
         self._sock.close(linger=0)
+        if self._gate is not None:
+            self._gate.stop()
         self._ctx.term()

@@ -29,12 +29,21 @@ def test_every_key_is_read() -> None:
             "kvdock.retry_s": 3,
             "kvdock.admin_token": "s3cret",
             "kvdock.load_failure": "fail",
+            "kvdock.server_key": "/keys/server.key",
+            "kvdock.client_key": "/keys/engine.key_secret",
+            "kvdock.token": "a-tenant-token-1234",
             "other.connector.key": 1,  # not ours: ignored
         },
         "served",
     )
     assert (cfg.model_name, cfg.cache_decode, cfg.timeout, cfg.retry_s) == ("mine", True, 0.5, 3.0)
     assert (cfg.admin_token, cfg.load_failure, cfg.lookup_wait) == ("s3cret", "fail", 0.0)
+    assert cfg.keys == {
+        "server_key": "/keys/server.key",
+        "client_key": "/keys/engine.key_secret",
+        "token": "a-tenant-token-1234",
+    }
+    assert ConnectorConfig.from_extra(BASE, "x").keys == {"server_key": None, "client_key": None, "token": None}
 
 
 @pytest.mark.parametrize(
@@ -57,6 +66,8 @@ def test_every_key_is_read() -> None:
         ({**BASE, "kvdock.url": "tcp://"}, "kvdock.url must be a tcp:// or ipc:// URL"),
         ({**BASE, "kvdock.http_url": "tcp://127.0.0.1:9000"}, "kvdock.http_url must be a http:// or https:// URL"),
         ({**BASE, "kvdock.admin_token": None}, "kvdock.admin_token must be a string, got NoneType"),
+        ({**BASE, "kvdock.server_key": 1}, "kvdock.server_key must be a string, got int"),
+        ({**BASE, "kvdock.token": ["x"]}, "kvdock.token must be a string, got list"),
         ({**BASE, "kvdock.timeout": True}, "kvdock.timeout must be a positive number of seconds, got True"),
     ],
 )

@@ -12,6 +12,9 @@ kvdock.lookup_wait    seconds per scheduler step the scheduler may wait for     
                       lookups in flight (0: never wait, admit them a step later)
 kvdock.retry_s        after a failed call, seconds before kvdock is tried again  2.0
 kvdock.admin_token    the server's admin token, when it has one                  ""
+kvdock.server_key     CURVE: the server's public certificate (kvdock keygen)     $KVDOCK_CURVE_SERVER_KEY
+kvdock.client_key     CURVE: this engine's secret certificate                    $KVDOCK_CURVE_CLIENT_KEY
+kvdock.token          a tenant's token (servers with tenants)                    $KVDOCK_TOKEN
 kvdock.load_failure   vLLM's kv_load_failure_policy while kvdock is in use:      recompute
                       ``recompute`` (a failed load is recomputed) or ``fail``
 ====================  ========================================================  ==============
@@ -40,6 +43,18 @@ class ConnectorConfig:
     retry_s: float = 2.0
     admin_token: str = ""
     load_failure: str = "recompute"
+    server_key: str = ""
+    client_key: str = ""
+    token: str = ""
+
+    @property
+    def keys(self) -> dict[str, str | None]:
+        """The SDK's CURVE and tenant keyword arguments (None: from the environment)."""
+        return {
+            "server_key": self.server_key or None,
+            "client_key": self.client_key or None,
+            "token": self.token or None,
+        }
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, served_model_name: str) -> ConnectorConfig:
@@ -60,9 +75,9 @@ class ConnectorConfig:
         name = ours.get("model_name", served_model_name)
         if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
             raise ConfigError(f"{PREFIX}model_name must be a string of 1 to {MAX_NAME_LEN} characters, got {name!r}")
-        token = ours.get("admin_token", "")
-        if not isinstance(token, str):
-            raise ConfigError(f"{PREFIX}admin_token must be a string, got {type(token).__name__}")
+        for key in ("admin_token", "server_key", "client_key", "token"):
+            if not isinstance(ours.get(key, ""), str):
+                raise ConfigError(f"{PREFIX}{key} must be a string, got {type(ours[key]).__name__}")
         cfg = cls(
             url=ours["url"],
             http_url=ours["http_url"],
@@ -71,8 +86,11 @@ class ConnectorConfig:
             timeout=_positive("timeout", ours.get("timeout", 5.0)),
             lookup_wait=_positive("lookup_wait", ours.get("lookup_wait", 0.05), zero=True),
             retry_s=_positive("retry_s", ours.get("retry_s", 2.0)),
-            admin_token=token,
+            admin_token=ours.get("admin_token", ""),
             load_failure=str(ours.get("load_failure", "recompute")),
+            server_key=ours.get("server_key", ""),
+            client_key=ours.get("client_key", ""),
+            token=ours.get("token", ""),
         )
         if cfg.load_failure not in ("recompute", "fail"):
             raise ConfigError(f"{PREFIX}load_failure must be 'recompute' or 'fail', got {cfg.load_failure!r}")

@@ -23,7 +23,6 @@ from kvdock.errors import KVCacheSDKError, LeaseExpiredError, PoolFullError, Sto
 from kvdock.integrations.vllm.config import ConnectorConfig
 from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import ModelLayout
-from kvdock.sdk.handshake import find_model
 
 log = logging.getLogger("kvdock.vllm")
 T = TypeVar("T")
@@ -74,7 +73,7 @@ class Link:
         except UnknownModelError:
             if self.layout is None:
                 raise
-        kvd.register_layout(cfg.url, cfg.http_url, self.layout, cfg.timeout, cfg.admin_token)
+        kvd.register_layout(cfg.url, cfg.http_url, self.layout, cfg.timeout, cfg.admin_token, **cfg.keys)
         log.info("registered %r with kvdock at %s", cfg.model_name, cfg.url)
         return self._open()
 
@@ -82,9 +81,11 @@ class Link:
         cfg = self.cfg
         rank = None
         if self.rank_for is not None:
-            stored = find_model(kvd.server_status(cfg.http_url, cfg.timeout), cfg.model_name).geometry
-            rank = self.rank_for(stored)
-        return kvd.connect(cfg.url, cfg.http_url, cfg.model_name, cfg.timeout, kv_rank=rank)
+            lay = kvd.describe_server(cfg.url, cfg.model_name, cfg.timeout, **cfg.keys).layout
+            if lay is None:
+                raise UnknownModelError(f"model {cfg.model_name!r} is not registered with kvdock at {cfg.url}")
+            rank = self.rank_for(lay.geometry)
+        return kvd.connect(cfg.url, cfg.http_url, cfg.model_name, cfg.timeout, kv_rank=rank, **cfg.keys)
 
     def run(self, what: str, fn: Callable[[kvd.KVCacheContext], T], miss: T) -> T:
         """``fn(ctx)``, or ``miss`` when kvdock is down or ``fn`` fails with a kvdock error (which

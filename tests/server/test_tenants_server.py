@@ -1,0 +1,258 @@
+"""Tenants with a real server (``--tenants``): a tenant's clients use only its models and salts,
+on every op, tier and transport; a refusal never says whether another tenant stored anything;
+HTTP and KV events show a tenant only its own; a client id is bound to the CURVE key that
+registered it."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvdock.sdk as kvd
+from helpers import CHUNK, GEOMETRY, MODEL, free_port, make_kv, make_tokens, start_server
+from kvdock.errors import PermissionDeniedError, UnknownModelError
+from kvdock.protocol import messages as m
+from kvdock.testing import ServerProcess
+from kvdock.transport import curve
+from kvdock.transport.client import ControlClient
+from kvdock.transport.events import EventSubscriber
+
+ACME, BETA, ADMIN = "acme-token-0123456789", "beta-token-0123456789", "admin-token-0123456789"
+
+
+def tenants_file(tmp_path: Path, acme_keys: str = "") -> Path:
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        f"""
+[tenants.acme]
+tokens = ["{ACME}"]
+models = ["{MODEL}"]
+salts = ["acme", "acme/*"]
+{acme_keys}
+
+[tenants.beta]
+tokens = ["{BETA}"]
+models = ["{MODEL}", "other"]
+salts = ["beta"]
+"""
+    )
+    return path
+
+
+def serve(tmp_path: Path, *extra: str) -> ServerProcess:
+    srv = start_server(tmp_path, "--tenants", str(tenants_file(tmp_path)), "--admin-token", ADMIN, *extra)
+    kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10, token=ACME)
+    kvd.register_model(srv.url, srv.http_url, "other", dtype="bfloat16", **GEOMETRY, timeout=10, token=BETA)
+    return srv
+
+
+def http(srv: ServerProcess, path: str, token: str = "", method: str = "GET") -> tuple[int, str]:
+    req = urllib.request.Request(srv.http_url + path, method=method)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture
+def srv(tmp_path: Path):  # type: ignore[no-untyped-def]
+    s = serve(tmp_path, "--disk-dir", str(tmp_path / "l2"))
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def test_registering_needs_a_tenant_that_may_use_the_model(srv: ServerProcess) -> None:
+    with pytest.raises(PermissionDeniedError, match="tenants only"):
+        kvd.register_model(srv.url, srv.http_url, "third", dtype="bfloat16", **GEOMETRY, timeout=10)
+    with pytest.raises(PermissionDeniedError, match="tenant 'acme' may not use model 'third'"):
+        kvd.register_model(srv.url, srv.http_url, "third", dtype="bfloat16", **GEOMETRY, timeout=10, token=ACME)
+    assert kvd.register_model(
+        srv.url, srv.http_url, "third", dtype="bfloat16", **GEOMETRY, timeout=10, admin_token=ADMIN
+    ).created
+    with pytest.raises(PermissionDeniedError, match="tenants only"):
+        kvd.connect(srv.url, srv.http_url, MODEL, 10)
+    with pytest.raises(PermissionDeniedError, match="tenants only"):
+        kvd.connect(srv.url, srv.http_url, MODEL, 10, token="not-a-token-of-anyone")
+
+
+def test_a_tenant_sees_only_its_models(srv: ServerProcess) -> None:
+    with pytest.raises(UnknownModelError, match=r"'other' is not registered.*registered models: tiny$"):
+        kvd.connect(srv.url, srv.http_url, "other", 10, token=ACME)
+    assert kvd.describe_server(srv.url, "other", 10, token=ACME).layout is None
+    assert kvd.describe_server(srv.url, "other", 10, token=BETA).models == ["other", MODEL]
+    with kvd.connect(srv.url, srv.http_url, "other", 10, token=BETA) as b:
+        assert b.model_name == "other"
+
+
+def test_a_tenant_cannot_touch_or_learn_another_tenants_kv(srv: ServerProcess) -> None:
+    kv_a, kv_b = make_kv(3 * CHUNK, seed=1), make_kv(3 * CHUNK, seed=2)
+    tokens = make_tokens(3 * CHUNK)
+    with (
+        kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a,
+        kvd.connect(srv.url, srv.http_url, MODEL, 10, token=BETA) as b,
+    ):
+        assert a.transport == "inline" and b.transport == "inline"  # the shared pool is no tenant's
+
+        def refusals() -> list[str]:
+            out = []
+            for op in (
+                lambda: kvd.lookup(a, tokens, "beta"),
+                lambda: kvd.retrieve(a, tokens, "beta"),
+                lambda: kvd.store(a, kv_a, tokens, "beta"),
+                lambda: kvd.store_chunks(a, kv_a, tokens, "beta", overwrite=True),
+                lambda: kvd.lookup_many(a, [tokens], ["beta"]),
+                lambda: kvd.retrieve_many(a, [tokens], ["beta"]),
+                lambda: kvd.lookup(a, tokens, ""),
+            ):
+                with pytest.raises(PermissionDeniedError) as err:
+                    op()
+                out.append(str(err.value))
+            return out
+
+        before = refusals()  # beta has stored nothing yet
+        assert kvd.store(b, kv_b, tokens, "beta")
+        after = refusals()
+        assert before == after  # the refusal is the same whether or not beta holds the chunks
+        assert "cache_salt 'beta' is not a namespace of tenant 'acme'" in after[0]
+        assert kvd.store(a, kv_a, tokens, "acme/x")
+        got_a, got_b = kvd.retrieve(a, tokens, "acme/x"), kvd.retrieve(b, tokens, "beta")
+        assert torch.equal(got_a, kv_a) and torch.equal(got_b, kv_b)  # nobody overwrote anything
+        with pytest.raises(PermissionDeniedError):
+            kvd.lookup(b, tokens, "acme/x")
+        # on the disk tier too: L1 emptied, beta's chunks come back from L2, acme still may not ask
+        assert http(srv, "/admin/clear?tier=l1", ADMIN, "POST")[0] == 200
+        assert after == refusals()
+        assert torch.equal(kvd.retrieve(b, tokens, "beta"), kv_b)
+
+
+def test_http_shows_a_tenant_only_its_own(srv: ServerProcess) -> None:
+    for path in ("/status", "/config"):
+        code, text = http(srv, path)
+        assert code == 401 and "tenant's token or the admin token" in text
+    assert http(srv, "/healthz") == (200, "ok")
+    assert http(srv, "/metrics")[0] == 200
+    acme = json.loads(http(srv, "/status", ACME)[1])
+    assert acme["tenant"] == "acme" and [e["model_name"] for e in acme["cache_context_meta"]] == [MODEL]
+    assert "l1" not in acme and "tiers" not in acme and "clients" not in acme
+    admin = json.loads(http(srv, "/status", ADMIN)[1])
+    assert sorted(e["model_name"] for e in admin["cache_context_meta"]) == ["other", MODEL]
+    assert json.loads(http(srv, "/config", ACME)[1])["l1"]["shm_name"] is None
+    assert http(srv, "/admin/clear", ACME, "POST")[0] == 401
+    assert http(srv, "/admin/clear", "", "POST")[0] == 401
+    assert http(srv, "/admin/clear", ADMIN, "POST")[0] == 200
+    with pytest.raises(PermissionDeniedError):
+        kvd.server_status(srv.http_url, 10)
+    assert kvd.server_status(srv.http_url, 10, token=BETA)["tenant"] == "beta"
+
+
+def test_admin_actions_need_an_admin_token_with_tenants(tmp_path: Path) -> None:
+    srv = start_server(tmp_path, "--tenants", str(tenants_file(tmp_path)))
+    try:
+        code, text = http(srv, "/admin/clear", ACME, "POST")
+        assert code == 403 and "need its --admin-token" in text
+        assert http(srv, "/admin/clear", "", "POST")[0] == 403
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_kv_events_go_to_their_tenant(tmp_path: Path) -> None:
+    port = free_port()
+    srv = serve(tmp_path, "--kv-events-port", str(port))
+    url = f"tcp://127.0.0.1:{port}"
+    subs = {name: EventSubscriber(url, token=tok) for name, tok in (("acme", ACME), ("beta", BETA), ("admin", ADMIN))}
+    subs["nobody"] = EventSubscriber(url)
+    subs["forged"] = EventSubscriber(url, token="x" * 20)
+    try:
+        time.sleep(0.5)  # subscriptions reach the server
+        with kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a:
+            kvd.store(a, make_kv(CHUNK), make_tokens(CHUNK), "acme")
+        with kvd.connect(srv.url, srv.http_url, MODEL, 10, token=BETA) as b:
+            kvd.store(b, make_kv(CHUNK), make_tokens(CHUNK), "beta")
+
+        def namespaces(sub: EventSubscriber, want: int) -> set[str]:
+            seen: set[str] = set()
+            deadline = time.monotonic() + 10
+            while len(seen) < want and time.monotonic() < deadline:
+                got = sub.receive(0.5)
+                if got is not None:
+                    seen |= {e.namespace for e in got[1].events if hasattr(e, "namespace")}
+            return seen
+
+        from kvdock.keys import namespace
+
+        ns = {s: namespace(MODEL, 0, s) for s in ("acme", "beta")}
+        assert namespaces(subs["acme"], 1) == {ns["acme"]}
+        assert namespaces(subs["beta"], 1) == {ns["beta"]}
+        assert namespaces(subs["admin"], 2) == {ns["acme"], ns["beta"]}
+        assert subs["acme"].receive(0.3) is None  # and never beta's
+        assert subs["nobody"].receive(0.2) is None and subs["forged"].receive(0.2) is None
+    finally:
+        for s in subs.values():
+            s.close()
+        assert srv.stop() == 0, srv.log()
+
+
+def test_tenants_by_curve_key_and_client_ids_bound_to_their_key(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    for name in ("server", "acme", "beta"):
+        curve.keygen(keys, name)
+    path = tenants_file(tmp_path, 'keys = ["keys/acme.key"]')
+    text = path.read_text().replace(f'tokens = ["{BETA}"]', f'tokens = ["{BETA}"]\nkeys = ["keys/beta.key"]')
+    path.write_text(text)
+    srv = start_server(tmp_path, "--tenants", str(path), "--curve-secret-key", str(keys / "server.key_secret"))
+    acme = {"server_key": str(keys / "server.key"), "client_key": str(keys / "acme.key_secret")}
+    beta = {"server_key": str(keys / "server.key"), "client_key": str(keys / "beta.key_secret")}
+    try:
+        kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10, **acme)
+        with kvd.connect(srv.url, srv.http_url, MODEL, 10, **acme) as a:  # no token: the key says
+            assert kvd.store(a, make_kv(CHUNK), make_tokens(CHUNK), "acme")
+            with pytest.raises(PermissionDeniedError, match="tenant 'acme'"):
+                kvd.lookup(a, make_tokens(CHUNK), "beta")
+            with pytest.raises(PermissionDeniedError):  # acme's key with beta's token: neither
+                kvd.connect(srv.url, srv.http_url, MODEL, 10, token=BETA, **acme)
+            # beta's key naming acme's client id: as if it did not exist
+            stolen = ControlClient(srv.url, 10, curve.ClientCurve.load(beta["server_key"], beta["client_key"]))
+            try:
+                ids = np.arange(CHUNK, dtype="<u4").tobytes()
+                reply = stolen.call(m.Lookup(a.client_id, ids, "acme")).reply
+            finally:
+                stolen.close()
+            assert isinstance(reply, m.Error) and reply.code == "unknown_client"
+            assert kvd.lookup(a, make_tokens(CHUNK), "acme") == CHUNK  # acme itself is unharmed
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_quotas_are_refused_until_they_are_enforced(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tenants_file(tmp_path)
+    path.write_text(path.read_text().replace('salts = ["beta"]', 'salts = ["beta"]\nl2 = "1GiB"'))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvdock.cli.main",
+            "serve",
+            "--no-disk",
+            "--tenants",
+            str(path),
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "tenant 'beta': per-tenant quotas (l2) are not enforced yet" in r.stderr

@@ -212,6 +212,19 @@ def test_a_non_loopback_bind_needs_insecure_allow_remote(host: str) -> None:
         assert load_server_config({"host": loopback}, env={}).host == loopback
 
 
+def test_curve_opens_zmq_to_the_network_but_http_stays_on_loopback() -> None:
+    """(review) HTTP is plain text: CURVE lets zmq bind a non-loopback host, not HTTP."""
+    curve = {"curve_secret_key": "/keys/server.key_secret"}
+    cfg = load_server_config({"host": "0.0.0.0", **curve}, env={})
+    assert (cfg.zmq_url, cfg.http_bind_host) == ("tcp://0.0.0.0:5555", "127.0.0.1")
+    with pytest.raises(ConfigError, match=r"http_host '0\.0\.0\.0' is not a loopback address, and HTTP is plain"):
+        load_server_config({"host": "0.0.0.0", "http_host": "0.0.0.0", **curve}, env={})
+    both = load_server_config({"host": "0.0.0.0", "http_host": "10.0.0.1", "insecure_allow_remote": True}, env={})
+    assert both.http_bind_host == "10.0.0.1"
+    assert load_server_config({"host": "0.0.0.0", "insecure_allow_remote": True}, env={}).http_bind_host == "0.0.0.0"
+    assert load_server_config({"host": "::1"}, env={}).http_bind_host == "::1"
+
+
 # ---------------------------------------------------------------- errors
 
 

@@ -82,6 +82,7 @@ def _parse_bool(text: str | bool) -> bool:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = DEFAULT_HOST
+    http_host: str = ""  # "" = host, except that CURVE opens only zmq off loopback: then 127.0.0.1
     port: int = DEFAULT_PORT
     http_port: int = DEFAULT_HTTP_PORT
     chunk_size: int = 256
@@ -109,6 +110,14 @@ class ServerConfig:
     @property
     def zmq_url(self) -> str:
         return f"tcp://{_url_host(self.host)}:{self.port}"
+
+    @property
+    def http_bind_host(self) -> str:
+        """Where HTTP listens: ``http_host``, else ``host`` when it is loopback or the operator
+        allowed remote clients, else loopback (CURVE protects zmq; plain HTTP stays local)."""
+        if self.http_host:
+            return self.http_host
+        return self.host if self.insecure_allow_remote or is_loopback(self.host) else DEFAULT_HOST
 
     @property
     def curve(self) -> bool:
@@ -142,6 +151,11 @@ class ServerConfig:
                 "namespace's KV it can name, and the inline transport moves KV in plain TCP (docs/security.md). "
                 "Require CURVE keys (--curve-secret-key and --curve-authorized-dir; make them with kvdock keygen), "
                 "or bind it anyway with --insecure-allow-remote (KVDOCK_INSECURE_ALLOW_REMOTE=1) on a trusted network"
+            )
+        if self.http_host and not self.insecure_allow_remote and not is_loopback(self.http_host):
+            raise ConfigError(
+                f"http_host {self.http_host!r} is not a loopback address, and HTTP is plain text (tokens and admin "
+                "actions): put it behind a TLS proxy on loopback, or bind it anyway with --insecure-allow-remote"
             )
         ports = [p for p in (self.port, self.http_port, self.kv_events_port) if p]
         if len(set(ports)) != len(ports):

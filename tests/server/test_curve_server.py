@@ -185,12 +185,34 @@ def test_kv_events_reach_authorized_subscribers_only(tmp_path: Path, keys: Keys)
         assert srv.stop() == 0, srv.log()
 
 
+def _own_address() -> str | None:
+    """A non-loopback address of this host (None if it has none)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # (no packet is sent)
+            addr = str(s.getsockname()[0])
+        except OSError:
+            return None
+    return None if addr.startswith("127.") else addr
+
+
 def test_curve_lets_the_server_bind_a_non_loopback_address(tmp_path: Path, keys: Keys) -> None:
+    import socket
+
     srv = _curve_server(tmp_path, keys, "--host", "0.0.0.0")
     try:
         with kvd.connect(srv.url, srv.http_url, MODEL, 10, **keys.client("alice")) as a:
             kvd.store(a, make_kv(CHUNK), make_tokens(CHUNK))
             assert kvd.lookup(a, make_tokens(CHUNK)) == CHUNK
+        assert f"http http://127.0.0.1:{srv.http_port}" in srv.log()  # (review) plain HTTP stays local
+        addr = _own_address()
+        if addr is not None:  # zmq answers on the host's address, HTTP does not
+            with kvd.connect(f"tcp://{addr}:{srv.port}", srv.http_url, MODEL, 10, **keys.client("bob")) as b:
+                assert kvd.lookup(b, make_tokens(CHUNK)) == CHUNK
+            with pytest.raises(OSError):
+                socket.create_connection((addr, srv.http_port), timeout=5).close()
     finally:
         assert srv.stop() == 0, srv.log()
     r = subprocess.run(

@@ -126,6 +126,10 @@ def test_live_clients_are_capped() -> None:
     [
         ({"model_name": ""}, "model_name must not be empty"),
         ({"model_name": "m" * 201}, "model_name has 201 characters, more than 200"),
+        (
+            {"model_name": "a\x001\x00b"},
+            "model_name 'a\\x001\\x00b' holds control characters",
+        ),  # (review: it would blur object names)
         ({"engine": m.EngineInfo(name="e" * 201)}, "engine.name has 201 characters, more than 200"),
         ({"engine": m.EngineInfo(version="v" * 300)}, "engine.version has 300 characters, more than 200"),
         (

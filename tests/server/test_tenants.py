@@ -89,7 +89,7 @@ salts = [{beta_salts}]
 @pytest.mark.parametrize(
     "body, message",
     [
-        ('tokens = ["short"]\nmodels = ["*"]\nsalts = ["a"]', "at least 16"),
+        ('tokens = ["short"]\nmodels = ["*"]\nsalts = ["a"]', "16 to 1024 characters"),
         ('models = ["*"]\nsalts = ["a"]', "neither keys nor tokens"),
         (f'tokens = ["{TOKEN_A}"]\nsalts = ["a"]', "no models"),
         (f'tokens = ["{TOKEN_A}"]\nmodels = ["*"]', "no salts"),

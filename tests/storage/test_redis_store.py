@@ -336,3 +336,28 @@ def test_a_budget_keeps_this_servers_writes_within_max_bytes_lru_first(redis_ser
         big.close()
     finally:
         store.close()
+
+
+def test_tenants_quotas_keep_each_tenants_writes_within_its_share(redis_server: RedisProc, raw) -> None:
+    from kvdock.storage.shares import Shares
+
+    size = len(objfile.encode_header(K(1), DTYPE, SHAPE, memoryview(payload(1)), 1, 0)) + NB
+    shares = Shares(lambda salt: salt or None, {"a": 2 * size, "b": size})
+    store = RedisTier(redis_server.url, timeout=2.0, max_bytes=4 * size, shares=shares)
+    try:
+        put(store, K(1, salt="b"))
+        put(store, K(2, salt=""))  # nobody's
+        for i in (3, 4, 5):  # a's quota is two values: its own oldest goes
+            put(store, K(i, salt="a"))
+        assert [get(store, K(i, salt="a")) is not None for i in (3, 4, 5)] == [False, True, True]
+        assert get(store, K(1, salt="b")) == payload(1) and get(store, K(2)) == payload(2)
+        assert shares.used == {"a": 2 * size, "b": size, None: size}
+        put(store, K(6, salt=""))  # the budget is full: nobody's may evict nobody's only
+        assert get(store, K(2)) is None and get(store, K(1, salt="b")) == payload(1)
+        with pytest.raises(NoRoom, match="quota of tenant 'b'"):
+            put(store, K(7, salt="b"), payload(7) * 2)  # more than b's whole quota
+        store.delete(K(4, salt="a"))
+        store.check_integrity()
+        assert shares.used == {"a": size, "b": size, None: size} and raw.dbsize() == 3
+    finally:
+        store.close()

@@ -96,8 +96,8 @@ class _EchoServer:
     """A CURVE ControlServer on its own loop thread that answers every request with its header and
     records the key each came with."""
 
-    def __init__(self, sc: curve.ServerCurve) -> None:
-        self.url = f"tcp://127.0.0.1:{free_port()}"
+    def __init__(self, sc: curve.ServerCurve, port: int = 0) -> None:
+        self.url = f"tcp://127.0.0.1:{port or free_port()}"
         self.keys: list[bytes] = []
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -181,3 +181,49 @@ def test_a_refused_handshake_fails_at_once_with_the_reason(
         client.close()
     assert echo.keys == []  # nothing reached the handler
     assert echo.control.refused == (1 if who == "stranger" else 0)
+
+
+def test_a_failed_handshake_is_not_for_ever(keys: dict[str, curve.KeyPair]) -> None:
+    """(review) A connection dropped in the greeting (a restarting server, a probe) fails the
+    waiting call at once, but a later handshake that succeeds makes the client work again; after
+    a success, such a drop is only retried (a call times out, never PermissionDenied)."""
+    import socket
+
+    port = free_port()
+    dropper = socket.create_server(("127.0.0.1", port))
+    stop = threading.Event()
+
+    def drop() -> None:
+        dropper.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = dropper.accept()
+            except OSError:
+                continue
+            conn.close()
+
+    t = threading.Thread(target=drop, daemon=True)
+    t.start()
+    settings = curve.ClientCurve(keys["server"].public, keys["ok"])
+    client = ControlClient(f"tcp://127.0.0.1:{port}", 30, settings)
+    try:
+        with pytest.raises(HandshakeRefused):
+            client.call(m.Ping(), timeout=10)
+        stop.set()
+        t.join()
+        dropper.close()
+        sc = curve.ServerCurve(keys["server"], frozenset({keys["ok"].public}))
+        srv = _EchoServer(sc, port)
+        try:
+            deadline = time.monotonic() + 15
+            while True:  # libzmq reconnects by itself
+                try:
+                    assert isinstance(client.call(m.Ping(), timeout=2).reply, m.Pong)
+                    break
+                except HandshakeRefused:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+        finally:
+            srv.close()
+    finally:
+        client.close()

@@ -23,9 +23,9 @@ def _serve(args: argparse.Namespace) -> int:
     from kvdock.server.launch import serve
 
     names = (
-        "host port http_port chunk_size l1_size session_ttl client_ttl max_models max_request_tokens admin_token "
-        "log_level disk_dir disk_size redis_url redis_max_bytes kv_events_port curve_secret_key curve_authorized_dir "
-        "tenants"
+        "host http_host port http_port chunk_size l1_size session_ttl client_ttl max_models max_request_tokens "
+        "admin_token log_level disk_dir disk_size redis_url redis_max_bytes kv_events_port curve_secret_key "
+        "curve_authorized_dir tenants"
     )
     cli: dict[str, object] = {k: getattr(args, k) for k in names.split()}
     cli["no_shm"] = True if args.no_shm else None
@@ -274,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--tenants",
         help="tenants file (TOML): each tenant's CURVE keys or tokens, models, cache_salt namespaces and quotas",
+    )
+    s.add_argument(
+        "--http-host",
+        help="bind address for HTTP (default: --host; loopback when only CURVE opens --host to the network)",
     )
     s.add_argument("--port", type=int, help="ZMQ control port (default 5555)")
     s.add_argument("--http-port", type=int, help="HTTP port (default 9000)")

@@ -244,7 +244,10 @@ class RenewSessions(_Msg, frozen=True):
 
 
 class CheckIntegrity(_Msg, frozen=True):
-    pass
+    """Run the server's check_integrity(); with tenants it needs the admin token (it walks every
+    object on the event loop, and its findings may name anyone's keys)."""
+
+    admin_token: str = ""
 
 
 class CloseClient(_Msg, frozen=True):

@@ -393,9 +393,10 @@ def lookup_tips(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> Ti
     return Tips(int(reply.hit_tokens), tuple(int(v) for v in reply.tips))
 
 
-def check_server_integrity(ctx: KVCacheContext) -> list[str]:
-    """Ask the server to run its ``check_integrity()``; returns the problems found (empty = sound)."""
-    report = validate.context(ctx).call(m.CheckIntegrity()).reply
+def check_server_integrity(ctx: KVCacheContext, admin_token: str = "") -> list[str]:
+    """Ask the server to run its ``check_integrity()``; returns the problems found (empty = sound).
+    A server with tenants needs its ``admin_token`` (PermissionDeniedError)."""
+    report = validate.context(ctx).call(m.CheckIntegrity(admin_token)).reply
     if not isinstance(report, m.IntegrityReport):
         raise KVCacheSDKError(f"unexpected reply {type(report).__name__}")
     return list(report.problems)

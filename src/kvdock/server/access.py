@@ -48,6 +48,20 @@ def check_model(tenant: Tenant | None, model: str) -> None:
         raise RequestError(f"tenant {tenant.name!r} may not use model {model!r}", ErrorCode.UNAUTHORIZED)
 
 
+def check_registrant(state: ServerState, tenant: Tenant | None, model: str) -> None:
+    """UNAUTHORIZED unless ``tenant`` may register ``model``: a model it may use that no other
+    tenant may (the first layout registered under a name is the one kept: a name two tenants
+    share is the admin's to register, so that neither can squat on it for the other)."""
+    check_model(tenant, model)
+    assert tenant is not None and state.tenants is not None
+    others = [t.name for t in state.tenants.all.values() if t is not tenant and t.allows_model(model)]
+    if others:
+        raise RequestError(
+            f"model {model!r} is shared with other tenants: only the admin token may register it",
+            ErrorCode.UNAUTHORIZED,
+        )
+
+
 def salts_of(req: Any) -> list[str]:
     """The ``cache_salt`` namespaces a request names (none for ops on sessions it opened)."""
     salt = getattr(req, "cache_salt", None)

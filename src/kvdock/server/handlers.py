@@ -87,15 +87,15 @@ def register_model(state: ServerState, req: m.RegisterModel, payload: Payload, k
     _check_version(req.protocol_version)
     authorized = False
     if state.tenants is not None and not state.registry.is_admin(req.admin_token):
-        access.check_model(access.tenant_of(state, key, req.token), req.layout.model_name)
+        access.check_registrant(state, access.tenant_of(state, key, req.token), req.layout.model_name)
         authorized = True
     entry, created = state.registry.register_model(req.layout, req.admin_token, authorized=authorized)
     return Reply(m.ModelRegistered(created, entry.slot_nbytes))
 
 
-def shares_memory(state: ServerState, tenant: object) -> bool:
-    """Whether clients (of ``tenant``) may map the pool. Not with tenants: the one pool holds
-    every tenant's objects, so they get the inline transport."""
+def shares_memory(state: ServerState) -> bool:
+    """Whether clients may map the pool. Not with tenants: the one pool holds every tenant's
+    objects, so they get the inline transport."""
     return state.shm_enabled and state.tenants is None
 
 
@@ -109,7 +109,7 @@ def describe(state: ServerState, req: m.Describe, payload: Payload, key: bytes =
             state.chunk_size,
             state.registry.max_request_tokens,
             state.manager.sessions.ttl,
-            state.segment.name if shares_memory(state, tenant) else "",
+            state.segment.name if shares_memory(state) else "",
             entry.layout if entry is not None else None,
             sorted(visible),
         )
@@ -122,7 +122,7 @@ def register_client(state: ServerState, req: m.RegisterClient, payload: Payload,
     # Shared memory only for a process this server can see (same PID namespace): a client that
     # writes slots itself must be one whose death the server can detect (see storage.sessions).
     use_shm = (
-        shares_memory(state, tenant)
+        shares_memory(state)
         and req.shm_proof == state.segment.nonce
         and req.pid > 0
         and proc_start_time(req.pid) == req.pid_start
@@ -152,12 +152,11 @@ def close_client(state: ServerState, req: m.CloseClient, payload: Payload) -> Re
 
 
 def check_integrity(state: ServerState, req: m.CheckIntegrity, payload: Payload) -> Reply:
+    if state.tenants is not None and not state.registry.is_admin(req.admin_token):
+        raise RequestError("checking a server with tenants needs its admin token", ErrorCode.UNAUTHORIZED)
     try:
         state.manager.check_integrity()
     except AssertionError as e:
-        if state.tenants is not None:  # the message may name another tenant's keys: the log only
-            log.error("integrity check failed: %s", e)
-            return Reply(m.IntegrityReport(False, ["integrity check failed (details in the server log)"]))
         return Reply(m.IntegrityReport(False, [str(e) or "assertion failed"]))
     return Reply(m.IntegrityReport(True, []))
 

@@ -160,9 +160,25 @@ async def _status(request: web.Request) -> web.Response:
         visible = set(state.registry.visible(tenant))
         doc = {k: doc[k] for k in ("health", "server_version", "uptime_s")} | {
             "tenant": tenant.name,
+            "usage": tenant_usage(state, tenant),
             "cache_context_meta": [e for e in doc["cache_context_meta"] if e["model_name"] in visible],
         }
+    elif state.tenants is not None:
+        doc["tenants"] = {t.name: tenant_usage(state, t) for t in state.tenants.all.values()}
     return web.json_response(doc)
+
+
+def tenant_usage(state: ServerState, tenant: Tenant) -> dict[str, dict[str, int]]:
+    """Per tier with quotas: the bytes ``tenant`` holds there and its quota (L3: what this server
+    wrote for it)."""
+    tiers = [("l1", state.manager.l1.shares)] + [
+        (lane.name, getattr(lane.tier, "shares", None)) for lane in state.manager.lanes
+    ]
+    return {
+        name: {"used_bytes": shares.used.get(tenant.name, 0), "quota_bytes": tenant.quota(name)}
+        for name, shares in tiers
+        if shares is not None and tenant.quota(name)
+    }
 
 
 async def _healthz(request: web.Request) -> web.Response:

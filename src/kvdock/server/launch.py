@@ -40,6 +40,7 @@ from kvdock.server.tenants import Tenants, load_tenants
 from kvdock.shm import PoolSegment, SlotAllocator, cleanup_stale
 from kvdock.shm.directory import Directory, entries_for
 from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane, tier_factory
+from kvdock.storage.shares import Shares, check_fits
 from kvdock.transport import listener
 from kvdock.transport.curve import ServerCurve
 from kvdock.transport.curve import available as curve_available
@@ -95,7 +96,7 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
         allocator = SlotAllocator(segment.data_offset, size, segment.generations())
         publisher = _open_events(config, curve, tenants)
         events = ChunkEvents(metrics, config.chunk_size, publisher, tenants)
-        disk = _open_disk(config)
+        disk = _open_disk(config, tenants)
         registry = Registry(
             config.chunk_size,
             disk.root / "models.msgpack" if disk is not None else None,
@@ -103,10 +104,16 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
             pool_capacity=allocator.capacity,
         )
         metrics.watch_registry(registry)
-        redis = _open_redis(config)
+        redis = _open_redis(config, tenants)
         # without a lower tier, what the directory lacks is not cached at all (fast reads' misses)
         directory = Directory(segment, complete=disk is None and redis is None) if fast_reads else None
-        l1 = L1Store(allocator, watcher=events, memory=segment.buf, directory=directory)
+        l1 = L1Store(
+            allocator,
+            watcher=events,
+            memory=segment.buf,
+            directory=directory,
+            shares=tier_shares(tenants, "l1", allocator.capacity),
+        )
         lanes = [TierLane(t, l1) for t in (disk, redis) if t is not None]
         manager = StorageManager(l1, config.session_ttl, lanes, registry.geometry_of, registry.chunk_size)
     except BaseException:
@@ -138,13 +145,32 @@ def _open_events(config: ServerConfig, curve: ServerCurve | None, tenants: Tenan
         raise ConfigError(f"cannot publish KV events on {config.kv_events_url}: {e}") from None
 
 
-def _open_disk(config: ServerConfig) -> DiskTier | None:
+def tier_shares(tenants: Tenants | None, tier: str, capacity: int) -> Shares | None:
+    """The tenants' quotas of ``tier`` (None without tenants, or when none has one there);
+    ConfigError when they do not fit in its ``capacity`` (0: not known, e.g. L3 without
+    --redis-max-bytes)."""
+    if tenants is None:
+        return None
+    quotas = {t.name: t.quota(tier) for t in tenants.all.values() if t.quota(tier)}
+    if not quotas:
+        return None
+    if capacity:
+        check_fits(tier, capacity, quotas)
+
+    def owner_of(salt: str) -> str | None:
+        tenant = tenants.owner(salt)
+        return tenant.name if tenant is not None else None
+
+    return Shares(owner_of, quotas)
+
+
+def _open_disk(config: ServerConfig, tenants: Tenants | None) -> DiskTier | None:
     if config.no_disk:
         return None
     root = Path(config.disk_dir) if config.disk_dir else default_disk_dir()
     size = config.disk_size or auto_disk_size(root)
     try:
-        disk = tier_factory("l2")(root, size)
+        disk = tier_factory("l2")(root, size, tier_shares(tenants, "l2", size))
     except DiskInUseError as e:
         raise ConfigError(f"{e}; give another --disk-dir, or --no-disk") from None
     assert isinstance(disk, DiskTier)
@@ -161,12 +187,13 @@ def _open_disk(config: ServerConfig) -> DiskTier | None:
     return disk
 
 
-def _open_redis(config: ServerConfig) -> RedisTier | None:
+def _open_redis(config: ServerConfig, tenants: Tenants | None) -> RedisTier | None:
     if not config.redis_url:
         return None
     from kvdock.storage.redis import RedisTier  # imports redis-py: only a server with an L3 does
 
-    store = tier_factory("l3")(config.redis_url, max_bytes=config.redis_max_bytes)
+    shares = tier_shares(tenants, "l3", config.redis_max_bytes)
+    store = tier_factory("l3")(config.redis_url, max_bytes=config.redis_max_bytes, shares=shares)
     assert isinstance(store, RedisTier)
     store.probe()
     if store.up():
@@ -348,12 +375,6 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     raise_fd_limit()
     keep_freed_memory()
     tenants = load_tenants(config.tenants) if config.tenants else None
-    for tenant in tenants.all.values() if tenants is not None else ():
-        if tenant.quotas:  # a quota that does nothing is worse than none: refused until enforced
-            raise ConfigError(
-                f"tenant {tenant.name!r}: per-tenant quotas ({', '.join(tenant.quotas)}) are not enforced yet; "
-                "remove them from the tenants file"
-            )
     curve = server_curve(config, tenants)
     state = build_state(config, curve, tenants)
     try:
@@ -387,7 +408,7 @@ async def _run(
     runner = web.AppRunner(make_app(state, config), access_log=None, logger=request_logger())
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.http_port).start()
+        await web.TCPSite(runner, config.http_bind_host, config.http_port).start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -398,7 +419,7 @@ async def _run(
             (f" (CURVE, {len(curve.authorized)} client key(s))" if curve is not None else "")
             + (f", {len(state.tenants)} tenant(s)" if state.tenants is not None else ""),
             f" and {control.local_url}" if control.local_url else "",
-            config.host,
+            config.http_bind_host,
             config.http_port,
             config.chunk_size,
             format_size(state.manager.l1.allocator.capacity),

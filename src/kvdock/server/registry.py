@@ -236,6 +236,8 @@ class Registry:
             raise RegistrationError("model_name must not be empty")
         if len(lay.model_name) > MAX_NAME_LEN:
             raise RegistrationError(f"model_name has {len(lay.model_name)} characters, more than {MAX_NAME_LEN}")
+        if not lay.model_name.isprintable():  # (a NUL would blur the names of its stored objects)
+            raise RegistrationError(f"model_name {lay.model_name!r} holds control characters")
         _check_engine(lay)
         try:
             geo = lay.geometry.check()
@@ -294,7 +296,7 @@ class Registry:
                 f"client_ttl ({self.client_ttl:g} s) is forgotten",
                 ErrorCode.LIMIT,
             )
-        client = ClientEntry(secrets.token_hex(8), instance_id, model, kv_rank, transport, self._clock())
+        client = ClientEntry(secrets.token_hex(16), instance_id, model, kv_rank, transport, self._clock())
         client.key, client.tenant = key, tenant
         self.clients[client.client_id] = client
         return client

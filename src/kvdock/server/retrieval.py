@@ -26,6 +26,7 @@ from kvdock.keys import ObjectKey
 from kvdock.memcpy import Copier
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
+from kvdock.server import access
 from kvdock.server.handlers import client_of, count_hits, keys_of
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
@@ -421,7 +422,9 @@ def fast_reads(state: ServerState, req: m.FastReads, payload: Payload) -> Reply:
         )
     client = state.registry.touch(req.client_id)
     if client is None:  # not counted: of a registration this server does not know (or bogus)
-        raise RequestError(f"client {req.client_id!r} is not registered", ErrorCode.UNKNOWN_CLIENT)
+        raise access.unknown_client(req.client_id)
+    if client.transport != "shm":  # it reads no pool directory: a report of it is made up
+        raise RequestError("FastReads from a client without shared memory")
     if n:
         allowed = client.allow_touches(n)
         l1 = state.manager.l1

@@ -36,6 +36,7 @@ from kvdock.transport.curve import load_public
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MIN_TOKEN_LEN = 16
+MAX_TOKEN_LEN = 1024
 TIERS = ("l1", "l2", "l3")
 _KEYS = {"keys", "tokens", "models", "salts", *TIERS}
 
@@ -168,9 +169,8 @@ def _tenant(path: Path, name: str, entry: Any) -> Tenant:
             raise ConfigError(f"{where}: {k} must be a list of non-empty strings")
     if not lists["keys"] and not lists["tokens"]:
         raise ConfigError(f"{where} has neither keys nor tokens: no client could be it")
-    short = [t for t in lists["tokens"] if len(t) < MIN_TOKEN_LEN]
-    if short:
-        raise ConfigError(f"{where}: tokens must be at least {MIN_TOKEN_LEN} characters")
+    if any(not MIN_TOKEN_LEN <= len(t) <= MAX_TOKEN_LEN for t in lists["tokens"]):
+        raise ConfigError(f"{where}: tokens must be {MIN_TOKEN_LEN} to {MAX_TOKEN_LEN} characters")
     if not lists["models"]:
         raise ConfigError(f'{where} has no models (list them, or "*" for any)')
     salts, prefixes = set(), []

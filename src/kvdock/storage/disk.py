@@ -23,6 +23,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from kvdock.errors import CorruptObject, DiskInUseError, NoRoom
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.storage import objfile
+from kvdock.storage.shares import Shares
 from kvdock.storage.tier import Head, StorageTier, TierCounters, tier_kind
 
 log = logging.getLogger(__name__)
@@ -70,9 +72,11 @@ class DiskTier(StorageTier):
 
     name = "l2"
 
-    def __init__(self, root: Path, capacity: int) -> None:
+    def __init__(self, root: Path, capacity: int, shares: Shares | None = None) -> None:
         self.root = root
         self.capacity = capacity
+        # tenants' quotas (storage.shares): charged for indexed files and writes in flight
+        self.shares = shares
         self.counters = TierCounters()
         root.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -136,7 +140,11 @@ class DiskTier(StorageTier):
             for _, entry in sorted(found, key=lambda t: t[0]):
                 self._index[entry.key] = entry
                 self.used_bytes += entry.file_size
+                if self.shares is not None:
+                    self.shares.charge(self.shares.owner(entry.key), entry.file_size)
             self._make_room(0)  # the budget may have shrunk since the last run
+            for owner in list(self.shares.quotas) if self.shares is not None else ():
+                self._make_room(0, owner)  # ... and so may a quota
         self.counters.corrupted += torn
         self.last_scan = ScanReport(len(self._index), torn, temps)
         return self.last_scan
@@ -185,8 +193,7 @@ class DiskTier(StorageTier):
         with self._lock:
             if self._index.get(entry.key) is not entry:
                 return  # replaced or deleted meanwhile: the path is not this file any more
-            del self._index[entry.key]
-            self.used_bytes -= entry.file_size
+            self._unindex(entry.key)
             try:
                 entry.path.unlink(missing_ok=True)
             except OSError as e:
@@ -200,15 +207,16 @@ class DiskTier(StorageTier):
         path = self.path_for(key)
         decoded, _ = objfile.decode_header(header)
         head = Head(decoded.version, decoded.parent)
+        owner = self.shares.owner(key) if self.shares is not None else None
         with self._lock:
-            old = self._index.pop(key, None)  # its file is replaced by the rename below
-            if old is not None:
-                self.used_bytes -= old.file_size
-            if not self._make_room(size):
+            old = self._unindex(key)  # its file is replaced by the rename below
+            if not self._make_room(size, owner):
                 if old is not None:
                     old.path.unlink(missing_ok=True)  # not written: the older version must not stay
-                raise NoRoom(f"{size} bytes do not fit in the L2 budget of {self.capacity}")
+                raise NoRoom(f"{size} bytes do not fit in the L2 budget of {self.capacity} (or its owner's quota)")
             self.pending_bytes += size  # promised to this write until it is indexed or fails
+            if self.shares is not None:
+                self.shares.charge(owner, size)
         try:
             if self.fault_write_delay_s:
                 time.sleep(self.fault_write_delay_s)
@@ -216,6 +224,8 @@ class DiskTier(StorageTier):
         except OSError as e:
             with self._lock:
                 self.pending_bytes -= size
+                if self.shares is not None:
+                    self.shares.release(owner, size)
                 if old is not None:
                     path.unlink(missing_ok=True)  # not replaced: the older version must not stay
                 if e.errno == errno.ENOSPC:
@@ -225,10 +235,19 @@ class DiskTier(StorageTier):
             raise
         with self._lock:
             os.rename(tmp, path)
-            self._index[key] = DiskEntry(key, path, size, head)
+            self._index[key] = DiskEntry(key, path, size, head)  # (charged to its owner since the promise)
             self.pending_bytes -= size
             self.used_bytes += size
         return size
+
+    def _unindex(self, key: ObjectKey) -> DiskEntry | None:
+        """Forget ``key``'s file (not unlinked here); its entry, or None. Caller holds the lock."""
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self.used_bytes -= entry.file_size
+            if self.shares is not None:
+                self.shares.release(self.shares.owner(key), entry.file_size)
+        return entry
 
     def _disk_is_full(self) -> None:
         """ENOSPC: cut the budget to what is stored now (logged once), so that later writes evict
@@ -238,25 +257,40 @@ class DiskTier(StorageTier):
             log.warning("L2: disk full at %s; budget cut to the %d bytes stored", self.root, self.capacity)
         self.disk_full = True
 
-    def _make_room(self, file_size: int) -> bool:
-        """Unlink least recently used files until ``file_size`` more bytes fit; False if they never
-        can. Caller holds the lock."""
-        if file_size > self.capacity:
+    def _make_room(self, file_size: int, owner: str | None = None) -> bool:
+        """Unlink least recently used files until ``file_size`` more bytes of ``owner`` fit, in
+        the budget and in the owner's quota (evicting only what it may: storage.shares); False
+        if they never can. Caller holds the lock."""
+        shares = self.shares
+        if file_size > self.capacity or (shares is not None and shares.too_big(owner, file_size)):
             return False
-        while self._index and self.used_bytes + self.pending_bytes + file_size > self.capacity:
-            _, entry = self._index.popitem(last=False)
-            self.used_bytes -= entry.file_size
-            entry.path.unlink(missing_ok=True)
+        while shares is not None and shares.over(owner, file_size):
+            if not self._evict_first(lambda victim: victim == owner):
+                return False
+
+        def may(victim: str | None) -> bool:
+            return shares is None or shares.may_evict(victim, owner)
+
+        while self.used_bytes + self.pending_bytes + file_size > self.capacity:
+            if not self._evict_first(may):
+                break
         return self.used_bytes + self.pending_bytes + file_size <= self.capacity
+
+    def _evict_first(self, may: Callable[[str | None], bool]) -> bool:
+        """Unlink the least recently used file whose owner ``may`` says can go; whether one did."""
+        for key, entry in self._index.items():
+            if self.shares is None or may(self.shares.owner(key)):
+                self._unindex(key)
+                entry.path.unlink(missing_ok=True)
+                return True
+        return False
 
     def delete(self, key: ObjectKey) -> None:
         path = self.path_for(key)
         if self.fault_write_delay_s:
             time.sleep(self.fault_write_delay_s)
         with self._lock:
-            entry = self._index.pop(key, None)
-            if entry is not None:
-                self.used_bytes -= entry.file_size
+            self._unindex(key)
             path.unlink(missing_ok=True)
         # even when the file was gone already: an earlier unlink (eviction, a dropped corrupt
         # file) was not synced, and must not come back after a power loss
@@ -266,9 +300,8 @@ class DiskTier(StorageTier):
     def clear(self) -> int:
         with self._lock:
             entries = list(self._index.values())
-            self._index.clear()
-            self.used_bytes = 0
             for e in entries:
+                self._unindex(e.key)
                 e.path.unlink(missing_ok=True)
         return len(entries)
 
@@ -291,6 +324,8 @@ class DiskTier(StorageTier):
             for key, e in self._index.items():
                 assert e.key == key and e.path == self.path_for(key)
                 assert e.path.exists(), f"indexed file {e.path} is missing"
+            if self.shares is not None and not self.pending_bytes:  # (writes in flight are charged too)
+                self.shares.check((self.shares.owner(k), e.file_size) for k, e in self._index.items())
 
 
 def _fsync_dir(path: Path) -> None:

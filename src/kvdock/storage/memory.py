@@ -23,6 +23,7 @@ from typing import Protocol
 from kvdock.keys import ObjectKey, namespace_digest
 from kvdock.shm.directory import Directory
 from kvdock.shm.slots import SlotAllocator, aligned
+from kvdock.storage.shares import Shares
 
 
 class State(enum.Enum):
@@ -66,8 +67,10 @@ class L1Store:
         watcher: L1Watcher | None = None,
         memory: memoryview | None = None,
         directory: Directory | None = None,
+        shares: Shares | None = None,
     ) -> None:
         self.allocator = allocator
+        self.shares = shares  # tenants' quotas of the pool (storage.shares): charged per slot
         self._memory = memory  # the pool's bytes, for workers that copy to and from lower tiers
         self._ready: dict[ObjectKey, L1Object] = {}
         self._reserved: dict[ObjectKey, L1Object] = {}
@@ -117,30 +120,56 @@ class L1Store:
     def reserve(self, key: ObjectKey, nbytes: int) -> L1Object | None:
         """Reserve a slot for a new version of ``key``, evicting LRU objects of the same slot size if
         needed. Returns None when nothing can make room ("pool full"); pinned data is never evicted.
+        With shares, the key's owner first evicts its own LRU objects (any size) while it would be
+        over its quota, and the pool evicts only what the owner may evict (storage.shares).
         Precondition: ``key`` has no pending reservation."""
         assert key not in self._reserved, "key already reserved"
+        size = aligned(nbytes)
+        owner = self.shares.owner(key) if self.shares is not None else None
+        if self.shares is not None:
+            if self.shares.too_big(owner, size):
+                return None
+            while self.shares.over(owner, size):
+                if not self._evict_one(None, owner, own=True):
+                    return None
         offset = self.allocator.alloc(nbytes)
         while offset is None:
-            if not self._evict_one(aligned(nbytes)):
+            if not self._evict_one(size, owner):
                 return None
             offset = self.allocator.alloc(nbytes)
+        if self.shares is not None:
+            self.shares.charge(owner, size)
         obj = L1Object(key, offset, nbytes)
         self._reserved[key] = obj
         return obj
 
-    def _evict_one(self, slot_size: int) -> bool:
+    def _evict_one(self, slot_size: int | None, owner: str | None = None, own: bool = False) -> bool:
+        """Evict the least recently used object of ``slot_size`` (None: any) that making room for
+        ``owner`` may evict (``own``: only ``owner``'s own); whether there was one."""
+        shares = self.shares
         for key, obj in self._lru.items():
-            if aligned(obj.nbytes) == slot_size:
-                del self._lru[key]
-                del self._ready[key]
-                self._unpublish(obj)
-                obj.live = False
-                self.allocator.free(obj.offset)
-                self.evictions += 1
-                if self._watcher:
-                    self._watcher.removed(obj, evicted=True)
-                return True
+            if slot_size is not None and aligned(obj.nbytes) != slot_size:
+                continue
+            if shares is not None:
+                victim = shares.owner(key)
+                if not (victim == owner if own else shares.may_evict(victim, owner)):
+                    continue
+            del self._lru[key]
+            del self._ready[key]
+            self._unpublish(obj)
+            obj.live = False
+            self._free_slot(obj)
+            self.evictions += 1
+            if self._watcher:
+                self._watcher.removed(obj, evicted=True)
+            return True
         return False
+
+    def _free_slot(self, obj: L1Object) -> None:
+        """Give ``obj``'s slot back (and its bytes back to its owner's share)."""
+        self.allocator.free(obj.offset)
+        if self.shares is not None:
+            self.shares.release(self.shares.owner(obj.key), aligned(obj.nbytes))
 
     def commit(self, obj: L1Object) -> None:
         """RESERVED → READY (most recently used). Replaces an older READY version of the key."""
@@ -166,7 +195,7 @@ class L1Store:
             assert self._reserved.get(obj.key) is obj
             del self._reserved[obj.key]
         obj.live = False
-        self.allocator.free(obj.offset)
+        self._free_slot(obj)
 
     def detach(self, obj: L1Object) -> None:
         """Set a reservation aside: it keeps its slot (a worker may still be writing into it) but no
@@ -193,7 +222,7 @@ class L1Store:
             self._lru[obj.key] = obj
         else:
             self._retired.discard(obj)
-            self.allocator.free(obj.offset)
+            self._free_slot(obj)
 
     def remove(self, key: ObjectKey) -> bool:
         """Delete the READY object of ``key`` (its slot is freed now, or at its last unpin)."""
@@ -229,7 +258,7 @@ class L1Store:
             self._retired.add(obj)
         else:
             del self._lru[obj.key]
-            self.allocator.free(obj.offset)
+            self._free_slot(obj)
 
     def touch(self, entry: int, offset: int, gen: int) -> bool:
         """A client read the object published at ``entry`` (found in slot ``offset`` of generation
@@ -328,5 +357,7 @@ class L1Store:
         assert total == self.allocator.used_bytes, (
             f"objects hold {total} bytes, allocator says {self.allocator.used_bytes}"
         )
+        if self.shares is not None:
+            self.shares.check((self.shares.owner(o.key), aligned(o.nbytes)) for o in held)
         if self._directory is not None:
             self._check_directory(self._directory)

@@ -19,7 +19,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import redis as redis_py
 import redis.cluster as redis_cluster
@@ -31,6 +32,7 @@ from kvdock.errors import CorruptObject, NoRoom
 from kvdock.keys import ObjectKey, namespace
 from kvdock.layout import KVGeometry
 from kvdock.storage import objfile, resp
+from kvdock.storage.shares import Shares
 from kvdock.storage.tier import Head, StorageTier, TierCounters, tier_kind
 
 log = logging.getLogger(__name__)
@@ -77,19 +79,30 @@ def redis_key(key: ObjectKey) -> bytes:
     return f"kvdock:v1:{namespace(key.model, key.rank, key.salt)}:{key.chunk.hex()}".encode()
 
 
+class _Written(NamedTuple):
+    """One of this server's writes to L3: its bytes and owner (a tenant, or None)."""
+
+    nbytes: int
+    owner: str | None
+
+
 @tier_kind("l3")
 class RedisTier(StorageTier):
     """L3 on one Redis/Valkey server (see the module docstring)."""
 
     name = "l3"
 
-    def __init__(self, url: str, timeout: float = 5.0, max_bytes: int = 0) -> None:
+    def __init__(self, url: str, timeout: float = 5.0, max_bytes: int = 0, shares: Shares | None = None) -> None:
         self.url = url
         self.timeout = timeout
         # with max_bytes, this server keeps at most that many bytes of its own writes in L3,
-        # deleting the least recently used of them (written or read here) to make room
+        # deleting the least recently used of them (written or read here) to make room; with
+        # shares, each tenant's writes from this server stay within its quota (storage.shares)
         self.max_bytes = max_bytes
-        self._written: OrderedDict[bytes, int] = OrderedDict()  # redis key -> bytes (under _lock)
+        self.shares = shares
+        self._tracking = bool(max_bytes or shares)
+        # redis key -> its bytes and owner, least recently used first (under _lock)
+        self._written: OrderedDict[bytes, _Written] = OrderedDict()
         self._written_bytes = 0
         self._down_nodes: dict[str, str] = {}  # cluster nodes the last probe could not reach (under _lock)
         self.cluster = url.startswith(CLUSTER_SCHEMES)
@@ -185,34 +198,59 @@ class RedisTier(StorageTier):
         """Store ``header + payload`` under the key in one atomic script (WRITE_SCRIPT)."""
         final = redis_key(key)
         size = len(header) + len(payload)
-        self._make_room(final, size)
+        owner = self.shares.owner(key) if self.shares is not None else None
+        self._make_room(final, size, owner)
         self._redis.eval(WRITE_SCRIPT, 1, final, header, payload)
-        if self.max_bytes:
+        if self._tracking:
             with self._lock:
-                self._written_bytes += size - self._written.pop(final, 0)
-                self._written[final] = size
+                self._forget(final)
+                self._written[final] = _Written(size, owner)
+                self._written_bytes += size
+                if self.shares is not None:
+                    self.shares.charge(owner, size)
         return size
 
-    def _make_room(self, final: bytes, size: int) -> None:
-        """[writer] Delete this server's least recently used writes until ``size`` more bytes fit
-        in ``max_bytes``; NoRoom if they never can. (A key deleted here may hold another server's
+    def _forget(self, final: bytes) -> None:
+        """Stop counting this server's write of ``final`` (under _lock)."""
+        old = self._written.pop(final, None)
+        if old is not None:
+            self._written_bytes -= old.nbytes
+            if self.shares is not None:
+                self.shares.release(old.owner, old.nbytes)
+
+    def _make_room(self, final: bytes, size: int, owner: str | None) -> None:
+        """[writer] Delete this server's least recently used writes until ``size`` more bytes of
+        ``owner`` fit in its quota (its own writes) and in ``max_bytes`` (writes it may evict:
+        storage.shares); NoRoom if they never can. (A key deleted here may hold another server's
         newer write by now: that is a miss for it, never wrong bytes.)"""
-        if not self.max_bytes:
-            return
-        if size > self.max_bytes:
+        shares = self.shares
+        if self.max_bytes and size > self.max_bytes:
             raise NoRoom(f"{size} bytes do not fit in the L3 budget of {self.max_bytes}")
+        if shares is not None and shares.too_big(owner, size):
+            raise NoRoom(f"{size} bytes do not fit in the L3 quota of tenant {owner!r}")
         while True:
             with self._lock:
-                over = self._written_bytes - self._written.get(final, 0) + size - self.max_bytes
-                if over <= 0 or not self._written:
+                mine = self._written.get(final)
+                replaced = mine.nbytes if mine is not None else 0
+                if shares is not None and shares.over(owner, size - (replaced if mine and mine.owner == owner else 0)):
+                    victim = self._first(final, lambda v: v == owner)
+                    if victim is None:
+                        raise NoRoom(f"the L3 quota of tenant {owner!r} is held by writes in use")
+                elif self.max_bytes and self._written_bytes - replaced + size > self.max_bytes:
+                    victim = self._first(final, lambda v: shares is None or shares.may_evict(v, owner))
+                    if victim is None:
+                        return
+                else:
                     return
-                victim, nbytes = next(iter(self._written.items()))
-                if victim == final:
-                    self._written.move_to_end(victim)
-                    continue
-                del self._written[victim]
-                self._written_bytes -= nbytes
+                self._forget(victim)
             self._redis.delete(victim)
+
+    def _first(self, final: bytes, may: Callable[[str | None], bool]) -> bytes | None:
+        """The least recently used write (not ``final``) whose owner ``may`` says can go (under _lock)."""
+        for rkey, written in self._written.items():
+            if rkey != final and may(written.owner):
+                return rkey
+        return None
 
     def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
         """The fast read (:meth:`_read_fast`), or redis-py's GET where it cannot decide."""
@@ -220,7 +258,7 @@ class RedisTier(StorageTier):
         found = self._read_fast(rkey, key, out, geometry, chunk_size) if self.fast_reads else FALLBACK
         if found is FALLBACK:
             found = self._read_plain(rkey, key, out, geometry, chunk_size)
-        if found is not None and self.max_bytes:
+        if found is not None and self._tracking:
             with self._lock:
                 if rkey in self._written:
                     self._written.move_to_end(rkey)
@@ -342,10 +380,17 @@ class RedisTier(StorageTier):
                     f"{DELETE_WAIT_MS} ms; a failover could bring the old version back"
                 )
         with self._lock:
-            self._written_bytes -= self._written.pop(final, 0)
+            self._forget(final)
 
     def clear(self) -> int:
         return 0  # shared by other servers: never cleared from here
+
+    def check_integrity(self) -> None:
+        """Assert: the bytes of this server's writes add up, and so do their owners' shares."""
+        with self._lock:
+            assert self._written_bytes == sum(w.nbytes for w in self._written.values()), "L3 written bytes drifted"
+            if self.shares is not None:
+                self.shares.check((w.owner, w.nbytes) for w in self._written.values())
 
     def status(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"kind": "redis", "up": self._up, "url": self.display_url, "last_error": self.last_error}

@@ -115,9 +115,13 @@ _HANDSHAKE_FAILED: dict[int, str] = {
 class ZmqChannel:
     """A DEALER socket (any zmq endpoint; ValueError otherwise), a CURVE client with ``curve``.
 
-    A monitor of the socket reports how handshakes end: one that fails (a key the server does not
-    authorize, the wrong server key, CURVE on one side only; libzmq would only retry, silently)
-    fails the waiting calls with HandshakeRefused at once."""
+    A monitor of the socket reports how handshakes end; libzmq itself would only retry, silently.
+    While the last one failed (a key the server does not authorize, CURVE on one side only, or,
+    before any handshake ever succeeded, the wrong server key), calls fail at once with
+    HandshakeRefused; a later handshake that succeeds (the server restarted with this key
+    authorized, say) makes the channel work again. A failure without detail after a success is
+    taken for what it usually is then, a connection dropped during the greeting (a restart), and
+    only retried."""
 
     edge_triggered = True
 
@@ -125,6 +129,8 @@ class ZmqChannel:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._monitor: zmq.Socket[bytes] | None = None
+        self._succeeded = False  # a handshake ever succeeded
+        self._failed = ""  # why the last one failed, "" once one succeeds again
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
             if curve is not None:
@@ -153,14 +159,16 @@ class ZmqChannel:
         return fd
 
     def _check_handshake(self) -> None:
-        """HandshakeRefused if the last handshake the monitor reported failed."""
+        """HandshakeRefused while the last handshake the monitor reported failed (see the class)."""
         mon = self._monitor
-        failed = ""
         while mon is not None and int(mon.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             event = int(parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))["event"])
-            failed = "" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else _HANDSHAKE_FAILED.get(event, "")
-        if failed:
-            raise HandshakeRefused(failed, sent=False)
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._succeeded, self._failed = True, ""
+            elif event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or not self._succeeded:
+                self._failed = _HANDSHAKE_FAILED.get(event, self._failed)
+        if self._failed:
+            raise HandshakeRefused(self._failed, sent=False)
 
     def send(self, frames: Sequence[Buffer], deadline: float | None) -> None:
         # Never a blocking send: a DEALER whose handshake failed has no pipe, and would wait for
@@ -236,8 +244,9 @@ class ControlClient:
         # call takes the lock up to nine times
         self._mutex = threading.Lock()
         self._cond = threading.Condition(self._mutex)
-        # under _cond: seq -> the reply frames once received (None while awaited)
-        self._slots: dict[bytes, list[memoryview] | None] = {}
+        # under _cond: seq -> the reply frames once received (None while awaited; the exception
+        # to raise when it cannot come)
+        self._slots: dict[bytes, list[memoryview] | HandshakeRefused | None] = {}
         self._leader: threading.Thread | None = None
         self._seq = 0
         self._closed = False
@@ -355,6 +364,8 @@ class ControlClient:
                 raise ConnectionLost(f"the client of {self.url} is closed", sent=False)
             try:
                 self._chan.send(frames, deadline)
+            except HandshakeRefused:
+                raise  # (not broken for good: see ZmqChannel)
             except ConnectionLost as e:
                 self._broke(e)
                 raise
@@ -373,6 +384,9 @@ class ControlClient:
         delivered = False
         try:
             arrived = self._chan.receive()
+        except HandshakeRefused as e:
+            self._refuse_waiting(e)
+            return True
         except ConnectionLost as e:
             self._broke(e)
             return True
@@ -389,6 +403,15 @@ class ControlClient:
             with self._mutex:
                 self._cond.notify_all()
         return delivered
+
+    def _refuse_waiting(self, e: HandshakeRefused) -> None:
+        """Fail the calls waiting now (their requests cannot get through); later calls try again
+        (socket lock held)."""
+        with self._mutex:
+            for seq, frames in self._slots.items():
+                if frames is None:
+                    self._slots[seq] = e
+            self._cond.notify_all()
 
     def _broke(self, e: ConnectionLost) -> None:
         """The channel broke: fail every waiting call (socket lock held)."""
@@ -411,6 +434,8 @@ class ControlClient:
             with self._mutex:
                 while True:
                     frames = self._slots.get(seq)
+                    if isinstance(frames, HandshakeRefused):
+                        raise HandshakeRefused(str(frames), sent=True)
                     if frames is not None:
                         return frames
                     if self._lost is not None:

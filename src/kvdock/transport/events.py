@@ -15,6 +15,7 @@ from kvdock.transport.curve import ClientCurve, Gate, ServerCurve, apply_client,
 # (the subscriber's CURVE key or b"", the topic it asked for) -> the topic it gets, None: none
 Topics = Callable[[bytes, bytes], bytes | None]
 MAX_SUBSCRIPTIONS_PER_TURN = 256  # subscription messages read per turn of the event loop
+MAX_SUBSCRIPTION_BYTES = 4096  # a topic and a token; zmq drops a subscriber that sends more
 
 
 class EventPublisher:
@@ -34,16 +35,17 @@ class EventPublisher:
         self._gate = Gate(self._ctx, curve) if curve is not None else None
         self._topics = topics
         self._sock = self._ctx.socket(zmq.XPUB if topics is not None else zmq.PUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, hwm)
-        if topics is not None:
-            self._sock.setsockopt(zmq.XPUB_MANUAL, 1)
-        if curve is not None:
-            apply_server(self._sock, curve)
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.SNDHWM, hwm)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)  # what subscribers send
+            if topics is not None:
+                self._sock.setsockopt(zmq.XPUB_MANUAL, 1)
+            if curve is not None:
+                apply_server(self._sock, curve)
             self._sock.bind(url)
-        except zmq.ZMQError:
+        except BaseException:
             self.close()
             raise
         self.url = url
@@ -90,6 +92,9 @@ class EventPublisher:
         frames = [topic, seq.to_bytes(8, "big"), encode_batch(batch)]
         with contextlib.suppress(zmq.Again):  # PUB drops rather than blocks: a gap in seq
             self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        # the send may have taken the edge of a subscription that arrived meanwhile
+        if self._loop is not None and int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self._loop.call_soon(self._on_subscriptions)
 
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed() and not self._sock.closed:

@@ -1,0 +1,141 @@
+"""Tenants' quotas in each tier (storage.shares): a tenant over its quota evicts only its own
+least recently used objects, a full tier evicts only objects of tenants without a quota or of the
+one making room, and a store that cannot get within its quota is refused; charges stay exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvdock.errors import ConfigError, NoRoom
+from kvdock.keys import ObjectKey
+from kvdock.shm.slots import ALIGN, SlotAllocator
+from kvdock.storage.disk import DiskTier
+from kvdock.storage.memory import L1Store
+from kvdock.storage.shares import Shares, check_fits
+
+P = ALIGN  # one page: one slot
+
+
+def owner_of(salt: str) -> str | None:
+    return salt.split("/")[0] if salt.startswith(("a/", "b/")) else None
+
+
+def K(i: int, salt: str) -> ObjectKey:
+    return ObjectKey("m", 0, salt, bytes([i]) * 32)
+
+
+def shares(a: int, b: int = 0) -> Shares:
+    return Shares(owner_of, {"a": a, "b": b})
+
+
+def test_accounting_and_who_may_evict_whom() -> None:
+    s = shares(2 * P, P)
+    assert s.quotas == {"a": 2 * P, "b": P}
+    assert (s.owner(K(1, "a/x")), s.owner(K(1, "b/y")), s.owner(K(1, "z"))) == ("a", "b", None)
+    s.charge("a", P)
+    assert (s.over("a", P), s.over("a", 2 * P), s.over(None, 10**9)) == (0, P, 0)
+    assert s.too_big("b", 2 * P) and not s.too_big("a", 2 * P) and not s.too_big(None, 10**12)
+    assert s.may_evict("a", "a") and s.may_evict(None, "a") and not s.may_evict("b", "a")
+    assert not s.may_evict("a", None) and s.may_evict(None, None)
+    s.release("a", P)
+    assert s.used == {}
+    with pytest.raises(AssertionError, match="below zero"):
+        s.release("a", 1)
+    with pytest.raises(ConfigError, match="add up to 3 bytes, more than the tier's 2"):
+        check_fits("l1", 2, {"a": 1, "b": 2})
+
+
+def l1(slots: int, s: Shares) -> L1Store:
+    return L1Store(SlotAllocator(base=P, capacity=slots * P), shares=s)
+
+
+def put(store: L1Store, key: ObjectKey) -> bool:
+    obj = store.reserve(key, 1000)
+    if obj is None:
+        return False
+    store.commit(obj)
+    store.check_integrity()
+    return True
+
+
+def test_l1_a_tenant_over_its_quota_evicts_its_own_oldest_only() -> None:
+    store = l1(6, shares(2 * P, 2 * P))
+    for i in range(2):
+        assert put(store, K(i, "b/x"))
+    for i in range(5):  # a's quota is 2 slots: each store past it evicts a's own oldest
+        assert put(store, K(10 + i, "a/x"))
+    assert set(store.lru_keys()) == {K(0, "b/x"), K(1, "b/x"), K(13, "a/x"), K(14, "a/x")}
+    assert store.shares is not None and store.shares.used == {"a": 2 * P, "b": 2 * P}
+
+
+def test_l1_a_full_pool_evicts_only_the_unquota_d_or_the_tenants_own() -> None:
+    store = l1(4, shares(2 * P, 2 * P))
+    assert put(store, K(0, "free")) and put(store, K(1, "free"))  # nobody's: the shared remainder
+    assert put(store, K(2, "b/x")) and put(store, K(3, "b/x"))
+    assert put(store, K(4, "a/x"))  # the pool is full: the oldest nobody's object goes, not b's
+    assert put(store, K(5, "a/x"))
+    assert set(store.lru_keys()) == {K(2, "b/x"), K(3, "b/x"), K(4, "a/x"), K(5, "a/x")}
+    assert not put(store, K(6, "free"))  # nobody's: the rest is a's and b's shares, theirs alone
+    assert set(store.lru_keys()) == {K(2, "b/x"), K(3, "b/x"), K(4, "a/x"), K(5, "a/x")}
+    assert store.evictions == 2
+
+
+def test_l1_quota_refusals() -> None:
+    store = l1(8, shares(2 * P))
+    assert store.reserve(K(0, "a/x"), 3 * P) is None  # bigger than the whole quota
+    assert put(store, K(1, "a/x")) and put(store, K(2, "a/x"))
+    for k in (K(1, "a/x"), K(2, "a/x")):
+        obj = store.get(k)
+        assert obj is not None
+        store.pin(obj)  # in use: a cannot evict them to get under its quota
+    assert store.reserve(K(3, "a/x"), 1000) is None
+    assert put(store, K(4, "free"))  # the rest of the pool still serves others
+    store.check_integrity()
+
+
+def disk(tmp_path: Path, capacity: int, s: Shares) -> DiskTier:
+    return DiskTier(tmp_path / "l2", capacity, s)
+
+
+def write(store: DiskTier, key: ObjectKey, n: int = 100) -> int:
+    from kvdock.storage import objfile
+
+    data = bytes([key.chunk[0]]) * n
+    header = objfile.encode_header(key, "float32", [n // 4], memoryview(data), 1, 0)
+    size = store.write_from(key, header, memoryview(data))
+    store.check_integrity()
+    return size
+
+
+def test_l2_quotas_hold_and_survive_a_restart(tmp_path: Path) -> None:
+    probe = disk(tmp_path, 10**6, shares(10**6))
+    size = write(probe, K(99, "free"))
+    probe.delete(K(99, "free"))
+    probe.close()
+    store = disk(tmp_path, 6 * size, shares(2 * size, 2 * size))
+    try:
+        write(store, K(0, "b/x"))
+        write(store, K(1, "b/x"))
+        write(store, K(2, "free"))
+        write(store, K(3, "free"))
+        for i in range(4):  # a's quota: two files; past it a's own oldest go
+            write(store, K(10 + i, "a/x"))
+        assert [store.knows(K(10 + i, "a/x")) is not None for i in range(4)] == [False, False, True, True]
+        assert store.knows(K(0, "b/x")) and store.knows(K(1, "b/x"))
+        write(store, K(4, "free"))  # full: nobody's may evict only nobody's
+        assert store.knows(K(2, "free")) is None and store.knows(K(0, "b/x")) is not None
+        with pytest.raises(NoRoom, match="quota"):
+            write(store, K(20, "b/x"), n=3 * size)  # bigger than b's whole quota
+        assert store.shares is not None and store.shares.used["a"] == 2 * size
+    finally:
+        store.close()
+    again = disk(tmp_path, 6 * size, shares(size))  # restarted with a smaller quota for a
+    try:
+        again.scan()
+        again.check_integrity()
+        assert again.shares is not None and again.shares.used["a"] == size  # its oldest file went
+        assert again.knows(K(13, "a/x")) is not None and again.knows(K(12, "a/x")) is None
+    finally:
+        again.close()

@@ -342,9 +342,9 @@ def test_a_huge_subscription_is_dropped_and_the_others_are_served(tmp_path: Path
         "time.sleep(60)\n"
     )
     hog = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert hog.stdout is not None and hog.stdout.readline() == "sent\n"  # its subscription went out
     acme = EventSubscriber(f"tcp://127.0.0.1:{port}", token=ACME)
     try:
+        assert hog.stdout is not None and hog.stdout.readline() == "sent\n"  # its subscription went out
         with kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a:
             got = None
             for i in range(40):  # until the subscription is in (a PUB drops what comes before)

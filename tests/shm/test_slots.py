@@ -260,3 +260,27 @@ def test_corrupt_slot_outside_pool() -> None:
     a._bump += P
     with pytest.raises(AssertionError):
         a.check_integrity()
+
+
+def test_partitions_give_each_tenant_its_region_and_share_the_generation_table() -> None:
+    from kvdock.shm.slots import Partitions
+
+    gens = np.zeros(10, dtype="<u8")
+    parts = Partitions(ALIGN, 10 * ALIGN, gens, {"b": 3 * ALIGN + 5, "a": 2 * ALIGN, "z": 0})
+    assert {n: (r.base, r.capacity) for n, r in parts.regions.items()} == {
+        "a": (ALIGN, 2 * ALIGN),  # in name order, page-rounded down
+        "b": (3 * ALIGN, 3 * ALIGN),
+        "z": (6 * ALIGN, 0),
+        None: (6 * ALIGN, 5 * ALIGN),  # the shared rest
+    }
+    a1, a2 = parts.alloc(100, "a"), parts.alloc(100, "a")
+    assert (a1, a2, parts.alloc(100, "a")) == (ALIGN, 2 * ALIGN, None)  # a's region is full
+    shared = parts.alloc(100)
+    assert shared == 6 * ALIGN and parts.name_of(shared) is None and parts.name_of(a2) == "a"
+    assert parts.alloc(100, "z") is None
+    parts.free(a2)
+    assert gens[1] == 1 and parts.generation(a2) == 1  # the region's table is the pool's
+    parts.free(shared)
+    assert gens[5] == 1 and parts.generation(shared) == 1
+    assert (parts.used_bytes, parts.free_bytes) == (ALIGN, 9 * ALIGN)
+    parts.check_integrity()

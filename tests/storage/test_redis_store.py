@@ -359,5 +359,10 @@ def test_tenants_quotas_keep_each_tenants_writes_within_its_share(redis_server: 
         store.delete(K(4, salt="a"))
         store.check_integrity()
         assert shares.used == {"a": size, "b": size, None: size} and raw.dbsize() == 3
+        put(store, K(8, salt="a"))
+        store.delete(K(6))  # left: a, a, b (3 of the 4 sizes of the budget)
+        with pytest.raises(NoRoom, match="held by tenants' shares"):  # (review: it wrote past max_bytes)
+            put(store, K(9), payload(9) * 2)  # nobody's may not evict a's or b's
+        assert store.status()["used_bytes"] == 3 * size and get(store, K(9)) is None
     finally:
         store.close()

@@ -10,7 +10,7 @@ import pytest
 
 from kvdock.errors import ConfigError, NoRoom
 from kvdock.keys import ObjectKey
-from kvdock.shm.slots import ALIGN, SlotAllocator
+from kvdock.shm.slots import ALIGN, Partitions
 from kvdock.storage.disk import DiskTier
 from kvdock.storage.memory import L1Store
 from kvdock.storage.shares import Shares, check_fits
@@ -48,11 +48,12 @@ def test_accounting_and_who_may_evict_whom() -> None:
 
 
 def l1(slots: int, s: Shares) -> L1Store:
-    return L1Store(SlotAllocator(base=P, capacity=slots * P), shares=s)
+    """An L1 of ``slots`` pages cut into the tenants' regions (their quotas) and the shared rest."""
+    return L1Store(Partitions(P, slots * P, None, s.quotas), shares=s)
 
 
-def put(store: L1Store, key: ObjectKey) -> bool:
-    obj = store.reserve(key, 1000)
+def put(store: L1Store, key: ObjectKey, nbytes: int = 1000) -> bool:
+    obj = store.reserve(key, nbytes)
     if obj is None:
         return False
     store.commit(obj)
@@ -60,38 +61,43 @@ def put(store: L1Store, key: ObjectKey) -> bool:
     return True
 
 
-def test_l1_a_tenant_over_its_quota_evicts_its_own_oldest_only() -> None:
+def test_l1_a_tenant_lives_in_its_region_and_evicts_only_its_own_oldest() -> None:
     store = l1(6, shares(2 * P, 2 * P))
     for i in range(2):
         assert put(store, K(i, "b/x"))
-    for i in range(5):  # a's quota is 2 slots: each store past it evicts a's own oldest
+    for i in range(5):  # a's region is 2 slots: each store past it evicts a's own oldest
         assert put(store, K(10 + i, "a/x"))
-    assert set(store.lru_keys()) == {K(0, "b/x"), K(1, "b/x"), K(13, "a/x"), K(14, "a/x")}
-    assert store.shares is not None and store.shares.used == {"a": 2 * P, "b": 2 * P}
+    for i in range(4):  # nobody's: the shared rest (2 slots), never a's or b's
+        assert put(store, K(20 + i, "free"))
+    assert set(store.lru_keys()) == {K(0, "b/x"), K(1, "b/x"), K(13, "a/x"), K(14, "a/x"), K(22, "free"), K(23, "free")}
+    assert store.shares is not None and store.shares.used == {"a": 2 * P, "b": 2 * P, None: 2 * P}
+    assert store.evictions == 5
 
 
-def test_l1_a_full_pool_evicts_only_the_unquota_d_or_the_tenants_own() -> None:
-    store = l1(4, shares(2 * P, 2 * P))
-    assert put(store, K(0, "free")) and put(store, K(1, "free"))  # nobody's: the shared remainder
-    assert put(store, K(2, "b/x")) and put(store, K(3, "b/x"))
-    assert put(store, K(4, "a/x"))  # the pool is full: the oldest nobody's object goes, not b's
-    assert put(store, K(5, "a/x"))
-    assert set(store.lru_keys()) == {K(2, "b/x"), K(3, "b/x"), K(4, "a/x"), K(5, "a/x")}
-    assert not put(store, K(6, "free"))  # nobody's: the rest is a's and b's shares, theirs alone
-    assert set(store.lru_keys()) == {K(2, "b/x"), K(3, "b/x"), K(4, "a/x"), K(5, "a/x")}
-    assert store.evictions == 2
+def test_l1_other_slot_sizes_cannot_carve_a_tenants_region() -> None:
+    """(review) Slots are carved per size and never re-carved: in one shared pool, a quota-less
+    tenant's larger slots could take the whole pool, and a tenant within its quota found no room
+    at all. Its region is carved only by its own objects."""
+    store = l1(10, shares(4 * P))
+    for i in range(30):  # two pages each: the shared rest (6 pages) holds three
+        assert put(store, K(i, "free"), nbytes=P + 1)
+    for i in range(4):
+        assert put(store, K(40 + i, "a/x"))  # all four of a's pages
+    assert store.shares is not None and store.shares.used == {"a": 4 * P, None: 6 * P}
 
 
-def test_l1_quota_refusals() -> None:
+def test_l1_pinned_objects_and_too_big_stores_are_refused_without_evicting_anything() -> None:
     store = l1(8, shares(2 * P))
-    assert store.reserve(K(0, "a/x"), 3 * P) is None  # bigger than the whole quota
+    assert store.reserve(K(0, "a/x"), 3 * P) is None  # bigger than the whole region
     assert put(store, K(1, "a/x")) and put(store, K(2, "a/x"))
     for k in (K(1, "a/x"), K(2, "a/x")):
         obj = store.get(k)
         assert obj is not None
-        store.pin(obj)  # in use: a cannot evict them to get under its quota
+        store.pin(obj)  # in use: a cannot evict them
     assert store.reserve(K(3, "a/x"), 1000) is None
-    assert put(store, K(4, "free"))  # the rest of the pool still serves others
+    assert store.reserve(K(4, "a/x"), P + 1) is None  # (another size: no eviction either)
+    assert store.evictions == 0 and store.get(K(1, "a/x")) is not None
+    assert put(store, K(5, "free"))  # the rest of the pool still serves others
     store.check_integrity()
 
 

@@ -37,8 +37,9 @@ from kvdock.server.registry import Registry
 from kvdock.server.resources import keep_freed_memory, raise_fd_limit
 from kvdock.server.state import Outcome, Reply, ServerState, fault_retrieve_miss
 from kvdock.server.tenants import Tenants, load_tenants
-from kvdock.shm import PoolSegment, SlotAllocator, cleanup_stale
+from kvdock.shm import PoolSegment, cleanup_stale
 from kvdock.shm.directory import Directory, entries_for
+from kvdock.shm.slots import Partitions
 from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane, tier_factory
 from kvdock.storage.shares import Shares, check_fits
 from kvdock.transport import listener
@@ -93,7 +94,11 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
     publisher: EventPublisher | None = None
     try:
         metrics = Metrics()
-        allocator = SlotAllocator(segment.data_offset, size, segment.generations())
+        l1_shares = tier_shares(tenants, "l1", size)
+        # a tenant's L1 quota is a region of the pool of its own (shm.slots.Partitions)
+        allocator = Partitions(
+            segment.data_offset, size, segment.generations(), l1_shares.quotas if l1_shares is not None else None
+        )
         publisher = _open_events(config, curve, tenants)
         events = ChunkEvents(metrics, config.chunk_size, publisher, tenants)
         disk = _open_disk(config, tenants)
@@ -112,7 +117,7 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
             watcher=events,
             memory=segment.buf,
             directory=directory,
-            shares=tier_shares(tenants, "l1", allocator.capacity),
+            shares=l1_shares,
         )
         lanes = [TierLane(t, l1) for t in (disk, redis) if t is not None]
         manager = StorageManager(l1, config.session_ttl, lanes, registry.geometry_of, registry.chunk_size)

@@ -15,6 +15,8 @@ bump is stored).
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 ALIGN = 4096  # page-aligned slots: clean copies, and O_DIRECT-friendly for the disk tier
@@ -46,9 +48,11 @@ class SlotAllocator:
     def free_bytes(self) -> int:
         return self.capacity - self.used_bytes
 
-    def alloc(self, nbytes: int) -> int | None:
-        """Return the offset of a free slot of ``nbytes`` (rounded up to a page), or None if none fits."""
+    def alloc(self, nbytes: int, region: str | None = None) -> int | None:
+        """Return the offset of a free slot of ``nbytes`` (rounded up to a page), or None if none
+        fits. (``region``: one pool has none; see :class:`Partitions`.)"""
         assert nbytes > 0, "zero-size slot"
+        assert region is None, "a SlotAllocator has no regions"
         size = aligned(nbytes)
         free = self._free.get(size)
         if free:
@@ -84,3 +88,59 @@ class SlotAllocator:
         assert sum(self._used.values()) == self.used_bytes
         for off, size in self._used.items():
             assert self.base <= off and off + size <= self.base + self.capacity
+
+
+class Partitions:
+    """The pool's slot area cut into regions: one per tenant with an L1 quota (exactly its quota,
+    page-rounded down, carved only for that tenant's objects) and the shared rest (region None).
+    Each region is a :class:`SlotAllocator` over its own range and slice of the generation table,
+    so no tenant's slot sizes can carve another's share (a pool carves a freed slot only for its
+    size again). The same reads as a SlotAllocator, over the whole pool."""
+
+    def __init__(
+        self, base: int, capacity: int, generations: np.ndarray | None = None, quotas: dict[str, int] | None = None
+    ) -> None:
+        pages = -(-capacity // ALIGN)
+        gens = np.zeros(pages, dtype="<u8") if generations is None else generations
+        self.base, self.capacity = base, capacity
+        self.regions: dict[str | None, SlotAllocator] = {}
+        start = 0
+        for name, quota in sorted((quotas or {}).items()):
+            size = quota // ALIGN * ALIGN
+            assert start + size <= capacity, "quotas larger than the pool"
+            self.regions[name] = SlotAllocator(base + start, size, gens[start // ALIGN : (start + size) // ALIGN])
+            start += size
+        self.regions[None] = SlotAllocator(base + start, capacity - start, gens[start // ALIGN :])
+        # the regions by start (an empty one before the region that starts where it does)
+        ordered = sorted(self.regions.items(), key=lambda item: (item[1].base, item[1].capacity))
+        self._bases = [a.base for _, a in ordered]
+        self._ordered = ordered
+
+    def name_of(self, offset: int) -> str | None:
+        """The region holding ``offset`` (the last one starting at or before it)."""
+        return self._ordered[bisect.bisect_right(self._bases, offset) - 1][0]
+
+    def region_of(self, offset: int) -> SlotAllocator:
+        return self._ordered[bisect.bisect_right(self._bases, offset) - 1][1]
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(a.used_bytes for a in self.regions.values())
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used_bytes
+
+    def alloc(self, nbytes: int, region: str | None = None) -> int | None:
+        """A free slot of ``nbytes`` in ``region`` (its tenant's, or the shared rest), or None."""
+        return self.regions[region].alloc(nbytes)
+
+    def generation(self, offset: int) -> int:
+        return self.region_of(offset).generation(offset)
+
+    def free(self, offset: int) -> None:
+        self.region_of(offset).free(offset)
+
+    def check_integrity(self) -> None:
+        for a in self.regions.values():
+            a.check_integrity()

@@ -142,9 +142,9 @@ class DiskTier(StorageTier):
                 self.used_bytes += entry.file_size
                 if self.shares is not None:
                     self.shares.charge(self.shares.owner(entry.key), entry.file_size)
-            self._make_room(0)  # the budget may have shrunk since the last run
             for owner in list(self.shares.quotas) if self.shares is not None else ():
-                self._make_room(0, owner)  # ... and so may a quota
+                self._make_room(0, owner)  # a quota may have shrunk since the last run
+            self._make_room(0)  # ... and so may the budget
         self.counters.corrupted += torn
         self.last_scan = ScanReport(len(self._index), torn, temps)
         return self.last_scan
@@ -234,9 +234,17 @@ class DiskTier(StorageTier):
                 raise NoRoom(f"disk full at {self.root}") from None
             raise
         with self._lock:
-            os.rename(tmp, path)
-            self._index[key] = DiskEntry(key, path, size, head)  # (charged to its owner since the promise)
             self.pending_bytes -= size
+            try:
+                os.rename(tmp, path)
+            except OSError:
+                if self.shares is not None:
+                    self.shares.release(owner, size)
+                tmp.unlink(missing_ok=True)
+                if old is not None:
+                    path.unlink(missing_ok=True)  # not replaced: the older version must not stay
+                raise
+            self._index[key] = DiskEntry(key, path, size, head)  # (charged to its owner since the promise)
             self.used_bytes += size
         return size
 

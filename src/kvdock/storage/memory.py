@@ -22,7 +22,7 @@ from typing import Protocol
 
 from kvdock.keys import ObjectKey, namespace_digest
 from kvdock.shm.directory import Directory
-from kvdock.shm.slots import SlotAllocator, aligned
+from kvdock.shm.slots import Partitions, SlotAllocator, aligned
 from kvdock.storage.shares import Shares
 
 
@@ -42,6 +42,7 @@ class L1Object:
     version: int = 0  # unique per stored version (see kvdock.storage.manager: the version chain)
     parent: int = 0  # the version of the previous chunk of its prefix when stored; 0 for the first
     entry: int = -1  # while READY: its directory entry (-1: none, or no room there)
+    region: str | None = None  # the pool region its slot is in (a tenant's, or None: the shared rest)
 
 
 class L1Watcher(Protocol):
@@ -63,18 +64,23 @@ class L1Store:
 
     def __init__(
         self,
-        allocator: SlotAllocator,
+        allocator: SlotAllocator | Partitions,
         watcher: L1Watcher | None = None,
         memory: memoryview | None = None,
         directory: Directory | None = None,
         shares: Shares | None = None,
     ) -> None:
+        assert shares is None or not shares.quotas or isinstance(allocator, Partitions), "quotas need regions"
         self.allocator = allocator
-        self.shares = shares  # tenants' quotas of the pool (storage.shares): charged per slot
+        # who owns each object (storage.shares): a tenant with a region of the pool
+        # (shm.slots.Partitions: its L1 quota) has its slots there, everyone else in the rest
+        self.shares = shares
         self._memory = memory  # the pool's bytes, for workers that copy to and from lower tiers
         self._ready: dict[ObjectKey, L1Object] = {}
         self._reserved: dict[ObjectKey, L1Object] = {}
-        self._lru: OrderedDict[ObjectKey, L1Object] = OrderedDict()
+        self._lru: OrderedDict[ObjectKey, L1Object] = OrderedDict()  # evictable, least recently used first
+        # the same objects by (region, slot size): eviction looks only where a slot would come free
+        self._buckets: dict[tuple[str | None, int], OrderedDict[ObjectKey, L1Object]] = {}
         self._retired: set[L1Object] = set()  # not live, still pinned
         self._detached: set[L1Object] = set()  # reservations set aside, still holding a slot
         self._watcher = watcher
@@ -118,52 +124,58 @@ class L1Store:
         return list(self._lru)
 
     def reserve(self, key: ObjectKey, nbytes: int) -> L1Object | None:
-        """Reserve a slot for a new version of ``key``, evicting LRU objects of the same slot size if
-        needed. Returns None when nothing can make room ("pool full"); pinned data is never evicted.
-        With shares, the key's owner first evicts its own LRU objects (any size) while it would be
-        over its quota, and the pool evicts only what the owner may evict (storage.shares).
+        """Reserve a slot for a new version of ``key``, evicting LRU objects of the same slot size
+        (and region) if needed. Returns None when nothing can make room ("pool full"); pinned data
+        is never evicted. A tenant with a region (its L1 quota) is served from it alone, and only
+        its own objects are evicted there; everyone else shares the rest.
         Precondition: ``key`` has no pending reservation."""
         assert key not in self._reserved, "key already reserved"
-        size = aligned(nbytes)
-        owner = self.shares.owner(key) if self.shares is not None else None
-        if self.shares is not None:
-            if self.shares.too_big(owner, size):
-                return None
-            while self.shares.over(owner, size):
-                if not self._evict_one(None, owner, own=True):
-                    return None
-        offset = self.allocator.alloc(nbytes)
+        region = self._region_for(key)
+        offset = self.allocator.alloc(nbytes, region)
         while offset is None:
-            if not self._evict_one(size, owner):
+            if not self._evict_one((region, aligned(nbytes))):
                 return None
-            offset = self.allocator.alloc(nbytes)
+            offset = self.allocator.alloc(nbytes, region)
+        obj = L1Object(key, offset, nbytes, region=region)
         if self.shares is not None:
-            self.shares.charge(owner, size)
-        obj = L1Object(key, offset, nbytes)
+            self.shares.charge(self.shares.owner(key), aligned(nbytes))
         self._reserved[key] = obj
         return obj
 
-    def _evict_one(self, slot_size: int | None, owner: str | None = None, own: bool = False) -> bool:
-        """Evict the least recently used object of ``slot_size`` (None: any) that making room for
-        ``owner`` may evict (``own``: only ``owner``'s own); whether there was one."""
-        shares = self.shares
-        for key, obj in self._lru.items():
-            if slot_size is not None and aligned(obj.nbytes) != slot_size:
-                continue
-            if shares is not None:
-                victim = shares.owner(key)
-                if not (victim == owner if own else shares.may_evict(victim, owner)):
-                    continue
-            del self._lru[key]
-            del self._ready[key]
-            self._unpublish(obj)
-            obj.live = False
-            self._free_slot(obj)
-            self.evictions += 1
-            if self._watcher:
-                self._watcher.removed(obj, evicted=True)
-            return True
-        return False
+    def _region_for(self, key: ObjectKey) -> str | None:
+        if self.shares is None or not isinstance(self.allocator, Partitions):
+            return None
+        owner = self.shares.owner(key)
+        return owner if owner in self.allocator.regions else None
+
+    def _evict_one(self, bucket: tuple[str | None, int]) -> bool:
+        """Evict the least recently used object of ``bucket`` (region, slot size); whether there
+        was one."""
+        lru = self._buckets.get(bucket)
+        if not lru:
+            return False
+        obj = next(iter(lru.values()))
+        self._lru_drop(obj)
+        del self._ready[obj.key]
+        self._unpublish(obj)
+        obj.live = False
+        self._free_slot(obj)
+        self.evictions += 1
+        if self._watcher:
+            self._watcher.removed(obj, evicted=True)
+        return True
+
+    def _lru_add(self, obj: L1Object) -> None:
+        """``obj`` is evictable now, most recently used."""
+        self._lru[obj.key] = obj
+        self._buckets.setdefault((obj.region, aligned(obj.nbytes)), OrderedDict())[obj.key] = obj
+
+    def _lru_drop(self, obj: L1Object) -> None:
+        del self._lru[obj.key]
+        bucket = (obj.region, aligned(obj.nbytes))
+        del self._buckets[bucket][obj.key]
+        if not self._buckets[bucket]:
+            del self._buckets[bucket]
 
     def _free_slot(self, obj: L1Object) -> None:
         """Give ``obj``'s slot back (and its bytes back to its owner's share)."""
@@ -180,7 +192,7 @@ class L1Store:
             self._retire(old, successor=obj)
         obj.state = State.READY
         self._ready[obj.key] = obj
-        self._lru[obj.key] = obj
+        self._lru_add(obj)
         if old is None:
             self._publish(obj)
         if self._watcher:
@@ -209,7 +221,7 @@ class L1Store:
         while it still has some: its bytes are intact until the last one goes."""
         assert obj.state is State.READY and (obj.live or obj.pins > 0)
         if obj.pins == 0:
-            del self._lru[obj.key]
+            self._lru_drop(obj)
         obj.pins += 1
 
     def unpin(self, obj: L1Object) -> None:
@@ -219,7 +231,7 @@ class L1Store:
         if obj.pins:
             return
         if obj.live:
-            self._lru[obj.key] = obj
+            self._lru_add(obj)
         else:
             self._retired.discard(obj)
             self._free_slot(obj)
@@ -257,7 +269,7 @@ class L1Store:
         if obj.pins:
             self._retired.add(obj)
         else:
-            del self._lru[obj.key]
+            self._lru_drop(obj)
             self._free_slot(obj)
 
     def touch(self, entry: int, offset: int, gen: int) -> bool:
@@ -269,6 +281,7 @@ class L1Store:
             return False
         if obj.key in self._lru:
             self._lru.move_to_end(obj.key)
+            self._buckets[(obj.region, aligned(obj.nbytes))].move_to_end(obj.key)
         return True
 
     def _publish(self, obj: L1Object) -> None:
@@ -342,8 +355,17 @@ class L1Store:
         for key, obj in self._ready.items():
             assert obj.key == key and obj.state is State.READY and obj.live
             assert (key in self._lru) == (obj.pins == 0), f"LRU membership wrong for pins={obj.pins}"
+        if isinstance(self.allocator, Partitions):
+            for obj in (*self._ready.values(), *self._reserved.values(), *self._retired, *self._detached):
+                assert self.allocator.name_of(obj.offset) == obj.region, "an object's slot is outside its region"
+                assert obj.region is None or self.shares is None or self.shares.owner(obj.key) == obj.region
         for key, obj in self._lru.items():
             assert self._ready.get(key) is obj and obj.pins == 0, "LRU holds a pinned or stale object"
+            assert self._buckets[(obj.region, aligned(obj.nbytes))].get(key) is obj, "an LRU bucket lacks an object"
+        assert sum(len(b) for b in self._buckets.values()) == len(self._lru), "LRU buckets hold strays"
+        for (region, size), bucket in self._buckets.items():
+            assert bucket and list(bucket) == [k for k in self._lru if k in bucket], "a bucket is out of LRU order"
+            assert all(o.region == region and aligned(o.nbytes) == size for o in bucket.values())
         for key, obj in self._reserved.items():
             assert obj.key == key and obj.state is State.RESERVED and obj.pins == 0
         for obj in self._retired:

@@ -239,7 +239,9 @@ class RedisTier(StorageTier):
                 elif self.max_bytes and self._written_bytes - replaced + size > self.max_bytes:
                     victim = self._first(final, lambda v: shares is None or shares.may_evict(v, owner))
                     if victim is None:
-                        return
+                        if shares is None:
+                            return  # (only ``final`` is written: it is replaced)
+                        raise NoRoom(f"the L3 budget of {self.max_bytes} is held by tenants' shares")
                 else:
                     return
                 self._forget(victim)

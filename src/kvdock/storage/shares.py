@@ -1,16 +1,19 @@
 """Per-tenant byte shares of one tier: whose each object is, and how many bytes each owner holds.
 
 A tier with shares charges every object it holds to its owner (a tenant, from the object's
-``cache_salt``; None: nobody's) and keeps each owner within its quota:
+``cache_salt``; None: nobody's) and keeps each owner within its quota. L1 does it by place: a
+tenant with a quota has a region of the pool of its own, exactly its quota (shm.slots.Partitions),
+and everyone else shares the rest. L2 and L3 do it by eviction:
 
-- before it makes room for an owner's object, it evicts that owner's own least recently used
-  objects while the owner would be over its quota (a store that cannot get under it is refused);
+- before it makes room for an owner's object, the tier evicts that owner's own least recently
+  used objects while the owner would be over its quota (a store that cannot get under it is
+  refused);
 - when the tier as a whole is full, it evicts only objects of owners without a quota (the
-  shared remainder) or of the owner itself: a quota is a share that nobody else can take.
+  shared remainder) or of the owner itself, and refuses the write if that is not enough: a quota
+  is a share that nobody else can take.
 
-The quotas must add up to at most the tier's capacity (checked at start, :func:`check_fits`), so a
-tenant within its quota finds room unless its own pinned objects hold it. Not thread-safe: the
-tier's own lock (or thread) guards it.
+The quotas must add up to at most the tier's capacity (checked at start, :func:`check_fits`). Not
+thread-safe: the tier's own lock (or thread) guards it.
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ def http(srv: ServerProcess, path: str, token: str = "", method: str = "GET") ->
 
 
 @pytest.fixture
-def srv(tmp_path: Path):  # type: ignore[no-untyped-def]
-    s = serve(tmp_path, "--disk-dir", str(tmp_path / "l2"))
+def srv(tmp_path: Path, redis_server):  # type: ignore[no-untyped-def]
+    s = serve(tmp_path, "--disk-dir", str(tmp_path / "l2"), "--redis-url", redis_server.url)
     yield s
     assert s.stop() == 0, s.log()
 
@@ -138,6 +138,44 @@ def test_a_tenant_cannot_touch_or_learn_another_tenants_kv(srv: ServerProcess) -
         assert http(srv, "/admin/clear?tier=l1", ADMIN, "POST")[0] == 200
         assert after == refusals()
         assert torch.equal(kvd.retrieve(b, tokens, "beta"), kv_b)
+        # and on the shared L3: L1 and L2 emptied (what beta reads is written down to L3 first)
+        _wait_written_down(srv)
+        assert http(srv, "/admin/clear", ADMIN, "POST")[0] == 200
+        assert after == refusals()
+        assert torch.equal(kvd.retrieve(b, tokens, "beta"), kv_b)
+
+
+def _wait_written_down(srv: ServerProcess) -> None:
+    """Until the server's write-downs to L2 and L3 are done (its admin /status says)."""
+    deadline = time.monotonic() + 30
+    while json.loads(http(srv, "/status", ADMIN)[1])["tiers"]["writeback_backlog_bytes"]:
+        assert time.monotonic() < deadline, "write-downs did not finish"
+        time.sleep(0.05)
+
+
+def test_a_tenant_never_maps_the_shared_pool(srv: ServerProcess) -> None:
+    """The pool holds every tenant's objects: a tenant's client is never granted it, even one
+    that maps it anyway (same OS user) and proves so."""
+    import os
+
+    from kvdock.shm import PoolSegment
+    from kvdock.shm.segment import proc_start_time
+
+    name = json.loads(http(srv, "/config", ADMIN)[1])["l1"]["shm_name"]
+    assert name and json.loads(http(srv, "/config", ACME)[1])["l1"]["shm_name"] is None
+    assert kvd.describe_server(srv.url, MODEL, 10, token=ACME).shm_name == ""
+    segment = PoolSegment.attach(name)
+    client = ControlClient(srv.url, 10)
+    try:
+        reg = m.RegisterClient(
+            m.PROTOCOL_VERSION, "x", MODEL, 0, segment.nonce, pid=os.getpid(),
+            pid_start=proc_start_time(os.getpid()) or 0, token=ACME,
+        )  # fmt: skip
+        reply = client.call(reg).reply
+        assert isinstance(reply, m.ClientRegistered) and (reply.transport, reply.local_url) == ("inline", "")
+    finally:
+        client.close()
+        segment.close()
 
 
 def test_http_shows_a_tenant_only_its_own(srv: ServerProcess) -> None:

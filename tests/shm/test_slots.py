@@ -284,3 +284,19 @@ def test_partitions_give_each_tenant_its_region_and_share_the_generation_table()
     assert gens[5] == 1 and parts.generation(shared) == 1
     assert (parts.used_bytes, parts.free_bytes) == (ALIGN, 9 * ALIGN)
     parts.check_integrity()
+
+
+def test_recarve_moves_every_generation_on_and_carves_anew() -> None:
+    gens = np.zeros(4, dtype="<u8")
+    a = SlotAllocator(ALIGN, 4 * ALIGN, gens)
+    offs = [a.alloc(100) for _ in range(4)]
+    assert a.alloc(2 * ALIGN) is None  # carved in pages
+    with pytest.raises(AssertionError, match="slots in use"):
+        a.recarve()
+    for off in offs:
+        a.free(off)  # type: ignore[arg-type]
+    assert list(gens) == [1, 1, 1, 1]
+    a.recarve()
+    assert list(gens) == [2, 2, 2, 2]  # a reader of any old slot sees it moved
+    assert (a.alloc(2 * ALIGN), a.alloc(2 * ALIGN), a.alloc(1)) == (ALIGN, 3 * ALIGN, None)
+    a.check_integrity()

@@ -145,3 +145,27 @@ def test_l2_quotas_hold_and_survive_a_restart(tmp_path: Path) -> None:
         assert again.knows(K(13, "a/x")) is not None and again.knows(K(12, "a/x")) is None
     finally:
         again.close()
+
+
+def test_l1_a_tenant_switching_slot_sizes_recarves_its_region_when_nothing_there_is_in_use() -> None:
+    """(review) A region carved for one model's slot size had no slot for the tenant's other
+    model and nothing of that size to evict: the other model was refused for good."""
+    from kvdock.shm.slots import Partitions as Parts
+
+    gens = __import__("numpy").zeros(8, dtype="<u8")
+    store = L1Store(Parts(P, 8 * P, gens, {"a": 4 * P}), shares=shares(4 * P))
+    for i in range(4):
+        assert put(store, K(i, "a/x"))  # one page each: the region is carved in pages
+    before = gens[:4].copy()
+    assert put(store, K(10, "a/x"), nbytes=P + 1)  # two pages: everything of a's goes, recarved
+    assert store.lru_keys() == [K(10, "a/x")] and store.evictions == 4
+    assert (gens[:4] > before).all()  # every page moved on: no old slot can be read as current
+    assert put(store, K(11, "a/x"), nbytes=P + 1)  # the second two-page slot
+    obj = store.get(K(11, "a/x"))
+    assert obj is not None
+    store.pin(obj)  # in use: a's one-page store cannot empty the region now
+    evictions = store.evictions
+    assert not put(store, K(12, "a/x"))
+    assert store.evictions == evictions and store.get(K(10, "a/x")) is not None  # nothing was given up
+    assert store.reserve(K(13, "a/x"), 5 * P) is None  # bigger than the region: never
+    store.check_integrity()

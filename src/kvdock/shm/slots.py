@@ -78,6 +78,16 @@ class SlotAllocator:
         self.used_bytes -= size
         self._free.setdefault(size, []).append(offset)
 
+    def recarve(self) -> None:
+        """Forget how the empty area was carved, so that slots of any size can be carved anew.
+        Every page's generation moves on first: a slot of the new carving may start inside an old
+        slot, and a reader still holding that old slot's offset and generation must see it moved
+        (its generation lives at its own start page). Precondition: no slot is allocated."""
+        assert self.used_bytes == 0 and not self._used, "recarving a pool with slots in use"
+        self._gens[: -(-self.capacity // ALIGN)] += 1
+        self._bump = 0
+        self._free.clear()
+
     def check_integrity(self) -> None:
         """Assert: used + free-listed == carved, no offset both used and free, all inside the pool."""
         free_offs = [o for offs in self._free.values() for o in offs]

@@ -133,7 +133,7 @@ class L1Store:
         region = self._region_for(key)
         offset = self.allocator.alloc(nbytes, region)
         while offset is None:
-            if not self._evict_one((region, aligned(nbytes))):
+            if not self._evict_one((region, aligned(nbytes))) and not self._recarve(region, aligned(nbytes)):
                 return None
             offset = self.allocator.alloc(nbytes, region)
         obj = L1Object(key, offset, nbytes, region=region)
@@ -141,6 +141,24 @@ class L1Store:
             self.shares.charge(self.shares.owner(key), aligned(nbytes))
         self._reserved[key] = obj
         return obj
+
+    def _recarve(self, region: str | None, size: int) -> bool:
+        """A tenant's region has no slot of ``size`` to give, nor one to evict (its slots were
+        carved for its other sizes): when every object there can be evicted, evict them all and
+        carve the region anew (SlotAllocator.recarve). Whether it did; nothing is evicted when
+        something there is in use (pinned, being written) or ``size`` exceeds the region."""
+        if region is None or not isinstance(self.allocator, Partitions):
+            return False  # (the shared rest holds others' objects: never emptied for one store)
+        area = self.allocator.regions[region]
+        buckets = [b for b in self._buckets if b[0] == region]
+        evictable = sum(len(self._buckets[b]) * b[1] for b in buckets)
+        if size > area.capacity or evictable != area.used_bytes:
+            return False
+        for bucket in buckets:
+            while self._evict_one(bucket):
+                pass
+        area.recarve()
+        return True
 
     def _region_for(self, key: ObjectKey) -> str | None:
         if self.shares is None or not isinstance(self.allocator, Partitions):

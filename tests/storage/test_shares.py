@@ -10,7 +10,7 @@ import pytest
 
 from kvdock.errors import ConfigError, NoRoom
 from kvdock.keys import ObjectKey
-from kvdock.shm.slots import ALIGN, Partitions
+from kvdock.shm.slots import ALIGN, Partitions, SlotAllocator
 from kvdock.storage.disk import DiskTier
 from kvdock.storage.memory import L1Store
 from kvdock.storage.shares import Shares, check_fits
@@ -52,6 +52,11 @@ def l1(slots: int, s: Shares) -> L1Store:
     return L1Store(Partitions(P, slots * P, None, s.quotas), shares=s)
 
 
+def regions(store: L1Store) -> dict[str | None, SlotAllocator]:
+    assert isinstance(store.allocator, Partitions)
+    return store.allocator.regions
+
+
 def put(store: L1Store, key: ObjectKey, nbytes: int = 1000) -> bool:
     obj = store.reserve(key, nbytes)
     if obj is None:
@@ -70,7 +75,7 @@ def test_l1_a_tenant_lives_in_its_region_and_evicts_only_its_own_oldest() -> Non
     for i in range(4):  # nobody's: the shared rest (2 slots), never a's or b's
         assert put(store, K(20 + i, "free"))
     assert set(store.lru_keys()) == {K(0, "b/x"), K(1, "b/x"), K(13, "a/x"), K(14, "a/x"), K(22, "free"), K(23, "free")}
-    assert store.shares is not None and store.shares.used == {"a": 2 * P, "b": 2 * P, None: 2 * P}
+    assert {n: r.used_bytes for n, r in regions(store).items()} == {"a": 2 * P, "b": 2 * P, None: 2 * P}
     assert store.evictions == 5
 
 
@@ -83,7 +88,7 @@ def test_l1_other_slot_sizes_cannot_carve_a_tenants_region() -> None:
         assert put(store, K(i, "free"), nbytes=P + 1)
     for i in range(4):
         assert put(store, K(40 + i, "a/x"))  # all four of a's pages
-    assert store.shares is not None and store.shares.used == {"a": 4 * P, None: 6 * P}
+    assert {n: r.used_bytes for n, r in regions(store).items()} == {"a": 4 * P, None: 6 * P}
 
 
 def test_l1_pinned_objects_and_too_big_stores_are_refused_without_evicting_anything() -> None:

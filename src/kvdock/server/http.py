@@ -36,6 +36,7 @@ from kvdock.layout import FORMAT_AXES, concrete_shape
 from kvdock.protocol.messages import PROTOCOL_VERSION, ModelLayout
 from kvdock.server.handlers import ServerState, refresh_gauges
 from kvdock.server.tenants import Tenant
+from kvdock.shm.slots import Partitions
 
 STATE: web.AppKey[ServerState] = web.AppKey("state", ServerState)
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", ServerConfig)
@@ -169,16 +170,17 @@ async def _status(request: web.Request) -> web.Response:
 
 
 def tenant_usage(state: ServerState, tenant: Tenant) -> dict[str, dict[str, int]]:
-    """Per tier with quotas: the bytes ``tenant`` holds there and its quota (L3: what this server
-    wrote for it)."""
-    tiers = [("l1", state.manager.l1.shares)] + [
-        (lane.name, getattr(lane.tier, "shares", None)) for lane in state.manager.lanes
-    ]
-    return {
-        name: {"used_bytes": shares.used.get(tenant.name, 0), "quota_bytes": tenant.quota(name)}
-        for name, shares in tiers
-        if shares is not None and tenant.quota(name)
-    }
+    """Per tier with quotas: the bytes ``tenant`` holds there and its quota (L1: its region of the
+    pool; L3: what this server wrote for it)."""
+    usage = {}
+    pool = state.manager.l1.allocator
+    if isinstance(pool, Partitions) and tenant.name in pool.regions:
+        usage["l1"] = {"used_bytes": pool.regions[tenant.name].used_bytes, "quota_bytes": tenant.quota("l1")}
+    for lane in state.manager.lanes:
+        shares = getattr(lane.tier, "shares", None)
+        if shares is not None and tenant.quota(lane.name):
+            usage[lane.name] = {"used_bytes": shares.used.get(tenant.name, 0), "quota_bytes": tenant.quota(lane.name)}
+    return usage
 
 
 async def _healthz(request: web.Request) -> web.Response:

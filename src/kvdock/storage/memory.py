@@ -73,7 +73,8 @@ class L1Store:
         assert shares is None or not shares.quotas or isinstance(allocator, Partitions), "quotas need regions"
         self.allocator = allocator
         # who owns each object (storage.shares): a tenant with a region of the pool
-        # (shm.slots.Partitions: its L1 quota) has its slots there, everyone else in the rest
+        # (shm.slots.Partitions: its L1 quota) has its slots there, everyone else in the rest; a
+        # region's own byte count is what its tenant holds in L1 (no charges kept beside it)
         self.shares = shares
         self._memory = memory  # the pool's bytes, for workers that copy to and from lower tiers
         self._ready: dict[ObjectKey, L1Object] = {}
@@ -137,8 +138,6 @@ class L1Store:
                 return None
             offset = self.allocator.alloc(nbytes, region)
         obj = L1Object(key, offset, nbytes, region=region)
-        if self.shares is not None:
-            self.shares.charge(self.shares.owner(key), aligned(nbytes))
         self._reserved[key] = obj
         return obj
 
@@ -177,7 +176,7 @@ class L1Store:
         del self._ready[obj.key]
         self._unpublish(obj)
         obj.live = False
-        self._free_slot(obj)
+        self.allocator.free(obj.offset)
         self.evictions += 1
         if self._watcher:
             self._watcher.removed(obj, evicted=True)
@@ -194,12 +193,6 @@ class L1Store:
         del self._buckets[bucket][obj.key]
         if not self._buckets[bucket]:
             del self._buckets[bucket]
-
-    def _free_slot(self, obj: L1Object) -> None:
-        """Give ``obj``'s slot back (and its bytes back to its owner's share)."""
-        self.allocator.free(obj.offset)
-        if self.shares is not None:
-            self.shares.release(self.shares.owner(obj.key), aligned(obj.nbytes))
 
     def commit(self, obj: L1Object) -> None:
         """RESERVED → READY (most recently used). Replaces an older READY version of the key."""
@@ -225,7 +218,7 @@ class L1Store:
             assert self._reserved.get(obj.key) is obj
             del self._reserved[obj.key]
         obj.live = False
-        self._free_slot(obj)
+        self.allocator.free(obj.offset)
 
     def detach(self, obj: L1Object) -> None:
         """Set a reservation aside: it keeps its slot (a worker may still be writing into it) but no
@@ -252,7 +245,7 @@ class L1Store:
             self._lru_add(obj)
         else:
             self._retired.discard(obj)
-            self._free_slot(obj)
+            self.allocator.free(obj.offset)
 
     def remove(self, key: ObjectKey) -> bool:
         """Delete the READY object of ``key`` (its slot is freed now, or at its last unpin)."""
@@ -288,7 +281,7 @@ class L1Store:
             self._retired.add(obj)
         else:
             self._lru_drop(obj)
-            self._free_slot(obj)
+            self.allocator.free(obj.offset)
 
     def touch(self, entry: int, offset: int, gen: int) -> bool:
         """A client read the object published at ``entry`` (found in slot ``offset`` of generation
@@ -397,7 +390,5 @@ class L1Store:
         assert total == self.allocator.used_bytes, (
             f"objects hold {total} bytes, allocator says {self.allocator.used_bytes}"
         )
-        if self.shares is not None:
-            self.shares.check((self.shares.owner(o.key), aligned(o.nbytes)) for o in held)
         if self._directory is not None:
             self._check_directory(self._directory)

@@ -1,9 +1,10 @@
 """Per-tenant byte shares of one tier: whose each object is, and how many bytes each owner holds.
 
-A tier with shares charges every object it holds to its owner (a tenant, from the object's
-``cache_salt``; None: nobody's) and keeps each owner within its quota. L1 does it by place: a
-tenant with a quota has a region of the pool of its own, exactly its quota (shm.slots.Partitions),
-and everyone else shares the rest. L2 and L3 do it by eviction:
+Every object has an owner (a tenant, from the object's ``cache_salt``; None: nobody's), and each
+tier keeps each owner within its quota. L1 does it by place: a tenant with a quota has a region
+of the pool of its own, exactly its quota (shm.slots.Partitions), and everyone else shares the
+rest (L1 uses these shares only for :meth:`Shares.owner`; a region counts its own bytes). L2 and
+L3 charge every object to its owner here and do it by eviction:
 
 - before it makes room for an owner's object, the tier evicts that owner's own least recently
   used objects while the owner would be over its quota (a store that cannot get under it is

@@ -36,6 +36,7 @@ MAX_WORLD_SIZE = 1024
 MAX_NAME_LEN = 200  # characters of a model name and of each engine string
 MAX_SALT_LEN = 256  # characters of a cache_salt (it is written into the header of every chunk)
 MAX_BATCH = 4096  # prompts in one LookupMany / PrepareRetrieveMany (the SDK splits larger batches)
+TOKEN_ENV = "KVDOCK_TOKEN"  # a client's tenant token, when it is given none
 MAX_CLIENTS = 10_000  # live client registrations; past it RegisterClient fails with ErrorCode.LIMIT
 
 _UNITS = {

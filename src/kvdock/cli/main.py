@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from kvdock import __version__
-from kvdock.cli.keys import add_key_flags, keys
+from kvdock.cli.keys import add_key_flags, keys, token
 from kvdock.config import DEFAULT_HTTP_URL, DEFAULT_URL, load_server_config
 from kvdock.errors import ConfigError, KVDockError
 
@@ -48,8 +48,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def _status(args: argparse.Namespace) -> int:
     from kvdock.sdk.http import get_json
 
-    token = args.token or os.environ.get("KVDOCK_TOKEN", "")
-    print(json.dumps(get_json(args.http_url, "/status", args.timeout, token), indent=2))
+    print(json.dumps(get_json(args.http_url, "/status", args.timeout, token(args)), indent=2))
     return 0
 
 
@@ -77,8 +76,8 @@ def _register(args: argparse.Namespace) -> int:
     )  # type: ignore[arg-type]
     if kv_kind != lay.geometry.kv_kind:  # an MLA config: registered as such (the server says if it can store it)
         lay = msgspec.structs.replace(lay, geometry=msgspec.structs.replace(lay.geometry, kv_kind=kv_kind))
-    token = args.admin_token if args.admin_token is not None else os.environ.get("KVDOCK_ADMIN_TOKEN", "")
-    reg = register_layout(args.url, args.http_url, lay, args.timeout, token, **keys(args))
+    admin = args.admin_token if args.admin_token is not None else os.environ.get("KVDOCK_ADMIN_TOKEN", "")
+    reg = register_layout(args.url, args.http_url, lay, args.timeout, admin, **keys(args))
     print(json.dumps({"model_name": reg.model_name, "created": reg.created, "chunk_nbytes": reg.chunk_nbytes}))
     return 0
 
@@ -189,7 +188,7 @@ def _events(args: argparse.Namespace) -> int:
     from kvdock.transport.events import EventSubscriber
 
     _check_reachable(args.url)
-    sub = EventSubscriber(args.url, client_keys(args), args.token or os.environ.get("KVDOCK_TOKEN", ""))
+    sub = EventSubscriber(args.url, client_keys(args), token(args))
     seen = 0
     expect: dict[bytes, int] = {}  # topic -> its next seq (with tenants, an admin sees several)
     try:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvdock import memcpy
-from kvdock.config import MAX_SALT_LEN
+from kvdock.config import MAX_SALT_LEN, TOKEN_ENV
 from kvdock.errors import InvalidInputError
 from kvdock.keys import normalize_tokens
 from kvdock.sdk.buffers import default_max_bytes
@@ -287,9 +287,6 @@ def _may_overlap(t: torch.Tensor) -> bool:
             return True
         span += (n - 1) * stride
     return False
-
-
-TOKEN_ENV = "KVDOCK_TOKEN"  # a tenant's token, when connect() is given none
 
 
 def token(value: object) -> str:

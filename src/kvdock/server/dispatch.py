@@ -66,11 +66,6 @@ SHARDED: dict[type, Handler] = {
 }
 
 
-def _table(state: ServerState, req: Any) -> dict[type, Handler]:
-    client = state.registry.clients.get(getattr(req, "client_id", ""))
-    return SHARDED if client is not None and client.sharded else HANDLERS
-
-
 def handle(state: ServerState, req: Any, payload: Payload, key: bytes = b"") -> Outcome:
     """Run the handler of ``req``, which came with CURVE key ``key`` (b"": none), after the
     access checks (server.access); expected failures become an Error reply. Ops that wait for a
@@ -81,8 +76,9 @@ def handle(state: ServerState, req: Any, payload: Payload, key: bytes = b"") -> 
         if identified is not None:
             out = identified(state, req, payload, key)
         else:
-            access.check(state, req, key)
-            out = _table(state, req)[type(req)](state, req, payload)
+            client = access.check(state, req, key)
+            table = SHARDED if client is not None and client.sharded else HANDLERS
+            out = table[type(req)](state, req, payload)
     except EXPECTED as e:
         return error_reply(state, e)
     if inspect.isawaitable(out):

@@ -6,7 +6,6 @@ RequestError (or SessionError / RegistrationError) turns into an Error reply."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 from kvdock import __version__
@@ -19,8 +18,6 @@ from kvdock.server import access
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Payload, Reply, ServerState
 from kvdock.shm.segment import proc_start_time
-
-log = logging.getLogger("kvdock.server")
 
 
 def client_of(state: ServerState, client_id: str) -> ClientEntry:

@@ -288,7 +288,7 @@ class ControlClient:
             if self._closed:  # nothing sent: a caller may send it another way
                 raise ConnectionLost(f"the client of {self.url} is closed", sent=False)
             if self._lost is not None:  # (a send could only wait for room that never comes)
-                raise type(self._lost)(str(self._lost), sent=False)
+                raise ConnectionLost(str(self._lost), sent=False)
             seq = self._next_seq()
             self._slots[seq] = None
         try:
@@ -417,7 +417,7 @@ class ControlClient:
         """The channel broke: fail every waiting call (socket lock held)."""
         with self._mutex:
             if self._lost is None:
-                self._lost = type(e)(f"{self.url}: {e}")
+                self._lost = ConnectionLost(f"{self.url}: {e}")
             self._cond.notify_all()
 
     def _poke(self) -> None:  # under _cond, while the pipe is open
@@ -439,7 +439,7 @@ class ControlClient:
                     if frames is not None:
                         return frames
                     if self._lost is not None:
-                        raise type(self._lost)(str(self._lost))
+                        raise ConnectionLost(str(self._lost))
                     if self._closed:
                         raise ControlTimeout(f"the client of {self.url} was closed while waiting for a reply")
                     remaining = deadline - time.monotonic()

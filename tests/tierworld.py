@@ -13,6 +13,7 @@ import msgspec
 
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
+from kvdock.shm.pool import FlatMemory
 from kvdock.shm.slots import ALIGN, SlotAllocator
 from kvdock.storage import objfile
 from kvdock.storage.disk import DiskTier
@@ -83,7 +84,7 @@ class World:
         preloaded: int = 0,
     ) -> None:
         self.mem = bytearray(slots * ALIGN)
-        self.l1 = L1Store(SlotAllocator(0, slots * ALIGN), memory=memoryview(self.mem))
+        self.l1 = L1Store(SlotAllocator(0, slots * ALIGN), memory=FlatMemory(memoryview(self.mem)))
         self.disk = DiskTier(tmp_path / "l2", capacity=disk_files * FILE) if disk else None
         assert self.disk is None or self.disk.scan().loaded == preloaded
         self.redis = RedisTier(redis_url, timeout=2.0) if redis_url else None

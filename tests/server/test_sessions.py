@@ -307,13 +307,12 @@ class _InProcess:
         from kvdock.sdk.registration import make_layout
         from kvdock.server.registry import Registry
         from kvdock.server.state import ServerState
-        from kvdock.shm import PoolSegment
-        from kvdock.shm.slots import ALIGN, SlotAllocator
+        from kvdock.shm.pool import Pool
+        from kvdock.shm.slots import ALIGN
         from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane
 
-        self.segment = PoolSegment.anonymous(64 * ALIGN)
-        alloc = SlotAllocator(self.segment.data_offset, 64 * ALIGN, self.segment.generations())
-        self.l1 = L1Store(alloc, memory=self.segment.buf)
+        self.pool = Pool.create(64 * ALIGN, shm=False)
+        self.l1 = L1Store(self.pool.allocator, memory=self.pool)
         self.disk = DiskTier(tmp_path / "l2", 1 << 24)
         self.disk.scan()
         self.lane = TierLane(self.disk, self.l1)
@@ -321,7 +320,7 @@ class _InProcess:
         self.reg.register_model(make_layout("tiny", num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16"))
         kw = {"clock": clock} if clock is not None else {}
         self.mgr = StorageManager(self.l1, ttl, [self.lane], self.reg.geometry_of, CHUNK_IN, **kw)
-        self.state = ServerState(CHUNK_IN, self.segment, False, self.mgr, self.reg)
+        self.state = ServerState(CHUNK_IN, self.pool, False, self.mgr, self.reg)
         self.nbytes = self.reg.models["tiny"].slot_nbytes
 
     async def call(self, req, payload=()):  # type: ignore[no-untyped-def]
@@ -342,7 +341,7 @@ class _InProcess:
     def close(self) -> None:
         self.state.copier.shutdown(wait=True)
         self.mgr.close()
-        self.segment.close()
+        self.pool.close()
 
 
 def test_retrieve_waiting_for_a_prefetch_keeps_its_session_past_the_lease(tmp_path) -> None:
@@ -484,7 +483,7 @@ def test_a_second_inline_commit_store_of_a_session_is_refused() -> None:
     finally:
         state.manager.close()
         state.copier.shutdown(wait=True)
-        state.segment.close()
+        state.pool.close()
 
 
 def _quarantine_drains(srv, timeout: float) -> bool:

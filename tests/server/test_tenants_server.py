@@ -154,28 +154,29 @@ def _wait_written_down(srv: ServerProcess) -> None:
 
 
 def test_a_tenant_never_maps_the_shared_pool(srv: ServerProcess) -> None:
-    """The pool holds every tenant's objects: a tenant's client is never granted it, even one
-    that maps it anyway (same OS user) and proves so."""
+    """The shared pool holds every quota-less tenant's objects: with tenants it is private memory
+    with no name anyone could open (a tenant with an L1 quota has a pool of its own:
+    test_tenant_pools), none is offered to a tenant without one, and no proof gets it granted."""
     import os
 
-    from kvdock.shm import PoolSegment
     from kvdock.shm.segment import proc_start_time
 
-    name = json.loads(http(srv, "/config", ADMIN)[1])["l1"]["shm_name"]
-    assert name and json.loads(http(srv, "/config", ACME)[1])["l1"]["shm_name"] is None
-    assert kvd.describe_server(srv.url, MODEL, 10, token=ACME).shm_name == ""
-    segment = PoolSegment.attach(name)
+    for token in (ADMIN, ACME):
+        assert json.loads(http(srv, "/config", token)[1])["l1"]["shm_name"] is None
+    described = kvd.describe_server(srv.url, MODEL, 10, token=ACME)
+    assert (described.shm_name, described.pool_url, described.pool_ticket) == ("", "", "")
+    assert "/dev/shm/" not in Path(f"/proc/{srv.proc.pid}/maps").read_text()
     client = ControlClient(srv.url, 10)
     try:
-        reg = m.RegisterClient(
-            m.PROTOCOL_VERSION, "x", MODEL, 0, segment.nonce, pid=os.getpid(),
-            pid_start=proc_start_time(os.getpid()) or 0, token=ACME,
-        )  # fmt: skip
-        reply = client.call(reg).reply
-        assert isinstance(reply, m.ClientRegistered) and (reply.transport, reply.local_url) == ("inline", "")
+        for proof in ("00" * 32, "x"):
+            reg = m.RegisterClient(
+                m.PROTOCOL_VERSION, "x", MODEL, 0, proof, pid=os.getpid(),
+                pid_start=proc_start_time(os.getpid()) or 0, token=ACME,
+            )  # fmt: skip
+            reply = client.call(reg).reply
+            assert isinstance(reply, m.ClientRegistered) and (reply.transport, reply.local_url) == ("inline", "")
     finally:
         client.close()
-        segment.close()
 
 
 def test_http_shows_a_tenant_only_its_own(srv: ServerProcess) -> None:

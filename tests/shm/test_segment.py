@@ -54,7 +54,7 @@ def _header(path: Path) -> tuple:
 
 
 def _rewrite_header(path: Path, **changes: int) -> None:
-    magic, ver, pid, start, nonce, size, table, data, directory, entries = _header(path)
+    magic, ver, pid, start, nonce, size, table, data, directory, entries, first = _header(path)
     pid = changes.get("pid", pid)
     start = changes.get("start", start)
     table = changes.get("table", table)
@@ -62,7 +62,7 @@ def _rewrite_header(path: Path, **changes: int) -> None:
     directory = changes.get("directory", directory)
     entries = changes.get("entries", entries)
     with open(path, "r+b") as f:
-        f.write(seg_mod._HEADER.pack(magic, ver, pid, start, nonce, size, table, data, directory, entries))
+        f.write(seg_mod._HEADER.pack(magic, ver, pid, start, nonce, size, table, data, directory, entries, first))
 
 
 def _dead_pid() -> int:
@@ -113,9 +113,10 @@ def test_names_and_nonces_differ_between_segments(created: list[PoolSegment]) ->
 
 def test_header_records_magic_pid_start_time_and_size(created: list[PoolSegment]) -> None:
     s = _create(created, 4096)
-    magic, ver, pid, start, nonce, size, table, data, directory, entries = _header(SHM_DIR / s.name)
+    magic, ver, pid, start, nonce, size, table, data, directory, entries, first = _header(SHM_DIR / s.name)
     assert magic == MAGIC == b"KVDOCKL1"
-    assert ver == VERSION == 3
+    assert ver == VERSION == 4
+    assert first == data == s.first and s.shift == 0  # a named segment's pool offsets are its own
     assert (directory, entries) == (data, 0) == (s.directory_offset, s.directory_entries)  # no directory asked for
     assert (s.creator_pid, s.creator_start) == (pid, start)
     assert pid == os.getpid()
@@ -220,7 +221,7 @@ def test_attach_rejects_too_small_file() -> None:
 
 def test_attach_rejects_file_without_magic() -> None:
     name = PREFIX + "test-nomagic-" + os.urandom(4).hex()
-    with _stray_file(name, b"\x00" * (2 * HEADER_SIZE)), pytest.raises(ValueError, match="has no kvdock v3 header"):
+    with _stray_file(name, b"\x00" * (2 * HEADER_SIZE)), pytest.raises(ValueError, match="has no kvdock v4 header"):
         PoolSegment.attach(name)
 
 

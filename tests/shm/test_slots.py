@@ -262,28 +262,33 @@ def test_corrupt_slot_outside_pool() -> None:
         a.check_integrity()
 
 
-def test_partitions_give_each_tenant_its_region_and_share_the_generation_table() -> None:
+def test_partitions_give_each_tenant_its_region_with_its_own_generation_table() -> None:
     from kvdock.shm.slots import Partitions
 
-    gens = np.zeros(10, dtype="<u8")
-    parts = Partitions(ALIGN, 10 * ALIGN, gens, {"b": 3 * ALIGN + 5, "a": 2 * ALIGN, "z": 0})
-    assert {n: (r.base, r.capacity) for n, r in parts.regions.items()} == {
-        "a": (ALIGN, 2 * ALIGN),  # in name order, page-rounded down
-        "b": (3 * ALIGN, 3 * ALIGN),
-        "z": (6 * ALIGN, 0),
-        None: (6 * ALIGN, 5 * ALIGN),  # the shared rest
-    }
+    tables = {n: np.zeros(pages, dtype="<u8") for n, pages in (("a", 2), ("b", 3), ("z", 0), (None, 5))}
+    parts = Partitions(
+        {
+            None: SlotAllocator(ALIGN, 5 * ALIGN, tables[None]),
+            "a": SlotAllocator(6 * ALIGN, 2 * ALIGN, tables["a"]),
+            "z": SlotAllocator(8 * ALIGN, 0, tables["z"]),  # empty, where "b" starts
+            "b": SlotAllocator(8 * ALIGN, 3 * ALIGN, tables["b"]),
+        }
+    )
+    assert parts.capacity == 10 * ALIGN
     a1, a2 = parts.alloc(100, "a"), parts.alloc(100, "a")
-    assert (a1, a2, parts.alloc(100, "a")) == (ALIGN, 2 * ALIGN, None)  # a's region is full
+    assert (a1, a2, parts.alloc(100, "a")) == (6 * ALIGN, 7 * ALIGN, None)  # a's region is full
     shared = parts.alloc(100)
-    assert shared == 6 * ALIGN and parts.name_of(shared) is None and parts.name_of(a2) == "a"
-    assert parts.alloc(100, "z") is None
+    assert shared == ALIGN and parts.name_of(shared) is None and parts.name_of(a2) == "a"
+    b1 = parts.alloc(100, "b")
+    assert b1 == 8 * ALIGN and parts.name_of(b1) == "b" and parts.alloc(100, "z") is None
     parts.free(a2)
-    assert gens[1] == 1 and parts.generation(a2) == 1  # the region's table is the pool's
+    assert list(tables["a"]) == [0, 1] and parts.generation(a2) == 1  # in the region's own table
     parts.free(shared)
-    assert gens[5] == 1 and parts.generation(shared) == 1
-    assert (parts.used_bytes, parts.free_bytes) == (ALIGN, 9 * ALIGN)
+    assert tables[None][0] == 1 and parts.generation(shared) == 1 and not tables["b"].any()
+    assert (parts.used_bytes, parts.free_bytes) == (2 * ALIGN, 8 * ALIGN)
     parts.check_integrity()
+    with pytest.raises(AssertionError, match="overlap"):
+        Partitions({None: SlotAllocator(0, 2 * ALIGN), "a": SlotAllocator(ALIGN, ALIGN)})
 
 
 def test_recarve_moves_every_generation_on_and_carves_anew() -> None:

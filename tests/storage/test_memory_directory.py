@@ -9,6 +9,7 @@ import pytest
 
 from kvdock.keys import ObjectKey, namespace_digest
 from kvdock.shm.directory import Directory, DirectoryReader
+from kvdock.shm.pool import FlatMemory
 from kvdock.shm.segment import BUCKET, PoolSegment
 from kvdock.shm.slots import ALIGN, SlotAllocator
 from kvdock.storage.memory import L1Store
@@ -29,7 +30,7 @@ class World:
         self.directory = Directory(self.seg, complete=True)
         self.reader = DirectoryReader(self.seg)
         alloc = SlotAllocator(self.seg.data_offset, slots * ALIGN, self.seg.generations())
-        self.store = L1Store(alloc, memory=self.seg.buf, directory=self.directory)
+        self.store = L1Store(alloc, memory=FlatMemory(self.seg.buf), directory=self.directory)
         self.freed_while_published: list[int] = []
         real_free = alloc.free
 

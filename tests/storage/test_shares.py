@@ -10,6 +10,7 @@ import pytest
 
 from kvdock.errors import ConfigError, NoRoom
 from kvdock.keys import ObjectKey
+from kvdock.shm.pool import Pool
 from kvdock.shm.slots import ALIGN, Partitions, SlotAllocator
 from kvdock.storage.disk import DiskTier
 from kvdock.storage.memory import L1Store
@@ -49,7 +50,8 @@ def test_accounting_and_who_may_evict_whom() -> None:
 
 def l1(slots: int, s: Shares) -> L1Store:
     """An L1 of ``slots`` pages cut into the tenants' regions (their quotas) and the shared rest."""
-    return L1Store(Partitions(P, slots * P, None, s.quotas), shares=s)
+    pool = Pool.create(slots * P, s.quotas, shm=False, tenants=True)
+    return L1Store(pool.allocator, memory=pool, shares=s)
 
 
 def regions(store: L1Store) -> dict[str | None, SlotAllocator]:
@@ -155,10 +157,9 @@ def test_l2_quotas_hold_and_survive_a_restart(tmp_path: Path) -> None:
 def test_l1_a_tenant_switching_slot_sizes_recarves_its_region_when_nothing_there_is_in_use() -> None:
     """(review) A region carved for one model's slot size had no slot for the tenant's other
     model and nothing of that size to evict: the other model was refused for good."""
-    from kvdock.shm.slots import Partitions as Parts
-
-    gens = __import__("numpy").zeros(8, dtype="<u8")
-    store = L1Store(Parts(P, 8 * P, gens, {"a": 4 * P}), shares=shares(4 * P))
+    pool = Pool.create(8 * P, {"a": 4 * P}, shm=False, tenants=True)
+    gens = pool.own["a"].generations()  # the region's own table, in its own segment
+    store = L1Store(pool.allocator, memory=pool, shares=shares(4 * P))
     for i in range(4):
         assert put(store, K(i, "a/x"))  # one page each: the region is carved in pages
     before = gens[:4].copy()

@@ -8,7 +8,9 @@ import msgspec
 
 from kvdock.layout import KVGeometry
 
-PROTOCOL_VERSION = 10  # 10: tenants (Describe, tokens); 9: pipeline stages; 8: tensor-parallel shards
+# 11: tenants' own pools (Described.pool_*); 10: tenants (Describe, tokens); 9: pipeline stages;
+# 8: tensor-parallel shards
+PROTOCOL_VERSION = 11
 
 Transport = Literal["shm", "inline"]
 
@@ -301,7 +303,10 @@ class ModelRegistered(_Msg, frozen=True):
 class Described(_Msg, frozen=True):
     """``layout``: the model's (None when it is not registered, or not the caller's to use);
     ``models``: the registered models the caller may use; ``shm_name``: the shared-memory pool a
-    client may map and prove in RegisterClient ("" when none is offered to this caller)."""
+    client may map and prove in RegisterClient ("" when none is offered to this caller).
+    ``pool_url`` and ``pool_ticket``: with tenants, the pool door (``unix://PATH``) and a
+    single-use ticket there for the caller's tenant's own pool (a memfd, handed over as a
+    descriptor: ``transport.door``), to map and prove in RegisterClient ("": none offered)."""
 
     chunk_size: int
     max_request_tokens: int
@@ -309,6 +314,8 @@ class Described(_Msg, frozen=True):
     shm_name: str
     layout: ModelLayout | None
     models: list[str]
+    pool_url: str = ""
+    pool_ticket: str = ""
 
 
 class ClientRegistered(_Msg, frozen=True):

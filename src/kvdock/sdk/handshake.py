@@ -1,6 +1,7 @@
-"""The handshake of an SDK context with a server (DESIGN.md section 4): read /config and /status,
-decode the model's layout, map the shared-memory pool when this process can, register as a
-client, and pick the transfer (shared memory with a watch of the server, or inline frames).
+"""The handshake of an SDK context with a server (DESIGN.md section 4): ask the server to
+describe itself and the model, map the shared-memory pool when this process can (by name, or a
+tenant's own as a descriptor from the pool door), register as a client, and pick the transfer
+(shared memory with a watch of the server, or inline frames).
 Used by :func:`kvdock.sdk.connect` and again after a server restart."""
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import msgspec
 import torch
 
 from kvdock import layout
-from kvdock.errors import InvalidInputError, KVCacheSDKError, UnknownModelError
+from kvdock.errors import InvalidInputError, KVCacheSDKError, ProtocolError, UnknownModelError
 from kvdock.layout import KVGeometry
+from kvdock.protocol import encode
 from kvdock.protocol import messages as m
+from kvdock.protocol.door import OpenPool, PoolOpened, decode_door_reply
 from kvdock.sdk.connection import Connection
 from kvdock.sdk.transfer import InlineTransfer, ShmTransfer, Transfer
 from kvdock.shm import PoolSegment
 from kvdock.shm.segment import proc_start_time
+from kvdock.transport import door
 from kvdock.transport.local import PeerWatch
 
 log = logging.getLogger("kvdock.sdk")
@@ -118,7 +122,7 @@ def register(
         )
     view = geo.logical() if kv_rank is None else geo.at_rank(kv_rank)
     shards = geo.shards if kv_rank is None else 1
-    segment = try_attach(desc.shm_name)
+    segment = try_attach(desc.shm_name) if desc.shm_name else open_pool(desc, conn.timeout)
     try:
         reply = conn.call(
             m.RegisterClient(
@@ -182,6 +186,27 @@ def watch_creator(conn: Connection, segment: PoolSegment) -> PeerWatch | None:
         watch.close()
         return None
     return watch
+
+
+def open_pool(desc: m.Described, timeout: float) -> PoolSegment | None:
+    """Map the pool ``desc`` offers a ticket to (a tenant's own: handed over as a descriptor at
+    the pool door), or None (none offered, or it cannot be had: the inline transport then)."""
+    if not desc.pool_ticket:
+        return None
+    try:
+        reply, fd = door.knock(desc.pool_url, encode(OpenPool(m.PROTOCOL_VERSION, desc.pool_ticket)), timeout)
+        try:
+            answer = decode_door_reply(reply)
+            if not isinstance(answer, PoolOpened) or fd < 0:
+                raise ValueError(answer.message if isinstance(answer, m.Error) else "no descriptor came with it")
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+        return PoolSegment.from_fd(fd)
+    except (OSError, ValueError, ProtocolError) as e:
+        log.info("cannot map this tenant's pool (%s); using the inline transport", e)
+        return None
 
 
 def try_attach(shm_name: str) -> PoolSegment | None:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvdock import _native  # type: ignore[attr-defined]
-from kvdock.errors import KVCacheSDKError, LeaseExpiredError
+from kvdock.errors import KVCacheSDKError, LeaseExpiredError, ProtocolError
 from kvdock.layout import KVGeometry
 from kvdock.memcpy import populate
 from kvdock.protocol.messages import ReadPart, SlotRef
@@ -136,9 +136,13 @@ class ShmTransfer(Transfer):
         self._pool: torch.Tensor | None = torch.frombuffer(segment.buf, dtype=torch.uint8)
         self._gens = segment.generations()
         self._gens_addr = self._gens.ctypes.data
-        self._base = segment.data_offset
-        self._addr = self._pool.data_ptr()
-        self._prefault = Prefault(self._addr + segment.table_offset, segment.size - segment.table_offset)
+        # the server names slots by pool offset: the one at ``o`` is at ``buf[o - shift]`` (a
+        # tenant's segment holds one region of the pool); anything outside it is refused
+        self._shift = segment.shift
+        self._base = segment.first
+        self._end = segment.first + segment.data_size
+        self._addr = self._pool.data_ptr() - segment.shift  # the address pool offset 0 would have
+        self._prefault = Prefault(self._pool.data_ptr() + segment.table_offset, segment.size - segment.table_offset)
 
     def directory(self) -> DirectoryReader | None:
         """The pool directory while the server publishes one and is alive: the process that made
@@ -165,16 +169,25 @@ class ShmTransfer(Transfer):
         if old is not None:
             old.close()
 
+    def _check(self, offsets: np.ndarray) -> None:
+        """ProtocolError unless every slot at ``offsets`` lies in this segment's slot area."""
+        if len(offsets) and (int(offsets.min()) < self._base or int(offsets.max()) + self.chunk_nbytes > self._end):
+            raise ProtocolError("the server named a slot outside the pool this client maps")
+
     def _slot(self, offset: int) -> torch.Tensor:
         assert self._pool is not None, "transfer closed"
+        if not self._base <= offset <= self._end - self.chunk_nbytes:
+            raise ProtocolError("the server named a slot outside the pool this client maps")
         self._prefault.ensure(self._addr + offset, self.chunk_nbytes)
-        return self._pool[offset : offset + self.chunk_nbytes].view(self.dtype).view(self.chunk_shape)
+        at = offset - self._shift
+        return self._pool[at : at + self.chunk_nbytes].view(self.dtype).view(self.chunk_shape)
 
     def _direct(self, end: object, taking: bool, indices: np.ndarray, offsets: np.ndarray, layers: slice) -> bool:
         """Queue the copies of a plain tensor ``end`` with the slots at ``offsets`` as runs
         (TensorChunks.add_slots); False if ``end`` is something else or has no such runs."""
         if type(end) not in (TensorChunks, ShardedChunks) or not len(offsets):  # (a subclass may put or take otherwise)
             return False
+        self._check(offsets)
         if not self._prefault.done:
             for off in offsets.tolist():
                 self._prefault.ensure(self._addr + off, self.chunk_nbytes)
@@ -241,8 +254,11 @@ class ShmTransfer(Transfer):
         return [slots[i].index for i in np.flatnonzero(self._moved(offsets, gens)).tolist()]
 
     def map_readonly(self, offset: int, length: int) -> mmap.mmap:
-        """A new read-only mapping of part of the pool (for zero-copy views)."""
-        return self.segment.map_readonly(offset, length)
+        """A new read-only mapping of pool offsets ``[offset, offset + length)`` (page-aligned; for
+        zero-copy views)."""
+        if not (self._base <= offset and offset + length <= self._end):
+            raise ProtocolError("the server named slots outside the pool this client maps")
+        return self.segment.map_readonly(offset - self._shift, length)
 
     def close(self) -> None:
         self._prefault.stop()

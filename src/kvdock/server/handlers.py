@@ -6,6 +6,7 @@ RequestError (or SessionError / RegistrationError) turns into an Error reply."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable
 
 from kvdock import __version__
@@ -17,7 +18,8 @@ from kvdock.protocol.codes import ErrorCode
 from kvdock.server import access
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Payload, Reply, ServerState
-from kvdock.shm.segment import proc_start_time
+from kvdock.server.tenants import Tenant
+from kvdock.shm.segment import PoolSegment, proc_start_time
 
 
 def client_of(state: ServerState, client_id: str) -> ClientEntry:
@@ -90,10 +92,13 @@ def register_model(state: ServerState, req: m.RegisterModel, payload: Payload, k
     return Reply(m.ModelRegistered(created, entry.slot_nbytes))
 
 
-def shares_memory(state: ServerState) -> bool:
-    """Whether clients may map the pool. Not with tenants: the one pool holds every tenant's
-    objects, so they get the inline transport."""
-    return state.shm_enabled and state.tenants is None
+def pool_for(state: ServerState, tenant: Tenant | None) -> PoolSegment | None:
+    """The segment a client of ``tenant`` may map (None: the inline transport only): without
+    tenants, the one pool; with them, the tenant's own pool when it has an L1 quota (the shared
+    rest holds other tenants' objects: nobody maps it)."""
+    if not state.shm_enabled:
+        return None
+    return state.pool.segment_of(tenant.name if tenant is not None else None)
 
 
 def describe(state: ServerState, req: m.Describe, payload: Payload, key: bytes = b"") -> Reply:
@@ -101,14 +106,20 @@ def describe(state: ServerState, req: m.Describe, payload: Payload, key: bytes =
     tenant = access.tenant_of(state, key, req.token)
     visible = state.registry.visible(tenant)
     entry = state.registry.models.get(req.model_name) if req.model_name in visible else None
+    segment = pool_for(state, tenant)
+    ticket = ""
+    if segment is not None and segment.private and state.door_url and tenant is not None:
+        ticket = state.tickets.issue(tenant.name)
     return Reply(
         m.Described(
             state.chunk_size,
             state.registry.max_request_tokens,
             state.manager.sessions.ttl,
-            state.segment.name if shares_memory(state) else "",
+            segment.name if segment is not None else "",
             entry.layout if entry is not None else None,
             sorted(visible),
+            state.door_url if ticket else "",
+            ticket,
         )
     )
 
@@ -116,11 +127,13 @@ def describe(state: ServerState, req: m.Describe, payload: Payload, key: bytes =
 def register_client(state: ServerState, req: m.RegisterClient, payload: Payload, key: bytes = b"") -> Reply:
     _check_version(req.protocol_version)
     tenant = access.tenant_of(state, key, req.token)
+    segment = pool_for(state, tenant)
     # Shared memory only for a process this server can see (same PID namespace): a client that
     # writes slots itself must be one whose death the server can detect (see storage.sessions).
     use_shm = (
-        shares_memory(state)
-        and req.shm_proof == state.segment.nonce
+        segment is not None
+        and bool(req.shm_proof)
+        and secrets.compare_digest(req.shm_proof.encode(), segment.nonce.encode())
         and req.pid > 0
         and proc_start_time(req.pid) == req.pid_start
     )

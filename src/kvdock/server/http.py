@@ -56,7 +56,7 @@ def config_doc(state: ServerState, config: ServerConfig) -> dict[str, Any]:
         "transports": ["shm", "inline"] if state.shm_enabled else ["inline"],
         "l1": {
             "shm_enabled": state.shm_enabled,
-            "shm_name": state.segment.name if state.shm_enabled else None,
+            "shm_name": state.pool.main.name or None,
             "size_bytes": state.manager.l1.allocator.capacity,
         },
     }

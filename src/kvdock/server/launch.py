@@ -33,18 +33,20 @@ from kvdock.server.dispatch import handle
 from kvdock.server.events import FLUSH_S, ChunkEvents, advertised_url, subscription_topic
 from kvdock.server.http import make_app, request_logger
 from kvdock.server.metrics import Metrics
+from kvdock.server.pools import open_pool
 from kvdock.server.registry import Registry
 from kvdock.server.resources import keep_freed_memory, raise_fd_limit
 from kvdock.server.state import Outcome, Reply, ServerState, fault_retrieve_miss
 from kvdock.server.tenants import Tenants, load_tenants
-from kvdock.shm import PoolSegment, cleanup_stale
+from kvdock.shm import cleanup_stale
 from kvdock.shm.directory import Directory, entries_for
-from kvdock.shm.slots import Partitions
+from kvdock.shm.pool import Pool
 from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane, tier_factory
 from kvdock.storage.shares import Shares, check_fits
 from kvdock.transport import listener
 from kvdock.transport.curve import ServerCurve
 from kvdock.transport.curve import available as curve_available
+from kvdock.transport.door import PoolDoor
 from kvdock.transport.events import EventPublisher
 from kvdock.transport.server import ControlServer, Incoming
 
@@ -85,20 +87,22 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
         )
     # a pool directory (fast reads) is read by clients that check the server is alive through its
     # local socket; the retrieve-miss fault must reach every retrieve
-    fast_reads = not (config.no_shm or config.no_local_socket or config.no_fast_reads or fault_retrieve_miss())
-    if config.no_shm:
-        segment = PoolSegment.anonymous(size)
-    else:
-        segment = PoolSegment.create(size, entries_for(size) if fast_reads else 0)
+    fast_reads = not (
+        config.no_shm or config.no_local_socket or config.no_fast_reads or fault_retrieve_miss() or tenants is not None
+    )
+    l1_shares = tier_shares(tenants, "l1", size)
+    # a tenant's L1 quota is a region of the pool of its own, in a segment of its own (shm.pool)
+    pool = Pool.create(
+        size,
+        l1_shares.quotas if l1_shares is not None else None,
+        shm=not config.no_shm,
+        tenants=tenants is not None,
+        directory_entries=entries_for(size) if fast_reads else 0,
+    )
     lanes: list[TierLane] = []
     publisher: EventPublisher | None = None
     try:
         metrics = Metrics()
-        l1_shares = tier_shares(tenants, "l1", size)
-        # a tenant's L1 quota is a region of the pool of its own (shm.slots.Partitions)
-        allocator = Partitions(
-            segment.data_offset, size, segment.generations(), l1_shares.quotas if l1_shares is not None else None
-        )
         publisher = _open_events(config, curve, tenants)
         events = ChunkEvents(metrics, config.chunk_size, publisher, tenants)
         disk = _open_disk(config, tenants)
@@ -106,19 +110,13 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
             config.chunk_size,
             disk.root / "models.msgpack" if disk is not None else None,
             config=config,
-            pool_capacity=allocator.capacity,
+            pool_capacity=pool.capacity,
         )
         metrics.watch_registry(registry)
         redis = _open_redis(config, tenants)
         # without a lower tier, what the directory lacks is not cached at all (fast reads' misses)
-        directory = Directory(segment, complete=disk is None and redis is None) if fast_reads else None
-        l1 = L1Store(
-            allocator,
-            watcher=events,
-            memory=segment.buf,
-            directory=directory,
-            shares=l1_shares,
-        )
+        directory = Directory(pool.main, complete=disk is None and redis is None) if fast_reads else None
+        l1 = L1Store(pool.allocator, watcher=events, memory=pool, directory=directory, shares=l1_shares)
         lanes = [TierLane(t, l1) for t in (disk, redis) if t is not None]
         manager = StorageManager(l1, config.session_ttl, lanes, registry.geometry_of, registry.chunk_size)
     except BaseException:
@@ -126,12 +124,11 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
             lane.close()
         if publisher is not None:
             publisher.close()
-        segment.unlink()
-        segment.close()
+        pool.close()
         raise
     metrics.l1_capacity.set(size)
     state = ServerState(
-        config.chunk_size, segment, not config.no_shm, manager, registry, metrics, events=events, tenants=tenants
+        config.chunk_size, pool, not config.no_shm, manager, registry, metrics, events=events, tenants=tenants
     )
     metrics.watch_tiers(manager)
     return state
@@ -359,6 +356,18 @@ async def _probe(state: ServerState) -> None:
                 await lane.on_reader(lane.tier.probe, default=None, when_down=True)
 
 
+def _open_door(state: ServerState) -> PoolDoor | None:
+    """The pool door, when some tenant has a pool of its own to be handed (shm.pool)."""
+    if not state.shm_enabled or not any(seg.private for seg in state.pool.own.values()):
+        return None
+    try:
+        door = PoolDoor()
+    except OSError as e:
+        raise ConfigError(f"cannot open the pool door for the tenants' pools: {e}") from None
+    state.door_url = door.url
+    return door
+
+
 async def _publish_events(state: ServerState, server: str) -> None:
     """Publish pending KV events every FLUSH_S (only runs when they are on)."""
     assert state.events is not None
@@ -390,8 +399,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
         state.copier.shutdown(wait=True)
         if state.events is not None:
             state.events.close()
-        state.segment.unlink()
-        state.segment.close()
+        state.pool.close()
 
 
 async def _run(
@@ -410,6 +418,11 @@ async def _run(
     except zmq.ZMQError as e:
         raise ConfigError(f"cannot listen on {config.zmq_url}: {e}") from None
     state.local_url = control.local_url
+    try:
+        door = _open_door(state)
+    except BaseException:
+        control.close()
+        raise
     runner = web.AppRunner(make_app(state, config), access_log=None, logger=request_logger())
     await runner.setup()
     try:
@@ -429,10 +442,12 @@ async def _run(
             config.chunk_size,
             format_size(state.manager.l1.allocator.capacity),
             "shared memory " if state.shm_enabled else "private memory, inline transport only",
-            state.segment.name,
+            state.pool.main.name or f"{len(state.pool.own)} tenant pool(s)",
         )
         waiting: set[asyncio.Task[None]] = set()  # replies that wait for a lower tier or to be sent
         control.start(lambda msg: _serve_one(state, control, msg, waiting))
+        if door is not None:
+            door.start(loop, functools.partial(open_pool, state.pool, state.tickets))
         if state.events is not None and state.events.publisher is not None:
             state.events.publisher.start()
         tasks = [
@@ -453,3 +468,5 @@ async def _run(
     finally:
         await runner.cleanup()
         control.close()
+        if door is not None:
+            door.close()

@@ -14,9 +14,10 @@ import msgspec
 
 from kvdock.server.events import ChunkEvents
 from kvdock.server.metrics import Metrics
+from kvdock.server.pools import Tickets
 from kvdock.server.registry import Registry
 from kvdock.server.tenants import Tenants
-from kvdock.shm import PoolSegment
+from kvdock.shm.pool import Pool
 from kvdock.storage import StorageManager
 
 Payload = list[memoryview]
@@ -75,7 +76,7 @@ class ServerState:
     (slots they touch are reserved or pinned by a busy session meanwhile)."""
 
     chunk_size: int
-    segment: PoolSegment
+    pool: Pool
     shm_enabled: bool
     manager: StorageManager
     registry: Registry
@@ -83,6 +84,8 @@ class ServerState:
     events: ChunkEvents | None = None  # the L1 store's watcher (KV events when they are on)
     copier: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "kvdock-copy"))
     local_url: str = ""  # the control plane's local UNIX socket, offered to shared-memory clients
+    door_url: str = ""  # the pool door (transport.door), where tenants' clients get their pools
+    tickets: Tickets = field(default_factory=Tickets)  # to the tenants' pools (server.pools)
     tenants: Tenants | None = None  # with a tenants file: every client is one tenant's (server.access)
     max_unsent_bytes: int = 1 << 30  # per client: inline reply bytes not yet read; past it, BUSY
     max_total_unsent_bytes: int = 4 << 30  # the same for all clients together (many sockets)

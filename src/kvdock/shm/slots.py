@@ -16,6 +16,7 @@ bump is stored).
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import numpy as np
 
@@ -102,29 +103,23 @@ class SlotAllocator:
 
 class Partitions:
     """The pool's slot area cut into regions: one per tenant with an L1 quota (exactly its quota,
-    page-rounded down, carved only for that tenant's objects) and the shared rest (region None).
-    Each region is a :class:`SlotAllocator` over its own range and slice of the generation table,
-    so no tenant's slot sizes can carve another's share (a pool carves a freed slot only for its
-    size again). The same reads as a SlotAllocator, over the whole pool."""
+    carved only for that tenant's objects) and the shared rest (region None). Each region is a
+    :class:`SlotAllocator` over its own range of pool offsets and its own generation table (a
+    tenant's segment's, :mod:`kvdock.shm.pool`), so no tenant's slot sizes can carve another's
+    share (a pool carves a freed slot only for its size again). The same reads as a
+    SlotAllocator, over the whole pool."""
 
-    def __init__(
-        self, base: int, capacity: int, generations: np.ndarray | None = None, quotas: dict[str, int] | None = None
-    ) -> None:
-        pages = -(-capacity // ALIGN)
-        gens = np.zeros(pages, dtype="<u8") if generations is None else generations
-        self.base, self.capacity = base, capacity
-        self.regions: dict[str | None, SlotAllocator] = {}
-        start = 0
-        for name, quota in sorted((quotas or {}).items()):
-            size = quota // ALIGN * ALIGN
-            assert start + size <= capacity, "quotas larger than the pool"
-            self.regions[name] = SlotAllocator(base + start, size, gens[start // ALIGN : (start + size) // ALIGN])
-            start += size
-        self.regions[None] = SlotAllocator(base + start, capacity - start, gens[start // ALIGN :])
+    def __init__(self, regions: dict[str | None, SlotAllocator]) -> None:
+        """``regions`` by name (None: the shared rest, which must be there), their ranges apart."""
+        assert None in regions, "no shared rest"
+        self.regions = dict(regions)
         # the regions by start (an empty one before the region that starts where it does)
         ordered = sorted(self.regions.items(), key=lambda item: (item[1].base, item[1].capacity))
+        for (_, a), (_, b) in itertools.pairwise(ordered):
+            assert a.base + a.capacity <= b.base, "regions overlap"
         self._bases = [a.base for _, a in ordered]
         self._ordered = ordered
+        self.capacity = sum(a.capacity for a in self.regions.values())
 
     def name_of(self, offset: int) -> str | None:
         """The region holding ``offset`` (the last one starting at or before it)."""

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from kvdock.keys import ObjectKey, namespace_digest
 from kvdock.shm.directory import Directory
+from kvdock.shm.pool import SlotMemory
 from kvdock.shm.slots import Partitions, SlotAllocator, aligned
 from kvdock.storage.shares import Shares
 
@@ -66,7 +67,7 @@ class L1Store:
         self,
         allocator: SlotAllocator | Partitions,
         watcher: L1Watcher | None = None,
-        memory: memoryview | None = None,
+        memory: SlotMemory | None = None,
         directory: Directory | None = None,
         shares: Shares | None = None,
     ) -> None:
@@ -107,7 +108,7 @@ class L1Store:
     def view(self, obj: L1Object) -> memoryview:
         """The slot bytes of ``obj`` (the store must have been given the pool's memory)."""
         assert self._memory is not None, "this store has no memory attached"
-        return self._memory[obj.offset : obj.offset + obj.nbytes]
+        return self._memory.view(obj.offset, obj.nbytes)
 
     def pinned_objects(self) -> list[L1Object]:
         """Every object with at least one pin, live or retired."""

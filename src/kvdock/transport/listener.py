@@ -28,6 +28,7 @@ MAX_BATCH = 256  # messages of one source (a local connection, the zmq socket) h
 ACCEPT_PAUSE_S = 0.5  # out of descriptors: stop accepting this long
 DIR_PREFIX = "kvdock-"
 SOCKET_NAME = "control.sock"
+DOOR_SOCKET_NAME = "door.sock"  # the pool door's (transport.door), in a directory of its own
 
 Handler = Callable[[int, list[memoryview]], None]
 
@@ -42,15 +43,19 @@ def cleanup_stale() -> list[str]:
     leaves its own behind); returns their paths. A directory is stale when it is this user's own
     (not a link) and holds nothing but a socket named SOCKET_NAME that refuses connections (a
     server binds under another name and renames once it listens, so a starting one is never
-    taken for a dead one). Never waits: a live server whose backlog is full is left alone."""
+    taken for a dead one). Never waits: a live server whose backlog is full is left alone. The
+    pool door's directories (DOOR_SOCKET_NAME) go the same way."""
     removed = []
     for d in Path(tempfile.gettempdir()).glob(DIR_PREFIX + "*"):
-        sock_path = d / SOCKET_NAME
         try:
             st = d.lstat()
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
                 continue
-            if sorted(p.name for p in d.iterdir()) != [SOCKET_NAME] or not stat.S_ISSOCK(sock_path.lstat().st_mode):
+            names = [p.name for p in d.iterdir()]
+            if len(names) != 1 or names[0] not in (SOCKET_NAME, DOOR_SOCKET_NAME):
+                continue
+            sock_path = d / names[0]
+            if not stat.S_ISSOCK(sock_path.lstat().st_mode):
                 continue
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
                 probe.setblocking(False)

@@ -1,0 +1,184 @@
+"""The pool door: a UNIX socket where a client trades a ticket for a descriptor of shared memory.
+
+A tenant's pool is a memfd (``shm.pool``) with no name any process could open: the only way to
+map it is to be handed its descriptor, over a UNIX socket as SCM_RIGHTS ancillary data. The door
+does that and nothing else. Who gets what is the handler's call (``server.pools``: a ticket
+issued over the authenticated control plane names the tenant); the door only moves bytes.
+
+Any local user may knock (the socket is 0666 in a directory others may traverse but not list):
+tenants may run as other users, and what opens the door is the ticket, not who knocks. So the
+door assumes nothing of a caller: one request per connection, at most ``MAX_REQUEST`` bytes
+ended by the caller shutting down its sending side, within ``DEADLINE_S``; one reply (with at
+most one descriptor); then it hangs up. At most ``MAX_WAITING`` connections wait at once (more
+are closed at once). Descriptors a caller sends along are discarded unread (the kernel closes
+them: no room is given for ancillary data).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable
+
+from kvdock.transport.listener import DIR_PREFIX, DOOR_SOCKET_NAME
+from kvdock.transport.local import SCHEME
+
+log = logging.getLogger("kvdock.transport")
+
+MAX_REQUEST = 512
+MAX_REPLY = 64 << 10
+MAX_WAITING = 64
+DEADLINE_S = 2.0
+
+# the request's bytes -> (the reply's bytes, a descriptor to send with it or -1); it must not raise
+DoorHandler = Callable[[bytes], tuple[bytes, int]]
+
+
+class PoolDoor:
+    """The server's end. ``start`` it on the event loop; the event loop's thread only."""
+
+    def __init__(self) -> None:
+        """OSError if the socket cannot be made (nothing is left behind then)."""
+        self._dir = tempfile.mkdtemp(prefix=DIR_PREFIX)
+        self.path = os.path.join(self._dir, DOOR_SOCKET_NAME)
+        binding = os.path.join(self._dir, "binding.sock")  # renamed once it listens (listener.cleanup_stale)
+        try:
+            os.chmod(self._dir, 0o711)  # others reach the socket by its path; nobody lists the directory
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self._sock.bind(binding)
+                os.chmod(binding, 0o666)
+                self._sock.listen(MAX_WAITING)
+                self._sock.setblocking(False)
+                os.rename(binding, self.path)
+            except BaseException:
+                self._sock.close()
+                raise
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handler: DoorHandler | None = None
+        self._waiting: dict[int, tuple[socket.socket, bytearray, asyncio.TimerHandle]] = {}
+
+    @property
+    def url(self) -> str:
+        return SCHEME + self.path
+
+    def start(self, loop: asyncio.AbstractEventLoop, handler: DoorHandler) -> None:
+        self._loop, self._handler = loop, handler
+        loop.add_reader(self._sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        """Stop answering, hang up on every caller, remove the socket. Harmless twice."""
+        if self._loop is not None and not self._loop.is_closed() and self._sock.fileno() >= 0:
+            self._loop.remove_reader(self._sock.fileno())
+        for fd in list(self._waiting):
+            self._hang_up(fd)
+        self._sock.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def check_integrity(self) -> None:
+        assert len(self._waiting) <= MAX_WAITING, f"{len(self._waiting)} callers wait at the door"
+        for fd, (conn, got, _) in self._waiting.items():
+            assert conn.fileno() == fd and len(got) <= MAX_REQUEST
+
+    def _accept(self) -> None:
+        assert self._loop is not None
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of descriptors: the caller stays queued, tried next turn
+                log.warning("pool door: accept failed (%s)", e)
+                return
+            if len(self._waiting) >= MAX_WAITING:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            fd = conn.fileno()
+            timer = self._loop.call_later(DEADLINE_S, self._hang_up, fd)
+            self._waiting[fd] = (conn, bytearray(), timer)
+            self._loop.add_reader(fd, self._read, fd)
+
+    def _read(self, fd: int) -> None:
+        entry = self._waiting.get(fd)
+        if entry is None:
+            return
+        conn, got, _ = entry
+        try:
+            data = conn.recv(MAX_REQUEST + 1 - len(got))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._hang_up(fd)
+            return
+        got += data
+        if len(got) > MAX_REQUEST:
+            self._hang_up(fd)
+        elif not data and got:  # the whole request (the caller shut its side)
+            self._answer(fd, bytes(got))
+        elif not data:  # nothing asked (a liveness probe: listener.cleanup_stale)
+            self._hang_up(fd)
+
+    def _answer(self, fd: int, request: bytes) -> None:
+        conn = self._waiting[fd][0]
+        handler = self._handler
+        if handler is not None:
+            reply, pool_fd = handler(request)
+            with contextlib.suppress(OSError):  # a caller gone, or not reading: its loss
+                if pool_fd >= 0:
+                    socket.send_fds(conn, [reply], [pool_fd], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                else:
+                    conn.send(reply, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        self._hang_up(fd)
+
+    def _hang_up(self, fd: int) -> None:
+        entry = self._waiting.pop(fd, None)
+        if entry is None:
+            return
+        conn, _, timer = entry
+        timer.cancel()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(fd)
+        conn.close()
+
+
+def knock(url: str, request: bytes, timeout: float) -> tuple[bytes, int]:
+    """The client's end: send ``request`` to the door at ``url`` and return its reply and the
+    descriptor that came with it (-1: none; the caller owns it). OSError if the door cannot be
+    reached or hangs up without a reply, TimeoutError past ``timeout`` seconds, ValueError for a
+    URL that is not a door's."""
+    if not url.startswith(SCHEME):
+        raise ValueError(f"not a pool door URL: {url!r}")
+    fds: list[int] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(url.removeprefix(SCHEME))
+        sock.sendall(request)
+        sock.shutdown(socket.SHUT_WR)
+        reply = bytearray()
+        try:
+            while len(reply) <= MAX_REPLY:
+                data, got, _flags, _addr = socket.recv_fds(sock, MAX_REPLY + 1, 1)
+                fds += got
+                if not data:
+                    break
+                reply += data
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+    if not reply or len(reply) > MAX_REPLY:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(f"the pool door at {url} hung up without a reply")
+    for extra in fds[1:]:
+        os.close(extra)
+    return bytes(reply), fds[0] if fds else -1

@@ -1,0 +1,90 @@
+"""Tickets to the tenants' pools and the pool door's handler: a ticket opens its own tenant's
+pool, once, within its lease; anything else gets an error and no descriptor."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from kvdock.protocol import encode
+from kvdock.protocol import messages as m
+from kvdock.protocol.codes import ErrorCode
+from kvdock.protocol.door import OpenPool, PoolOpened, decode_door_reply
+from kvdock.server.pools import Tickets, open_pool
+from kvdock.shm.pool import Pool
+from kvdock.shm.slots import ALIGN
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_ticket_names_its_tenant_once_and_only_within_its_lease() -> None:
+    clock = Clock()
+    tickets = Tickets(clock, ttl_s=10.0)
+    a, b = tickets.issue("a"), tickets.issue("b")
+    assert a != b and len(a) == 32 and len(tickets) == 2
+    assert tickets.redeem(a) == "a"
+    assert tickets.redeem(a) is None  # used
+    assert tickets.redeem("0" * 32) is None and tickets.redeem("") is None  # never issued
+    clock.now += 10.0
+    assert tickets.redeem(b) is None  # lapsed
+    assert len(tickets) == 0
+    tickets.check_integrity()
+
+
+def test_past_the_cap_the_oldest_tickets_lapse_first() -> None:
+    clock = Clock()
+    tickets = Tickets(clock, ttl_s=10.0, max_open=3)
+    issued = []
+    for i in range(5):
+        clock.now += 1
+        issued.append(tickets.issue(f"t{i}"))
+    assert len(tickets) == 3
+    assert [tickets.redeem(t) for t in issued] == [None, None, "t2", "t3", "t4"]
+    tickets.check_integrity()
+
+
+@pytest.fixture
+def pool() -> Iterator[Pool]:
+    p = Pool.create(8 * ALIGN, {"a": 2 * ALIGN, "b": 2 * ALIGN}, tenants=True)
+    yield p
+    p.close()
+
+
+def _door(pool: Pool, tickets: Tickets, request: bytes) -> tuple[PoolOpened | m.Error, int]:
+    reply, fd = open_pool(pool, tickets, request)
+    return decode_door_reply(reply), fd
+
+
+def test_open_pool_hands_over_the_tickets_tenants_own_pool_and_nothing_else(pool: Pool) -> None:
+    tickets = Tickets(Clock())
+    ta, tb, tc = tickets.issue("a"), tickets.issue("b"), tickets.issue("c")  # c: no quota, no pool
+    answer, fd = _door(pool, tickets, encode(OpenPool(m.PROTOCOL_VERSION, tb)))
+    assert answer == PoolOpened(pool.own["b"].size) and fd == pool.own["b"].fileno()
+    assert os.fstat(fd).st_ino == os.fstat(pool.own["b"].fileno()).st_ino
+    refused = [
+        (encode(OpenPool(m.PROTOCOL_VERSION, tb)), ErrorCode.UNAUTHORIZED),  # used
+        (encode(OpenPool(m.PROTOCOL_VERSION, tc)), ErrorCode.UNAUTHORIZED),  # a tenant without a pool
+        (encode(OpenPool(m.PROTOCOL_VERSION, "f" * 32)), ErrorCode.UNAUTHORIZED),
+        (encode(OpenPool(m.PROTOCOL_VERSION - 1, ta)), ErrorCode.PROTOCOL_VERSION),
+        (b"\xc1garbage", ErrorCode.MALFORMED),
+        (encode(m.Ping()), ErrorCode.MALFORMED),  # a control-plane message
+        (b"", ErrorCode.MALFORMED),
+    ]
+    for request, code in refused:
+        answer, fd = _door(pool, tickets, request)
+        assert isinstance(answer, m.Error) and answer.code == code and fd == -1, (request, answer)
+    # the same words for a ticket used as for one never issued: nothing to learn from the refusal
+    used, _ = _door(pool, tickets, encode(OpenPool(m.PROTOCOL_VERSION, tb)))
+    never, _ = _door(pool, tickets, encode(OpenPool(m.PROTOCOL_VERSION, "e" * 32)))
+    assert used == never
+    # the version refusal did not spend a's ticket
+    answer, fd = _door(pool, tickets, encode(OpenPool(m.PROTOCOL_VERSION, ta)))
+    assert answer == PoolOpened(pool.own["a"].size) and fd == pool.own["a"].fileno()

@@ -1,0 +1,194 @@
+"""Shared memory per tenant with a real server: a tenant with an L1 quota has a pool of its own
+(a memfd handed over at the pool door for a ticket), its clients map that pool and no other, and
+it holds that tenant's objects only; tickets open one pool once; other users get their pools too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvdock.sdk as kvd
+from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, start_server
+from kvdock.protocol import encode
+from kvdock.protocol import messages as m
+from kvdock.protocol.door import OpenPool, PoolOpened, decode_door_reply
+from kvdock.shm import PoolSegment
+from kvdock.shm.segment import proc_start_time
+from kvdock.testing import ServerProcess
+from kvdock.transport.client import ControlClient
+from kvdock.transport.door import knock
+
+ACME, BETA, GAMMA, ADMIN = "acme-token-0123456789", "beta-token-0123456789", "gamma-token-012345678", "admin-0123456789"
+SLOT = 4096  # one chunk of the test model in its page
+
+
+def serve(tmp_path: Path) -> ServerProcess:
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        f"""
+[tenants.acme]
+tokens = ["{ACME}"]
+models = ["{MODEL}"]
+salts = ["acme"]
+l1 = {16 * SLOT}
+
+[tenants.beta]
+tokens = ["{BETA}"]
+models = ["{MODEL}"]
+salts = ["beta"]
+l1 = {16 * SLOT}
+
+[tenants.gamma]
+tokens = ["{GAMMA}"]
+models = ["{MODEL}"]
+salts = ["gamma"]
+"""
+    )
+    srv = start_server(tmp_path, "--tenants", str(path), "--admin-token", ADMIN, "--no-disk")
+    kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10, admin_token=ADMIN)
+    return srv
+
+
+@pytest.fixture
+def srv(tmp_path: Path):  # type: ignore[no-untyped-def]
+    s = serve(tmp_path)
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def _kvdock_maps(pid: int) -> list[str]:
+    """The kvdock shared memory process ``pid`` maps: memfd labels and /dev/shm names."""
+    out = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        path = line.split(maxsplit=5)[-1] if len(line.split()) >= 6 else ""
+        if "memfd:kvdock-" in path:
+            out.add(path.split("memfd:", 1)[1].split()[0])
+        elif path.startswith("/dev/shm/kvdock-"):
+            out.add(path)
+    return sorted(out)
+
+
+def _slot_bytes(kv: torch.Tensor, chunk: int) -> bytes:
+    return kv[:, :, chunk * CHUNK : (chunk + 1) * CHUNK].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_each_quotad_tenant_maps_its_own_pool_which_holds_only_its_objects(srv: ServerProcess) -> None:
+    tokens = make_tokens(3 * CHUNK)
+    kv_a, kv_b, kv_g = (make_kv(3 * CHUNK, seed=s) for s in (1, 2, 3))
+    # the server has no named segment at all: the shared rest is private memory, the tenants'
+    # pools are memfds
+    assert _kvdock_maps(srv.proc.pid) == ["kvdock-acme", "kvdock-beta"]
+    with (
+        kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a,
+        kvd.connect(srv.url, srv.http_url, MODEL, 10, token=BETA) as b,
+        kvd.connect(srv.url, srv.http_url, MODEL, 10, token=GAMMA) as g,
+    ):
+        assert (a.transport, b.transport, g.transport) == ("shm", "shm", "inline")  # gamma: no quota, no pool
+        assert kvd.store(a, kv_a, tokens, "acme") and kvd.store(b, kv_b, tokens, "beta")
+        assert kvd.store(g, kv_g, tokens, "gamma")
+        got_a, got_b = kvd.retrieve(a, tokens, "acme"), kvd.retrieve(b, tokens, "beta")
+        assert got_a is not None and torch.equal(got_a, kv_a) and got_b is not None and torch.equal(got_b, kv_b)
+        with kvd.view(a, tokens, "acme") as v:  # zero-copy, mapped read-only from acme's pool
+            for i in range(3):
+                assert torch.equal(v.chunk(i), kv_a[:, :, i * CHUNK : (i + 1) * CHUNK])
+        # what each tenant's client maps holds its own tenant's KV and nobody else's
+        seg_a = a._transfer.segment  # type: ignore[attr-defined]
+        seg_b = b._transfer.segment  # type: ignore[attr-defined]
+        pool_a, pool_b = bytes(seg_a.slot_area()), bytes(seg_b.slot_area())
+        for i in range(3):
+            assert _slot_bytes(kv_a, i) in pool_a and _slot_bytes(kv_a, i) not in pool_b
+            assert _slot_bytes(kv_b, i) in pool_b and _slot_bytes(kv_b, i) not in pool_a
+            assert _slot_bytes(kv_g, i) not in pool_a and _slot_bytes(kv_g, i) not in pool_b
+        assert seg_a.private and seg_b.private and seg_a.nonce != seg_b.nonce
+        assert kvd.check_server_integrity(a, ADMIN) == []
+
+
+def test_a_client_process_maps_its_tenants_pool_and_nothing_else(srv: ServerProcess, tmp_path: Path) -> None:
+    code = f"""
+import sys
+sys.path[:0] = {sys.path!r}
+import torch
+import kvdock.sdk as kvd
+from helpers import CHUNK, MODEL, make_kv, make_tokens
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_tenant_pools import _kvdock_maps
+import os
+with kvd.connect({srv.url!r}, {srv.http_url!r}, MODEL, 10, token={ACME!r}) as a:
+    kv = make_kv(2 * CHUNK, seed=9)
+    assert kvd.store(a, kv, make_tokens(2 * CHUNK), "acme")
+    assert torch.equal(kvd.retrieve(a, make_tokens(2 * CHUNK), "acme"), kv)
+    print(a.transport, ",".join(_kvdock_maps(os.getpid())))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["shm", "kvdock-acme"]
+
+
+def _ticket(srv: ServerProcess, token: str) -> m.Described:
+    return kvd.describe_server(srv.url, MODEL, 10, token=token)
+
+
+def test_a_ticket_opens_its_own_tenants_pool_once(srv: ServerProcess) -> None:
+    da, db, dg = _ticket(srv, ACME), _ticket(srv, BETA), _ticket(srv, GAMMA)
+    assert da.pool_ticket and db.pool_ticket and da.pool_ticket != db.pool_ticket and da.pool_url == db.pool_url
+    assert (dg.pool_url, dg.pool_ticket, da.shm_name) == ("", "", "")  # no pool for gamma; no name for anyone
+
+    def door(ticket: str) -> tuple[PoolOpened | m.Error, int]:
+        reply, fd = knock(da.pool_url, encode(OpenPool(m.PROTOCOL_VERSION, ticket)), 10)
+        return decode_door_reply(reply), fd
+
+    answer, fd = door(db.pool_ticket)
+    assert isinstance(answer, PoolOpened) and fd >= 0
+    beta_pool = PoolSegment.from_fd(fd)
+    try:
+        for ticket in (db.pool_ticket, "0" * 32, ""):  # used, never issued
+            answer, fd = door(ticket)
+            assert isinstance(answer, m.Error) and answer.code == "unauthorized" and fd == -1
+        # acme holding beta's pool proves nothing to the server: acme's client stays inline
+        client = ControlClient(srv.url, 10)
+        try:
+            reg = m.RegisterClient(
+                m.PROTOCOL_VERSION, "x", MODEL, 0, beta_pool.nonce, pid=os.getpid(),
+                pid_start=proc_start_time(os.getpid()) or 0, token=ACME,
+            )  # fmt: skip
+            reply = client.call(reg).reply
+            assert isinstance(reply, m.ClientRegistered) and (reply.transport, reply.local_url) == ("inline", "")
+            reg = m.RegisterClient(
+                m.PROTOCOL_VERSION, "y", MODEL, 0, beta_pool.nonce, pid=os.getpid(),
+                pid_start=proc_start_time(os.getpid()) or 0, token=BETA,
+            )  # fmt: skip
+            assert client.call(reg).reply.transport == "shm"  # beta's own proof is good
+        finally:
+            client.close()
+    finally:
+        beta_pool.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
+def test_a_tenant_running_as_another_user_gets_its_pool(srv: ServerProcess) -> None:
+    """Tenants may be other users: the door hands them their pool (the local control socket is
+    the server's own user's only, so their requests stay on zmq)."""
+    code = f"""
+import os, sys
+sys.path[:0] = {sys.path!r}
+import torch
+import kvdock.sdk as kvd
+from helpers import CHUNK, MODEL, make_kv, make_tokens
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+with kvd.connect({srv.url!r}, {srv.http_url!r}, MODEL, 10, token={ACME!r}) as a:
+    kv = make_kv(2 * CHUNK, seed=4)
+    assert kvd.store(a, kv, make_tokens(2 * CHUNK), "acme")
+    got = kvd.retrieve(a, make_tokens(2 * CHUNK), "acme")
+    print(os.getuid(), a.transport, a._conn.channel, torch.equal(got, kv))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["65534", "shm", "zmq", "True"]
+    with kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a:
+        got = kvd.retrieve(a, make_tokens(2 * CHUNK), "acme")
+        assert got is not None and torch.equal(got, make_kv(2 * CHUNK, seed=4))

@@ -1,0 +1,139 @@
+"""The pool's segments: the shared rest in the main segment, each quota'd tenant's region in a
+memfd of its own (sealed, nameless), and pool offsets that find their bytes in the right one."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvdock.shm.pool import Pool
+from kvdock.shm.segment import HEADER_SIZE, SEALS, SHM_DIR, PoolSegment, table_bytes
+from kvdock.shm.slots import ALIGN
+
+P = ALIGN
+
+
+def _shm_names() -> set[str]:
+    return {p.name for p in SHM_DIR.iterdir()}
+
+
+@pytest.fixture
+def pools() -> Iterator[list[Pool]]:
+    made: list[Pool] = []
+    yield made
+    for pool in made:
+        pool.close()
+
+
+def test_a_tenants_pool_has_a_region_per_quota_each_in_a_memfd_of_its_own(pools: list[Pool]) -> None:
+    before = _shm_names()
+    pool = Pool.create(10 * P + 100, {"b": 3 * P + 5, "a": 2 * P}, tenants=True)
+    pools.append(pool)
+    assert _shm_names() == before  # nothing anyone could open by name
+    assert pool.main.name == "" and not pool.main.private and not pool.shared
+    assert sorted(pool.own) == ["a", "b"] and all(s.private and s.name == "" for s in pool.own.values())
+    regions = pool.allocator.regions
+    rest = 10 * P + 100 - 5 * P
+    # the shared rest first, then the tenants in name order, page-rounded down, each from a page
+    assert {n: (r.base, r.capacity) for n, r in regions.items()} == {
+        None: (pool.main.first, rest),
+        "a": (pool.main.first + 6 * P, 2 * P),
+        "b": (pool.main.first + 8 * P, 3 * P),
+    }
+    assert pool.capacity == 10 * P + 100 and pool.own["b"].data_size == 3 * P
+    pool.check_integrity()
+    # a slot of a's region is in a's segment, at its offset less the segment's shift
+    off = pool.allocator.alloc(100, "a")
+    assert off == regions["a"].base + 0
+    pool.view(off, P)[:] = b"\xab" * P
+    seg = pool.own["a"]
+    assert bytes(seg.buf[off - seg.shift : off - seg.shift + P]) == b"\xab" * P
+    assert not any(bytes(pool.main.slot_area())) and not any(bytes(pool.own["b"].slot_area()))
+    # generations live in the region's own segment, where its clients read them
+    pool.allocator.free(off)
+    assert seg.generations()[0] == 1 and pool.allocator.generation(off) == 1
+    with pytest.raises(AssertionError, match="in no segment"):
+        pool.view(regions["a"].base + 2 * P - 1, 2)  # across a's end into b's segment
+    # who may map what: a tenant its own; the shared rest nobody; a tenant without a quota nothing
+    assert pool.segment_of("a") is seg and pool.segment_of("c") is None and pool.segment_of(None) is None
+
+
+def test_without_tenants_the_main_segment_is_named_and_mapped_by_everyone(pools: list[Pool]) -> None:
+    pool = Pool.create(4 * P, directory_entries=8)
+    pools.append(pool)
+    assert pool.shared and pool.main.name and (SHM_DIR / pool.main.name).exists()
+    assert pool.main.directory_entries == 8 and pool.own == {}
+    assert pool.segment_of(None) is pool.main and pool.main.shift == 0
+    name = pool.main.name
+    pool.close()
+    pools.remove(pool)
+    assert not (SHM_DIR / name).exists()
+
+
+def test_no_shm_makes_every_segment_anonymous(pools: list[Pool]) -> None:
+    pool = Pool.create(4 * P, {"a": 2 * P}, shm=False, tenants=True)
+    pools.append(pool)
+    assert not pool.main.private and not pool.own["a"].private and pool.segment_of("a") is None
+    pool.check_integrity()
+
+
+def test_a_private_segment_is_sealed_and_maps_by_descriptor_only() -> None:
+    seg = PoolSegment.create_private(2 * P, first=64 * P, label="t-sealed")
+    try:
+        assert seg.size == HEADER_SIZE + table_bytes(2 * P) + 2 * P and seg.first == 64 * P
+        assert seg.shift == 64 * P - seg.data_offset
+        assert fcntl.fcntl(seg.fileno(), fcntl.F_GET_SEALS) & SEALS == SEALS
+        for size in (0, seg.size // 2, seg.size * 2):  # no client can shrink it under the server
+            with pytest.raises(PermissionError):
+                os.ftruncate(seg.fileno(), size)
+        maps = open("/proc/self/maps").read()
+        assert "/memfd:kvdock-t-sealed" in maps
+        # a client maps it from a descriptor (here a dup: what SCM_RIGHTS hands over)
+        other = PoolSegment.from_fd(os.dup(seg.fileno()))
+        try:
+            assert (other.nonce, other.first, other.shift, other.owner) == (seg.nonce, seg.first, seg.shift, False)
+            seg.buf[seg.data_offset + P] = 7
+            assert other.buf[65 * P - other.shift] == 7  # pool offset 65 * P
+            ro = other.map_readonly(other.data_offset, P)
+            assert isinstance(ro, mmap.mmap) and len(ro) == P
+            with pytest.raises(TypeError):
+                ro[0] = 1  # read-only
+            ro.close()
+        finally:
+            other.close()
+    finally:
+        seg.close()
+
+
+def test_from_fd_refuses_what_is_not_a_sealed_kvdock_segment() -> None:
+    fd = os.memfd_create("not-sealed", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 4 * P)
+    with pytest.raises(ValueError, match="not a sealed memfd"):
+        PoolSegment.from_fd(fd)
+    with pytest.raises(OSError) as e:
+        os.fstat(fd)  # closed by from_fd: the caller handed it over
+    assert e.value.errno == errno.EBADF
+    fd = os.memfd_create("sealed-junk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4 * P)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    with pytest.raises(ValueError, match="no kvdock v4 header"):
+        PoolSegment.from_fd(fd)
+
+
+def test_generation_tables_of_two_regions_are_apart(pools: list[Pool]) -> None:
+    pool = Pool.create(6 * P, {"a": 2 * P, "b": 2 * P}, tenants=True)
+    pools.append(pool)
+    offs = {t: pool.allocator.alloc(1, t) for t in ("a", "b", None)}
+    for off in offs.values():
+        assert off is not None
+        pool.allocator.free(off)
+    for name, seg in pool.own.items():
+        assert list(seg.generations()[:2]) == [1, 0], name
+    assert list(pool.main.generations()[:2]) == [1, 0]
+    assert np.array_equal(pool.own["a"].generations(), pool.own["b"].generations())

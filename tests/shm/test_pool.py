@@ -8,6 +8,7 @@ import fcntl
 import mmap
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -92,7 +93,7 @@ def test_a_private_segment_is_sealed_and_maps_by_descriptor_only() -> None:
         for size in (0, seg.size // 2, seg.size * 2):  # no client can shrink it under the server
             with pytest.raises(PermissionError):
                 os.ftruncate(seg.fileno(), size)
-        maps = open("/proc/self/maps").read()
+        maps = Path("/proc/self/maps").read_text()
         assert "/memfd:kvdock-t-sealed" in maps
         # a client maps it from a descriptor (here a dup: what SCM_RIGHTS hands over)
         other = PoolSegment.from_fd(os.dup(seg.fileno()))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,43 @@ with kvd.connect({srv.url!r}, {srv.http_url!r}, MODEL, 10, token={ACME!r}) as a:
     with kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a:
         got = kvd.retrieve(a, make_tokens(2 * CHUNK), "acme")
         assert got is not None and torch.equal(got, make_kv(2 * CHUNK, seed=4))
+
+
+def _requests(srv: ServerProcess, op: str) -> float:
+    return srv.metric(f'kvdock_requests_total{{op="{op}"}}', 0.0)
+
+
+def test_a_tenants_pool_directory_lists_its_own_objects_and_answers_its_fast_reads(srv: ServerProcess) -> None:
+    from kvdock.keys import namespace_digest
+
+    tokens = make_tokens(3 * CHUNK)
+    kv_a, kv_b, kv_a2 = make_kv(3 * CHUNK, seed=1), make_kv(3 * CHUNK, seed=2), make_kv(3 * CHUNK, seed=5)
+    with (
+        kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a,
+        kvd.connect(srv.url, srv.http_url, MODEL, 10, token=BETA) as b,
+    ):
+        assert kvd.store(a, kv_a, tokens, "acme") and kvd.store(b, kv_b, tokens, "beta")
+        for ctx, salt in ((a, "acme"), (b, "beta")):
+            transfer = ctx._transfer  # type: ignore[attr-defined]
+            seg, directory = transfer.segment, transfer.directory()
+            assert directory is not None, "a same-user tenant client reads its pool's directory"
+            entries = [e for i in range(directory.entries) if (e := directory.read(i)) is not None]
+            assert len(entries) == 3  # its own three chunks, nobody else's
+            assert {e.ns for e in entries} == {namespace_digest(MODEL, 0, salt)}
+            assert all(seg.first <= e.offset < seg.first + seg.data_size for e in entries)
+        before = (_requests(srv, "Lookup"), _requests(srv, "PrepareRetrieve"))
+        assert kvd.lookup(a, tokens, "acme") == 3 * CHUNK
+        got = kvd.retrieve(a, tokens, "acme")
+        assert got is not None and torch.equal(got, kv_a)
+        assert (_requests(srv, "Lookup"), _requests(srv, "PrepareRetrieve")) == before  # not asked
+        # an overwrite is seen by the next fast read (the entry names the new version)
+        assert kvd.store_chunks(a, kv_a2, tokens, "acme", overwrite=True).stored_chunks == 3
+        got = kvd.retrieve(a, tokens, "acme")
+        assert got is not None and torch.equal(got, kv_a2)
+        got = kvd.retrieve(b, tokens, "beta")
+        assert got is not None and torch.equal(got, kv_b)
+        assert kvd.check_server_integrity(a, ADMIN) == []
+    deadline = time.monotonic() + 10
+    while srv.metric('kvdock_fast_reads_total{op="retrieve"}', 0.0) < 3:  # reported at close
+        assert time.monotonic() < deadline, "the fast reads were never reported"
+        time.sleep(0.02)

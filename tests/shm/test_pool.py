@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvdock.shm.directory import entries_for
 from kvdock.shm.pool import Pool
 from kvdock.shm.segment import HEADER_SIZE, SEALS, SHM_DIR, PoolSegment, table_bytes
 from kvdock.shm.slots import ALIGN
@@ -34,9 +35,11 @@ def pools() -> Iterator[list[Pool]]:
 
 def test_a_tenants_pool_has_a_region_per_quota_each_in_a_memfd_of_its_own(pools: list[Pool]) -> None:
     before = _shm_names()
-    pool = Pool.create(10 * P + 100, {"b": 3 * P + 5, "a": 2 * P}, tenants=True)
+    pool = Pool.create(10 * P + 100, {"b": 3 * P + 5, "a": 2 * P}, tenants=True, directories=True)
     pools.append(pool)
     assert _shm_names() == before  # nothing anyone could open by name
+    assert pool.shared_segments() == pool.own and pool.main.directory_entries == 0  # nobody reads the rest's
+    assert pool.own["a"].directory_entries == entries_for(2 * P)
     assert pool.main.name == "" and not pool.main.private and not pool.shared
     assert sorted(pool.own) == ["a", "b"] and all(s.private and s.name == "" for s in pool.own.values())
     regions = pool.allocator.regions
@@ -66,10 +69,11 @@ def test_a_tenants_pool_has_a_region_per_quota_each_in_a_memfd_of_its_own(pools:
 
 
 def test_without_tenants_the_main_segment_is_named_and_mapped_by_everyone(pools: list[Pool]) -> None:
-    pool = Pool.create(4 * P, directory_entries=8)
+    pool = Pool.create(4 * P, directories=True)
     pools.append(pool)
     assert pool.shared and pool.main.name and (SHM_DIR / pool.main.name).exists()
-    assert pool.main.directory_entries == 8 and pool.own == {}
+    assert pool.main.directory_entries == entries_for(4 * P) and pool.own == {}
+    assert pool.shared_segments() == {None: pool.main}
     assert pool.segment_of(None) is pool.main and pool.main.shift == 0
     name = pool.main.name
     pool.close()

@@ -30,7 +30,7 @@ class World:
         self.directory = Directory(self.seg, complete=True)
         self.reader = DirectoryReader(self.seg)
         alloc = SlotAllocator(self.seg.data_offset, slots * ALIGN, self.seg.generations())
-        self.store = L1Store(alloc, memory=FlatMemory(self.seg.buf), directory=self.directory)
+        self.store = L1Store(alloc, memory=FlatMemory(self.seg.buf), directories={None: self.directory})
         self.freed_while_published: list[int] = []
         real_free = alloc.free
 

@@ -39,7 +39,7 @@ from kvdock.server.resources import keep_freed_memory, raise_fd_limit
 from kvdock.server.state import Outcome, Reply, ServerState, fault_retrieve_miss
 from kvdock.server.tenants import Tenants, load_tenants
 from kvdock.shm import cleanup_stale
-from kvdock.shm.directory import Directory, entries_for
+from kvdock.shm.directory import Directory
 from kvdock.shm.pool import Pool
 from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane, tier_factory
 from kvdock.storage.shares import Shares, check_fits
@@ -87,9 +87,7 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
         )
     # a pool directory (fast reads) is read by clients that check the server is alive through its
     # local socket; the retrieve-miss fault must reach every retrieve
-    fast_reads = not (
-        config.no_shm or config.no_local_socket or config.no_fast_reads or fault_retrieve_miss() or tenants is not None
-    )
+    fast_reads = not (config.no_shm or config.no_local_socket or config.no_fast_reads or fault_retrieve_miss())
     l1_shares = tier_shares(tenants, "l1", size)
     # a tenant's L1 quota is a region of the pool of its own, in a segment of its own (shm.pool)
     pool = Pool.create(
@@ -97,7 +95,7 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
         l1_shares.quotas if l1_shares is not None else None,
         shm=not config.no_shm,
         tenants=tenants is not None,
-        directory_entries=entries_for(size) if fast_reads else 0,
+        directories=fast_reads,
     )
     lanes: list[TierLane] = []
     publisher: EventPublisher | None = None
@@ -114,9 +112,10 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
         )
         metrics.watch_registry(registry)
         redis = _open_redis(config, tenants)
-        # without a lower tier, what the directory lacks is not cached at all (fast reads' misses)
-        directory = Directory(pool.main, complete=disk is None and redis is None) if fast_reads else None
-        l1 = L1Store(pool.allocator, watcher=events, memory=pool, directory=directory, shares=l1_shares)
+        # without a lower tier, what a directory lacks is not cached at all (fast reads' misses)
+        complete = disk is None and redis is None
+        directories = {r: Directory(s, complete) for r, s in pool.shared_segments().items() if s.directory_entries}
+        l1 = L1Store(pool.allocator, watcher=events, memory=pool, directories=directories, shares=l1_shares)
         lanes = [TierLane(t, l1) for t in (disk, redis) if t is not None]
         manager = StorageManager(l1, config.session_ttl, lanes, registry.geometry_of, registry.chunk_size)
     except BaseException:

@@ -428,8 +428,9 @@ def fast_reads(state: ServerState, req: m.FastReads, payload: Payload) -> Reply:
     if n:
         allowed = client.allow_touches(n)
         l1 = state.manager.l1
+        region = client.tenant.name if client.tenant is not None else None  # the pool it maps (shm.pool)
         for entry, offset, gen in zip(req.entries[:allowed], req.offsets[:allowed], req.gens[:allowed], strict=True):
-            l1.touch(entry, offset, gen)
+            l1.touch(entry, offset, gen, region)
         if allowed < n:
             state.metrics.fast_reads_untouched.inc(n - allowed)
     metrics = state.metrics

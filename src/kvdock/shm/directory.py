@@ -173,8 +173,8 @@ class DirectoryReader(_Mapped):
 
     def __init__(self, segment: PoolSegment) -> None:
         super().__init__(segment)
-        self._lo = segment.data_offset
-        self._hi = segment.size
+        self._lo = segment.first  # the pool offsets of the segment's slots (entries name those)
+        self._hi = segment.first + segment.data_size
 
     @property
     def live(self) -> bool:

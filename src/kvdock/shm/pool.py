@@ -8,7 +8,8 @@ Pool offsets (the ``offset`` of every slot the server hands out) run over one ra
 * then, in name order, one region per tenant with an L1 quota, exactly that quota (page-rounded
   down), each in a segment of its own: a memfd only that tenant's clients are handed
   (:mod:`kvdock.transport.door`), so a zero-copy client maps its own tenant's objects and no one
-  else's; anonymous memory with ``--no-shm``.
+  else's (its pool directory too: it lists that tenant's objects only); anonymous memory with
+  ``--no-shm``.
 
 Each segment's header says which pool offset its slot area starts at (``PoolSegment.first``),
 and each region's :class:`~kvdock.shm.slots.SlotAllocator` keeps its generations in its own
@@ -25,6 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvdock.shm.directory import entries_for
 from kvdock.shm.segment import PoolSegment
 from kvdock.shm.slots import ALIGN, Partitions, SlotAllocator, aligned
 
@@ -75,25 +77,29 @@ class Pool:
         *,
         shm: bool = True,
         tenants: bool = False,
-        directory_entries: int = 0,
+        directories: bool = False,
     ) -> Pool:
         """A pool of ``size`` bytes of slots, ``quotas[t]`` of them (page-rounded down) tenant
         ``t``'s region in a segment of its own. ``shm``: the server shares memory at all (memfd
-        tenant segments; and, for a server without ``tenants``, a named main segment with a
-        directory of ``directory_entries``); otherwise every segment is anonymous. OSError if
-        memory cannot hold it (nothing is left behind then)."""
+        tenant segments; and, for a server without ``tenants``, a named main segment), each
+        shared segment with a pool directory when ``directories``; otherwise every segment is
+        anonymous. OSError if memory cannot hold it (nothing is left behind then)."""
         quotas = {t: q // ALIGN * ALIGN for t, q in sorted((quotas or {}).items())}
         rest = size - sum(quotas.values())
         assert rest >= 0, "quotas larger than the pool"
         assert tenants or not quotas, "quotas are tenants'"
         named = shm and not tenants
         own: dict[str, PoolSegment] = {}
-        main = PoolSegment.create(rest, directory_entries) if named else PoolSegment.anonymous(rest)
+        if named:
+            main = PoolSegment.create(rest, entries_for(rest) if directories else 0)
+        else:
+            main = PoolSegment.anonymous(rest)
         try:
             at = main.first + aligned(rest)  # (a tenant's slots start on a page, as every slot does)
             for tenant, quota in quotas.items():
                 if shm:
-                    own[tenant] = PoolSegment.create_private(quota, at, tenant)
+                    entries = entries_for(quota) if directories else 0
+                    own[tenant] = PoolSegment.create_private(quota, at, tenant, entries)
                 else:
                     own[tenant] = PoolSegment.anonymous(quota, at)
                 at += quota
@@ -110,6 +116,12 @@ class Pool:
     @property
     def capacity(self) -> int:
         return self.allocator.capacity
+
+    def shared_segments(self) -> dict[str | None, PoolSegment]:
+        """The segments clients map, by region (None: the main one)."""
+        out: dict[str | None, PoolSegment] = {None: self.main} if self.shared else {}
+        out.update((t, s) for t, s in self.own.items() if s.private)
+        return out
 
     def segment_of(self, tenant: str | None) -> PoolSegment | None:
         """The segment a client of ``tenant`` may map (None: none): its own, or for a server

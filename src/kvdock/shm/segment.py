@@ -185,11 +185,12 @@ class PoolSegment:
         return cls(name, mm, owner=True)
 
     @classmethod
-    def create_private(cls, data_size: int, first: int, label: str = "pool") -> PoolSegment:
-        """Create, allocate and pre-fault a memfd segment (no name, no directory; ``label`` shows
-        in /proc/PID/maps) whose slot area is pool offsets ``[first, first + data_size)``, sealed
-        against any resizing. OSError (ENOSPC) if memory cannot hold it."""
-        size = HEADER_SIZE + table_bytes(data_size) + data_size
+    def create_private(cls, data_size: int, first: int, label: str = "pool", directory_entries: int = 0) -> PoolSegment:
+        """Create, allocate and pre-fault a memfd segment (no name; ``label`` shows in
+        /proc/PID/maps) whose slot area is pool offsets ``[first, first + data_size)``, with a
+        directory of ``directory_entries``, sealed against any resizing. OSError (ENOSPC) if
+        memory cannot hold it."""
+        size = HEADER_SIZE + table_bytes(data_size) + directory_bytes(directory_entries) + data_size
         fd = os.memfd_create(f"kvdock-{label}"[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.posix_fallocate(fd, 0, size)
@@ -198,7 +199,7 @@ class PoolSegment:
         except BaseException:
             os.close(fd)
             raise
-        _write_header(mm, data_size, 0, first)
+        _write_header(mm, data_size, directory_entries, first)
         return cls("", mm, owner=True, fd=fd)
 
     @classmethod

@@ -7,10 +7,12 @@ Invariants (checked by :meth:`L1Store.check_integrity`):
 * the LRU list holds exactly the READY, unpinned, live objects, least recently used first;
 * an object replaced by an overwrite (or deleted) while pinned is no longer *live*: it keeps its
   slot until its last pin is released, then the slot is freed;
-* with a directory (:mod:`kvdock.shm.directory`), every READY object is published there (or,
-  its bucket being full, counted as unindexed) from the moment it becomes READY until it stops
-  being READY, which is before its slot is freed: clients that read the directory without the
-  server never find a key whose object is gone, nor a slot whose object is.
+* with a directory (:mod:`kvdock.shm.directory`) for its region, every READY object is published
+  there (or, its bucket being full, counted as unindexed) from the moment it becomes READY until
+  it stops being READY, which is before its slot is freed: clients that read the directory
+  without the server never find a key whose object is gone, nor a slot whose object is. Each
+  region's directory lives in its own segment and lists only that region's objects (a tenant's
+  pool: that tenant's).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class L1Store:
         allocator: SlotAllocator | Partitions,
         watcher: L1Watcher | None = None,
         memory: SlotMemory | None = None,
-        directory: Directory | None = None,
+        directories: dict[str | None, Directory] | None = None,
         shares: Shares | None = None,
     ) -> None:
         assert shares is None or not shares.quotas or isinstance(allocator, Partitions), "quotas need regions"
@@ -87,13 +89,11 @@ class L1Store:
         self._detached: set[L1Object] = set()  # reservations set aside, still holding a slot
         self._watcher = watcher
         self.evictions = 0
-        self._directory = directory
-        self._published: dict[int, L1Object] = {}  # directory entry -> the READY object there
-        self._unindexed = 0  # READY objects the directory had no room for
-
-    @property
-    def directory(self) -> Directory | None:
-        return self._directory
+        self._directories = dict(directories or {})  # by region (None: the shared rest)
+        # (region, directory entry) -> the READY object there; per region, the READY objects its
+        # directory had no room for
+        self._published: dict[tuple[str | None, int], L1Object] = {}
+        self._unindexed: dict[str | None, int] = dict.fromkeys(self._directories, 0)
 
     def __len__(self) -> int:
         return len(self._ready)
@@ -284,11 +284,12 @@ class L1Store:
             self._lru_drop(obj)
             self.allocator.free(obj.offset)
 
-    def touch(self, entry: int, offset: int, gen: int) -> bool:
-        """A client read the object published at ``entry`` (found in slot ``offset`` of generation
-        ``gen``) without the server: make it most recently used, as a retrieve's unpin would.
-        False if that object is gone (its slot was freed since, or the entry holds another)."""
-        obj = self._published.get(entry)
+    def touch(self, entry: int, offset: int, gen: int, region: str | None = None) -> bool:
+        """A client read the object published at ``entry`` of ``region``'s directory (found in
+        slot ``offset`` of generation ``gen``) without the server: make it most recently used, as
+        a retrieve's unpin would. False if that object is gone (its slot was freed since, or the
+        entry holds another)."""
+        obj = self._published.get((region, entry))
         if obj is None or obj.offset != offset or self.allocator.generation(offset) != gen:
             return False
         if obj.key in self._lru:
@@ -297,7 +298,7 @@ class L1Store:
         return True
 
     def _publish(self, obj: L1Object) -> None:
-        d = self._directory
+        d = self._directories.get(obj.region)
         if d is None:
             return
         k = obj.key
@@ -305,18 +306,19 @@ class L1Store:
         ns = namespace_digest(k.model, k.rank, k.salt)
         obj.entry = d.publish(ns, k.chunk, obj.offset, gen, obj.nbytes, obj.version, obj.parent)
         if obj.entry >= 0:
-            self._published[obj.entry] = obj
+            self._published[(obj.region, obj.entry)] = obj
         else:
-            self._unindexed += 1
-            d.set_unindexed(self._unindexed)
+            self._unindexed[obj.region] += 1
+            d.set_unindexed(self._unindexed[obj.region])
 
     def _hand_over(self, old: L1Object, new: L1Object) -> None:
         """``new`` replaces ``old`` (READY, live, same key) in the directory in one write: a reader
         during an overwrite's commit finds one version or the other, never a miss that could pass
         for a final one."""
-        d = self._directory
+        d = self._directories.get(new.region)
         if d is None:
             return
+        assert old.region == new.region, "a key's versions in two regions"  # (its owner is its salt's)
         if old.entry < 0:  # it had no entry: nor does its successor
             new.entry = -1
             return
@@ -325,41 +327,45 @@ class L1Store:
         ns = namespace_digest(k.model, k.rank, k.salt)
         d.rewrite(old.entry, ns, k.chunk, new.offset, gen, new.nbytes, new.version, new.parent)
         new.entry, old.entry = old.entry, -1
-        self._published[new.entry] = new
+        self._published[(new.region, new.entry)] = new
 
     def _unpublish(self, obj: L1Object) -> None:
         """``obj`` (READY, live) stops being readable: out of the directory, before its slot may
         be freed."""
-        d = self._directory
+        d = self._directories.get(obj.region)
         if d is None:
             return
         if obj.entry >= 0:
             d.unpublish(obj.entry)
-            del self._published[obj.entry]
+            del self._published[(obj.region, obj.entry)]
             obj.entry = -1
         else:
-            self._unindexed -= 1
-            d.set_unindexed(self._unindexed)
+            self._unindexed[obj.region] -= 1
+            d.set_unindexed(self._unindexed[obj.region])
 
-    def _check_directory(self, d: Directory) -> None:
-        """Every READY object and its entry agree (an entry ↔ object pair is kept twice: in
-        ``_published`` for :meth:`touch`, in ``obj.entry`` to unpublish it), the directory holds
-        no other entry, and the unindexed count is right."""
-        unindexed = 0
+    def _check_directory(self, region: str | None, d: Directory) -> None:
+        """Every READY object of ``region`` and its entry agree (an entry ↔ object pair is kept
+        twice: in ``_published`` for :meth:`touch`, in ``obj.entry`` to unpublish it), the
+        directory holds no other entry, and the unindexed count is right."""
+        unindexed = published = 0
         for obj in self._ready.values():
+            if obj.region != region:
+                continue
             if obj.entry < 0:
                 unindexed += 1
                 continue
-            assert self._published.get(obj.entry) is obj, "a READY object's entry names another object"
+            published += 1
+            assert self._published.get((region, obj.entry)) is obj, "a READY object's entry names another object"
             k = obj.key
             got = d.read(obj.entry)
             gen = self.allocator.generation(obj.offset)
             want = (namespace_digest(k.model, k.rank, k.salt), k.chunk, obj.offset, gen)
             assert got is not None and (got.ns, got.chunk, got.offset, got.gen) == want, "a directory entry is wrong"
             assert (got.nbytes, got.version, got.parent) == (obj.nbytes, obj.version, obj.parent)
-        assert len(self._published) == len(self._ready) - unindexed, "a published object is no longer READY"
-        d.check_integrity(len(self._published))  # (its message: more entries in use than published)
-        assert unindexed == self._unindexed == d.unindexed, "the unindexed count is wrong"
+        mine = sum(1 for r, _ in self._published if r == region)
+        assert mine == published, "a published object is no longer READY"
+        d.check_integrity(published)  # (its message: more entries in use than published)
+        assert unindexed == self._unindexed[region] == d.unindexed, "the unindexed count is wrong"
 
     def check_integrity(self) -> None:
         """Assert the invariants in the module docstring and the allocator's own."""
@@ -391,5 +397,7 @@ class L1Store:
         assert total == self.allocator.used_bytes, (
             f"objects hold {total} bytes, allocator says {self.allocator.used_bytes}"
         )
-        if self._directory is not None:
-            self._check_directory(self._directory)
+        for region, d in self._directories.items():
+            self._check_directory(region, d)
+        assert all(r in self._directories for r, _ in self._published), "an entry of no directory"
+        assert all(o.entry < 0 for o in self._ready.values() if o.region not in self._directories)

@@ -1,6 +1,6 @@
 """ShmTransfer over a tenant's segment, which holds one region of the pool's offsets: slots are
 found at their pool offset less the segment's shift, and an offset outside the segment is refused
-(a miss at worst, never another place's bytes)."""
+(an error, never another place's bytes)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import CHUNK, GEOMETRY, make_kv
-from kvdock.errors import ProtocolError
+from kvdock.errors import KVCacheSDKError
 from kvdock.protocol.messages import SlotRef
 from kvdock.sdk.chunks import TensorChunks
 from kvdock.sdk.registration import make_layout
@@ -69,10 +69,10 @@ def test_slots_are_found_at_their_pool_offset_less_the_shift(shm, plain: bool) -
 def test_an_offset_outside_the_segment_is_refused(shm, plain: bool, offset: int) -> None:  # type: ignore[no-untyped-def]
     server, transfer = shm
     kv = make_kv(CHUNK, seed=4)
-    with pytest.raises(ProtocolError, match="outside the pool this client maps"):
+    with pytest.raises(KVCacheSDKError, match="outside the pool this client maps"):
         transfer.write([SlotRef(0, offset)], TensorChunks(kv, CHUNK) if plain else Pieces(kv))  # type: ignore[arg-type]
-    with pytest.raises(ProtocolError, match="outside the pool this client maps"):
+    with pytest.raises(KVCacheSDKError, match="outside the pool this client maps"):
         transfer.read([SlotRef(0, offset)], [], TensorChunks(kv, CHUNK) if plain else Pieces(kv))  # type: ignore[arg-type]
     assert not any(bytes(server.slot_area()))  # nothing was written anywhere
-    with pytest.raises(ProtocolError, match="outside the pool this client maps"):
+    with pytest.raises(KVCacheSDKError, match="outside the pool this client maps"):
         transfer.map_readonly(offset // ALIGN * ALIGN, 2 * ALIGN)

@@ -14,7 +14,9 @@ from kvdock.protocol.codes import ErrorCode
 from kvdock.protocol.door import OpenPool, PoolOpened, decode_door_reply
 from kvdock.server.pools import Tickets, open_pool
 from kvdock.shm.pool import Pool
+from kvdock.shm.segment import proc_start_time
 from kvdock.shm.slots import ALIGN
+from kvdock.transport.door import Caller
 
 
 class Clock:
@@ -25,29 +27,36 @@ class Clock:
         return self.now
 
 
-def test_a_ticket_names_its_tenant_once_and_only_within_its_lease() -> None:
+ME = (os.getpid(), proc_start_time(os.getpid()) or 0)
+
+
+def test_a_ticket_names_its_tenant_once_for_its_own_process_within_its_lease() -> None:
     clock = Clock()
     tickets = Tickets(clock, ttl_s=10.0)
-    a, b = tickets.issue("a"), tickets.issue("b")
+    a, b = tickets.issue("a", 10, 5), tickets.issue("b", 10, 5)
     assert a != b and len(a) == 32 and len(tickets) == 2
-    assert tickets.redeem(a) == "a"
-    assert tickets.redeem(a) is None  # used
-    assert tickets.redeem("0" * 32) is None and tickets.redeem("") is None  # never issued
+    assert tickets.redeem(a, 11, 5) is None and tickets.redeem(a, 10, 6) is None  # another process's
+    assert tickets.redeem(a, 10, 5) == "a"  # (left for its own)
+    assert tickets.redeem(a, 10, 5) is None  # used
+    assert tickets.redeem("0" * 32, 10, 5) is None and tickets.redeem("", 10, 5) is None  # never issued
     clock.now += 10.0
-    assert tickets.redeem(b) is None  # lapsed
+    assert tickets.redeem(b, 10, 5) is None  # lapsed
     assert len(tickets) == 0
     tickets.check_integrity()
 
 
-def test_past_the_cap_the_oldest_tickets_lapse_first() -> None:
+def test_past_a_tenants_cap_its_oldest_tickets_lapse_and_no_other_tenants() -> None:
     clock = Clock()
     tickets = Tickets(clock, ttl_s=10.0, max_open=3)
+    other = tickets.issue("b", 1, 1)
     issued = []
-    for i in range(5):
+    for _ in range(5):  # a floods: only its own oldest go
         clock.now += 1
-        issued.append(tickets.issue(f"t{i}"))
-    assert len(tickets) == 3
-    assert [tickets.redeem(t) for t in issued] == [None, None, "t2", "t3", "t4"]
+        issued.append(tickets.issue("a", 1, 1))
+    assert len(tickets) == 4
+    tickets.check_integrity()
+    assert [tickets.redeem(t, 1, 1) for t in issued] == [None, None, "a", "a", "a"]
+    assert tickets.redeem(other, 1, 1) == "b"
     tickets.check_integrity()
 
 
@@ -58,14 +67,16 @@ def pool() -> Iterator[Pool]:
     p.close()
 
 
-def _door(pool: Pool, tickets: Tickets, request: bytes) -> tuple[PoolOpened | m.Error, int]:
-    reply, fd = open_pool(pool, tickets, request)
+def _door(pool: Pool, tickets: Tickets, request: bytes, pid: int | None = None) -> tuple[PoolOpened | m.Error, int]:
+    reply, fd = open_pool(pool, tickets, request, Caller(ME[0] if pid is None else pid, os.getuid()))
     return decode_door_reply(reply), fd
 
 
 def test_open_pool_hands_over_the_tickets_tenants_own_pool_and_nothing_else(pool: Pool) -> None:
     tickets = Tickets(Clock())
-    ta, tb, tc = tickets.issue("a"), tickets.issue("b"), tickets.issue("c")  # c: no quota, no pool
+    ta, tb, tc = (tickets.issue(t, *ME) for t in "abc")  # c: no quota, no pool
+    answer, fd = _door(pool, tickets, encode(OpenPool(m.PROTOCOL_VERSION, tb)), pid=1)
+    assert isinstance(answer, m.Error) and fd == -1  # not the process it was issued to
     answer, fd = _door(pool, tickets, encode(OpenPool(m.PROTOCOL_VERSION, tb)))
     assert answer == PoolOpened(pool.own["b"].size) and fd == pool.own["b"].fileno()
     assert os.fstat(fd).st_ino == os.fstat(pool.own["b"].fileno()).st_ino

@@ -320,7 +320,7 @@ class _InProcess:
         self.reg.register_model(make_layout("tiny", num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16"))
         kw = {"clock": clock} if clock is not None else {}
         self.mgr = StorageManager(self.l1, ttl, [self.lane], self.reg.geometry_of, CHUNK_IN, **kw)
-        self.state = ServerState(CHUNK_IN, self.pool, False, self.mgr, self.reg)
+        self.state = ServerState(CHUNK_IN, self.pool, self.mgr, self.reg)
         self.nbytes = self.reg.models["tiny"].slot_nbytes
 
     async def call(self, req, payload=()):  # type: ignore[no-untyped-def]

@@ -130,14 +130,26 @@ with kvd.connect({srv.url!r}, {srv.http_url!r}, MODEL, 10, token={ACME!r}) as a:
     assert out.stdout.split() == ["shm", "kvdock-acme"]
 
 
-def _ticket(srv: ServerProcess, token: str) -> m.Described:
-    return kvd.describe_server(srv.url, MODEL, 10, token=token)
+def _ticket(srv: ServerProcess, token: str, pid: int | None = None) -> m.Described:
+    """Describe, as the handshake asks it: for this process (or ``pid``, started when it did)."""
+    pid = os.getpid() if pid is None else pid
+    client = ControlClient(srv.url, 10)
+    try:
+        desc = m.Describe(m.PROTOCOL_VERSION, MODEL, token, pid=pid, pid_start=proc_start_time(pid) or 0)
+        reply: m.Described = client.call(desc).reply
+        return reply
+    finally:
+        client.close()
 
 
 def test_a_ticket_opens_its_own_tenants_pool_once(srv: ServerProcess) -> None:
     da, db, dg = _ticket(srv, ACME), _ticket(srv, BETA), _ticket(srv, GAMMA)
     assert da.pool_ticket and db.pool_ticket and da.pool_ticket != db.pool_ticket and da.pool_url == db.pool_url
     assert (dg.pool_url, dg.pool_ticket, da.shm_name) == ("", "", "")  # no pool for gamma; no name for anyone
+    # a Describe that names no process (describe_server: information only), or one the server
+    # cannot see, gets no ticket
+    assert kvd.describe_server(srv.url, MODEL, 10, token=ACME).pool_ticket == ""
+    assert _ticket(srv, ACME, pid=2**22 + 7).pool_ticket == ""
 
     def door(ticket: str) -> tuple[PoolOpened | m.Error, int]:
         reply, fd = knock(da.pool_url, encode(OpenPool(m.PROTOCOL_VERSION, ticket)), 10)
@@ -168,6 +180,63 @@ def test_a_ticket_opens_its_own_tenants_pool_once(srv: ServerProcess) -> None:
             client.close()
     finally:
         beta_pool.close()
+
+
+def test_a_ticket_is_its_own_process_s_only(srv: ServerProcess) -> None:
+    """(review) A client that sent its ticket to a socket squatting on the door's path (another
+    mount namespace) handed it to whoever listens there: a ticket now opens the pool only for the
+    process Describe named, and the door checks who knocks."""
+    da = _ticket(srv, ACME)
+    code = f"""
+import sys
+sys.path[:0] = {sys.path!r}
+from kvdock.protocol import encode
+from kvdock.protocol import messages as m
+from kvdock.protocol.door import OpenPool, decode_door_reply
+from kvdock.transport.door import knock
+reply, fd = knock({da.pool_url!r}, encode(OpenPool(m.PROTOCOL_VERSION, {da.pool_ticket!r})), 10)
+print(fd, decode_door_reply(reply).code)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["-1", "unauthorized"]  # the thief gets nothing
+    reply, fd = knock(da.pool_url, encode(OpenPool(m.PROTOCOL_VERSION, da.pool_ticket)), 10)
+    assert isinstance(decode_door_reply(reply), PoolOpened) and fd >= 0  # its own process still can
+    PoolSegment.from_fd(fd).close()
+
+
+def test_a_quota_under_a_page_or_no_fast_reads_change_what_a_tenant_gets(tmp_path: Path) -> None:
+    """A tenant whose quota holds no slot is offered no pool (inline); with --no-fast-reads a
+    tenant's shared-memory client reads no directory, so its FastReads reports are refused
+    (review: they forged the server-wide counters)."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        f'[tenants.acme]\ntokens = ["{ACME}"]\nmodels = ["{MODEL}"]\nsalts = ["acme"]\nl1 = {16 * SLOT}\n\n'
+        f'[tenants.beta]\ntokens = ["{BETA}"]\nmodels = ["{MODEL}"]\nsalts = ["beta"]\nl1 = 4095\n'
+    )
+    srv = start_server(tmp_path, "--tenants", str(path), "--admin-token", ADMIN, "--no-disk", "--no-fast-reads")
+    try:
+        kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10, admin_token=ADMIN)
+        assert _ticket(srv, BETA).pool_ticket == ""
+        with (
+            kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a,
+            kvd.connect(srv.url, srv.http_url, MODEL, 10, token=BETA) as b,
+        ):
+            assert (a.transport, b.transport) == ("shm", "inline")
+            assert a._transfer.directory() is None  # type: ignore[attr-defined]
+            refused = srv.metric('kvdock_errors_total{code="bad_request"}', 0)
+            client = ControlClient(srv.url, 10)
+            try:  # (reports are never answered)
+                client.send_nowait(m.FastReads(a.client_id, 1000, 0, 10, 10, entries=[0], offsets=[0], gens=[0]))
+                deadline = time.monotonic() + 10
+                while srv.metric('kvdock_errors_total{code="bad_request"}', 0) == refused:
+                    assert time.monotonic() < deadline, "the report was not refused"
+                    time.sleep(0.05)
+            finally:
+                client.close()
+            assert srv.metric("kvdock_lookups_total", 0.0) == 0.0
+    finally:
+        assert srv.stop() == 0, srv.log()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")

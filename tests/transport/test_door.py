@@ -19,7 +19,7 @@ import pytest
 
 from kvdock.transport import door as door_mod
 from kvdock.transport import listener
-from kvdock.transport.door import MAX_REQUEST, MAX_WAITING, PoolDoor, knock
+from kvdock.transport.door import MAX_PER_USER, MAX_REQUEST, MAX_WAITING, Caller, PoolDoor, knock
 
 
 class Served:
@@ -27,6 +27,7 @@ class Served:
 
     def __init__(self, fd: int = -1) -> None:
         self.handled: list[bytes] = []
+        self.callers: list[Caller] = []
         self.fd = fd
         self.loop = asyncio.new_event_loop()
         self.door = PoolDoor()
@@ -34,8 +35,9 @@ class Served:
         self.loop.call_soon_threadsafe(self.door.start, self.loop, self._handle)
         self.thread.start()
 
-    def _handle(self, request: bytes) -> tuple[bytes, int]:
+    def _handle(self, request: bytes, caller: Caller) -> tuple[bytes, int]:
         self.handled.append(request)
+        self.callers.append(caller)
         return b"re:" + request, self.fd
 
     def call(self, fn, *args):  # type: ignore[no-untyped-def]
@@ -73,7 +75,9 @@ def test_knock_gets_the_reply_and_a_descriptor_of_the_same_file(served: Served, 
     reply, fd = knock(served.door.url, b"ticket-1", 5.0)
     try:
         assert reply == b"re:ticket-1" and served.handled == [b"ticket-1"]
+        assert served.callers == [Caller(os.getpid(), os.getuid())]  # who knocked, as the kernel says
         assert fd >= 0 and fd != memfd
+        assert not os.get_inheritable(fd)  # close-on-exec: no program this client runs inherits the pool
         assert os.fstat(fd).st_ino == os.fstat(memfd).st_ino and os.pread(fd, 5, 0) == b"door!"
     finally:
         os.close(fd)
@@ -134,7 +138,41 @@ def test_a_silent_caller_is_hung_up_on_at_the_deadline_and_others_are_served_mea
     served.call(served.door.check_integrity)
 
 
-def test_past_max_waiting_callers_are_turned_away_at_once(served: Served) -> None:
+def test_past_max_per_user_a_users_callers_are_turned_away_and_other_users_are_served(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(review) One user holding connections open shut the door on every tenant."""
+    callers = []
+    try:
+        for _ in range(MAX_PER_USER):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(served.door.path)
+            callers.append(c)
+        deadline = time.monotonic() + 5
+        while served.call(lambda: len(served.door._waiting)) < MAX_PER_USER and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(OSError):  # this user's next one: hung up on unanswered
+            knock(served.door.url, b"one too many", 5.0)
+        served.call(served.door.check_integrity)
+        if os.geteuid() == 0:  # another user is still let in
+            code = f"""
+import os, sys
+sys.path[:0] = {sys.path!r}
+from kvdock.transport.door import knock
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+reply, fd = knock({served.door.url!r}, b"other user", 5.0)
+print(reply.decode())
+"""
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0 and out.stdout.strip() == "re:other user", out.stderr
+    finally:
+        for c in callers:
+            c.close()
+    assert b"one too many" not in served.handled
+
+
+def test_past_max_waiting_callers_are_turned_away_at_once(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(door_mod, "MAX_PER_USER", MAX_WAITING)
     callers = []
     try:
         for _ in range(MAX_WAITING):

@@ -86,11 +86,14 @@ class RegisterModel(_Msg, frozen=True):
 class Describe(_Msg, frozen=True):
     """What a client needs before it registers: the server's settings and ``model_name``'s layout,
     as the caller may see them (with tenants: only its tenant's models; ``token``: a tenant's token
-    when the CURVE key does not say)."""
+    when the CURVE key does not say). ``pid`` and ``pid_start`` (as in RegisterClient) name the
+    process that will map a tenant's pool: its ticket is that process's only."""
 
     protocol_version: int
     model_name: str = ""
     token: str = ""
+    pid: int = 0
+    pid_start: int = 0
 
 
 class RegisterClient(_Msg, frozen=True):
@@ -306,7 +309,8 @@ class Described(_Msg, frozen=True):
     client may map and prove in RegisterClient ("" when none is offered to this caller).
     ``pool_url`` and ``pool_ticket``: with tenants, the pool door (``unix://PATH``) and a
     single-use ticket there for the caller's tenant's own pool (a memfd, handed over as a
-    descriptor: ``transport.door``), to map and prove in RegisterClient ("": none offered)."""
+    descriptor: ``transport.door``) to the process Describe named, to map and prove in
+    RegisterClient ("": none offered)."""
 
     chunk_size: int
     max_request_tokens: int

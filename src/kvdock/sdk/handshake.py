@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ from kvdock.transport.local import PeerWatch
 
 log = logging.getLogger("kvdock.sdk")
 
+KNOCKS = 4  # at the pool door, before settling for the inline transport
+KNOCK_PAUSE_S = 0.25  # times the attempt: 0.25 s, 0.5 s, 0.75 s between them
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in layout.DTYPE_SIZES}
 ALL_RANKS = -1  # RegisterClient.kv_rank of the SDK's whole-model view (server.registry.ALL_RANKS)
 
@@ -91,7 +94,10 @@ def describe(conn: Connection, model_name: str, token: str = "") -> m.Described:
     """The server's settings and ``model_name``'s layout as this client may see them (over the
     control plane: with tenants, HTTP shows a client without a token nothing). UnknownModelError
     lists the models it may use; KVCacheSDKError for a layout it cannot use."""
-    desc: m.Described = conn.call(m.Describe(m.PROTOCOL_VERSION, model_name, token)).reply
+    me = os.getpid()
+    desc: m.Described = conn.call(
+        m.Describe(m.PROTOCOL_VERSION, model_name, token, pid=me, pid_start=proc_start_time(me) or 0)
+    ).reply
     if desc.layout is None:
         known = ", ".join(desc.models) or "none"
         raise UnknownModelError(f"model {model_name!r} is not registered with the server; registered models: {known}")
@@ -194,7 +200,7 @@ def open_pool(desc: m.Described, timeout: float) -> PoolSegment | None:
     if not desc.pool_ticket:
         return None
     try:
-        reply, fd = door.knock(desc.pool_url, encode(OpenPool(m.PROTOCOL_VERSION, desc.pool_ticket)), timeout)
+        reply, fd = _knock(desc, timeout)
         try:
             answer = decode_door_reply(reply)
             if not isinstance(answer, PoolOpened) or fd < 0:
@@ -207,6 +213,23 @@ def open_pool(desc: m.Described, timeout: float) -> PoolSegment | None:
     except (OSError, ValueError, ProtocolError) as e:
         log.info("cannot map this tenant's pool (%s); using the inline transport", e)
         return None
+
+
+def _knock(desc: m.Described, timeout: float) -> tuple[bytes, int]:
+    """The door's reply and descriptor, knocking again (KNOCKS times in all) when it turns us
+    away unanswered: it does so while too many callers wait at once (another user may hold it)."""
+    request = encode(OpenPool(m.PROTOCOL_VERSION, desc.pool_ticket))
+    deadline = time.monotonic() + timeout
+    for attempt in range(KNOCKS):
+        try:
+            return door.knock(desc.pool_url, request, max(0.01, deadline - time.monotonic()))
+        except (FileNotFoundError, PermissionError, TimeoutError, ValueError):
+            raise  # no door there for us, or no time left: knocking again will not help
+        except OSError:
+            if attempt == KNOCKS - 1 or time.monotonic() + KNOCK_PAUSE_S * (attempt + 1) >= deadline:
+                raise
+            time.sleep(KNOCK_PAUSE_S * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def try_attach(shm_name: str) -> PoolSegment | None:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvdock import _native  # type: ignore[attr-defined]
-from kvdock.errors import KVCacheSDKError, LeaseExpiredError, ProtocolError
+from kvdock.errors import KVCacheSDKError, LeaseExpiredError
 from kvdock.layout import KVGeometry
 from kvdock.memcpy import populate
 from kvdock.protocol.messages import ReadPart, SlotRef
@@ -170,14 +170,14 @@ class ShmTransfer(Transfer):
             old.close()
 
     def _check(self, offsets: np.ndarray) -> None:
-        """ProtocolError unless every slot at ``offsets`` lies in this segment's slot area."""
+        """KVCacheSDKError unless every slot at ``offsets`` lies in this segment's slot area."""
         if len(offsets) and (int(offsets.min()) < self._base or int(offsets.max()) + self.chunk_nbytes > self._end):
-            raise ProtocolError("the server named a slot outside the pool this client maps")
+            raise KVCacheSDKError("the server named a slot outside the pool this client maps (nothing was copied)")
 
     def _slot(self, offset: int) -> torch.Tensor:
         assert self._pool is not None, "transfer closed"
         if not self._base <= offset <= self._end - self.chunk_nbytes:
-            raise ProtocolError("the server named a slot outside the pool this client maps")
+            raise KVCacheSDKError("the server named a slot outside the pool this client maps (nothing was copied)")
         self._prefault.ensure(self._addr + offset, self.chunk_nbytes)
         at = offset - self._shift
         return self._pool[at : at + self.chunk_nbytes].view(self.dtype).view(self.chunk_shape)
@@ -257,7 +257,7 @@ class ShmTransfer(Transfer):
         """A new read-only mapping of pool offsets ``[offset, offset + length)`` (page-aligned; for
         zero-copy views)."""
         if not (self._base <= offset and offset + length <= self._end):
-            raise ProtocolError("the server named slots outside the pool this client maps")
+            raise KVCacheSDKError("the server named slots outside the pool this client maps")
         return self.segment.map_readonly(offset - self._shift, length)
 
     def close(self) -> None:

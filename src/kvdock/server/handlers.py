@@ -96,9 +96,13 @@ def pool_for(state: ServerState, tenant: Tenant | None) -> PoolSegment | None:
     """The segment a client of ``tenant`` may map (None: the inline transport only): without
     tenants, the one pool; with them, the tenant's own pool when it has an L1 quota (the shared
     rest holds other tenants' objects: nobody maps it)."""
-    if not state.shm_enabled:
-        return None
     return state.pool.segment_of(tenant.name if tenant is not None else None)
+
+
+def visible_process(pid: int, pid_start: int) -> bool:
+    """Whether the client process ``pid`` (started at ``pid_start``) is one this server sees:
+    the same PID namespace (shared memory is only for those: see storage.sessions)."""
+    return pid > 0 and proc_start_time(pid) == pid_start
 
 
 def describe(state: ServerState, req: m.Describe, payload: Payload, key: bytes = b"") -> Reply:
@@ -108,8 +112,10 @@ def describe(state: ServerState, req: m.Describe, payload: Payload, key: bytes =
     entry = state.registry.models.get(req.model_name) if req.model_name in visible else None
     segment = pool_for(state, tenant)
     ticket = ""
-    if segment is not None and segment.private and state.door_url and tenant is not None:
-        ticket = state.tickets.issue(tenant.name)
+    # a ticket is for the process named, one this server sees (the door checks who knocks)
+    offer = segment is not None and state.door is not None and tenant is not None
+    if offer and tenant is not None and visible_process(req.pid, req.pid_start):
+        ticket = state.tickets.issue(tenant.name, req.pid, req.pid_start)
     return Reply(
         m.Described(
             state.chunk_size,
@@ -118,7 +124,7 @@ def describe(state: ServerState, req: m.Describe, payload: Payload, key: bytes =
             segment.name if segment is not None else "",
             entry.layout if entry is not None else None,
             sorted(visible),
-            state.door_url if ticket else "",
+            state.door.url if ticket and state.door is not None else "",
             ticket,
         )
     )
@@ -134,8 +140,7 @@ def register_client(state: ServerState, req: m.RegisterClient, payload: Payload,
         segment is not None
         and bool(req.shm_proof)
         and secrets.compare_digest(req.shm_proof.encode(), segment.nonce.encode())
-        and req.pid > 0
-        and proc_start_time(req.pid) == req.pid_start
+        and visible_process(req.pid, req.pid_start)
     )
     client = state.registry.register_client(
         req.instance_id, req.model_name, req.kv_rank, "shm" if use_shm else "inline", key=key, tenant=tenant
@@ -166,6 +171,10 @@ def check_integrity(state: ServerState, req: m.CheckIntegrity, payload: Payload)
         raise RequestError("checking a server with tenants needs its admin token", ErrorCode.UNAUTHORIZED)
     try:
         state.manager.check_integrity()
+        state.pool.check_integrity()
+        state.tickets.check_integrity()
+        if state.door is not None:
+            state.door.check_integrity()
     except AssertionError as e:
         return Reply(m.IntegrityReport(False, [str(e) or "assertion failed"]))
     return Reply(m.IntegrityReport(True, []))

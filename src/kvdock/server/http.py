@@ -53,9 +53,9 @@ def config_doc(state: ServerState, config: ServerConfig) -> dict[str, Any]:
         "client_ttl": config.client_ttl,
         "max_request_tokens": config.max_request_tokens,
         "kv_events_url": config.kv_events_url or None,
-        "transports": ["shm", "inline"] if state.shm_enabled else ["inline"],
+        "transports": ["shm", "inline"] if state.pool.mappable else ["inline"],
         "l1": {
-            "shm_enabled": state.shm_enabled,
+            "shm_enabled": state.pool.mappable,
             "shm_name": state.pool.main.name or None,
             "size_bytes": state.manager.l1.allocator.capacity,
         },

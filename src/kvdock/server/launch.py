@@ -33,7 +33,7 @@ from kvdock.server.dispatch import handle
 from kvdock.server.events import FLUSH_S, ChunkEvents, advertised_url, subscription_topic
 from kvdock.server.http import make_app, request_logger
 from kvdock.server.metrics import Metrics
-from kvdock.server.pools import open_pool
+from kvdock.server.pools import open_door, open_pool
 from kvdock.server.registry import Registry
 from kvdock.server.resources import keep_freed_memory, raise_fd_limit
 from kvdock.server.state import Outcome, Reply, ServerState, fault_retrieve_miss
@@ -46,7 +46,6 @@ from kvdock.storage.shares import Shares, check_fits
 from kvdock.transport import listener
 from kvdock.transport.curve import ServerCurve
 from kvdock.transport.curve import available as curve_available
-from kvdock.transport.door import PoolDoor
 from kvdock.transport.events import EventPublisher
 from kvdock.transport.server import ControlServer, Incoming
 
@@ -126,9 +125,7 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
         pool.close()
         raise
     metrics.l1_capacity.set(size)
-    state = ServerState(
-        config.chunk_size, pool, not config.no_shm, manager, registry, metrics, events=events, tenants=tenants
-    )
+    state = ServerState(config.chunk_size, pool, manager, registry, metrics, events=events, tenants=tenants)
     metrics.watch_tiers(manager)
     return state
 
@@ -355,18 +352,6 @@ async def _probe(state: ServerState) -> None:
                 await lane.on_reader(lane.tier.probe, default=None, when_down=True)
 
 
-def _open_door(state: ServerState) -> PoolDoor | None:
-    """The pool door, when some tenant has a pool of its own to be handed (shm.pool)."""
-    if not state.shm_enabled or not any(seg.private for seg in state.pool.own.values()):
-        return None
-    try:
-        door = PoolDoor()
-    except OSError as e:
-        raise ConfigError(f"cannot open the pool door for the tenants' pools: {e}") from None
-    state.door_url = door.url
-    return door
-
-
 async def _publish_events(state: ServerState, server: str) -> None:
     """Publish pending KV events every FLUSH_S (only runs when they are on)."""
     assert state.events is not None
@@ -411,14 +396,14 @@ async def _run(
         # local clients share memory: their messages carry token ids, never chunk bytes (and a
         # batch's per-prompt salts and session ids)
         local_max = 4 * config.max_request_tokens + MAX_BATCH * (4 * MAX_SALT_LEN + 128) + (1 << 20)
-        if not state.shm_enabled or config.no_local_socket:
+        if not state.pool.mappable or config.no_local_socket:
             local_max = 0
         control = ControlServer(config.zmq_url, max_frame, local_max, curve)
     except zmq.ZMQError as e:
         raise ConfigError(f"cannot listen on {config.zmq_url}: {e}") from None
     state.local_url = control.local_url
     try:
-        door = _open_door(state)
+        door = state.door = open_door(state.pool, state.tickets)
     except BaseException:
         control.close()
         raise
@@ -440,7 +425,7 @@ async def _run(
             config.http_port,
             config.chunk_size,
             format_size(state.manager.l1.allocator.capacity),
-            "shared memory " if state.shm_enabled else "private memory, inline transport only",
+            "shared memory " if state.pool.mappable else "private memory, inline transport only",
             state.pool.main.name or f"{len(state.pool.own)} tenant pool(s)",
         )
         waiting: set[asyncio.Task[None]] = set()  # replies that wait for a lower tier or to be sent

@@ -423,12 +423,12 @@ def fast_reads(state: ServerState, req: m.FastReads, payload: Payload) -> Reply:
     client = state.registry.touch(req.client_id)
     if client is None:  # not counted: of a registration this server does not know (or bogus)
         raise access.unknown_client(req.client_id)
-    if client.transport != "shm":  # it reads no pool directory: a report of it is made up
-        raise RequestError("FastReads from a client without shared memory")
+    region = client.tenant.name if client.tenant is not None else None  # the pool it maps (shm.pool)
+    l1 = state.manager.l1
+    if client.transport != "shm" or not l1.has_directory(region):  # it reads no directory: made up
+        raise RequestError("FastReads from a client that reads no pool directory")
     if n:
         allowed = client.allow_touches(n)
-        l1 = state.manager.l1
-        region = client.tenant.name if client.tenant is not None else None  # the pool it maps (shm.pool)
         for entry, offset, gen in zip(req.entries[:allowed], req.offsets[:allowed], req.gens[:allowed], strict=True):
             l1.touch(entry, offset, gen, region)
         if allowed < n:

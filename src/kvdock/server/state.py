@@ -19,6 +19,7 @@ from kvdock.server.registry import Registry
 from kvdock.server.tenants import Tenants
 from kvdock.shm.pool import Pool
 from kvdock.storage import StorageManager
+from kvdock.transport.door import PoolDoor
 
 Payload = list[memoryview]
 FAULT_COPY_ENV = "KVDOCK_FAULT_COPY_DELAY_S"
@@ -77,14 +78,13 @@ class ServerState:
 
     chunk_size: int
     pool: Pool
-    shm_enabled: bool
     manager: StorageManager
     registry: Registry
     metrics: Metrics = field(default_factory=Metrics)
     events: ChunkEvents | None = None  # the L1 store's watcher (KV events when they are on)
     copier: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "kvdock-copy"))
     local_url: str = ""  # the control plane's local UNIX socket, offered to shared-memory clients
-    door_url: str = ""  # the pool door (transport.door), where tenants' clients get their pools
+    door: PoolDoor | None = None  # where tenants' clients get their pools (server.pools)
     tickets: Tickets = field(default_factory=Tickets)  # to the tenants' pools (server.pools)
     tenants: Tenants | None = None  # with a tenants file: every client is one tenant's (server.access)
     max_unsent_bytes: int = 1 << 30  # per client: inline reply bytes not yet read; past it, BUSY

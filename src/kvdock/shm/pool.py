@@ -118,18 +118,21 @@ class Pool:
         return self.allocator.capacity
 
     def shared_segments(self) -> dict[str | None, PoolSegment]:
-        """The segments clients map, by region (None: the main one)."""
+        """The segments clients may map, by region (None: the main one): the named main segment
+        of a server without tenants; a tenant's memfd unless it is empty (a quota under a page)."""
         out: dict[str | None, PoolSegment] = {None: self.main} if self.shared else {}
-        out.update((t, s) for t, s in self.own.items() if s.private)
+        out.update((t, s) for t, s in self.own.items() if s.private and s.data_size)
         return out
+
+    @property
+    def mappable(self) -> bool:
+        """Whether any client may map any of it (else every client uses the inline transport)."""
+        return bool(self.shared_segments())
 
     def segment_of(self, tenant: str | None) -> PoolSegment | None:
         """The segment a client of ``tenant`` may map (None: none): its own, or for a server
         without tenants the main one."""
-        if tenant is None:
-            return self.main if self.shared else None
-        seg = self.own.get(tenant)
-        return seg if seg is not None and seg.private else None
+        return self.shared_segments().get(tenant)
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """The bytes at pool offsets ``[offset, offset + nbytes)`` (within one segment: a slot)."""

@@ -98,6 +98,10 @@ class L1Store:
     def __len__(self) -> int:
         return len(self._ready)
 
+    def has_directory(self, region: str | None) -> bool:
+        """Whether ``region``'s objects are published in a pool directory."""
+        return region in self._directories
+
     def get(self, key: ObjectKey) -> L1Object | None:
         """The READY object for ``key`` or None."""
         return self._ready.get(key)

@@ -6,24 +6,30 @@ does that and nothing else. Who gets what is the handler's call (``server.pools`
 issued over the authenticated control plane names the tenant); the door only moves bytes.
 
 Any local user may knock (the socket is 0666 in a directory others may traverse but not list):
-tenants may run as other users, and what opens the door is the ticket, not who knocks. So the
-door assumes nothing of a caller: one request per connection, at most ``MAX_REQUEST`` bytes
-ended by the caller shutting down its sending side, within ``DEADLINE_S``; one reply (with at
-most one descriptor); then it hangs up. At most ``MAX_WAITING`` connections wait at once (more
-are closed at once). Descriptors a caller sends along are discarded unread (the kernel closes
-them: no room is given for ancillary data).
+tenants may run as other users, and what opens the door is the ticket, not who knocks (the handler is told who
+knocks: ``SO_PEERCRED``). So the door assumes nothing of a caller: one request per connection,
+at most ``MAX_REQUEST`` bytes ended by the caller shutting down its sending side, within
+``DEADLINE_S``; one reply (with at most one descriptor); then it hangs up. At most
+``MAX_WAITING`` connections wait at once, ``MAX_PER_USER`` of one user (more are closed at once,
+so that one user holding connections open cannot shut the door on the others); at most
+``MAX_ACCEPTS`` are taken per turn of the event loop. Descriptors a caller sends along are
+discarded unread (the kernel closes them: no room is given for ancillary data). The client's end
+(:func:`knock`) takes the descriptor close-on-exec.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import logging
 import os
 import shutil
 import socket
+import struct
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvdock.transport.listener import DIR_PREFIX, DOOR_SOCKET_NAME
 from kvdock.transport.local import SCHEME
@@ -33,10 +39,33 @@ log = logging.getLogger("kvdock.transport")
 MAX_REQUEST = 512
 MAX_REPLY = 64 << 10
 MAX_WAITING = 64
+MAX_PER_USER = 8
+MAX_ACCEPTS = 64
 DEADLINE_S = 2.0
 
-# the request's bytes -> (the reply's bytes, a descriptor to send with it or -1); it must not raise
-DoorHandler = Callable[[bytes], tuple[bytes, int]]
+
+@dataclass(frozen=True)
+class Caller:
+    """Who knocks, as the kernel says (``SO_PEERCRED`` when it connected; pid 0: not in the
+    server's PID namespace)."""
+
+    pid: int
+    uid: int
+
+
+# (the request's bytes, its caller) -> (the reply's bytes, a descriptor to send with it or -1);
+# it must not raise
+DoorHandler = Callable[[bytes, Caller], tuple[bytes, int]]
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_FD = array.array("i")  # (a descriptor's size)
+
+
+@dataclass(eq=False)
+class _Waiting:
+    conn: socket.socket
+    caller: Caller
+    timer: asyncio.TimerHandle
+    got: bytearray = field(default_factory=bytearray)
 
 
 class PoolDoor:
@@ -64,7 +93,7 @@ class PoolDoor:
             raise
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handler: DoorHandler | None = None
-        self._waiting: dict[int, tuple[socket.socket, bytearray, asyncio.TimerHandle]] = {}
+        self._waiting: dict[int, _Waiting] = {}  # by descriptor
 
     @property
     def url(self) -> str:
@@ -85,12 +114,15 @@ class PoolDoor:
 
     def check_integrity(self) -> None:
         assert len(self._waiting) <= MAX_WAITING, f"{len(self._waiting)} callers wait at the door"
-        for fd, (conn, got, _) in self._waiting.items():
-            assert conn.fileno() == fd and len(got) <= MAX_REQUEST
+        per_user: dict[int, int] = {}
+        for fd, w in self._waiting.items():
+            assert w.conn.fileno() == fd and len(w.got) <= MAX_REQUEST
+            per_user[w.caller.uid] = per_user.get(w.caller.uid, 0) + 1
+        assert all(n <= MAX_PER_USER for n in per_user.values()), f"callers waiting by user: {per_user}"
 
     def _accept(self) -> None:
         assert self._loop is not None
-        while True:
+        for _ in range(MAX_ACCEPTS):  # (the rest wait in the backlog for the next turn)
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -98,20 +130,27 @@ class PoolDoor:
             except OSError as e:  # out of descriptors: the caller stays queued, tried next turn
                 log.warning("pool door: accept failed (%s)", e)
                 return
-            if len(self._waiting) >= MAX_WAITING:
+            try:
+                pid, uid, _gid = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+            except OSError:
+                conn.close()
+                continue
+            caller = Caller(pid, uid)
+            mine = sum(1 for w in self._waiting.values() if w.caller.uid == uid)
+            if len(self._waiting) >= MAX_WAITING or mine >= MAX_PER_USER:
                 conn.close()
                 continue
             conn.setblocking(False)
             fd = conn.fileno()
             timer = self._loop.call_later(DEADLINE_S, self._hang_up, fd)
-            self._waiting[fd] = (conn, bytearray(), timer)
+            self._waiting[fd] = _Waiting(conn, caller, timer)
             self._loop.add_reader(fd, self._read, fd)
 
     def _read(self, fd: int) -> None:
         entry = self._waiting.get(fd)
         if entry is None:
             return
-        conn, got, _ = entry
+        conn, got = entry.conn, entry.got
         try:
             data = conn.recv(MAX_REQUEST + 1 - len(got))
         except (BlockingIOError, InterruptedError):
@@ -128,10 +167,11 @@ class PoolDoor:
             self._hang_up(fd)
 
     def _answer(self, fd: int, request: bytes) -> None:
-        conn = self._waiting[fd][0]
+        waiting = self._waiting[fd]
+        conn = waiting.conn
         handler = self._handler
         if handler is not None:
-            reply, pool_fd = handler(request)
+            reply, pool_fd = handler(request, waiting.caller)
             with contextlib.suppress(OSError):  # a caller gone, or not reading: its loss
                 if pool_fd >= 0:
                     socket.send_fds(conn, [reply], [pool_fd], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
@@ -143,11 +183,10 @@ class PoolDoor:
         entry = self._waiting.pop(fd, None)
         if entry is None:
             return
-        conn, _, timer = entry
-        timer.cancel()
+        entry.timer.cancel()
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(fd)
-        conn.close()
+        entry.conn.close()
 
 
 def knock(url: str, request: bytes, timeout: float) -> tuple[bytes, int]:
@@ -166,8 +205,16 @@ def knock(url: str, request: bytes, timeout: float) -> tuple[bytes, int]:
         reply = bytearray()
         try:
             while len(reply) <= MAX_REPLY:
-                data, got, _flags, _addr = socket.recv_fds(sock, MAX_REPLY + 1, 1)
-                fds += got
+                # (not socket.recv_fds: before Python 3.12 it drops its flags, and the descriptor
+                # must be close-on-exec from the start, or any program this process runs inherits it)
+                data, ancillary, _flags, _addr = sock.recvmsg(
+                    MAX_REPLY + 1, socket.CMSG_LEN(_FD.itemsize), socket.MSG_CMSG_CLOEXEC
+                )
+                for level, kind, payload in ancillary:
+                    if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
+                        got = array.array("i")
+                        got.frombytes(payload[: len(payload) - len(payload) % _FD.itemsize])
+                        fds += got
                 if not data:
                     break
                 reply += data

@@ -442,7 +442,7 @@ def test_a_second_inline_commit_store_of_a_session_is_refused() -> None:
     from kvdock.protocol import messages as m
     from kvdock.sdk.registration import make_layout
     from kvdock.server import dispatch
-    from kvdock.server.launch import build_state
+    from kvdock.server.build import build_state
 
     state = build_state(ServerConfig(chunk_size=CHUNK, l1_size=4 * 4096, no_shm=True, no_disk=True))  # 4 slots
     try:

@@ -242,3 +242,49 @@ time.sleep(60)
         proc.wait()
     assert str(path.parent) in listener.cleanup_stale()
     assert not path.parent.exists()
+
+
+def test_out_of_descriptors_the_door_pauses_instead_of_spinning() -> None:
+    """(adversarial review) A server out of descriptors left a caller in the door's backlog, and
+    the door tried to accept it again at once, forever: a core spent and the log flooded."""
+    code = f"""
+import asyncio, logging, os, resource, socket, sys, threading, time
+sys.path[:0] = {sys.path!r}
+from kvdock.transport.door import PoolDoor
+warnings = []
+class Count(logging.Handler):
+    def emit(self, record):
+        warnings.append(record)
+logging.getLogger("kvdock.transport").addHandler(Count())
+loop = asyncio.new_event_loop()
+door = PoolDoor()
+loop.call_soon(door.start, loop, lambda req, caller: (b"ok", -1))
+threading.Thread(target=loop.run_forever, daemon=True).start()
+time.sleep(0.2)
+caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+held = []
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+caller.connect(door.path)  # waits in the backlog: the door has no descriptor to take it with
+cpu = time.process_time()
+time.sleep(1.2)
+spent = time.process_time() - cpu
+for fd in held:
+    os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+caller.sendall(b"knock")
+caller.shutdown(socket.SHUT_WR)
+caller.settimeout(5)
+print(len(warnings), round(spent, 2), caller.recv(10).decode())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    warned, spent, reply = out.stdout.split()
+    assert 1 <= int(warned) <= 4, out.stdout  # one try per pause, not thousands
+    assert float(spent) < 0.5, out.stdout
+    assert reply == "ok"  # and once descriptors are free again, the caller is answered

@@ -12,7 +12,8 @@ at most ``MAX_REQUEST`` bytes ended by the caller shutting down its sending side
 ``DEADLINE_S``; one reply (with at most one descriptor); then it hangs up. At most
 ``MAX_WAITING`` connections wait at once, ``MAX_PER_USER`` of one user (more are closed at once,
 so that one user holding connections open cannot shut the door on the others); at most
-``MAX_ACCEPTS`` are taken per turn of the event loop. Descriptors a caller sends along are
+``MAX_ACCEPTS`` are taken per turn of the event loop, and out of descriptors it stops accepting
+for ``ACCEPT_PAUSE_S``. Descriptors a caller sends along are
 discarded unread (the kernel closes them: no room is given for ancillary data). The client's end
 (:func:`knock`) takes the descriptor close-on-exec.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -31,7 +33,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvdock.transport.listener import DIR_PREFIX, DOOR_SOCKET_NAME
+from kvdock.transport.listener import ACCEPT_PAUSE_S, DIR_PREFIX, DOOR_SOCKET_NAME
 from kvdock.transport.local import SCHEME
 
 log = logging.getLogger("kvdock.transport")
@@ -127,8 +129,14 @@ class PoolDoor:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # out of descriptors: the caller stays queued, tried next turn
-                log.warning("pool door: accept failed (%s)", e)
+            except OSError as e:
+                # out of descriptors: the caller stays in the backlog and the socket reads as
+                # ready at once, so stop watching it for a moment instead of spinning (review)
+                out_of_room = e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+                log.warning("pool door: accept failed (%s)%s", e, f"; pausing {ACCEPT_PAUSE_S:g} s" * out_of_room)
+                if out_of_room:
+                    self._loop.remove_reader(self._sock.fileno())
+                    self._loop.call_later(ACCEPT_PAUSE_S, self._resume)
                 return
             try:
                 pid, uid, _gid = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
@@ -145,6 +153,10 @@ class PoolDoor:
             timer = self._loop.call_later(DEADLINE_S, self._hang_up, fd)
             self._waiting[fd] = _Waiting(conn, caller, timer)
             self._loop.add_reader(fd, self._read, fd)
+
+    def _resume(self) -> None:
+        if self._handler is not None and self._loop is not None and self._sock.fileno() >= 0:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
 
     def _read(self, fd: int) -> None:
         entry = self._waiting.get(fd)

@@ -39,7 +39,8 @@ class Pieces:
 def shm() -> Iterator[tuple[PoolSegment, ShmTransfer]]:
     server = PoolSegment.create_private(4 * ALIGN, FIRST, "transfer-test")
     geo = make_layout("tiny", dtype="bfloat16", **GEOMETRY).geometry  # type: ignore[arg-type]
-    transfer = ShmTransfer(geo, CHUNK, torch.bfloat16, PoolSegment.from_fd(os.dup(server.fileno())))
+    meta, data = server.filenos()
+    transfer = ShmTransfer(geo, CHUNK, torch.bfloat16, PoolSegment.from_fds(os.dup(meta), os.dup(data)))
     yield server, transfer
     transfer.close()
     server.close()
@@ -53,14 +54,14 @@ def test_slots_are_found_at_their_pool_offset_less_the_shift(shm, plain: bool) -
     transfer.write(slots, TensorChunks(kv, CHUNK) if plain else Pieces(kv))  # type: ignore[arg-type]
     nbytes = transfer.chunk_nbytes
     for s in slots:
-        at = server.data_offset + s.offset - FIRST
+        at = s.offset - FIRST
         want = kv[:, :, s.index * CHUNK : (s.index + 1) * CHUNK].contiguous().view(torch.uint8).numpy().tobytes()
-        assert bytes(server.buf[at : at + nbytes]) == want
+        assert bytes(server.data[at : at + nbytes]) == want
     out = torch.zeros_like(kv)
     transfer.read(slots, [], TensorChunks(out, CHUNK) if plain else Pieces(out))  # type: ignore[arg-type]
     assert torch.equal(out, kv)
     ro = transfer.map_readonly(FIRST + 2 * ALIGN, ALIGN)
-    assert bytes(ro[:nbytes]) == bytes(server.buf[server.data_offset + 2 * ALIGN :][:nbytes])
+    assert bytes(ro[:nbytes]) == bytes(server.data[2 * ALIGN :][:nbytes])
     ro.close()
 
 
@@ -73,6 +74,6 @@ def test_an_offset_outside_the_segment_is_refused(shm, plain: bool, offset: int)
         transfer.write([SlotRef(0, offset)], TensorChunks(kv, CHUNK) if plain else Pieces(kv))  # type: ignore[arg-type]
     with pytest.raises(KVCacheSDKError, match="outside the pool this client maps"):
         transfer.read([SlotRef(0, offset)], [], TensorChunks(kv, CHUNK) if plain else Pieces(kv))  # type: ignore[arg-type]
-    assert not any(bytes(server.slot_area()))  # nothing was written anywhere
+    assert not any(bytes(server.data))  # nothing was written anywhere
     with pytest.raises(KVCacheSDKError, match="outside the pool this client maps"):
         transfer.map_readonly(offset // ALIGN * ALIGN, 2 * ALIGN)

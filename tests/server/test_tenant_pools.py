@@ -83,7 +83,7 @@ def test_each_quotad_tenant_maps_its_own_pool_which_holds_only_its_objects(srv: 
     kv_a, kv_b, kv_g = (make_kv(3 * CHUNK, seed=s) for s in (1, 2, 3))
     # the server has no named segment at all: the shared rest is private memory, the tenants'
     # pools are memfds
-    assert _kvdock_maps(srv.proc.pid) == ["kvdock-acme", "kvdock-beta"]
+    assert _kvdock_maps(srv.proc.pid) == [f"kvdock-{t}-{part}" for t in ("acme", "beta") for part in ("meta", "slots")]
     with (
         kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a,
         kvd.connect(srv.url, srv.http_url, MODEL, 10, token=BETA) as b,
@@ -100,12 +100,13 @@ def test_each_quotad_tenant_maps_its_own_pool_which_holds_only_its_objects(srv: 
         # what each tenant's client maps holds its own tenant's KV and nobody else's
         seg_a = a._transfer.segment  # type: ignore[attr-defined]
         seg_b = b._transfer.segment  # type: ignore[attr-defined]
-        pool_a, pool_b = bytes(seg_a.slot_area()), bytes(seg_b.slot_area())
+        pool_a, pool_b = bytes(seg_a.data), bytes(seg_b.data)
         for i in range(3):
             assert _slot_bytes(kv_a, i) in pool_a and _slot_bytes(kv_a, i) not in pool_b
             assert _slot_bytes(kv_b, i) in pool_b and _slot_bytes(kv_b, i) not in pool_a
             assert _slot_bytes(kv_g, i) not in pool_a and _slot_bytes(kv_g, i) not in pool_b
         assert seg_a.private and seg_b.private and seg_a.nonce != seg_b.nonce
+        assert seg_a.meta.readonly and not seg_a.data.readonly  # its slots are the client's, nothing else
         assert kvd.check_server_integrity(a, ADMIN) == []
 
 
@@ -127,7 +128,7 @@ with kvd.connect({srv.url!r}, {srv.http_url!r}, MODEL, 10, token={ACME!r}) as a:
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["shm", "kvdock-acme"]
+    assert out.stdout.split() == ["shm", "kvdock-acme-meta,kvdock-acme-slots"]
 
 
 def _ticket(srv: ServerProcess, token: str, pid: int | None = None) -> m.Described:
@@ -151,17 +152,17 @@ def test_a_ticket_opens_its_own_tenants_pool_once(srv: ServerProcess) -> None:
     assert kvd.describe_server(srv.url, MODEL, 10, token=ACME).pool_ticket == ""
     assert _ticket(srv, ACME, pid=2**22 + 7).pool_ticket == ""
 
-    def door(ticket: str) -> tuple[PoolOpened | m.Error, int]:
-        reply, fd = knock(da.pool_url, encode(OpenPool(m.PROTOCOL_VERSION, ticket)), 10)
-        return decode_door_reply(reply), fd
+    def door(ticket: str) -> tuple[PoolOpened | m.Error, list[int]]:
+        reply, fds = knock(da.pool_url, encode(OpenPool(m.PROTOCOL_VERSION, ticket)), 10)
+        return decode_door_reply(reply), fds
 
-    answer, fd = door(db.pool_ticket)
-    assert isinstance(answer, PoolOpened) and fd >= 0
-    beta_pool = PoolSegment.from_fd(fd)
+    answer, fds = door(db.pool_ticket)
+    assert isinstance(answer, PoolOpened) and len(fds) == 2
+    beta_pool = PoolSegment.from_fds(*fds)
     try:
         for ticket in (db.pool_ticket, "0" * 32, ""):  # used, never issued
-            answer, fd = door(ticket)
-            assert isinstance(answer, m.Error) and answer.code == "unauthorized" and fd == -1
+            answer, fds = door(ticket)
+            assert isinstance(answer, m.Error) and answer.code == "unauthorized" and fds == []
         # acme holding beta's pool proves nothing to the server: acme's client stays inline
         client = ControlClient(srv.url, 10)
         try:
@@ -194,15 +195,15 @@ from kvdock.protocol import encode
 from kvdock.protocol import messages as m
 from kvdock.protocol.door import OpenPool, decode_door_reply
 from kvdock.transport.door import knock
-reply, fd = knock({da.pool_url!r}, encode(OpenPool(m.PROTOCOL_VERSION, {da.pool_ticket!r})), 10)
-print(fd, decode_door_reply(reply).code)
+reply, fds = knock({da.pool_url!r}, encode(OpenPool(m.PROTOCOL_VERSION, {da.pool_ticket!r})), 10)
+print(len(fds), decode_door_reply(reply).code)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["-1", "unauthorized"]  # the thief gets nothing
-    reply, fd = knock(da.pool_url, encode(OpenPool(m.PROTOCOL_VERSION, da.pool_ticket)), 10)
-    assert isinstance(decode_door_reply(reply), PoolOpened) and fd >= 0  # its own process still can
-    PoolSegment.from_fd(fd).close()
+    assert out.stdout.split() == ["0", "unauthorized"]  # the thief gets nothing
+    reply, fds = knock(da.pool_url, encode(OpenPool(m.PROTOCOL_VERSION, da.pool_ticket)), 10)
+    assert isinstance(decode_door_reply(reply), PoolOpened) and len(fds) == 2  # its own process still can
+    PoolSegment.from_fds(*fds).close()
 
 
 def test_a_quota_under_a_page_or_no_fast_reads_change_what_a_tenant_gets(tmp_path: Path) -> None:

@@ -116,7 +116,7 @@ def test_header_records_magic_pid_start_time_and_size(created: list[PoolSegment]
     magic, ver, pid, start, nonce, size, table, data, directory, entries, first = _header(SHM_DIR / s.name)
     assert magic == MAGIC == b"KVDOCKL1"
     assert ver == VERSION == 4
-    assert first == data == s.first and s.shift == 0  # a named segment's pool offsets are its own
+    assert first == data == s.first  # a named segment's pool offsets are its own positions
     assert (directory, entries) == (data, 0) == (s.directory_offset, s.directory_entries)  # no directory asked for
     assert (s.creator_pid, s.creator_start) == (pid, start)
     assert pid == os.getpid()

@@ -147,16 +147,16 @@ def test_objects_without_room_in_their_bucket_are_counted_unindexed() -> None:
 def test_touch_moves_only_the_object_still_in_the_slot_it_was_read_from(w: World) -> None:
     a, b, c = w.put(K(1)), w.put(K(2)), w.put(K(3))
     gen = w.store.allocator.generation(a.offset)
-    assert w.store.touch(a.entry, a.offset, gen)
+    assert w.store.touch(a.entry, a.offset, gen, None)
     assert w.store.lru_keys() == [K(2), K(3), K(1)]
-    assert not w.store.touch(b.entry, b.offset, gen + 1)  # another generation: another object
-    assert not w.store.touch(b.entry, c.offset, gen)  # another slot
-    assert not w.store.touch(15, b.offset, gen)  # an entry holding nothing
+    assert not w.store.touch(b.entry, b.offset, gen + 1, None)  # another generation: another object
+    assert not w.store.touch(b.entry, c.offset, gen, None)  # another slot
+    assert not w.store.touch(15, b.offset, gen, None)  # an entry holding nothing
     assert w.store.lru_keys() == [K(2), K(3), K(1)]
     w.put(K(4))  # evicts K(2), not the touched K(1)
     assert w.find(K(2)).ended == "absent" and w.find(K(1)).ended == "all"
     stale_entry, stale_offset = b.entry, b.offset
-    assert not w.store.touch(stale_entry, stale_offset, gen)  # K(2) is gone, its slot reused by K(4)
+    assert not w.store.touch(stale_entry, stale_offset, gen, None)  # K(2) is gone, its slot reused by K(4)
     w.store.check_integrity()
 
 

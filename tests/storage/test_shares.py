@@ -175,3 +175,47 @@ def test_l1_a_tenant_switching_slot_sizes_recarves_its_region_when_nothing_there
     assert store.evictions == evictions and store.get(K(10, "a/x")) is not None  # nothing was given up
     assert store.reserve(K(13, "a/x"), 5 * P) is None  # bigger than the region: never
     store.check_integrity()
+
+
+def test_l1_each_tenants_directory_lists_its_own_objects_and_touches_stay_in_their_region() -> None:
+    """Per-tenant pool directories: an object is published in its own region's directory only
+    (each in that tenant's segment), handed over there by an overwrite and unpublished there
+    before its slot is freed; a FastReads touch names its reader's region."""
+    from kvdock.keys import namespace_digest
+    from kvdock.shm.directory import Directory
+
+    pool = Pool.create(8 * P, {"a": 2 * P, "b": 2 * P}, tenants=True, directories=True)
+    dirs = {r: Directory(seg, complete=True) for r, seg in pool.shared_segments().items()}
+    assert sorted(dirs) == ["a", "b"]  # the shared rest has none: nobody maps it
+    store = L1Store(pool.allocator, memory=pool, directories=dirs, shares=shares(2 * P, 2 * P))
+
+    def listed(region: str) -> list[tuple[bytes, int]]:
+        d = dirs[region]
+        return sorted((e.ns, e.offset) for i in range(d.entries) if (e := d.read(i)) is not None)
+
+    try:
+        for key in (K(1, "a/x"), K(2, "b/y"), K(3, "z")):
+            assert put(store, key)
+        a, b = store.get(K(1, "a/x")), store.get(K(2, "b/y"))
+        assert a is not None and b is not None and store.get(K(3, "z")) is not None
+        assert listed("a") == [(namespace_digest("m", 0, "a/x"), a.offset)]
+        assert listed("b") == [(namespace_digest("m", 0, "b/y"), b.offset)]
+        gen = pool.allocator.generation(a.offset)
+        assert not store.touch(a.entry, a.offset, gen, "b") and not store.touch(a.entry, a.offset, gen, None)
+        assert store.touch(a.entry, a.offset, gen, "a")
+        # an overwrite hands the entry over within a's directory; the old slot is freed after
+        new = store.reserve(K(1, "a/x"), 1000)
+        assert new is not None
+        store.commit(new)
+        assert listed("a") == [(namespace_digest("m", 0, "a/x"), new.offset)] and new.offset != a.offset
+        store.check_integrity()
+        for i in range(2, 6):  # a evicts its own: each one out of a's directory first
+            assert put(store, K(i, "a/x"))
+            assert len(listed("a")) == min(i, 2) and len(listed("b")) == 1
+        assert store.clear() == 4  # two of a's, one of b's, one of nobody's
+        assert listed("a") == [] and listed("b") == []
+        store.check_integrity()
+    finally:
+        for d in dirs.values():
+            d.close()
+        pool.close()

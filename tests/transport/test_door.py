@@ -38,7 +38,7 @@ class Served:
     def _handle(self, request: bytes, caller: Caller) -> tuple[bytes, int]:
         self.handled.append(request)
         self.callers.append(caller)
-        return b"re:" + request, self.fd
+        return b"re:" + request, (self.fd,)
 
     def call(self, fn, *args):  # type: ignore[no-untyped-def]
         """``fn(*args)`` on the loop's thread, waited for."""
@@ -72,7 +72,7 @@ def served(memfd: int) -> Iterator[Served]:
 
 
 def test_knock_gets_the_reply_and_a_descriptor_of_the_same_file(served: Served, memfd: int) -> None:
-    reply, fd = knock(served.door.url, b"ticket-1", 5.0)
+    reply, (fd,) = knock(served.door.url, b"ticket-1", 5.0)
     try:
         assert reply == b"re:ticket-1" and served.handled == [b"ticket-1"]
         assert served.callers == [Caller(os.getpid(), os.getuid())]  # who knocked, as the kernel says
@@ -104,7 +104,7 @@ try:
     print("listed")
 except PermissionError:
     print("not listed")
-reply, fd = knock({served.door.url!r}, b"from-nobody", 5.0)
+reply, (fd,) = knock({served.door.url!r}, b"from-nobody", 5.0)
 print(reply.decode(), os.pread(fd, 5, 0).decode())
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -116,7 +116,7 @@ def test_a_request_over_the_limit_is_hung_up_on_unanswered(served: Served) -> No
     with pytest.raises(OSError, match="hung up without a reply"):
         knock(served.door.url, b"x" * (MAX_REQUEST + 1), 5.0)
     assert served.handled == []
-    reply, fd = knock(served.door.url, b"y" * MAX_REQUEST, 5.0)  # the limit itself is fine
+    reply, (fd,) = knock(served.door.url, b"y" * MAX_REQUEST, 5.0)  # the limit itself is fine
     os.close(fd)
     assert reply == b"re:" + b"y" * MAX_REQUEST
 
@@ -127,7 +127,7 @@ def test_a_silent_caller_is_hung_up_on_at_the_deadline_and_others_are_served_mea
     monkeypatch.setattr(door_mod, "DEADLINE_S", 0.3)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
         silent.connect(served.door.path)
-        reply, fd = knock(served.door.url, b"meanwhile", 5.0)
+        reply, (fd,) = knock(served.door.url, b"meanwhile", 5.0)
         os.close(fd)
         assert reply == b"re:meanwhile"
         silent.settimeout(5)
@@ -160,7 +160,7 @@ import os, sys
 sys.path[:0] = {sys.path!r}
 from kvdock.transport.door import knock
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
-reply, fd = knock({served.door.url!r}, b"other user", 5.0)
+reply, (fd,) = knock({served.door.url!r}, b"other user", 5.0)
 print(reply.decode())
 """
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -193,7 +193,7 @@ def test_past_max_waiting_callers_are_turned_away_at_once(served: Served, monkey
     deadline = time.monotonic() + 5
     while served.call(lambda: len(served.door._waiting)) and time.monotonic() < deadline:
         time.sleep(0.01)
-    reply, fd = knock(served.door.url, b"again", 5.0)
+    reply, (fd,) = knock(served.door.url, b"again", 5.0)
     os.close(fd)
     assert reply == b"re:again" and b"one too many" not in served.handled
 
@@ -258,7 +258,7 @@ class Count(logging.Handler):
 logging.getLogger("kvdock.transport").addHandler(Count())
 loop = asyncio.new_event_loop()
 door = PoolDoor()
-loop.call_soon(door.start, loop, lambda req, caller: (b"ok", -1))
+loop.call_soon(door.start, loop, lambda req, caller: (b"ok", ()))
 threading.Thread(target=loop.run_forever, daemon=True).start()
 time.sleep(0.2)
 caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,6 +1,6 @@
 """The messages of the pool door (``transport.door``): a client trades the single-use ticket a
 ``Described`` reply gave it for the descriptor of its tenant's pool. One request and one reply
-per connection, msgpack; the reply that grants the pool carries the descriptor (SCM_RIGHTS)."""
+per connection, msgpack; the reply that grants the pool carries its descriptors (SCM_RIGHTS)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ class OpenPool(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True
 
 
 class PoolOpened(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
-    """The pool's descriptor comes with this reply; ``size``: the segment's bytes."""
+    """The pool's two descriptors come with this reply (its metadata, to map read-only, and its
+    slot area); ``size``: the segment's bytes, both together."""
 
     size: int
 

@@ -31,7 +31,7 @@ from kvdock.transport.local import PeerWatch
 log = logging.getLogger("kvdock.sdk")
 
 KNOCKS = 4  # at the pool door, before settling for the inline transport
-KNOCK_PAUSE_S = 0.25  # times the attempt: 0.25 s, 0.5 s, 0.75 s between them
+KNOCK_PAUSES_S = (0.25, 0.75, 1.5)  # between them: past the door's DEADLINE_S for a silent caller
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in layout.DTYPE_SIZES}
 ALL_RANKS = -1  # RegisterClient.kv_rank of the SDK's whole-model view (server.registry.ALL_RANKS)
 
@@ -200,22 +200,22 @@ def open_pool(desc: m.Described, timeout: float) -> PoolSegment | None:
     if not desc.pool_ticket:
         return None
     try:
-        reply, fd = _knock(desc, timeout)
+        reply, fds = _knock(desc, timeout)
         try:
             answer = decode_door_reply(reply)
-            if not isinstance(answer, PoolOpened) or fd < 0:
-                raise ValueError(answer.message if isinstance(answer, m.Error) else "no descriptor came with it")
+            if not isinstance(answer, PoolOpened) or len(fds) != 2:
+                raise ValueError(answer.message if isinstance(answer, m.Error) else "its descriptors did not come")
         except BaseException:
-            if fd >= 0:
+            for fd in fds:
                 os.close(fd)
             raise
-        return PoolSegment.from_fd(fd)
+        return PoolSegment.from_fds(*fds)
     except (OSError, ValueError, ProtocolError) as e:
         log.info("cannot map this tenant's pool (%s); using the inline transport", e)
         return None
 
 
-def _knock(desc: m.Described, timeout: float) -> tuple[bytes, int]:
+def _knock(desc: m.Described, timeout: float) -> tuple[bytes, list[int]]:
     """The door's reply and descriptor, knocking again (KNOCKS times in all) when it turns us
     away unanswered: it does so while too many callers wait at once (another user may hold it)."""
     request = encode(OpenPool(m.PROTOCOL_VERSION, desc.pool_ticket))
@@ -226,9 +226,9 @@ def _knock(desc: m.Described, timeout: float) -> tuple[bytes, int]:
         except (FileNotFoundError, PermissionError, TimeoutError, ValueError):
             raise  # no door there for us, or no time left: knocking again will not help
         except OSError:
-            if attempt == KNOCKS - 1 or time.monotonic() + KNOCK_PAUSE_S * (attempt + 1) >= deadline:
+            if attempt == KNOCKS - 1 or time.monotonic() + KNOCK_PAUSES_S[attempt] >= deadline:
                 raise
-            time.sleep(KNOCK_PAUSE_S * (attempt + 1))
+            time.sleep(KNOCK_PAUSES_S[attempt])
     raise AssertionError("unreachable")
 
 

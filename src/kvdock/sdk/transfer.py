@@ -133,16 +133,15 @@ class ShmTransfer(Transfer):
         self._watch_lock = threading.Lock()
         self.rewatch_at = 0.0  # when a lost watch may be replaced next (KVCacheContext.rewatch)
         self._directory = DirectoryReader(segment) if segment.directory_entries else None
-        self._pool: torch.Tensor | None = torch.frombuffer(segment.buf, dtype=torch.uint8)
+        self._pool: torch.Tensor | None = torch.frombuffer(segment.data, dtype=torch.uint8)
         self._gens = segment.generations()
         self._gens_addr = self._gens.ctypes.data
-        # the server names slots by pool offset: the one at ``o`` is at ``buf[o - shift]`` (a
+        # the server names slots by pool offset: the one at ``o`` is at ``data[o - first]`` (a
         # tenant's segment holds one region of the pool); anything outside it is refused
-        self._shift = segment.shift
         self._base = segment.first
         self._end = segment.first + segment.data_size
-        self._addr = self._pool.data_ptr() - segment.shift  # the address pool offset 0 would have
-        self._prefault = Prefault(self._pool.data_ptr() + segment.table_offset, segment.size - segment.table_offset)
+        self._addr = self._pool.data_ptr() - segment.first  # the address pool offset 0 would have
+        self._prefault = Prefault(self._pool.data_ptr(), segment.data_size)
 
     def directory(self) -> DirectoryReader | None:
         """The pool directory while the server publishes one and is alive: the process that made
@@ -179,7 +178,7 @@ class ShmTransfer(Transfer):
         if not self._base <= offset <= self._end - self.chunk_nbytes:
             raise KVCacheSDKError("the server named a slot outside the pool this client maps (nothing was copied)")
         self._prefault.ensure(self._addr + offset, self.chunk_nbytes)
-        at = offset - self._shift
+        at = offset - self._base
         return self._pool[at : at + self.chunk_nbytes].view(self.dtype).view(self.chunk_shape)
 
     def _direct(self, end: object, taking: bool, indices: np.ndarray, offsets: np.ndarray, layers: slice) -> bool:
@@ -258,7 +257,7 @@ class ShmTransfer(Transfer):
         zero-copy views)."""
         if not (self._base <= offset and offset + length <= self._end):
             raise KVCacheSDKError("the server named slots outside the pool this client maps")
-        return self.segment.map_readonly(offset - self._shift, length)
+        return self.segment.map_readonly(offset, length)
 
     def close(self) -> None:
         self._prefault.stop()

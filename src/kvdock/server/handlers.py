@@ -19,7 +19,7 @@ from kvdock.server import access
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Payload, Reply, ServerState
 from kvdock.server.tenants import Tenant
-from kvdock.shm.segment import PoolSegment, proc_start_time
+from kvdock.shm.segment import PoolSegment, process_visible
 
 
 def client_of(state: ServerState, client_id: str) -> ClientEntry:
@@ -99,12 +99,6 @@ def pool_for(state: ServerState, tenant: Tenant | None) -> PoolSegment | None:
     return state.pool.segment_of(tenant.name if tenant is not None else None)
 
 
-def visible_process(pid: int, pid_start: int) -> bool:
-    """Whether the client process ``pid`` (started at ``pid_start``) is one this server sees:
-    the same PID namespace (shared memory is only for those: see storage.sessions)."""
-    return pid > 0 and proc_start_time(pid) == pid_start
-
-
 def describe(state: ServerState, req: m.Describe, payload: Payload, key: bytes = b"") -> Reply:
     _check_version(req.protocol_version)
     tenant = access.tenant_of(state, key, req.token)
@@ -112,9 +106,14 @@ def describe(state: ServerState, req: m.Describe, payload: Payload, key: bytes =
     entry = state.registry.models.get(req.model_name) if req.model_name in visible else None
     segment = pool_for(state, tenant)
     ticket = ""
-    # a ticket is for the process named, one this server sees (the door checks who knocks)
-    offer = segment is not None and state.door is not None and tenant is not None
-    if offer and tenant is not None and visible_process(req.pid, req.pid_start):
+    # a ticket is for the process named, one this server sees (shared memory is only for those:
+    # storage.sessions); the door checks who knocks
+    if (
+        segment is not None
+        and state.door is not None
+        and tenant is not None
+        and process_visible(req.pid, req.pid_start)
+    ):
         ticket = state.tickets.issue(tenant.name, req.pid, req.pid_start)
     return Reply(
         m.Described(
@@ -140,7 +139,7 @@ def register_client(state: ServerState, req: m.RegisterClient, payload: Payload,
         segment is not None
         and bool(req.shm_proof)
         and secrets.compare_digest(req.shm_proof.encode(), segment.nonce.encode())
-        and visible_process(req.pid, req.pid_start)
+        and process_visible(req.pid, req.pid_start)
     )
     client = state.registry.register_client(
         req.instance_id, req.model_name, req.kv_rank, "shm" if use_shm else "inline", key=key, tenant=tenant

@@ -232,7 +232,7 @@ async def _run(
         raise ConfigError(f"cannot listen on {config.zmq_url}: {e}") from None
     state.local_url = control.local_url
     try:
-        door = state.door = open_door(state.pool, state.tickets)
+        door = state.door = open_door(state.pool)
     except BaseException:
         control.close()
         raise

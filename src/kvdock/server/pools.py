@@ -109,7 +109,7 @@ class Tickets:
         assert expiries == sorted(expiries), "tickets out of expiry order"
 
 
-def open_door(pool: Pool, tickets: Tickets) -> PoolDoor | None:
+def open_door(pool: Pool) -> PoolDoor | None:
     """The pool door, when some tenant has a pool of its own to be handed (None otherwise);
     not yet started. ConfigError if its socket cannot be made."""
     if not any(pool.segment_of(t) is not None for t in pool.own):
@@ -121,23 +121,23 @@ def open_door(pool: Pool, tickets: Tickets) -> PoolDoor | None:
     return door
 
 
-def open_pool(pool: Pool, tickets: Tickets, request: bytes, caller: Caller) -> tuple[bytes, int]:
-    """The door's handler: the reply to ``request`` from ``caller`` and the descriptor to hand
-    with it (-1: none). Anything but a current ticket of a tenant with a pool of its own, issued to
-    the calling process, gets an Error and nothing else, the same for a ticket that never was as
-    for one used, lapsed or another process's."""
+def open_pool(pool: Pool, tickets: Tickets, request: bytes, caller: Caller) -> tuple[bytes, tuple[int, ...]]:
+    """The door's handler: the reply to ``request`` from ``caller`` and the descriptors to hand
+    with it (the pool's metadata and slot area, or none). Anything but a current ticket of a
+    tenant with a pool of its own, issued to the calling process, gets an Error and nothing else,
+    the same for a ticket that never was as for one used, lapsed or another process's."""
     try:
         req = decode_open(request)
     except ProtocolError as e:
-        return encode(Error(ErrorCode.MALFORMED, str(e))), -1
+        return encode(Error(ErrorCode.MALFORMED, str(e))), ()
     if req.protocol_version != PROTOCOL_VERSION:
         msg = f"protocol version mismatch: server {PROTOCOL_VERSION}, client {req.protocol_version}"
-        return encode(Error(ErrorCode.PROTOCOL_VERSION, msg)), -1
-    start = proc_start_time(caller.pid) if caller.pid > 0 else None
+        return encode(Error(ErrorCode.PROTOCOL_VERSION, msg)), ()
+    start = proc_start_time(caller.pid) if caller.pid > 0 else None  # (0: not in our PID namespace)
     tenant = tickets.redeem(req.ticket, caller.pid, start) if start is not None else None
     segment = pool.segment_of(tenant) if tenant is not None else None
-    if segment is None or not segment.private:
+    if segment is None:
         msg = "this ticket opens no pool (used, lapsed, another process's or never issued: Describe gives another)"
-        return encode(Error(ErrorCode.UNAUTHORIZED, msg)), -1
+        return encode(Error(ErrorCode.UNAUTHORIZED, msg)), ()
     log.debug("pool door: tenant %r's pool handed over", tenant)
-    return encode(PoolOpened(segment.size)), segment.fileno()
+    return encode(PoolOpened(segment.size)), segment.filenos()

@@ -97,7 +97,7 @@ class _Mapped:
             raise ValueError("the segment has no directory (its server publishes none)")
         self.nbuckets = self.entries // BUCKET
         self._bytes: np.ndarray | None = np.frombuffer(
-            segment.buf, np.uint8, count=self.entries * ENTRY_SIZE, offset=segment.directory_offset
+            segment.meta, np.uint8, count=self.entries * ENTRY_SIZE, offset=segment.directory_offset
         )
         self.addr = self._bytes.ctypes.data
         self.state: np.ndarray = segment.state_words()

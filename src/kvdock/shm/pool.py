@@ -66,7 +66,7 @@ class Pool:
     def __post_init__(self) -> None:
         # (pool offset of the first slot byte, end, that segment's slot area) by first offset
         segs = [self.main, *self.own.values()]
-        self._areas = sorted(((s.first, s.first + s.data_size, s.slot_area()) for s in segs), key=lambda a: a[:2])
+        self._areas = sorted(((s.first, s.first + s.data_size, s.data) for s in segs), key=lambda a: a[:2])
         self._firsts = [a[0] for a in self._areas]
 
     @classmethod
@@ -97,7 +97,7 @@ class Pool:
         try:
             at = main.first + aligned(rest)  # (a tenant's slots start on a page, as every slot does)
             for tenant, quota in quotas.items():
-                if shm:
+                if shm and quota:  # (a quota under a page holds nothing: nobody maps it)
                     entries = entries_for(quota) if directories else 0
                     own[tenant] = PoolSegment.create_private(quota, at, tenant, entries)
                 else:

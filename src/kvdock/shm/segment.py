@@ -49,6 +49,7 @@ VERSION = 4  # 4: ``first``; 3: the directory
 # directory offset, directory entries, first
 _HEADER = struct.Struct("<8sIIQ32sQQQQQQ")
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # a private segment's size is for good
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # (Linux 5.1; Python 3.12 names it)
 ENTRY_SIZE = 128  # bytes of one directory entry (kvdock.shm.directory; _directory.c agrees)
 BUCKET = 8  # entries per directory bucket
 STATE_OFFSET = 1024  # the directory's state words (u64s), written by the server only
@@ -86,6 +87,12 @@ def process_alive(pid: int, start_time: int) -> bool:
     return fields[0] not in ("Z", "X") and int(fields[19]) == start_time
 
 
+def process_visible(pid: int, start_time: int) -> bool:
+    """Whether ``pid`` names a process this one can see (the same PID namespace, and /proc not
+    hiding it) that started at ``start_time``: a client process a server can tell is gone."""
+    return pid > 0 and _proc_start_time(pid) == start_time
+
+
 def _proc_start_time(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot, or None if it does not exist."""
     try:
@@ -97,35 +104,56 @@ def _proc_start_time(pid: int) -> int | None:
 
 
 class PoolSegment:
-    """A mapped segment. ``buf`` is a writable memoryview of the whole mapping.
+    """A mapped segment: ``meta`` (header, generation table, directory: the first
+    ``data_offset`` bytes of its layout) and ``data`` (the slot area), writable memoryviews in
+    the process that made it. Offsets the server hands out (``SlotRef.offset``) are *pool*
+    offsets: the slot at pool offset ``o`` starts at ``data[o - first]`` (``first`` is where the
+    segment's slots start in the pool: a tenant's segment holds one region of it).
 
-    Offsets the server hands out (``SlotRef.offset``) are *pool* offsets; the slot at pool offset
-    ``o`` starts at ``buf[o - shift]`` (``shift`` is 0 but for a tenant's segment, which holds
-    one region of the pool's offsets, from ``first``)."""
+    A named or anonymous segment is one mapping. A private one (a tenant's pool) is two memfds:
+    the metadata, sealed against every write but through the server's own mapping (clients map
+    it read-only, so that no client can touch a generation, a directory entry or the nonce the
+    server trusts), and the slot area, which its clients write; both sealed against resizing."""
 
-    def __init__(self, name: str, mm: mmap.mmap, owner: bool, fd: int = -1) -> None:
+    def __init__(
+        self, name: str, mm: mmap.mmap, owner: bool, data_mm: mmap.mmap | None = None, fds: tuple[int, ...] = ()
+    ) -> None:
         fields = _HEADER.unpack_from(mm, 0)
         self.creator_pid, self.creator_start = int(fields[2]), int(fields[3])
+        self.size = int(fields[5])  # header, table, directory and slot area together
         self.table_offset = int(fields[6])
-        self.data_offset = int(fields[7])  # where the slot area starts in the mapping
+        self.data_offset = int(fields[7])  # where the slot area starts in the layout
         self.directory_offset = int(fields[8])
         self.directory_entries = int(fields[9])
         self.first = int(fields[10])  # the pool offset of the slot area's first byte (SlotAllocator's base)
         dir_end = self.directory_offset + self.directory_entries * ENTRY_SIZE
+        split = data_mm is not None
         if not (
-            HEADER_SIZE <= self.table_offset <= self.directory_offset <= dir_end <= self.data_offset <= len(mm)
+            HEADER_SIZE <= self.table_offset <= self.directory_offset <= dir_end <= self.data_offset <= self.size
             and self.directory_entries % BUCKET == 0
             and (self.directory_entries // BUCKET) & (self.directory_entries // BUCKET - 1) == 0
             and self.first % PAGE == 0
+            and len(mm) == (self.data_offset if split else self.size)
+            and (data_mm is None or len(data_mm) == self.size - self.data_offset)
         ):
             raise ValueError(f"segment {name or 'handed over'} has an impossible layout")
         self.name = name
-        self.size = len(mm)
-        self.shift = self.first - self.data_offset  # pool offset - shift = position in the mapping
-        self._mm = mm
-        self._fd = fd  # a private segment's descriptor (-1: a named or anonymous one)
-        self.buf = memoryview(mm)
+        self._mm, self._data_mm = mm, data_mm
+        self._fds = fds  # a private segment's descriptors: (metadata, slot area)
+        whole = memoryview(mm)
+        self.meta = whole if split else whole[: self.data_offset]
+        self.data = memoryview(data_mm) if data_mm is not None else whole[self.data_offset :]
+        self._whole = whole
+        self._views = [self.meta, self.data, whole]
         self.owner = owner
+
+    @property
+    def buf(self) -> memoryview:
+        """The whole layout as one view (header at 0, slots from ``data_offset``): a named or
+        anonymous segment only (ValueError for a private one: two mappings)."""
+        if self._data_mm is not None:
+            raise ValueError("a private segment is two mappings: use meta and data")
+        return self._whole
 
     @property
     def data_size(self) -> int:
@@ -133,29 +161,26 @@ class PoolSegment:
 
     @property
     def private(self) -> bool:
-        """Whether this is a memfd segment, mappable only through its descriptor."""
-        return self._fd >= 0
+        """Whether this is a memfd segment, mappable only through its descriptors."""
+        return bool(self._fds)
 
-    def fileno(self) -> int:
-        """A private segment's descriptor (to hand to a client); ValueError for any other."""
-        if self._fd < 0:
-            raise ValueError("only a private segment has a descriptor to hand over")
-        return self._fd
-
-    def slot_area(self) -> memoryview:
-        """The slot area: byte ``o - first`` of it is pool offset ``o``."""
-        return self.buf[self.data_offset :]
+    def filenos(self) -> tuple[int, int]:
+        """A private segment's descriptors, metadata and slot area (to hand to a client);
+        ValueError for any other segment."""
+        if not self._fds:
+            raise ValueError("only a private segment has descriptors to hand over")
+        return self._fds[0], self._fds[1]
 
     def state_words(self) -> np.ndarray:
-        """The directory's state words as a writable u64 array viewing the header (drop it
-        before :meth:`close`)."""
-        return np.frombuffer(self.buf, dtype="<u8", count=STATE_WORDS, offset=STATE_OFFSET)
+        """The directory's state words as a u64 array viewing the header (writable in the
+        server only; drop it before :meth:`close`)."""
+        return np.frombuffer(self.meta, dtype="<u8", count=STATE_WORDS, offset=STATE_OFFSET)
 
     def generations(self) -> np.ndarray:
-        """The generation table as a writable u64 array that views the mapping (one entry per
-        page of the slot area). Callers must drop it before :meth:`close`."""
+        """The generation table as a u64 array that views the mapping (one entry per page of the
+        slot area; writable in the server only). Callers must drop it before :meth:`close`."""
         n = (self.data_offset - self.table_offset) // 8
-        return np.frombuffer(self.buf, dtype="<u8", count=n, offset=self.table_offset)
+        return np.frombuffer(self.meta, dtype="<u8", count=n, offset=self.table_offset)
 
     @property
     def nonce(self) -> str:
@@ -181,26 +206,35 @@ class PoolSegment:
                 raise
         finally:
             os.close(fd)
-        _write_header(mm, data_size, directory_entries)
+        _write_header(mm, size, data_size, directory_entries)
         return cls(name, mm, owner=True)
 
     @classmethod
     def create_private(cls, data_size: int, first: int, label: str = "pool", directory_entries: int = 0) -> PoolSegment:
-        """Create, allocate and pre-fault a memfd segment (no name; ``label`` shows in
-        /proc/PID/maps) whose slot area is pool offsets ``[first, first + data_size)``, with a
-        directory of ``directory_entries``, sealed against any resizing. OSError (ENOSPC) if
-        memory cannot hold it."""
-        size = HEADER_SIZE + table_bytes(data_size) + directory_bytes(directory_entries) + data_size
-        fd = os.memfd_create(f"kvdock-{label}"[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        """Create, allocate and pre-fault a private segment (two memfds, no name; ``label``
+        shows in /proc/PID/maps) whose slot area is pool offsets ``[first, first + data_size)``,
+        with a directory of ``directory_entries`` (``data_size`` > 0). OSError (ENOSPC) if memory
+        cannot hold it."""
+        assert data_size > 0, "an empty private segment"
+        meta_size = HEADER_SIZE + table_bytes(data_size) + directory_bytes(directory_entries)
+        fds: list[int] = []
+        maps: list[mmap.mmap] = []
         try:
-            os.posix_fallocate(fd, 0, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            for part, nbytes in (("meta", meta_size), ("slots", data_size)):
+                fd = os.memfd_create(f"kvdock-{label}"[:200] + f"-{part}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                fds.append(fd)
+                os.posix_fallocate(fd, 0, nbytes)
+                maps.append(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE))
+                # the metadata is written through the mapping made above, and nowhere else ever
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | (F_SEAL_FUTURE_WRITE if part == "meta" else 0))
         except BaseException:
-            os.close(fd)
+            for mm in maps:
+                mm.close()
+            for fd in fds:
+                os.close(fd)
             raise
-        _write_header(mm, data_size, directory_entries, first)
-        return cls("", mm, owner=True, fd=fd)
+        _write_header(maps[0], meta_size + data_size, data_size, directory_entries, first)
+        return cls("", maps[0], owner=True, data_mm=maps[1], fds=(fds[0], fds[1]))
 
     @classmethod
     def anonymous(cls, data_size: int, first: int | None = None) -> PoolSegment:
@@ -208,7 +242,7 @@ class PoolSegment:
         pool with tenants), its slot area at pool offset ``first`` (None: where it starts)."""
         size = HEADER_SIZE + table_bytes(data_size) + data_size
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
-        _write_header(mm, data_size, 0, first)
+        _write_header(mm, size, data_size, 0, first)
         return cls("", mm, owner=True)
 
     @classmethod
@@ -219,74 +253,95 @@ class PoolSegment:
             raise ValueError(f"not a kvdock segment name: {name!r}")
         fd = os.open(SHM_DIR / name, os.O_RDWR)
         try:
-            return cls._map(fd, name)
+            size = os.fstat(fd).st_size
+            # not populated here: for a large pool that takes ~35 ms per GiB; the client's
+            # transfer faults the pages in in the background (kvdock.sdk.transfer.Prefault)
+            mm = _map(fd, size, name)
         finally:
             os.close(fd)
+        return cls._checked(name, mm)
 
     @classmethod
-    def from_fd(cls, fd: int) -> PoolSegment:
-        """Map a private segment handed over as descriptor ``fd`` (the segment owns it from now
-        on: closed by :meth:`close`, or here on failure). ValueError if it is not a sealed
-        kvdock segment (a server that could shrink it would crash us), OSError if unmappable."""
+    def from_fds(cls, meta_fd: int, data_fd: int) -> PoolSegment:
+        """Map a private segment handed over as its two descriptors (the segment owns them from
+        now on: closed by :meth:`close`, or here on failure): the metadata read-only, the slot
+        area read-write. ValueError if they are not a sealed kvdock segment (a server that could
+        shrink one would crash us), OSError if unmappable."""
+        meta_mm = data_mm = None
         try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            if seals & SEALS != SEALS:
-                raise ValueError("the descriptor handed over is not a sealed memfd")
-            seg = cls._map(fd, "", keep_fd=True)
+            for fd in (meta_fd, data_fd):
+                if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+                    raise ValueError("a descriptor handed over is not a sealed memfd")
+            meta_mm = _map(meta_fd, os.fstat(meta_fd).st_size, "", prot=mmap.PROT_READ)
+            data_mm = _map(data_fd, os.fstat(data_fd).st_size, "", minimum=1)
+            seg = cls._checked("", meta_mm, data_mm, (meta_fd, data_fd))
         except BaseException:
-            os.close(fd)
+            for mm in (meta_mm, data_mm):
+                if mm is not None:
+                    mm.close()
+            os.close(meta_fd)
+            os.close(data_fd)
             raise
         return seg
 
     @classmethod
-    def _map(cls, fd: int, name: str, keep_fd: bool = False) -> PoolSegment:
-        size = os.fstat(fd).st_size
-        if size < HEADER_SIZE:
-            raise ValueError(f"segment {name or 'handed over'} is too small to be a kvdock pool")
-        # not populated here: for a large pool that takes ~35 ms per GiB; the client's
-        # transfer faults the pages in in the background (kvdock.sdk.transfer.Prefault)
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    def _checked(
+        cls, name: str, mm: mmap.mmap, data_mm: mmap.mmap | None = None, fds: tuple[int, ...] = ()
+    ) -> PoolSegment:
         magic, version = _HEADER.unpack_from(mm, 0)[:2]
         if magic != MAGIC or version != VERSION:
             mm.close()
             raise ValueError(f"segment {name or 'handed over'} has no kvdock v{VERSION} header")
         try:
-            return cls(name, mm, owner=False, fd=fd if keep_fd else -1)
+            return cls(name, mm, owner=False, data_mm=data_mm, fds=fds)
         except ValueError:
             mm.close()
             raise
 
     def map_readonly(self, offset: int, length: int) -> mmap.mmap:
-        """A second, read-only mapping of ``[offset, offset + length)`` of the segment (a position
-        in the mapping, page-aligned; not populated): tensors on it cannot write into the pool (a
-        write is a SIGSEGV, not a corrupted cache). OSError if the segment is gone or the address
-        space full."""
-        if self._fd >= 0:
-            return mmap.mmap(self._fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
+        """A second, read-only mapping of pool offsets ``[offset, offset + length)`` (page-aligned;
+        not populated): tensors on it cannot write into the pool (a write is a SIGSEGV, not a
+        corrupted cache). OSError if the segment is gone or the address space full."""
+        at = offset - self.first
+        if self._fds:
+            return mmap.mmap(self._fds[1], length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=at)
         fd = os.open(SHM_DIR / self.name, os.O_RDONLY)
         try:
-            return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
+            return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=self.data_offset + at)
         finally:
             os.close(fd)
 
     def close(self) -> None:
-        """Unmap (and close a private segment's descriptor). Harmless twice. Exported buffers
+        """Unmap (and close a private segment's descriptors). Harmless twice. Exported buffers
         still alive keep the mapping until collected."""
-        self.buf.release()
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
+        for view in self._views:
+            with contextlib.suppress(BufferError):
+                view.release()
+        fds, self._fds = self._fds, ()
+        for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        try:
-            self._mm.close()
-        except BufferError:
-            log.debug("segment %s still has exported buffers; unmapped when they are freed", self.name)
+        for mm in (self._mm, self._data_mm):
+            if mm is None:
+                continue
+            try:
+                mm.close()
+            except BufferError:
+                log.debug("segment %s still has exported buffers; unmapped when they are freed", self.name)
 
     def unlink(self) -> None:
         if not self.name:
             return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(SHM_DIR / self.name)
+
+
+def _map(
+    fd: int, size: int, name: str, prot: int = mmap.PROT_READ | mmap.PROT_WRITE, minimum: int = HEADER_SIZE
+) -> mmap.mmap:
+    if size < minimum:
+        raise ValueError(f"segment {name or 'handed over'} is too small to be a kvdock pool")
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
 
 
 def cleanup_stale() -> list[str]:
@@ -313,7 +368,7 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
-def _write_header(mm: mmap.mmap, data_size: int, directory_entries: int, first: int | None = None) -> None:
+def _write_header(mm: mmap.mmap, size: int, data_size: int, directory_entries: int, first: int | None = None) -> None:
     pid = os.getpid()
     table = HEADER_SIZE
     directory = table + table_bytes(data_size)
@@ -321,5 +376,5 @@ def _write_header(mm: mmap.mmap, data_size: int, directory_entries: int, first: 
     start = _proc_start_time(pid) or 0
     nonce = secrets.token_bytes(32)
     first = data if first is None else first
-    header = _HEADER.pack(MAGIC, VERSION, pid, start, nonce, len(mm), table, data, directory, directory_entries, first)
+    header = _HEADER.pack(MAGIC, VERSION, pid, start, nonce, size, table, data, directory, directory_entries, first)
     mm[: len(header)] = header

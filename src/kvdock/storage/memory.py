@@ -288,7 +288,7 @@ class L1Store:
             self._lru_drop(obj)
             self.allocator.free(obj.offset)
 
-    def touch(self, entry: int, offset: int, gen: int, region: str | None = None) -> bool:
+    def touch(self, entry: int, offset: int, gen: int, region: str | None) -> bool:
         """A client read the object published at ``entry`` of ``region``'s directory (found in
         slot ``offset`` of generation ``gen``) without the server: make it most recently used, as
         a retrieve's unpin would. False if that object is gone (its slot was freed since, or the
@@ -302,6 +302,8 @@ class L1Store:
         return True
 
     def _publish(self, obj: L1Object) -> None:
+        """``obj`` became READY (a new key): into its region's directory, or counted there as
+        unindexed when its bucket is full (nothing when its region has none)."""
         d = self._directories.get(obj.region)
         if d is None:
             return
@@ -319,10 +321,10 @@ class L1Store:
         """``new`` replaces ``old`` (READY, live, same key) in the directory in one write: a reader
         during an overwrite's commit finds one version or the other, never a miss that could pass
         for a final one."""
+        assert old.region == new.region, "a key's versions in two regions"  # (its owner is its salt's)
         d = self._directories.get(new.region)
         if d is None:
             return
-        assert old.region == new.region, "a key's versions in two regions"  # (its owner is its salt's)
         if old.entry < 0:  # it had no entry: nor does its successor
             new.entry = -1
             return

@@ -9,7 +9,7 @@ Any local user may knock (the socket is 0666 in a directory others may traverse 
 tenants may run as other users, and what opens the door is the ticket, not who knocks (the handler is told who
 knocks: ``SO_PEERCRED``). So the door assumes nothing of a caller: one request per connection,
 at most ``MAX_REQUEST`` bytes ended by the caller shutting down its sending side, within
-``DEADLINE_S``; one reply (with at most one descriptor); then it hangs up. At most
+``DEADLINE_S``; one reply (with at most MAX_FDS descriptors); then it hangs up. At most
 ``MAX_WAITING`` connections wait at once, ``MAX_PER_USER`` of one user (more are closed at once,
 so that one user holding connections open cannot shut the door on the others); at most
 ``MAX_ACCEPTS`` are taken per turn of the event loop, and out of descriptors it stops accepting
@@ -55,9 +55,10 @@ class Caller:
     uid: int
 
 
-# (the request's bytes, its caller) -> (the reply's bytes, a descriptor to send with it or -1);
-# it must not raise
-DoorHandler = Callable[[bytes, Caller], tuple[bytes, int]]
+# (the request's bytes, its caller) -> (the reply's bytes, the descriptors to send with it, at
+# most MAX_FDS); it must not raise
+DoorHandler = Callable[[bytes, Caller], tuple[bytes, tuple[int, ...]]]
+MAX_FDS = 2
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _FD = array.array("i")  # (a descriptor's size)
 
@@ -183,10 +184,11 @@ class PoolDoor:
         conn = waiting.conn
         handler = self._handler
         if handler is not None:
-            reply, pool_fd = handler(request, waiting.caller)
+            reply, fds = handler(request, waiting.caller)
+            assert len(fds) <= MAX_FDS
             with contextlib.suppress(OSError):  # a caller gone, or not reading: its loss
-                if pool_fd >= 0:
-                    socket.send_fds(conn, [reply], [pool_fd], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                if fds:
+                    socket.send_fds(conn, [reply], list(fds), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
                 else:
                     conn.send(reply, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
         self._hang_up(fd)
@@ -201,11 +203,11 @@ class PoolDoor:
         entry.conn.close()
 
 
-def knock(url: str, request: bytes, timeout: float) -> tuple[bytes, int]:
+def knock(url: str, request: bytes, timeout: float) -> tuple[bytes, list[int]]:
     """The client's end: send ``request`` to the door at ``url`` and return its reply and the
-    descriptor that came with it (-1: none; the caller owns it). OSError if the door cannot be
-    reached or hangs up without a reply, TimeoutError past ``timeout`` seconds, ValueError for a
-    URL that is not a door's."""
+    descriptors that came with it (close-on-exec; the caller owns them). OSError if the door
+    cannot be reached or hangs up without a reply, TimeoutError past ``timeout`` seconds,
+    ValueError for a URL that is not a door's."""
     if not url.startswith(SCHEME):
         raise ValueError(f"not a pool door URL: {url!r}")
     fds: list[int] = []
@@ -220,7 +222,7 @@ def knock(url: str, request: bytes, timeout: float) -> tuple[bytes, int]:
                 # (not socket.recv_fds: before Python 3.12 it drops its flags, and the descriptor
                 # must be close-on-exec from the start, or any program this process runs inherits it)
                 data, ancillary, _flags, _addr = sock.recvmsg(
-                    MAX_REPLY + 1, socket.CMSG_LEN(_FD.itemsize), socket.MSG_CMSG_CLOEXEC
+                    MAX_REPLY + 1, socket.CMSG_LEN(MAX_FDS * _FD.itemsize), socket.MSG_CMSG_CLOEXEC
                 )
                 for level, kind, payload in ancillary:
                     if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
@@ -234,10 +236,8 @@ def knock(url: str, request: bytes, timeout: float) -> tuple[bytes, int]:
             for fd in fds:
                 os.close(fd)
             raise
-    if not reply or len(reply) > MAX_REPLY:
+    if not reply or len(reply) > MAX_REPLY or len(fds) > MAX_FDS:
         for fd in fds:
             os.close(fd)
         raise OSError(f"the pool door at {url} hung up without a reply")
-    for extra in fds[1:]:
-        os.close(extra)
-    return bytes(reply), fds[0] if fds else -1
+    return bytes(reply), fds

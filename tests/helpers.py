@@ -173,3 +173,23 @@ def wait_sessions(srv: ServerProcess, want: int, timeout: float = 10) -> None:
     while open_sessions(srv) != want:
         assert time.monotonic() < deadline, f"sessions {open_sessions(srv)}, want {want}"
         time.sleep(0.02)
+
+
+def assert_fast_reads_refused(srv: ServerProcess, client_id: str) -> None:
+    """Send a FastReads report as ``client_id`` (reports are never answered) and wait until the
+    server refused it (its bad_request count moves), counting nothing."""
+    from kvdock.protocol import messages as m
+    from kvdock.transport.client import ControlClient
+
+    before = srv.metric("kvdock_lookups_total", 0.0)
+    refused = srv.metric('kvdock_errors_total{code="bad_request"}', 0)
+    client = ControlClient(srv.url, 10)
+    try:
+        client.send_nowait(m.FastReads(client_id, 1000, 0, 10, 10, entries=[0], offsets=[0], gens=[0]))
+        deadline = time.monotonic() + 10
+        while srv.metric('kvdock_errors_total{code="bad_request"}', 0) == refused:
+            assert time.monotonic() < deadline, "the report was not refused"
+            time.sleep(0.05)
+    finally:
+        client.close()
+    assert srv.metric("kvdock_lookups_total", 0.0) == before

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, start_server
+from helpers import CHUNK, GEOMETRY, MODEL, assert_fast_reads_refused, make_kv, make_tokens, start_server
 from kvdock.protocol import encode
 from kvdock.protocol import messages as m
 from kvdock.protocol.door import OpenPool, PoolOpened, decode_door_reply
@@ -225,17 +225,7 @@ def test_a_quota_under_a_page_or_no_fast_reads_change_what_a_tenant_gets(tmp_pat
         ):
             assert (a.transport, b.transport) == ("shm", "inline")
             assert a._transfer.directory() is None  # type: ignore[attr-defined]
-            refused = srv.metric('kvdock_errors_total{code="bad_request"}', 0)
-            client = ControlClient(srv.url, 10)
-            try:  # (reports are never answered)
-                client.send_nowait(m.FastReads(a.client_id, 1000, 0, 10, 10, entries=[0], offsets=[0], gens=[0]))
-                deadline = time.monotonic() + 10
-                while srv.metric('kvdock_errors_total{code="bad_request"}', 0) == refused:
-                    assert time.monotonic() < deadline, "the report was not refused"
-                    time.sleep(0.05)
-            finally:
-                client.close()
-            assert srv.metric("kvdock_lookups_total", 0.0) == 0.0
+            assert_fast_reads_refused(srv, a.client_id)
     finally:
         assert srv.stop() == 0, srv.log()
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, free_port, make_kv, make_tokens, start_server
+from helpers import CHUNK, GEOMETRY, MODEL, assert_fast_reads_refused, free_port, make_kv, make_tokens, start_server
 from kvdock.errors import PermissionDeniedError, UnknownModelError
 from kvdock.protocol import messages as m
 from kvdock.testing import ServerProcess
@@ -349,18 +349,7 @@ def test_inline_clients_fast_reads_reports_are_refused(srv: ServerProcess) -> No
     """(review) A tenant's client reads no pool directory: a FastReads report of it is made up,
     and would inflate the counters and touch other tenants' slots. (Reports are never answered.)"""
     with kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a:
-        before = srv.metric("kvdock_lookups_total")
-        refused = srv.metric('kvdock_errors_total{code="bad_request"}', 0)
-        client = ControlClient(srv.url, 10)
-        try:
-            client.send_nowait(m.FastReads(a.client_id, 1000, 0, 1000, 1000, entries=[0], offsets=[0], gens=[0]))
-            deadline = time.monotonic() + 10
-            while srv.metric('kvdock_errors_total{code="bad_request"}', 0) == refused:
-                assert time.monotonic() < deadline, "the report was not refused"
-                time.sleep(0.05)
-        finally:
-            client.close()
-        assert srv.metric("kvdock_lookups_total") == before
+        assert_fast_reads_refused(srv, a.client_id)
 
 
 def test_a_huge_subscription_is_dropped_and_the_others_are_served(tmp_path: Path) -> None:

@@ -138,19 +138,25 @@ def test_a_silent_caller_is_hung_up_on_at_the_deadline_and_others_are_served_mea
     served.call(served.door.check_integrity)
 
 
+def _hold(served: Served, n: int) -> list[socket.socket]:
+    """``n`` silent callers, once the door has taken them all in."""
+    callers = []
+    for _ in range(n):
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.connect(served.door.path)
+        callers.append(c)
+    deadline = time.monotonic() + 5
+    while served.call(lambda: len(served.door._waiting)) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return callers
+
+
 def test_past_max_per_user_a_users_callers_are_turned_away_and_other_users_are_served(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """(review) One user holding connections open shut the door on every tenant."""
-    callers = []
+    callers = _hold(served, MAX_PER_USER)
     try:
-        for _ in range(MAX_PER_USER):
-            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            c.connect(served.door.path)
-            callers.append(c)
-        deadline = time.monotonic() + 5
-        while served.call(lambda: len(served.door._waiting)) < MAX_PER_USER and time.monotonic() < deadline:
-            time.sleep(0.01)
         with pytest.raises(OSError):  # this user's next one: hung up on unanswered
             knock(served.door.url, b"one too many", 5.0)
         served.call(served.door.check_integrity)
@@ -173,16 +179,8 @@ print(reply.decode())
 
 def test_past_max_waiting_callers_are_turned_away_at_once(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(door_mod, "MAX_PER_USER", MAX_WAITING)
-    callers = []
+    callers = _hold(served, MAX_WAITING)
     try:
-        for _ in range(MAX_WAITING):
-            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            c.connect(served.door.path)
-            callers.append(c)
-        served.call(lambda: None)  # the loop accepted them
-        deadline = time.monotonic() + 5
-        while served.call(lambda: len(served.door._waiting)) < MAX_WAITING and time.monotonic() < deadline:
-            time.sleep(0.01)
         with pytest.raises(OSError):  # hung up on (or reset) unanswered
             knock(served.door.url, b"one too many", 5.0)
         served.call(served.door.check_integrity)

@@ -10,6 +10,7 @@ from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
 from kvdock.server import access
 from kvdock.server import batch as b
+from kvdock.server import fastreads as fr
 from kvdock.server import handlers as h
 from kvdock.server import retrieval as r
 from kvdock.server import shards as sh
@@ -35,7 +36,7 @@ HANDLERS: dict[type, Handler] = {
     m.CommitStore: st.commit_store,
     m.PrepareRetrieve: r.prepare_retrieve,
     m.CommitRetrieve: r.commit_retrieve,
-    m.FastReads: r.fast_reads,
+    m.FastReads: fr.fast_reads,
     m.LookupMany: b.lookup_many,
     m.PrepareRetrieveMany: b.prepare_retrieve_many,
     m.Locate: r.locate,

@@ -22,10 +22,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvdock.keys import ObjectKey, namespace_digest
+from kvdock.keys import ObjectKey
 from kvdock.shm.directory import Directory
 from kvdock.shm.pool import SlotMemory
 from kvdock.shm.slots import Partitions, SlotAllocator, aligned
+from kvdock.storage.listings import Listings
 from kvdock.storage.shares import Shares
 
 
@@ -89,18 +90,14 @@ class L1Store:
         self._detached: set[L1Object] = set()  # reservations set aside, still holding a slot
         self._watcher = watcher
         self.evictions = 0
-        self._directories = dict(directories or {})  # by region (None: the shared rest)
-        # (region, directory entry) -> the READY object there; per region, the READY objects its
-        # directory had no room for
-        self._published: dict[tuple[str | None, int], L1Object] = {}
-        self._unindexed: dict[str | None, int] = dict.fromkeys(self._directories, 0)
+        self._listings = Listings(directories)  # what the pool directories list (by region)
 
     def __len__(self) -> int:
         return len(self._ready)
 
     def has_directory(self, region: str | None) -> bool:
         """Whether ``region``'s objects are published in a pool directory."""
-        return region in self._directories
+        return self._listings.has(region)
 
     def get(self, key: ObjectKey) -> L1Object | None:
         """The READY object for ``key`` or None."""
@@ -179,7 +176,7 @@ class L1Store:
         obj = next(iter(lru.values()))
         self._lru_drop(obj)
         del self._ready[obj.key]
-        self._unpublish(obj)
+        self._listings.unpublish(obj)
         obj.live = False
         self.allocator.free(obj.offset)
         self.evictions += 1
@@ -210,7 +207,7 @@ class L1Store:
         self._ready[obj.key] = obj
         self._lru_add(obj)
         if old is None:
-            self._publish(obj)
+            self._listings.publish(obj, self.allocator.generation(obj.offset))
         if self._watcher:
             self._watcher.stored(obj)
 
@@ -278,9 +275,9 @@ class L1Store:
         if self._ready.get(obj.key) is obj:
             del self._ready[obj.key]
         if successor is not None:
-            self._hand_over(obj, successor)
+            self._listings.hand_over(obj, successor, self.allocator.generation(successor.offset))
         else:
-            self._unpublish(obj)
+            self._listings.unpublish(obj)
         obj.live = False
         if obj.pins:
             self._retired.add(obj)
@@ -293,85 +290,13 @@ class L1Store:
         slot ``offset`` of generation ``gen``) without the server: make it most recently used, as
         a retrieve's unpin would. False if that object is gone (its slot was freed since, or the
         entry holds another)."""
-        obj = self._published.get((region, entry))
+        obj = self._listings.at(region, entry)
         if obj is None or obj.offset != offset or self.allocator.generation(offset) != gen:
             return False
         if obj.key in self._lru:
             self._lru.move_to_end(obj.key)
             self._buckets[(obj.region, aligned(obj.nbytes))].move_to_end(obj.key)
         return True
-
-    def _publish(self, obj: L1Object) -> None:
-        """``obj`` became READY (a new key): into its region's directory, or counted there as
-        unindexed when its bucket is full (nothing when its region has none)."""
-        d = self._directories.get(obj.region)
-        if d is None:
-            return
-        k = obj.key
-        gen = self.allocator.generation(obj.offset)
-        ns = namespace_digest(k.model, k.rank, k.salt)
-        obj.entry = d.publish(ns, k.chunk, obj.offset, gen, obj.nbytes, obj.version, obj.parent)
-        if obj.entry >= 0:
-            self._published[(obj.region, obj.entry)] = obj
-        else:
-            self._unindexed[obj.region] += 1
-            d.set_unindexed(self._unindexed[obj.region])
-
-    def _hand_over(self, old: L1Object, new: L1Object) -> None:
-        """``new`` replaces ``old`` (READY, live, same key) in the directory in one write: a reader
-        during an overwrite's commit finds one version or the other, never a miss that could pass
-        for a final one."""
-        assert old.region == new.region, "a key's versions in two regions"  # (its owner is its salt's)
-        d = self._directories.get(new.region)
-        if d is None:
-            return
-        if old.entry < 0:  # it had no entry: nor does its successor
-            new.entry = -1
-            return
-        k = new.key
-        gen = self.allocator.generation(new.offset)
-        ns = namespace_digest(k.model, k.rank, k.salt)
-        d.rewrite(old.entry, ns, k.chunk, new.offset, gen, new.nbytes, new.version, new.parent)
-        new.entry, old.entry = old.entry, -1
-        self._published[(new.region, new.entry)] = new
-
-    def _unpublish(self, obj: L1Object) -> None:
-        """``obj`` (READY, live) stops being readable: out of the directory, before its slot may
-        be freed."""
-        d = self._directories.get(obj.region)
-        if d is None:
-            return
-        if obj.entry >= 0:
-            d.unpublish(obj.entry)
-            del self._published[(obj.region, obj.entry)]
-            obj.entry = -1
-        else:
-            self._unindexed[obj.region] -= 1
-            d.set_unindexed(self._unindexed[obj.region])
-
-    def _check_directory(self, region: str | None, d: Directory) -> None:
-        """Every READY object of ``region`` and its entry agree (an entry ↔ object pair is kept
-        twice: in ``_published`` for :meth:`touch`, in ``obj.entry`` to unpublish it), the
-        directory holds no other entry, and the unindexed count is right."""
-        unindexed = published = 0
-        for obj in self._ready.values():
-            if obj.region != region:
-                continue
-            if obj.entry < 0:
-                unindexed += 1
-                continue
-            published += 1
-            assert self._published.get((region, obj.entry)) is obj, "a READY object's entry names another object"
-            k = obj.key
-            got = d.read(obj.entry)
-            gen = self.allocator.generation(obj.offset)
-            want = (namespace_digest(k.model, k.rank, k.salt), k.chunk, obj.offset, gen)
-            assert got is not None and (got.ns, got.chunk, got.offset, got.gen) == want, "a directory entry is wrong"
-            assert (got.nbytes, got.version, got.parent) == (obj.nbytes, obj.version, obj.parent)
-        mine = sum(1 for r, _ in self._published if r == region)
-        assert mine == published, "a published object is no longer READY"
-        d.check_integrity(published)  # (its message: more entries in use than published)
-        assert unindexed == self._unindexed[region] == d.unindexed, "the unindexed count is wrong"
 
     def check_integrity(self) -> None:
         """Assert the invariants in the module docstring and the allocator's own."""
@@ -403,7 +328,4 @@ class L1Store:
         assert total == self.allocator.used_bytes, (
             f"objects hold {total} bytes, allocator says {self.allocator.used_bytes}"
         )
-        for region, d in self._directories.items():
-            self._check_directory(region, d)
-        assert all(r in self._directories for r, _ in self._published), "an entry of no directory"
-        assert all(o.entry < 0 for o in self._ready.values() if o.region not in self._directories)
+        self._listings.check(self._ready.values(), self.allocator.generation)

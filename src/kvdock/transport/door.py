@@ -28,13 +28,11 @@ import logging
 import os
 import shutil
 import socket
-import struct
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvdock.transport.listener import ACCEPT_PAUSE_S, DIR_PREFIX, DOOR_SOCKET_NAME
-from kvdock.transport.local import SCHEME
+from kvdock.transport.listener import ACCEPT_PAUSE_S, DOOR_SOCKET_NAME, listen_private
+from kvdock.transport.local import SCHEME, peer_creds
 
 log = logging.getLogger("kvdock.transport")
 
@@ -59,7 +57,6 @@ class Caller:
 # most MAX_FDS); it must not raise
 DoorHandler = Callable[[bytes, Caller], tuple[bytes, tuple[int, ...]]]
 MAX_FDS = 2
-_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _FD = array.array("i")  # (a descriptor's size)
 
 
@@ -76,24 +73,9 @@ class PoolDoor:
 
     def __init__(self) -> None:
         """OSError if the socket cannot be made (nothing is left behind then)."""
-        self._dir = tempfile.mkdtemp(prefix=DIR_PREFIX)
+        # others reach the socket by its path; nobody lists the directory
+        self._dir, self._sock = listen_private(DOOR_SOCKET_NAME, 0o711, 0o666, MAX_WAITING)
         self.path = os.path.join(self._dir, DOOR_SOCKET_NAME)
-        binding = os.path.join(self._dir, "binding.sock")  # renamed once it listens (listener.cleanup_stale)
-        try:
-            os.chmod(self._dir, 0o711)  # others reach the socket by its path; nobody lists the directory
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                self._sock.bind(binding)
-                os.chmod(binding, 0o666)
-                self._sock.listen(MAX_WAITING)
-                self._sock.setblocking(False)
-                os.rename(binding, self.path)
-            except BaseException:
-                self._sock.close()
-                raise
-        except BaseException:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            raise
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handler: DoorHandler | None = None
         self._waiting: dict[int, _Waiting] = {}  # by descriptor
@@ -140,12 +122,11 @@ class PoolDoor:
                     self._loop.call_later(ACCEPT_PAUSE_S, self._resume)
                 return
             try:
-                pid, uid, _gid = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+                caller = Caller(*peer_creds(conn))
             except OSError:
                 conn.close()
                 continue
-            caller = Caller(pid, uid)
-            mine = sum(1 for w in self._waiting.values() if w.caller.uid == uid)
+            mine = sum(1 for w in self._waiting.values() if w.caller.uid == caller.uid)
             if len(self._waiting) >= MAX_WAITING or mine >= MAX_PER_USER:
                 conn.close()
                 continue

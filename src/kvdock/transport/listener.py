@@ -10,14 +10,13 @@ import os
 import shutil
 import socket
 import stat
-import struct
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvdock.errors import ProtocolError
-from kvdock.transport.local import HEAD, READ_BYTES, SCHEME, Buffer, FrameReader, pack
+from kvdock.transport.local import HEAD, READ_BYTES, SCHEME, Buffer, FrameReader, pack, peer_creds
 
 log = logging.getLogger("kvdock.transport")
 
@@ -33,9 +32,31 @@ DOOR_SOCKET_NAME = "door.sock"  # the pool door's (transport.door), in a directo
 Handler = Callable[[int, list[memoryview]], None]
 
 
-def _peer_uid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
+def listen_private(name: str, dir_mode: int, socket_mode: int, backlog: int) -> tuple[str, socket.socket]:
+    """A non-blocking UNIX socket listening at ``name`` in a fresh directory (an unguessable
+    ``DIR_PREFIX`` name, mode ``dir_mode``; the socket ``socket_mode``): the directory and the
+    socket. It binds under another name and renames once it listens, so that
+    :func:`cleanup_stale` never takes a starting server's socket for a dead one's. OSError if it
+    cannot be made (an unwritable TMPDIR, a path over the 107 bytes a UNIX socket's may have);
+    nothing is left behind then."""
+    directory = tempfile.mkdtemp(prefix=DIR_PREFIX)  # 0700
+    binding = os.path.join(directory, "binding.sock")
+    try:
+        os.chmod(directory, dir_mode)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(binding)
+            os.chmod(binding, socket_mode)
+            sock.listen(backlog)
+            sock.setblocking(False)
+            os.rename(binding, os.path.join(directory, name))
+        except BaseException:
+            sock.close()
+            raise
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory, sock
 
 
 def cleanup_stale() -> list[str]:
@@ -100,23 +121,8 @@ class LocalListener:
     def __init__(self, max_body: int) -> None:
         """OSError if the socket cannot be made (an unwritable TMPDIR, a path over the 107 bytes
         a UNIX socket's may have); nothing is left behind then."""
-        self._dir = tempfile.mkdtemp(prefix=DIR_PREFIX)  # 0700
+        self._dir, self._listener = listen_private(SOCKET_NAME, 0o700, 0o600, 128)
         self.path = os.path.join(self._dir, SOCKET_NAME)
-        binding = os.path.join(self._dir, "binding.sock")  # renamed once it listens (cleanup_stale)
-        try:
-            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                self._listener.bind(binding)
-                os.chmod(binding, 0o600)
-                self._listener.listen(128)
-                self._listener.setblocking(False)
-                os.rename(binding, self.path)
-            except BaseException:
-                self._listener.close()
-                raise
-        except BaseException:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            raise
         self._max_body = max_body
         self._conns: dict[int, _Conn] = {}
         self._next_id = 0
@@ -226,7 +232,7 @@ class LocalListener:
                     self._loop.call_later(ACCEPT_PAUSE_S, self._resume_accepting)
                 return
             try:
-                refused = _peer_uid(sock) != os.geteuid() or len(self._conns) >= MAX_CONNECTIONS
+                refused = peer_creds(sock)[1] != os.geteuid() or len(self._conns) >= MAX_CONNECTIONS
             except OSError:
                 refused = True
             if refused:

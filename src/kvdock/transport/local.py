@@ -115,8 +115,7 @@ class PeerWatch:
     and a closed watch says the peer is gone."""
 
     def __init__(self, sock: socket.socket) -> None:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
-        self.pid = _CREDS.unpack(creds)[0]
+        self.pid = peer_creds(sock)[0]
         self._fd = os.dup(sock.fileno())
         self._lock = threading.Lock()  # the descriptor is never closed under a poll of it
 
@@ -138,6 +137,13 @@ class PeerWatch:
 
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_creds(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a UNIX socket, as the kernel recorded them
+    when it connected (``SO_PEERCRED``; pid 0: not in our PID namespace). OSError if closed."""
+    pid, uid, _gid = _CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+    return pid, uid
 
 
 class LocalChannel:

@@ -168,15 +168,14 @@ class ShmTransfer(Transfer):
         if old is not None:
             old.close()
 
-    def _check(self, offsets: np.ndarray) -> None:
-        """KVCacheSDKError unless every slot at ``offsets`` lies in this segment's slot area."""
-        if len(offsets) and (int(offsets.min()) < self._base or int(offsets.max()) + self.chunk_nbytes > self._end):
+    def _within(self, lo: int, hi: int) -> None:
+        """KVCacheSDKError unless pool offsets ``[lo, hi)`` lie in this segment's slot area."""
+        if not (self._base <= lo and hi <= self._end):
             raise KVCacheSDKError("the server named a slot outside the pool this client maps (nothing was copied)")
 
     def _slot(self, offset: int) -> torch.Tensor:
         assert self._pool is not None, "transfer closed"
-        if not self._base <= offset <= self._end - self.chunk_nbytes:
-            raise KVCacheSDKError("the server named a slot outside the pool this client maps (nothing was copied)")
+        self._within(offset, offset + self.chunk_nbytes)
         self._prefault.ensure(self._addr + offset, self.chunk_nbytes)
         at = offset - self._base
         return self._pool[at : at + self.chunk_nbytes].view(self.dtype).view(self.chunk_shape)
@@ -186,7 +185,7 @@ class ShmTransfer(Transfer):
         (TensorChunks.add_slots); False if ``end`` is something else or has no such runs."""
         if type(end) not in (TensorChunks, ShardedChunks) or not len(offsets):  # (a subclass may put or take otherwise)
             return False
-        self._check(offsets)
+        self._within(int(offsets.min()), int(offsets.max()) + self.chunk_nbytes)
         if not self._prefault.done:
             for off in offsets.tolist():
                 self._prefault.ensure(self._addr + off, self.chunk_nbytes)
@@ -255,8 +254,7 @@ class ShmTransfer(Transfer):
     def map_readonly(self, offset: int, length: int) -> mmap.mmap:
         """A new read-only mapping of pool offsets ``[offset, offset + length)`` (page-aligned; for
         zero-copy views)."""
-        if not (self._base <= offset and offset + length <= self._end):
-            raise KVCacheSDKError("the server named slots outside the pool this client maps")
+        self._within(offset, offset + length)
         return self.segment.map_readonly(offset, length)
 
     def close(self) -> None:

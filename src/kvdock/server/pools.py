@@ -112,7 +112,7 @@ class Tickets:
 def open_door(pool: Pool) -> PoolDoor | None:
     """The pool door, when some tenant has a pool of its own to be handed (None otherwise);
     not yet started. ConfigError if its socket cannot be made."""
-    if not any(pool.segment_of(t) is not None for t in pool.own):
+    if not any(t is not None for t in pool.shared_segments()):
         return None
     try:
         door = PoolDoor()

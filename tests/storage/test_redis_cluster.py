@@ -10,6 +10,8 @@ from test_redis_store import CHUNK, GEO, NB, H, K, get, payload, put
 from kvdock.storage.redis import RedisTier, redis_key
 from kvdock.testing import RedisCluster, cluster_ports
 
+pytestmark = pytest.mark.valkey  # each test on a Redis Cluster and on a Valkey one (conftest)
+
 
 def masters(cluster: RedisCluster) -> list[int]:
     return [port for port, role in cluster.roles().items() if role == "master"]
@@ -40,10 +42,10 @@ def test_objects_spread_over_every_master_and_read_back_byte_exact(redis_cluster
         store.close()
 
 
-def test_a_cluster_that_is_down_at_start_is_a_down_tier_until_it_comes(tmp_path) -> None:
+def test_a_cluster_that_is_down_at_start_is_a_down_tier_until_it_comes(tmp_path, l3_server: str) -> None:
     work = tmp_path / "c"
     work.mkdir()
-    cluster = RedisCluster(cluster_ports(6), work)
+    cluster = RedisCluster(cluster_ports(6), work, server=l3_server)
     store = RedisTier(cluster.url, timeout=0.5)
     try:
         store.probe()  # no node answers: down, and no client yet

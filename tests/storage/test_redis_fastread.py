@@ -28,6 +28,8 @@ from kvdock.testing import RedisCluster
 from tierworld import K as WK
 from tierworld import World, payload, run
 
+pytestmark = pytest.mark.valkey  # each test that uses the L3 on redis-server and on valkey-server (conftest)
+
 
 def K(i: int, salt: str = "") -> ObjectKey:
     return ObjectKey("fast", 0, salt, bytes([i]) * 32)

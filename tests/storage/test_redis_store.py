@@ -19,6 +19,8 @@ from kvdock.storage.redis import ERRORS, RedisTier, redis_key
 from kvdock.storage.tier import Head
 from tierworld import legacy_header
 
+pytestmark = pytest.mark.valkey  # each test that uses the L3 on redis-server and on valkey-server (conftest)
+
 DTYPE = "float32"
 SHAPE = [2, 3, 16, 10]
 NB = 2 * 3 * 16 * 10 * 4
@@ -76,6 +78,13 @@ def raw(redis_server: RedisProc) -> Iterator[redis_py.Redis]:
 
 def test_l3_is_the_redis_tier_kind() -> None:
     assert TIER_KINDS["l3"] is RedisTier and RedisTier.name == "l3"
+
+
+def test_the_server_is_the_one_the_test_id_names(raw: redis_py.Redis, l3_server: str) -> None:
+    """[valkey] runs on valkey-server, [redis] on redis-server (never the same server twice)."""
+    info = raw.info("server")
+    assert info.get("server_name", "redis") == l3_server, info
+    assert ("valkey_version" in info) == (l3_server == "valkey"), info
 
 
 def test_put_then_get_is_byte_exact(store: RedisTier, raw: redis_py.Redis) -> None:

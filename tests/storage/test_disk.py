@@ -18,7 +18,7 @@ import pytest
 
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
-from kvdock.storage import TIER_KINDS, objfile
+from kvdock.storage import TIER_KINDS, diskspace, objfile
 from kvdock.storage import disk as diskmod
 from kvdock.storage.disk import DiskEntry, DiskInUseError, DiskTier, NoRoom, ScanReport
 from kvdock.storage.objfile import ALIGN, CorruptObject
@@ -503,15 +503,30 @@ def test_drop_of_a_stale_entry_never_unlinks_a_newer_file(store: DiskTier) -> No
 # ---------------------------------------------------------------- ENOSPC
 
 
+def enospc(path: Path, h: bytes, p: memoryview) -> Path:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+class FakeDisk:
+    """What statvfs says of the disk (``free`` bytes of ``total``), and the clock of the re-probes."""
+
+    def __init__(self, store: DiskTier, monkeypatch: pytest.MonkeyPatch, free: int = 0, total: int = 1000 * FILE):
+        self.free, self.total, self.now, self.probes = free, total, 1000.0, 0
+        monkeypatch.setattr(diskspace, "free_space", self._free_space)
+        monkeypatch.setattr(store.space, "clock", lambda: self.now)
+
+    def _free_space(self, path: Path) -> tuple[int, int]:
+        self.probes += 1
+        return self.free, self.total
+
+
 def test_disk_full_cuts_the_budget_to_what_is_stored(
     store: DiskTier, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     for i in (1, 2, 3):
         put(store, K(i))
-
-    def enospc(path: Path, h: bytes, p: memoryview) -> Path:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
+    disk = FakeDisk(store, monkeypatch)  # no room, whenever it is asked
+    real_write_temp = diskmod._write_temp
     monkeypatch.setattr(diskmod, "_write_temp", enospc)
     with caplog.at_level(logging.WARNING, "kvdock.storage.disk"):
         data = payload(4)
@@ -532,22 +547,95 @@ def test_disk_full_cuts_the_budget_to_what_is_stored(
     assert not store.path_for(K(1)).exists()
     store.check_integrity()
     # later writes make room by evicting the least recently used files instead of failing
-    monkeypatch.undo()
+    monkeypatch.setattr(diskmod, "_write_temp", real_write_temp)
     put(store, K(4))
     assert list(store._index) == [K(3), K(4)] and not store.path_for(K(2)).exists()
+    disk.now += 3600  # however long after: the disk still has no room when asked
     put(store, K(5))
     assert list(store._index) == [K(4), K(5)] and store.used_bytes == 2 * FILE == store.capacity
-    assert store.disk_full  # stays cut: the disk told us what it holds
+    assert store.disk_full and disk.probes == 1  # stays cut: the disk told us what it holds
+    store.check_integrity()
+
+
+def test_a_full_disk_is_probed_with_backoff_and_its_budget_comes_back_with_room(
+    store: DiskTier, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    put(store, K(1))
+    put(store, K(2))
+    disk = FakeDisk(store, monkeypatch)  # reserve: 1/100 of the disk, 10 files
+    real_write_temp = diskmod._write_temp
+    monkeypatch.setattr(diskmod, "_write_temp", enospc)
+    with caplog.at_level(logging.INFO, "kvdock.storage.disk"):
+        with pytest.raises(NoRoom, match="disk full"):
+            store.write_from(K(3), header(K(3), payload(3)), memoryview(payload(3)))
+        monkeypatch.setattr(diskmod, "_write_temp", real_write_temp)
+        assert store.disk_full and store.capacity == 2 * FILE
+        disk.now += diskspace.PROBE_FIRST_S - 0.1
+        put(store, K(3))  # before the first re-probe is due: within the cut budget (K1 evicted)
+        assert disk.probes == 0 and list(store._index) == [K(2), K(3)]
+        disk.now += 0.2
+        put(store, K(4))  # probed: still no room, and the next probe waits twice as long
+        assert disk.probes == 1 and store.disk_full and list(store._index) == [K(3), K(4)]
+        disk.free = 13 * FILE  # room for 3 more files beyond the reserve
+        disk.now += 2 * diskspace.PROBE_FIRST_S - 0.1
+        put(store, K(5))
+        assert disk.probes == 1 and store.disk_full and list(store._index) == [K(4), K(5)]
+        disk.now += 0.2
+        put(store, K(6))  # room again: the budget is back, bounded by what the disk holds
+        assert disk.probes == 2 and not store.disk_full
+        assert store.capacity == 2 * FILE + 3 * FILE and list(store._index) == [K(4), K(5), K(6)]
+        assert store.status()["disk_full"] is False and store.status()["capacity_bytes"] == 5 * FILE
+        put(store, K(7))
+        put(store, K(8))
+        assert list(store._index) == [K(4), K(5), K(6), K(7), K(8)] and disk.probes == 2  # no probe when not full
+        # full again, then a disk with plenty of room: back to the whole configured budget
+        monkeypatch.setattr(diskmod, "_write_temp", enospc)
+        with pytest.raises(NoRoom, match="disk full"):
+            store.write_from(K(9), header(K(9), payload(9)), memoryview(payload(9)))
+        monkeypatch.setattr(diskmod, "_write_temp", real_write_temp)
+        assert store.disk_full and store.capacity == 4 * FILE  # (K4 was evicted to make room first)
+        disk.free, disk.now = 500 * FILE, disk.now + diskspace.PROBE_FIRST_S
+        put(store, K(9))
+        assert not store.disk_full and store.capacity == store.space.budget == 10 * FILE
+        assert list(store._index) == [K(i) for i in range(5, 10)]
+    messages = [r.getMessage() for r in caplog.records]
+    full = [t for t in messages if "disk full" in t]
+    room = [t for t in messages if "has room again (" in t]
+    assert len(full) == 2 and len(room) == 2, messages  # once per transition
+    assert f"budget cut to the {2 * FILE} bytes stored" in full[0]
+    assert f"({13 * FILE} bytes free); budget back to {5 * FILE} bytes" in room[0]
+    assert f"budget back to {10 * FILE} bytes" in room[1]
+    store.check_integrity()
+
+
+def test_a_full_disk_recovers_on_a_real_file_system_with_room(
+    store: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No fakes but the ENOSPC itself: statvfs of the test's directory finds room."""
+    put(store, K(1))
+    monkeypatch.setattr(diskmod, "_write_temp", enospc)
+    with pytest.raises(NoRoom, match="disk full"):
+        store.write_from(K(2), header(K(2), payload(2)), memoryview(payload(2)))
+    monkeypatch.undo()
+    assert store.disk_full and store.capacity == FILE
+    free, _ = diskspace.free_space(store.root)
+    assert free > 20 * FILE, "the test's file system is nearly full"
+    deadline = time.monotonic() + 30
+    while store.disk_full:
+        assert time.monotonic() < deadline, "the budget never came back"
+        put(store, K(2))
+        time.sleep(0.05)
+    assert store.capacity == 10 * FILE  # (K1 was evicted to make room in the cut budget)
+    for i in range(3, 8):
+        put(store, K(i))
+    assert list(store._index) == [K(i) for i in range(2, 8)]
     store.check_integrity()
 
 
 def test_disk_full_on_an_overwrite_drops_the_older_version(store: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
     put(store, K(1))
     put(store, K(2))
-
-    def enospc(path: Path, h: bytes, p: memoryview) -> Path:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
+    FakeDisk(store, monkeypatch)
     monkeypatch.setattr(diskmod, "_write_temp", enospc)
     data = payload(9)
     with pytest.raises(NoRoom):

@@ -1,6 +1,7 @@
 """Start a server: the state (:mod:`kvdock.server.build`), then the control plane, the pool door
-and HTTP on one asyncio loop; stop cleanly on SIGINT/SIGTERM (the shared-memory segment is
-unlinked)."""
+and HTTP on one asyncio loop; stop cleanly on SIGINT/SIGTERM: stop taking requests, write down every
+acknowledged chunk still queued for L2/L3 (no time limit; a second signal drops the rest, counted:
+:mod:`kvdock.storage.drain`), then unlink the shared-memory segment."""
 
 from __future__ import annotations
 
@@ -204,9 +205,10 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     tenants = load_tenants(config.tenants) if config.tenants else None
     curve = server_curve(config, tenants)
     state = build_state(config, curve, tenants)
+    stop, abort = asyncio.Event(), asyncio.Event()  # the first signal, and a second one
     try:
-        await _run(state, config, ready, curve)
-        await state.manager.drain(timeout_s=30.0)  # finish queued write-downs
+        await _run(state, config, ready, curve, stop, abort)
+        await state.manager.drain(abort)  # every acknowledged write-down, unless a second signal came
     finally:
         state.manager.close()
         state.copier.shutdown(wait=True)
@@ -215,8 +217,23 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
         state.pool.close()
 
 
+def _on_signal(sig: signal.Signals, stop: asyncio.Event, abort: asyncio.Event) -> None:
+    """The first SIGINT/SIGTERM stops the server (then drains its write-downs); a second one
+    aborts the drain."""
+    if not stop.is_set():
+        stop.set()
+    elif not abort.is_set():
+        log.warning("%s again: dropping the write-downs not done yet", sig.name)
+        abort.set()
+
+
 async def _run(
-    state: ServerState, config: ServerConfig, ready: asyncio.Event | None, curve: ServerCurve | None
+    state: ServerState,
+    config: ServerConfig,
+    ready: asyncio.Event | None,
+    curve: ServerCurve | None,
+    stop: asyncio.Event,
+    abort: asyncio.Event,
 ) -> None:
     # no frame of a valid request is larger than a chunk (which fits in the pool) or the token ids
     # of the largest request: refuse bigger ones before zmq buffers them
@@ -240,10 +257,9 @@ async def _run(
     await runner.setup()
     try:
         await web.TCPSite(runner, config.http_bind_host, config.http_port).start()
-        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, _on_signal, sig, stop, abort)
         log.info(
             "kvdock serving: zmq %s%s%s, http http://%s:%d, chunk_size %d, L1 %s (%s%s)",
             config.zmq_url,

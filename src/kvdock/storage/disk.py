@@ -34,6 +34,7 @@ from kvdock.errors import CorruptObject, DiskInUseError, NoRoom
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.storage import objfile
+from kvdock.storage.diskspace import DiskSpace
 from kvdock.storage.shares import Shares
 from kvdock.storage.tier import Head, StorageTier, TierCounters, tier_kind
 
@@ -74,7 +75,7 @@ class DiskTier(StorageTier):
 
     def __init__(self, root: Path, capacity: int, shares: Shares | None = None) -> None:
         self.root = root
-        self.capacity = capacity
+        self.space = DiskSpace(root, capacity)  # the budget, cut while the disk is full
         # tenants' quotas (storage.shares): charged for indexed files and writes in flight
         self.shares = shares
         self.counters = TierCounters()
@@ -91,10 +92,19 @@ class DiskTier(StorageTier):
         self._index: OrderedDict[ObjectKey, DiskEntry] = OrderedDict()  # least recently used first
         self.used_bytes = 0  # indexed files
         self.pending_bytes = 0  # promised to writes in flight
-        self.disk_full = False  # ENOSPC was met: the budget was cut to what the disk holds
         # fault injection for tests of a slow disk (a real one cannot be made slow on demand)
         self.fault_write_delay_s = float(os.environ.get(FAULT_DELAY_ENV, "0") or 0)
         self.last_scan = ScanReport(0, 0, 0)
+
+    @property
+    def capacity(self) -> int:
+        """The bytes writes may use now: the configured budget, or less while the disk is full."""
+        return self.space.capacity
+
+    @property
+    def disk_full(self) -> bool:
+        """ENOSPC was met and the disk has not shown room since (see storage.diskspace)."""
+        return self.space.full
 
     def close(self) -> None:
         """Release the directory lock; harmless twice."""
@@ -210,6 +220,8 @@ class DiskTier(StorageTier):
         owner = self.shares.owner(key) if self.shares is not None else None
         with self._lock:
             old = self._unindex(key)  # its file is replaced by the rename below
+            if self.space.full:  # re-probe the free space (when its backoff has passed)
+                self.space.recover(self.used_bytes + self.pending_bytes, size)
             if not self._make_room(size, owner):
                 if old is not None:
                     old.path.unlink(missing_ok=True)  # not written: the older version must not stay
@@ -228,8 +240,8 @@ class DiskTier(StorageTier):
                     self.shares.release(owner, size)
                 if old is not None:
                     path.unlink(missing_ok=True)  # not replaced: the older version must not stay
-                if e.errno == errno.ENOSPC:
-                    self._disk_is_full()
+                if e.errno == errno.ENOSPC:  # cut the budget to what is stored now (logged once)
+                    self.space.cut(self.used_bytes + self.pending_bytes)
             if e.errno == errno.ENOSPC:
                 raise NoRoom(f"disk full at {self.root}") from None
             raise
@@ -256,14 +268,6 @@ class DiskTier(StorageTier):
             if self.shares is not None:
                 self.shares.release(self.shares.owner(key), entry.file_size)
         return entry
-
-    def _disk_is_full(self) -> None:
-        """ENOSPC: cut the budget to what is stored now (logged once), so that later writes evict
-        older files to make room instead of failing one by one. Caller holds the lock."""
-        self.capacity = self.used_bytes
-        if not self.disk_full:
-            log.warning("L2: disk full at %s; budget cut to the %d bytes stored", self.root, self.capacity)
-        self.disk_full = True
 
     def _make_room(self, file_size: int, owner: str | None = None) -> bool:
         """Unlink least recently used files until ``file_size`` more bytes of ``owner`` fit, in

@@ -85,6 +85,8 @@ class TierLane:
         self._busy: _Write | _Call | None = None
         self.pinned: L1Object | None = None  # what the writer copies now
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.dropped_down = 0  # write-downs dropped because the tier was down (also in writes_skipped)
+        self.dropped_down_bytes = 0
 
     @property
     def name(self) -> str:
@@ -93,8 +95,30 @@ class TierLane:
     @property
     def backlog_bytes(self) -> int:
         """Bytes of write-downs not done yet: the one in flight and those queued behind it."""
-        queued = sum(j.obj.nbytes for j in self._queue if isinstance(j, _Write) and j.obj.live)
-        return queued + (self.pinned.nbytes if self.pinned is not None else 0)
+        return self.backlog()[1]
+
+    def backlog(self) -> tuple[int, int]:
+        """(chunks, bytes) of write-downs not done yet: the one in flight and the live ones queued."""
+        queued = [j.obj.nbytes for j in self._queue if isinstance(j, _Write) and j.obj.live]
+        if self.pinned is not None:
+            queued.append(self.pinned.nbytes)
+        return len(queued), sum(queued)
+
+    def abandon(self) -> tuple[int, int]:
+        """Drop every queued job (a shutdown drain was aborted); the write in flight, if any, still
+        finishes. Returns (chunks, bytes) of the live write-downs dropped (also counted in
+        ``writes_skipped``); queued deletions and clears answer their default (not done)."""
+        chunks = nbytes = 0
+        while self._queue:
+            job = self._queue.popleft()
+            if isinstance(job, _Call):
+                if not job.done.done():
+                    job.done.set_result(job.default)
+            elif job.obj.live:
+                chunks += 1
+                nbytes += job.obj.nbytes
+                self.counters.writes_skipped += 1
+        return chunks, nbytes
 
     @property
     def idle(self) -> bool:
@@ -130,8 +154,12 @@ class TierLane:
                     job.done.set_result(job.default)
                     continue
                 self._start(job, job.fn)
-            elif not job.obj.live or not self.tier.up():  # replaced, evicted, or nowhere to write
+            elif not job.obj.live:  # replaced or evicted before its turn
                 self.counters.writes_skipped += 1
+            elif not self.tier.up():  # nowhere to write: dropped, and counted apart too
+                self.counters.writes_skipped += 1
+                self.dropped_down += 1
+                self.dropped_down_bytes += job.obj.nbytes
             else:
                 self._l1.pin(job.obj)
                 self.pinned = job.obj
@@ -208,7 +236,8 @@ class TierLane:
         return found
 
     async def drain(self, timeout_s: float) -> bool:
-        """Wait until every queued job is done (at shutdown); False if ``timeout_s`` passed first."""
+        """Wait until every queued job is done; False if ``timeout_s`` passed first (nothing is
+        dropped then). The server's shutdown drains through :func:`kvdock.storage.drain.drain_lanes`."""
         deadline = time.monotonic() + timeout_s
         while not self.idle:
             if time.monotonic() >= deadline:
@@ -225,7 +254,7 @@ class TierLane:
 
     def close(self) -> None:
         """Stop the threads (after the job in flight) and close the tier. Jobs still queued are
-        dropped: :meth:`drain` first to finish them."""
+        dropped: drain first to finish them (or :meth:`abandon` them, counted)."""
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
         self.tier.close()

@@ -39,6 +39,7 @@ from kvdock.errors import RequestError, SessionError
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.protocol.codes import ErrorCode
+from kvdock.storage.drain import drain_lanes
 from kvdock.storage.lane import SharedHeader, TierLane
 from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
@@ -507,11 +508,10 @@ class StorageManager:
                 removed[lane.name] = await lane.clear()
         return removed
 
-    async def drain(self, timeout_s: float) -> None:
-        """Finish queued write-downs (at shutdown), waiting at most ``timeout_s`` per tier."""
-        for lane in self.lanes:
-            if not await lane.drain(timeout_s):
-                log.warning("%s: write-downs still queued at shutdown were dropped", lane.name)
+    async def drain(self, abort: asyncio.Event | None = None) -> bool:
+        """Finish every queued write-down (at shutdown), with no time limit unless ``abort`` is set;
+        logs progress and what was dropped (storage.drain). False if aborted."""
+        return await drain_lanes(self.lanes, abort)
 
     def close(self) -> None:
         for lane in self.lanes:

@@ -252,3 +252,86 @@ def test_a_bundle_of_another_geometry_or_model_is_refused(bundle, tmp_path: Path
             assert got is not None and torch.equal(got, kv)
     finally:
         srv.stop()
+
+
+UNDER_A_MEMORY_LIMIT = """
+import json, resource, sys
+import kvdock.sdk as kvd
+vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))  # 1 GiB more: not 4
+for path in sys.argv[1:]:
+    try:
+        kvd.read_bundle(path)
+        print(json.dumps(["read", ""]))
+    except BaseException as e:
+        print(json.dumps([type(e).__name__, str(e)]))
+"""
+
+
+def test_a_huge_sparse_file_is_refused_from_its_header_without_reading_it(bundle, tmp_path: Path) -> None:
+    """Issue 29 (8): read_bundle read the whole file before looking at its header, so a 4 GiB
+    sparse file gave a bare MemoryError under a memory limit. The header, the tensors it declares
+    (against the manifest's geometry) and the file's size are checked before the data is read."""
+    import subprocess
+    import sys
+
+    path, _ = bundle
+    zeros = tmp_path / "zeros.kvb"
+    with open(zeros, "wb") as f:
+        f.truncate(4 << 30)  # sparse: 4 GiB of zeros, no disk
+    grown = tmp_path / "grown.kvb"  # a real bundle's header, then 4 GiB more than it declares
+    grown.write_bytes(path.read_bytes())
+    with open(grown, "r+b") as f:
+        f.truncate(4 << 30)
+    out = subprocess.run(
+        [sys.executable, "-c", UNDER_A_MEMORY_LIMIT, str(zeros), str(grown), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [json.loads(line) for line in out.stdout.splitlines()]
+    assert got[0] == ["InvalidInputError", f"{zeros} is not a readable bundle (truncated or corrupted?)"]
+    assert got[1][0] == "InvalidInputError" and got[1][1].startswith(f"{grown} is not a readable bundle"), got[1]
+    assert f"the file holds {(4 << 30) - 8 - _header_len(path)} bytes of tensor data" in got[1][1], got[1]
+    assert got[2] == ["read", ""]  # the real one reads under the same limit
+
+
+def _header_len(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[:8], "little")
+
+
+def _edit_header(path: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    """Rewrite the safetensors header of ``path`` (its JSON, edited in place), data untouched."""
+    raw = path.read_bytes()
+    n = _header_len(path)
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda h: h["kv"].update(shape=[2, 3, 1 << 40, 16]), r"KV is \[2, 3, 1099511627776, 16\] torch.bfloat16; "),
+        (lambda h: h["kv"].update(dtype="F32"), r"KV is \[2, 3, 80, 16\] torch.float32; its manifest says"),
+        (lambda h: h["kv"].update(dtype="Q4"), r"KV is \[2, 3, 80, 16\] Q4; its manifest says"),
+        (lambda h: h["tokens"].update(shape=[81]), r"token ids are \[81\] torch.int64; want \[80\] int64"),
+        (lambda h: h["kv"].update(data_offsets=[0, 1 << 40]), "declares tensor 'kv' of 15360 bytes at"),
+        (lambda h: h["kv"].update(data_offsets="x"), "declares tensor 'kv' of 15360 bytes at"),
+        (lambda h: h["tokens"].update(shape="80"), "not a readable bundle"),
+        (lambda h: h.update(extra={"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}), "holds tensors"),
+    ],
+    ids=[
+        "kv-shape-huge", "kv-dtype", "kv-dtype-unknown", "tokens-shape", "offsets-huge", "offsets-str", "shape-str",
+        "extra",
+    ],
+)  # fmt: skip
+def test_a_header_that_disagrees_with_the_manifest_or_the_file_is_refused_before_the_data_is_read(
+    bundle, tmp_path: Path, edit, message: str
+) -> None:
+    path, _ = bundle
+    _edit_header(path, edit)
+    with pytest.raises(kvd.InvalidInputError, match=message):
+        kvd.read_bundle(path)

@@ -7,6 +7,7 @@ used."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -581,3 +582,91 @@ def test_a_reporter_holds_what_it_cannot_send_and_splits_what_it_sends(monkeypat
         assert all(x.client_id == "me" and x.offsets == [e * 4096 for e in x.entries] for x in sent)
     finally:
         r.close()
+
+
+PAUSED = str(Path(__file__).parent.parent / "paused_client.py")
+
+
+def _wait_stopped(pid: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the child did not stop"
+        time.sleep(0.01)
+
+
+def test_a_fast_read_spanning_a_server_restart_never_returns_the_replaced_version(make_server, tmp_path: Path) -> None:
+    """Issue 29 (6): a reader stopped right after the fast path's checks (server alive), the server
+    killed and started again, the prefix overwritten through the new one and acknowledged, the
+    reader resumed: its copy out of the old pool (still mapped: the old version, slot
+    generations unchanged, as nobody runs that pool any more) must not be returned. The checks
+    run again after the copy; the read then goes to the new server (the new version)."""
+    disk = tmp_path / "l2"
+    srv = make_server("--disk-dir", str(disk))
+    tokens = make_tokens(3 * CHUNK, start=12_000)
+    old, new = make_kv(3 * CHUNK, seed=1), make_kv(3 * CHUNK, seed=2)  # (paused_client's make_tokens/make_kv)
+    out = tmp_path / "got.pt"
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
+        assert kvd.store(c, old, tokens)
+        wait_written(srv, "l2", 3)  # the new server finds the old version in L2: a real overwrite
+    child = subprocess.Popen(
+        [sys.executable, PAUSED, srv.url, srv.http_url, MODEL, "read", "12000", str(3 * CHUNK), str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"KVDOCK_FAST_READS": "1"},
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline().strip()
+        assert line == "paused", (line, child.stderr.read() if child.poll() is not None else "")  # type: ignore[union-attr]
+        _wait_stopped(child.pid)  # stopped before its copy from the pool directory's slots
+        srv.proc.kill()
+        srv.proc.wait()
+        again = start_server(
+            tmp_path, "--disk-dir", str(disk), chunk_size=CHUNK, port=srv.port, http_port=srv.http_port
+        )
+        try:
+            with kvd.connect(again.url, again.http_url, MODEL, timeout=10) as w:
+                assert torch.equal(kvd.retrieve(w, tokens), old)  # type: ignore[arg-type]  # from L2
+                assert kvd.store_chunks(w, new, tokens, overwrite=True).stored_chunks == 3  # acknowledged
+            child.send_signal(signal.SIGCONT)
+            stdout, stderr = child.communicate(timeout=60)
+            assert child.returncode == 0, stderr
+            got = torch.load(out)
+            assert got is not None and not torch.equal(got, old), "the reader returned the replaced version"
+            assert torch.equal(got, new)  # (a miss would do too; the new server holds it)
+            assert json.loads(stdout.splitlines()[-1]) == {"reads": 2}  # the copy from the old pool, dropped
+        finally:
+            assert again.stop() == 0, again.log()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_a_pool_past_its_valid_until_deadline_is_read_through_the_server(server) -> None:
+    """Issue 29 (6): the segment header's ``valid_until_ns`` (CLOCK_MONOTONIC) is how long the
+    server vouches for its pool directory; past it a fast read asks the server (a normal request,
+    counted as one, with the right bytes), before it again reads from the directory."""
+    tokens = make_tokens(2 * CHUNK, start=13_000)
+    kv = make_kv(2 * CHUNK, seed=9)
+    pool = PoolSegment.attach(server.get("/config")["l1"]["shm_name"])  # the server's pool, as it writes it
+    try:
+        assert pool.valid_until_ns() == 2**64 - 1  # a fresh pool: no deadline
+        with kvd.connect(server.url, server.http_url, MODEL, timeout=10) as c:
+            assert kvd.store(c, kv, tokens)
+            before = served(server)
+            assert kvd.lookup(c, tokens) == 2 * CHUNK and torch.equal(kvd.retrieve(c, tokens), kv)  # type: ignore[arg-type]
+            assert served(server) == before  # from the directory
+            pool.set_valid_until_ns(time.monotonic_ns() - 1)  # a deadline in the past
+            assert kvd.lookup(c, tokens) == 2 * CHUNK
+            assert torch.equal(kvd.retrieve(c, tokens), kv)  # type: ignore[arg-type]
+            assert kvd.lookup_many(c, [tokens]) == [2 * CHUNK]
+            assert torch.equal(kvd.retrieve_many(c, [tokens])[0], kv)  # type: ignore[arg-type]
+            assert served(server) == (before[0] + 1, before[1] + 1)  # each asked the server
+            assert (requests(server, "LookupMany"), requests(server, "PrepareRetrieveMany")) == (1, 1)
+            pool.set_valid_until_ns(time.monotonic_ns() + 600 * 10**9)  # ten minutes on
+            assert torch.equal(kvd.retrieve(c, tokens), kv)  # type: ignore[arg-type]
+            assert served(server) == (before[0] + 1, before[1] + 1)  # from the directory again
+    finally:
+        pool.close()

@@ -293,3 +293,56 @@ def test_a_tenants_pool_directory_lists_its_own_objects_and_answers_its_fast_rea
     while srv.metric('kvdock_fast_reads_total{op="retrieve"}', 0.0) < 3:  # reported at close
         assert time.monotonic() < deadline, "the fast reads were never reported"
         time.sleep(0.02)
+
+
+def test_fast_reads_refuse_another_tenants_salt_as_the_server_does(srv: ServerProcess, tmp_path: Path) -> None:
+    """Issue 29 (5): a tenant's shared-memory client of a server without L2/L3 (a complete pool
+    directory, where an absent key is a final miss) read another tenant's salt as a miss (0,
+    None) from its directory, where the server refuses it: the tenant policy must hold, and every
+    answer must be the same whether fast reads are on or off. The directory answers a salt only
+    once the server accepted it from this registration (its first read asks the server)."""
+    tokens = make_tokens(2 * CHUNK, start=4000)
+    kv_a, kv_b = make_kv(2 * CHUNK, seed=11), make_kv(2 * CHUNK, seed=12)
+    bundle = tmp_path / "x.kvb"
+    with (
+        kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a,
+        kvd.connect(srv.url, srv.http_url, MODEL, 10, token=BETA) as b,
+    ):
+        assert kvd.store(b, kv_b, tokens, "beta") and kvd.store(a, kv_a, tokens, "acme")
+        directory = a._transfer.directory()  # type: ignore[attr-defined]
+        assert directory is not None and directory.complete  # no lower tier: a miss there is final
+        calls = {
+            "lookup": lambda salt: kvd.lookup(a, tokens, salt),
+            "retrieve": lambda salt: kvd.retrieve(a, tokens, salt),
+            "retrieve out=": lambda salt: kvd.retrieve(a, tokens, salt, out=torch.zeros_like(kv_a)),
+            "retrieve layers=": lambda salt: kvd.retrieve(a, tokens, salt, layers=range(1), start=CHUNK),
+            "lookup_many": lambda salt: kvd.lookup_many(a, [tokens, tokens], ["acme", salt]),
+            "retrieve_many": lambda salt: kvd.retrieve_many(a, [tokens], salt),
+            "export_bundle": lambda salt: kvd.export_bundle(a, tokens, bundle, salt),
+        }
+        refusals: dict[bool, dict[tuple[str, str], str]] = {True: {}, False: {}}
+        for fast in (True, False):
+            a.fast_reads = fast
+            for name, call in calls.items():
+                for salt in ("beta", "gamma", "", "nobody"):  # another tenant's (stored or not), the default, none's
+                    with pytest.raises(kvd.PermissionDeniedError) as e:
+                        call(salt)
+                    refusals[fast][(name, salt)] = str(e.value)
+        assert refusals[True] == refusals[False]
+        assert refusals[True][("lookup", "beta")].endswith("cache_salt 'beta' is not a namespace of tenant 'acme'")
+        assert not bundle.exists()
+        a.fast_reads = True
+        before = (_requests(srv, "Lookup"), _requests(srv, "PrepareRetrieve"))
+        assert kvd.lookup(a, tokens, "acme") == 2 * CHUNK  # its own salt, which the server accepted: no round trip
+        assert torch.equal(kvd.retrieve(a, tokens, "acme"), kv_a)  # type: ignore[arg-type]
+        assert (_requests(srv, "Lookup"), _requests(srv, "PrepareRetrieve")) == before
+    with kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as fresh:  # a new registration
+        assert fresh._transfer.directory() is not None  # type: ignore[attr-defined]
+        lookups = _requests(srv, "Lookup")
+        assert kvd.lookup(fresh, tokens, "acme") == 2 * CHUNK  # asks the server: is "acme" ours?
+        assert _requests(srv, "Lookup") == lookups + 1
+        assert kvd.lookup(fresh, tokens, "acme") == 2 * CHUNK  # it was: from the directory now
+        assert torch.equal(kvd.retrieve(fresh, tokens, "acme"), kv_a)  # type: ignore[arg-type]
+        assert (_requests(srv, "Lookup"), _requests(srv, "PrepareRetrieve")) == (lookups + 1, before[1])
+        with pytest.raises(kvd.PermissionDeniedError, match="is not a namespace of tenant 'acme'"):
+            kvd.lookup(fresh, tokens, "beta")

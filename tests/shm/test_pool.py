@@ -15,7 +15,7 @@ import pytest
 
 from kvdock.shm.directory import entries_for
 from kvdock.shm.pool import Pool
-from kvdock.shm.segment import HEADER_SIZE, SEALS, SHM_DIR, PoolSegment, directory_bytes, table_bytes
+from kvdock.shm.segment import HEADER_SIZE, SEALS, SHM_DIR, VERSION, PoolSegment, directory_bytes, table_bytes
 from kvdock.shm.slots import ALIGN
 
 P = ALIGN
@@ -170,7 +170,7 @@ def test_from_fds_refuses_what_is_not_a_sealed_kvdock_segment() -> None:
         with pytest.raises(OSError) as e:
             os.fstat(fd)  # closed by from_fds: the caller handed them over
         assert e.value.errno == errno.EBADF
-    with pytest.raises(ValueError, match="no kvdock v4 header"):
+    with pytest.raises(ValueError, match=f"no kvdock v{VERSION} header"):
         PoolSegment.from_fds(memfd(True), memfd(True))
 
 

@@ -19,9 +19,13 @@ from kvdock.shm import segment as seg_mod
 from kvdock.shm.segment import (
     HEADER_SIZE,
     MAGIC,
+    NO_DEADLINE,
     PAGE,
     PREFIX,
     SHM_DIR,
+    STATE_OFFSET,
+    STATE_WORDS,
+    VALID_UNTIL_OFFSET,
     VERSION,
     PoolSegment,
     cleanup_stale,
@@ -115,7 +119,7 @@ def test_header_records_magic_pid_start_time_and_size(created: list[PoolSegment]
     s = _create(created, 4096)
     magic, ver, pid, start, nonce, size, table, data, directory, entries, first = _header(SHM_DIR / s.name)
     assert magic == MAGIC == b"KVDOCKL1"
-    assert ver == VERSION == 4
+    assert ver == VERSION == 5
     assert first == data == s.first  # a named segment's pool offsets are its own positions
     assert (directory, entries) == (data, 0) == (s.directory_offset, s.directory_entries)  # no directory asked for
     assert (s.creator_pid, s.creator_start) == (pid, start)
@@ -221,7 +225,10 @@ def test_attach_rejects_too_small_file() -> None:
 
 def test_attach_rejects_file_without_magic() -> None:
     name = PREFIX + "test-nomagic-" + os.urandom(4).hex()
-    with _stray_file(name, b"\x00" * (2 * HEADER_SIZE)), pytest.raises(ValueError, match="has no kvdock v4 header"):
+    with (
+        _stray_file(name, b"\x00" * (2 * HEADER_SIZE)),
+        pytest.raises(ValueError, match=f"has no kvdock v{VERSION} header"),
+    ):
         PoolSegment.attach(name)
 
 
@@ -432,3 +439,59 @@ def test_a_start_interrupted_while_the_pool_is_allocated_leaves_no_segment(monke
     with pytest.raises(KeyboardInterrupt):
         PoolSegment.create(1 << 20)
     assert not (seg.SHM_DIR / name).exists()
+
+
+# ---------------------------------------------------------------- valid_until_ns
+
+
+def test_valid_until_ns_is_no_limit_in_a_new_segment_and_what_the_server_sets_after() -> None:
+    """Issue 29 (6): the header word valid_until_ns (CLOCK_MONOTONIC ns until which the server
+    vouches for the pool directory) lies after the directory's state words, apart from them, and
+    every segment the pool is made of (named, a tenant's sealed memfd, anonymous) starts with no
+    limit and takes the server's writes, which its clients' mappings read."""
+    from kvdock.shm.pool import Pool
+
+    assert STATE_OFFSET + 8 * STATE_WORDS <= VALID_UNTIL_OFFSET < HEADER_SIZE and NO_DEADLINE == 2**64 - 1
+    pools = [Pool.create(64 * PAGE, {"acme": 8 * PAGE}, tenants=True, directories=True), Pool.create(16 * PAGE)]
+    pools.append(Pool.create(16 * PAGE, directories=True))
+    try:
+        segments = [pools[0].main, pools[0].own["acme"], pools[1].main, pools[2].main]
+        assert [s.private for s in segments] == [False, True, False, False]
+        assert [bool(s.name) for s in segments] == [False, False, True, True]  # anonymous, memfd, named, named
+        for seg in segments:
+            assert seg.valid_until_ns() == NO_DEADLINE
+            words = seg.state_words()
+            words[:] = 2**64 - 2  # the state words, written as the directory writes them ...
+            assert seg.valid_until_ns() == NO_DEADLINE  # ... leave it alone
+            words[:] = 0
+            del words
+            for ns in (0, 1, 123_456_789_012_345, NO_DEADLINE - 1, NO_DEADLINE):
+                seg.set_valid_until_ns(ns)
+                assert seg.valid_until_ns() == ns
+                assert int.from_bytes(seg.meta[VALID_UNTIL_OFFSET : VALID_UNTIL_OFFSET + 8], "little") == ns
+            for bad in (-1, 2**64):
+                with pytest.raises(ValueError, match="must be a u64"):
+                    seg.set_valid_until_ns(bad)
+            assert seg.valid_until_ns() == NO_DEADLINE
+        # what clients map: a tenant's pool by its descriptors (metadata read-only), a named one by name
+        server_side = pools[0].own["acme"]
+        client = PoolSegment.from_fds(*(os.dup(fd) for fd in server_side.filenos()))
+        named = PoolSegment.attach(pools[2].main.name)
+        try:
+            for ns in (42, NO_DEADLINE):
+                server_side.set_valid_until_ns(ns)
+                pools[2].main.set_valid_until_ns(ns + 1 if ns < NO_DEADLINE else ns)
+                assert client.valid_until_ns() == ns
+                assert named.valid_until_ns() == (ns + 1 if ns < NO_DEADLINE else ns)
+            with pytest.raises(ValueError):  # a client of a sealed pool cannot vouch for it
+                client.set_valid_until_ns(1)
+            assert server_side.valid_until_ns() == NO_DEADLINE
+        finally:
+            client.close()
+            named.close()
+        assert client.valid_until_ns() == 0  # closed: vouched for by nobody
+        with pytest.raises(ValueError, match="closed"):
+            client.set_valid_until_ns(1)
+    finally:
+        for pool in pools:
+            pool.close()

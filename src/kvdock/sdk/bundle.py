@@ -10,9 +10,12 @@ checksums of the token ids and of each chunk's KV bytes.
 another chunk size re-chunks: only whole chunks of the *target* size are stored (a tail shorter
 than one target chunk is dropped and reported), because kvdock stores whole chunks only.
 
-The file is read into memory once, and every check -- safetensors' own header and length
-checks, the manifest's types, the shapes, every checksum, the token range, then the geometry and
-model -- runs on that copy before anything is stored: a bundle that fails one stores nothing
+The header is checked first, before any data is read: its size, the manifest's types, and the
+tensors it declares (names, dtypes, shapes against the manifest's geometry, byte ranges that
+cover exactly the rest of the file), so a file that is not what it claims (a huge sparse one
+included) is refused without reading it. Then the file is read into memory once, and every other
+check -- safetensors' own, the shapes again, every checksum, the token range, then the geometry
+and model -- runs on that copy before anything is stored: a bundle that fails one stores nothing
 and raises InvalidInputError saying what is wrong. The checksums catch corruption, not intent:
 anyone can write a bundle with matching checksums, so import only bundles you trust.
 """
@@ -25,6 +28,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import blake3
 import msgspec
@@ -42,6 +46,11 @@ from kvdock.sdk.ops import StoreResult, retrieve, store_chunks
 FORMAT = 1
 MANIFEST_KEY = "kvdock.bundle"
 _HEADER_LEN = 8  # safetensors: a little-endian u64, then that many bytes of JSON header
+MAX_HEADER = 100_000_000  # safetensors' own limit on that header
+# safetensors' dtype names of what a bundle holds (a KV dtype of kvdock.layout, the token ids)
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_DTYPES["I64"] = "int64"
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int64": 8}
 
 
 class BundleManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -137,10 +146,19 @@ def _write(target: Path, tensors: dict[str, torch.Tensor], manifest: str) -> Non
 def read_bundle(path: str | os.PathLike[str]) -> Bundle:
     """Read a bundle into memory and verify it. InvalidInputError for a file that is not a kvdock
     bundle, is truncated or corrupted, or whose checksums, shapes, dtype or token ids disagree
-    with its manifest; OSError when it cannot be read."""
+    with its manifest (the header is checked before the data is read: see the module's
+    docstring); OSError when it cannot be read. A valid bundle of N bytes needs N bytes of memory
+    (and its tensors as much again)."""
     name = os.fspath(path)
-    data = Path(name).read_bytes()  # one copy, checked and stored: the file may change meanwhile
-    meta = _metadata(name, data)
+    with open(name, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        header, meta = _header(name, f, size)
+        manifest = _manifest(name, meta)
+        _check_declared(name, manifest, header, size - _HEADER_LEN - len(header))
+        f.seek(0)
+        data = f.read(size + 1)  # one copy, checked and stored: the file may change meanwhile
+    if len(data) != size:
+        raise InvalidInputError(f"{name} is not a readable bundle (it changed while it was read)")
     from safetensors import SafetensorError
     from safetensors.torch import load
 
@@ -148,38 +166,90 @@ def read_bundle(path: str | os.PathLike[str]) -> Bundle:
         tensors = load(data)
     except (SafetensorError, ValueError, RuntimeError) as e:
         raise InvalidInputError(f"{name} is not a readable bundle (truncated or corrupted?): {e}") from None
-    if set(tensors) != {"kv", "tokens"}:
-        raise InvalidInputError(f"{name}: a bundle holds tensors 'kv' and 'tokens', this has {sorted(tensors)}")
+    if set(tensors) != {"kv", "tokens"} or data[_HEADER_LEN : _HEADER_LEN + len(header)] != header:
+        raise InvalidInputError(f"{name} is not a readable bundle (it changed while it was read)")
+    _verify(name, manifest, tensors["kv"], tensors["tokens"])
+    return Bundle(manifest, tensors["kv"], tensors["tokens"].tolist())
+
+
+def _unreadable(name: str, why: str = "") -> InvalidInputError:
+    return InvalidInputError(f"{name} is not a readable bundle ({why or 'truncated or corrupted?'})")
+
+
+def _header(name: str, f: BinaryIO, size: int) -> tuple[bytes, str]:
+    """The safetensors header of the open bundle ``f`` of ``size`` bytes (read, nothing more) and
+    the manifest string in it."""
+    raw = f.read(_HEADER_LEN)
+    n = int.from_bytes(raw, "little") if len(raw) == _HEADER_LEN else -1
+    if not 0 < n <= min(size - _HEADER_LEN, MAX_HEADER):
+        raise _unreadable(name)
+    header = f.read(n)
+    try:
+        if len(header) != n:
+            raise ValueError("short read")
+        parsed = json.loads(header)
+        manifest = (parsed.get("__metadata__") or {}).get(MANIFEST_KEY)
+    except (ValueError, AttributeError, RecursionError):
+        raise _unreadable(name) from None
+    if not isinstance(manifest, str):
+        raise InvalidInputError(f"{name} is not a kvdock bundle (no {MANIFEST_KEY!r} manifest)")
+    return header, manifest
+
+
+def _manifest(name: str, meta: str) -> BundleManifest:
     try:
         manifest = msgspec.json.decode(meta, type=BundleManifest)
         manifest.geometry.check()
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError) as e:
         raise InvalidInputError(f"{name}: malformed bundle manifest: {e}") from None
-    _verify(name, manifest, tensors["kv"], tensors["tokens"])
-    return Bundle(manifest, tensors["kv"], tensors["tokens"].tolist())
-
-
-def _metadata(name: str, data: bytes) -> str:
-    """The manifest string from the safetensors header of ``data``."""
-    size = int.from_bytes(data[:_HEADER_LEN], "little") if len(data) >= _HEADER_LEN else -1
-    if not 0 < size <= len(data) - _HEADER_LEN:
-        raise InvalidInputError(f"{name} is not a readable bundle (truncated or corrupted?)")
-    try:
-        header = json.loads(data[_HEADER_LEN : _HEADER_LEN + size])
-        meta = header.get("__metadata__") or {}
-        manifest = meta.get(MANIFEST_KEY)
-    except (ValueError, AttributeError, RecursionError):
-        raise InvalidInputError(f"{name} is not a readable bundle (truncated or corrupted?)") from None
-    if not isinstance(manifest, str):
-        raise InvalidInputError(f"{name} is not a kvdock bundle (no {MANIFEST_KEY!r} manifest)")
+    if manifest.format != FORMAT:
+        raise InvalidInputError(f"{name}: bundle format {manifest.format}; this kvdock reads format {FORMAT}")
+    if manifest.chunk_size <= 0 or manifest.tokens <= 0 or manifest.tokens % manifest.chunk_size:
+        raise InvalidInputError(f"{name}: {manifest.tokens} tokens are not whole chunks of {manifest.chunk_size}")
     return manifest
 
 
+def _check_declared(name: str, m: BundleManifest, header: bytes, data_bytes: int) -> None:
+    """The tensors ``header`` declares are the manifest's (``kv`` and ``tokens``, their dtypes and
+    shapes) and their byte ranges are their sizes and cover the ``data_bytes`` after the header
+    exactly: checked before any of that data is read."""
+    declared = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
+    if set(declared) != {"kv", "tokens"}:
+        raise InvalidInputError(f"{name}: a bundle holds tensors 'kv' and 'tokens', this has {sorted(declared)}")
+    spans = []
+    for key, want_shape, want_dtype in (
+        ("kv", list(m.geometry.chunk_shape(m.tokens)), m.geometry.dtype),
+        ("tokens", [m.tokens], "int64"),
+    ):
+        info = declared[key]
+        if not isinstance(info, dict) or not isinstance(shape := info.get("shape"), list):
+            raise _unreadable(name)
+        if not all(type(d) is int and d >= 0 for d in shape):
+            raise _unreadable(name)
+        code = info.get("dtype")
+        dtype = _DTYPES.get(code) if isinstance(code, str) else None
+        if shape != want_shape or dtype != want_dtype:
+            got = f"torch.{dtype}" if dtype else str(code)
+            if key == "kv":
+                raise InvalidInputError(f"{name}: KV is {shape} {got}; its manifest says {want_shape} {want_dtype}")
+            raise InvalidInputError(f"{name}: token ids are {shape} {got}; want {want_shape} int64")
+        nbytes = int(np.prod(shape, dtype=object)) * _ITEMSIZE[dtype]
+        span = info.get("data_offsets")
+        if not (isinstance(span, list) and len(span) == 2 and all(type(o) is int for o in span)) or (
+            span[1] - span[0] != nbytes or not 0 <= span[0] <= span[1] <= data_bytes
+        ):
+            raise _unreadable(name, f"it declares tensor {key!r} of {nbytes} bytes at {str(span)[:64]}")
+        spans.append((span[0], span[1]))
+    (a0, a1), (b0, b1) = sorted(spans)
+    if a0 != 0 or a1 != b0 or b1 != data_bytes:
+        declared_bytes = a1 - a0 + b1 - b0
+        why = f"its header declares {declared_bytes} bytes of tensors, the file holds {data_bytes} bytes of tensor data"
+        raise _unreadable(name, why)
+
+
 def _verify(name: str, m: BundleManifest, kv: torch.Tensor, ids: torch.Tensor) -> None:
-    if m.format != FORMAT:
-        raise InvalidInputError(f"{name}: bundle format {m.format}; this kvdock reads format {FORMAT}")
-    if m.chunk_size <= 0 or m.tokens <= 0 or m.tokens % m.chunk_size:
-        raise InvalidInputError(f"{name}: {m.tokens} tokens are not whole chunks of {m.chunk_size}")
+    """The tensors as loaded against the manifest (:func:`_manifest` checked it): shapes, dtypes,
+    checksums, token range."""
     want = tuple(m.geometry.chunk_shape(m.tokens))
     if tuple(kv.shape) != want or str(kv.dtype).removeprefix("torch.") != m.geometry.dtype:
         raise InvalidInputError(

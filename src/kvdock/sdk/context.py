@@ -195,7 +195,18 @@ class KVCacheContext:
             msg = msgspec.structs.replace(msg, client_id=self.client_id)
             resp = self._conn.call(msg, payload, timeout)
         self._answered.client_id = getattr(msg, "client_id", None)
+        self._accepted(msg)
         return resp
+
+    def _accepted(self, msg: msgspec.Struct) -> None:
+        """The server answered ``msg`` (an error raised before this): the ``cache_salt``
+        namespaces it names passed its access checks for the registration it was answered for,
+        whose pool directory may now answer reads of them (``Transfer.accepted``, sdk.fastpath)."""
+        salt = getattr(msg, "cache_salt", None)
+        salts = [salt] if salt is not None else getattr(msg, "cache_salts", None)
+        ref = self._ref
+        if salts and ref.client_id == getattr(msg, "client_id", None):
+            ref.transfer.accept(salts)
 
     def _reconnect(self) -> None:
         reg = register(self._conn, self.http_url, self.model_name, self.kv_rank, self.token)

@@ -5,9 +5,16 @@ A shared-memory client whose server publishes a directory of its readable L1 obj
 the slots it found straight away. That saves the round trip (0.08-0.10 ms between two processes
 on a 2-vCPU VM before any work) and the server's work per request. The answer is the server's:
 
-* only while the process that created the segment still holds our local connection
-  (``ShmTransfer.directory``): a directory of a server that is gone may show KV that a server
-  started since has overwritten;
+* only while the process that created the segment still holds our local connection, and
+  before the segment's ``valid_until_ns`` (``ShmTransfer.directory``): a directory of a server
+  that is gone may show KV that a server started since has overwritten. Checked before the
+  directory is read and again after the copy, before anything is returned (:func:`vouched`,
+  one function for both): a read that spans a server restart is never answered from the old
+  pool;
+* only for a ``cache_salt`` the server accepted from this registration (``ShmTransfer.accepted``:
+  on a tenant's pool, once a request naming it was answered; a server without tenants has a
+  named pool, where every salt is accepted), so that a tenant's client is refused another
+  tenant's salt by the server, exactly as with fast reads off, never told it is a miss;
 * only for a full hit (every whole chunk is published and the version chain holds), or when the
   directory says for sure that nothing past the chunks found is cached (no lower tier, nothing
   unindexed): the next chunk is not published, or its version does not chain (an older or
@@ -46,7 +53,7 @@ from kvdock.keys import TOKEN_DTYPE, chunk_hashes, namespace_digest
 from kvdock.protocol import messages as m
 from kvdock.sdk.chunks import ChunkSink
 from kvdock.sdk.transfer import ShmTransfer, Transfer, layer_slice
-from kvdock.shm.directory import Found
+from kvdock.shm.directory import DirectoryReader, Found
 
 if TYPE_CHECKING:
     from kvdock.sdk.context import KVCacheContext
@@ -203,9 +210,22 @@ def _report_idle(ref: weakref.ref[Reporter], cond: threading.Condition) -> None:
         del reporter
 
 
+def vouched(ctx: KVCacheContext, t: Transfer, cache_salt: str) -> DirectoryReader | None:
+    """The pool directory if a read of ``cache_salt`` may be answered from it now, else None (ask
+    the server): fast reads are on, a chunk is one stored object, the server accepted
+    ``cache_salt`` from this registration (tenants' salts: ``Transfer.accepted``), and it
+    publishes the directory, is alive and vouches for it (``Transfer.directory``: the watch of its
+    local connection, ``valid_until_ns``). The one check of a fast read, made before the
+    directory is read and again once the answer is copied, before it is returned: an answer
+    stands only if all of this held from before the read to after it."""
+    if not ctx.fast_reads or ctx.shards > 1 or not t.accepted(cache_salt):
+        return None
+    return t.directory()
+
+
 def _find(ctx: KVCacheContext, t: Transfer, whole: bytes, cache_salt: str) -> Found | None:
     """The directory's answer for the whole chunks ``whole`` (token bytes), if it is final."""
-    directory = t.directory()
+    directory = vouched(ctx, t, cache_salt)
     if directory is None:
         ctx.rewatch(t)  # for the next reads, if the server only dropped our local connection
         return None
@@ -253,14 +273,18 @@ def _read(
         found = _find(ctx, t, whole, cache_salt)
         if found is None:
             return None
+        if make_sink is not None and found.count:
+            sink = make_sink(found.count * ctx.chunk_size)
+            try:
+                assert isinstance(t, ShmTransfer)  # the only one with a directory
+                t.read_at(found.offsets, found.gens, sink, part)
+            except LeaseExpiredError:  # a slot was freed during the copy
+                return None
+        # the same checks again, after the copy: a server restarted since the first (its pool,
+        # still mapped here, unchanged, may hold what the new one has overwritten) is not believed
+        if vouched(ctx, t, cache_salt) is None:
+            return None
         if make_sink is not None:
-            if found.count:
-                sink = make_sink(found.count * ctx.chunk_size)
-                try:
-                    assert isinstance(t, ShmTransfer)  # the only one with a directory
-                    t.read_at(found.offsets, found.gens, sink, part)
-                except LeaseExpiredError:  # a slot was freed during the copy
-                    return None
             layers = len(range(ctx.geometry.num_layers)[layer_slice(part)])
             copied = max(found.count - (part.first_chunk if part else 0), 0)
             nbytes = copied * t.chunk_nbytes // ctx.geometry.num_layers * layers

@@ -18,8 +18,9 @@ import contextlib
 import logging
 import mmap
 import threading
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +37,8 @@ from kvdock.shm.directory import DirectoryReader
 from kvdock.transport.local import PeerWatch
 
 log = logging.getLogger("kvdock.sdk")
+
+MAX_ACCEPTED = 1 << 16  # cache_salt namespaces a transfer remembers the server accepted (more: read through it)
 
 
 def layer_slice(part: ReadPart | None) -> slice:
@@ -55,6 +58,13 @@ class Transfer:
     def directory(self) -> DirectoryReader | None:
         """The pool directory, when reads may use it now (:mod:`kvdock.sdk.fastpath`)."""
         return None
+
+    def accepted(self, cache_salt: str) -> bool:
+        """Whether the directory may answer reads of ``cache_salt`` (see :meth:`ShmTransfer.accepted`)."""
+        return False
+
+    def accept(self, salts: Iterable[str]) -> None:
+        """The server answered a request of this transfer's registration naming ``salts``."""
 
     def write(self, slots: Sequence[SlotRef], source: ChunkSource) -> list[memoryview]:
         """Put chunk ``slot.index`` of ``source`` into each slot; returns payload frames to send (inline)."""
@@ -133,6 +143,9 @@ class ShmTransfer(Transfer):
         self._watch_lock = threading.Lock()
         self.rewatch_at = 0.0  # when a lost watch may be replaced next (KVCacheContext.rewatch)
         self._directory = DirectoryReader(segment) if segment.directory_entries else None
+        # the cache_salt namespaces the server accepted in a request of this registration; None:
+        # every one (a named pool is a server's without tenants; a tenant's pool is a memfd, shm.pool)
+        self._salts: set[str] | None = set() if segment.private else None
         self._pool: torch.Tensor | None = torch.frombuffer(segment.data, dtype=torch.uint8)
         self._gens = segment.generations()
         self._gens_addr = self._gens.ctypes.data
@@ -144,13 +157,31 @@ class ShmTransfer(Transfer):
         self._prefault = Prefault(self._pool.data_ptr(), segment.data_size)
 
     def directory(self) -> DirectoryReader | None:
-        """The pool directory while the server publishes one and is alive: the process that made
-        the segment still holds our local connection (a directory whose server is gone may show
-        what a server started since has overwritten)."""
+        """The pool directory while the server publishes one, is alive (the process that made
+        the segment still holds our local connection: a directory whose server is gone may show
+        what a server started since has overwritten) and vouches for it (before the segment's
+        ``valid_until_ns``, CLOCK_MONOTONIC); else None. A fast read asks this before it reads the
+        directory and again after its copy (:func:`kvdock.sdk.fastpath.vouched`)."""
         d, watch = self._directory, self._watch
         if d is None or watch is None or not d.live or not watch.alive():
             return None
+        if time.monotonic_ns() >= self.segment.valid_until_ns():
+            return None
         return d
+
+    def accepted(self, cache_salt: str) -> bool:
+        """Whether the directory may answer reads of ``cache_salt``: on a server without tenants
+        (a named pool) always; on a tenant's own pool once the server answered a request of this
+        registration that named it (it refuses a salt that is not the tenant's, the same way
+        whether or not fast reads are on; the model is the registration's own, which the server
+        accepted when it registered us). Until then reads of it ask the server."""
+        salts = self._salts
+        return salts is None or cache_salt in salts
+
+    def accept(self, salts: Iterable[str]) -> None:
+        known = self._salts
+        if known is not None and len(known) < MAX_ACCEPTED:
+            known.update(salts)  # (atomic under the GIL: readers only test membership)
 
     @property
     def watch_lost(self) -> bool:

@@ -14,8 +14,13 @@ segments of dead servers, and to tell that a local socket's peer is this segment
 random nonce (a client proves it mapped the same segment by echoing it when it registers), where
 the table, the directory and the slot area start, the offset the server names the slot area's
 first byte by (``first``: a tenant's segment holds one region of the pool's offsets, see
-:mod:`kvdock.shm.pool`), and at ``STATE_OFFSET`` the directory's state words
-(:mod:`kvdock.shm.directory`).
+:mod:`kvdock.shm.pool`), at ``STATE_OFFSET`` the directory's state words
+(:mod:`kvdock.shm.directory`), and right after them (``VALID_UNTIL_OFFSET``) the u64
+``valid_until_ns``: until when, in CLOCK_MONOTONIC ns (``time.monotonic_ns()``, one clock for
+the whole host), the server vouches for the pool directory; past it fast reads ask the server
+(:mod:`kvdock.sdk.fastpath` checks it before and after a copy). A new segment holds
+``NO_DEADLINE`` (2**64 - 1: no limit). Only the server writes it, through its own mapping, as
+one aligned 8-byte store that readers load as one (numpy, as the state words).
 
 The generation table has one little-endian u64 per 4 KiB page of the slot area; the entry of a
 slot's first page is that slot's generation. The server bumps it each time the slot is freed,
@@ -44,7 +49,7 @@ PREFIX = "kvdock-"
 HEADER_SIZE = 4096
 PAGE = 4096
 MAGIC = b"KVDOCKL1"
-VERSION = 4  # 4: ``first``; 3: the directory
+VERSION = 5  # 5: ``valid_until_ns``; 4: ``first``; 3: the directory
 # magic, version, pid, start time, nonce, total size, generation table offset, slot area offset,
 # directory offset, directory entries, first
 _HEADER = struct.Struct("<8sIIQ32sQQQQQQ")
@@ -54,7 +59,10 @@ ENTRY_SIZE = 128  # bytes of one directory entry (kvdock.shm.directory; _directo
 BUCKET = 8  # entries per directory bucket
 STATE_OFFSET = 1024  # the directory's state words (u64s), written by the server only
 STATE_WORDS = 4
+VALID_UNTIL_OFFSET = STATE_OFFSET + 8 * STATE_WORDS  # the u64 valid_until_ns, written by the server only
+NO_DEADLINE = 2**64 - 1  # valid_until_ns of a new segment: the directory is vouched for without a limit
 _V1 = struct.Struct("<8sIIQ32sQ")  # what cleanup_stale needs, the same in every version
+assert _HEADER.size <= STATE_OFFSET and VALID_UNTIL_OFFSET + 8 <= HEADER_SIZE and VALID_UNTIL_OFFSET % 8 == 0
 
 
 def table_bytes(data_size: int) -> int:
@@ -146,6 +154,8 @@ class PoolSegment:
         self._whole = whole
         self._views = [self.meta, self.data, whole]
         self.owner = owner
+        # (one aligned u64 viewing the header: loads and stores of it are single 8-byte accesses)
+        self._valid_until: np.ndarray | None = np.frombuffer(self.meta, "<u8", count=1, offset=VALID_UNTIL_OFFSET)
 
     @property
     def buf(self) -> memoryview:
@@ -181,6 +191,23 @@ class PoolSegment:
         slot area; writable in the server only). Callers must drop it before :meth:`close`."""
         n = (self.data_offset - self.table_offset) // 8
         return np.frombuffer(self.meta, dtype="<u8", count=n, offset=self.table_offset)
+
+    def valid_until_ns(self) -> int:
+        """Until when (``time.monotonic_ns()``) the server vouches for the pool directory: reads
+        may be answered from it only before. 0 once the segment is closed."""
+        word = self._valid_until
+        return int(word[0]) if word is not None else 0
+
+    def set_valid_until_ns(self, ns: int) -> None:
+        """Vouch for the pool directory until ``ns`` (``time.monotonic_ns()``; 0: not now), from the
+        server's own mapping (a tenant's sealed one too). ValueError through a read-only mapping,
+        for an ``ns`` outside u64 or a closed segment."""
+        if not 0 <= ns <= NO_DEADLINE:
+            raise ValueError(f"valid_until_ns must be a u64, not {ns}")
+        word = self._valid_until
+        if word is None:
+            raise ValueError("the segment is closed")
+        word[0] = ns  # (numpy raises ValueError for a read-only mapping)
 
     @property
     def nonce(self) -> str:
@@ -314,6 +341,7 @@ class PoolSegment:
     def close(self) -> None:
         """Unmap (and close a private segment's descriptors). Harmless twice. Exported buffers
         still alive keep the mapping until collected."""
+        self._valid_until = None  # (it views meta: released first)
         for view in self._views:
             with contextlib.suppress(BufferError):
                 view.release()
@@ -378,3 +406,4 @@ def _write_header(mm: mmap.mmap, size: int, data_size: int, directory_entries: i
     first = data if first is None else first
     header = _HEADER.pack(MAGIC, VERSION, pid, start, nonce, size, table, data, directory, directory_entries, first)
     mm[: len(header)] = header
+    mm[VALID_UNTIL_OFFSET : VALID_UNTIL_OFFSET + 8] = NO_DEADLINE.to_bytes(8, "little")

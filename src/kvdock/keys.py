@@ -7,7 +7,8 @@ Contract (never change silently, stored objects depend on it):
   ``h_i = blake3(h_{i-1} || tokens of chunk i)`` (32-byte digests);
 * so a chunk's hash names the whole prefix up to and including it.
 
-An object's identity is ``ObjectKey(model, rank, salt, chunk)``.
+An object's identity is ``ObjectKey(model, rank, salt, chunk)``; storage shared by several servers
+also names the geometry it was written under (:func:`storage_namespace`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ def namespace(model: str, rank: int, salt: str) -> str:
     """The 32-hex-digit name of a (model, rank, cache_salt) namespace: what L3 keys and KV events
     carry instead of the salt itself (a salt is a secret of its tenant)."""
     return blake3(model.encode() + b"\0" + str(rank).encode() + b"\0" + salt.encode()).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=4096)
+def storage_namespace(model: str, rank: int, salt: str, identity: str) -> str:
+    """The 32-hex-digit name of a (model, rank, cache_salt) namespace *of one geometry*
+    (``identity``: :meth:`kvdock.layout.KVGeometry.digest`): what names objects in storage
+    shared by several servers (L3 keys), so that objects written under another geometry of the
+    same model name are never found. Each field is length-prefixed (no two namespaces share a
+    digest input); the tag versions the encoding."""
+    h = blake3(b"kvdock/storage-namespace/v2")
+    for field in (model.encode(), str(rank).encode(), salt.encode(), identity.encode()):
+        h.update(len(field).to_bytes(8, "little"))
+        h.update(field)
+    return str(h.hexdigest()[:32])
 
 
 @functools.lru_cache(maxsize=4096)

@@ -21,10 +21,12 @@ HND     ``[2, num_blocks, num_kv_heads, block_size, head_dim]``  vLLM HND layout
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+from blake3 import blake3
 
 from kvdock.config import MAX_HEAD_DIM, MAX_NUM_KV_HEADS, MAX_NUM_LAYERS, MAX_WORLD_SIZE
 
@@ -164,6 +166,20 @@ class KVGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         total = self.kv_heads_total if replicated else 0
         return msgspec.structs.replace(self, rank=0, pp_rank=0, total_kv_heads=total)
 
+    def digest(self, chunk_size: int) -> str:
+        """The 32-hex-digit identity of what this geometry's stored objects hold with chunks of
+        ``chunk_size`` tokens: a blake3 hash of a versioned, canonical text of every value that
+        changes a stored byte or which bytes a shard's key names -- layers (per stage), KV heads
+        per shard, the model's KV heads, head_dim, dtype, kind, shards per stage, pipeline stages
+        and the chunk size. The rank and stage a geometry describes do not change it (every rank of
+        an engine stores one model's shards), nor does ``world_size`` beyond the shards it makes
+        (ranks holding replicas of a head share its shard). Object headers and the L3 namespace
+        carry it, so an object written under another geometry is never read as this one's.
+
+        Contract: never change the text for a given geometry (stored objects depend on it); a new
+        encoding gets a new version tag."""
+        return _digest(self.canonical(), chunk_size)
+
     def chunk_shape(self, chunk_size: int) -> tuple[int, int, int, int]:
         """Shape of one stored (canonical) chunk: ``(planes, num_layers, chunk_size, hidden_dim)``."""
         return (self.planes, self.num_layers, chunk_size, self.hidden_dim)
@@ -236,6 +252,26 @@ class KVGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"config.json: {e}") from None
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         return cls(layers, kv_heads, head_dim, dtype).check()
+
+
+DIGEST_TAG = "kvdock/geometry/v1"
+
+
+@functools.lru_cache(maxsize=1024)
+def _digest(geo: KVGeometry, chunk_size: int) -> str:
+    fields = (
+        ("layers", geo.num_layers),
+        ("kv_heads", geo.num_kv_heads),
+        ("total_kv_heads", geo.kv_heads_total),
+        ("head_dim", geo.head_dim),
+        ("dtype", geo.dtype),
+        ("kind", geo.kv_kind),
+        ("tp_shards", geo.tp_shards),
+        ("pp_size", geo.pp_size),
+        ("chunk_size", chunk_size),
+    )
+    text = DIGEST_TAG + "".join(f";{name}={value}" for name, value in fields)
+    return str(blake3(text.encode()).hexdigest()[:32])
 
 
 def _bounded(name: str, value: object, most: int) -> None:

@@ -350,6 +350,74 @@ def test_models_file_is_written_0600_whatever_the_umask_and_old_files(tmp_path: 
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
+def test_fingerprints_the_first_non_empty_one_sticks() -> None:
+    reg = Registry(CHUNK)
+    plain = _layout()
+    entry, created = reg.register_model(plain)
+    assert created and entry.layout.fingerprint == ""
+    fp = msgspec.structs.replace(plain, fingerprint="hf-v1:aa")
+    assert reg.check_layout(fp).fingerprint == "hf-v1:aa" and reg.models[MODEL].layout.fingerprint == ""  # no change
+    client = reg.register_client("i", MODEL, 0, "inline")
+    entry, created = reg.register_model(fp)
+    assert not created and entry.layout.fingerprint == "hf-v1:aa" and reg.models[MODEL] is entry
+    assert client.model is entry  # its clients see the model as it is now
+    assert reg.register_model(plain)[0].layout.fingerprint == "hf-v1:aa"  # "" asserts nothing
+    other = msgspec.structs.replace(plain, fingerprint="hf-v1:bb")
+    for call in (reg.register_model, reg.check_layout):
+        with pytest.raises(RegistrationError) as err:
+            call(other)
+        assert str(err.value) == (
+            f"model {MODEL!r} is already registered as another model of the same geometry: fingerprint hf-v1:aa "
+            "(new: hf-v1:bb); its KV would be wrong for this one (register it under another name)"
+        )
+        assert err.value.code == "registration"
+    assert reg.models[MODEL].layout.fingerprint == "hf-v1:aa"
+    with pytest.raises(RegistrationError, match="fingerprint must be printable"):
+        reg.register_model(msgspec.structs.replace(plain, model_name="x", fingerprint="a\nb"))
+    with pytest.raises(RegistrationError, match="at most 200 characters"):
+        reg.register_model(msgspec.structs.replace(plain, model_name="x", fingerprint="f" * 201))
+
+
+def test_the_identity_of_a_model_is_its_stored_geometrys_digest_with_the_chunk_size() -> None:
+    reg = Registry(CHUNK)
+    assert reg.identity_of(MODEL) is None
+    reg.register_model(_layout(world_size=2, rank=1))  # rank 1 registers first: rank 0's is kept
+    stored = reg.geometry_of(MODEL)
+    assert stored is not None and stored.rank == 0
+    assert reg.identity_of(MODEL) == stored.digest(CHUNK) == _layout(world_size=2).geometry.digest(CHUNK)
+    assert Registry(2 * CHUNK).register_model(_layout(world_size=2))[0].identity != reg.identity_of(MODEL)
+    # an engine sharded otherwise shares the first registration, and its digest
+    reg.register_model(_layout(num_kv_heads=4))
+    assert reg.identity_of(MODEL) == stored.digest(CHUNK)
+
+
+def test_a_registration_that_could_not_be_saved_is_retried(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "models.msgpack"
+    squat = tmp_path / "models.msgpack.tmp"  # a directory there fails every save, as a full disk would
+    (squat / "x").mkdir(parents=True)
+    clock = Clock()
+    reg = Registry(CHUNK, path, clock=clock)
+    with caplog.at_level("WARNING", "kvdock.server.registry"):
+        assert reg.register_model(_layout())[1]  # registered all the same
+        assert reg.unsaved and not path.exists()
+        assert "could not save model registrations" in caplog.text
+        assert reg.expire(lambda cid: None) == 0 and reg.unsaved  # the reaper's tick: too early to retry
+        (squat / "x").rmdir()
+        squat.rmdir()
+        assert reg.expire(lambda cid: None) == 0 and reg.unsaved and not path.exists()
+        clock.now += 5.0  # SAVE_RETRY_S later, the reaper's tick saves
+        reg.expire(lambda cid: None)
+        assert not reg.unsaved and list(Registry(CHUNK, path).models) == [MODEL]
+        assert "model registrations saved to" in caplog.text
+        (squat / "x").mkdir(parents=True)
+        reg.register_model(_layout("second"))
+        assert reg.unsaved and list(Registry(CHUNK, path).models) == [MODEL]
+        (squat / "x").rmdir()
+        squat.rmdir()
+        reg.register_model(_layout())  # any later registration saves at once, even a known name's
+        assert not reg.unsaved and list(Registry(CHUNK, path).models) == [MODEL, "second"]
+
+
 # ---------------------------------------------------------------- real servers
 
 

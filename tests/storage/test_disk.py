@@ -50,7 +50,7 @@ NO_HEAD = Head(0, 0)  # what objects written before version chains read as
 
 
 def header(key: ObjectKey, data: bytes, head: Head = NO_HEAD) -> bytes:
-    return objfile.encode_header(key, DTYPE, SHAPE, memoryview(data), head.version, head.parent)
+    return objfile.encode_header(key, DTYPE, SHAPE, memoryview(data), *head, identity=GEO.digest(CHUNK))
 
 
 def write(store: DiskTier, key: ObjectKey, data: bytes | None = None, head: Head | None = None) -> DiskEntry:
@@ -267,7 +267,10 @@ def test_scan_removes_temp_torn_and_misnamed_files(store: DiskTier) -> None:
     s2.check_integrity()
 
 
-def test_scan_reads_a_file_written_before_version_chains_as_head_zero(store: DiskTier) -> None:
+def test_a_file_whose_header_names_no_geometry_is_never_read(store: DiskTier) -> None:
+    """Written before geometry digests (here before version chains too): scanned and indexed,
+    but skipped by lookups once identity_of says the model's geometry, and refused (deleted) by
+    a read: it cannot say which split of the heads its bytes are."""
     data = payload(1)
     path = store.path_for(K(1))
     path.parent.mkdir(exist_ok=True)
@@ -275,10 +278,16 @@ def test_scan_reads_a_file_written_before_version_chains_as_head_zero(store: Dis
     write(store, K(2), head=Head(5, 0))
     s2 = reopen(store)
     assert s2.scan() == ScanReport(loaded=2, torn=0, temp_files=0)
-    assert s2.knows(K(1)) == Head(0, 0) and s2.knows(K(2)) == Head(5, 0)
-    assert s2.heads([K(1), K(2)]) == [Head(0, 0), Head(5, 0)]
+    assert s2.knows(K(1)) == Head(0, 0) and s2.heads([K(1), K(2)]) == [Head(0, 0), Head(5, 0)]  # unfiltered
+    s2.identity_of = lambda model: GEO.digest(CHUNK)  # as the server's registry says
+    assert s2.knows(K(1)) is None and s2.knows(K(2)) == Head(5, 0)
+    assert s2.heads([K(1), K(2)]) == [] and s2.heads([K(2)]) == [Head(5, 0)]
+    s2.identity_of = lambda model: KVGeometry(3, 1, 10, DTYPE).digest(CHUNK)  # the same shape, split otherwise
+    assert s2.knows(K(2)) is None
     out = memoryview(bytearray(NB))
-    assert s2.read_into(K(1), out, GEO, CHUNK) == Head(0, 0) and bytes(out) == data
+    assert s2.read_into(K(1), out, GEO, CHUNK) is None and not path.exists()
+    assert s2.read_into(K(2), out, KVGeometry(3, 1, 10, DTYPE), CHUNK) is None  # refused, deleted
+    assert len(s2) == 0 and s2.counters.corrupted == 2
     s2.check_integrity()
 
 

@@ -18,22 +18,27 @@ DTYPE = "float32"
 SHAPE = [2, 3, 16, 10]
 NBYTES = 2 * 3 * 16 * 10 * 4
 GEO, CHUNK = KVGeometry(3, 2, 5, DTYPE), 16  # the geometry whose chunk that is
+IDENTITY = GEO.digest(CHUNK)
 
 
 def payload(n: int = NBYTES, seed: int = 7) -> bytes:
     return bytes((i * 31 + seed) % 251 for i in range(n))
 
 
-def encode(data: bytes = b"", key: ObjectKey = KEY, shape: list[int] | None = None) -> bytes:
+def encode(
+    data: bytes = b"", key: ObjectKey = KEY, shape: list[int] | None = None, identity: str = IDENTITY
+) -> bytes:
     data = data or payload()
-    return objfile.encode_header(key, DTYPE, shape or SHAPE, memoryview(data))
+    return objfile.encode_header(key, DTYPE, shape or SHAPE, memoryview(data), identity=identity)
 
 
 def test_header_round_trip() -> None:
     data = payload()
     block = encode(data)
     header, offset = objfile.decode_header(block)
-    assert header == ObjectHeader("tiny", 1, "salt-a", bytes(range(32)), DTYPE, SHAPE, NBYTES, objfile.checksum(data))
+    assert header == ObjectHeader(
+        "tiny", 1, "salt-a", bytes(range(32)), DTYPE, SHAPE, NBYTES, objfile.checksum(data), 0, 0, IDENTITY
+    )
     assert header.key == KEY
     assert offset == len(block) == ALIGN
     assert objfile.header_size_hint(block[:12]) == ALIGN
@@ -54,13 +59,45 @@ def test_header_carries_version_and_parent() -> None:
     assert end < ALIGN and objfile.decode_header(block[:end])[0] == header
 
 
-def test_a_header_written_before_version_chains_reads_as_version_and_parent_zero() -> None:
+def test_a_header_written_before_version_chains_decodes_but_names_no_geometry() -> None:
     data = payload()
     block = legacy_header(KEY, DTYPE, SHAPE, data)
     header, offset = objfile.decode_header(block)
-    assert (header.version, header.parent) == (0, 0)
+    assert (header.version, header.parent, header.identity) == (0, 0, "")
     assert header.key == KEY and header.checksum == objfile.checksum(data) and offset == ALIGN
-    objfile.check(header, KEY, GEO, CHUNK)
+    # it cannot say which split of the heads its bytes are: never read as this geometry's
+    with pytest.raises(CorruptObject, match="written under another geometry"):
+        objfile.check(header, KEY, GEO, CHUNK)
+
+
+def test_a_header_written_before_geometry_digests_decodes_and_is_refused() -> None:
+    data = payload()
+    block = objfile.encode_header(KEY, DTYPE, SHAPE, memoryview(data), 5, 3)  # no identity: ""
+    header, _ = objfile.decode_header(block)
+    assert (header.version, header.parent, header.identity) == (5, 3, "")
+    with pytest.raises(CorruptObject, match=r"written under another geometry \(none recorded, not [0-9a-f]{32}\)"):
+        objfile.check(header, KEY, GEO, CHUNK)
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [
+        KVGeometry(3, 1, 10, DTYPE),  # [2, 3, 16, 10]: the same chunk, another split of the heads
+        KVGeometry(3, 1, 5, DTYPE, world_size=2),  # heads 1 of 2 per shard: [2, 3, 16, 5] x 2 shards
+        KVGeometry(3, 2, 5, DTYPE, world_size=2),  # 2 shards of 2 heads: shard 0 has other heads than GEO
+    ],
+)
+def test_a_chunk_of_the_same_layout_but_another_geometry_is_refused(geometry: KVGeometry) -> None:
+    shape = list(geometry.chunk_shape(CHUNK))
+    data = payload(geometry.chunk_nbytes(CHUNK))
+    block = objfile.encode_header(KEY, DTYPE, shape, memoryview(data), identity=geometry.digest(CHUNK))
+    header, _ = objfile.decode_header(block)
+    objfile.check(header, KEY, geometry, CHUNK)  # its own geometry reads it
+    if shape == SHAPE:
+        with pytest.raises(CorruptObject, match="written under another geometry"):
+            objfile.check(header, KEY, GEO, CHUNK)
+    with pytest.raises(CorruptObject):
+        objfile.check(header, KEY, geometry, CHUNK * 2)  # nor does another chunk size
 
 
 def test_block_is_prefix_body_and_zero_padding() -> None:

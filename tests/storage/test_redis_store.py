@@ -43,7 +43,7 @@ def H(i: int) -> Head:
 def put(store: RedisTier, key: ObjectKey, data: bytes | None = None, head: Head | None = None) -> bytes:
     data = payload(key.chunk[0]) if data is None else data
     head = H(key.chunk[0]) if head is None else head
-    block = objfile.encode_header(key, DTYPE, SHAPE, memoryview(data), head.version, head.parent)
+    block = objfile.encode_header(key, DTYPE, SHAPE, memoryview(data), *head, identity=GEO.digest(CHUNK))
     size = store.write_from(key, block, memoryview(data))
     assert size == len(block) + len(data)
     return data
@@ -120,10 +120,13 @@ def test_missing_key_returns_none_and_leaves_out_alone(store: RedisTier) -> None
 
 def test_key_format() -> None:
     k = redis_key(K(3))
-    assert k.startswith(b"kvdock:v1:") and k.endswith(b":" + (bytes([3]) * 32).hex().encode())
-    ns = k.split(b":")[2]
+    assert k.startswith(b"kvdock:v2:{") and k.endswith(b":" + (bytes([3]) * 32).hex().encode() + b"}")
+    ns = k.split(b":")[2].lstrip(b"{")
     assert len(ns) == 32 and int(ns, 16) >= 0
     assert redis_key(K(3)) == k  # stable
+    # the namespace covers the geometry digest the object is written under
+    assert redis_key(K(3), GEO.digest(CHUNK)) != k != redis_key(K(3), GEO.digest(2 * CHUNK))
+    assert redis_key(K(3), GEO.digest(CHUNK)).endswith(k.split(b":", 3)[3])  # the same chunk, slot-tagged
 
 
 @pytest.mark.parametrize(
@@ -243,11 +246,11 @@ def test_heads_of_a_header_longer_than_the_first_read(store: RedisTier) -> None:
     assert get(store, key, Head(31, 0)) == payload(1)
 
 
-def test_a_value_written_before_version_chains_has_head_zero(store: RedisTier, raw: redis_py.Redis) -> None:
-    data = payload(1)
+def test_a_value_whose_header_names_no_geometry_is_a_miss(store: RedisTier, raw: redis_py.Redis) -> None:
+    data = payload(1)  # written before geometry digests (here also before version chains)
     raw.set(redis_key(K(1)), legacy_header(K(1), DTYPE, SHAPE, data) + data)
     assert store.heads([K(1)]) == [Head(0, 0)]
-    assert get(store, K(1), Head(0, 0)) == data
+    assert get(store, K(1)) is None and not raw.exists(redis_key(K(1)))  # refused and deleted
 
 
 def test_clear_never_clears_the_shared_tier(store: RedisTier, raw: redis_py.Redis) -> None:

@@ -37,12 +37,19 @@ class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class ModelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What an engine (or the SDK) registers for a model, and what /status shows of it under
-    ``cache_context_meta[i]["layout"]``. Only ``geometry`` decides what a stored chunk holds."""
+    ``cache_context_meta[i]["layout"]``. Only ``geometry`` decides what a stored chunk holds.
+
+    ``fingerprint`` names the model whose KV it is beyond its shapes (its config and weights:
+    engines compute it, :mod:`kvdock.integrations.fingerprint`); "" asserts nothing and matches any.
+    The first non-empty fingerprint registered under a name sticks, and a registration with another
+    is refused (the server's registry, and fleet-wide through L3). It is not part of where objects
+    are stored: a model registered first without one keeps its KV when one is added."""
 
     model_name: str
     geometry: KVGeometry
     tokens_per_block: int
     engine: EngineInfo = EngineInfo()
+    fingerprint: str = ""
 
 
 class SlotRef(msgspec.Struct, frozen=True, array_like=True):

@@ -69,6 +69,7 @@ def make_layout(
     kv_kind: str = layout.KV_PAIR,
     pp_size: int = 1,
     pp_rank: int = 0,
+    fingerprint: str = "",
 ) -> m.ModelLayout:
     """Build a ModelLayout (geometry of rank ``rank`` of ``world_size``, each holding
     ``num_kv_heads`` of the model's ``total_kv_heads``: see :class:`~kvdock.layout.KVGeometry`)
@@ -76,11 +77,14 @@ def make_layout(
     server: at most 4096 layers and KV heads, head_dim 16384, world_size 1024, names of 200
     characters). ``kv_kind="latent"``: an MLA model (``num_kv_heads`` 1, ``head_dim`` the latent's
     ``kv_lora_rank + qk_rope_head_dim``). ``pp_size`` pipeline stages of ``num_layers`` layers each
-    (this is stage ``pp_rank``'s).
+    (this is stage ``pp_rank``'s). ``fingerprint``: what identifies the model beyond its shapes
+    (:attr:`~kvdock.protocol.messages.ModelLayout.fingerprint`; "" asserts nothing).
     ``kv_format`` becomes ``engine.kv_cache_layout`` and ``engine.view_shape`` the format's
     one-block shape (``engine``'s other fields are kept)."""
     if not isinstance(model_name, str) or not model_name:
         raise InvalidInputError(f"model_name must be a non-empty str, got {model_name!r}")
+    if not isinstance(fingerprint, str) or len(fingerprint) > MAX_NAME_LEN or not fingerprint.isprintable():
+        raise InvalidInputError(f"fingerprint must be a printable str of at most {MAX_NAME_LEN} characters")
     if len(model_name) > MAX_NAME_LEN:
         raise InvalidInputError(f"model_name has {len(model_name)} characters, more than {MAX_NAME_LEN}")
     if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or tokens_per_block <= 0:
@@ -100,7 +104,7 @@ def make_layout(
     engine = msgspec.structs.replace(
         engine or m.EngineInfo(), kv_cache_layout=kv_format, view_shape=shape, pp_rank=pp_rank, pp_size=pp_size
     )
-    return m.ModelLayout(model_name, geo, tokens_per_block, engine)
+    return m.ModelLayout(model_name, geo, tokens_per_block, engine, fingerprint)
 
 
 def register_model(
@@ -125,12 +129,14 @@ def register_model(
     server_key: KeyPath = None,
     client_key: KeyPath = None,
     token: str | None = None,
+    fingerprint: str = "",
 ) -> ModelRegistration:
     """Register ``model_name`` with explicit geometry so the SDK works with no engine running.
 
-    Registering the same geometry again is harmless (``created=False``); a different geometry
-    raises ServerError (code ``registration``). ``admin_token``, ``server_key``, ``client_key``:
-    ``token``: see register_layout."""
+    Registering the same geometry again is harmless (``created=False``); a different geometry, or
+    another non-empty ``fingerprint`` than the name's (see :func:`make_layout`), raises ServerError
+    (code ``registration``). ``admin_token``, ``server_key``, ``client_key``: ``token``: see
+    register_layout."""
     lay = make_layout(
         model_name,
         num_layers=num_layers,
@@ -145,6 +151,7 @@ def register_model(
         kv_kind=kv_kind,
         pp_size=pp_size,
         pp_rank=pp_rank,
+        fingerprint=fingerprint,
     )
     return register_layout(
         url, http_url, lay, timeout, admin_token, server_key=server_key, client_key=client_key, token=token

@@ -96,7 +96,9 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
             pool_capacity=pool.capacity,
         )
         metrics.watch_registry(registry)
-        redis = _open_redis(config, tenants)
+        if disk is not None:  # lookups skip objects written under another geometry of a name
+            disk.identity_of = registry.identity_of
+        redis = _open_redis(config, tenants, registry)
         # without a lower tier, what a directory lacks is not cached at all (fast reads' misses)
         complete = disk is None and redis is None
         directories = {r: Directory(s, complete) for r, s in pool.shared_segments().items() if s.directory_entries}
@@ -171,13 +173,15 @@ def _open_disk(config: ServerConfig, tenants: Tenants | None) -> DiskTier | None
     return disk
 
 
-def _open_redis(config: ServerConfig, tenants: Tenants | None) -> RedisTier | None:
+def _open_redis(config: ServerConfig, tenants: Tenants | None, registry: Registry) -> RedisTier | None:
     if not config.redis_url:
         return None
     from kvdock.storage.redis import RedisTier  # imports redis-py: only a server with an L3 does
 
     shares = tier_shares(tenants, "l3", config.redis_max_bytes)
-    store = tier_factory("l3")(config.redis_url, max_bytes=config.redis_max_bytes, shares=shares)
+    store = tier_factory("l3")(
+        config.redis_url, max_bytes=config.redis_max_bytes, shares=shares, identity_of=registry.identity_of
+    )
     assert isinstance(store, RedisTier)
     store.probe()
     if store.up():

@@ -7,7 +7,7 @@ RequestError (or SessionError / RegistrationError) turns into an Error reply."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 
 from kvdock import __version__
 from kvdock import keys as keymod
@@ -15,9 +15,9 @@ from kvdock.config import MAX_SALT_LEN
 from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
-from kvdock.server import access
-from kvdock.server.registry import ClientEntry
-from kvdock.server.state import Payload, Reply, ServerState
+from kvdock.server import access, fleet
+from kvdock.server.registry import ClientEntry, ModelEntry
+from kvdock.server.state import Outcome, Payload, Reply, ServerState
 from kvdock.server.tenants import Tenant
 from kvdock.shm.segment import PoolSegment, process_visible
 
@@ -81,14 +81,23 @@ def _check_version(version: int) -> None:
         )
 
 
-def register_model(state: ServerState, req: m.RegisterModel, payload: Payload, key: bytes = b"") -> Reply:
+def register_model(state: ServerState, req: m.RegisterModel, payload: Payload, key: bytes = b"") -> Outcome:
     """With tenants: the admin token, or a tenant that may use the model, may register it."""
     _check_version(req.protocol_version)
     authorized = False
     if state.tenants is not None and not state.registry.is_admin(req.admin_token):
         access.check_registrant(state, access.tenant_of(state, key, req.token), req.layout.model_name)
         authorized = True
-    entry, created = state.registry.register_model(req.layout, req.admin_token, authorized=authorized)
+    if not authorized:
+        state.registry.authorize(req.admin_token)
+    if fleet.l3_lane(state) is not None:  # the servers sharing the L3 agree on the model first
+        return _registered(fleet.register_model(state, req.layout))
+    entry, created = state.registry.register_model(req.layout, authorized=True)
+    return Reply(m.ModelRegistered(created, entry.slot_nbytes))
+
+
+async def _registered(pending: Awaitable[tuple[ModelEntry, bool]]) -> Reply:
+    entry, created = await pending
     return Reply(m.ModelRegistered(created, entry.slot_nbytes))
 
 

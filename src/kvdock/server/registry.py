@@ -5,13 +5,18 @@ the reaper forgets a client silent for ``client_ttl`` seconds (:meth:`Registry.e
 ``max_clients`` are live at once. Models are bounded in number (``max_models``), in the size of
 their strings and in their geometry (one chunk must fit in the L1 pool), and need the admin
 token when the server has one.
+
+A model name is bound to one geometry (its digest, :meth:`KVGeometry.digest`, names its objects in
+L2 and L3) and to the first non-empty *fingerprint* registered under it (the model beyond its
+shapes: config and weights); servers sharing an L3 agree on both through it (:mod:`kvdock.server.fleet`).
+Registrations are saved in ``models.msgpack``; one that could not be saved (a full disk) is saved
+again at the next registration and at the reaper's next tick past ``SAVE_RETRY_S``.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import os
 import secrets
 import time
 from collections import OrderedDict
@@ -26,6 +31,7 @@ from kvdock.errors import RegistrationError
 from kvdock.layout import KVGeometry
 from kvdock.protocol.codes import ErrorCode
 from kvdock.protocol.messages import ModelLayout, Transport
+from kvdock.server.modelfile import ModelFile
 from kvdock.server.tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -40,10 +46,13 @@ ALL_RANKS = -1  # RegisterClient.kv_rank of a client of every shard of a model (
 @dataclass(frozen=True)
 class ModelEntry:
     """A registered model: the first layout registered under its name (its geometry that of rank
-    0: the shards it is stored in), and the size of one shard's chunk."""
+    0: the shards it is stored in; its fingerprint the first non-empty one), the size of one
+    shard's chunk, and ``identity``: the digest of its geometry with the server's chunk size (what
+    its stored objects carry)."""
 
     layout: ModelLayout
     slot_nbytes: int
+    identity: str = ""
 
     @property
     def geometry(self) -> KVGeometry:
@@ -126,22 +135,8 @@ class Registry:
         # least recently seen first: touch() moves a client to the end, expire() pops from the front
         self.clients: OrderedDict[str, ClientEntry] = OrderedDict()
         self.expired_clients = 0
-        self._persist_path = persist_path
-        if persist_path is not None and persist_path.exists():
-            self._load(persist_path)
-
-    def _load(self, path: Path) -> None:
-        try:
-            layouts = msgspec.msgpack.decode(path.read_bytes(), type=list[ModelLayout])
-        except (OSError, msgspec.DecodeError) as e:
-            log.warning("ignoring unreadable model registrations in %s: %s", path, e)
-            return
-        try:  # a file written by an older server may be 0644
-            if path.stat().st_mode & 0o077:
-                path.chmod(0o600)
-        except OSError as e:
-            log.warning("cannot make %s private (mode 0600): %s", path, e)
-        for lay in layouts:
+        self._file = ModelFile(persist_path, clock)
+        for lay in self._file.load():
             if len(self.models) >= self.max_models:
                 log.warning("not restoring model %r: max_models (%d) reached", lay.model_name, self.max_models)
                 continue
@@ -149,30 +144,25 @@ class Registry:
                 self.models[lay.model_name] = self._entry(lay)
             except RegistrationError as e:  # e.g. the chunk size changed since
                 log.warning("not restoring model %r: %s", lay.model_name, e)
-        log.info("restored %d model registration(s) from %s", len(self.models), path)
+        if persist_path is not None and persist_path.exists():
+            log.info("restored %d model registration(s) from %s", len(self.models), persist_path)
 
-    def _save(self) -> None:
-        if self._persist_path is None:
-            return
-        data = msgspec.msgpack.encode([e.layout for e in self.models.values()])
-        path = self._persist_path
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.unlink(missing_ok=True)  # O_EXCL below: a new file, created 0600 whatever was there
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+    @property
+    def unsaved(self) -> bool:
+        """Whether the last save of the registrations failed (it is retried)."""
+        return self._file.unsaved
+
+    def save(self) -> bool:
+        """Save every registration (:mod:`kvdock.server.modelfile`); False, logged, if it failed."""
+        return self._file.save(self._layouts())
+
+    def retry_save(self, force: bool = False) -> bool:
+        """Save again if an earlier save failed and SAVE_RETRY_S passed since (or ``force``);
+        whether the registrations are saved now."""
+        return self._file.retry(self._layouts, force)
+
+    def _layouts(self) -> list[ModelLayout]:
+        return [e.layout for e in self.models.values()]
 
     def is_admin(self, admin_token: str) -> bool:
         """Whether ``admin_token`` is the server's (False when it has none)."""
@@ -196,21 +186,30 @@ class Registry:
         A known name is a no-op that keeps the first layout when the model's KV is the same: the
         same layers, heads over all ranks, head_dim, dtype and kind (engine info, tokens_per_block,
         the rank, even the tensor-parallel world size may differ: the model stays stored in the
-        shards of its first registration, and an engine sharded otherwise re-shards). Any other
-        difference raises RegistrationError (two ranks of one engine with different layers or
-        dtypes, another model under the name), and so does a new name past ``max_models`` (code
-        LIMIT). The layout kept is rank 0's. ``authorized``: the caller checked the right to
-        register (a tenant's), so the admin token is not asked for."""
+        shards of its first registration, and an engine sharded otherwise re-shards), and the
+        fingerprints do not differ ("" matches any; the first non-empty one registered is kept,
+        also when it comes after ""). Any other difference raises RegistrationError naming both
+        (two ranks of one engine with different layers or dtypes, another model under the name),
+        and so does a new name past ``max_models`` (code LIMIT). The layout kept is rank 0's.
+        ``authorized``: the caller checked the right to register (a tenant's), so the admin token
+        is not asked for."""
         if not authorized:
             self.authorize(admin_token)
+        self.retry_save(force=True)
         entry = self._entry(lay)
         old = self.models.get(lay.model_name)
         if old is not None:
-            if old.geometry.logical() != entry.geometry.logical():
-                raise RegistrationError(
-                    f"model {lay.model_name!r} is already registered with a different geometry: "
-                    f"{_describe(old.geometry)} (new: {_describe(lay.geometry)})"
-                )
+            _check_same(old.layout, lay)
+            if old.layout.fingerprint or not lay.fingerprint:
+                return old, False
+            # the first fingerprint of a name registered without one: kept from now on (its KV stays)
+            fingerprinted = msgspec.structs.replace(old.layout, fingerprint=lay.fingerprint)
+            old = ModelEntry(fingerprinted, old.slot_nbytes, old.identity)
+            self.models[lay.model_name] = old
+            for client in self.clients.values():
+                if client.model.layout.model_name == lay.model_name:
+                    client.model = old
+            self.save()
             return old, False
         if len(self.models) >= self.max_models:
             raise RegistrationError(
@@ -219,11 +218,22 @@ class Registry:
                 ErrorCode.LIMIT,
             )
         self.models[lay.model_name] = entry
-        try:
-            self._save()
-        except OSError as e:
-            log.warning("could not save model registrations to %s: %s", self._persist_path, e)
+        self.save()
         return entry, True
+
+    def check_layout(self, lay: ModelLayout) -> ModelLayout:
+        """What :meth:`register_model` would keep for ``lay`` now, without keeping it: the known
+        entry's layout (its fingerprint ``lay``'s when it had none), or ``lay`` as it would be
+        stored (rank 0's geometry). RegistrationError where register_model would refuse it (bar
+        the admin token and ``max_models``)."""
+        entry = self._entry(lay)
+        old = self.models.get(lay.model_name)
+        if old is None:
+            return entry.layout
+        _check_same(old.layout, lay)
+        if old.layout.fingerprint or not lay.fingerprint:
+            return old.layout
+        return msgspec.structs.replace(old.layout, fingerprint=lay.fingerprint)
 
     def _entry(self, lay: ModelLayout) -> ModelEntry:
         try:
@@ -239,6 +249,8 @@ class Registry:
         if not lay.model_name.isprintable():  # (a NUL would blur the names of its stored objects)
             raise RegistrationError(f"model_name {lay.model_name!r} holds control characters")
         _check_engine(lay)
+        if len(lay.fingerprint) > MAX_NAME_LEN or not lay.fingerprint.isprintable():
+            raise RegistrationError(f"fingerprint must be printable and at most {MAX_NAME_LEN} characters")
         try:
             geo = lay.geometry.check()
         except ValueError as e:
@@ -257,12 +269,18 @@ class Registry:
                 f"one chunk of {lay.model_name!r} ({self.chunk_size} tokens) is {format_size(nbytes)}, more than the "
                 f"whole L1 pool ({format_size(self.pool_capacity)}; see --l1-size)"
             )
-        return ModelEntry(lay, nbytes)
+        return ModelEntry(lay, nbytes, lay.geometry.digest(self.chunk_size))
 
     def geometry_of(self, model_name: str) -> KVGeometry | None:
         """The geometry of ``model_name``'s chunks (for the lower tiers' object headers)."""
         entry = self.models.get(model_name)
         return None if entry is None else entry.geometry
+
+    def identity_of(self, model_name: str) -> str | None:
+        """[any thread] The digest of ``model_name``'s geometry with this server's chunk size (what
+        its objects in L2 and L3 carry and are named by); None for a model not registered."""
+        entry = self.models.get(model_name)
+        return None if entry is None else entry.identity
 
     def register_client(
         self,
@@ -315,7 +333,9 @@ class Registry:
 
     def expire(self, end_client: Callable[[str], object]) -> int:
         """Forget every client silent for ``client_ttl`` seconds: ``end_client(client_id)`` (which
-        releases its sessions), then remove it. Returns how many."""
+        releases its sessions), then remove it. Returns how many. (The reaper calls this every
+        second or so: it also retries saving registrations that could not be saved, :meth:`retry_save`.)"""
+        self.retry_save()
         oldest_alive = self._clock() - self.client_ttl
         n = 0
         while self.clients:
@@ -344,7 +364,25 @@ def _check_engine(lay: ModelLayout) -> None:
         raise RegistrationError(f"engine.pp_rank {engine.pp_rank} out of range for pp_size {engine.pp_size}")
 
 
-def _describe(geo: KVGeometry) -> str:
+def _check_same(old: ModelLayout, new: ModelLayout) -> None:
+    """RegistrationError naming both unless ``new`` describes the model ``old`` registered: the
+    same logical geometry, and fingerprints that do not differ ("" matches any)."""
+    name = old.model_name
+    if old.geometry.logical() != new.geometry.logical():
+        raise RegistrationError(
+            f"model {name!r} is already registered with a different geometry: "
+            f"{describe_geometry(old.geometry)} (new: {describe_geometry(new.geometry)})"
+        )
+    if old.fingerprint and new.fingerprint and old.fingerprint != new.fingerprint:
+        raise RegistrationError(
+            f"model {name!r} is already registered as another model of the same geometry: fingerprint "
+            f"{old.fingerprint} (new: {new.fingerprint}); its KV would be wrong for this one (register it under "
+            "another name)"
+        )
+
+
+def describe_geometry(geo: KVGeometry) -> str:
+    """A geometry as error messages name it."""
     return (
         f"layers={geo.num_layers} kv_heads={geo.num_kv_heads} head_dim={geo.head_dim} dtype={geo.dtype} "
         f"kv_kind={geo.kv_kind} world_size={geo.world_size} rank={geo.rank} kv_heads_total={geo.kv_heads_total}"

@@ -53,6 +53,7 @@ class DiskEntry:
     path: Path
     file_size: int
     head: Head = NO_HEAD
+    identity: str = ""  # the geometry digest its header names (objfile.ObjectHeader.identity)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,10 @@ class DiskTier(StorageTier):
         # fault injection for tests of a slow disk (a real one cannot be made slow on demand)
         self.fault_write_delay_s = float(os.environ.get(FAULT_DELAY_ENV, "0") or 0)
         self.last_scan = ScanReport(0, 0, 0)
+        # the geometry digest of a model's objects now (the server's registry; None: unknown model):
+        # knows() and heads() skip files written under another geometry of the name. None: not checked
+        # there (reads still refuse them: objfile.check)
+        self.identity_of: Callable[[str], str | None] | None = None
 
     @property
     def capacity(self) -> int:
@@ -145,7 +150,8 @@ class DiskTier(StorageTier):
                 path.unlink(missing_ok=True)
                 torn += 1
                 continue
-            found.append((st.st_mtime, DiskEntry(header.key, path, st.st_size, Head(header.version, header.parent))))
+            head = Head(header.version, header.parent)
+            found.append((st.st_mtime, DiskEntry(header.key, path, st.st_size, head, header.identity)))
         with self._lock:
             for _, entry in sorted(found, key=lambda t: t[0]):
                 self._index[entry.key] = entry
@@ -169,17 +175,21 @@ class DiskTier(StorageTier):
     def knows(self, key: ObjectKey) -> Head | None:
         with self._lock:
             entry = self._index.get(key)
-            return None if entry is None else entry.head
+            return None if entry is None or not self._current(entry) else entry.head
 
     def heads(self, keys: list[ObjectKey]) -> list[Head]:
         with self._lock:
             out = []
             for key in keys:
                 entry = self._index.get(key)
-                if entry is None:
+                if entry is None or not self._current(entry):
                     break
                 out.append(entry.head)
             return out
+
+    def _current(self, entry: DiskEntry) -> bool:
+        """Whether ``entry`` was written under its model's geometry now (see ``identity_of``)."""
+        return self.identity_of is None or entry.identity == self.identity_of(entry.key.model)
 
     def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
         with self._lock:
@@ -256,7 +266,7 @@ class DiskTier(StorageTier):
                 if old is not None:
                     path.unlink(missing_ok=True)  # not replaced: the older version must not stay
                 raise
-            self._index[key] = DiskEntry(key, path, size, head)  # (charged to its owner since the promise)
+            self._index[key] = DiskEntry(key, path, size, head, decoded.identity)  # (charged since the promise)
             self.used_bytes += size
         return size
 

@@ -3,8 +3,12 @@
     [8s magic "KVDOCKO1"][u32 header length][msgpack ObjectHeader][zero padding to 4 KiB][payload]
 
 The payload starts on a 4 KiB boundary (page-aligned reads straight into an L1 slot). The header
-names the object (model, rank, salt, chunk hash), its layout (dtype and canonical chunk shape) and
-the blake3 checksum of the payload, so a reader can refuse anything torn, corrupted or foreign.
+names the object (model, rank, salt, chunk hash), its layout (dtype and canonical chunk shape), the
+geometry it was written under (``identity``: :meth:`kvdock.layout.KVGeometry.digest`, which also
+covers the KV heads' split and the chunk size) and the blake3 checksum of the payload, so a reader
+can refuse anything torn, corrupted or foreign: an object of another geometry of the same model
+name (registered again after a lost registry, or by another server sharing the tier) is a miss,
+never bytes. Headers written before the identity decode with ``identity`` "" and are refused.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class ObjectHeader(msgspec.Struct, frozen=True, array_like=True):
     checksum: bytes
     version: int = 0  # this version of the object (unique, random)
     parent: int = 0  # the version of the chunk before it in its prefix when it was stored (0: first)
+    identity: str = ""  # the geometry digest it was written under ("": written before it existed)
 
     @property
     def key(self) -> ObjectKey:
@@ -56,17 +61,28 @@ def checksum(data: memoryview | bytes) -> bytes:
 
 
 def encode_header(
-    key: ObjectKey, dtype: str, shape: list[int], payload: memoryview, version: int = 0, parent: int = 0
+    key: ObjectKey,
+    dtype: str,
+    shape: list[int],
+    payload: memoryview,
+    version: int = 0,
+    parent: int = 0,
+    identity: str = "",
 ) -> bytes:
-    """The padded header block for ``payload`` (computes its checksum)."""
+    """The padded header block for ``payload`` (computes its checksum); ``identity``: the digest
+    of the geometry it holds a chunk of (``geometry.digest(chunk_size)``; :func:`check` refuses
+    any other)."""
     digest = checksum(payload)
     k = key
-    return _block(ObjectHeader(k.model, k.rank, k.salt, k.chunk, dtype, shape, len(payload), digest, version, parent))
+    return _block(
+        ObjectHeader(k.model, k.rank, k.salt, k.chunk, dtype, shape, len(payload), digest, version, parent, identity)
+    )
 
 
-def header_block_size(key: ObjectKey, dtype: str, shape: list[int], nbytes: int) -> int:
+def header_block_size(key: ObjectKey, dtype: str, shape: list[int], nbytes: int, identity: str = "") -> int:
     """The size encode_header will produce for such an object (the checksum has a fixed size)."""
-    return len(_block(ObjectHeader(key.model, key.rank, key.salt, key.chunk, dtype, shape, nbytes, bytes(32))))
+    k = key
+    return len(_block(ObjectHeader(k.model, k.rank, k.salt, k.chunk, dtype, shape, nbytes, bytes(32), 0, 0, identity)))
 
 
 def _block(header: ObjectHeader) -> bytes:
@@ -112,12 +128,16 @@ def decode_header(block: bytes | memoryview) -> tuple[ObjectHeader, int]:
 
 def check(header: ObjectHeader, key: ObjectKey, geometry: KVGeometry, chunk_size: int) -> None:
     """CorruptObject unless ``header`` describes exactly this object: one canonical chunk of
-    ``chunk_size`` tokens of ``geometry``."""
+    ``chunk_size`` tokens of ``geometry``, written under that geometry (its digest; an empty one,
+    from before digests, is refused too)."""
     if header.key != key:
         raise CorruptObject("object identity differs")
     dtype, shape, nbytes = geometry.dtype, list(geometry.chunk_shape(chunk_size)), geometry.chunk_nbytes(chunk_size)
     if header.dtype != dtype or list(header.shape) != shape or header.nbytes != nbytes:
         raise CorruptObject(f"layout differs: {header.dtype}{header.shape} vs {dtype}{shape}")
+    identity = geometry.digest(chunk_size)  # the same shape may hold another split of the heads, ...
+    if header.identity != identity:
+        raise CorruptObject(f"written under another geometry ({header.identity or 'none recorded'}, not {identity})")
 
 
 def verify_payload(header: ObjectHeader, payload: memoryview) -> None:

@@ -2,8 +2,9 @@
 Redis Cluster (``redis+cluster://`` URLs, :func:`make_client`), where objects spread over every
 shard by their keys' hash slots and redis-py follows redirections, failovers and re-sharding.
 
-Keys are ``kvdock:v1:<namespace>:<chunk hash hex>`` where the namespace is a hash of (model,
-rank, cache_salt), so salts and models never see each other's objects. Values use the same
+Keys are ``kvdock:v2:{<namespace>:<chunk hash hex>}`` (:func:`redis_key`) where the namespace is
+a hash of (model, rank, cache_salt, geometry digest), so salts, models and the geometries of one
+model name never see each other's objects. Values use the same
 self-describing form as disk files (:mod:`kvdock.storage.objfile`), checked on every read.
 
 All methods that talk to Redis run in the tier's worker threads. A failure marks the tier down
@@ -29,7 +30,7 @@ from redis.retry import Retry
 
 from kvdock.config import CLUSTER_SCHEMES, parse_cluster_url
 from kvdock.errors import CorruptObject, NoRoom
-from kvdock.keys import ObjectKey, namespace
+from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
 from kvdock.storage import objfile, resp
 from kvdock.storage.shares import Shares
@@ -75,8 +76,12 @@ def make_client(url: str, timeout: float) -> Any:
     )
 
 
-def redis_key(key: ObjectKey) -> bytes:
-    return f"kvdock:v1:{namespace(key.model, key.rank, key.salt)}:{key.chunk.hex()}".encode()
+def redis_key(key: ObjectKey, identity: str = "") -> bytes:
+    """``kvdock:v2:{<namespace>:<chunk hex>}``: the braces are a Redis Cluster hash tag (companion
+    keys of an object share its slot). The namespace covers the geometry digest ``identity`` the
+    object is written under (:func:`kvdock.keys.storage_namespace`)."""
+    ns = storage_namespace(key.model, key.rank, key.salt, identity)
+    return f"kvdock:v2:{{{ns}:{key.chunk.hex()}}}".encode()
 
 
 class _Written(NamedTuple):
@@ -92,8 +97,17 @@ class RedisTier(StorageTier):
 
     name = "l3"
 
-    def __init__(self, url: str, timeout: float = 5.0, max_bytes: int = 0, shares: Shares | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 5.0,
+        max_bytes: int = 0,
+        shares: Shares | None = None,
+        identity_of: Callable[[str], str | None] = lambda model: "",
+    ) -> None:
         self.url = url
+        # a model's geometry digest now (the server's registry): in its objects' keys (redis_key)
+        self.identity_of = identity_of
         self.timeout = timeout
         # with max_bytes, this server keeps at most that many bytes of its own writes in L3,
         # deleting the least recently used of them (written or read here) to make room; with
@@ -188,6 +202,13 @@ class RedisTier(StorageTier):
         except ERRORS:
             return False
 
+    def _key(self, key: ObjectKey) -> bytes:
+        return redis_key(key, self.identity_of(key.model) or "")
+
+    def run_script(self, script: str, keys: list[bytes], args: list[bytes | str]) -> Any:
+        """[worker] EVAL ``script`` (small records kept beside the objects: server.fleet)."""
+        return self._redis.eval(script, len(keys), *keys, *args)
+
     @property
     def _redis(self) -> Any:
         if self._client is None:  # a cluster never reached yet (the lane marks the tier down)
@@ -196,7 +217,7 @@ class RedisTier(StorageTier):
 
     def write_from(self, key: ObjectKey, header: bytes, payload: memoryview) -> int:
         """Store ``header + payload`` under the key in one atomic script (WRITE_SCRIPT)."""
-        final = redis_key(key)
+        final = self._key(key)
         size = len(header) + len(payload)
         owner = self.shares.owner(key) if self.shares is not None else None
         self._make_room(final, size, owner)
@@ -256,7 +277,7 @@ class RedisTier(StorageTier):
 
     def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
         """The fast read (:meth:`_read_fast`), or redis-py's GET where it cannot decide."""
-        rkey = redis_key(key)
+        rkey = self._key(key)
         found = self._read_fast(rkey, key, out, geometry, chunk_size) if self.fast_reads else FALLBACK
         if found is FALLBACK:
             found = self._read_plain(rkey, key, out, geometry, chunk_size)
@@ -290,7 +311,8 @@ class RedisTier(StorageTier):
         if getattr(pool, "cache", None) is not None:  # client-side caching: the pool's own reads only
             return FALLBACK
         shape = list(geometry.chunk_shape(chunk_size))
-        head = memoryview(bytearray(objfile.header_block_size(key, geometry.dtype, shape, nbytes)))
+        identity = geometry.digest(chunk_size)
+        head = memoryview(bytearray(objfile.header_block_size(key, geometry.dtype, shape, nbytes, identity)))
         digest = objfile.hasher()
         present = resp.receive(pool, rkey, head, out, digest.update)
         if present is None:
@@ -342,14 +364,14 @@ class RedisTier(StorageTier):
             return []
         pipe = self._redis.pipeline(transaction=False)
         for k in keys:
-            pipe.getrange(redis_key(k), 0, self.HEAD_BYTES - 1)
+            pipe.getrange(self._key(k), 0, self.HEAD_BYTES - 1)
         out = []
         for key, first in zip(keys, pipe.execute(), strict=True):
             if not first:
                 break
             try:
                 end = objfile.header_end(first)
-                block = first if end <= len(first) else self._redis.getrange(redis_key(key), 0, end - 1)
+                block = first if end <= len(first) else self._redis.getrange(self._key(key), 0, end - 1)
                 header, _ = objfile.decode_header(block)
             except CorruptObject:
                 break  # read_into will find and delete it
@@ -363,7 +385,7 @@ class RedisTier(StorageTier):
         the deletion raises (and the overwrite is refused) unless a replica of the key's shard
         has it too, or the cluster lists no replica for that shard. (Best effort, as Redis says of
         WAIT.)"""
-        final = redis_key(key)
+        final = self._key(key)
         if not self.cluster:
             self._redis.delete(final)
         else:

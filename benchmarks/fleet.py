@@ -14,7 +14,8 @@ Starts a local Redis Cluster (3 masters, 3 replicas: ``kvdock.testing.RedisClust
   through the server) retrieve random prompts in a loop, half of the time one of the last three
   overwritten, and classify every result;
 * at ``--kill-at`` of the run one cluster master is SIGKILLed (``--kill stream``: the one holding
-  the invalidation stream, ``other``: another, ``none``), and its replica takes over.
+  the invalidation stream, ``other``: another, ``none``), and its replica takes over; at
+  ``--rejoin-at`` the killed node is started again (empty) and becomes the new master's replica.
 
 Every read is checked afterwards against the writer's acknowledgements (monotonic clock, one for
 every process on the host):
@@ -25,13 +26,19 @@ every process on the host):
 * **stale after the bound**: a chunk older than a version acknowledged at least the bound before
   the read *started* (the guarantee of ``kvdock.storage.coherence``).
 
+An overwrite counts as *acked* when every chunk was stored, *partial* when the store returned
+without storing them all (``StoreResult``), *refused* when it raised. Partial and refused versions
+set no bound (only acked ones do).
+
 The *invalidation window* of an overwrite on a server: from its acknowledgement to the start of
 the first read of that prompt there after which the server served no older version (resolution:
-the gap between two reads, reported). Results are split by phase: before the kill, the failover
-(kill until the cluster is whole and every server vouches again), after. Exits 1 when any read is
-mixed, foreign or stale after the bound.
+the gap between two reads, reported). Results are split by phase (of a read's start, of an
+overwrite's acknowledgement): before the kill; failover (until the cluster is whole again and every
+server vouches); L3 down (until every server's L3 tier is up again: its probes back off); after
+(a shard without a replica); rejoined. Exits 1 when any read is mixed, foreign or stale after the
+bound.
 
-    python benchmarks/fleet.py                       # 75 s, 3 servers, kill the stream's master
+    python benchmarks/fleet.py                       # 90 s, 3 servers, kill the stream's master
     python benchmarks/fleet.py --seconds 20 --kill none
 """
 
@@ -114,7 +121,7 @@ def classify(got: torch.Tensor | None, p: int) -> tuple[int | str, ...] | None:
 
 
 def _wait_go(go: Any) -> tuple[float, float]:
-    while go[0] == 0.0:
+    while go[0] == 0.0 or time.monotonic() < go[0]:
         time.sleep(0.005)
     return go[0], go[1]
 
@@ -193,7 +200,7 @@ def analyze(writes: list[tuple], reads: dict[int, list[tuple]], bound: float, ph
     rows: dict[tuple[str, Any], dict[str, Any]] = defaultdict(lambda: defaultdict(int))
     bad: list[str] = []
     for s, recs in reads.items():
-        for t0, t1, p, res in recs:
+        for t0, t1, p, res, *_kind in recs:
             row, tot = rows[phase_of(t0), s], rows[phase_of(t0), "all"]
             for r in (row, tot):
                 r["reads"] += 1
@@ -236,15 +243,17 @@ def analyze(writes: list[tuple], reads: dict[int, list[tuple]], bound: float, ph
     for (s, t_ack), w in found.items():
         windows[phase_of(t_ack), s].append(w)
         windows[phase_of(t_ack), "all"].append(w)
+    latency: dict[tuple[str, Any], list[float]] = defaultdict(list)
     for _p, v, s, _t0, t1, outcome in writes:
         if v == 0:  # (the versions stored before the run are no overwrites)
             continue
         key = "acked" if outcome == "ok" else "partial" if outcome.startswith("partial") else "refused"
-        rows[phase_of(t1), s][key] += 1
-        rows[phase_of(t1), "all"][key] += 1
+        for who in (s, "all"):  # (the latency of every overwrite call, whatever its outcome)
+            rows[phase_of(t1), who][key] += 1
+            latency[phase_of(t1), who].append(t1 - _t0)
     reasons = sorted({o.split(":")[0] for *_, o in writes if o != "ok"})
-    return {"rows": rows, "windows": windows, "bad": bad, "gap_p50_ms": statistics.median(gaps) * 1e3 if gaps else None,
-            "refusals": reasons}  # fmt: skip
+    gap = statistics.median(gaps) * 1e3 if gaps else None
+    return {"rows": rows, "windows": windows, "latency": latency, "bad": bad, "gap_p50_ms": gap, "refusals": reasons}
 
 
 def _windows(
@@ -345,9 +354,16 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[list, dict[int, list], dic
             marks["cluster_ok"] = time.monotonic()
             RedisCluster._wait(lambda: fleet_is(servers, "vouched"), "every server to vouch after the failover", 60)
             marks["vouched"] = time.monotonic()
+            rejoin = marks["start"] + args.seconds * (args.rejoin_at if args.rejoin_at is not None else 1)
             with contextlib.suppress(RuntimeError):  # (the run may end first: its tier probes back off)
-                RedisCluster._wait(lambda: fleet_is(servers, "up"), "L3 up", go[1] - time.monotonic())
+                RedisCluster._wait(lambda: fleet_is(servers, "up"), "L3 up", rejoin - time.monotonic())
                 marks["l3_up"] = time.monotonic()
+            if args.rejoin_at is not None:  # the killed node again, empty: it becomes the new master's replica
+                time.sleep(max(0.0, rejoin - time.monotonic()))
+                marks["restart"] = time.monotonic()
+                cluster.start_node(victim)
+                cluster.wait_ok(timeout=60)
+                marks["rejoined"] = time.monotonic()
         for pr in procs:
             pr.join(timeout=args.seconds + 120)
             if pr.exitcode != 0:
@@ -355,8 +371,8 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[list, dict[int, list], dic
         writes += pickle.loads((tmp / "w.pkl").read_bytes())
         reads: dict[int, list] = defaultdict(list)
         for f in sorted(tmp.glob("r*.pkl")):
-            s, _kind, recs = pickle.loads(f.read_bytes())
-            reads[s] += recs
+            s, kind, recs = pickle.loads(f.read_bytes())
+            reads[s] += [(*r, kind) for r in recs]
         statuses = [s.get("/status")["tiers"] for s in servers]
         return writes, reads, marks, statuses
     finally:
@@ -376,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-disk", action="store_true", help="no L2 (default: a directory per server)")
     ap.add_argument("--kill", choices=("stream", "other", "none"), default="stream")
     ap.add_argument("--kill-at", type=float, default=0.3, help="fraction of the run")
+    ap.add_argument("--rejoin-at", type=float, default=0.65, help="restart the killed node then (fraction of the run)")
+    ap.add_argument("--no-rejoin", dest="rejoin_at", action="store_const", const=None)
     ap.add_argument("--read-pause-ms", type=float, default=2.0)
     ap.add_argument("--write-pause-ms", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=1)
@@ -394,10 +412,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.raw:
             args.raw.write_bytes(pickle.dumps((args, (load0, load1), (writes, reads, marks, statuses))))
     inf = float("inf")
-    kill, vouched, up = (marks.get(k, inf) for k in ("kill", "vouched", "l3_up"))
+    kill, vouched, up, rejoined = (marks.get(k, inf) for k in ("kill", "vouched", "l3_up", "rejoined"))
 
     def phase_of(t: float) -> str:
-        return "before" if t < kill else "failover" if t < vouched else "L3 down" if t < up else "after"
+        if t < kill or t < vouched:
+            return "before" if t < kill else "failover"
+        return "rejoined" if t >= rejoined else "L3 down" if t < up else "after"
 
     res = analyze(writes, reads, args.bound_ms / 1e3, phase_of)
     print(f"{args.servers} servers, Redis Cluster 3+3, bound {args.bound_ms:g} ms, {args.seconds:g} s, "
@@ -412,23 +432,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"killed the {args.kill} master at {kill - marks['start']:.1f} s; "
               f"cluster ok {later(marks['cluster_ok'])}, "
               f"every server vouching {later(vouched)}, L3 up on every server {later(up)}")  # fmt: skip
+    if "restart" in marks:
+        print(f"restarted the killed node {later(marks['restart'])}: the promoted master's replica "
+              f"{later(rejoined)}")  # fmt: skip
     cols = ["reads", "hits", "misses", "errors", "mixed", "foreign", "stale_after_bound", "stale_within_bound",
             "refused_served", "acked", "refused", "partial"]  # fmt: skip
-    print("| phase | server | " + " | ".join(cols) + " | window p50 ms | p99 ms | max ms |")
-    print("|---" * (len(cols) + 5) + "|")
+    print("| phase | server | " + " | ".join(cols) + " | overwrite p50 ms | window p50 ms | p99 ms | max ms |")
+    print("|---" * (len(cols) + 6) + "|")
     table = []
-    for ph in ("before", "failover", "L3 down", "after"):
+    for ph in ("before", "failover", "L3 down", "after", "rejoined"):
         for s in [*range(args.servers), "all"]:
             r = res["rows"].get((ph, s))
             if r is None:
                 continue
             w = [x * 1e3 for x in res["windows"].get((ph, s), [])]
-            table.append({"phase": ph, "server": s, **{c: r[c] for c in cols}, "window_p50_ms": pct(w, 0.5),
-                          "window_p99_ms": pct(w, 0.99), "window_max_ms": max(w, default=0)})  # fmt: skip
+            lat = pct([x * 1e3 for x in res["latency"].get((ph, s), [])], 0.5)
+            table.append({"phase": ph, "server": s, **{c: r[c] for c in cols}, "overwrite_p50_ms": lat,
+                          "window_p50_ms": pct(w, 0.5), "window_p99_ms": pct(w, 0.99),
+                          "window_max_ms": max(w, default=0)})  # fmt: skip
             print(f"| {ph} | {s} | " + " | ".join(str(r[c]) for c in cols) +
-                  f" | {pct(w, 0.5):.1f} | {pct(w, 0.99):.1f} | {max(w, default=0):.1f} |")  # fmt: skip
+                  f" | {lat:.1f} | {pct(w, 0.5):.1f} | {pct(w, 0.99):.1f} | {max(w, default=0):.1f} |")  # fmt: skip
     if res["gap_p50_ms"] is not None:
-        print(f"window resolution (median gap between the reads that close a window): {res['gap_p50_ms']:.1f} ms")
+        n = len(res["windows"].get(("before", "all"), []))
+        total = sum(len(w) for k, w in res["windows"].items() if k[1] == "all")
+        print(f"windows measured: {n} before the kill, {total} in all; resolution (median gap between the reads "
+              f"that close one): {res['gap_p50_ms']:.1f} ms")
     if res["refusals"]:
         print("overwrites not acknowledged: " + "; ".join(res["refusals"]))
     for i, t in enumerate(statuses):

@@ -49,8 +49,9 @@ def test_b_stops_serving_each_version_overwritten_through_a_within_the_bound(
         for v in range(1, OVERWRITES + 1):
             # B holds the version about to be replaced in its L1 (loaded from L3 once A wrote it down)
             wait_for(lambda v=v: _versions(kvd.retrieve(slow, tokens), kvs) == [v - 1] * 2, f"B to serve {v - 1}")
-            assert kvd.store(ca, kvs[v], tokens, overwrite=True)
+            stored = kvd.store_chunks(ca, kvs[v], tokens, overwrite=True)
             acked = time.monotonic()
+            assert stored == kvd.StoreResult(2, 0, 0, 0), f"overwrite {v} through A: {stored}"
             reads: list[tuple[float, list[int]]] = []
             while True:
                 t0 = time.monotonic()

@@ -16,6 +16,7 @@ from kvdock.layout import KVGeometry
 from kvdock.shm.pool import FlatMemory
 from kvdock.shm.slots import ALIGN, SlotAllocator
 from kvdock.storage import objfile
+from kvdock.storage.coherence import Coherence, PollResult
 from kvdock.storage.disk import DiskTier
 from kvdock.storage.lane import TierLane
 from kvdock.storage.manager import StorageManager
@@ -82,6 +83,7 @@ class World:
         redis_url: str | None = None,
         disk: bool = True,
         preloaded: int = 0,
+        coherent: bool = False,
     ) -> None:
         self.mem = bytearray(slots * ALIGN)
         self.l1 = L1Store(SlotAllocator(0, slots * ALIGN), memory=FlatMemory(memoryview(self.mem)))
@@ -89,7 +91,17 @@ class World:
         assert self.disk is None or self.disk.scan().loaded == preloaded
         self.redis = RedisTier(redis_url, timeout=2.0) if redis_url else None
         self.lanes = {t.name: TierLane(t, self.l1) for t in (self.disk, self.redis) if t is not None}
-        self.mgr = StorageManager(self.l1, 60.0, list(self.lanes.values()), geometry_of, CHUNK)
+        # the fleet's invalidations (a shared L3), on a clock of the test's own
+        self.now = 0.0
+        self.coherence: Coherence | None = None
+        if self.redis is not None and coherent:
+            redis = self.redis
+            self.coherence = Coherence(lambda: redis._redis, bound_s=0.1, clock=lambda: self.now)
+            redis.coherence = self.coherence
+            self.lanes["l3"].fence = self.coherence.fence
+        self.mgr = StorageManager(
+            self.l1, 60.0, list(self.lanes.values()), geometry_of, CHUNK, coherence=self.coherence
+        )
         self._sid = 0
 
     def check(self) -> None:
@@ -130,6 +142,17 @@ class World:
         n = self.mgr.commit_store("c", sid, [i for i, _ in plan.slots], ok)
         self.check()
         return n
+
+    async def sync(self) -> PollResult:
+        """Poll the fleet's invalidations once and apply them (as the server's follower does);
+        the server then vouches until ``now`` + the bound."""
+        assert self.coherence is not None
+        result = await asyncio.get_running_loop().run_in_executor(None, self.coherence.poll)
+        pending = self.mgr.apply(result)
+        self.coherence.vouch(result)
+        await asyncio.gather(*pending)
+        self.check()
+        return result
 
     async def drain(self) -> None:
         """Wait until every queued write-down finished."""

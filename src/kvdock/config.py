@@ -100,6 +100,7 @@ class ServerConfig:
     no_disk: bool = False
     redis_url: str = ""  # L3: one Redis, or a cluster (redis+cluster://H:P,H:P/); "" = off
     redis_max_bytes: int = 0  # bytes of this server's own writes kept in L3 (LRU); 0 = Redis' maxmemory decides
+    l3_coherence_ms: float = 100.0  # servers sharing L3 stop serving a version overwritten elsewhere within this
     admin_token: str = ""
     log_level: str = "INFO"
     kv_events_port: int = 0  # PUB socket of KV events (protocol/events.py); 0 = off
@@ -138,7 +139,7 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         _check_redis_url(self.redis_url)
-        for name in ("session_ttl", "client_ttl", "max_models", "max_request_tokens"):
+        for name in ("session_ttl", "client_ttl", "max_models", "max_request_tokens", "l3_coherence_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("port", "http_port", "kv_events_port"):

@@ -82,6 +82,11 @@ class NoRoom(KVDockError):
     """An object does not fit in a tier's budget (or the disk is full): its write is skipped."""
 
 
+class WriteFenced(KVDockError):
+    """L3 refused a write-down: an overwrite on some server replaced the object since it was
+    stored (kvdock.storage.coherence). The write is skipped; the object was a stale version."""
+
+
 class UnsupportedLayoutError(KVDockError, ValueError):
     """An engine's KV cache layout (engine, attention backend, layout, kernel variant, dtype) that
     no codec knows, or tensors that do not have the shape the codec expects."""

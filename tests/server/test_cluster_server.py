@@ -18,7 +18,12 @@ from kvdock.testing import RedisCluster
 
 
 def keys_per_master(cluster: RedisCluster) -> dict[int, int]:
-    return {p: int(redis_py.Redis(port=p).dbsize()) for p, role in cluster.roles().items() if role == "master"}
+    """The objects each master holds (not model records, nor the invalidation stream and its incarnation)."""
+
+    def objects(port: int) -> int:
+        return sum(1 for k in redis_py.Redis(port=port).scan_iter(b"kvdock:v2:{*") if b"{invalidations}" not in k)
+
+    return {p: objects(p) for p, role in cluster.roles().items() if role == "master"}
 
 
 def prompt(i: int) -> list[int]:

@@ -14,7 +14,7 @@ import torch
 
 import kvdock.sdk as kvd
 from helpers import CHUNK, RedisProc, ServerProc, make_tokens, wait_for, wait_written
-from kvdock.errors import ServerError, UnknownModelError
+from kvdock.errors import KVCacheSDKError, ServerError, UnknownModelError
 
 NAME = "m"
 DTYPE = torch.bfloat16
@@ -101,7 +101,8 @@ def test_objects_of_another_geometry_in_the_shared_l3_are_never_read(make_server
     assert hit == 2 * CHUNK and got is not None and torch.equal(got, mine)
     hit, got = reads(a, tokens)  # A still has its own, from its L1 and its namespace in L3
     assert hit == 2 * CHUNK and got is not None and torch.equal(got, kv_of(2 * CHUNK, 2))
-    assert len(raw.keys(b"kvdock:v2:{*")) == 4  # two namespaces of two chunks
+    objects = [k for k in raw.keys(b"kvdock:v2:{*") if b"{invalidations}" not in k]
+    assert len(objects) == 4  # two namespaces of two chunks (beside the fleet's invalidations)
 
 
 def test_engines_sharded_otherwise_on_another_server_share_the_fleets_shards(
@@ -227,3 +228,21 @@ def test_a_registration_that_could_not_be_saved_is_saved_later(make_server, tmp_
     again = make_server("--disk-dir", str(disk), register=None)
     for name in (NAME, "second", "third"):
         assert kvd.describe_server(again.url, name, timeout=10).layout is not None, name
+
+
+def test_a_context_never_follows_its_name_to_another_model_after_a_restart(make_server, tmp_path: Path) -> None:
+    """A context registers again by itself after a server restart; if the name is another model's
+    by then (same shapes, another fingerprint), it refuses instead of reading that model's KV."""
+    srv = make_server(register=None)
+    register(srv, SPLIT_A, fingerprint="x:first")
+    tokens = make_tokens(2 * CHUNK, start=23)
+    with kvd.connect(srv.url, srv.http_url, NAME, timeout=10) as ctx:
+        assert kvd.store(ctx, kv_of(2 * CHUNK, 9), tokens)
+        srv.stop()
+        again = make_server(register=None, port=srv.port, http_port=srv.http_port)
+        register(again, SPLIT_A, fingerprint="x:second")
+        store(again, tokens, seed=10)  # the other model's KV under the same tokens
+        with pytest.raises(KVCacheSDKError, match=r"restarted with another model under 'm': fingerprint x:second"):
+            kvd.retrieve(ctx, tokens)
+    with kvd.connect(again.url, again.http_url, NAME, timeout=10) as ctx:  # a new context is the new model's
+        assert ctx.layout.fingerprint == "x:second"

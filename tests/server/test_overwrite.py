@@ -254,12 +254,6 @@ def test_a_plain_store_never_replaces_a_chunk_that_only_l2_holds(make_server, tm
         assert (stored, got) == (False, [2, 2]), f"store returned {stored}; versions now {got}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an overwrite deletes the older version from the shared L3, but another server that "
-    "stored that version earlier still has its write-down queued: it lands after the deletion "
-    "and the overwriting server later loads the old version back from L3",
-)
 def test_an_overwrite_is_not_undone_by_another_servers_queued_write_down(make_server, redis_server) -> None:
     s1 = make_server("--redis-url", redis_server.url)
     s2 = make_server("--redis-url", redis_server.url)

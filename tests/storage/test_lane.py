@@ -204,11 +204,11 @@ def test_a_delete_lands_after_the_older_write(tmp_path: Path, slow: str) -> None
             w.disk.fault_write_delay_s = 0.3  # the write of v1 is in progress when the delete is queued
             w.store([K(1)])
             await until(lambda: w.disk is not None and w.disk.used_bytes > 0)  # its bytes are promised
-        deleted = lane.delete(K(1))
+        deleted = lane.delete([K(1)])
         assert not deleted.done()
         if gate is not None:
             gate.set()
-        assert await asyncio.wait_for(deleted, 10) is True
+        assert await asyncio.wait_for(deleted, 10) == 0
         assert not w.disk.knows(K(1)) and not w.disk.path_for(K(1)).exists()
         await w.drain()
         assert not w.disk.path_for(K(1)).exists() and not w.disk.knows(K(1))
@@ -261,11 +261,11 @@ def test_delete_on_a_down_redis_resolves_false(
         redis_server.stop()
         # the tier still counts as up: the deletion runs, fails, and marks it down
         with caplog.at_level(logging.ERROR, "kvdock.storage.lane"):
-            assert await asyncio.wait_for(lane.delete(K(1)), 10) is False
+            assert await asyncio.wait_for(lane.delete([K(1)]), 10) is None
         assert "l3: delete failed: Error 111 connecting" in caplog.text
         assert not w.redis.up() and lane.counters.deletes == 0
         # known to be down: answered False at its turn, without trying
-        assert await asyncio.wait_for(lane.delete(K(2)), 10) is False
+        assert await asyncio.wait_for(lane.delete([K(2)]), 10) is None
         assert lane.idle and lane.counters.deletes == 0
         w.check()
 

@@ -1325,38 +1325,6 @@ def test_overwrite_committing_a_subset_leaves_no_mixed_prefix(tmp_path: Path) ->
     run(tmp_path, body)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="stale KV after an acknowledged overwrite: L3 is shared by servers, and another server's write-down "
-    "of the older version (queued before) lands in Redis after this server's overwrite deleted it; the version "
-    "chain cannot tell, as a first chunk's parent is always 0",
-)
-def test_shared_l3_never_brings_back_the_version_an_overwrite_replaced(tmp_path: Path, redis_server: RedisProc) -> None:
-    A = WK(1)
-
-    async def main() -> None:
-        host1 = World(tmp_path / "h1", redis_url=redis_server.url, disk=False)
-        host2 = World(tmp_path / "h2", redis_url=redis_server.url, disk=False)
-        try:
-            gate = host1.block("l3")  # host 1's Redis writer is slow
-            host1.store([A], version=0)  # acknowledged on host 1; its write-down is queued
-            assert await host2.store_async([A], version=1, overwrite=True) == 1  # acknowledged on host 2
-            await host2.drain()
-            gate.set()
-            await host1.drain()
-            host2.evict_l1([A])
-            session = await host2.prefetch("r", [A])
-            got = [bytes(host2.l1.view(o)) for o in session.pinned]
-            host2.mgr.end_session("c", "r")
-            assert got != [payload(A, 0)], "host 2 serves the version its acknowledged overwrite replaced"
-        finally:
-            host1.mgr.close()
-            host2.mgr.close()
-
-    asyncio.run(main())
-
-
 def test_reap_quarantine_keeps_a_live_writer_when_proc_is_unreadable(
     h: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,8 +24,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     names = (
         "host http_host port http_port chunk_size l1_size session_ttl client_ttl max_models max_request_tokens "
-        "admin_token log_level disk_dir disk_size redis_url redis_max_bytes kv_events_port curve_secret_key "
-        "curve_authorized_dir tenants"
+        "admin_token log_level disk_dir disk_size redis_url redis_max_bytes l3_coherence_ms kv_events_port "
+        "curve_secret_key curve_authorized_dir tenants"
     )
     cli: dict[str, object] = {k: getattr(args, k) for k in names.split()}
     cli["no_shm"] = True if args.no_shm else None
@@ -310,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--redis-max-bytes",
         help="L3 budget of this server's own writes, e.g. 50GiB: past it, its least recently used are deleted",
+    )
+    s.add_argument(
+        "--l3-coherence-ms",
+        type=float,
+        help="with an L3: within this many ms of an overwrite acknowledged by any server sharing it, no server "
+        "serves the replaced version (it answers misses while it cannot tell; default 100)",
     )
     s.add_argument("--kv-events-port", type=int, help="publish KV events (chunks stored / removed) on this port")
     s.add_argument(

@@ -4,6 +4,7 @@ here listens or serves: :mod:`kvdock.server.launch` does, on the state built her
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from pathlib import Path
@@ -29,6 +30,7 @@ from kvdock.shm import cleanup_stale
 from kvdock.shm.directory import Directory
 from kvdock.shm.pool import Pool
 from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane, tier_factory
+from kvdock.storage.coherence import Coherence, follow, load_position
 from kvdock.storage.shares import Shares, check_fits
 from kvdock.transport import listener
 from kvdock.transport.curve import ServerCurve
@@ -104,7 +106,13 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
         directories = {r: Directory(s, complete) for r, s in pool.shared_segments().items() if s.directory_entries}
         l1 = L1Store(pool.allocator, watcher=events, memory=pool, directories=directories, shares=l1_shares)
         lanes = [TierLane(t, l1) for t in (disk, redis) if t is not None]
-        manager = StorageManager(l1, config.session_ttl, lanes, registry.geometry_of, registry.chunk_size)
+        coherence = _coherence(config, redis, disk, lanes)
+        manager = StorageManager(
+            l1, config.session_ttl, lanes, registry.geometry_of, registry.chunk_size, coherence=coherence
+        )
+        if coherence is not None:  # fast readers too wait for the first poll
+            for segment in pool.shared_segments().values():
+                segment.set_valid_until_ns(0)
     except BaseException:
         for lane in lanes:
             lane.close()
@@ -116,6 +124,57 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
     state = ServerState(config.chunk_size, pool, manager, registry, metrics, events=events, tenants=tenants)
     metrics.watch_tiers(manager)
     return state
+
+
+def _coherence(
+    config: ServerConfig, redis: RedisTier | None, disk: DiskTier | None, lanes: list[TierLane]
+) -> Coherence | None:
+    """With an L3, the fleet's invalidation stream (storage.coherence), starting from the position
+    kept beside L2; an L2 that kept none (it ran without that L3) cannot tell which of its objects
+    an overwrite elsewhere replaced: it is cleared."""
+    if redis is None:
+        return None
+    coherence = Coherence(lambda: redis._redis, bound_s=config.l3_coherence_ms / 1000)
+    redis.coherence = coherence
+    for lane in lanes:
+        if lane.tier is redis:
+            lane.fence = coherence.fence
+    if disk is not None:
+        saved = load_position(disk.root)
+        if saved is not None:
+            coherence.position, coherence.consumed, coherence.incarnation = saved
+            coherence.resume = True
+        elif len(disk):
+            n = disk.clear()
+            log.warning(
+                "L2 %s: %d object(s) cleared: it kept no position in the L3's invalidations, so any of them "
+                "may have been overwritten through another server",
+                disk.root,
+                n,
+            )
+    return coherence
+
+
+async def follow_fleet(state: ServerState) -> None:
+    """Apply the fleet's invalidations for as long as the server runs (nothing without an L3)."""
+    manager, coherence = state.manager, state.manager.coherence
+    if coherence is None:
+        return
+    redis = next(lane.tier for lane in manager.lanes if lane.name == "l3")
+    disk = next((lane.tier for lane in manager.lanes if isinstance(lane.tier, DiskTier)), None)
+    segments = list(state.pool.shared_segments().values())
+
+    def vouch(until: float) -> None:
+        for segment in segments:
+            segment.set_valid_until_ns(int(until * 1e9))
+
+    try:
+        await follow(coherence, manager.apply, redis.failed, vouch, disk.root if disk is not None else None)
+    except asyncio.CancelledError:
+        raise
+    except BaseException:  # never silently: without it the server answers misses for good
+        log.exception("coherence: following the fleet's invalidations stopped; L1 and L2 are not served")
+        raise
 
 
 def _open_events(config: ServerConfig, curve: ServerCurve | None, tenants: Tenants | None) -> EventPublisher | None:

@@ -16,6 +16,7 @@ from kvdock.server import retrieval as r
 from kvdock.server import shards as sh
 from kvdock.server import storing as st
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
+from kvdock.storage.coherence import until_vouched
 
 Handler = Callable[[ServerState, Any, Payload], Outcome]
 
@@ -79,12 +80,29 @@ def handle(state: ServerState, req: Any, payload: Payload, key: bytes = b"") -> 
         else:
             client = access.check(state, req, key)
             table = SHARDED if client is not None and client.sharded else HANDLERS
-            out = table[type(req)](state, req, payload)
+            if type(req) in READS and not state.manager.vouched():
+                out = _when_vouched(state, table[type(req)], req, payload)
+            else:
+                out = table[type(req)](state, req, payload)
     except EXPECTED as e:
         return error_reply(state, e)
     if inspect.isawaitable(out):
         return _guard(state, out)
     return out
+
+
+# the reads that answer from L1 and L2: while the server cannot vouch that it applied the fleet's
+# latest overwrites (kvdock.storage.coherence), they wait for it a little, then answer from L3 only
+READS = {m.Lookup, m.PrepareRetrieve, m.LookupMany, m.PrepareRetrieveMany}
+VOUCH_WAIT_BOUNDS = 10  # how long they wait, in coherence bounds
+
+
+async def _when_vouched(state: ServerState, handler: Handler, req: Any, payload: Payload) -> Reply:
+    coherence = state.manager.coherence
+    if coherence is not None:
+        await until_vouched(coherence, VOUCH_WAIT_BOUNDS * coherence.bound_s)
+    out = handler(state, req, payload)
+    return await out if inspect.isawaitable(out) else out
 
 
 async def _guard(state: ServerState, pending: Awaitable[Reply]) -> Reply:

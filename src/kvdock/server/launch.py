@@ -21,7 +21,7 @@ from kvdock.errors import ConfigError, ProtocolError
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import ErrorCode, decode_request, encode
 from kvdock.protocol.messages import UNANSWERED, Error, PrepareRetrieve, PrepareRetrieveMany
-from kvdock.server.build import build_state, server_curve
+from kvdock.server.build import build_state, follow_fleet, server_curve
 from kvdock.server.dispatch import handle
 from kvdock.server.events import FLUSH_S, advertised_url
 from kvdock.server.http import make_app, request_logger
@@ -282,6 +282,7 @@ async def _run(
         tasks = [
             asyncio.create_task(_reap(state, config.session_ttl)),
             asyncio.create_task(_probe(state)),
+            asyncio.create_task(follow_fleet(state)),  # an L3's invalidations (nothing without one)
         ]
         if config.kv_events_url:
             tasks.append(asyncio.create_task(_publish_events(state, advertised_url(config))))

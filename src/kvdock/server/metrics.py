@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from kvdock.server.registry import Registry
 from kvdock.storage import StorageManager, TierCounters
+from kvdock.storage.coherence import CoherenceCounters
 
 # the *_created series double the output and nobody graphs them
 disable_created_metrics()
@@ -75,6 +76,17 @@ _HELP = {
     "writes_skipped": "Objects not written down (tier down, no room, or evicted from L1 before their turn)",
     "corrupted": "Torn or corrupted objects found in the tier (deleted, never returned)",
     "deletes": "Older versions deleted from the tier for an overwrite",
+    "fenced": "Write-downs the tier refused as stale (an overwrite on another server replaced them)",
+}
+
+_COHERENCE_HELP = {
+    "polls": "Polls of the L3 invalidation stream",
+    "poll_errors": "Polls of the L3 invalidation stream that failed",
+    "entries": "Invalidations applied (overwrites on any server sharing the L3)",
+    "dropped": "L1 objects dropped by invalidations",
+    "full_drops": "Gaps in the invalidation stream: every L1 and L2 object dropped",
+    "lapses": "Times this server stopped vouching for L1/L2 (its poll came later than the bound)",
+    "published": "Invalidations this server appended (its overwrites, two each)",
 }
 
 
@@ -125,3 +137,12 @@ class _TierCollector(Collector):
         )
         quarantined.add_metric([], self.manager.sessions.quarantined_bytes())
         yield from (*gauges.values(), backlog, quarantined)
+        coherence = self.manager.coherence
+        if coherence is not None:
+            vouched = GaugeMetricFamily("kvdock_coherence_vouched", "1 while L1/L2 are served (coherence bound)")
+            vouched.add_metric([], float(coherence.vouched()))
+            yield vouched
+            for f in fields(CoherenceCounters):
+                fam = CounterMetricFamily(f"kvdock_coherence_{f.name}", _COHERENCE_HELP[f.name])
+                fam.add_metric([], getattr(coherence.counters, f.name))
+                yield fam

@@ -222,7 +222,7 @@ class DiskTier(StorageTier):
             self.counters.corrupted += 1
             log.warning("L2: %s is corrupted (%s); deleted", entry.path, err)
 
-    def write_from(self, key: ObjectKey, header: bytes, payload: memoryview) -> int:
+    def write_from(self, key: ObjectKey, header: bytes, payload: memoryview, fence: object = None) -> int:
         size = len(header) + len(payload)
         path = self.path_for(key)
         decoded, _ = objfile.decode_header(header)

@@ -26,10 +26,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvdock.errors import NoRoom
+from kvdock.errors import NoRoom, WriteFenced
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.storage import objfile
+from kvdock.storage.coherence import Fence
 from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.tier import Head, StorageTier
 
@@ -70,6 +71,7 @@ class _Call:
     fn: Callable[[], Any]
     done: asyncio.Future[Any]
     default: Any  # the result when the tier is down or the call fails
+    count: int = 1  # what it counts in ``deletes``: the keys a deletion removes
 
 
 class TierLane:
@@ -85,6 +87,8 @@ class TierLane:
         self._busy: _Write | _Call | None = None
         self.pinned: L1Object | None = None  # what the writer copies now
         self._loop: asyncio.AbstractEventLoop | None = None
+        # a shared tier's fence for each write-down (kvdock.storage.coherence), given its epoch
+        self.fence: Callable[[int], Fence] | None = None
         self.dropped_down = 0  # write-downs dropped because the tier was down (also in writes_skipped)
         self.dropped_down_bytes = 0
 
@@ -129,17 +133,14 @@ class TierLane:
         self._queue.append(_Write(obj, header, view))
         self._pump()
 
-    def delete(self, key: ObjectKey) -> asyncio.Future[bool]:
-        """Queue a durable deletion of ``key``; the future says True once done, False if the tier
-        could not be reached (then the object may still be there)."""
-        done: asyncio.Future[bool] = self._get_loop().create_future()
-        self._queue.append(_Call("delete", functools.partial(self._delete, key), done, False))
+    def delete(self, keys: list[ObjectKey]) -> asyncio.Future[int | None]:
+        """Queue a durable deletion of ``keys`` (an overwrite's, :meth:`StorageTier.delete_keys`);
+        the future gives the epoch the tier names for the new versions once done, None if the
+        tier could not be reached (then the objects may still be there)."""
+        done: asyncio.Future[int | None] = self._get_loop().create_future()
+        self._queue.append(_Call("delete", functools.partial(self.tier.delete_keys, keys), done, None, len(keys)))
         self._pump()
         return done
-
-    def _delete(self, key: ObjectKey) -> bool:
-        self.tier.delete(key)
-        return True
 
     def _get_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -167,7 +168,12 @@ class TierLane:
 
     def _write_job(self, job: _Write) -> tuple[int, float]:
         t0 = time.perf_counter()
-        size = self.tier.write_from(job.obj.key, job.header.get(), job.view)
+        # the fence is read before the liveness check: an invalidation drops the object first,
+        # then advances the position (kvdock.storage.coherence)
+        fence = self.fence(job.obj.epoch) if self.fence is not None else None
+        if fence is not None and not job.obj.live:
+            raise WriteFenced("the object was invalidated before its write-down")
+        size = self.tier.write_from(job.obj.key, job.header.get(), job.view, fence)
         return size, time.perf_counter() - t0
 
     def _start(self, job: _Write | _Call, fn: Callable[..., Any], *args: Any) -> None:
@@ -187,7 +193,7 @@ class TierLane:
                 self.counters.writes += 1
                 self.counters.bytes_written += size
                 self.counters.write_seconds += seconds
-            elif isinstance(err, NoRoom):
+            elif isinstance(err, (NoRoom, WriteFenced)):
                 self.counters.writes_skipped += 1
             else:
                 self.counters.write_errors += 1
@@ -195,7 +201,7 @@ class TierLane:
                 log.error("%s: write-down of %s failed: %s", self.name, job.obj.key.chunk.hex()[:16], err)
         else:
             if err is None and job.what == "delete":
-                self.counters.deletes += 1
+                self.counters.deletes += job.count
             if err is not None:
                 self.tier.failed(err)
                 log.error("%s: %s failed: %s", self.name, job.what, err)

@@ -32,13 +32,14 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvdock.errors import RequestError, SessionError
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.protocol.codes import ErrorCode
+from kvdock.storage.coherence import Coherence, PollResult
 from kvdock.storage.drain import drain_lanes
 from kvdock.storage.lane import SharedHeader, TierLane
 from kvdock.storage.memory import L1Object, L1Store
@@ -46,6 +47,11 @@ from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
 from kvdock.storage.tier import Head
 
 __all__ = ["Chain", "Placement", "PrefetchJob", "StorageManager", "StorePlan"]
+
+SUPERSEDED = -1  # the epoch of a store reservation an invalidation came after: never committed
+OVERWRITING = 1 << 63  # the epoch of an overwrite's reservation until its commit: never superseded
+
+Deletion = asyncio.Future[int | None]  # a lane's deletion: the epoch it names, None if not done
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +102,11 @@ class StorageManager:
         geometry_of: Callable[[str], KVGeometry | None] = lambda model: None,
         chunk_size: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        coherence: Coherence | None = None,
     ) -> None:
         self.l1 = l1
+        # the fleet's invalidations (a shared L3): L1 and L2 are read only while it vouches
+        self.coherence = coherence
         self.sessions = SessionTable(l1, session_ttl, clock)
         self.lanes = lanes or []
         # the registry's answer: a model's geometry; with chunk_size, what a stored chunk holds
@@ -106,6 +115,7 @@ class StorageManager:
         self._loading: set[L1Object] = set()
         self._load_waits: dict[ObjectKey, asyncio.Future[None]] = {}
         self._deleting: dict[ObjectKey, int] = {}  # key -> deletions in flight
+        self._clearing = 0  # L2 clears in flight for gaps in the fleet's invalidations
 
     @property
     def session_count(self) -> int:
@@ -122,8 +132,23 @@ class StorageManager:
         run = self._l1_run(keys)
         return Chain(len(run), run[-1].version if run else 0)
 
+    def vouched(self) -> bool:
+        """Whether L1 and L2 may be read: always, unless servers share an L3 and this one has not
+        applied every overwrite acknowledged more than the bound ago (storage.coherence)."""
+        return self.coherence is None or self.coherence.vouched()
+
+    def _epoch(self) -> int:
+        return self.coherence.position if self.coherence is not None else 0
+
+    def _readable(self) -> list[TierLane]:
+        """The lower tiers reads may use now: those up, less this host's own (L2) while a gap in
+        the fleet's invalidations has it cleared (storage.coherence)."""
+        return [lane for lane in self.lanes if lane.tier.up() and not (lane.tier.indexed and self._clearing)]
+
     def _l1_run(self, keys: list[ObjectKey]) -> list[L1Object]:
         run: list[L1Object] = []
+        if not self.vouched():
+            return run
         parent = 0
         for key in keys:
             obj = self.l1.get(key)
@@ -142,10 +167,12 @@ class StorageManager:
 
     async def chain(self, keys: list[ObjectKey], start: Chain) -> Chain:
         """:meth:`count`, with the version of the run's last chunk."""
+        if not self.vouched():
+            return Chain(0, 0)
         n, parent = start.count, start.parent
         remote: list[Head] | None = None  # heads from the tiers without an index, fetched once
         remote_at = n
-        lanes = [lane for lane in self.lanes if lane.tier.up()]
+        lanes = self._readable()
         while n < len(keys):
             key = keys[n]
             obj = self.l1.get(key)
@@ -261,9 +288,12 @@ class StorageManager:
                     self.l1.remove(key)  # it will not be rewritten: its old version must not stay
             else:
                 obj.version, obj.parent = new_version(), parent
+                # what it was decided against: apply supersedes a plain store's reservation older than
+                # an invalidation; an overwrite's is the new version (its epoch is set at the commit)
+                obj.epoch = OVERWRITING if overwrite else self._epoch()
                 parent = obj.version
                 slots.append((i, obj))
-        deletes = [self._delete_everywhere(key) for key in replaced]
+        deletes = self._delete_everywhere(replaced) if replaced else []
         if slots or open_empty:
             self.sessions.open(
                 client_id,
@@ -272,7 +302,7 @@ class StorageManager:
                 pinned=kept,
                 writer=writer,
                 overwrite=overwrite,
-                deletes=[d for lane_deletes in deletes for d in lane_deletes],
+                deletes=deletes,
             )
         else:
             for obj in kept:
@@ -282,7 +312,7 @@ class StorageManager:
     def _lower_head(self, key: ObjectKey, parent: int, below: dict[ObjectKey, Head] | None) -> Head | None:
         """The head of ``key`` in a lower tier if it continues ``parent``'s chain: from an indexed
         tier's index (L2), or from ``below`` (heads already read from the others)."""
-        heads = [lane.tier.knows(key) for lane in self.lanes if lane.tier.indexed and lane.tier.up()]
+        heads = [lane.tier.knows(key) for lane in self._readable() if lane.tier.indexed]
         heads.append((below or {}).get(key))
         return next((h for h in heads if h is not None and h.parent == parent), None)
 
@@ -305,17 +335,21 @@ class StorageManager:
         pending = self.l1.reservation(key)
         return pending is not None and pending not in self._loading
 
-    def _delete_everywhere(self, key: ObjectKey) -> list[asyncio.Future[bool]]:
-        futures = [lane.delete(key) for lane in self.lanes]
+    def _delete_everywhere(self, keys: list[ObjectKey], lanes: list[TierLane] | None = None) -> list[Deletion]:
+        """Queue the deletion of ``keys`` in every lane (or those given); none of them is counted
+        by lookups nor loaded from a lower tier until it is done."""
+        futures = [lane.delete(keys) for lane in (self.lanes if lanes is None else lanes)]
         for fut in futures:
-            self._deleting[key] = self._deleting.get(key, 0) + 1
-            fut.add_done_callback(functools.partial(self._deleted, key))
+            for key in keys:
+                self._deleting[key] = self._deleting.get(key, 0) + 1
+            fut.add_done_callback(functools.partial(self._deleted, keys))
         return futures
 
-    def _deleted(self, key: ObjectKey, _fut: object) -> None:
-        n = self._deleting.pop(key) - 1
-        if n:
-            self._deleting[key] = n
+    def _deleted(self, keys: list[ObjectKey], _fut: object) -> None:
+        for key in keys:
+            n = self._deleting.pop(key) - 1
+            if n:
+                self._deleting[key] = n
 
     def reservations(self, client_id: str, session_id: str, indexes: list[int]) -> list[L1Object]:
         """The reserved objects for chunk ``indexes`` of a store session (renews its lease).
@@ -343,7 +377,7 @@ class StorageManager:
             results = await asyncio.gather(*session.deletes)
         finally:
             self.unhold(session)
-        return all(results)
+        return all(r is not None for r in results)
 
     def commit_store(self, client_id: str, session_id: str, indexes: list[int], deletes_ok: bool = True) -> int:
         """Make the listed chunks READY (and queue their write-down), drop the session's other
@@ -363,11 +397,18 @@ class StorageManager:
                 ErrorCode.TIER_UNAVAILABLE,
             )
         committed = set(indexes)
+        # an overwrite's versions carry its own invalidation's position; others what is applied
+        epoch = max([self._epoch()] + [d.result() or 0 for d in session.deletes])
         if session.overwrite:  # chunks reserved but not committed must not keep their old version
             for i, obj in session.reserved.items():
                 if i not in committed:
                     self.l1.remove(obj.key)
+        superseded = [obj for obj in objs if obj.epoch == SUPERSEDED]
+        for obj in superseded:  # an overwrite elsewhere came after it was prepared: ordered before it
+            self.l1.abort(obj)
+        objs = [obj for obj in objs if obj.epoch != SUPERSEDED]
         for obj in objs:
+            obj.epoch = epoch
             self.l1.commit(obj)
         self._write_down(objs)
         session.reserved = {i: o for i, o in session.reserved.items() if i not in committed}
@@ -427,7 +468,9 @@ class StorageManager:
 
     async def _load(self, key: ObjectKey, parent: int) -> L1Object | None:
         """The READY L1 object for ``key`` whose predecessor is version ``parent``, promoted from
-        a lower tier if L1 has no such version; None on a miss."""
+        a lower tier if L1 has no such version; None on a miss (always, while not vouched)."""
+        if not self.vouched():
+            return None
         while not self._chains(obj := self.l1.get(key), parent) and key in self._load_waits:
             await asyncio.shield(self._load_waits[key])  # someone else is loading it
         if obj is not None and obj.parent == parent:
@@ -436,13 +479,14 @@ class StorageManager:
         lanes = [
             lane
             for lane in self.lanes
-            if lane.tier.up() and (not lane.tier.indexed or self._chains(lane.tier.knows(key), parent))
+            if lane in self._readable() and (not lane.tier.indexed or self._chains(lane.tier.knows(key), parent))
         ]
         if geo is None or not lanes or key in self._deleting or self.l1.is_reserved(key):
             return None
         slot = self.l1.reserve(key, geo.chunk_nbytes(self.chunk_size))
         if slot is None:
             return None
+        slot.epoch = self._epoch()  # what was applied before the read starts (storage.coherence)
         self._loading.add(slot)
         self._load_waits[key] = done = asyncio.get_running_loop().create_future()
         ok = False
@@ -474,6 +518,59 @@ class StorageManager:
         n = len(self.sessions.get(client_id, session_id).pinned)
         self.end_session(client_id, session_id)
         return n
+
+    # --- the fleet's invalidations (storage.coherence) ----------------------------------------
+
+    def apply(self, result: PollResult) -> list[Awaitable[object]]:
+        """Apply one poll of the invalidation stream: for each entry's keys, drop the L1 object
+        older than the entry, supersede a load or a store reservation of it made before (a store
+        is then not committed: it is ordered before the overwrite), and delete the key from L2
+        (unless the entry is this server's own overwrite, which deleted it there already and
+        whose reservations are the new version). A gap (entries lost) drops all of L1 and clears
+        L2, which no read uses until that is done. Then the coherence advances (the caller
+        vouches). Returns L2's deletions."""
+        coh = self.coherence
+        assert coh is not None
+        local = [lane for lane in self.lanes if lane.tier.indexed]  # this host's own tiers (L2)
+        pending: list[Awaitable[object]] = []
+        if result.lost:
+            coh.counters.full_drops += 1
+            dropped = self.l1.clear()
+            coh.counters.dropped += dropped
+            for slot in list(self._loading):
+                if self.l1.reservation(slot.key) is slot:
+                    self.l1.detach(slot)
+            log.warning(
+                "coherence: invalidations were lost (L3 trimmed or lost its stream past this server's "
+                "position): dropped %d L1 object(s) and every L2 object",
+                dropped,
+            )
+            for lane in local:
+                self._clearing += 1
+                task = asyncio.ensure_future(lane.clear())
+                task.add_done_callback(self._cleared)
+                pending.append(task)
+        for entry in result.entries:
+            own = coh.is_own(entry.position)
+            for key in entry.keys:
+                obj = self.l1.get(key)
+                if obj is not None and obj.epoch < entry.position:
+                    self.l1.remove(key)
+                    coh.counters.dropped += 1
+                reserved = self.l1.reservation(key)
+                if reserved is None or reserved.epoch >= entry.position or reserved.epoch == SUPERSEDED:
+                    continue
+                if reserved in self._loading:
+                    self.l1.detach(reserved)  # its bytes may be the replaced version: thrown away
+                elif not own:
+                    reserved.epoch = SUPERSEDED
+            if local and entry.keys and not own:
+                pending += self._delete_everywhere(entry.keys, local)
+        coh.applied(result)
+        return pending
+
+    def _cleared(self, _task: object) -> None:
+        self._clearing -= 1
 
     # --- session ends (the session table releases what they hold) ----------------------------
 

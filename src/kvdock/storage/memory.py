@@ -45,6 +45,7 @@ class L1Object:
     live: bool = True
     version: int = 0  # unique per stored version (see kvdock.storage.manager: the version chain)
     parent: int = 0  # the version of the previous chunk of its prefix when stored; 0 for the first
+    epoch: int = 0  # the fleet's invalidations its server knew of when it became READY (storage.coherence)
     entry: int = -1  # while READY: its directory entry (-1: none, or no room there)
     region: str | None = None  # the pool region its slot is in (a tenant's, or None: the shared rest)
 

@@ -15,6 +15,7 @@ event loop, so it is guarded by a lock.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
@@ -29,10 +30,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvdock.config import CLUSTER_SCHEMES, parse_cluster_url
-from kvdock.errors import CorruptObject, NoRoom
+from kvdock.errors import CorruptObject, NoRoom, WriteFenced
 from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
-from kvdock.storage import objfile, resp
+from kvdock.storage import coherence, objfile, resp
+from kvdock.storage.coherence import DELETE_SCRIPT, Coherence, Fence
 from kvdock.storage.shares import Shares
 from kvdock.storage.tier import Head, StorageTier, TierCounters, tier_kind
 
@@ -77,11 +79,17 @@ def make_client(url: str, timeout: float) -> Any:
 
 
 def redis_key(key: ObjectKey, identity: str = "") -> bytes:
-    """``kvdock:v2:{<namespace>:<chunk hex>}``: the braces are a Redis Cluster hash tag (companion
-    keys of an object share its slot). The namespace covers the geometry digest ``identity`` the
-    object is written under (:func:`kvdock.keys.storage_namespace`)."""
+    """``kvdock:v2:{<namespace>:<chunk hex>}``: the braces are a Redis Cluster hash tag, so that the
+    object's floor (:func:`floor_key`) lives in the same hash slot (one script reads both). The
+    namespace covers the geometry digest ``identity`` the object is written under
+    (:func:`kvdock.keys.storage_namespace`)."""
     ns = storage_namespace(key.model, key.rank, key.salt, identity)
     return f"kvdock:v2:{{{ns}:{key.chunk.hex()}}}".encode()
+
+
+def floor_key(rkey: bytes) -> bytes:
+    """The key of an object's floor (kvdock.storage.coherence: fenced writes)."""
+    return rkey + b":f"
 
 
 class _Written(NamedTuple):
@@ -129,6 +137,7 @@ class RedisTier(StorageTier):
         self.last_error = ""
         self._backoff = 1.0
         self._retry_at = 0.0
+        self.coherence: Coherence | None = None  # the fleet's invalidations (set by the server)
 
     @property
     def display_url(self) -> str:
@@ -215,13 +224,21 @@ class RedisTier(StorageTier):
             raise redis_py.ConnectionError(f"the cluster {self.display_url} has not been reached yet")
         return self._client
 
-    def write_from(self, key: ObjectKey, header: bytes, payload: memoryview) -> int:
-        """Store ``header + payload`` under the key in one atomic script (WRITE_SCRIPT)."""
+    def write_from(self, key: ObjectKey, header: bytes, payload: memoryview, fence: Fence | None = None) -> int:
+        """Store ``header + payload`` under the key in one atomic script (WRITE_SCRIPT); with a
+        ``fence``, the script refuses (WriteFenced) a write that an overwrite's floor or its age
+        makes stale (kvdock.storage.coherence)."""
         final = self._key(key)
         size = len(header) + len(payload)
         owner = self.shares.owner(key) if self.shares is not None else None
         self._make_room(final, size, owner)
-        self._redis.eval(WRITE_SCRIPT, 1, final, header, payload)
+        if fence is None:
+            self._redis.eval(WRITE_SCRIPT, 1, final, header, payload)
+        else:
+            args = (header, payload, coherence.pos_text(fence.position), fence.issued_ms)
+            if not int(self._redis.eval(coherence.WRITE_SCRIPT, 2, final, floor_key(final), *args)):
+                self.counters.fenced += 1
+                raise WriteFenced(f"L3 refused a stale write-down of {key.chunk.hex()[:16]}")
         if self._tracking:
             with self._lock:
                 self._forget(final)
@@ -379,32 +396,79 @@ class RedisTier(StorageTier):
         return out
 
     def delete(self, key: ObjectKey) -> None:
-        """DEL; with the default appendfsync the deletion is as durable as Redis makes anything.
-        On a cluster the DEL is followed by WAIT on the same connection: a replica promoted later
-        must not bring back the version an overwrite deleted (replication is asynchronous), so
-        the deletion raises (and the overwrite is refused) unless a replica of the key's shard
-        has it too, or the cluster lists no replica for that shard. (Best effort, as Redis says of
-        WAIT.)"""
+        """DEL (on a cluster, WAITed for by a replica: :meth:`_run`); with the default appendfsync
+        the deletion is as durable as Redis makes anything. (An overwrite's go through
+        :meth:`delete_keys`.)"""
         final = self._key(key)
-        if not self.cluster:
-            self._redis.delete(final)
+        if self.cluster:
+            self._run(final, "return redis.call('DEL', KEYS[1])", 1, final)
         else:
-            client = self._redis
-            shard = client.nodes_manager.slots_cache.get(client.keyslot(final), [])
-            node = client.get_node_from_key(final)
-            pipe = client.get_redis_connection(node).pipeline(transaction=False)
-            pipe.delete(final)
-            pipe.execute_command("WAIT", 1, DELETE_WAIT_MS)
-            _, acked = pipe.execute()
-            # a replica that is merely disconnected now can still be promoted: while the topology
-            # lists one for this shard, one must have the deletion
-            if int(acked) < 1 and len(shard) > 1:
-                raise redis_py.exceptions.RedisError(
-                    f"no replica of {node.name} acknowledged the deletion of an overwritten chunk within "
-                    f"{DELETE_WAIT_MS} ms; a failover could bring the old version back"
-                )
+            self._redis.delete(final)
         with self._lock:
             self._forget(final)
+
+    def delete_keys(self, keys: list[ObjectKey]) -> int:
+        """An overwrite's deletions. With the fleet's :class:`Coherence`: append an invalidation
+        of ``keys`` (E1), delete each while raising its floor to E1 (so that no write issued
+        before its server learned of E1 lands after), append the invalidation again (E2) and raise
+        the floors to E2 (of two concurrent overwrites of a key, the one whose E2 comes later is
+        what L3 keeps, as every L1 does), and return E2 (the epoch of the new versions). On a
+        cluster each step WAITs for a replica (:meth:`_run`)."""
+        if self.coherence is None:
+            for key in keys:
+                self.delete(key)
+            return 0
+        run = self._run if self.cluster else None
+        first = self.coherence.publish(keys, run)
+        for key in keys:
+            self._floor(self._key(key), first, delete=True)
+        second = self.coherence.publish(keys, run)
+        for key in keys:
+            self._floor(self._key(key), second, delete=False)
+        return second
+
+    def _floor(self, final: bytes, floor: int, delete: bool) -> None:
+        args = (DELETE_SCRIPT, 2, final, floor_key(final), coherence.pos_text(floor), "1" if delete else "0")
+        if self.cluster:
+            self._run(final, *args)
+        else:
+            self._redis.eval(*args)
+        if delete:
+            with self._lock:
+                self._forget(final)
+
+    def _run(self, rkey: bytes, *args: Any) -> Any:
+        """[cluster] EVAL on ``rkey``'s node, then WAIT on the same connection until a replica of
+        its shard has it (:meth:`_check_acked`); the script's result."""
+        client = self._redis
+        if len(client.nodes_manager.slots_cache.get(client.keyslot(rkey), [])) < 2:
+            return client.eval(*args)  # no replica listed for the shard (after a failover): no WAIT
+        node = client.get_node_from_key(rkey)
+        pipe = client.get_redis_connection(node).pipeline(transaction=False)
+        pipe.eval(*args)
+        pipe.execute_command("WAIT", 1, DELETE_WAIT_MS)
+        try:
+            result, acked = pipe.execute()
+        except ERRORS:
+            # a node's own connection does not follow a failover as the cluster client does:
+            # learn the topology again, so that the retry finds the promoted replica
+            with contextlib.suppress(*ERRORS):
+                client.nodes_manager.initialize()
+            raise
+        self._check_acked(rkey, node, int(acked))
+        return result
+
+    def _check_acked(self, rkey: bytes, node: Any, acked: int) -> None:
+        """A change no replica acknowledged raises (the overwrite is refused) while the topology
+        lists a replica for the shard: a failover could bring the old version back. (Best
+        effort, as Redis says of WAIT: a replica disconnected then may be promoted later.)"""
+        client = self._redis
+        shard = client.nodes_manager.slots_cache.get(client.keyslot(rkey), [])
+        if acked < 1 and len(shard) > 1:
+            raise redis_py.exceptions.RedisError(
+                f"no replica of {node.name} acknowledged the deletion of an overwritten chunk (or its "
+                f"invalidation) within {DELETE_WAIT_MS} ms; a failover could bring the old version back"
+            )
 
     def clear(self) -> int:
         return 0  # shared by other servers: never cleared from here
@@ -420,6 +484,8 @@ class RedisTier(StorageTier):
         doc: dict[str, Any] = {"kind": "redis", "up": self._up, "url": self.display_url, "last_error": self.last_error}
         if self.max_bytes:  # what this server wrote and keeps there (other servers' writes not counted)
             doc["used_bytes"], doc["capacity_bytes"] = self._written_bytes, self.max_bytes
+        if self.coherence is not None:  # the fleet's invalidations, as this server follows them
+            doc["coherence"] = self.coherence.status()
         if self.cluster:
             doc["kind"] = "redis-cluster"
             doc["nodes"] = self.nodes()

@@ -50,7 +50,7 @@ class Session:
     keys: list[ObjectKey] = field(default_factory=list)  # what a retrieve session was opened for
     writer: Writer | None = None  # set when a shared-memory client writes the reservations itself
     overwrite: bool = False  # a store that replaces older versions
-    deletes: list[asyncio.Future[bool]] = field(default_factory=list)  # an overwrite's, awaited at commit
+    deletes: list[asyncio.Future[int | None]] = field(default_factory=list)  # an overwrite's, awaited at commit
     busy: int = 0  # server-side work in progress for the session: the lease waits for it
     committing: bool = False  # a CommitStore is in progress: a second one is refused
     release_pending: bool | None = None  # ended while busy: released (quarantine or not) when idle

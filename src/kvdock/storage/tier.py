@@ -21,10 +21,13 @@ import abc
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
+
+if TYPE_CHECKING:
+    from kvdock.storage.coherence import Fence
 
 
 class Head(NamedTuple):
@@ -48,6 +51,7 @@ class TierCounters:
     writes_skipped: int = 0  # tier down, no room, or the object left L1 before its turn
     corrupted: int = 0  # torn or failing its checksum: deleted, never returned
     deletes: int = 0  # older versions removed for an overwrite
+    fenced: int = 0  # write-downs refused as stale (another server's overwrite replaced them)
 
 
 class StorageTier(abc.ABC):
@@ -80,17 +84,27 @@ class StorageTier(abc.ABC):
         (the lane marks the tier down)."""
 
     @abc.abstractmethod
-    def write_from(self, key: ObjectKey, header: bytes, payload: memoryview) -> int:
+    def write_from(self, key: ObjectKey, header: bytes, payload: memoryview, fence: Fence | None = None) -> int:
         """[worker, writer] Store ``header + payload`` as ``key``'s object atomically (readers see
         the old object or the new one, never a mix), making room within the budget by evicting
         least recently used objects. Returns the bytes it occupies. Raises on failure (the
-        object is then absent or unchanged)."""
+        object is then absent or unchanged). ``fence``: a tier shared by servers refuses
+        (WriteFenced) a write that an overwrite elsewhere made stale
+        (:mod:`kvdock.storage.coherence`); a local tier ignores it."""
 
     @abc.abstractmethod
     def delete(self, key: ObjectKey) -> None:
         """[worker, writer] Remove ``key``'s object durably: when this returns, the object is gone
         and will not come back after a crash of this process. Absent keys are fine; failure to
         reach the tier raises."""
+
+    def delete_keys(self, keys: list[ObjectKey]) -> int:
+        """[worker, writer] An overwrite's deletions of ``keys`` (each as :meth:`delete`); returns
+        the epoch its new versions get (a shared tier's invalidation, :mod:`kvdock.storage.coherence`;
+        0 here)."""
+        for key in keys:
+            self.delete(key)
+        return 0
 
     @abc.abstractmethod
     def clear(self) -> int:

@@ -1,0 +1,439 @@
+"""Coherence of a fleet of servers sharing one L3: what an overwrite on one server does to the
+others, and within which bound.
+
+**The guarantee.** Once ``store(..., overwrite=True)`` has returned on any server, no server that
+shares its L3 returns the replaced version from a read that starts more than ``bound`` later
+(``--l3-coherence-ms``, 100 ms by default): not from L1, not from its pool directory (fast reads),
+not from L2, not from L3. A server that cannot tell (L3 unreachable, its poller late) answers from
+no tier until it can: misses, never stale KV.
+
+**How.** One Redis stream (``STREAM_KEY``, on the cluster node of its hash slot) lists the
+*invalidations*: an overwrite appends its keys twice, before and after it deletes them from L3
+(:meth:`Coherence.invalidate`). Every server polls the stream every ``bound / 5`` from its own
+thread (:meth:`Coherence.poll`) and applies each entry on the event loop before it reads the next
+(the manager drops the entry's keys from L1 and L2 unless its copy is newer, and supersedes loads
+of them in flight). A poll that was *sent* at ``t`` and found nothing left to read proves that the
+server knows every overwrite acknowledged before ``t``: the server serves L1 and L2 only while
+``now < t + bound`` (:meth:`vouched`), and writes that instant into its pool segments' header for
+the fast readers (``valid_until_ns``).
+
+**Epochs.** Stream entries are ordered by their ids (``ms-seq``, kept here as one int:
+``ms << 20 | seq``). An object gets an *epoch* when it becomes readable in L1: the last position
+its server had applied (for an object loaded from a lower tier: at the start of the load; for an
+overwrite's new version: its own second entry). Applying entry ``E`` drops the copies whose epoch
+is below ``E``: those committed or read before their server knew of the overwrite.
+
+**Fenced writes.** A write-down queued before its server learned of an overwrite could still reach
+L3 after the overwrite deleted the key. So the overwrite's deletion sets a per-key *floor* (the id
+of its first entry) in the same script, and every write-down carries its server's position when
+it was issued (read before the lane checks that the object is still live): L3 refuses a write
+whose position is below the floor. A server that had applied the first entry has dropped the
+object already, so its write-down never starts. The floor lives ``FLOOR_TTL_MS``; a write is also
+refused once it is older than ``ISSUE_LIMIT_MS`` (by L3's clock, estimated from the last poll), so
+a floor that expired cannot let a stalled write through.
+
+**Gaps.** The stream keeps ``MAXLEN`` entries. A server whose position was trimmed away (down for
+long), or whose L3 lost the stream (restarted empty), cannot know what it missed: it drops every
+L1 object and clears its L2 (logged, counted in ``full_drops``). L2 survives restarts: the
+position whose deletions L2 has completed is kept in ``<disk dir>/coherence.pos``; a restart
+replays the stream from there (an L2 without that file is cleared).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgspec
+
+from kvdock.keys import ObjectKey
+
+log = logging.getLogger(__name__)
+
+STREAM_KEY = b"kvdock:v2:{invalidations}"
+# a random id of the stream's incarnation, in its hash slot: an L3 that lost the stream (restarted
+# empty, flushed) makes a new one, and every server that knew the old one sees a gap
+INCARNATION_KEY = b"kvdock:v2:{invalidations}:incarnation"
+MAXLEN = 100_000  # entries the stream keeps (approximately: XADD MAXLEN ~)
+POLL_COUNT = 256  # entries one poll reads at most
+FLOOR_TTL_MS = 60_000
+ISSUE_LIMIT_MS = 10_000
+POSITION_FILE = "coherence.pos"
+
+# Lua: positions are "ms-seq" strings compared as two numbers (each exact in a double)
+_OLDER = """
+local function older(a, b)
+  local am, as = string.match(a, '(%d+)-(%d+)')
+  local bm, bs = string.match(b, '(%d+)-(%d+)')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am < bm or (am == bm and as < bs)
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+_INCARNATION = """
+local function incarnation(key, fresh)
+  local inc = redis.call('GET', key)
+  if not inc then
+    inc = fresh
+    redis.call('SET', key, inc)
+  end
+  return inc
+end
+"""
+# KEYS: the stream, its incarnation. ARGV: position, count, a fresh incarnation (used if there is
+# none). Returns {now ms, incarnation, entries-added, last-generated-id, first entry id, length,
+# entries after position}
+POLL_SCRIPT = (
+    _OLDER
+    + _INCARNATION
+    + """
+local s = KEYS[1]
+local now = now_ms()
+local inc = incarnation(KEYS[2], ARGV[3])
+if redis.call('EXISTS', s) == 0 then return {now, inc, 0, '0-0', '0-0', 0, {}} end
+local info = redis.call('XINFO', 'STREAM', s)
+local f = {}
+for j = 1, #info, 2 do f[info[j]] = info[j + 1] end
+local first = '0-0'
+if type(f['first-entry']) == 'table' then first = f['first-entry'][1] end
+local entries = redis.call('XRANGE', s, '(' .. ARGV[1], '+', 'COUNT', tonumber(ARGV[2]))
+return {now, inc, f['entries-added'], f['last-generated-id'], first, f['length'], entries}
+"""
+)
+# KEYS: the stream, its incarnation. ARGV: the entry's payload, a fresh incarnation. Returns the
+# entry's id.
+PUBLISH_SCRIPT = (
+    _INCARNATION
+    + f"""
+incarnation(KEYS[2], ARGV[2])
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', {MAXLEN}, '*', 'k', ARGV[1])
+"""
+)
+# KEYS: value, floor. ARGV: floor position, "1" to delete the value too. Raises the floor.
+DELETE_SCRIPT = (
+    _OLDER
+    + f"""
+local f = redis.call('GET', KEYS[2])
+if (not f) or older(f, ARGV[1]) then redis.call('SET', KEYS[2], ARGV[1], 'PX', {FLOOR_TTL_MS}) end
+if ARGV[2] == '1' then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+)
+# KEYS: value, floor. ARGV: header, payload, position, issued (ms, L3's clock). 1 written, 0 refused.
+WRITE_SCRIPT = (
+    _OLDER
+    + f"""
+if now_ms() - tonumber(ARGV[4]) > {ISSUE_LIMIT_MS} then return 0 end
+local f = redis.call('GET', KEYS[2])
+if f and older(ARGV[3], f) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('APPEND', KEYS[1], ARGV[2])
+return 1
+"""
+)
+
+
+def pos_int(text: bytes | str) -> int:
+    """A stream id ``ms-seq`` as one ordered int."""
+    s = text.decode() if isinstance(text, bytes) else text
+    ms, _, seq = s.partition("-")
+    return int(ms) << 20 | int(seq or 0)
+
+
+def pos_text(pos: int) -> str:
+    return f"{pos >> 20}-{pos & 0xFFFFF}"
+
+
+class Fence(NamedTuple):
+    """What a write-down carries to L3: its server's position when issued, and when that was
+    (L3's clock, ms)."""
+
+    position: int
+    issued_ms: int
+
+
+class Invalidation(NamedTuple):
+    """One stream entry: the keys an overwrite replaced, at stream position ``position``."""
+
+    position: int
+    keys: list[ObjectKey]
+
+
+class PollResult(NamedTuple):
+    """One poll: when it was sent (monotonic), L3's clock then, the entries after the position it
+    asked from, whether entries were lost (trimmed, or the stream itself), the position and the
+    count of entries consumed after it, and whether it read everything there was."""
+
+    sent: float
+    redis_ms: int
+    entries: list[Invalidation]
+    lost: bool
+    position: int
+    consumed: int
+    caught_up: bool
+
+
+def fresh_incarnation() -> bytes:
+    return secrets.token_hex(16).encode()
+
+
+def encode_keys(keys: list[ObjectKey]) -> bytes:
+    """An entry's payload: the keys grouped by (model, rank, salt)."""
+    groups: dict[tuple[str, int, str], list[bytes]] = {}
+    for k in keys:
+        groups.setdefault((k.model, k.rank, k.salt), []).append(k.chunk)
+    return msgspec.msgpack.encode([[m, r, s, b"".join(c)] for (m, r, s), c in groups.items()])
+
+
+def decode_keys(data: bytes) -> list[ObjectKey]:
+    """The keys of an entry; [] for anything that is not one (never raises)."""
+    try:
+        groups = msgspec.msgpack.decode(data, type=list[tuple[str, int, str, bytes]])
+    except msgspec.DecodeError:
+        log.warning("coherence: an invalidation that is not one was ignored")
+        return []
+    return [ObjectKey(m, r, s, c[i : i + 32]) for m, r, s, c in groups for i in range(0, len(c), 32)]
+
+
+@dataclass
+class CoherenceCounters:
+    polls: int = 0
+    poll_errors: int = 0
+    entries: int = 0  # invalidations applied (other servers' and our own)
+    dropped: int = 0  # L1 objects dropped by them
+    full_drops: int = 0  # gaps: everything dropped
+    lapses: int = 0  # times the server stopped vouching (poller late or L3 unreachable)
+    published: int = 0  # entries this server appended
+
+
+@dataclass
+class Coherence:
+    """The invalidation stream for one server (see the module docstring). ``client`` returns the
+    redis-py client (raises while L3 cannot be reached). Thread-safety: ``position`` and
+    ``vouched_until`` are plain attributes written by the event loop and read by any thread;
+    :meth:`poll` and :meth:`invalidate` run on worker threads (I/O)."""
+
+    client: Callable[[], Any]
+    bound_s: float = 0.1
+    clock: Callable[[], float] = time.monotonic
+    position: int = 0  # the last entry applied
+    consumed: int = 0  # entries-added of the stream up to ``position``
+    vouched_until: float = 0.0  # monotonic; L1/L2 are served only before it
+    started: bool = False  # the first poll was applied (position valid)
+    failing: bool = False  # the last poll failed (L3 unreachable)
+    resume: bool = False  # ``position`` was kept by an earlier run: read on from it, not from the tip
+    counters: CoherenceCounters = field(default_factory=CoherenceCounters)
+    own: set[int] = field(default_factory=set)  # entries this server appended, not yet applied
+    incarnation: bytes = b""  # the stream's (INCARNATION_KEY), as this server first saw it
+    _vouched_ms: int | None = None  # L3's clock when the last poll that vouched ran (None: none yet)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def interval_s(self) -> float:
+        return self.bound_s / 5
+
+    def vouched(self) -> bool:
+        """[any] Whether every overwrite acknowledged more than ``bound`` ago is applied here."""
+        return self.clock() < self.vouched_until
+
+    def fence(self, epoch: int) -> Fence:
+        """[any] The fence for a write-down of an object of ``epoch``, issued now: the position
+        applied, and L3's clock when the server last knew it complete (so that L3 refuses the
+        write once that is ISSUE_LIMIT_MS old: a stalled poller, or a write stuck on its way)."""
+        with self._lock:
+            issued = self._vouched_ms if self._vouched_ms is not None else 0
+        return Fence(max(self.position, epoch), issued)
+
+    # --- worker threads ----------------------------------------------------------------------
+
+    def poll(self) -> PollResult:
+        """[worker] Read the entries after our position (raises redis-py errors)."""
+        sent = self.clock()
+        now, inc, added, last, first, length, raw = self.client().eval(
+            POLL_SCRIPT, 2, STREAM_KEY, INCARNATION_KEY, pos_text(self.position), POLL_COUNT, fresh_incarnation()
+        )
+        added, length, last_pos, first_pos = int(added), int(length), pos_int(last), pos_int(first)
+        self.counters.polls += 1
+        if not self.incarnation:
+            self.incarnation = inc
+        if not self.started and not self.resume:  # no position of our own: start at the tip
+            return PollResult(sent, int(now), [], False, last_pos, added, True)
+        lost = (
+            inc != self.incarnation
+            or (added == 0 and self.consumed > 0)
+            or last_pos < self.position
+            or added < self.consumed
+            or (first_pos > self.position and added - self.consumed > length)
+        )
+        if lost:
+            self.incarnation = inc
+            return PollResult(sent, int(now), [], True, last_pos, added, True)
+        entries = []
+        for entry_id, fields in raw:
+            data = dict(zip(fields[::2], fields[1::2], strict=True)).get(b"k", b"")
+            entries.append(Invalidation(pos_int(entry_id), decode_keys(data)))
+        pos = entries[-1].position if entries else self.position
+        return PollResult(sent, int(now), entries, False, pos, self.consumed + len(entries), len(raw) < POLL_COUNT)
+
+    def publish(self, keys: list[ObjectKey], run: Callable[..., Any] | None = None) -> int:
+        """[worker] Append an invalidation of ``keys``; its position. ``run(key, *eval args)``
+        runs the script (on a cluster: and WAITs on the same connection for a replica to have
+        it, raising if none does); by default the client's ``eval``."""
+        args = (PUBLISH_SCRIPT, 2, STREAM_KEY, INCARNATION_KEY, encode_keys(keys), fresh_incarnation())
+        entry_id = run(STREAM_KEY, *args) if run is not None else self.client().eval(*args)
+        pos = pos_int(entry_id)
+        with self._lock:
+            self.own.add(pos)
+        self.counters.published += 1
+        return pos
+
+    # --- the event loop ----------------------------------------------------------------------
+
+    def applied(self, result: PollResult) -> None:
+        """[loop] ``result``'s entries were applied (by the manager): advance."""
+        self.position, self.consumed = result.position, result.consumed
+        self.started = True
+        self.counters.entries += len(result.entries)
+        with self._lock:
+            self.own = {p for p in self.own if p > self.position}  # (ours applied, or never to come)
+
+    def vouch(self, result: PollResult) -> None:
+        """[loop] After :meth:`applied`: a poll that read everything there was vouches for every
+        overwrite acknowledged before it was sent, for ``bound``."""
+        if result.caught_up:
+            self.vouched_until = max(self.vouched_until, result.sent + self.bound_s)
+            with self._lock:
+                self._vouched_ms = result.redis_ms
+
+    def is_own(self, position: int) -> bool:
+        with self._lock:
+            return position in self.own
+
+    def status(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "bound_ms": round(self.bound_s * 1000, 3),
+            "vouched": self.vouched(),
+            "failing": self.failing,
+            "position": pos_text(self.position),
+            "polls": c.polls,
+            "poll_errors": c.poll_errors,
+            "entries_applied": c.entries,
+            "l1_dropped": c.dropped,
+            "full_drops": c.full_drops,
+            "lapses": c.lapses,
+            "published": c.published,
+        }
+
+
+async def follow(
+    coherence: Coherence,
+    apply: Callable[[PollResult], list[Awaitable[object]]],
+    failed: Callable[[BaseException], None],
+    vouch: Callable[[float], None],
+    keep: Path | None = None,
+) -> None:
+    """Poll the stream for ever (until cancelled): each poll on a thread of its own, applied
+    (``apply``, the manager's) on the loop before the next is sent; ``vouch(until)`` with the
+    monotonic time until which this server now vouches (its pool segments' headers); ``failed``
+    on an L3 error; with ``keep`` (the L2 directory), the position whose L2 deletions are done is
+    kept there."""
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(1, "kvdock-coherence")
+    saved = [SavedPosition(coherence.position, coherence.consumed, coherence.incarnation)]
+    saving: set[asyncio.Task[None]] = set()
+    stuck: list[SavedPosition] = []
+
+    async def save(after: list[Awaitable[object]], position: SavedPosition) -> None:
+        results = await asyncio.gather(*after, return_exceptions=True)
+        if any(r is None or isinstance(r, BaseException) for r in results) and not stuck:
+            # an L2 deletion that did not happen: a restart must replay from the last position
+            # whose deletions all did (never advanced again in this run)
+            stuck.append(position)
+            log.error("coherence: an L2 deletion failed; the kept position stays at %s", pos_text(saved[0].position))
+        if keep is not None and not stuck and position.position >= saved[0].position:
+            saved[0] = position
+            save_position(keep, position)
+
+    try:
+        while True:
+            try:
+                result = await loop.run_in_executor(executor, coherence.poll)
+            except Exception as e:  # L3 unreachable: stop vouching (the lease runs out), retry
+                coherence.counters.poll_errors += 1
+                if not coherence.failing:  # once per outage: each call pushes the tier's next probe back
+                    failed(e)
+                coherence.failing = True
+                await asyncio.sleep(coherence.interval_s * 2)
+                continue
+            coherence.failing = False
+            first = not coherence.started  # its position is kept at once (a restart replays from it)
+            lapsed = coherence.started and not coherence.vouched()
+            try:
+                pending = apply(result)
+            except Exception:  # a bug: never vouch on a half-applied poll; the next reads it again
+                log.exception("coherence: applying invalidations failed; not vouching, retrying")
+                await asyncio.sleep(coherence.interval_s * 2)
+                continue
+            coherence.vouch(result)
+            if lapsed and coherence.vouched():
+                coherence.counters.lapses += 1
+            vouch(coherence.vouched_until)
+            if keep is not None and (pending or result.entries or result.lost or first):
+                position = SavedPosition(result.position, result.consumed, coherence.incarnation)
+                task = loop.create_task(save(pending, position))
+                saving.add(task)
+                task.add_done_callback(saving.discard)
+            if result.caught_up:
+                await asyncio.sleep(coherence.interval_s)
+    finally:
+        executor.shutdown(wait=False)
+
+
+async def until_vouched(coherence: Coherence, timeout_s: float) -> bool:
+    """Wait (at most ``timeout_s``) until the server vouches again; whether it does. No wait while
+    its polls fail (L3 unreachable): no poll is coming soon."""
+    deadline = coherence.clock() + timeout_s
+    while not coherence.vouched() and not coherence.failing:
+        if coherence.clock() >= deadline:
+            return False
+        await asyncio.sleep(coherence.interval_s / 4)
+    return True
+
+
+class SavedPosition(NamedTuple):
+    position: int
+    consumed: int
+    incarnation: bytes = b""
+
+
+def load_position(directory: Path) -> SavedPosition | None:
+    """The position kept beside L2, None if absent or unreadable."""
+    try:
+        text = (directory / POSITION_FILE).read_text().split()
+        return SavedPosition(int(text[0]), int(text[1]), text[2].encode())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def save_position(directory: Path, saved: SavedPosition) -> None:
+    """Keep the position whose deletions L2 has done (written to a temporary name, renamed: a
+    crash leaves the older position, which replays more, never less)."""
+    tmp = directory / (POSITION_FILE + ".tmp")
+    try:
+        tmp.write_text(f"{saved.position} {saved.consumed} {saved.incarnation.decode()}\n")
+        os.replace(tmp, directory / POSITION_FILE)
+    except OSError as e:
+        log.warning("coherence: could not keep the position in %s: %s", directory, e)

@@ -1,0 +1,366 @@
+"""The fleet's invalidations (storage.coherence) between in-process hosts sharing one real Redis:
+fenced write-downs, invalidated L1 copies, the vouching bound on an injected clock, gaps."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import redis as redis_py
+
+from helpers import RedisProc
+from kvdock.errors import WriteFenced
+from kvdock.keys import ObjectKey
+from kvdock.storage import objfile
+from kvdock.storage.coherence import (
+    STREAM_KEY,
+    Coherence,
+    Fence,
+    SavedPosition,
+    decode_keys,
+    encode_keys,
+    load_position,
+    pos_int,
+    pos_text,
+    save_position,
+)
+from tierworld import CHUNK, GEO, SHAPE, World, payload, until
+from tierworld import K as WK
+
+A, B = WK(1), WK(2)
+
+
+def hosts(tmp_path: Path, redis_server: RedisProc, n: int = 2, disk: bool = False) -> list[World]:
+    return [World(tmp_path / f"h{i}", redis_url=redis_server.url, disk=disk, coherent=True) for i in range(n)]
+
+
+def close(*worlds: World) -> None:
+    for w in worlds:
+        w.mgr.close()
+
+
+def test_positions_and_entries_round_trip() -> None:
+    assert pos_int("1796331648926-3") == (1796331648926 << 20) | 3
+    assert pos_text(pos_int("1796331648926-3")) == "1796331648926-3"
+    assert pos_int("0-0") == 0 and pos_int(b"5-1") > pos_int(b"4-999")
+    keys = [ObjectKey("m", 0, "s", bytes([i]) * 32) for i in range(3)] + [ObjectKey("m", 1, "", b"\7" * 32)]
+    assert decode_keys(encode_keys(keys)) == keys
+    assert decode_keys(b"\xc1garbage") == []
+
+
+def test_position_is_kept_beside_l2(tmp_path: Path) -> None:
+    assert load_position(tmp_path) is None
+    save_position(tmp_path, SavedPosition(123 << 20, 7, b"ab12"))
+    assert load_position(tmp_path) == SavedPosition(123 << 20, 7, b"ab12")
+    (tmp_path / "coherence.pos").write_text("torn")
+    assert load_position(tmp_path) is None
+
+
+def test_shared_l3_never_brings_back_the_version_an_overwrite_replaced(tmp_path: Path, redis_server: RedisProc) -> None:
+    """Was a strict xfail: host 1's write-down of the old version, queued before host 2's
+    overwrite, landed in L3 after the overwrite deleted it. Now the overwrite's floor fences it."""
+
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        try:
+            await host1.sync()
+            await host2.sync()
+            gate = host1.block("l3")  # host 1's Redis writer is slow
+            host1.store([A], version=0)  # acknowledged on host 1; its write-down is queued
+            assert await host2.store_async([A], version=1, overwrite=True) == 1  # acknowledged on host 2
+            await host2.drain()
+            gate.set()
+            await host1.drain()
+            assert host1.lanes["l3"].counters.fenced == 1 and host1.lanes["l3"].counters.writes == 0
+            host2.evict_l1([A])
+            session = await host2.prefetch("r", [A])
+            got = [bytes(host2.l1.view(o)) for o in session.pinned]
+            host2.mgr.end_session("c", "r")
+            assert got == [payload(A, 1)], "host 2 serves the version its acknowledged overwrite replaced"
+        finally:
+            close(host1, host2)
+
+    asyncio.run(main())
+
+
+def test_another_hosts_l1_copy_goes_at_its_next_poll_and_nothing_is_served_past_the_bound(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        try:
+            await host1.sync()
+            await host2.sync()
+            host1.store([A, B], version=0)
+            assert host1.mgr.lookup_l1([A, B]) == 2
+            assert await host2.store_async([A], version=1, overwrite=True) == 1
+            assert host1.mgr.lookup_l1([A, B]) == 2  # within the bound: host 1 has not polled yet
+            host1.now = 0.1  # the bound has passed since host 1's last poll was sent
+            assert host1.mgr.lookup_l1([A, B]) == 0 and not host1.mgr.vouched()
+            result = await host1.sync()
+            assert [len(e.keys) for e in result.entries] == [1, 1] and not result.lost
+            assert host1.mgr.vouched() and host1.l1.get(A) is None
+            assert host1.l1.get(B) is not None  # B's parent is gone: the chain stops before it
+            assert host1.mgr.lookup_l1([A, B]) == 0
+            assert host1.coherence is not None and host1.coherence.counters.dropped == 1
+            await host2.sync()  # its own entries: its new version stays
+            assert host2.l1_bytes(A) == payload(A, 1)
+        finally:
+            close(host1, host2)
+
+    asyncio.run(main())
+
+
+def test_a_plain_store_committed_before_the_host_knew_of_an_overwrite_is_superseded(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        try:
+            await host1.sync()
+            await host2.sync()
+            assert await host2.store_async([A], version=1, overwrite=True) == 1
+            host1.store([A], version=0)  # concurrent: host 1 has not seen the overwrite yet
+            await host1.sync()
+            assert host1.l1.get(A) is None  # ordered before the overwrite, as L3's fence orders it
+            host1.store([A], version=2)  # after: kept
+            await host1.sync()
+            assert host1.l1_bytes(A) == payload(A, 2)
+        finally:
+            close(host1, host2)
+
+    asyncio.run(main())
+
+
+def test_entries_lost_past_a_hosts_position_drop_everything(tmp_path: Path, redis_server: RedisProc) -> None:
+    async def main() -> None:
+        (host1,) = hosts(tmp_path, redis_server, n=1, disk=True)
+        raw = redis_py.Redis.from_url(redis_server.url)
+        try:
+            await host1.sync()
+            host1.store([A], version=0)
+            await host1.drain()
+            assert host1.disk is not None and host1.disk.knows(A) is not None
+            for _ in range(3):  # entries this host never reads: trimmed away
+                raw.xadd(STREAM_KEY, {b"k": encode_keys([B])})
+            raw.xtrim(STREAM_KEY, maxlen=1, approximate=False)
+            result = await host1.sync()
+            assert result.lost and host1.l1.get(A) is None and host1.disk.knows(A) is None
+            assert host1.coherence is not None and host1.coherence.counters.full_drops == 1
+            raw.xadd(STREAM_KEY, {b"k": encode_keys([B])})
+            again = await host1.sync()
+            assert not again.lost and len(again.entries) == 1
+        finally:
+            close(host1)
+            raw.close()
+
+    asyncio.run(main())
+
+
+def test_a_write_issued_while_the_position_is_old_is_refused(tmp_path: Path, redis_server: RedisProc) -> None:
+    """The fence's time is L3's clock at the host's last complete poll, not the moment the write
+    leaves: a host whose poller stalled (its position stale for longer than ISSUE_LIMIT_MS, so
+    that a floor may have expired) cannot write down (review: a stalled poller's writes passed)."""
+
+    async def main() -> None:
+        (host1,) = hosts(tmp_path, redis_server, n=1)
+        try:
+            await host1.sync()
+            coherence = host1.coherence
+            assert isinstance(coherence, Coherence) and coherence._vouched_ms is not None
+            coherence._vouched_ms -= 20_000  # the last complete poll was 20 s ago, by L3's clock
+            host1.store([A], version=0)
+            await host1.drain()
+            assert host1.lanes["l3"].counters.fenced == 1
+            await host1.sync()
+            host1.store([B], version=0)
+            await host1.drain()
+            assert host1.lanes["l3"].counters.writes == 1
+        finally:
+            close(host1)
+
+    asyncio.run(main())
+
+
+def test_a_stream_recreated_by_an_l3_restart_is_a_gap(tmp_path: Path, redis_server: RedisProc) -> None:
+    """Review: host 1 misses an overwrite; L3 restarts empty; another overwrite since; host 1's
+    next poll saw a young stream with nothing to tell it apart: its incarnation does."""
+
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        raw = redis_py.Redis.from_url(redis_server.url)
+        try:
+            assert await host2.store_async([B], version=1, overwrite=True) == 1  # some history
+            await host1.sync()
+            await host2.sync()
+            host1.store([A], version=0)
+            assert await host2.store_async([A], version=1, overwrite=True) == 1  # host 1 is paused
+            raw.flushall()  # L3 restarted empty: the stream is gone
+            assert await host2.store_async([B], version=2, overwrite=True) == 1  # a young stream
+            result = await host1.sync()
+            assert result.lost and host1.l1.get(A) is None
+        finally:
+            close(host1, host2)
+            raw.close()
+
+    asyncio.run(main())
+
+
+def test_after_a_gap_l2_is_not_read_before_its_clear_is_done(tmp_path: Path, redis_server: RedisProc) -> None:
+    """Review: the gap's L2 clear waits behind the L2 writer; a retrieve meanwhile loaded the
+    replaced version from L2 (and kept it in L1 with a post-gap epoch). L2 is not read until the
+    clear is done."""
+
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        host1.mgr.close()
+        host1 = World(tmp_path / "h1-disk", redis_url=redis_server.url, disk=True, coherent=True)
+        raw = redis_py.Redis.from_url(redis_server.url)
+        try:
+            await host1.sync()
+            await host2.sync()
+            host1.store([A], version=0)
+            await host1.drain()
+            host1.evict_l1([A])
+            assert host1.disk is not None and host1.disk.knows(A) is not None
+            assert await host2.store_async([A], version=1, overwrite=True) == 1
+            for _ in range(3):
+                raw.xadd(STREAM_KEY, {b"k": encode_keys([B])})
+            raw.xtrim(STREAM_KEY, maxlen=1, approximate=False)  # host 1's position: trimmed away
+            gate = host1.block("l2")  # host 1's L2 writer is busy (a backlog of write-downs)
+            assert host1.coherence is not None
+            result = await asyncio.get_running_loop().run_in_executor(None, host1.coherence.poll)
+            pending = host1.mgr.apply(result)
+            host1.coherence.vouch(result)
+            assert result.lost and host1.mgr.vouched()
+            session = await host1.prefetch("r", [A])
+            got = [bytes(host1.l1.view(o)) for o in session.pinned]
+            host1.mgr.end_session("c", "r")
+            gate.set()
+            await asyncio.gather(*pending)
+            assert payload(A, 0) not in got, "host 1 served the replaced version from L2 after the gap"
+            assert host1.l1.get(A) is None or host1.l1_bytes(A) != payload(A, 0)
+            assert host1.disk.knows(A) is None
+        finally:
+            close(host1, host2)
+            raw.close()
+
+    asyncio.run(main())
+
+
+def test_a_gap_while_a_superseded_load_is_in_flight_is_applied(tmp_path: Path, redis_server: RedisProc) -> None:
+    """Review: a load superseded by an entry (its slot detached) was detached again by a gap,
+    which raised inside the follower and ended it for good."""
+
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        raw = redis_py.Redis.from_url(redis_server.url)
+        try:
+            await host1.sync()
+            await host2.sync()
+            host2.store([A], version=0)
+            await host2.drain()
+            gate = host1.block("l3", which=1)  # host 1's L3 reader is slow
+            session = host1.mgr.open_retrieve("c", "r", [A])
+            job = host1.mgr.start_prefetch(session)
+            await until(lambda: host1.l1.reservation(A) is not None)  # the load is in flight
+            assert await host2.store_async([A], version=1, overwrite=True) == 1
+            await host1.sync()  # supersedes the load: its slot is detached
+            for _ in range(3):
+                raw.xadd(STREAM_KEY, {b"k": encode_keys([B])})
+            raw.xtrim(STREAM_KEY, maxlen=1, approximate=False)
+            assert (await host1.sync()).lost
+            gate.set()
+            assert job is not None
+            await asyncio.wait_for(job.done.wait(), 10)
+            assert session.pinned == []  # the superseded load is thrown away
+            host1.mgr.end_session("c", "r")
+        finally:
+            close(host1, host2)
+            raw.close()
+
+    asyncio.run(main())
+
+
+def test_concurrent_overwrites_leave_l3_with_the_one_every_l1_keeps(tmp_path: Path, redis_server: RedisProc) -> None:
+    """Review: two overwrites of one key on two hosts; the host whose second entry came first
+    drops its version when it applies the other's, so L3 must refuse that version's write-down
+    too: the floors are raised to each overwrite's second entry."""
+
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        try:
+            await host1.sync()
+            await host2.sync()
+            assert host1.redis is not None and host1.coherence is not None
+            first = host1.redis.delete_keys([A])  # host 1's overwrite: E1a, E2a
+            second = host2.redis.delete_keys([A]) if host2.redis is not None else 0  # then host 2's: E1b, E2b
+            assert 0 < first < second
+            await host1.sync()
+            header = objfile.encode_header(A, "float32", SHAPE, memoryview(payload(A, 1)), 1, 0, GEO.digest(CHUNK))
+            issued = host1.coherence.fence(first).issued_ms
+            with pytest.raises(WriteFenced):  # host 1's version, issued before it applied E2b
+                host1.redis.write_from(A, header, memoryview(payload(A, 1)), Fence(first, issued))
+            assert host1.redis.write_from(A, header, memoryview(payload(A, 2)), Fence(second, issued)) > 0
+        finally:
+            close(host1, host2)
+
+    asyncio.run(main())
+
+
+def test_a_store_prepared_before_an_invalidation_is_not_committed_after_it(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """Review: a plain store reserved before its host applied an overwrite of the key elsewhere,
+    committed after, survived with a fresh epoch; it is ordered before the overwrite instead."""
+
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        try:
+            await host1.sync()
+            await host2.sync()
+            plan = host1.mgr.prepare_store("c", "s", [A, B], 3840)
+            for i, obj in plan.slots:
+                host1.l1.view(obj)[:] = payload([A, B][i], 0)
+            assert await host2.store_async([A], version=1, overwrite=True) == 1
+            await host1.sync()
+            assert host1.mgr.commit_store("c", "s", [0, 1]) == 1  # B only
+            assert host1.l1.get(A) is None and host1.l1_bytes(B) == payload(B, 0)
+            host1.check()
+        finally:
+            close(host1, host2)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bad", [b"", b"\x93\xa1m"])
+def test_an_entry_that_is_not_an_invalidation_is_ignored(bad: bytes) -> None:
+    assert decode_keys(bad) == []
+
+
+def test_an_overwrites_reservations_are_never_superseded(tmp_path: Path, redis_server: RedisProc) -> None:
+    """Regression (the soak): a poll that applied the overwrite's own entry before ``publish`` had
+    marked it as this server's (the replica WAIT in between) superseded the overwrite's own
+    reservations, and its commit stored nothing. An overwrite's reservations are the new version
+    whatever entries come meanwhile (of two overwrites, the later second entry wins everywhere)."""
+
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        try:
+            await host1.sync()
+            await host2.sync()
+            plan = host1.mgr.prepare_store("c", "s", [A, B], 3840, overwrite=True)
+            for i, obj in plan.slots:
+                host1.l1.view(obj)[:] = payload([A, B][i], 3)
+            assert await host2.store_async([A], version=1, overwrite=True) == 1  # entries host 1 sees first
+            assert host1.coherence is not None
+            host1.coherence.own.clear()  # as if its own entries were not marked yet
+            await host1.sync()
+            assert await host1.mgr.wait_deletes("c", "s")
+            assert host1.mgr.commit_store("c", "s", [0, 1]) == 2
+            assert host1.l1_bytes(A) == payload(A, 3)
+        finally:
+            close(host1, host2)
+
+    asyncio.run(main())

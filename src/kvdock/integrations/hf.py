@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ from transformers.generation.streamers import BaseStreamer
 import kvdock.sdk as kvd
 from kvdock.codecs import hf as hf_codec
 from kvdock.errors import InvalidInputError
+from kvdock.integrations import fingerprint as fp
 from kvdock.keys import normalize_tokens
 from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import EngineInfo
@@ -54,7 +56,9 @@ _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # config attributes whose presence means the cache is not one plain K/V pair per layer
 _UNSUPPORTED_ATTRS = ("attention_chunk_size", "kv_lora_rank", "kv_sharing_modes", "num_kv_shared_layers")
 
-__all__ = ["GenerateResult", "cache_kwarg", "connect", "generate", "load_kv", "save_kv"]
+__all__ = ["GenerateResult", "cache_kwarg", "connect", "generate", "load_kv", "model_fingerprint", "save_kv"]
+
+_FINGERPRINTS: weakref.WeakKeyDictionary[PreTrainedModel, str] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -114,13 +118,35 @@ def _check_ctx(ctx: object) -> kvd.KVCacheContext:
     return ctx
 
 
+def model_fingerprint(model: PreTrainedModel) -> str:
+    """What names ``model`` beyond its KV shapes (:mod:`kvdock.integrations.fingerprint`): the
+    config fields that change its KV, its dtype, and a sample of every parameter. Computed once
+    per model object (weights changed in place afterwards are not seen)."""
+    found = _FINGERPRINTS.get(model)
+    if found is None:
+        parts = {
+            "config": fp.config_fields(model.config),
+            "dtype": dtype_name(model.dtype),
+            "weights": fp.tensors_digest(model.named_parameters()),
+        }
+        found = _FINGERPRINTS[model] = fp.fingerprint("hf", parts)
+    return found
+
+
 def _check_pair(model: object, ctx: object) -> _Spec:
-    """``model`` is supported and ``ctx`` was registered with the same geometry and dtype."""
+    """``model`` is supported and ``ctx`` was registered with the same geometry and dtype, and
+    (when the registration has one) the same fingerprint."""
     spec = _spec(model)
     c = _check_ctx(ctx)
     if spec.geometry != c.geometry:
         raise InvalidInputError(
             f"the model's KV geometry does not match {c.model_name!r}: {spec.geometry} (registered: {c.geometry})"
+        )
+    theirs = c.layout.fingerprint
+    if theirs and theirs != (mine := model_fingerprint(model)):  # type: ignore[arg-type]
+        raise InvalidInputError(
+            f"{c.model_name!r} is registered as another model of the same geometry: fingerprint {theirs} (this "
+            f"model's: {mine}); its KV would be wrong for this one"
         )
     return spec
 
@@ -149,7 +175,10 @@ def connect(
     :func:`kvdock.sdk.connect`).
 
     The geometry (layers, KV heads, head_dim) comes from the model's text config, the dtype from the
-    model. ``model_name`` defaults to ``config._name_or_path``, else ``config.model_type``.
+    model. ``model_name`` defaults to ``config._name_or_path``, else ``config.model_type``. The
+    registration carries the model's fingerprint (:func:`model_fingerprint`): a name registered
+    with another one is refused (ServerError), and so is a context of such a name in
+    :func:`generate` (InvalidInputError).
     ``tokens_per_block`` is 16 (or the chunk size when 16 does not divide it); a name registered
     before with the same geometry keeps its first layout (the stored chunks do not depend on the
     block size). A plain ``kvdock.sdk.connect(url, http_url, model_name)`` finds the model
@@ -174,6 +203,7 @@ def connect(
         tokens_per_block=tpb,
         kv_format=KV_FORMAT,
         engine=engine,
+        fingerprint=model_fingerprint(model),
     )
     assert lay.geometry == geo, (lay.geometry, geo)
     kvd.register_layout(url, http_url, lay, timeout, admin_token, **keys)

@@ -8,9 +8,9 @@ import msgspec
 
 from kvdock.layout import KVGeometry
 
-# 11: tenants' own pools (Described.pool_*); 10: tenants (Describe, tokens); 9: pipeline stages;
-# 8: tensor-parallel shards
-PROTOCOL_VERSION = 11
+# 12: model fingerprints (ModelLayout.fingerprint); 11: tenants' own pools (Described.pool_*);
+# 10: tenants (Describe, tokens); 9: pipeline stages; 8: tensor-parallel shards
+PROTOCOL_VERSION = 12
 
 Transport = Literal["shm", "inline"]
 

@@ -219,6 +219,14 @@ class KVCacheContext:
             reg.transfer.close()
             self._conn.send_nowait(m.CloseClient(reg.client_id))  # the server registered it already
             raise KVCacheSDKError(f"the server at {self.url} restarted with another layout for {self.model_name!r}")
+        mine, theirs = self.layout.fingerprint, reg.layout.fingerprint
+        if mine and theirs and mine != theirs:  # the same shapes, another model's KV ("" asserts nothing)
+            reg.transfer.close()
+            self._conn.send_nowait(m.CloseClient(reg.client_id))
+            raise KVCacheSDKError(
+                f"the server at {self.url} restarted with another model under {self.model_name!r}: fingerprint "
+                f"{theirs} (this context's: {mine})"
+            )
         with self._refs:
             closed = self._closed
             if not closed:

@@ -141,4 +141,6 @@ def test_an_engine_refuses_a_name_registered_with_another_geometry(
     kvd.register_model(server.url, server.http_url, "taken", num_layers=2, num_kv_heads=4, head_dim=16, dtype="float32")
     with pytest.raises(RuntimeError) as err:  # the same chunk shape [2, 2, 64, 64], other KV: never load it
         Engine(models["float32"], "float32", extra(server, **{"kvdock.model_name": "taken"}), tmp_path / "log")
-    assert "kvdock holds 'taken' as another model: the model is stored with geometry" in str(err.value)
+    msg = str(err.value)  # the engine registers its fingerprint on the name: refused for the geometry
+    assert "kvdock holds 'taken' as another model: registration: model 'taken' is already registered with a " in msg
+    assert "different geometry: layers=2 kv_heads=4 head_dim=16" in msg

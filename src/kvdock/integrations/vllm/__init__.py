@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.vllm.config import ConnectorConfig
+from kvdock.integrations.vllm.identity import model_fingerprint
 from kvdock.integrations.vllm.plan import KvdockMetadata
 from kvdock.integrations.vllm.scheduler import SchedulerSide, lora_cache_salt
 from kvdock.integrations.vllm.worker import WorkerSide
@@ -61,6 +62,8 @@ class KvdockConnector(KVConnectorBase_V1):
             )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # the model beyond its shapes: kvdock refuses to mix its KV with another model's of the name
+        fingerprint = model_fingerprint(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             # vLLM reads the policy right after building the scheduler's connector
             if self._kv_transfer_config.kv_load_failure_policy != self.cfg.load_failure:
@@ -68,9 +71,10 @@ class KvdockConnector(KVConnectorBase_V1):
                 self._kv_transfer_config.kv_load_failure_policy = self.cfg.load_failure
             parallel = vllm_config.parallel_config
             ranks = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
-            self._scheduler = SchedulerSide(self.cfg, int(vllm_config.cache_config.block_size), ranks=ranks)
+            block_size = int(vllm_config.cache_config.block_size)
+            self._scheduler = SchedulerSide(self.cfg, block_size, ranks=ranks, fingerprint=fingerprint)
         else:
-            self._worker = WorkerSide(self.cfg, vllm_config)
+            self._worker = WorkerSide(self.cfg, vllm_config, fingerprint=fingerprint)
 
     @property
     def scheduler(self) -> SchedulerSide:

@@ -6,6 +6,12 @@ failure into a *miss*: :meth:`Link.run` returns the caller's miss value, logs on
 link down for ``retry_s`` so that a dead server costs at most one ``timeout`` per ``retry_s``,
 never one per request. Time comes from an injected clock.
 
+A link with the engine's model fingerprint never serves another model's KV: when kvdock holds the
+name with another fingerprint (or refuses the engine's registration: another geometry, another
+fingerprint, also on another server sharing its L3), the link is *refused* for good
+(:attr:`Link.refused` says why; every call is a miss and the worker turns kvdock off). A name
+registered without a fingerprint gets the engine's (the worker registers again).
+
 Thread: a Link is used by one thread at a time (the scheduler's lookup thread, or the worker's
 model-runner thread).
 """
@@ -19,7 +25,14 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import kvdock.sdk as kvd
-from kvdock.errors import KVCacheSDKError, LeaseExpiredError, PoolFullError, StoreConflictError, UnknownModelError
+from kvdock.errors import (
+    KVCacheSDKError,
+    LeaseExpiredError,
+    PoolFullError,
+    ServerError,
+    StoreConflictError,
+    UnknownModelError,
+)
 from kvdock.integrations.vllm.config import ConnectorConfig
 from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import ModelLayout
@@ -38,8 +51,11 @@ class Link:
         layout: ModelLayout | None = None,
         clock: Callable[[], float] = time.monotonic,
         rank_for: Callable[[KVGeometry], int | None] | None = None,
+        fingerprint: str = "",
     ) -> None:
         self.cfg = cfg
+        self.fingerprint = fingerprint  # the engine's model's ("": not checked)
+        self.refused = ""  # why kvdock holds the name as another model: the link stays down for good
         self.layout = layout  # registered when the server does not know the model (workers only)
         # the SDK context's kv_rank, from the geometry the server stores the model in (None: the
         # whole model's context, without asking)
@@ -58,7 +74,7 @@ class Link:
         come; None while kvdock is down."""
         if self._ctx is not None:
             return self._ctx
-        if self._clock() < self._down_until:
+        if self.refused or self._clock() < self._down_until:
             return None
         try:
             self._ctx = self._connect()
@@ -67,15 +83,42 @@ class Link:
         return self._ctx
 
     def _connect(self) -> kvd.KVCacheContext:
-        cfg = self.cfg
         try:
-            return self._open()
+            ctx = self._open()
         except UnknownModelError:
             if self.layout is None:
                 raise
-        kvd.register_layout(cfg.url, cfg.http_url, self.layout, cfg.timeout, cfg.admin_token, **cfg.keys)
+            self._register()
+            ctx = self._open()
+        else:
+            if self.layout is not None and self.fingerprint and not ctx.layout.fingerprint:
+                ctx.close(wait_s=0.0)  # registered without one (an SDK user, ...): record the engine's
+                self._register()
+                ctx = self._open()
+        theirs = ctx.layout.fingerprint
+        if self.fingerprint and theirs and theirs != self.fingerprint:
+            ctx.close(wait_s=0.0)
+            self._refuse(
+                f"kvdock holds {self.cfg.model_name!r} as another model of the same geometry: fingerprint {theirs} "
+                f"(this engine's: {self.fingerprint}); use another kvdock.model_name"
+            )
+        return ctx
+
+    def _register(self) -> None:
+        cfg = self.cfg
+        assert self.layout is not None
+        try:
+            kvd.register_layout(cfg.url, cfg.http_url, self.layout, cfg.timeout, cfg.admin_token, **cfg.keys)
+        except ServerError as e:
+            if e.code == "registration":  # another model under the name (here or fleet-wide)
+                self._refuse(f"kvdock holds {cfg.model_name!r} as another model: {e}")
+            raise
         log.info("registered %r with kvdock at %s", cfg.model_name, cfg.url)
-        return self._open()
+
+    def _refuse(self, why: str) -> None:
+        self.refused = why
+        log.error("%s; kvdock is off for this engine", why)
+        raise KVCacheSDKError(why)
 
     def _open(self) -> kvd.KVCacheContext:
         cfg = self.cfg

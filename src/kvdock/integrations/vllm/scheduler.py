@@ -103,12 +103,14 @@ class SchedulerSide:
         link: Link | None = None,
         clock: Callable[[], float] = time.monotonic,
         ranks: int = 1,
+        fingerprint: str = "",
     ) -> None:
         self.cfg = cfg
         self.ranks = ranks  # the engine's tensor-parallel ranks: more than one load each request's KV
         self.clock = clock
         self.block_size = block_size
-        self.link = link or Link(cfg)
+        # (with the engine's fingerprint: kvdock's KV of another model under the name is never looked up)
+        self.link = link or Link(cfg, fingerprint=fingerprint)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvdock-lookup")
         self._reqs: dict[str, _Request] = {}
         self.chunk_size = 0  # learnt from the first successful lookup

@@ -136,8 +136,9 @@ def _any_rank(failed: list[bool]) -> list[bool]:
 
 
 class WorkerSide:
-    def __init__(self, cfg: ConnectorConfig, vllm_config: Any, link: Link | None = None) -> None:
+    def __init__(self, cfg: ConnectorConfig, vllm_config: Any, link: Link | None = None, fingerprint: str = "") -> None:
         self.cfg = cfg
+        self.fingerprint = fingerprint  # the engine's model's (identity.model_fingerprint)
         self.vllm_config = vllm_config
         self.block_size = int(vllm_config.cache_config.block_size)
         self.link = link
@@ -191,8 +192,8 @@ class WorkerSide:
             pp_rank=pp.rank_in_group,
             pp_size=pp.world_size,
         )
-        lay = ModelLayout(self.cfg.model_name, geometry, self.block_size, engine)
-        self.link = self.link or Link(self.cfg, lay)
+        lay = ModelLayout(self.cfg.model_name, geometry, self.block_size, engine, self.fingerprint)
+        self.link = self.link or Link(self.cfg, lay, fingerprint=self.fingerprint)
         self.link.layout = lay
         self.link.rank_for = self._rank_for
         log.info("kvdock: %s, codec %s, %s", self.cfg.model_name, key, geometry)
@@ -210,26 +211,31 @@ class WorkerSide:
         """The SDK context, or None (kvdock down, or off for good). Each new context (the first,
         and one after a server restart) is checked: the server must hold this engine's model
         under the name, in shards this rank's KV can be placed in (:func:`kvdock.sharding.place`),
-        with a chunk size that is a multiple of the block size; the per-chunk staging follows the
-        server's chunk size. A mismatch raises when ``strict`` (engine start) and otherwise turns
-        kvdock off with an error in the log: never someone else's KV."""
+        with a chunk size that is a multiple of the block size, and no other model's fingerprint
+        (the link refuses it: :attr:`Link.refused`); the per-chunk staging follows the server's
+        chunk size. A mismatch raises when ``strict`` (engine start) and otherwise turns kvdock off
+        with an error in the log: never someone else's KV."""
         if self.link is None or self.off:
             return None
         ctx = self.link.context()
-        if ctx is None or ctx is self._ctx:
+        problem = self.link.refused  # another model under the name: for good
+        if not problem and (ctx is None or ctx is self._ctx):
             return ctx
-        problem = ""
-        try:
-            placed = place(ctx.layout.geometry, self.codec.geometry)
-            if placed.kv_rank != ctx.kv_rank and not strict:  # registered again meanwhile: connect again later
-                self.link.drop(f"kvdock connected as rank {ctx.kv_rank}; this rank's KV is now placed at {placed}")
-                return None
-            if placed.kv_rank != ctx.kv_rank:
-                problem = f"kvdock connected as rank {ctx.kv_rank}; this rank's KV is placed at {placed}"
-        except ValueError as e:
-            problem = f"kvdock holds {self.cfg.model_name!r} as another model: {e} (use another kvdock.model_name)"
-        if not problem and ctx.chunk_size % self.block_size:
-            problem = f"kvdock's chunk_size {ctx.chunk_size} is not a multiple of vLLM's block_size {self.block_size}"
+        placed = self.placement
+        if ctx is not None and not problem:
+            try:
+                placed = place(ctx.layout.geometry, self.codec.geometry)
+                if placed.kv_rank != ctx.kv_rank and not strict:  # registered again meanwhile: connect again later
+                    self.link.drop(f"kvdock connected as rank {ctx.kv_rank}; this rank's KV is now placed at {placed}")
+                    return None
+                if placed.kv_rank != ctx.kv_rank:
+                    problem = f"kvdock connected as rank {ctx.kv_rank}; this rank's KV is placed at {placed}"
+            except ValueError as e:
+                problem = f"kvdock holds {self.cfg.model_name!r} as another model: {e} (use another kvdock.model_name)"
+            if not problem and ctx.chunk_size % self.block_size:
+                problem = (
+                    f"kvdock's chunk_size {ctx.chunk_size} is not a multiple of vLLM's block_size {self.block_size}"
+                )
         if problem:
             if strict:
                 raise UnsupportedLayoutError(problem)
@@ -237,6 +243,7 @@ class WorkerSide:
             self.off = True
             self.link.close()
             return None
+        assert ctx is not None
         self._ctx = ctx
         self.placement = placed
         if not placed.writable:

@@ -97,6 +97,7 @@ def test_http_clear_of_a_tier_keeps_the_coherence_status(make_server, redis_serv
     assert _status(srv)["vouched"]
 
 
+@pytest.mark.subprocess_server  # the command line's refusal
 @pytest.mark.parametrize("ms", ["0", "-5"])
 def test_a_bound_that_is_not_positive_is_refused(make_server, redis_server, ms: str) -> None:
     with pytest.raises(RuntimeError, match="l3_coherence_ms must be positive"):

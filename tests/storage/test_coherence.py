@@ -41,7 +41,9 @@ def close(*worlds: World) -> None:
 
 
 def test_positions_and_entries_round_trip() -> None:
-    assert pos_int("1796331648926-3") == (1796331648926 << 20) | 3
+    assert pos_int("1796331648926-3") == (1796331648926 << 64) | 3
+    assert pos_int("5-1048577") < pos_int("6-0")  # a sequence past 2**20 stays in its millisecond (review)
+    assert pos_text(pos_int("5-1048577")) == "5-1048577"
     assert pos_text(pos_int("1796331648926-3")) == "1796331648926-3"
     assert pos_int("0-0") == 0 and pos_int(b"5-1") > pos_int(b"4-999")
     keys = [ObjectKey("m", 0, "s", bytes([i]) * 32) for i in range(3)] + [ObjectKey("m", 1, "", b"\7" * 32)]
@@ -299,10 +301,11 @@ def test_concurrent_overwrites_leave_l3_with_the_one_every_l1_keeps(tmp_path: Pa
             assert 0 < first < second
             await host1.sync()
             header = objfile.encode_header(A, "float32", SHAPE, memoryview(payload(A, 1)), 1, 0, GEO.digest(CHUNK))
-            issued = host1.coherence.fence(first).issued_ms
+            issued, incarnation = host1.coherence.fence(first)[1:]
             with pytest.raises(WriteFenced):  # host 1's version, issued before it applied E2b
-                host1.redis.write_from(A, header, memoryview(payload(A, 1)), Fence(first, issued))
-            assert host1.redis.write_from(A, header, memoryview(payload(A, 2)), Fence(second, issued)) > 0
+                host1.redis.write_from(A, header, memoryview(payload(A, 1)), Fence(first, issued, incarnation))
+            fence = Fence(second, issued, incarnation)
+            assert host1.redis.write_from(A, header, memoryview(payload(A, 2)), fence) > 0
         finally:
             close(host1, host2)
 

@@ -18,7 +18,7 @@ server knows every overwrite acknowledged before ``t``: the server serves L1 and
 the fast readers (``valid_until_ns``).
 
 **Epochs.** Stream entries are ordered by their ids (``ms-seq``, kept here as one int:
-``ms << 20 | seq``). An object gets an *epoch* when it becomes readable in L1: the last position
+``ms << 64 | seq``). An object gets an *epoch* when it becomes readable in L1: the last position
 its server had applied (for an object loaded from a lower tier: at the start of the load; for an
 overwrite's new version: its own second entry). Applying entry ``E`` drops the copies whose epoch
 is below ``E``: those committed or read before their server knew of the overwrite.
@@ -72,8 +72,10 @@ POSITION_FILE = "coherence.pos"
 # Lua: positions are "ms-seq" strings compared as two numbers (each exact in a double)
 _OLDER = """
 local function older(a, b)
-  local am, as = string.match(a, '(%d+)-(%d+)')
-  local bm, bs = string.match(b, '(%d+)-(%d+)')
+  -- nil when either is not a position (a floor someone else wrote): the caller decides
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  if not (am and bm) then return nil end
   am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
   return am < bm or (am == bm and as < bs)
 end
@@ -126,7 +128,7 @@ DELETE_SCRIPT = (
     _OLDER
     + f"""
 local f = redis.call('GET', KEYS[2])
-if (not f) or older(f, ARGV[1]) then redis.call('SET', KEYS[2], ARGV[1], 'PX', {FLOOR_TTL_MS}) end
+if (not f) or older(f, ARGV[1]) ~= false then redis.call('SET', KEYS[2], ARGV[1], 'PX', {FLOOR_TTL_MS}) end
 if ARGV[2] == '1' then return redis.call('DEL', KEYS[1]) end
 return 0
 """
@@ -137,7 +139,7 @@ WRITE_SCRIPT = (
     + f"""
 if now_ms() - tonumber(ARGV[4]) > {ISSUE_LIMIT_MS} then return 0 end
 local f = redis.call('GET', KEYS[2])
-if f and older(ARGV[3], f) then return 0 end
+if f and older(ARGV[3], f) ~= false then return 0 end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('APPEND', KEYS[1], ARGV[2])
 return 1
@@ -149,11 +151,11 @@ def pos_int(text: bytes | str) -> int:
     """A stream id ``ms-seq`` as one ordered int."""
     s = text.decode() if isinstance(text, bytes) else text
     ms, _, seq = s.partition("-")
-    return int(ms) << 20 | int(seq or 0)
+    return int(ms) << 64 | int(seq or 0)
 
 
 def pos_text(pos: int) -> str:
-    return f"{pos >> 20}-{pos & 0xFFFFF}"
+    return f"{pos >> 64}-{pos & (2**64 - 1)}"
 
 
 class Fence(NamedTuple):
@@ -162,6 +164,8 @@ class Fence(NamedTuple):
 
     position: int
     issued_ms: int
+    incarnation: bytes = b""  # the stream's the server knew: L3 keys name it (a write issued before
+    # L3 lost everything lands under a key nobody reads)
 
 
 class Invalidation(NamedTuple):
@@ -254,28 +258,30 @@ class Coherence:
         write once that is ISSUE_LIMIT_MS old: a stalled poller, or a write stuck on its way)."""
         with self._lock:
             issued = self._vouched_ms if self._vouched_ms is not None else 0
-        return Fence(max(self.position, epoch), issued)
+        return Fence(max(self.position, epoch), issued, self.incarnation)
 
     # --- worker threads ----------------------------------------------------------------------
 
     def poll(self) -> PollResult:
         """[worker] Read the entries after our position (raises redis-py errors)."""
         sent = self.clock()
-        now, inc, added, last, first, length, raw = self.client().eval(
+        now, inc, added, last, _first, _length, raw = self.client().eval(
             POLL_SCRIPT, 2, STREAM_KEY, INCARNATION_KEY, pos_text(self.position), POLL_COUNT, fresh_incarnation()
         )
-        added, length, last_pos, first_pos = int(added), int(length), pos_int(last), pos_int(first)
+        added, last_pos = int(added), pos_int(last)
         self.counters.polls += 1
         if not self.incarnation:
             self.incarnation = inc
         if not self.started and not self.resume:  # no position of our own: start at the tip
             return PollResult(sent, int(now), [], False, last_pos, added, True)
+        caught_up = len(raw) < POLL_COUNT
         lost = (
             inc != self.incarnation
-            or (added == 0 and self.consumed > 0)
             or last_pos < self.position
             or added < self.consumed
-            or (first_pos > self.position and added - self.consumed > length)
+            # every entry added after our position must be there to read: a trim, an XDEL or a
+            # stream deleted and started again shows as fewer
+            or (caught_up and added - self.consumed != len(raw))
         )
         if lost:
             self.incarnation = inc
@@ -285,7 +291,7 @@ class Coherence:
             data = dict(zip(fields[::2], fields[1::2], strict=True)).get(b"k", b"")
             entries.append(Invalidation(pos_int(entry_id), decode_keys(data)))
         pos = entries[-1].position if entries else self.position
-        return PollResult(sent, int(now), entries, False, pos, self.consumed + len(entries), len(raw) < POLL_COUNT)
+        return PollResult(sent, int(now), entries, False, pos, self.consumed + len(entries), caught_up)
 
     def publish(self, keys: list[ObjectKey], run: Callable[..., Any] | None = None) -> int:
         """[worker] Append an invalidation of ``keys``; its position. ``run(key, *eval args)``

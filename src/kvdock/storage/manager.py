@@ -49,7 +49,7 @@ from kvdock.storage.tier import Head
 __all__ = ["Chain", "Placement", "PrefetchJob", "StorageManager", "StorePlan"]
 
 SUPERSEDED = -1  # the epoch of a store reservation an invalidation came after: never committed
-OVERWRITING = 1 << 63  # the epoch of an overwrite's reservation until its commit: never superseded
+OVERWRITING = 1 << 200  # the epoch of an overwrite's reservation until its commit (above any position)
 
 Deletion = asyncio.Future[int | None]  # a lane's deletion: the epoch it names, None if not done
 

@@ -151,7 +151,11 @@ class RedisTier(StorageTier):
         return self._up
 
     def failed(self, err: BaseException) -> None:
-        """Mark the tier down after an error (logs on the transition only)."""
+        """Mark the tier down after an error (logs on the transition only). A script's own error
+        (a value someone else wrote where kvdock keeps a floor, say) is no outage: logged only."""
+        if isinstance(err, redis_py.exceptions.ResponseError) and "script" in str(err).lower():
+            log.warning("L3 %s: a script failed (%s); the tier stays up", self.display_url, err)
+            return
         with self._lock:
             self.last_error = f"{type(err).__name__}: {err}"
             if self._up:
@@ -211,8 +215,14 @@ class RedisTier(StorageTier):
         except ERRORS:
             return False
 
-    def _key(self, key: ObjectKey) -> bytes:
-        return redis_key(key, self.identity_of(key.model) or "")
+    def _key(self, key: ObjectKey, incarnation: bytes | None = None) -> bytes:
+        """``key``'s L3 key: its geometry's digest and, with the fleet's coherence, the incarnation
+        of the invalidation stream (the one known now, or a write's, from its fence): a write
+        issued before L3 lost everything lands under a key no reader of the new one asks for."""
+        identity = self.identity_of(key.model) or ""
+        if self.coherence is not None:
+            identity += "@" + (self.coherence.incarnation if incarnation is None else incarnation).decode()
+        return redis_key(key, identity)
 
     def run_script(self, script: str, keys: list[bytes], args: list[bytes | str]) -> Any:
         """[worker] EVAL ``script`` (small records kept beside the objects: server.fleet)."""
@@ -228,7 +238,7 @@ class RedisTier(StorageTier):
         """Store ``header + payload`` under the key in one atomic script (WRITE_SCRIPT); with a
         ``fence``, the script refuses (WriteFenced) a write that an overwrite's floor or its age
         makes stale (kvdock.storage.coherence)."""
-        final = self._key(key)
+        final = self._key(key, fence.incarnation if fence is not None else None)
         size = len(header) + len(payload)
         owner = self.shares.owner(key) if self.shares is not None else None
         self._make_room(final, size, owner)

@@ -367,3 +367,32 @@ def test_an_overwrites_reservations_are_never_superseded(tmp_path: Path, redis_s
             close(host1, host2)
 
     asyncio.run(main())
+
+
+def test_a_floor_that_is_not_a_position_refuses_writes_and_overwrites_replace_it(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """Review: junk where a floor is kept made every script on the key fail, marked L3 down and
+    refused every overwrite of it for good."""
+
+    async def main() -> None:
+        (host1,) = hosts(tmp_path, redis_server, n=1)
+        raw = redis_py.Redis.from_url(redis_server.url)
+        try:
+            await host1.sync()
+            assert host1.redis is not None and host1.coherence is not None
+            final = host1.redis._key(A)
+            raw.set(final + b":f", b"junk")
+            header = objfile.encode_header(A, "float32", SHAPE, memoryview(payload(A, 1)), 1, 0, GEO.digest(CHUNK))
+            fence = host1.coherence.fence(host1.coherence.position)
+            with pytest.raises(WriteFenced):
+                host1.redis.write_from(A, header, memoryview(payload(A, 1)), fence)
+            assert host1.redis.up()
+            epoch = host1.redis.delete_keys([A])
+            assert epoch > 0 and pos_int(raw.get(final + b":f")) == epoch
+            assert host1.redis.write_from(A, header, memoryview(payload(A, 1)), fence._replace(position=epoch)) > 0
+        finally:
+            close(host1)
+            raw.close()
+
+    asyncio.run(main())

@@ -35,10 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvdock.errors import RegistrationError
 from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import ModelLayout
-from kvdock.server.registry import ModelEntry, describe_geometry
+from kvdock.server.registry import ModelEntry, describe_geometry, refuse_another_model
 
 if TYPE_CHECKING:
     from kvdock.server.state import ServerState
@@ -154,18 +153,15 @@ async def register_model(state: ServerState, lay: ModelLayout) -> tuple[ModelEnt
 def _agreed(lay: ModelLayout, proposal: ModelLayout, record: ModelRecord, where: str) -> ModelLayout:
     """``lay`` as this server registers it once the fleet's ``record`` is known; RegistrationError
     naming both when they describe other models."""
-    name = lay.model_name
-    if record.logical != logical_text(proposal.geometry):
-        raise RegistrationError(
-            f"model {name!r} is already registered with a different geometry by a server sharing the L3 {where}: "
-            f"{record.description} (new: {describe_geometry(proposal.geometry)})"
-        )
-    if record.fingerprint and proposal.fingerprint and record.fingerprint != proposal.fingerprint:
-        raise RegistrationError(
-            f"model {name!r} is already registered as another model of the same geometry by a server sharing the "
-            f"L3 {where}: fingerprint {record.fingerprint} (new: {proposal.fingerprint}); its KV would be wrong for "
-            "this one (register it under another name)"
-        )
+    refuse_another_model(
+        lay.model_name,
+        record.logical == logical_text(proposal.geometry),
+        record.description,
+        describe_geometry(proposal.geometry),
+        record.fingerprint,
+        proposal.fingerprint,
+        f" by a server sharing the L3 {where}",
+    )
     out = lay
     if not lay.fingerprint and record.fingerprint:
         out = msgspec.structs.replace(out, fingerprint=record.fingerprint)

@@ -367,16 +367,30 @@ def _check_engine(lay: ModelLayout) -> None:
 def _check_same(old: ModelLayout, new: ModelLayout) -> None:
     """RegistrationError naming both unless ``new`` describes the model ``old`` registered: the
     same logical geometry, and fingerprints that do not differ ("" matches any)."""
-    name = old.model_name
-    if old.geometry.logical() != new.geometry.logical():
+    refuse_another_model(
+        old.model_name,
+        old.geometry.logical() == new.geometry.logical(),
+        describe_geometry(old.geometry),
+        describe_geometry(new.geometry),
+        old.fingerprint,
+        new.fingerprint,
+    )
+
+
+def refuse_another_model(
+    name: str, same_geometry: bool, old: str, new: str, old_fingerprint: str, new_fingerprint: str, by: str = ""
+) -> None:
+    """RegistrationError naming both registrations of ``name`` (geometries described as ``old`` and
+    ``new``) when they are other models: another geometry, or two fingerprints that differ ("" matches
+    any). ``by``: who holds the first one (" by a server sharing the L3 ..."), for the message."""
+    if not same_geometry:
         raise RegistrationError(
-            f"model {name!r} is already registered with a different geometry: "
-            f"{describe_geometry(old.geometry)} (new: {describe_geometry(new.geometry)})"
+            f"model {name!r} is already registered with a different geometry{by}: {old} (new: {new})"
         )
-    if old.fingerprint and new.fingerprint and old.fingerprint != new.fingerprint:
+    if old_fingerprint and new_fingerprint and old_fingerprint != new_fingerprint:
         raise RegistrationError(
-            f"model {name!r} is already registered as another model of the same geometry: fingerprint "
-            f"{old.fingerprint} (new: {new.fingerprint}); its KV would be wrong for this one (register it under "
+            f"model {name!r} is already registered as another model of the same geometry{by}: fingerprint "
+            f"{old_fingerprint} (new: {new_fingerprint}); its KV would be wrong for this one (register it under "
             "another name)"
         )
 

@@ -14,7 +14,7 @@ from kvdock.errors import RequestError
 from kvdock.keys import ObjectKey
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
-from kvdock.server import retrieval
+from kvdock.server import lookups, retrieval
 from kvdock.server.handlers import check_request, client_of, hashed_keys
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
@@ -47,7 +47,7 @@ def lookup_many(state: ServerState, req: m.LookupMany, payload: Payload) -> Outc
     state.metrics.lookups.inc(len(keysets))
     in_l1 = [state.manager.l1_hit(keys) for keys in keysets]
     size = state.chunk_size
-    return retrieval.count_all(
+    return lookups.count_all(
         state, in_l1, keysets, lambda runs: Reply(m.LookupManyResult([r.count * size for r in runs]))
     )
 

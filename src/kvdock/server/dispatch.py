@@ -12,6 +12,7 @@ from kvdock.server import access
 from kvdock.server import batch as b
 from kvdock.server import fastreads as fr
 from kvdock.server import handlers as h
+from kvdock.server import lookups as lk
 from kvdock.server import retrieval as r
 from kvdock.server import shards as sh
 from kvdock.server import storing as st
@@ -28,43 +29,26 @@ IDENTIFIED: dict[type, Callable[[ServerState, Any, Payload, bytes], Outcome]] = 
     m.Describe: h.describe,
 }
 
+# Every client's table: a request of a whole-model client of a model stored in several shards
+# (ClientEntry.sharded) is run once per shard by the same handlers (server.shards); the ops with
+# per-shard state such a client could not tell apart are refused for it (sh.one_shard)
 HANDLERS: dict[type, Handler] = {
     m.Ping: h.ping,
-    m.Lookup: r.lookup,
-    m.QueryPrefetchStatus: r.query_prefetch_status,
-    m.WaitPrefetch: r.wait_prefetch,
+    m.Lookup: lk.lookup,
+    m.QueryPrefetchStatus: sh.one_shard("prefetch status", lk.query_prefetch_status),
+    m.WaitPrefetch: sh.one_shard("prefetch status", lk.wait_prefetch),
     m.PrepareStore: st.prepare_store,
     m.CommitStore: st.commit_store,
     m.PrepareRetrieve: r.prepare_retrieve,
     m.CommitRetrieve: r.commit_retrieve,
     m.FastReads: fr.fast_reads,
-    m.LookupMany: b.lookup_many,
-    m.PrepareRetrieveMany: b.prepare_retrieve_many,
-    m.Locate: r.locate,
+    m.LookupMany: sh.one_shard("a batch lookup", b.lookup_many),
+    m.PrepareRetrieveMany: sh.one_shard("a batch retrieve", b.prepare_retrieve_many),
+    m.Locate: sh.one_shard("locating chunks", lk.locate),
     m.EndSession: st.end_session,
-    m.RenewSessions: h.renew_sessions,
+    m.RenewSessions: sh.one_shard("a zero-copy view", h.renew_sessions),
     m.CheckIntegrity: h.check_integrity,
     m.CloseClient: h.close_client,
-}
-
-
-# the ops of an all-rank client of a model stored in several shards (ClientEntry.sharded): each
-# is run once per shard (server.shards); those with per-shard state the client cannot tell apart
-# are refused
-SHARDED: dict[type, Handler] = {
-    **HANDLERS,
-    m.Lookup: sh.lookup,
-    m.PrepareStore: sh.prepare_store,
-    m.CommitStore: sh.commit_store,
-    m.PrepareRetrieve: sh.prepare_retrieve,
-    m.CommitRetrieve: sh.commit_retrieve,
-    m.EndSession: sh.end_session,
-    m.QueryPrefetchStatus: sh.refused("prefetch status"),
-    m.WaitPrefetch: sh.refused("prefetch status"),
-    m.LookupMany: sh.refused("a batch lookup"),
-    m.PrepareRetrieveMany: sh.refused("a batch retrieve"),
-    m.Locate: sh.refused("locating chunks"),
-    m.RenewSessions: sh.refused("a zero-copy view"),
 }
 
 
@@ -78,12 +62,11 @@ def handle(state: ServerState, req: Any, payload: Payload, key: bytes = b"") -> 
         if identified is not None:
             out = identified(state, req, payload, key)
         else:
-            client = access.check(state, req, key)
-            table = SHARDED if client is not None and client.sharded else HANDLERS
+            access.check(state, req, key)
             if type(req) in READS and not state.manager.vouched():
-                out = _when_vouched(state, table[type(req)], req, payload)
+                out = _when_vouched(state, HANDLERS[type(req)], req, payload)
             else:
-                out = table[type(req)](state, req, payload)
+                out = HANDLERS[type(req)](state, req, payload)
     except EXPECTED as e:
         return error_reply(state, e)
     if inspect.isawaitable(out):

@@ -1,9 +1,13 @@
-"""Handlers of the read ops: lookup across tiers, prefetch status, and retrieve.
+"""Handlers of the retrieve ops: PrepareRetrieve and CommitRetrieve, for a request over any number
+of shards (:mod:`kvdock.server.shards`; one shard is the common case), and the retrieve parts
+the batch ops share (:mod:`kvdock.server.batch`).
 
 A retrieve session pins the leading run of the prefix that L1 holds; when the tiers hold more, a
 prefetch job loads it into L1 (pinning each chunk for the session) and the reply waits for it,
-on the server, so a client needs a single round trip. A Lookup with ``prefetch`` starts the same
-session early; QueryPrefetchStatus / WaitPrefetch report on it; PrepareRetrieve then reuses it.
+on the server, so a client needs a single round trip. A Lookup with ``prefetch``
+(:mod:`kvdock.server.lookups`) starts the same session early; PrepareRetrieve then reuses it.
+Of several shards, each shard has its own session and the reply hands out, for every shard, the
+chunks every shard holds, current in the step that replies (:func:`retrieve_later`).
 
 Shared-memory clients copy the pinned slots themselves and release them with CommitRetrieve; each
 slot comes with its generation, which the client checks after its copy. For inline clients a
@@ -15,8 +19,7 @@ socket holds no pool memory, only the unsent bytes, which are capped per client.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,123 +29,13 @@ from kvdock.keys import ObjectKey
 from kvdock.memcpy import Copier
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
-from kvdock.server.handlers import client_of, count_hits, keys_of
+from kvdock.server.handlers import client_of, count_hits
+from kvdock.server.lookups import wait_prefetched
 from kvdock.server.registry import ClientEntry
+from kvdock.server.shards import Interleave, check_free, request_keys, session_ids, shards_of, stage_part
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
 from kvdock.storage import L1Object, Session
-from kvdock.storage.manager import Chain, PrefetchJob
-
-
-async def locate(state: ServerState, req: m.Locate, payload: Payload) -> Reply:
-    client = client_of(state, req.client_id)
-    keys = keys_of(state, client, req.tokens, req.cache_salt)
-    found, down = await state.manager.locate(keys)
-    chunks = [[m.Stored(p.tier, p.head.version, p.head.parent) for p in row] for row in found]
-    return Reply(m.Located(chunks, down))
-
-
-def lookup(state: ServerState, req: m.Lookup, payload: Payload) -> Outcome:
-    client = client_of(state, req.client_id)
-    keys = keys_of(state, client, req.tokens, req.cache_salt)
-    state.metrics.lookups.inc()
-    mgr = state.manager
-    if req.prefetch:
-        session = mgr.open_retrieve(client.client_id, req.session_id, keys)
-        if mgr.start_prefetch(session) is None and not session.pinned:
-            mgr.end_session(client.client_id, req.session_id)
-        pinned = session.pinned
-        in_l1 = Chain(len(pinned), pinned[-1].version if pinned else 0)
-    else:
-        in_l1 = mgr.l1_hit(keys)
-    return count_all(state, [in_l1], [keys], lambda runs: lookup_result(state, runs))
-
-
-def lookup_result(state: ServerState, runs: list[Chain]) -> Reply:
-    """The LookupResult of one request's runs (one per shard, all of one length)."""
-    n = runs[0].count
-    return Reply(m.LookupResult(n * state.chunk_size, [r.parent for r in runs] if n else []))
-
-
-def count_all(
-    state: ServerState,
-    in_l1: list[Chain],
-    keysets: list[list[ObjectKey]],
-    reply: Callable[[list[Chain]], Reply],
-    common: bool = False,
-) -> Outcome:
-    """``reply(the run of each key list)`` (cached in any tier as one version chain), given the run
-    of list ``i`` that L1 held when the handler looked (``in_l1[i]``): at once when no lower tier
-    can add any, else once they have been asked (every list at the same time; L1 may have changed
-    by then). ``common``: the lists are one request's shards; each run is cut to the shortest,
-    with its own tip there (or all are empty when a shard changed while they were counted)."""
-    mgr = state.manager
-    if not mgr.lanes or all(h.count == len(k) for h, k in zip(in_l1, keysets, strict=True)):
-        runs = list(in_l1)
-        if common:  # nothing changed since in_l1 was taken: L1 gives each shard's tip at the cut
-            n = min(r.count for r in runs)
-            runs = [r if r.count == n else mgr.l1_hit(keys[:n]) for r, keys in zip(runs, keysets, strict=True)]
-        return _counted(state, runs, keysets, reply, common)
-    return _count_lower(state, in_l1, keysets, reply, common)
-
-
-async def _count_lower(
-    state: ServerState,
-    in_l1: list[Chain],
-    keysets: list[list[ObjectKey]],
-    reply: Callable[[list[Chain]], Reply],
-    common: bool,
-) -> Reply:
-    mgr = state.manager
-
-    async def chain(hit: Chain, keys: list[ObjectKey]) -> Chain:
-        return hit if hit.count == len(keys) else await mgr.chain(keys, hit)
-
-    runs = list(await asyncio.gather(*(chain(h, keys) for h, keys in zip(in_l1, keysets, strict=True))))
-    if common and len({r.count for r in runs}) > 1:  # the longer runs' tips at the cut, counted again
-        n = min(r.count for r in runs)
-        cut = [keys[:n] for keys in keysets]
-        runs = list(await asyncio.gather(*(chain(mgr.l1_hit(keys), keys) for keys in cut)))
-        if any(r.count != n for r in runs):  # a shard changed meanwhile: vouch for nothing
-            runs = [Chain(0, 0) for _ in runs]
-    return _counted(state, runs, keysets, reply, common)
-
-
-def _counted(
-    state: ServerState,
-    runs: list[Chain],
-    keysets: list[list[ObjectKey]],
-    reply: Callable[[list[Chain]], Reply],
-    common: bool,
-) -> Reply:
-    counted = list(zip(runs[:1], keysets[:1], strict=True) if common else zip(runs, keysets, strict=True))
-    for run, keys in counted:
-        count_hits(state, run.count, len(keys))
-    return reply(runs)
-
-
-def _status(state: ServerState, session: Session) -> Reply:
-    job = session.job
-    done = not isinstance(job, PrefetchJob) or job.done.is_set()
-    return Reply(m.PrefetchStatus(done, len(session.pinned) * state.chunk_size))
-
-
-def query_prefetch_status(state: ServerState, req: m.QueryPrefetchStatus, payload: Payload) -> Reply:
-    client = client_of(state, req.client_id)
-    return _status(state, state.manager.sessions.get(client.client_id, req.session_id))
-
-
-async def wait_prefetch(state: ServerState, req: m.WaitPrefetch, payload: Payload) -> Reply:
-    client = client_of(state, req.client_id)
-    session = state.manager.sessions.get(client.client_id, req.session_id)
-    await _wait(session, req.timeout_s)
-    return _status(state, session)
-
-
-async def _wait(session: Session, timeout_s: float) -> None:
-    job = session.job
-    if isinstance(job, PrefetchJob) and not job.done.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(job.done.wait(), max(0.0, timeout_s))
+from kvdock.storage.manager import PrefetchJob
 
 
 @dataclass(frozen=True)
@@ -178,22 +71,25 @@ def cut_of(client: ClientEntry, part: m.ReadPart | None) -> Cut:
 
 def prepare_retrieve(state: ServerState, req: m.PrepareRetrieve, payload: Payload) -> Outcome:
     client = client_of(state, req.client_id)
-    keys = keys_of(state, client, req.tokens, req.cache_salt)
-    cut = cut_of(client, req.part)
-    check_tips(req.tips, 1)
+    keysets = request_keys(state, client, req.tokens, req.cache_salt, req.session_id)
+    cut = cut_of(client, stage_part(client, req.part))
+    check_tips(req.tips, len(keysets))
     if state.fault_retrieve_miss:
         return Reply(m.RetrievePrepared([]))
     mgr = state.manager
-    if mgr.sessions.has(client.client_id, req.session_id):  # opened by a prefetching Lookup
-        session = mgr.sessions.get(client.client_id, req.session_id)
-        if session.keys != keys:
+    sids = session_ids(req.session_id, len(keysets))
+    if len(sids) == 1 and mgr.sessions.has(client.client_id, sids[0]):  # opened by a prefetching Lookup
+        sessions = [mgr.sessions.get(client.client_id, sids[0])]
+        if sessions[0].keys != keysets[0]:
             raise RequestError(f"session {req.session_id!r} was opened for other tokens or cache_salt")
     else:
-        session = mgr.open_retrieve(client.client_id, req.session_id, keys)
-        mgr.start_prefetch(session)
-    if loading([session]) or client.transport == "inline":
-        return _one(retrieve_later(state, client, [session], [len(keys)], req.wait_s, cut, tips=req.tips))
-    return Reply(m.RetrievePrepared(shm_slots(state, client, session, len(keys), req.tips)))
+        check_free(state, client, sids)
+        sessions = open_retrieves(state, client, sids, keysets)
+    asked = [len(k) for k in keysets]
+    if len(sessions) > 1 or loading(sessions) or client.transport == "inline":
+        pending = retrieve_later(state, client, sessions, asked, req.wait_s, cut, len(sessions) > 1, req.tips)
+        return _interleaved(pending)
+    return Reply(m.RetrievePrepared(shm_slots(state, client, sessions[0], asked[0], req.tips)))
 
 
 def check_tips(tips: list[int] | None, shards: int) -> None:
@@ -211,9 +107,9 @@ def vouched(runs: list[list[L1Object]], asked: list[int], tips: list[int] | None
     return [[] for _ in runs]
 
 
-async def _one(pending: Awaitable[Prepared]) -> Reply:
+async def _interleaved(pending: Awaitable[Prepared]) -> Reply:
     p = await pending
-    return Reply(m.RetrievePrepared(p.slots[0]), p.frames, pooled=True)
+    return Reply(m.RetrievePrepared(Interleave(len(p.slots)).merge(p.slots)), p.frames, pooled=True)
 
 
 def open_retrieves(
@@ -264,14 +160,14 @@ async def retrieve_later(
     too), so that one whose chunks were in L1 from the start does not expire meanwhile; one
     ended meanwhile is released when the wait is over, and then has no hit.
 
-    ``common``: the sessions are one request's shards (:mod:`kvdock.server.shards`): each hands
+    ``common``: the sessions are one request's shards (:mod:`kvdock.server.shards`) of several: each hands
     out only the chunks every one of them holds, current in the same step, and the hit is counted
     once (for the first session's keys), not per shard. ``tips``: see :func:`vouched`."""
     mgr = state.manager
     for s in sessions:
         mgr.hold(s)
     try:
-        await asyncio.gather(*(_wait(s, wait_s) for s in sessions))
+        await asyncio.gather(*(wait_prefetched(s, wait_s) for s in sessions))
     finally:
         for s in sessions:
             mgr.unhold(s)
@@ -397,6 +293,12 @@ def count_retrieved(state: ServerState, nbytes: int) -> None:
 
 def commit_retrieve(state: ServerState, req: m.CommitRetrieve, payload: Payload) -> Reply:
     client = client_of(state, req.client_id)
-    n = state.manager.commit_retrieve(client.client_id, req.session_id)
+    mgr, n, found = state.manager, 0, False
+    for sid in session_ids(req.session_id, len(shards_of(client))):
+        if mgr.sessions.has(client.client_id, sid):
+            n += mgr.commit_retrieve(client.client_id, sid)
+            found = True
+    if not found:  # the error of an unknown session
+        mgr.sessions.get(client.client_id, req.session_id)
     count_retrieved(state, n * client.model.slot_nbytes)
     return Reply(m.Done())

@@ -1,11 +1,20 @@
-"""Handlers of the store ops: PrepareStore, CommitStore, EndSession.
+"""Handlers of the store ops: PrepareStore, CommitStore, EndSession, for a request over any number
+of shards (:mod:`kvdock.server.shards`; one shard is the common case).
 
 Shared-memory clients write their reserved slots themselves between the two; inline clients send
 the bytes with CommitStore, and a copier thread writes them into the slots (off the event loop,
-while the session is busy so its lease cannot run out under the copy). An overwrite's commit
-waits for the lower tiers to delete the older versions (see :mod:`kvdock.storage.manager`)."""
+while the sessions are busy so their leases cannot run out under the copy). An overwrite's commit
+waits for the lower tiers to delete the older versions (see :mod:`kvdock.storage.manager`).
+
+A request of several shards has a session per shard (even one that reserved nothing: its
+deletions of older versions are still waited for) and commits all of them in one step, or none:
+any refusal of its CommitStore ends every shard's session. A request of one shard keeps its
+session when its CommitStore is refused for the chunks it names (the client may send a correct
+one), but not for its payload."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -14,97 +23,173 @@ from kvdock.keys import ObjectKey
 from kvdock.memcpy import Copier
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
-from kvdock.server.handlers import client_of, keys_of
+from kvdock.server.handlers import client_of
 from kvdock.server.registry import ClientEntry
+from kvdock.server.shards import Interleave, check_free, end_all, request_keys, session_ids, shards_of
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
-from kvdock.storage import L1Object, Writer
+from kvdock.storage import L1Object, StorePlan, Writer
 from kvdock.storage.tier import Head
 
 
 def prepare_store(state: ServerState, req: m.PrepareStore, payload: Payload) -> Outcome:
     client = client_of(state, req.client_id)
-    keys = keys_of(state, client, req.tokens, req.cache_salt)
+    keysets = request_keys(state, client, req.tokens, req.cache_salt, req.session_id)
     shards = client.model.geometry.shards
-    if req.overwrite and shards > 1:  # (a whole-model client's requests go to server.shards)
+    if req.overwrite and len(keysets) < shards:
         raise RequestError(
             f"an overwrite of one rank's shard of {client.model.layout.model_name!r}, stored in {shards} shards, "
             "would leave the other shards' older version beside it (a chunk of two versions): overwrite the whole "
             "model (a context connected without kv_rank)"
         )
     mgr = state.manager
-    if not req.overwrite and mgr.has_unindexed_tier and mgr.lookup_l1(keys) < len(keys):
-        return _prepare_after_heads(state, client, req, keys)  # dedup against L3 too
-    return _prepare(state, client, req, keys, None)
+    check_free(state, client, session_ids(req.session_id, len(keysets)))
+    if req.overwrite and any(mgr.contended(keys) for keys in keysets):
+        # another client writes some shard's chunks: overwriting the others would leave a chunk
+        # whose shards are of two versions (so the whole prefix of every shard is in flight)
+        return Reply(m.StorePrepared([], 0, 0, len(keysets[0]) * len(keysets)))
+    if not req.overwrite and mgr.has_unindexed_tier and any(mgr.lookup_l1(k) < len(k) for k in keysets):
+        return _prepare_after_heads(state, client, req, keysets)  # dedup against L3 too
+    return _prepare(state, client, req, keysets, [None] * len(keysets))
 
 
 async def _prepare_after_heads(
-    state: ServerState, client: ClientEntry, req: m.PrepareStore, keys: list[ObjectKey]
+    state: ServerState, client: ClientEntry, req: m.PrepareStore, keysets: list[list[ObjectKey]]
 ) -> Reply:
-    start = state.manager.lookup_l1(keys)
-    below = await state.manager.unindexed_heads(keys[start:])
-    return _prepare(state, client, req, keys, below)
+    mgr = state.manager
+    below = [await mgr.unindexed_heads(keys[mgr.lookup_l1(keys) :]) for keys in keysets]
+    check_free(state, client, session_ids(req.session_id, len(keysets)))  # (the heads took a while)
+    return _prepare(state, client, req, keysets, below)
 
 
 def _prepare(
     state: ServerState,
     client: ClientEntry,
     req: m.PrepareStore,
-    keys: list[ObjectKey],
-    below: dict[ObjectKey, Head] | None,
+    keysets: list[list[ObjectKey]],
+    below: Sequence[dict[ObjectKey, Head] | None],
 ) -> Reply:
+    """Every shard's PrepareStore, in this one step. Of several shards, every shard gets a session
+    (one with no slots still holds its deletions of older versions, which the commit waits for),
+    ended at once when no shard reserved anything (the client then does not commit)."""
+    mgr = state.manager
     writer = Writer(client.pid, client.pid_start) if client.transport == "shm" else None
-    plan = state.manager.prepare_store(
-        client.client_id, req.session_id, keys, client.model.slot_nbytes, req.overwrite, writer, below
+    shards = len(keysets)
+    plans: list[StorePlan] = []
+    sids = session_ids(req.session_id, shards)
+    try:
+        for sid, keys, heads in zip(sids, keysets, below, strict=True):
+            plan = mgr.prepare_store(
+                client.client_id, sid, keys, client.model.slot_nbytes, req.overwrite, writer, heads, shards > 1
+            )
+            plans.append(plan)
+    except BaseException:
+        end_all(state, client, sids[: len(plans)])
+        raise
+    if shards > 1 and not any(p.slots for p in plans):
+        end_all(state, client, sids)
+    alloc = mgr.l1.allocator
+    slots = Interleave(shards).merge(
+        [[m.SlotRef(i, obj.offset, alloc.generation(obj.offset)) for i, obj in p.slots] for p in plans]
     )
-    state.metrics.deduped_chunks.inc(plan.deduped)
-    state.metrics.pool_full_chunks.inc(plan.pool_full)
-    alloc = state.manager.l1.allocator
-    slots = [m.SlotRef(i, obj.offset, alloc.generation(obj.offset)) for i, obj in plan.slots]
-    return Reply(m.StorePrepared(slots, plan.deduped, plan.pool_full, plan.in_flight))
+    deduped, pool_full = sum(p.deduped for p in plans), sum(p.pool_full for p in plans)
+    state.metrics.deduped_chunks.inc(deduped)
+    state.metrics.pool_full_chunks.inc(pool_full)
+    return Reply(m.StorePrepared(slots, deduped, pool_full, sum(p.in_flight for p in plans)))
 
 
 def commit_store(state: ServerState, req: m.CommitStore, payload: Payload) -> Outcome:
     client = client_of(state, req.client_id)
-    objs = state.manager.reservations(client.client_id, req.session_id, req.chunks)
-    if client.transport == "shm" and payload:
-        raise RequestError("shared-memory clients send no payload frames")
-    if client.transport == "inline":
-        _check_frames(state, client, req, objs, payload)
-    session = state.manager.sessions.get(client.client_id, req.session_id)
-    if session.committing:  # a second CommitStore would copy into slots the first may free
-        raise SessionError(f"session {req.session_id!r} is already being committed")
-    session.committing = True
-    if client.transport == "inline" or session.deletes:
-        return _commit_later(state, client, req, objs, payload)
-    return _commit(state, client, req, True)
+    mgr = state.manager
+    shards = len(shards_of(client))
+    sids = session_ids(req.session_id, shards)
+    if shards > 1:
+        _check_group(state, client, sids, req.chunks)
+    interleave = Interleave(shards)
+    chunks = interleave.chunks(req.chunks)
+    try:
+        objs = [mgr.reservations(client.client_id, sid, c) for sid, c in zip(sids, chunks, strict=True)]
+        if client.transport == "shm" and payload:
+            raise RequestError("shared-memory clients send no payload frames")
+        frames: list[list[memoryview]] = [[] for _ in sids]
+        if client.transport == "inline":
+            _check_frames(state, client, sids, req.chunks, payload)
+            frames = interleave.route(req.chunks, payload)
+        # a second CommitStore would copy into slots the first may free
+        sessions = mgr.sessions.begin_commit(client.client_id, sids)
+    except BaseException:
+        _abort(state, client, sids)
+        raise
+    work = list(zip(sids, chunks, strict=True))
+    if client.transport == "inline" or any(session.deletes for session in sessions):
+        return _commit_later(state, client, work, [o for run in objs for o in run], [f for fs in frames for f in fs])
+    return _commit(state, client, work, True)
+
+
+def _abort(state: ServerState, client: ClientEntry, sids: list[str]) -> None:
+    """After a refused (or finished) commit of several shards, end every shard's session: nothing
+    half-written stays, and no shard commits without the others. One shard's session stays open
+    (its client may send a correct CommitStore; a finished commit ended it already)."""
+    if len(sids) > 1:
+        end_all(state, client, sids)
+
+
+def _check_group(state: ServerState, client: ClientEntry, sids: list[str], chunks: list[int]) -> None:
+    """SessionError, every shard's session ended, unless all of a request's shard sessions are
+    open (a commit of some shards only could leave a chunk of two versions) and its slots are
+    distinct and in range."""
+    sessions = state.manager.sessions
+    if not all(sessions.has(client.client_id, sid) for sid in sids):
+        expired = sum(sessions.release_quarantine(client.client_id, sid) for sid in sids)
+        end_all(state, client, sids)
+        if expired:
+            raise SessionError(f"session {sids[0]!r}: its lease ran out before the commit; nothing was stored")
+        raise SessionError(f"no open session {sids[0]!r} for every shard (never opened, ended, or its lease ran out)")
+    if len(set(chunks)) != len(chunks) or any(c < 0 or c >= 2**62 for c in chunks):
+        end_all(state, client, sids)
+        raise SessionError(f"chunks {chunks[:8]} repeat or are out of range")
 
 
 def _check_frames(
-    state: ServerState, client: ClientEntry, req: m.CommitStore, objs: list[L1Object], payload: Payload
+    state: ServerState, client: ClientEntry, sids: list[str], chunks: list[int], payload: Payload
 ) -> None:
     nbytes = client.model.slot_nbytes
-    if len(payload) != len(objs) or any(len(p) != nbytes for p in payload):
-        state.manager.end_session(client.client_id, req.session_id)  # abort: nothing half-written stays
+    if len(payload) != len(chunks) or any(len(p) != nbytes for p in payload):
+        end_all(state, client, sids)  # abort: nothing half-written stays
         sizes = sorted({len(p) for p in payload})
         raise RequestError(
-            f"expected {len(objs)} frames of {nbytes} bytes, got {len(payload)} of sizes {sizes}", ErrorCode.BAD_PAYLOAD
+            f"expected {len(chunks)} frames of {nbytes} bytes, got {len(payload)} of sizes {sizes}",
+            ErrorCode.BAD_PAYLOAD,
         )
 
 
 async def _commit_later(
-    state: ServerState, client: ClientEntry, req: m.CommitStore, objs: list[L1Object], payload: Payload
+    state: ServerState,
+    client: ClientEntry,
+    work: list[tuple[str, list[int]]],
+    objs: list[L1Object],
+    frames: list[memoryview],
 ) -> Reply:
+    """The inline copies and every shard's deletions, with every shard's session held (none can
+    expire while another's deletions are awaited: a commit of some shards only would leave two
+    versions), then :func:`_commit`."""
     mgr = state.manager
-    if payload:
-        session = mgr.sessions.get(client.client_id, req.session_id)
+    sids = [sid for sid, _ in work]
+    sessions = [mgr.sessions.get(client.client_id, sid) for sid in sids]
+    ok = True
+    for session in sessions:
         mgr.hold(session)
-        try:
-            views = [mgr.l1.view(o) for o in objs]
-            await state.copy(copy_frames, views, payload)
-        finally:
+    try:
+        if frames:
+            await state.copy(copy_frames, [mgr.l1.view(o) for o in objs], frames)
+        for sid in sids:
+            ok = await mgr.wait_deletes(client.client_id, sid) and ok
+    except BaseException:
+        _abort(state, client, sids)
+        raise
+    finally:
+        for session in sessions:
             mgr.unhold(session)
-    ok = await mgr.wait_deletes(client.client_id, req.session_id)
-    return _commit(state, client, req, ok)
+    return _commit(state, client, work, ok)
 
 
 def copy_frames(views: list[memoryview], frames: Payload) -> None:
@@ -114,8 +199,19 @@ def copy_frames(views: list[memoryview], frames: Payload) -> None:
     copier.run()  # without the GIL
 
 
-def _commit(state: ServerState, client: ClientEntry, req: m.CommitStore, deletes_ok: bool) -> Reply:
-    n = state.manager.commit_store(client.client_id, req.session_id, req.chunks, deletes_ok)
+def _commit(state: ServerState, client: ClientEntry, work: list[tuple[str, list[int]]], deletes_ok: bool) -> Reply:
+    """Commit every shard's session in this one step, or none: every session must still be open
+    (one ended meanwhile, by the client or its lease, refuses them all), and when a lower tier
+    could not delete an older version the first refusal ends them all."""
+    mgr, n = state.manager, 0
+    try:
+        if deletes_ok and len(work) > 1:
+            for sid, indexes in work:
+                mgr.reservations(client.client_id, sid, indexes)  # SessionError for one gone
+        for sid, indexes in work:
+            n += mgr.commit_store(client.client_id, sid, indexes, deletes_ok)
+    finally:
+        _abort(state, client, [sid for sid, _ in work])
     state.metrics.stores.inc()
     state.metrics.stored_chunks.inc(n)
     state.metrics.stored_bytes.inc(n * client.model.slot_nbytes)
@@ -125,7 +221,9 @@ def _commit(state: ServerState, client: ClientEntry, req: m.CommitStore, deletes
 def end_session(state: ServerState, req: m.EndSession, payload: Payload) -> Reply:
     # Before client_of: a client forgotten meanwhile still ends its copy here, which is what
     # releases slots quarantined for it (of every shard of a whole-model client's request too).
-    state.manager.end_session(req.client_id, req.session_id)
+    client = state.registry.clients.get(req.client_id)
+    for sid in session_ids(req.session_id, len(shards_of(client)) if client is not None else 1):
+        state.manager.end_session(req.client_id, sid)
     state.manager.sessions.release_quarantined_group(req.client_id, req.session_id)
     client_of(state, req.client_id)
     return Reply(m.Done())

@@ -124,6 +124,18 @@ class SessionTable:
         self.renew(session)
         return session
 
+    def begin_commit(self, client_id: str, session_ids: list[str]) -> list[Session]:
+        """The open sessions of one CommitStore (one per shard of its request), their leases
+        renewed, marked ``committing``; SessionError if one is not open, or if a CommitStore of
+        any of them is in progress already (a second one would copy into slots the first may
+        free)."""
+        sessions = [self.get(client_id, sid) for sid in session_ids]
+        if any(s.committing for s in sessions):
+            raise SessionError(f"session {session_ids[0]!r} is already being committed")
+        for s in sessions:
+            s.committing = True
+        return sessions
+
     def renew(self, session: Session) -> None:
         session.deadline = self._clock() + self.ttl
 

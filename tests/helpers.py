@@ -1,7 +1,10 @@
-"""Test helpers: start a real ``kvdock serve`` subprocess on free ports and wait until it answers."""
+"""Test helpers: start a real server, in this process (``kvdock.inprocess``: a thread with its own
+event loop, real sockets and shared memory) or as a ``kvdock serve`` subprocess on free ports (for
+what needs a process boundary), and wait until it answers."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -12,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvdock.inprocess import InProcessServer
 from kvdock.testing import ServerProcess, free_port, server_binary
 from kvdock.testing import start_server as start
 
@@ -19,11 +23,16 @@ __all__ = [
     "CHUNK",
     "GEOMETRY",
     "MODEL",
+    "AnyServer",
+    "InProcessServer",
     "RedisProc",
     "ServerProc",
     "free_port",
     "make_kv",
     "make_tokens",
+    "needs_process",
+    "running",
+    "start_inprocess",
     "start_server",
 ]
 
@@ -44,6 +53,23 @@ def make_tokens(n: int, start: int = 0) -> list[int]:
 
 
 ServerProc = ServerProcess
+AnyServer = ServerProcess | InProcessServer  # what make_server / server give (same surface)
+# every server a process (make_server, serving): to compare, or to rule the harness out
+ALWAYS_PROCESS = os.environ.get("KVDOCK_TEST_SUBPROCESS") == "1"
+
+
+def needs_process(env: dict[str, str] | None) -> bool:
+    """Whether a server started with ``env`` needs a process of its own: anything but the fault
+    variables (kvdock.faults, which an in-process server takes directly), or KVDOCK_TEST_SUBPROCESS=1."""
+    return ALWAYS_PROCESS or any(not k.startswith("KVDOCK_FAULT_") for k in env or {})
+
+
+def running(srv: AnyServer) -> bool:
+    return srv.proc.poll() is None if isinstance(srv, ServerProcess) else srv.alive
+
+
+def _disk_flags(extra: tuple[str, ...]) -> list[str]:
+    return [] if any(a.startswith(("--disk", "--no-disk")) for a in extra) else ["--no-disk"]
 
 
 def start_server(
@@ -57,10 +83,34 @@ def start_server(
 ) -> ServerProcess:
     """Start ``kvdock serve`` with a small pool and small chunks; raises if it does not come up.
     No L2 unless the test asks for one: the default directory is shared by the whole machine."""
-    disk = [] if any(a.startswith(("--disk", "--no-disk")) for a in extra) else ["--no-disk"]
     log_path = tmp_path / f"server-{time.monotonic_ns()}.log"
     return start(
-        *disk,
+        *_disk_flags(extra),
+        *extra,
+        l1_size=l1_size,
+        chunk_size=chunk_size,
+        log_path=log_path,
+        timeout=30,
+        env=env,
+        port=port,
+        http_port=http_port,
+    )
+
+
+def start_inprocess(
+    tmp_path: Path,
+    *extra: str,
+    l1_size: str = "64MiB",
+    chunk_size: int = 16,
+    env: dict[str, str] | None = None,
+    port: int = 0,
+    http_port: int = 0,
+) -> InProcessServer:
+    """``start_server``'s server (same arguments and defaults) in this process; ``env`` may name
+    fault variables only (needs_process)."""
+    log_path = tmp_path / f"server-{time.monotonic_ns()}.log"
+    return InProcessServer.start(
+        *_disk_flags(extra),
         *extra,
         l1_size=l1_size,
         chunk_size=chunk_size,
@@ -75,12 +125,14 @@ def start_server(
 @contextmanager
 def serving(
     tmp_path: Path, transport: str, *extra: str, models: tuple[tuple[str, str], ...] = ((MODEL, "bfloat16"),)
-) -> Iterator[ServerProcess]:
+) -> Iterator[AnyServer]:
     """A server (``start_server``) whose clients get ``transport`` ("shm" or "inline"), with
-    ``models`` (name, dtype) registered in GEOMETRY; stopped at exit, which must be clean."""
+    ``models`` (name, dtype) registered in GEOMETRY; stopped at exit, which must be clean. In
+    this process unless KVDOCK_TEST_SUBPROCESS=1."""
     import kvdock.sdk as kvd
 
-    srv = start_server(tmp_path, *extra, *(["--no-shm"] if transport == "inline" else []))
+    start_any = start_server if ALWAYS_PROCESS else start_inprocess
+    srv = start_any(tmp_path, *extra, *(["--no-shm"] if transport == "inline" else []))
     try:
         for name, dtype in models:
             kvd.register_model(srv.url, srv.http_url, name, dtype=dtype, **GEOMETRY, timeout=10)

@@ -8,6 +8,9 @@ library (and the ``redis-server`` / ``redis-cli`` binaries, ``valkey-server`` fr
 
     with start_server("--no-disk", l1_size="1GiB") as srv:
         ctx = kvdock.sdk.connect(srv.url, srv.http_url, ...)
+
+Tests that need no process boundary run the same server in a thread of their own process
+instead (``kvdock.inprocess.InProcessServer``, the same surface as ServerProcess).
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen[bytes]
+class HttpDocs:
+    """What a test reads of a server over HTTP and its log, whichever way it runs (a process
+    here, a thread: ``kvdock.inprocess.InProcessServer``): ``port``, ``http_port`` and
+    ``log_path`` are the server's."""
+
     port: int
     http_port: int
     log_path: Path
-    args: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -77,6 +81,17 @@ class ServerProcess:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+
+@dataclass
+class ServerProcess(HttpDocs):
+    """A ``kvdock serve`` child process (launch_server)."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    http_port: int
+    log_path: Path
+    args: list[str] = field(default_factory=list)
 
     def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
         """Block until ``/healthz`` answers; RuntimeError (with the log) if the server exits or

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from kvdock import faults
 from kvdock.server.events import ChunkEvents
 from kvdock.server.metrics import Metrics
 from kvdock.server.pools import Tickets
@@ -22,8 +22,8 @@ from kvdock.storage import StorageManager
 from kvdock.transport.door import PoolDoor
 
 Payload = list[memoryview]
-FAULT_COPY_ENV = "KVDOCK_FAULT_COPY_DELAY_S"
-FAULT_RETRIEVE_MISS_ENV = "KVDOCK_FAULT_RETRIEVE_MISS"
+FAULT_COPY_ENV = faults.COPY_DELAY_ENV  # (the names black-box tests set: kvdock.faults)
+FAULT_RETRIEVE_MISS_ENV = faults.RETRIEVE_MISS_ENV
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,8 @@ Outcome = Reply | Awaitable[Reply]
 
 
 def fault_retrieve_miss() -> bool:
-    """Whether the retrieve-miss fault is on (the environment of the server process)."""
-    return os.environ.get(FAULT_RETRIEVE_MISS_ENV) == "1"
+    """Whether the retrieve-miss fault is on (:func:`kvdock.faults.current`)."""
+    return faults.current().retrieve_miss
 
 
 @dataclass
@@ -92,7 +92,7 @@ class ServerState:
     unsent: dict[tuple[int, bytes], int] = field(default_factory=dict)  # Incoming.peer -> reply bytes not yet sent
     reply_buffers: ReplyBuffers = field(default_factory=lambda: ReplyBuffers(1 << 30))
     # fault injection for tests: each inline copy sleeps first (a copy can't be made slow on demand)
-    fault_copy_delay_s: float = field(default_factory=lambda: float(os.environ.get(FAULT_COPY_ENV, "0") or 0))
+    fault_copy_delay_s: float = field(default_factory=lambda: faults.current().copy_delay_s)
     # ... and every retrieve finds nothing, as if evicted right after a lookup found it (an
     # engine's lookup and load cannot be split apart on demand)
     fault_retrieve_miss: bool = field(default_factory=fault_retrieve_miss)

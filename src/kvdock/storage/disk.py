@@ -30,6 +30,7 @@ from typing import Any
 
 from blake3 import blake3
 
+from kvdock import faults
 from kvdock.errors import CorruptObject, DiskInUseError, NoRoom
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
 NO_HEAD = Head(0, 0)  # objects written before version chains: each chains to the previous one
-FAULT_DELAY_ENV = "KVDOCK_FAULT_L2_WRITE_DELAY_S"  # seconds each L2 write or delete sleeps first (tests only)
+FAULT_DELAY_ENV = faults.L2_WRITE_DELAY_ENV  # seconds each L2 write or delete sleeps first (tests only)
 
 __all__ = ["DiskEntry", "DiskInUseError", "DiskTier", "NoRoom", "ScanReport", "read_object", "write_object"]
 
@@ -94,7 +95,7 @@ class DiskTier(StorageTier):
         self.used_bytes = 0  # indexed files
         self.pending_bytes = 0  # promised to writes in flight
         # fault injection for tests of a slow disk (a real one cannot be made slow on demand)
-        self.fault_write_delay_s = float(os.environ.get(FAULT_DELAY_ENV, "0") or 0)
+        self.fault_write_delay_s = faults.current().l2_write_delay_s
         self.last_scan = ScanReport(0, 0, 0)
         # the geometry digest of a model's objects now (the server's registry; None: unknown model):
         # knows() and heads() skip files written under another geometry of the name. None: not checked

@@ -19,13 +19,13 @@ Thread: vLLM's model-runner thread calls every method.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import kvdock.sdk as kvd
+from kvdock import faults
 from kvdock.codecs import CodecKey, PagedCodec, codec_for
 from kvdock.codecs.vllm import LAYOUT_ALIASES
 from kvdock.errors import UnsupportedLayoutError
@@ -118,7 +118,7 @@ def _geometry(vllm_config: Any, backend: str, first: torch.Tensor, layers: int, 
     ).check()
 
 
-FAULT_FAIL_LOADS_ENV = "KVDOCK_FAULT_FAIL_LOADS"
+FAULT_FAIL_LOADS_ENV = faults.FAIL_LOADS_ENV
 
 
 def _any_rank(failed: list[bool]) -> list[bool]:
@@ -156,9 +156,7 @@ class WorkerSide:
         self._loaded_now: set[str] = set()  # requests that loaded in this step
         # test-only fault: "salt@rank,...": loads under that cache_salt fail on that global rank
         # (an engine's ranks failing apart)
-        self._faults = {
-            tuple(f.rsplit("@", 1)) for f in os.environ.get(FAULT_FAIL_LOADS_ENV, "").split(",") if "@" in f
-        }
+        self._faults = faults.current().fail_loads
 
     # -- register_kv_caches ---------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Models stored in several shards (tensor parallelism), through real servers: what each rank
 stores is its shard; the whole-model (all-rank) context assembles and splits chunks across the
-shards (server.shards), and never hands out a chunk that a shard lacks or that mixes versions."""
+shards (server.shards: the same handlers, once per shard), and never hands out a chunk that a
+shard lacks or that mixes versions."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from helpers import CHUNK, ServerProc, make_tokens, start_server
 from kvdock.errors import InvalidInputError, KVCacheSDKError
 from kvdock.layout import KV_LATENT, KVGeometry
 from kvdock.protocol import messages as m
+from kvdock.server.shards import Interleave
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 8  # per rank: 2 of the model's 4 KV heads at TP=2
 TP = "tp"
@@ -626,3 +628,17 @@ def test_a_client_refuses_a_server_that_stores_the_model_otherwise_than_its_stat
     monkeypatch.setattr(handshake, "describe", other)
     with pytest.raises(KVCacheSDKError, match="changed its chunk size or the layout"):
         connect(srv, TP, 1)
+
+
+def test_interleave_numbers_a_requests_slots_chunk_major() -> None:
+    """The one numbering of a request's slots over its shards (store, commit and retrieve):
+    slot ``chunk * shards + shard``; of one shard, the chunk itself."""
+    il = Interleave(3)
+    assert il.index(2, 1) == 7 and il.split(7) == (2, 1)
+    per_shard = [[m.SlotRef(0, 10, 1), m.SlotRef(2, 12, 1)], [m.SlotRef(0, 20, 2)], []]
+    assert il.merge(per_shard) == [m.SlotRef(0, 10, 1), m.SlotRef(1, 20, 2), m.SlotRef(6, 12, 1)]
+    assert il.chunks([6, 1, 0, 4]) == [[2, 0], [0, 1], []]
+    assert il.route([6, 1, 0, 4], ["a", "b", "c", "d"]) == [["a", "c"], ["b", "d"], []]
+    one = Interleave(1)
+    assert one.merge([[m.SlotRef(0, 5), m.SlotRef(1, 9)]]) == [m.SlotRef(0, 5), m.SlotRef(1, 9)]
+    assert one.chunks([3, 1]) == [[3, 1]] and one.split(3) == (3, 0)

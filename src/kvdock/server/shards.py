@@ -76,12 +76,12 @@ class Interleave:
         """``items[k]`` (of slot ``indexes[k]``) by shard, in their order."""
         out: list[list[T]] = [[] for _ in range(self.shards)]
         for index, item in zip(indexes, items, strict=True):
-            out[index % self.shards].append(item)
+            out[self.split(index)[1]].append(item)
         return out
 
     def chunks(self, indexes: Sequence[int]) -> list[list[int]]:
         """Each shard's chunks of slots ``indexes``, in their order."""
-        return self.route(indexes, [index // self.shards for index in indexes])
+        return self.route(indexes, [self.split(index)[0] for index in indexes])
 
 
 def shards_of(client: ClientEntry) -> list[int]:

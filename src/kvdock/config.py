@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+from kvdock import __version__
 from kvdock.errors import ConfigError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -24,8 +25,10 @@ DEFAULT_PORT = 5555
 DEFAULT_HTTP_PORT = 9000
 DEFAULT_URL = f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}"
 DEFAULT_HTTP_URL = f"http://{DEFAULT_HOST}:{DEFAULT_HTTP_PORT}"
-L1_AUTO_FRACTION = 0.25  # of available memory, when --l1-size is not given
-DISK_AUTO_FRACTION = 0.2  # of the free space in the disk dir, when --disk-size is not given
+L1_AUTO_FRACTION = 0.25  # of available memory, when --l1-size is not given ...
+L1_AUTO_MAX = 2 * 2**30  # ... and at most this (it is pre-faulted: a laptop keeps its memory)
+DISK_DEFAULT = 8 * 2**30  # the L2 budget when --disk-size is not given ...
+DISK_AUTO_FRACTION = 0.5  # ... or this fraction of the free space there, when that is less
 SIZE_FIELDS = ("l1_size", "disk_size", "redis_max_bytes")
 
 # Hard bounds on what one model registration may declare (checked by the server and the SDK).
@@ -80,34 +83,82 @@ def _parse_bool(text: str | bool) -> bool:
     raise ConfigError(f"not a boolean: {text!r}")
 
 
+def _opt(default: Any, help: str, metavar: str | None = None) -> Any:
+    """A ServerConfig field with its ``kvdock serve --help`` text (the flags are generated from the
+    fields: :func:`kvdock.cli.serve.add_serve_flags`)."""
+    return dataclasses.field(default=default, metadata={"help": help, "metavar": metavar})
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = DEFAULT_HOST
-    http_host: str = ""  # "" = host, except that CURVE opens only zmq off loopback: then 127.0.0.1
-    port: int = DEFAULT_PORT
-    http_port: int = DEFAULT_HTTP_PORT
-    chunk_size: int = 256
-    l1_size: int = 0  # bytes; 0 = L1_AUTO_FRACTION of available memory
-    no_shm: bool = False
-    no_local_socket: bool = False  # shared-memory clients keep their control messages on zmq
-    no_fast_reads: bool = False  # no pool directory: every lookup and retrieve asks the server
-    session_ttl: float = 30.0
-    client_ttl: float = 300.0  # seconds before a silent client's registration is forgotten
-    max_models: int = 64  # model registrations the server keeps
-    max_request_tokens: int = 2**20  # token ids one request may name
-    disk_dir: str = ""  # L2 directory; "" = DEFAULT_DISK_DIR
-    disk_size: int = 0  # bytes; 0 = DISK_AUTO_FRACTION of the free space there
-    no_disk: bool = False
-    redis_url: str = ""  # L3: one Redis, or a cluster (redis+cluster://H:P,H:P/); "" = off
-    redis_max_bytes: int = 0  # bytes of this server's own writes kept in L3 (LRU); 0 = Redis' maxmemory decides
-    l3_coherence_ms: float = 100.0  # servers sharing L3 stop serving a version overwritten elsewhere within this
-    admin_token: str = ""
-    log_level: str = "INFO"
-    kv_events_port: int = 0  # PUB socket of KV events (protocol/events.py); 0 = off
-    insecure_allow_remote: bool = False  # bind a non-loopback host although nothing authenticates clients
-    curve_secret_key: str = ""  # the server's secret certificate (kvdock keygen): zmq clients must speak CURVE
-    curve_authorized_dir: str = ""  # public certificates (*.key) of the clients CURVE lets in
-    tenants: str = ""  # a tenants file (server/tenants.py): clients bound to their models, salts and quotas
+    """Every server setting. A field's default is the only place that default is written; its
+    ``metadata["help"]`` is its ``--help`` text (a 0 or "" that means "automatic" says so there)."""
+
+    host: str = _opt(
+        DEFAULT_HOST, "bind address for ZMQ and HTTP (a non-loopback one needs CURVE or --insecure-allow-remote)"
+    )
+    http_host: str = _opt(
+        "", "bind address for HTTP (default: --host; loopback when only CURVE opens --host to the network)"
+    )
+    port: int = _opt(DEFAULT_PORT, "ZMQ control port")
+    http_port: int = _opt(DEFAULT_HTTP_PORT, "HTTP port (/status, /config, /metrics, /healthz)")
+    chunk_size: int = _opt(256, "tokens per stored chunk")
+    l1_size: int = _opt(
+        0,
+        f"L1 shared-memory pool, e.g. 2GiB, allocated and pre-faulted at start (default: "
+        f"{int(L1_AUTO_FRACTION * 100)}% of available memory, at most {L1_AUTO_MAX // 2**30} GiB)",
+        "SIZE",
+    )
+    no_shm: bool = _opt(False, "share no memory: every client uses the inline transport")
+    no_local_socket: bool = _opt(
+        False, "offer shared-memory clients no local UNIX socket: their control messages go over ZMQ too"
+    )
+    no_fast_reads: bool = _opt(
+        False, "publish no pool directory: shared-memory clients ask the server for every lookup and retrieve"
+    )
+    session_ttl: float = _opt(30.0, "seconds before a silent session's pins and reservations are released")
+    client_ttl: float = _opt(300.0, "seconds before a silent client's registration is forgotten")
+    max_models: int = _opt(64, "model registrations the server keeps")
+    max_request_tokens: int = _opt(2**20, "token ids one request may name (a longer one is refused at once)")
+    disk_dir: str = _opt(
+        "", "L2 directory, kept across restarts (default: $XDG_CACHE_HOME/kvdock/l2, else ~/.cache/kvdock/l2)"
+    )
+    disk_size: int = _opt(
+        0,
+        f"L2 budget, e.g. 100GiB (default: {DISK_DEFAULT // 2**30} GiB, or half the free space there when "
+        "less is free)",
+        "SIZE",
+    )
+    no_disk: bool = _opt(False, "no L2 tier")
+    redis_url: str = _opt(
+        "",
+        "L3 shared by servers: a Redis/Valkey (redis://[:PASSWORD@]HOST:PORT/DB, rediss://) or a Redis Cluster "
+        "(redis+cluster://[:PASSWORD@]HOST:PORT,HOST:PORT/, rediss+cluster://); default: none",
+    )
+    redis_max_bytes: int = _opt(
+        0,
+        "L3 budget of this server's own writes, e.g. 50GiB: past it, its least recently used are deleted "
+        "(default: none, Redis' maxmemory decides)",
+        "SIZE",
+    )
+    l3_coherence_ms: float = _opt(
+        100.0,
+        "with an L3: within this many ms of an overwrite acknowledged by any server sharing it, no server serves "
+        "the replaced version (it answers misses while it cannot tell)",
+    )
+    admin_token: str = _opt("", "token required (Authorization: Bearer) by HTTP admin actions and to register models")
+    log_level: str = _opt("INFO", "DEBUG, INFO or WARNING")
+    kv_events_port: int = _opt(0, "publish KV events (chunks stored / removed) on this port (default: off)")
+    insecure_allow_remote: bool = _opt(
+        False, "bind a non-loopback --host although clients are not authenticated (see docs/security.md)"
+    )
+    curve_secret_key: str = _opt(
+        "", "the server's secret certificate (kvdock keygen): ZMQ clients and event subscribers must speak CURVE"
+    )
+    curve_authorized_dir: str = _opt("", "directory of the public certificates (*.key) CURVE lets in")
+    tenants: str = _opt(
+        "", "tenants file (TOML): each tenant's CURVE keys or tokens, models, cache_salt namespaces and quotas"
+    )
 
     @property
     def zmq_url(self) -> str:
@@ -239,7 +290,8 @@ def load_server_config(
 
 
 def auto_l1_size() -> int:
-    """The default L1 size: a fraction of available memory, bounded by free space in /dev/shm."""
+    """The default L1 size: L1_AUTO_FRACTION of available memory, at most L1_AUTO_MAX, bounded by
+    the free space in /dev/shm."""
     avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         meminfo = Path("/proc/meminfo").read_text()
@@ -247,7 +299,7 @@ def auto_l1_size() -> int:
     except (OSError, AttributeError):
         pass
     st = os.statvfs("/dev/shm")
-    size = min(int(avail * L1_AUTO_FRACTION), int(st.f_bavail * st.f_frsize * 0.9))
+    size = min(int(avail * L1_AUTO_FRACTION), L1_AUTO_MAX, int(st.f_bavail * st.f_frsize * 0.9))
     return size // 2**20 * 2**20
 
 
@@ -257,12 +309,47 @@ def default_disk_dir() -> Path:
 
 
 def auto_disk_size(directory: Path) -> int:
-    """The default L2 budget: a fraction of the free space where ``directory`` lives."""
+    """The default L2 budget: DISK_DEFAULT, or DISK_AUTO_FRACTION of the free space where
+    ``directory`` lives when that is less (the same number at every start on a disk with room)."""
     probe = directory
     while not probe.exists():
         probe = probe.parent
     st = os.statvfs(probe)
-    return int(st.f_bavail * st.f_frsize * DISK_AUTO_FRACTION) // 2**20 * 2**20
+    return min(DISK_DEFAULT, int(st.f_bavail * st.f_frsize * DISK_AUTO_FRACTION)) // 2**20 * 2**20
+
+
+def with_sizes(config: ServerConfig) -> ServerConfig:
+    """``config`` with its automatic sizes (``l1_size``, ``disk_size`` 0) made concrete, so that the
+    server and the startup line (:func:`startup_line`) use the same numbers."""
+    l1 = config.l1_size or auto_l1_size()
+    disk = config.disk_size
+    if not config.no_disk and not disk:
+        disk = auto_disk_size(Path(config.disk_dir) if config.disk_dir else default_disk_dir())
+    return dataclasses.replace(config, l1_size=l1, disk_size=disk)
+
+
+def startup_line(config: ServerConfig, given: ServerConfig) -> str:
+    """One log line saying what the server takes from the machine: ``config`` as resolved by
+    :func:`with_sizes`, ``given`` as the operator gave it (to say which sizes were automatic)."""
+    kind = "private" if config.no_shm else "shared"
+    auto_l1 = f"auto: {int(L1_AUTO_FRACTION * 100)}% of available memory, at most {format_size(L1_AUTO_MAX)}"
+    how = f"{auto_l1}; --l1-size to choose" if not given.l1_size else "given"
+    l1 = f"L1 size: {format_size(config.l1_size)} ({how}) of {kind} memory, pre-faulted"
+    if config.no_disk:
+        l2 = "L2 off"
+    else:
+        where = config.disk_dir or str(default_disk_dir())
+        auto_l2 = "auto: --disk-size to choose" if not given.disk_size else "given"
+        l2 = f"L2 disk: {format_size(config.disk_size)} ({auto_l2}) in {where}, kept across restarts (--no-disk: none)"
+    l3 = "L3 " + (_redact(config.redis_url) if config.redis_url else "off")
+    http = f"{config.http_bind_host}:{config.http_port}"
+    return f"kvdock {__version__}: ZMQ {config.zmq_url}, HTTP {http}; {l1}; {l2}; {l3}"
+
+
+def _redact(url: str) -> str:
+    """``url`` without its password."""
+    return re.sub(r"(://[^@/]*:)[^@/]*@", r"\1***@", url)
+
 
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")

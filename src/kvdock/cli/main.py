@@ -4,62 +4,38 @@ inspect, diff, events."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import logging
 import os
 import pickle
-import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvdock import __version__
 from kvdock.cli.keys import add_key_flags, keys, token
-from kvdock.config import DEFAULT_HTTP_URL, DEFAULT_URL, load_server_config
-from kvdock.errors import ConfigError, KVDockError
+from kvdock.cli.serve import add_serve_flags, serve_command
+from kvdock.config import DEFAULT_HTTP_URL, DEFAULT_URL, MAX_NAME_LEN
+from kvdock.errors import ConfigError, KVDockError, UnknownModelError
+from kvdock.layout import KV_LATENT, KV_PAIR
 
-
-def _serve(args: argparse.Namespace) -> int:
-    from kvdock.server.launch import serve
-
-    names = (
-        "host http_host port http_port chunk_size l1_size session_ttl client_ttl max_models max_request_tokens "
-        "admin_token log_level disk_dir disk_size redis_url redis_max_bytes l3_coherence_ms kv_events_port "
-        "curve_secret_key curve_authorized_dir tenants"
-    )
-    cli: dict[str, object] = {k: getattr(args, k) for k in names.split()}
-    cli["no_shm"] = True if args.no_shm else None
-    cli["no_disk"] = True if args.no_disk else None
-    cli["no_local_socket"] = True if args.no_local_socket else None
-    cli["no_fast_reads"] = True if args.no_fast_reads else None
-    cli["insecure_allow_remote"] = True if args.insecure_allow_remote else None
-    config = load_server_config(cli, config_file=args.config)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # until the event loop installs its own handlers, SIGTERM unwinds like Ctrl-C (cleanup runs)
-    signal.signal(signal.SIGTERM, _interrupt)
-    asyncio.run(serve(config))
-    return 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+if TYPE_CHECKING:
+    from kvdock.layout import KVGeometry
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvdock.sdk.http import get_json
+    from kvdock.cli.light import get_json
 
     print(json.dumps(get_json(args.http_url, "/status", args.timeout, token(args)), indent=2))
     return 0
 
 
 def _register(args: argparse.Namespace) -> int:
-    import msgspec
-
-    from kvdock.layout import KV_PAIR, KVGeometry
-    from kvdock.sdk import make_layout, register_layout
+    """Register a layout from flags or a HuggingFace config (no torch: see cli/light.py)."""
+    from kvdock.cli.light import register
+    from kvdock.layout import KVGeometry
 
     geo = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype)
-    kv_kind = KV_PAIR
+    kv_kind = args.kv_kind
     if args.hf_config:
         try:
             hf = KVGeometry.from_hf_config(json.loads(Path(args.hf_config).read_text()))
@@ -67,19 +43,40 @@ def _register(args: argparse.Namespace) -> int:
             raise ConfigError(f"cannot use {args.hf_config}: {e}") from None
         # explicit flags win over the config file
         geo = {k: v if v is not None else getattr(hf, k) for k, v in geo.items()}
-        kv_kind = hf.kv_kind
+        kv_kind = kv_kind or hf.kv_kind
     missing = [k for k, v in geo.items() if v is None]
     if missing:
         raise ConfigError(f"missing {', '.join('--' + k.replace('_', '-') for k in missing)} (or give --hf-config)")
-    lay = make_layout(
-        args.model, tokens_per_block=args.tokens_per_block, kv_format=args.kv_format, world_size=args.world_size, **geo
-    )  # type: ignore[arg-type]
-    if kv_kind != lay.geometry.kv_kind:  # an MLA config: registered as such (the server says if it can store it)
-        lay = msgspec.structs.replace(lay, geometry=msgspec.structs.replace(lay.geometry, kv_kind=kv_kind))
-    admin = args.admin_token if args.admin_token is not None else os.environ.get("KVDOCK_ADMIN_TOKEN", "")
-    reg = register_layout(args.url, args.http_url, lay, args.timeout, admin, **keys(args))
-    print(json.dumps({"model_name": reg.model_name, "created": reg.created, "chunk_nbytes": reg.chunk_nbytes}))
+    geometry = KVGeometry(
+        geo["num_layers"], geo["num_kv_heads"], geo["head_dim"], geo["dtype"], kv_kind or KV_PAIR,
+        world_size=args.world_size, total_kv_heads=args.total_kv_heads, pp_size=args.pp_size,
+    )  # fmt: skip
+    lay = _layout(args.model, geometry, args.tokens_per_block, args.kv_format, args.fingerprint)
+    reg = register(args.url, lay, args.timeout, _admin_token(args), **keys(args))
+    print(json.dumps({"model_name": lay.model_name, "created": reg.created, "chunk_nbytes": reg.slot_nbytes}))
     return 0
+
+
+def _admin_token(args: argparse.Namespace) -> str:
+    return str(args.admin_token if args.admin_token is not None else os.environ.get("KVDOCK_ADMIN_TOKEN", ""))
+
+
+def _layout(model: str, geometry: KVGeometry, tokens_per_block: int, kv_format: str, fingerprint: str = "") -> Any:
+    """The ModelLayout the SDK's make_layout would build (checked: ConfigError naming the value)."""
+    from kvdock.layout import concrete_shape
+    from kvdock.protocol import messages as m
+
+    if not model or len(model) > MAX_NAME_LEN:
+        raise ConfigError(f"--model must be 1 to {MAX_NAME_LEN} characters, got {len(model)}")
+    if tokens_per_block <= 0:
+        raise ConfigError(f"--tokens-per-block must be positive, got {tokens_per_block}")
+    try:
+        geometry = geometry.check()
+        shape = concrete_shape(kv_format, 1, tokens_per_block, geometry.num_kv_heads, geometry.head_dim)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    engine = m.EngineInfo(kv_cache_layout=kv_format, view_shape=shape, pp_size=geometry.pp_size)
+    return m.ModelLayout(model, geometry, tokens_per_block, engine, fingerprint)
 
 
 def _token_ids(args: argparse.Namespace) -> list[int]:
@@ -165,7 +162,20 @@ def _import(args: argparse.Namespace) -> int:
     bundle = sdk.read_bundle(args.bundle)  # before connecting: a bad file fails alone
     manifest = bundle.manifest
     model = args.model or manifest.model_name
-    with sdk.connect(args.url, args.http_url, model, args.timeout, **keys(args)) as ctx:
+    registered = False
+    if args.register:
+        from kvdock.cli.light import register
+
+        lay = _layout(model, manifest.geometry, 16, "NHD")
+        registered = register(args.url, lay, args.timeout, _admin_token(args), **keys(args)).created
+    try:
+        ctx = sdk.connect(args.url, args.http_url, model, args.timeout, **keys(args))
+    except UnknownModelError as e:
+        raise UnknownModelError(
+            f"{e}. The bundle carries its geometry: add --register to register {model!r} from it "
+            "(with --admin-token when the server has one)"
+        ) from None
+    with ctx:
         r = sdk.import_bundle(ctx, bundle, args.cache_salt, args.overwrite, args.allow_other_model)
     out = {
         "model_name": model,
@@ -176,6 +186,8 @@ def _import(args: argparse.Namespace) -> int:
         "pool_full_chunks": r.stored.pool_full_chunks,
         "note": manifest.note,
     }
+    if args.register:
+        out["registered"] = registered
     print(json.dumps(out))
     return 0
 
@@ -253,76 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a server",
         description=(
             "Run a kvdock server. Each flag has a KVDOCK_<NAME> env variable and a key in the "
-            "--config TOML file; CLI > env > file > default."
+            "--config TOML file; CLI > env > file > default. The first log line says what it takes "
+            "(L1 memory, L2 disk, L3)."
         ),
     )
-    s.add_argument("--config", help="TOML config file (also KVDOCK_CONFIG)")
-    s.add_argument(
-        "--host", help="bind address for ZMQ and HTTP (default 127.0.0.1; others need --insecure-allow-remote)"
-    )
-    s.add_argument(
-        "--insecure-allow-remote",
-        action="store_true",
-        help="bind a non-loopback --host although clients are not authenticated (see docs/security.md)",
-    )
-    s.add_argument(
-        "--curve-secret-key",
-        help="the server's secret certificate (kvdock keygen): zmq clients and event subscribers must speak CURVE",
-    )
-    s.add_argument("--curve-authorized-dir", help="directory of the public certificates (*.key) CURVE lets in")
-    s.add_argument(
-        "--tenants",
-        help="tenants file (TOML): each tenant's CURVE keys or tokens, models, cache_salt namespaces and quotas",
-    )
-    s.add_argument(
-        "--http-host",
-        help="bind address for HTTP (default: --host; loopback when only CURVE opens --host to the network)",
-    )
-    s.add_argument("--port", type=int, help="ZMQ control port (default 5555)")
-    s.add_argument("--http-port", type=int, help="HTTP port (default 9000)")
-    s.add_argument("--chunk-size", type=int, help="tokens per stored chunk (default 256)")
-    s.add_argument("--l1-size", help="L1 pool size, e.g. 2GiB (default: 1/4 of available memory)")
-    s.add_argument("--no-shm", action="store_true", help="share no memory: every client uses the inline transport")
-    s.add_argument(
-        "--no-local-socket",
-        action="store_true",
-        help="offer shared-memory clients no local UNIX socket: their control messages go over zmq too",
-    )
-    s.add_argument(
-        "--no-fast-reads",
-        action="store_true",
-        help="publish no pool directory: shared-memory clients ask the server for every lookup and retrieve",
-    )
-    s.add_argument("--session-ttl", type=float, help="seconds before a silent session's pins are released (default 30)")
-    s.add_argument(
-        "--client-ttl", type=float, help="seconds before a silent client's registration is forgotten (default 300)"
-    )
-    s.add_argument("--max-models", type=int, help="model registrations the server keeps (default 64)")
-    s.add_argument("--max-request-tokens", type=int, help="token ids one request may name (default 1048576 = 2**20)")
-    s.add_argument("--disk-dir", help="L2 directory, kept across restarts (default ~/.cache/kvdock/l2)")
-    s.add_argument("--disk-size", help="L2 budget, e.g. 100GiB (default: 1/5 of the free space there)")
-    s.add_argument("--no-disk", action="store_true", help="no L2 tier")
-    s.add_argument(
-        "--redis-url",
-        help="L3 shared by servers: a Redis/Valkey (redis://[:PASSWORD@]HOST:PORT/DB, rediss://) or a Redis "
-        "Cluster (redis+cluster://[:PASSWORD@]HOST:PORT,HOST:PORT/, rediss+cluster://)",
-    )
-    s.add_argument(
-        "--redis-max-bytes",
-        help="L3 budget of this server's own writes, e.g. 50GiB: past it, its least recently used are deleted",
-    )
-    s.add_argument(
-        "--l3-coherence-ms",
-        type=float,
-        help="with an L3: within this many ms of an overwrite acknowledged by any server sharing it, no server "
-        "serves the replaced version (it answers misses while it cannot tell; default 100)",
-    )
-    s.add_argument("--kv-events-port", type=int, help="publish KV events (chunks stored / removed) on this port")
-    s.add_argument(
-        "--admin-token", help="token required (Authorization: Bearer) by HTTP admin actions and to register models"
-    )
-    s.add_argument("--log-level", help="DEBUG, INFO (default), WARNING")
-    s.set_defaults(func=_serve)
+    add_serve_flags(s)
+    s.set_defaults(func=serve_command)
 
     st = sub.add_parser("status", help="print a server's /status")
     _client_flags(st)
@@ -331,22 +279,39 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("register", help="register a model's KV layout without an engine")
     _client_flags(r)
     r.add_argument("--model", required=True, help="model name clients will use")
-    r.add_argument("--hf-config", help="HuggingFace config.json to read the geometry from")
-    r.add_argument("--num-layers", type=int)
-    r.add_argument("--num-kv-heads", type=int)
-    r.add_argument("--head-dim", type=int)
+    r.add_argument("--hf-config", help="HuggingFace config.json to read the geometry from (flags given win)")
+    r.add_argument("--num-layers", type=int, help="layers (of each pipeline stage with --pp-size)")
+    r.add_argument("--num-kv-heads", type=int, help="KV heads of each tensor-parallel rank (MLA: 1)")
+    r.add_argument("--head-dim", type=int, help="head dimension (MLA: kv_lora_rank + qk_rope_head_dim)")
     r.add_argument("--dtype", help="float32, bfloat16, float16, ...")
-    r.add_argument("--tokens-per-block", type=int, default=16)
-    r.add_argument("--kv-format", default="NHD", help="NHD or HND")
-    r.add_argument("--world-size", type=int, default=1)
+    r.add_argument(
+        "--kv-kind",
+        choices=(KV_PAIR, KV_LATENT),
+        help=f"{KV_PAIR}: K and V per head (default); {KV_LATENT}: an MLA latent, one per token "
+        "(default with --hf-config: what the config says)",
+    )
+    r.add_argument("--world-size", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    r.add_argument(
+        "--total-kv-heads",
+        type=int,
+        default=0,
+        help="the model's KV heads over all ranks, when fewer than --world-size x --num-kv-heads "
+        "(replicated heads; default: that product)",
+    )
+    r.add_argument("--pp-size", type=int, default=1, help="pipeline stages of --num-layers layers each (default 1)")
+    r.add_argument("--tokens-per-block", type=int, default=16, help="the engine's block size in tokens (default 16)")
+    r.add_argument("--kv-format", default="NHD", help="the engine's axis order of a block: NHD (default) or HND")
+    r.add_argument(
+        "--fingerprint", default="", help="what identifies the weights beyond the shapes (default: none asserted)"
+    )
     r.add_argument("--admin-token", help="the server's admin token, if it has one (default: $KVDOCK_ADMIN_TOKEN)")
     r.set_defaults(func=_register)
 
     def token_cmd(name: str, help: str, func: object) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, description=help)
         _client_flags(c)
-        c.add_argument("--model", required=True)
-        c.add_argument("--cache-salt", default="")
+        c.add_argument("--model", required=True, help="the registered model name")
+        c.add_argument("--cache-salt", default="", help="namespace of the tokens (default: none)")
         c.add_argument("tokens", nargs="?", help="token ids, comma or space separated")
         c.add_argument("--tokens-file", help="a JSON list of token ids instead")
         c.set_defaults(func=func)
@@ -376,6 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--overwrite", action="store_true", help="replace chunks that are already stored")
     im.add_argument(
         "--allow-other-model", action="store_true", help="store under --model although the bundle names another"
+    )
+    im.add_argument(
+        "--register",
+        action="store_true",
+        help="register the model from the bundle's geometry first if the server does not know it",
+    )
+    im.add_argument(
+        "--admin-token", help="with --register: the server's admin token, if it has one (default: $KVDOCK_ADMIN_TOKEN)"
     )
     im.set_defaults(func=_import)
     ev = sub.add_parser(

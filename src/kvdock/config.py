@@ -31,14 +31,17 @@ DISK_DEFAULT = 8 * 2**30  # the L2 budget when --disk-size is not given ...
 DISK_AUTO_FRACTION = 0.5  # ... or this fraction of the free space there, when that is less
 SIZE_FIELDS = ("l1_size", "disk_size", "redis_max_bytes")
 
-# Hard bounds on what one model registration may declare (checked by the server and the SDK).
-MAX_NUM_LAYERS = 4096
-MAX_NUM_KV_HEADS = 4096
-MAX_HEAD_DIM = 16384
-MAX_WORLD_SIZE = 1024
-MAX_NAME_LEN = 200  # characters of a model name and of each engine string
-MAX_SALT_LEN = 256  # characters of a cache_salt (it is written into the header of every chunk)
-MAX_BATCH = 4096  # prompts in one LookupMany / PrepareRetrieveMany (the SDK splits larger batches)
+# Hard bounds on what one model registration or request may declare (checked by the server and the
+# SDK): the wire limits, kept in kvdock.protocol.limits (these names stay importable from here).
+import kvdock.protocol.limits as _limits  # noqa: E402
+
+MAX_NUM_LAYERS = _limits.MAX_NUM_LAYERS
+MAX_NUM_KV_HEADS = _limits.MAX_NUM_KV_HEADS
+MAX_HEAD_DIM = _limits.MAX_HEAD_DIM
+MAX_WORLD_SIZE = _limits.MAX_WORLD_SIZE
+MAX_NAME_LEN = _limits.MAX_NAME_LEN
+MAX_SALT_LEN = _limits.MAX_SALT_LEN
+MAX_BATCH = _limits.MAX_BATCH
 TOKEN_ENV = "KVDOCK_TOKEN"  # a client's tenant token, when it is given none
 MAX_CLIENTS = 10_000  # live client registrations; past it RegisterClient fails with ErrorCode.LIMIT
 

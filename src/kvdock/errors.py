@@ -23,11 +23,20 @@
         ├── LeaseExpiredError       a transfer outlived its lease; its bytes were not used
         ├── PermissionDeniedError   no right to it: admin token, CURVE key, tenant's models or salts
         └── ServerError             any other refusal; ``code`` says which
+            ├── MalformedRequestError     a request the server could not decode
+            ├── BadRequestError           a request with impossible values
+            ├── ProtocolVersionError      client and server speak different protocol versions
+            ├── UnknownClientError        a client id the server does not know (any more)
+            ├── RegistrationRefusedError  a model registration the server refuses
+            ├── TierUnavailableError      an overwrite a tier cannot make durable now
+            ├── ServerBusyError           too many unread replies: read them first, or retry
+            └── InternalServerError       a bug in the server; the request did nothing
+        (and under InvalidInputError: LimitExceededError, BadPayloadError)
 
 Server-side errors travel as an ``Error(code, message)`` reply with a code of
-:class:`kvdock.protocol.codes.ErrorCode`; ``kvdock.protocol.codes.SDK_ERRORS`` is the one table that
-turns a code back into an SDK exception (codes not in it become ServerError). This module imports
-nothing of kvdock.
+:class:`kvdock.protocol.codes.ErrorCode`; ``kvdock.protocol.codes.SDK_ERRORS`` maps every code to
+one SDK exception class and back (one-to-one); a code the client does not know (a newer server's)
+becomes a plain ServerError that says so. This module imports nothing of kvdock.
 Broken internal invariants are ``AssertionError``s, never one of these.
 """
 
@@ -159,3 +168,51 @@ class ServerError(KVCacheSDKError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+# --- one SDK exception per wire error code (kvdock.protocol.codes.SDK_ERRORS) ---------------------
+# Each refines the class the SDK raised for its code before (ServerError or InvalidInputError), so
+# ``except ServerError`` / ``except InvalidInputError`` and ``.code`` keep working.
+
+
+class MalformedRequestError(ServerError):
+    """The server could not decode the request (``malformed``): a client bug, or a peer that
+    speaks another protocol."""
+
+
+class BadRequestError(ServerError):
+    """A decodable request with impossible values (``bad_request``)."""
+
+
+class ProtocolVersionError(ServerError):
+    """Client and server speak different protocol versions (``protocol_version``)."""
+
+
+class UnknownClientError(ServerError):
+    """The client id is not registered with the server (``unknown_client``): never registered,
+    closed, or its lease ran out (the SDK registers again where it can)."""
+
+
+class RegistrationRefusedError(ServerError):
+    """The server refused a model or client registration (``registration``); the message says why."""
+
+
+class TierUnavailableError(ServerError):
+    """An overwrite that a tier cannot make durable now (``tier_unavailable``): nothing was
+    replaced; retry later."""
+
+
+class ServerBusyError(ServerError):
+    """The client (or all clients) left too many reply bytes unread (``busy``): read them, retry."""
+
+
+class InternalServerError(ServerError):
+    """A bug in the server (``internal``); the request did nothing."""
+
+
+class LimitExceededError(InvalidInputError):
+    """A request larger than the server accepts (``limit``): tokens, batch size, models, bytes."""
+
+
+class BadPayloadError(InvalidInputError):
+    """Payload frames that do not match their request (``bad_payload``)."""

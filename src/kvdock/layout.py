@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 from blake3 import blake3
 
-from kvdock.config import MAX_HEAD_DIM, MAX_NUM_KV_HEADS, MAX_NUM_LAYERS, MAX_WORLD_SIZE
+from kvdock.protocol.limits import MAX_HEAD_DIM, MAX_NUM_KV_HEADS, MAX_NUM_LAYERS, MAX_WORLD_SIZE
 
 KV_2LTD = "KV_2LTD"
 KV_1LTD = "KV_1LTD"  # the SDK's format of an MLA latent cache: [1, L, T, kv_lora_rank + qk_rope_head_dim]

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Awaitable
 
 from kvdock import keys as keymod
-from kvdock.config import MAX_BATCH
 from kvdock.errors import RequestError
 from kvdock.keys import ObjectKey
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
+from kvdock.protocol.limits import MAX_BATCH
 from kvdock.server import lookups, retrieval
 from kvdock.server.handlers import check_request, client_of, hashed_keys
 from kvdock.server.registry import ClientEntry

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
+from kvdock.protocol.limits import MAX_REPORTED, MAX_REPORTED_READS
 from kvdock.server import access
 from kvdock.server.handlers import count_hits
 from kvdock.server.state import Payload, Reply, ServerState
-
-MAX_REPORTED = 4096  # chunks one FastReads may list (what the SDK's Reporter puts in one)
-MAX_REPORTED_READS = 1 << 20  # reads one FastReads may count
 
 
 def fast_reads(state: ServerState, req: m.FastReads, payload: Payload) -> Reply:

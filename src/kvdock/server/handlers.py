@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Iterable
 
 from kvdock import __version__
 from kvdock import keys as keymod
-from kvdock.config import MAX_SALT_LEN
 from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
+from kvdock.protocol.limits import MAX_RENEW, MAX_SALT_LEN
 from kvdock.server import access, fleet
 from kvdock.server.registry import ClientEntry, ModelEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
@@ -198,9 +198,9 @@ def refresh_gauges(state: ServerState) -> None:
 
 def renew_sessions(state: ServerState, req: m.RenewSessions, payload: Payload) -> Reply:
     client = client_of(state, req.client_id)
-    if len(req.session_ids) > m.MAX_RENEW:
+    if len(req.session_ids) > MAX_RENEW:
         count = len(req.session_ids)
-        raise RequestError(f"at most {m.MAX_RENEW} sessions per RenewSessions, got {count}", ErrorCode.LIMIT)
+        raise RequestError(f"at most {MAX_RENEW} sessions per RenewSessions, got {count}", ErrorCode.LIMIT)
     sessions = state.manager.sessions
     gone = []
     for sid in req.session_ids:

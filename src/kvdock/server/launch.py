@@ -16,10 +16,11 @@ import zmq
 from aiohttp import web
 
 from kvdock import memcpy
-from kvdock.config import MAX_BATCH, MAX_SALT_LEN, ServerConfig, format_size
+from kvdock.config import ServerConfig, format_size
 from kvdock.errors import ConfigError, ProtocolError
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import ErrorCode, decode_request, encode
+from kvdock.protocol.limits import max_frame_bytes, max_local_message_bytes
 from kvdock.protocol.messages import UNANSWERED, Error, PrepareRetrieve, PrepareRetrieveMany
 from kvdock.server.build import build_state, follow_fleet, server_curve
 from kvdock.server.dispatch import handle
@@ -237,11 +238,11 @@ async def _run(
 ) -> None:
     # no frame of a valid request is larger than a chunk (which fits in the pool) or the token ids
     # of the largest request: refuse bigger ones before zmq buffers them
-    max_frame = max(state.manager.l1.allocator.capacity, 4 * config.max_request_tokens) + (1 << 20)
+    max_frame = max_frame_bytes(config.max_request_tokens, state.manager.l1.allocator.capacity)
     try:
         # local clients share memory: their messages carry token ids, never chunk bytes (and a
         # batch's per-prompt salts and session ids)
-        local_max = 4 * config.max_request_tokens + MAX_BATCH * (4 * MAX_SALT_LEN + 128) + (1 << 20)
+        local_max = max_local_message_bytes(config.max_request_tokens)
         if not state.pool.mappable or config.no_local_socket:
             local_max = 0
         control = ControlServer(config.zmq_url, max_frame, local_max, curve)

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import msgspec
 
-from kvdock.config import MAX_CLIENTS, MAX_NAME_LEN, ServerConfig, format_size
+from kvdock.config import MAX_CLIENTS, ServerConfig, format_size
 from kvdock.errors import RegistrationError
 from kvdock.layout import KVGeometry
 from kvdock.protocol.codes import ErrorCode
+from kvdock.protocol.limits import MAX_NAME_LEN, MAX_VIEW_DIMS
 from kvdock.protocol.messages import ModelLayout, Transport
 from kvdock.server.modelfile import ModelFile
 from kvdock.server.tenants import Tenant
@@ -37,7 +38,6 @@ from kvdock.server.tenants import Tenant
 log = logging.getLogger(__name__)
 
 
-MAX_VIEW_DIMS = 16  # entries of an engine's view_shape / view_strides
 
 
 ALL_RANKS = -1  # RegisterClient.kv_rank of a client of every shard of a model (the SDK's logical view)

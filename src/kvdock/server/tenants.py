@@ -30,13 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvdock.config import MAX_SALT_LEN, parse_size
+from kvdock.config import parse_size
 from kvdock.errors import ConfigError
+from kvdock.protocol.limits import MAX_SALT_LEN, MAX_TOKEN_LEN, MIN_TOKEN_LEN
 from kvdock.transport.curve import load_public
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-MIN_TOKEN_LEN = 16
-MAX_TOKEN_LEN = 1024
 TIERS = ("l1", "l2", "l3")
 _KEYS = {"keys", "tokens", "models", "salts", *TIERS}
 

@@ -31,13 +31,14 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvdock.protocol.limits import DOOR_MAX_FDS as MAX_FDS
+from kvdock.protocol.limits import DOOR_MAX_REPLY as MAX_REPLY
+from kvdock.protocol.limits import DOOR_MAX_REQUEST as MAX_REQUEST
 from kvdock.transport.listener import ACCEPT_PAUSE_S, DOOR_SOCKET_NAME, listen_private
 from kvdock.transport.local import SCHEME, peer_creds
 
 log = logging.getLogger("kvdock.transport")
 
-MAX_REQUEST = 512
-MAX_REPLY = 64 << 10
 MAX_WAITING = 64
 MAX_PER_USER = 8
 MAX_ACCEPTS = 64
@@ -56,7 +57,6 @@ class Caller:
 # (the request's bytes, its caller) -> (the reply's bytes, the descriptors to send with it, at
 # most MAX_FDS); it must not raise
 DoorHandler = Callable[[bytes, Caller], tuple[bytes, tuple[int, ...]]]
-MAX_FDS = 2
 _FD = array.array("i")  # (a descriptor's size)
 
 

@@ -10,12 +10,12 @@ import zmq
 
 from kvdock.errors import ProtocolError
 from kvdock.protocol.events import TOPIC, KVEventBatch, decode_batch, encode_batch
+from kvdock.protocol.limits import MAX_SUBSCRIPTION_BYTES  # zmq drops a subscriber that sends more
 from kvdock.transport.curve import ClientCurve, Gate, ServerCurve, apply_client, apply_server
 
 # (the subscriber's CURVE key or b"", the topic it asked for) -> the topic it gets, None: none
 Topics = Callable[[bytes, bytes], bytes | None]
 MAX_SUBSCRIPTIONS_PER_TURN = 256  # subscription messages read per turn of the event loop
-MAX_SUBSCRIPTION_BYTES = 4096  # a topic and a token; zmq drops a subscriber that sends more
 
 
 class EventPublisher:

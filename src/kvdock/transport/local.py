@@ -26,10 +26,10 @@ import time
 from collections.abc import Iterator, Sequence
 
 from kvdock.errors import ConnectionLost, ControlTimeout, ProtocolError
+from kvdock.protocol.limits import MAX_FRAMES, MAX_LOCAL_BODY
 
 Buffer = bytes | bytearray | memoryview
 HEAD = struct.Struct("<II")
-MAX_FRAMES = 1 << 16
 READ_BYTES = 1 << 20  # per recv, through a reused buffer (a fresh one costs an mmap and munmap)
 SCHEME = "unix://"
 IOV_FRAMES = 512  # past this many frames one joined buffer is sent (sendmsg takes at most 1024)
@@ -43,7 +43,7 @@ def pack(frames: Sequence[Buffer]) -> list[Buffer]:
         raise ProtocolError(f"a message has 1 to {MAX_FRAMES} frames, not {len(lens)}")
     counts = struct.pack(f"<{len(lens)}I", *lens)
     body = len(counts) + sum(lens)
-    if body >= 1 << 32:
+    if body > MAX_LOCAL_BODY:
         raise ProtocolError(f"a message of {body} bytes is over the local channel's 4 GiB")
     if len(lens) > IOV_FRAMES:
         return [HEAD.pack(body, len(lens)), counts, b"".join(frames)]

@@ -378,10 +378,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the optional packages a command may need, and the extra that installs each (pyproject.toml)
+EXTRAS = {"torch": "sdk", "safetensors": "sdk", "transformers": "hf", "matplotlib": "plot"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        need = f"this command needs {e.name}: pip install 'kvdock[{extra}]'"
+        print(f"kvdock {args.command}: error: {need}", file=sys.stderr)
+        return 2
     except (KVDockError, OSError) as e:
         print(f"kvdock {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -120,3 +120,28 @@ def test_retrieve_into_a_reused_buffer(tctx: kvd.KVCacheContext) -> None:
         kvd.retrieve(tctx, tokens, out=buf.to(torch.float16))
     with pytest.raises(kvd.InvalidInputError, match=r"out must be \[2, 3, tokens, 16\], got \[3, 3, 80, 16\]"):
         kvd.retrieve(tctx, tokens, out=torch.zeros(3, 3, 80, 16, dtype=tctx.dtype))
+
+
+def test_a_retrieved_prefix_stores_with_the_whole_prompts_ids(make_server) -> None:
+    """Issue 27: retrieve → store of a prompt that does not end on a chunk boundary. The retrieve
+    returns the cached whole chunks; storing them with the whole prompt's ids takes the first
+    ``kv.shape[2]`` ids (it raised 'kv has 32 tokens but 37 token ids were given')."""
+    prompt = make_tokens(2 * CHUNK + 5, start=7000)
+    kv = make_kv(2 * CHUNK + 5, seed=41)
+    a, b = make_server(), make_server()
+    ca, cb = (kvd.connect(s.url, s.http_url, MODEL, timeout=10) for s in (a, b))
+    with ca, cb:
+        assert kvd.store(ca, kv, prompt)
+        got = kvd.retrieve(ca, prompt)
+        assert got is not None and got.shape[2] == 2 * CHUNK
+        assert kvd.store(cb, got, prompt) is True
+        assert kvd.lookup(cb, prompt) == 2 * CHUNK
+        assert torch.equal(kvd.retrieve(cb, prompt), kv[:, :, : 2 * CHUNK])  # type: ignore[arg-type]
+        # the ids past kv's tokens are not stored under: kv of 1 chunk + 3 tokens, ids of 3 chunks
+        other = make_tokens(3 * CHUNK, start=8000)
+        r = kvd.store_chunks(cb, make_kv(CHUNK + 3, seed=42), other)
+        assert (r.stored_chunks, r.deduped_chunks) == (1, 0)
+        assert kvd.lookup(cb, other) == CHUNK
+        assert torch.equal(kvd.retrieve(cb, other), make_kv(CHUNK + 3, seed=42)[:, :, :CHUNK])  # type: ignore[arg-type]
+        with pytest.raises(kvd.InvalidInputError, match=r"^kv has 37 tokens but 36 token ids were given"):
+            kvd.store(cb, kv, prompt[:36])

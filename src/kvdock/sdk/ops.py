@@ -98,8 +98,9 @@ def store_chunks(
     then reports what is still unresolved as ``in_flight_chunks``. An overwrite does not wait."""
     ctx = validate.context(ctx)
     arr = validate.tokens(tokens)
-    source = TensorChunks(validate.kv(ctx, kv, len(arr)), ctx.chunk_size)
-    return _store(ctx, shards_of(ctx, source), arr, cache_salt, overwrite)
+    checked = validate.kv(ctx, kv, len(arr))
+    source = TensorChunks(checked, ctx.chunk_size)
+    return _store(ctx, shards_of(ctx, source), arr[: checked.shape[2]], cache_salt, overwrite)
 
 
 def store_from(
@@ -176,7 +177,11 @@ def _store_once(
 
 
 def store(ctx: KVCacheContext, kv: torch.Tensor, tokens: object, cache_salt: str = "", overwrite: bool = False) -> bool:
-    """Store ``kv`` (``[2, L, T, D]``, ``len(tokens) == T``) under ``tokens``, whole chunks only.
+    """Store ``kv`` (``[2, L, T, D]``) under the first ``T`` ids of ``tokens``, whole chunks only.
+
+    ``tokens`` may be longer than ``kv`` (never shorter): the ids past its ``T`` tokens are
+    ignored, so the KV :func:`retrieve` returned for a prompt (its cached whole-chunk prefix)
+    stores with the whole prompt's ids.
 
     Returns True when at least one chunk was newly written, False when every whole chunk was
     already stored (or there is no whole chunk). ``overwrite=True`` replaces stored chunks.

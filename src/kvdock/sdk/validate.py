@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvdock import memcpy
+from kvdock import layout, memcpy
 from kvdock.config import MAX_SALT_LEN, TOKEN_ENV
 from kvdock.errors import InvalidInputError
 from kvdock.keys import normalize_tokens
@@ -177,19 +177,23 @@ def _tensor_usable(name: str, t: torch.Tensor) -> None:
 
 
 def kv(ctx: KVCacheContext, value: object, num_tokens: int) -> torch.Tensor:
-    """``value`` as the ``KV_2LTD`` CPU tensor of ``num_tokens`` tokens for ``ctx``'s model."""
+    """``value`` as a ``KV_2LTD`` CPU tensor for ``ctx``'s model, of at most ``num_tokens`` tokens
+    (the token ids given for it: ids past ``value``'s tokens are the caller's to drop, so that a
+    retrieved prefix stores with the whole prompt's ids)."""
     if not isinstance(value, torch.Tensor):
         raise InvalidInputError(f"kv must be a torch.Tensor, got {type(value).__name__}")
     geo = ctx.geometry
-    want = geo.chunk_shape(num_tokens)  # the canonical layout, over num_tokens tokens
+    want = geo.chunk_shape(num_tokens)  # the canonical layout
     if value.dim() != 4 or (value.shape[0], value.shape[1], value.shape[3]) != (want[0], want[1], want[3]):
         raise InvalidInputError(
-            f"kv must be KV_2LTD [{geo.planes}, num_layers={geo.num_layers}, tokens, D={geo.hidden_dim}] for "
+            f"kv must be {layout.KV_1LTD if geo.planes == 1 else layout.KV_2LTD} [{geo.planes}, "
+            f"num_layers={geo.num_layers}, tokens, D={geo.hidden_dim}] for "
             f"{ctx.model_name!r}, got {list(value.shape)}"
         )
-    if value.shape[2] != num_tokens:
+    if value.shape[2] > num_tokens:
         raise InvalidInputError(
-            f"kv has {value.shape[2]} tokens but {num_tokens} token ids were given (want {list(want)})"
+            f"kv has {value.shape[2]} tokens but {num_tokens} token ids were given: pass at least one id per "
+            f"token of kv (ids past kv's tokens are ignored)"
         )
     if value.dtype != ctx.dtype:
         raise InvalidInputError(f"kv dtype {value.dtype} does not match {ctx.model_name!r}'s {ctx.dtype}")
@@ -223,11 +227,19 @@ def tips(ctx: KVCacheContext, value: object) -> list[int] | None:
     return [int(v) for v in given]
 
 
+def parallelism(geo: layout.KVGeometry) -> str:
+    """Why a model is stored in several shards: its tensor parallelism, its pipeline stages or both."""
+    kinds = ["tensor parallelism"] if geo.tp_shards > 1 else []
+    kinds += [f"{geo.pp_size} pipeline stages"] if geo.pp_size > 1 else []
+    return " and ".join(kinds) or "one shard"
+
+
 def whole_model_only(ctx: KVCacheContext, what: str) -> None:
     """InvalidInputError when ``ctx`` assembles each chunk from several shards and ``what`` cannot."""
     if ctx.shards > 1:
         raise InvalidInputError(
-            f"{what} of {ctx.model_name!r}, stored in {ctx.shards} shards (tensor parallelism), is not supported for "
+            f"{what} of {ctx.model_name!r}, stored in {ctx.shards} shards ({parallelism(ctx.layout.geometry)}), is not "
+            "supported for "
             f"the whole model yet; connect with kv_rank=r to work on one rank's shard"
         )
 

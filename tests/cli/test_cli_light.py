@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 import kvdock.sdk as kvd
@@ -177,7 +176,6 @@ def test_import_offers_to_register_the_bundles_model(make_server, tmp_path) -> N
     assert r.returncode == 0 and json.loads(r.stdout)["registered"] is False, r.stderr
 
 
-@pytest.mark.xfail(reason="until the SDK's store takes the first kv.shape[2] token ids (W-SDK, issue 27)")
 def test_retrieve_then_store_a_prompt_that_does_not_end_on_a_chunk(server, tmp_path) -> None:
     """The README's round trip: the retrieved prefix is whole chunks; storing it back with the
     whole prompt's tokens file stores that prefix (the SDK takes the first kv.shape[2] tokens)."""

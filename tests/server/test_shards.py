@@ -236,7 +236,7 @@ def test_an_mla_latent_is_stored_once_for_every_rank(
         assert objects(whole) == 3
         assert torch.equal(kvd.retrieve(whole, tokens), latent)
         assert torch.equal(kvd.retrieve(ranks[1], tokens), latent)
-        with pytest.raises(InvalidInputError, match=r"kv must be KV_2LTD \[1, num_layers=3, tokens, D=24\]"):
+        with pytest.raises(InvalidInputError, match=r"kv must be KV_1LTD \[1, num_layers=3, tokens, D=24\]"):
             kvd.store(whole, torch.zeros(2, LAYERS, CHUNK, 24, dtype=dtype), tokens[:CHUNK])
     finally:
         for c in [whole, *ranks]:

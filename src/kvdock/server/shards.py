@@ -136,7 +136,7 @@ def end_all(state: ServerState, client: ClientEntry, sids: list[str]) -> None:
 def refusal(what: str) -> str:
     return (
         f"{what} is not supported for a client of every rank of a model stored in several shards "
-        "(tensor parallelism); connect with kv_rank=r for per-shard access"
+        "(tensor parallelism or pipeline stages); connect with kv_rank=r for per-shard access"
     )
 
 

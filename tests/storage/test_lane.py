@@ -61,9 +61,10 @@ def test_commit_writes_down_to_disk(tmp_path: Path) -> None:
 
 
 def test_only_the_write_in_flight_is_pinned(tmp_path: Path) -> None:
-    # changed on purpose: queued write-downs hold no pin any more (they used to pin every
-    # unwritten object, so a slow disk filled L1 with pinned objects and stores got pool_full);
-    # L1 may now evict an object whose turn has not come, and its write is skipped
+    # queued write-downs hold no pin (they used to pin every unwritten object, so a slow disk
+    # filled L1 with pinned objects and stores got pool_full); an object whose write-down is
+    # queued is *dirty*: L1 evicts it only when a store allows it (after its bounded wait,
+    # storage.writeback), the newest first, so a prefix's head never goes before its tail
     async def body(w: World) -> None:
         assert w.disk is not None
         lane = w.lanes["l2"]
@@ -71,22 +72,29 @@ def test_only_the_write_in_flight_is_pinned(tmp_path: Path) -> None:
         try:
             objs = w.store(KEYS)
             assert [o.pins for o in objs] == [1, 0, 0] and lane.pinned is objs[0]
-            assert w.l1.lru_keys() == KEYS[1:] and lane.backlog_bytes == 3 * NB  # in flight + queued
+            assert [o.dirty for o in objs] == [1, 1, 1]
+            assert w.l1.lru_keys() == [K(3), K(2)] and lane.backlog_bytes == 3 * NB  # dirty: newest first
             assert len(w.disk) == 0 and not lane.idle
-            plan = w.mgr.prepare_store("c", "more", [K(9)], NB)  # L1 is full: the LRU unwritten object goes
+            assert w.l1.room(K(9), NB) == (0, 2)  # no clean room; two dirty objects could give it
+            plan = w.mgr.prepare_store("c", "none", [K(9)], NB)  # a load or a store before its wait
+            assert plan.slots == [] and plan.pool_full == 1 and w.l1.evictions == 0
+            with w.l1.dirty_eviction():  # the store's wait ran out: the newest unwritten object goes
+                plan = w.mgr.prepare_store("c", "more", [K(9)], NB)
             assert len(plan.slots) == 1 and plan.pool_full == 0
-            assert w.l1.get(K(2)) is None and w.l1.evictions == 1
-            assert lane.backlog_bytes == 2 * NB  # K2's queued write has no object any more
+            assert w.l1.get(K(3)) is None and w.l1.get(K(2)) is not None and w.l1.evictions == 1
+            assert (w.l1.counters.evicted_dirty, w.l1.counters.evicted_dirty_bytes) == (1, NB)
+            assert lane.backlog_bytes == 2 * NB  # K3's queued write has no object any more
             w.check()
             w.l1.view(plan.slots[0][1])[:] = payload(K(9))
             w.mgr.commit_store("c", "more", [0])
         finally:
             gate.set()
         await w.drain()
-        assert sorted(w.disk._index, key=lambda k: k.chunk) == [K(1), K(3), K(9)]
+        assert sorted(w.disk._index, key=lambda k: k.chunk) == [K(1), K(2), K(9)]
         c = lane.counters
         assert (c.writes, c.writes_skipped, c.write_errors) == (3, 1, 0)
-        assert w.l1.lru_keys() == [K(1), K(3), K(9)]
+        assert w.l1.lru_keys() == [K(1), K(2), K(9)]  # clean, in the order their write-downs finished
+        assert all(not w.l1.get(k).dirty for k in (K(1), K(2), K(9)))  # type: ignore[union-attr]
 
     run(tmp_path, body, slots=3)
 
@@ -178,7 +186,7 @@ def test_write_delete_write_of_one_key_leaves_the_last_version(tmp_path: Path) -
         w.store([K(9)])  # K9's write in flight behind the gate
         w.store([K(1)], version=1)  # v1 of K1 queued behind it
         task = asyncio.create_task(w.store_async([K(1)], version=2, overwrite=True))  # delete, then write v2
-        await until(lambda: K(1) in w.mgr._deleting)
+        await until(lambda: K(1) in w.mgr.deletions)
         assert not task.done()  # the overwrite's commit waits for its deletion
         w.check()
         gate.set()
@@ -229,7 +237,7 @@ def test_an_older_write_finishing_late_never_loses_the_overwrite(tmp_path: Path)
         w.store([K(1)], version=1)  # W1 (old version) queued behind gate1
         gate2 = w.block()  # hold the writer between W1 and what follows
         task = asyncio.create_task(w.store_async([K(1)], version=2, overwrite=True))  # D1, then W2 at commit
-        await until(lambda: K(1) in w.mgr._deleting)
+        await until(lambda: K(1) in w.mgr.deletions)
         gate1.set()
         await until(lambda: w.disk is not None and w.disk.knows(K(1)))  # W1 finished: v1 indexed again
         w.store([K(2)])  # W3, queued behind the deletion

@@ -855,7 +855,7 @@ def test_concurrent_prefetches_of_one_key_load_it_once(tmp_path: Path) -> None:
             j1 = w.mgr.start_prefetch(s1)
             j2 = w.mgr.start_prefetch(s2)
             assert j1 is not None and j2 is not None
-            await until(lambda: w.l1.reserved_count() == 1 and WK(1) in w.mgr._load_waits)
+            await until(lambda: w.l1.reserved_count() == 1 and w.mgr.loads.loading(WK(1)))
             await asyncio.sleep(0.02)
             assert w.l1.reserved_count() == 1 and not j1.done.is_set() and not j2.done.is_set()
             w.check()
@@ -1010,7 +1010,7 @@ def test_overwrite_deletes_the_older_version_from_every_tier(tmp_path: Path, red
         assert await w.store_async(KEYS[:2], version=2, overwrite=True) == 2
         for lane in w.lanes.values():
             assert lane.counters.deletes == 2
-        assert w.mgr._deleting == {}
+        assert w.mgr.deletions.counts == {}
         await w.drain()
         new = [w.l1.get(k) for k in KEYS[:2]]
         assert all(o is not None for o in new)
@@ -1119,7 +1119,7 @@ def test_count_and_loads_skip_keys_being_deleted(tmp_path: Path) -> None:
         gate = w.block()
         # an overwrite that finds no room: no session, but its deletion is queued all the same
         assert w.mgr.prepare_store("c", "s", [WK(1)], WNB, overwrite=True) == StorePlan([], 0, 0, 1)
-        assert w.mgr._deleting == {WK(1): 1} and w.mgr.session_count == 1
+        assert w.mgr.deletions.counts == {WK(1): 1} and w.mgr.session_count == 1
         w.mgr.commit_retrieve("c", "pin")  # room for a load now
         assert w.disk.knows(WK(1))  # the older version is still on disk ...
         assert await w.mgr.count([WK(1)], NONE_IN_L1) == 0  # ... but not counted
@@ -1128,7 +1128,7 @@ def test_count_and_loads_skip_keys_being_deleted(tmp_path: Path) -> None:
         assert w.l1.get(WK(1)) is None and w.l1.reserved_count() == 0
         w.mgr.end_session("c", "r")
         gate.set()
-        await until(lambda: not w.mgr._deleting)
+        await until(lambda: not w.mgr.deletions.counts)
         assert not w.disk.knows(WK(1)) and await w.mgr.count([WK(1)], NONE_IN_L1) == 0
         assert w.disk.counters.deletes == 1
 
@@ -1150,7 +1150,7 @@ def test_count_of_a_tier_without_index_stops_at_a_key_being_deleted(tmp_path: Pa
         w.mgr.commit_retrieve("c", "r0")
         gate = w.block("l3")
         task = asyncio.create_task(w.store_async(KEYS[:2], version=2, overwrite=True))
-        await until(lambda: KEYS[1] in w.mgr._deleting)
+        await until(lambda: KEYS[1] in w.mgr.deletions)
         assert w.redis.heads(KEYS) == [head(o) for o in old]  # the older versions are still there ...
         assert w.mgr.lookup_l1(KEYS) == 1  # (the older first chunk is still visible in L1)
         assert await w.mgr.count(KEYS, NONE_IN_L1) == 1  # ... and the run stops before the second
@@ -1267,7 +1267,7 @@ def test_prefetch_waiting_on_another_load_never_pins_a_mixed_prefix(tmp_path: Pa
         gate = w.block("l2", 1)  # the L2 reader is slow
         try:
             sx = await_prefetch_started(w, [A, B, C], "x")  # x loads C
-            await until(lambda: C in w.mgr._load_waits)
+            await until(lambda: w.mgr.loads.loading(C))
             sy = await_prefetch_started(w, [A, B, C], "y")  # y pins A0, B0 and waits for x's load of C
             await asyncio.sleep(0.02)
             assert [o.key for o in sy.pinned] == [A, B]

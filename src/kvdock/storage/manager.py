@@ -3,10 +3,15 @@
 It owns the L1 store, the sessions (every pin and reservation a client holds), the lanes of the
 lower tiers (write-down, deletion, loads) and the per-key records that all of them consult:
 
-* ``_loading``: reservations being filled from a lower tier. An overwrite supersedes them (the
-  load's bytes are thrown away), and a store never reserves a key that a load holds;
-* ``_deleting``: keys whose older version is being deleted from the lower tiers for an
-  overwrite. No lookup counts them and no load reads them there until every deletion is done.
+* ``loads`` (storage.loads): reservations being filled from a lower tier. An overwrite
+  supersedes them (the load's bytes are thrown away), and a store never reserves a key that a
+  load holds;
+* ``deletions`` (storage.deletions): keys whose older version is being deleted from the lower
+  tiers for an overwrite. No lookup counts them and no load reads them there until every
+  deletion is done.
+
+The read-only chain queries are storage.chains; applying the fleet's invalidations is
+storage.invalidations.
 
 Why an acknowledged overwrite is final, before and after a crash:
 
@@ -28,69 +33,26 @@ Not thread-safe: the event loop only (the lanes' threads never call back in here
 from __future__ import annotations
 
 import asyncio
-import functools
-import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from kvdock.errors import RequestError, SessionError
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.protocol.codes import ErrorCode
+from kvdock.storage.chains import Chains
 from kvdock.storage.coherence import Coherence, PollResult
+from kvdock.storage.deletions import Deletion, Deletions
 from kvdock.storage.drain import drain_lanes
+from kvdock.storage.invalidations import apply_invalidations
 from kvdock.storage.lane import SharedHeader, TierLane
+from kvdock.storage.loads import Loads
 from kvdock.storage.memory import L1Object, L1Store
+from kvdock.storage.plans import OVERWRITING, SUPERSEDED, Chain, Placement, StorePlan, new_version
 from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
 from kvdock.storage.tier import Head
 
-__all__ = ["Chain", "Placement", "PrefetchJob", "StorageManager", "StorePlan"]
-
-SUPERSEDED = -1  # the epoch of a store reservation an invalidation came after: never committed
-OVERWRITING = 1 << 200  # the epoch of an overwrite's reservation until its commit (above any position)
-
-Deletion = asyncio.Future[int | None]  # a lane's deletion: the epoch it names, None if not done
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """An object stored under a key in tier ``tier`` (``"l1"``, or a lane's name), with its head."""
-
-    tier: str
-    head: Head
-
-
-@dataclass(frozen=True)
-class Chain:
-    """The leading run of a key list held as one version chain (in L1, or in any tier), as it was
-    when asked: its length and the version of its last object (0 for none), which the next chunk
-    must chain to: the *tip* that names the whole run (a reader that finds the same version there
-    has the same objects before it)."""
-
-    count: int
-    parent: int
-
-
-@dataclass(frozen=True)
-class StorePlan:
-    """Outcome of a prepare-store, chunk by chunk: ``slots`` (chunk index, object) to fill;
-    ``deduped`` already stored; ``in_flight`` being written by another client right now (neither
-    stored nor reserved: the caller may retry); ``pool_full`` found no room."""
-
-    slots: list[tuple[int, L1Object]]
-    deduped: int
-    in_flight: int
-    pool_full: int
-
-
-def new_version() -> int:
-    """A version id for a newly stored object: random, so versions from other servers (sharing
-    L3) or from before a restart never collide in practice; never 0 (the chain's start)."""
-    return secrets.randbits(63) | 1
+__all__ = ["OVERWRITING", "SUPERSEDED", "Chain", "Placement", "PrefetchJob", "StorageManager", "StorePlan"]
 
 
 class StorageManager:
@@ -112,10 +74,12 @@ class StorageManager:
         # the registry's answer: a model's geometry; with chunk_size, what a stored chunk holds
         self.geometry_of = geometry_of
         self.chunk_size = chunk_size
-        self._loading: set[L1Object] = set()
-        self._load_waits: dict[ObjectKey, asyncio.Future[None]] = {}
-        self._deleting: dict[ObjectKey, int] = {}  # key -> deletions in flight
-        self._clearing = 0  # L2 clears in flight for gaps in the fleet's invalidations
+        # keys whose older version is being deleted from the lower tiers (and tiers being cleared)
+        self.deletions = Deletions()
+        self.loads = Loads(
+            l1, self.sessions, self.deletions, geometry_of, chunk_size, self._readable, self._epoch, self.vouched
+        )
+        self.chains = Chains(l1, self.lanes, self.deletions, self._readable, self.vouched)
 
     @property
     def session_count(self) -> int:
@@ -125,11 +89,11 @@ class StorageManager:
 
     def lookup_l1(self, keys: list[ObjectKey]) -> int:
         """Number of leading chunks of ``keys`` that are READY in L1 and form one version chain."""
-        return len(self._l1_run(keys))
+        return len(self.chains.l1_run(keys))
 
     def l1_hit(self, keys: list[ObjectKey]) -> Chain:
         """:meth:`lookup_l1`, with the version the rest must chain to (see :meth:`count`)."""
-        run = self._l1_run(keys)
+        run = self.chains.l1_run(keys)
         return Chain(len(run), run[-1].version if run else 0)
 
     def vouched(self) -> bool:
@@ -144,85 +108,21 @@ class StorageManager:
         """The lower tiers reads may use now: those up, less this host's own (L2) while a gap in
         the fleet's invalidations has it cleared or while the server does not vouch for it
         (storage.coherence); the shared tier (L3) is always current."""
-        local_ok = not self._clearing and self.vouched()
+        local_ok = not self.deletions.clearing and self.vouched()
         return [lane for lane in self.lanes if lane.tier.up() and (local_ok or not lane.tier.indexed)]
-
-    def _l1_run(self, keys: list[ObjectKey]) -> list[L1Object]:
-        run: list[L1Object] = []
-        if not self.vouched():
-            return run
-        parent = 0
-        for key in keys:
-            obj = self.l1.get(key)
-            if obj is None or obj.parent != parent:
-                break
-            run.append(obj)
-            parent = obj.version
-        return run
 
     async def count(self, keys: list[ObjectKey], start: Chain) -> int:
         """How many leading ``keys`` are cached in any tier as one version chain, given that the
-        first ``start.count`` were in L1 when ``start`` was taken (they may be gone by the time
-        this runs: it counts on from ``start.parent``, never re-reading them). A key whose older
-        version is being deleted counts only if L1 has the new one."""
-        return (await self.chain(keys, start)).count
+        first ``start.count`` were in L1 when ``start`` was taken (storage.chains)."""
+        return (await self.chains.chain(keys, start)).count
 
     async def chain(self, keys: list[ObjectKey], start: Chain) -> Chain:
-        """:meth:`count`, with the version of the run's last chunk. While the server does not
-        vouch for L1 and L2 (storage.coherence), only the shared tier counts, from the start."""
-        vouched = self.vouched()
-        if not vouched:
-            start = Chain(0, 0)
-        n, parent = start.count, start.parent
-        remote: list[Head] | None = None  # heads from the tiers without an index, fetched once
-        remote_at = n
-        lanes = self._readable()
-        while n < len(keys):
-            key = keys[n]
-            obj = self.l1.get(key) if vouched else None
-            heads = [Head(obj.version, obj.parent)] if obj is not None else []
-            if key not in self._deleting:
-                heads += [h for lane in lanes if lane.tier.indexed and (h := lane.tier.knows(key)) is not None]
-                if not any(h.parent == parent for h in heads):
-                    if remote is None:
-                        remote, remote_at = await self._remote_heads(lanes, keys[n:]), n
-                    if n - remote_at < len(remote):
-                        heads.append(remote[n - remote_at])
-            match = next((h for h in heads if h.parent == parent), None)
-            if match is None:
-                break
-            parent = match.version
-            n += 1
-        return Chain(n, parent)
+        """:meth:`count`, with the version of the run's last chunk (storage.chains)."""
+        return await self.chains.chain(keys, start)
 
     async def locate(self, keys: list[ObjectKey]) -> tuple[list[list[Placement]], list[str]]:
-        """For each key, the objects stored under it in L1 (READY only) and in each reachable lower
-        tier, L1 first; and the tiers that could not be asked (down). For inspection: versions are
-        reported as found, whether or not they chain (or are being deleted). A tier without an
-        index answers for the leading keys it holds (one round trip)."""
-        found = [[Placement("l1", Head(o.version, o.parent))] if (o := self.l1.get(k)) else [] for k in keys]
-        down = []
-        for lane in self.lanes:
-            if not lane.tier.up():
-                down.append(lane.name)
-                continue
-            if lane.tier.indexed:
-                heads: list[Head | None] = [lane.tier.knows(k) for k in keys]
-            else:
-                remote: list[Head] = await lane.on_reader(lane.tier.heads, keys, default=[])
-                heads = list(remote)
-            for row, head in zip(found, heads, strict=False):
-                if head is not None:
-                    row.append(Placement(lane.name, head))
-        return found, down
-
-    async def _remote_heads(self, lanes: list[TierLane], keys: list[ObjectKey]) -> list[Head]:
-        for lane in lanes:
-            if not lane.tier.indexed:
-                found: list[Head] = await lane.on_reader(lane.tier.heads, keys, default=[])
-                if found:
-                    return found
-        return []
+        """Every object stored under each key, per tier, and the tiers down (storage.chains)."""
+        return await self.chains.locate(keys)
 
     # --- store -------------------------------------------------------------------------------
 
@@ -263,7 +163,7 @@ class StorageManager:
         parent = 0  # the version chain: each chunk names the version of the one before it
         for i, key in enumerate(keys):
             pending = self.l1.reservation(key)
-            if pending is not None and pending in self._loading and overwrite:
+            if pending is not None and pending in self.loads and overwrite:
                 self.l1.detach(pending)  # the load's bytes are the older version: thrown away
             elif pending is not None or in_flight:
                 # another store, or a load that may still fail: not known stored; and the chunks
@@ -278,7 +178,7 @@ class StorageManager:
                     self.l1.pin(present)
                     kept.append(present)
                 continue
-            lower = None if overwrite or key in self._deleting else self._lower_head(key, parent, below)
+            lower = None if overwrite or key in self.deletions else self.chains.lower_head(key, parent, below)
             if lower is not None:  # a lower tier holds this very version: stored already
                 deduped += 1
                 parent = lower.version
@@ -313,13 +213,6 @@ class StorageManager:
                 self.l1.unpin(obj)
         return StorePlan(slots, deduped, in_flight, pool_full)
 
-    def _lower_head(self, key: ObjectKey, parent: int, below: dict[ObjectKey, Head] | None) -> Head | None:
-        """The head of ``key`` in a lower tier if it continues ``parent``'s chain: from an indexed
-        tier's index (L2), or from ``below`` (heads already read from the others)."""
-        heads = [lane.tier.knows(key) for lane in self._readable() if lane.tier.indexed]
-        heads.append((below or {}).get(key))
-        return next((h for h in heads if h is not None and h.parent == parent), None)
-
     @property
     def has_unindexed_tier(self) -> bool:
         return any(not lane.tier.indexed and lane.tier.up() for lane in self.lanes)
@@ -328,7 +221,7 @@ class StorageManager:
         """The heads of the leading ``keys`` the first reachable tier without an index holds (one
         round trip), for :meth:`prepare_store`'s ``below``."""
         lanes = [lane for lane in self.lanes if lane.tier.up()]
-        return dict(zip(keys, await self._remote_heads(lanes, keys), strict=False))
+        return dict(zip(keys, await self.chains.remote_heads(lanes, keys), strict=False))
 
     def contended(self, keys: list[ObjectKey]) -> bool:
         """Whether another client is writing any of ``keys`` now (an overwrite of them would
@@ -337,23 +230,12 @@ class StorageManager:
 
     def _written_by_other(self, key: ObjectKey) -> bool:
         pending = self.l1.reservation(key)
-        return pending is not None and pending not in self._loading
+        return pending is not None and pending not in self.loads
 
     def _delete_everywhere(self, keys: list[ObjectKey], lanes: list[TierLane] | None = None) -> list[Deletion]:
         """Queue the deletion of ``keys`` in every lane (or those given); none of them is counted
         by lookups nor loaded from a lower tier until it is done."""
-        futures = [lane.delete(keys) for lane in (self.lanes if lanes is None else lanes)]
-        for fut in futures:
-            for key in keys:
-                self._deleting[key] = self._deleting.get(key, 0) + 1
-            fut.add_done_callback(functools.partial(self._deleted, keys))
-        return futures
-
-    def _deleted(self, keys: list[ObjectKey], _fut: object) -> None:
-        for key in keys:
-            n = self._deleting.pop(key) - 1
-            if n:
-                self._deleting[key] = n
+        return self.deletions.queue(keys, self.lanes if lanes is None else lanes)
 
     def reservations(self, client_id: str, session_id: str, indexes: list[int]) -> list[L1Object]:
         """The reserved objects for chunk ``indexes`` of a store session (renews its lease).
@@ -434,7 +316,7 @@ class StorageManager:
         """Open a retrieve session pinning the leading READY run of ``keys`` (possibly none: a
         prefetch may add more). SessionError if the id is in use."""
         session = self.sessions.open(client_id, session_id, keys=list(keys))
-        for obj in self._l1_run(keys):
+        for obj in self.chains.l1_run(keys):
             self.l1.pin(obj)
             session.pinned.append(obj)
         return session
@@ -446,76 +328,8 @@ class StorageManager:
             return None
         job = PrefetchJob(session)
         session.job = job
-        self.hold(session)
-        job.task = asyncio.get_running_loop().create_task(self._prefetch(job))
+        self.loads.prefetch(job)
         return job
-
-    async def _prefetch(self, job: PrefetchJob) -> None:
-        session = job.session
-        try:
-            for key in session.keys[len(session.pinned) :]:
-                if job.cancelled or not session.open:
-                    break
-                parent = session.pinned[-1].version if session.pinned else 0
-                obj = await self._load(key, parent)
-                # a chunk replaced while we waited (an overwrite) ends the run: never a mix
-                if obj is None or not session.open or not all(o.live for o in session.pinned):
-                    break
-                self.l1.pin(obj)
-                session.pinned.append(obj)
-        except Exception:
-            log.exception("prefetch failed")
-        finally:
-            self.unhold(session)
-            self.sessions.renew(session)
-            job.done.set()
-
-    async def _load(self, key: ObjectKey, parent: int) -> L1Object | None:
-        """The READY L1 object for ``key`` whose predecessor is version ``parent``, promoted from
-        a lower tier if L1 has no such version; None on a miss. While the server does not vouch
-        for L1 and L2 (storage.coherence), the version is read from the shared tier (L3) anew."""
-        vouched = self.vouched()
-        while not self._chains(obj := self.l1.get(key), parent) and key in self._load_waits:
-            await asyncio.shield(self._load_waits[key])  # someone else is loading it
-        if vouched and obj is not None and obj.parent == parent:
-            return obj
-        geo = self.geometry_of(key.model)
-        lanes = [
-            lane
-            for lane in self.lanes
-            if lane in self._readable() and (not lane.tier.indexed or self._chains(lane.tier.knows(key), parent))
-        ]
-        if geo is None or not lanes or key in self._deleting or self.l1.is_reserved(key):
-            return None
-        slot = self.l1.reserve(key, geo.chunk_nbytes(self.chunk_size))
-        if slot is None:
-            return None
-        slot.epoch = self._epoch()  # what was applied before the read starts (storage.coherence)
-        self._loading.add(slot)
-        self._load_waits[key] = done = asyncio.get_running_loop().create_future()
-        ok = False
-        try:
-            for lane in lanes:
-                head = await lane.read(key, self.l1.view(slot), geo, self.chunk_size, parent)
-                if head is not None:
-                    slot.version, slot.parent = head
-                    ok = True
-                    break
-        except Exception:
-            log.exception("loading %s into L1 failed", key.chunk.hex()[:16])
-        finally:
-            self._loading.discard(slot)
-            del self._load_waits[key]
-            done.set_result(None)
-        if not ok or self.l1.reservation(key) is not slot:  # a miss, or superseded by an overwrite
-            self.l1.abort(slot)
-            return None
-        self.l1.commit(slot)
-        return slot
-
-    @staticmethod
-    def _chains(obj: L1Object | Head | None, parent: int) -> bool:
-        return obj is not None and obj.parent == parent
 
     def commit_retrieve(self, client_id: str, session_id: str) -> int:
         """Release a retrieve session's pins; returns how many objects it pinned."""
@@ -526,55 +340,9 @@ class StorageManager:
     # --- the fleet's invalidations (storage.coherence) ----------------------------------------
 
     def apply(self, result: PollResult) -> list[Awaitable[object]]:
-        """Apply one poll of the invalidation stream: for each entry's keys, drop the L1 object
-        older than the entry, supersede a load or a store reservation of it made before (a store
-        is then not committed: it is ordered before the overwrite), and delete the key from L2
-        (unless the entry is this server's own overwrite, which deleted it there already and
-        whose reservations are the new version). A gap (entries lost) drops all of L1 and clears
-        L2, which no read uses until that is done. Then the coherence advances (the caller
-        vouches). Returns L2's deletions."""
-        coh = self.coherence
-        assert coh is not None
-        local = [lane for lane in self.lanes if lane.tier.indexed]  # this host's own tiers (L2)
-        pending: list[Awaitable[object]] = []
-        if result.lost:
-            coh.counters.full_drops += 1
-            dropped = self.l1.clear()
-            coh.counters.dropped += dropped
-            for slot in list(self._loading):
-                if self.l1.reservation(slot.key) is slot:
-                    self.l1.detach(slot)
-            log.warning(
-                "coherence: invalidations were lost (L3 trimmed or lost its stream past this server's "
-                "position): dropped %d L1 object(s) and every L2 object",
-                dropped,
-            )
-            for lane in local:
-                self._clearing += 1
-                task = asyncio.ensure_future(lane.clear())
-                task.add_done_callback(self._cleared)
-                pending.append(task)
-        for entry in result.entries:
-            own = coh.is_own(entry.position)
-            for key in entry.keys:
-                obj = self.l1.get(key)
-                if obj is not None and obj.epoch < entry.position:
-                    self.l1.remove(key)
-                    coh.counters.dropped += 1
-                reserved = self.l1.reservation(key)
-                if reserved is None or reserved.epoch >= entry.position or reserved.epoch == SUPERSEDED:
-                    continue
-                if reserved in self._loading:
-                    self.l1.detach(reserved)  # its bytes may be the replaced version: thrown away
-                elif not own:
-                    reserved.epoch = SUPERSEDED
-            if local and entry.keys and not own:
-                pending += self._delete_everywhere(entry.keys, local)
-        coh.applied(result)
-        return pending
-
-    def _cleared(self, _task: object) -> None:
-        self._clearing -= 1
+        """Apply one poll of the invalidation stream (storage.invalidations); L2's deletions."""
+        assert self.coherence is not None
+        return apply_invalidations(result, self.coherence, self.l1, self.loads, self.deletions, self.lanes)
 
     # --- session ends (the session table releases what they hold) ----------------------------
 
@@ -623,15 +391,14 @@ class StorageManager:
         exactly one session, lane, load or quarantine."""
         self.l1.check_integrity()
         pins, held = self.sessions.holdings()
-        held += len(self._loading)
+        held += len(self.loads)
         for lane in self.lanes:
             lane.check_integrity()
             if lane.pinned is not None:
                 pins[id(lane.pinned)] = pins.get(id(lane.pinned), 0) + 1
-        for obj in self._loading:
-            assert obj.live and obj.state.name == "RESERVED", "a load's slot is not reserved"
+        self.loads.check_integrity()
         for obj in self.l1.pinned_objects():
             assert pins.pop(id(obj), 0) == obj.pins, "pin count does not match the sessions holding it"
         assert not pins, "a session pins an object the store does not know"
         assert self.l1.reserved_count() == held, "a reservation belongs to no session, load or quarantine"
-        assert all(n > 0 for n in self._deleting.values()), "a finished deletion is still recorded"
+        self.deletions.check_integrity()

@@ -1,0 +1,63 @@
+"""Applying the fleet's invalidations (storage.coherence) to what this server holds.
+
+A function of the storage manager's state (it owns all of it; event loop only): called by
+:meth:`StorageManager.apply <kvdock.storage.manager.StorageManager.apply>` for each poll of the
+invalidation stream, before the server vouches for L1 and L2 again."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable
+
+from kvdock.storage.coherence import Coherence, PollResult
+from kvdock.storage.deletions import Deletions
+from kvdock.storage.lane import TierLane
+from kvdock.storage.loads import Loads
+from kvdock.storage.memory import L1Store
+from kvdock.storage.plans import SUPERSEDED
+
+__all__ = ["apply_invalidations"]
+
+log = logging.getLogger(__name__)
+
+
+def apply_invalidations(
+    result: PollResult, coh: Coherence, l1: L1Store, loads: Loads, deletions: Deletions, lanes: list[TierLane]
+) -> list[Awaitable[object]]:
+    """Apply one poll: for each entry's keys, drop the L1 object older than the entry, supersede
+    a load or a store reservation of it made before (a store is then not committed: it is
+    ordered before the overwrite), and delete the key from L2 (unless the entry is this server's
+    own overwrite, which deleted it there already and whose reservations are the new version).
+    A gap (entries lost) drops all of L1 and clears L2, which no read uses until that is done.
+    Then the coherence advances (the caller vouches). Returns L2's deletions and clears."""
+    local = [lane for lane in lanes if lane.tier.indexed]  # this host's own tiers (L2)
+    pending: list[Awaitable[object]] = []
+    if result.lost:
+        coh.counters.full_drops += 1
+        dropped = l1.clear()
+        coh.counters.dropped += dropped
+        loads.supersede_all()
+        log.warning(
+            "coherence: invalidations were lost (L3 trimmed or lost its stream past this server's "
+            "position): dropped %d L1 object(s) and every L2 object",
+            dropped,
+        )
+        pending += deletions.clear(local)
+    for entry in result.entries:
+        own = coh.is_own(entry.position)
+        for key in entry.keys:
+            obj = l1.get(key)
+            if obj is not None and obj.epoch < entry.position:
+                l1.remove(key)
+                coh.counters.dropped += 1
+            reserved = l1.reservation(key)
+            if reserved is None or reserved.epoch >= entry.position or reserved.epoch == SUPERSEDED:
+                continue
+            if reserved in loads:
+                l1.detach(reserved)  # its bytes may be the replaced version: thrown away
+            elif not own:
+                reserved.epoch = SUPERSEDED
+        if local and entry.keys and not own:
+            pending += deletions.queue(entry.keys, local)
+    coh.applied(result)
+    return pending

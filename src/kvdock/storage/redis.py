@@ -15,8 +15,7 @@ event loop, so it is guarded by a lock.
 
 from __future__ import annotations
 
-import contextlib
-import enum
+import functools
 import logging
 import threading
 import time
@@ -25,57 +24,27 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import redis as redis_py
-import redis.cluster as redis_cluster
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from kvdock.config import CLUSTER_SCHEMES, parse_cluster_url
+from kvdock.config import CLUSTER_SCHEMES
 from kvdock.errors import CorruptObject, NoRoom, WriteFenced
 from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
-from kvdock.storage import coherence, objfile, resp
+from kvdock.storage import coherence, objfile
+from kvdock.storage._redisclient import ERRORS, cluster_nodes, make_client, run_waited
+from kvdock.storage._redisread import FALLBACK, read_fast
 from kvdock.storage.coherence import DELETE_SCRIPT, Coherence, Fence
 from kvdock.storage.shares import Shares
 from kvdock.storage.tier import Head, StorageTier, TierCounters, tier_kind
 
+__all__ = ["ERRORS", "RedisTier", "floor_key", "make_client", "redis_key"]
+
 log = logging.getLogger(__name__)
 
 BACKOFF_MAX = 30.0
-# RedisClusterException (no slots, cluster down at start) is not a RedisError
-ERRORS = (redis_py.RedisError, redis_py.exceptions.RedisClusterException, OSError)
 # SET + APPEND of one key as one script: Redis runs a script atomically, so readers see the old
 # value or the whole new one, and it is a single-key command (it goes to the key's node, follows
 # slot migrations, and needs no temporary key: no TTL, no leftovers, no multi-key RENAME)
 WRITE_SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]); redis.call('APPEND', KEYS[1], ARGV[2])"
-DELETE_WAIT_MS = 1000  # how long a deletion waits for a replica to have it too (cluster)
-
-
-class _Fallback(enum.Enum):
-    FALLBACK = 0
-
-
-FALLBACK = _Fallback.FALLBACK  # what a fast read answers when a plain GET must decide
-
-
-def make_client(url: str, timeout: float) -> Any:
-    """A redis-py client for ``url``: one server (``redis://``, ``rediss://``, ``unix://``), or a
-    Redis Cluster from its start nodes (the client discovers the others). A cluster client
-    connects when made: RedisClusterException or RedisError if no start node answers."""
-    if not url.startswith(CLUSTER_SCHEMES):
-        return redis_py.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-    parts = parse_cluster_url(url)
-    return redis_cluster.RedisCluster(
-        startup_nodes=[redis_cluster.ClusterNode(h, p) for h, p in parts.nodes],
-        username=parts.username,
-        password=parts.password,
-        ssl=parts.tls,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        require_full_coverage=False,  # the shards that are up keep serving while one fails over
-        # one retry (after a failover the first attempt finds the old primary gone); the default
-        # of ten turned a shard that stopped answering into a minute per call on the lane's thread
-        retry=Retry(NoBackoff(), 1),
-    )
 
 
 def redis_key(key: ObjectKey, identity: str = "") -> bytes:
@@ -303,9 +272,11 @@ class RedisTier(StorageTier):
         return None
 
     def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
-        """The fast read (:meth:`_read_fast`), or redis-py's GET where it cannot decide."""
+        """The fast read (_redisread.read_fast), or redis-py's GET where it cannot decide."""
         rkey = self._key(key)
-        found = self._read_fast(rkey, key, out, geometry, chunk_size) if self.fast_reads else FALLBACK
+        found = (
+            read_fast(self._redis, self.cluster, rkey, key, out, geometry, chunk_size) if self.fast_reads else FALLBACK
+        )
         if found is FALLBACK:
             found = self._read_plain(rkey, key, out, geometry, chunk_size)
         if found is not None and self._tracking:
@@ -315,47 +286,6 @@ class RedisTier(StorageTier):
         return found
 
     fast_reads = True  # False: every read is one GET parsed by redis-py (the only read before resp.py)
-
-    def _read_fast(
-        self, rkey: bytes, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int
-    ) -> Head | _Fallback | None:
-        """Receive the value straight into ``out`` (:func:`resp.receive`, on a connection of the
-        pool of the key's node, hashing it as it lands) and verify it as the plain read does: its
-        head, None if absent, FALLBACK where the plain read must decide (a value of another size or
-        failing a check, which it deletes if it really is corrupt; a MOVED or ASK redirection, which
-        it follows; a connection that failed, after which it reconnects and refreshes a cluster's
-        topology). ``out`` holds undefined bytes unless a head is returned (the manager then frees
-        the slot)."""
-        nbytes = geometry.chunk_nbytes(chunk_size)
-        if out.nbytes != nbytes or out.itemsize != 1 or not out.c_contiguous:
-            return FALLBACK
-        client = self._redis
-        try:
-            node = client.get_redis_connection(client.get_node_from_key(rkey)) if self.cluster else client
-        except ERRORS:  # no node known for the slot (a cluster being re-sharded or failing over)
-            return FALLBACK
-        pool = node.connection_pool
-        if getattr(pool, "cache", None) is not None:  # client-side caching: the pool's own reads only
-            return FALLBACK
-        shape = list(geometry.chunk_shape(chunk_size))
-        identity = geometry.digest(chunk_size)
-        head = memoryview(bytearray(objfile.header_block_size(key, geometry.dtype, shape, nbytes, identity)))
-        digest = objfile.hasher()
-        present = resp.receive(pool, rkey, head, out, digest.update)
-        if present is None:
-            return FALLBACK
-        if not present:
-            return None
-        try:
-            header, offset = objfile.decode_header(head)
-            objfile.check(header, key, geometry, chunk_size)
-            if offset != len(head) or header.nbytes != nbytes:
-                raise CorruptObject("value length does not match its header")
-            if digest.digest() != header.checksum:
-                raise CorruptObject("checksum mismatch")
-        except CorruptObject:
-            return FALLBACK
-        return Head(header.version, header.parent)
 
     def _read_plain(
         self, rkey: bytes, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int
@@ -406,12 +336,12 @@ class RedisTier(StorageTier):
         return out
 
     def delete(self, key: ObjectKey) -> None:
-        """DEL (on a cluster, WAITed for by a replica: :meth:`_run`); with the default appendfsync
+        """DEL (on a cluster, WAITed for by a replica: _redisclient.run_waited); with the default appendfsync
         the deletion is as durable as Redis makes anything. (An overwrite's go through
         :meth:`delete_keys`.)"""
         final = self._key(key)
         if self.cluster:
-            self._run(final, "return redis.call('DEL', KEYS[1])", 1, final)
+            run_waited(self._redis, final, "return redis.call('DEL', KEYS[1])", 1, final)
         else:
             self._redis.delete(final)
         with self._lock:
@@ -423,12 +353,12 @@ class RedisTier(StorageTier):
         before its server learned of E1 lands after), append the invalidation again (E2) and raise
         the floors to E2 (of two concurrent overwrites of a key, the one whose E2 comes later is
         what L3 keeps, as every L1 does), and return E2 (the epoch of the new versions). On a
-        cluster each step WAITs for a replica (:meth:`_run`)."""
+        cluster each step WAITs for a replica (_redisclient.run_waited)."""
         if self.coherence is None:
             for key in keys:
                 self.delete(key)
             return 0
-        run = self._run if self.cluster else None
+        run = functools.partial(run_waited, self._redis) if self.cluster else None
         first = self.coherence.publish(keys, run)
         for key in keys:
             self._floor(self._key(key), first, delete=True)
@@ -440,45 +370,12 @@ class RedisTier(StorageTier):
     def _floor(self, final: bytes, floor: int, delete: bool) -> None:
         args = (DELETE_SCRIPT, 2, final, floor_key(final), coherence.pos_text(floor), "1" if delete else "0")
         if self.cluster:
-            self._run(final, *args)
+            run_waited(self._redis, final, *args)
         else:
             self._redis.eval(*args)
         if delete:
             with self._lock:
                 self._forget(final)
-
-    def _run(self, rkey: bytes, *args: Any) -> Any:
-        """[cluster] EVAL on ``rkey``'s node, then WAIT on the same connection until a replica of
-        its shard has it (:meth:`_check_acked`); the script's result."""
-        client = self._redis
-        if len(client.nodes_manager.slots_cache.get(client.keyslot(rkey), [])) < 2:
-            return client.eval(*args)  # no replica listed for the shard (after a failover): no WAIT
-        node = client.get_node_from_key(rkey)
-        pipe = client.get_redis_connection(node).pipeline(transaction=False)
-        pipe.eval(*args)
-        pipe.execute_command("WAIT", 1, DELETE_WAIT_MS)
-        try:
-            result, acked = pipe.execute()
-        except ERRORS:
-            # a node's own connection does not follow a failover as the cluster client does:
-            # learn the topology again, so that the retry finds the promoted replica
-            with contextlib.suppress(*ERRORS):
-                client.nodes_manager.initialize()
-            raise
-        self._check_acked(rkey, node, int(acked))
-        return result
-
-    def _check_acked(self, rkey: bytes, node: Any, acked: int) -> None:
-        """A change no replica acknowledged raises (the overwrite is refused) while the topology
-        lists a replica for the shard: a failover could bring the old version back. (Best
-        effort, as Redis says of WAIT: a replica disconnected then may be promoted later.)"""
-        client = self._redis
-        shard = client.nodes_manager.slots_cache.get(client.keyslot(rkey), [])
-        if acked < 1 and len(shard) > 1:
-            raise redis_py.exceptions.RedisError(
-                f"no replica of {node.name} acknowledged the deletion of an overwritten chunk (or its "
-                f"invalidation) within {DELETE_WAIT_MS} ms; a failover could bring the old version back"
-            )
 
     def clear(self) -> int:
         return 0  # shared by other servers: never cleared from here
@@ -502,21 +399,12 @@ class RedisTier(StorageTier):
         return doc
 
     def nodes(self) -> list[dict[str, str]]:
-        """[any] A cluster's nodes as its client last saw them: ``addr``, ``role`` (primary or
-        replica) and ``state`` ("up", or "down: <error>" for a primary the last probe could not
-        reach), from the client's topology cache: no I/O. A node that failed drops out of the
-        topology once the cluster has noticed (its replica then shows as primary)."""
-        client = self._client
-        if client is None:
+        """[any] A cluster's nodes as its client last saw them (no I/O; _redisclient.cluster_nodes)."""
+        if self._client is None:
             return []
         with self._lock:
             down = dict(self._down_nodes)
-        found = list(client.nodes_manager.nodes_cache.values())
-        docs = [
-            {"addr": n.name, "role": str(n.server_type), "state": f"down: {down[n.name]}" if n.name in down else "up"}
-            for n in found
-        ]
-        return sorted(docs, key=lambda d: d["addr"])
+        return cluster_nodes(self._client, down)
 
     def close(self) -> None:
         if self._client is not None:

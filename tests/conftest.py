@@ -29,7 +29,9 @@ from kvdock.testing import SERVER_KINDS, RedisCluster, cluster_ports, server_bin
 # tests/integrations/vllm needs vLLM, which lives in its own virtual environment (.ci/run makes it and runs
 # them there; README "Tests"); a python without vLLM collects everything else.
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-collect_ignore = [] if HAVE_VLLM else ["integrations/vllm"]
+# tests/integrations/sglang likewise needs SGLang (scripts/sglang-venv; .ci/run runs them there)
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+collect_ignore = ([] if HAVE_VLLM else ["integrations/vllm"]) + ([] if HAVE_SGLANG else ["integrations/sglang"])
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -38,6 +40,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         if HAVE_VLLM
         else "vLLM: not installed here, tests/integrations/vllm not collected (.ci/run runs them in their own venv)"
     ]
+    if not HAVE_SGLANG:
+        lines.append("SGLang: not installed here, tests/integrations/sglang not collected (.ci/run: its own venv)")
     for kind in SERVER_KINDS:
         try:
             lines.append(f"L3 server {kind}: {server_binary(kind)}")

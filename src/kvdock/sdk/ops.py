@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import torch
 
+from kvdock import keying
 from kvdock.errors import (
     InvalidInputError,
     KVCacheSDKError,
@@ -46,6 +47,18 @@ def whole_chunks(ctx: KVCacheContext, arr: np.ndarray) -> bytes:
         err.code = "limit"
         raise err
     return arr[:n].tobytes()
+
+
+def keyed(ctx: KVCacheContext, arr: np.ndarray, cache_salt: str) -> tuple[np.ndarray, str]:
+    """``(arr, cache_salt)`` as the server names ``ctx``'s chunks (:mod:`kvdock.keying`): as they
+    are under kvdock's key scheme; under SGLang's (a model SGLang registered), the key tokens of
+    SGLang's page hashes of ``arr`` seeded by ``cache_salt`` ("": none), under salt "". The
+    scheme is ``ctx.chunk_keys`` when set (``"kvdock"`` / ``"sglang"``: to read one engine's KV of
+    a model that both serve), else the registered engine's."""
+    scheme = getattr(ctx, "chunk_keys", None) or keying.scheme_of(ctx.layout.engine.name)
+    if scheme == keying.SGLANG:
+        return keying.sglang_tokens(arr, ctx.chunk_size, cache_salt=cache_salt or None), ""
+    return arr, cache_salt
 
 
 E = TypeVar("E", bound=ChunkSource | ChunkSink)
@@ -130,6 +143,7 @@ def _store(
     conflict_wait_s: float = CONFLICT_WAIT_S,
 ) -> StoreResult:
     cache_salt, overwrite = validate.cache_salt(cache_salt), validate.overwrite(overwrite)
+    arr, cache_salt = keyed(ctx, arr, cache_salt)
     whole = whole_chunks(ctx, arr)
     if not whole:
         return StoreResult(0, 0, 0)
@@ -222,8 +236,8 @@ def retrieve(
     InvalidInputError for an unusable ``out``, ``layers`` or ``start``; LeaseExpiredError if the
     copy outlived its lease twice in a row (the process was paused: nothing wrong is returned)."""
     ctx = validate.context(ctx)
-    whole = whole_chunks(ctx, validate.tokens(tokens))
-    cache_salt = validate.cache_salt(cache_salt)
+    arr, cache_salt = keyed(ctx, validate.tokens(tokens), validate.cache_salt(cache_salt))
+    whole = whole_chunks(ctx, arr)
     picked = validate.layers(ctx, layers)
     if ctx.shards > 1 and ctx.layout.geometry.pp_size > 1 and picked != range(ctx.geometry.num_layers):
         validate.whole_model_only(ctx, "a read of some layers")
@@ -296,8 +310,8 @@ def retrieve_into(
     ``tips`` a copy that outlives its lease is not tried again: LeaseExpiredError (the sink holds
     garbage; a second try could find the versions gone and answer 0 after the first one's takes)."""
     ctx = validate.context(ctx)
-    whole = whole_chunks(ctx, validate.tokens(tokens))
-    cache_salt = validate.cache_salt(cache_salt)
+    arr, cache_salt = keyed(ctx, validate.tokens(tokens), validate.cache_salt(cache_salt))
+    whole = whole_chunks(ctx, arr)
     vouch = validate.tips(ctx, tips)
     if not whole:
         return 0
@@ -366,8 +380,8 @@ def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:
     """How many leading tokens of ``tokens`` are cached in any tier (a multiple of chunk_size);
     moves no data."""
     ctx = validate.context(ctx)
-    whole = whole_chunks(ctx, validate.tokens(tokens))
-    cache_salt = validate.cache_salt(cache_salt)
+    arr, cache_salt = keyed(ctx, validate.tokens(tokens), validate.cache_salt(cache_salt))
+    whole = whole_chunks(ctx, arr)
     if not whole:
         return 0
     hit = fastpath.lookup(ctx, whole, cache_salt)
@@ -390,8 +404,8 @@ def lookup_tips(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> Ti
     nothing): what the scheduler of a tensor-parallel engine hands its ranks. Always asks the
     server."""
     ctx = validate.context(ctx)
-    whole = whole_chunks(ctx, validate.tokens(tokens))
-    cache_salt = validate.cache_salt(cache_salt)
+    arr, cache_salt = keyed(ctx, validate.tokens(tokens), validate.cache_salt(cache_salt))
+    whole = whole_chunks(ctx, arr)
     if not whole:
         return Tips(0, ())
     reply = ctx.call(m.Lookup(ctx.client_id, whole, cache_salt)).reply

@@ -1,0 +1,394 @@
+"""``KvdockHiCacheStorage``: kvdock as SGLang's HiCache L3 storage backend.
+
+SGLang constructs it as ``cls(storage_config, {})`` (the ``dynamic`` backend), then calls
+``register_mem_pool_host(host_pool)``: that reads the pool's geometry and layout
+(:class:`~kvdock.integrations.sglang.pools.HostPages`: an unsupported pool raises there, at
+engine start) and connects to kvdock, registering the model's layout when the server does not
+know it (engine ``"sglang"``: the SDK then keys the model SGLang's way, :mod:`kvdock.keying`).
+Tensor-parallel rank ``r`` of ``tp_size`` stores the KV heads it holds as its shard
+(:func:`kvdock.sharding.place`: a rank of another degree than the stored one reads and writes
+what it can); an MLA latent is one shard that rank 0 writes.
+
+Keys: SGLang passes page hashes; each is one kvdock chunk of key tokens
+(:func:`kvdock.keying.key_tokens`). On the zero-copy path (``"interface_v1": 1``) a call's pages
+are chained after ``extra_info.prefix_keys`` (SGLang passes them with
+``"hicache_storage_pass_prefix_keys": true``; without, a call's first key starts the chain), so
+kvdock holds the prompt's chain and the SDK reads it by token ids. The generic path
+(``get`` / ``set`` / ``batch_get`` / ``batch_set``, SGLang's default without ``interface_v1``)
+has no prefixes: each key is a chain of its own there, which only this backend reads.
+
+Never raises into SGLang (its storage threads treat an exception as fatal): a kvdock failure, a
+server that is down or hung (``kvdock.timeout``), a refused registration, a chunk size other
+than SGLang's page size, are misses (False / None / 0), logged and counted in :attr:`stats`;
+after a failure kvdock is not tried again for ``kvdock.retry_s``. Wrong bytes never: a page is
+reported loaded only when its whole copy was verified (the SDK's slot generations).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+
+import kvdock.sdk as kvd
+from kvdock.errors import KVCacheSDKError, UnknownModelError
+from kvdock.integrations.sglang.config import BackendConfig
+from kvdock.integrations.sglang.pools import HostPages
+from kvdock.keying import KVDOCK, key_tokens
+from kvdock.memcpy import Copier
+from kvdock.protocol.messages import EngineInfo
+from kvdock.sharding import place
+
+try:  # the base class when SGLang is installed; the module itself imports without it
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
+except ImportError:  # pragma: no cover - only without SGLang
+    _Base = object  # type: ignore[assignment,misc]
+
+log = logging.getLogger("kvdock.sglang")
+
+
+class _PrefixMissing(Exception):
+    """The server asked for a chunk before the call's own (kvdock lost part of the prefix)."""
+
+
+class _Pages:
+    """Chunks ``first ..`` of a transfer as the host pool's pages at host indices ``starts``
+    (a ChunkSource and a ChunkSink); chunks before ``first`` (the prefix) are never copied."""
+
+    def __init__(self, pages: HostPages, starts: list[int], first: int) -> None:
+        self.pages, self.starts, self.first = pages, starts, first
+        self.copier = Copier()
+
+    def put(self, index: int, dst: torch.Tensor) -> None:
+        j = index - self.first
+        if j < 0:
+            raise _PrefixMissing(index)
+        self.copier.add(self.pages.chunk5(dst), self.pages.page(self.starts[j]))
+
+    def take(self, index: int, src: torch.Tensor) -> None:
+        j = index - self.first
+        if 0 <= j < len(self.starts):
+            self.copier.add(self.pages.page(self.starts[j]), self.pages.chunk5(src))
+
+    def finish(self) -> None:
+        self.copier.run()
+
+
+class _Flat:
+    """One flat data page (SGLang's generic path) as chunk 0 of a transfer."""
+
+    def __init__(self, pages: HostPages, flat: torch.Tensor) -> None:
+        self.pages, self.view = pages, pages.flat_page(flat)
+
+    def put(self, index: int, dst: torch.Tensor) -> None:
+        self.pages.chunk5(dst).copy_(self.view)
+
+    def take(self, index: int, src: torch.Tensor) -> None:
+        self.view.copy_(self.pages.chunk5(src))
+
+    def finish(self) -> None:
+        pass
+
+
+class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
+    """A HiCache storage backend over a kvdock server (see the module docs)."""
+
+    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        self.config = BackendConfig.from_extra(storage_config.extra_config, storage_config.model_name)
+        self.tp_rank, self.tp_size = int(storage_config.tp_rank), int(storage_config.tp_size)
+        self.pp_rank, self.pp_size = int(storage_config.pp_rank), int(storage_config.pp_size)
+        self.is_mla = bool(storage_config.is_mla_model)
+        self.writer = bool(getattr(storage_config, "is_storage_writer", not self.is_mla or self.tp_rank == 0))
+        self.stats: collections.Counter[str] = collections.Counter()  # what happened, by name
+        self.pages: HostPages | None = None
+        self.off = ""  # why kvdock is off for good ("" while it is on)
+        self._ctx: kvd.KVCacheContext | None = None
+        self._writable = False
+        self._down_until = float("-inf")
+        self._lock = threading.Lock()
+        self._last_log = 0.0
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Read the host pool's geometry (UnsupportedLayoutError for one kvdock cannot hold: at
+        engine start) and connect to kvdock now (a server that is down is tried again later)."""
+        self.mem_pool_host = mem_pool_host
+        self.pages = HostPages(mem_pool_host)
+        cfg = self.config
+        log.info("kvdock: %s for %r (rank %d of %d)", self.pages.describe(), cfg.model_name, self.tp_rank, self.tp_size)
+        self._context()
+
+    def _layout(self) -> Any:
+        pages = self.pages
+        assert pages is not None
+        try:
+            import sglang
+
+            version = str(sglang.__version__)
+        except Exception:  # pragma: no cover
+            version = ""
+        engine = EngineInfo(name="sglang", version=version, attention_backend=f"hicache/{pages.layout}")
+        latent = pages.latent
+        return kvd.make_layout(
+            self.config.model_name,
+            num_layers=pages.num_layers,
+            num_kv_heads=pages.heads,
+            head_dim=pages.head_dim,
+            dtype=pages.dtype,
+            tokens_per_block=pages.page_size,
+            world_size=self.tp_size,
+            rank=self.tp_rank,
+            total_kv_heads=0 if latent else self.config.total_kv_heads,
+            kv_kind=pages.kv_kind,
+            pp_size=self.pp_size,
+            pp_rank=self.pp_rank,
+            engine=engine,
+        )
+
+    def _context(self) -> kvd.KVCacheContext | None:
+        """The SDK context, connecting (and registering) first if the retry time has come; None
+        while kvdock is down or off."""
+        ctx = self._ctx
+        if ctx is not None or self.off or self.pages is None:
+            return ctx
+        with self._lock:
+            if self._ctx is not None or self.off or time.monotonic() < self._down_until:
+                return self._ctx
+            try:
+                self._ctx = self._connect()
+            except KVCacheSDKError as e:
+                self._down(f"cannot connect to kvdock at {self.config.url}: {e}")
+            except Exception as e:  # never into SGLang's threads
+                log.exception("kvdock: connecting failed")
+                self._down(f"cannot connect to kvdock at {self.config.url}: {type(e).__name__}: {e}")
+            return self._ctx
+
+    def _connect(self) -> kvd.KVCacheContext:
+        cfg, lay = self.config, self._layout()
+        stored = kvd.describe_server(cfg.url, cfg.model_name, cfg.timeout).layout
+        if stored is None:
+            try:
+                kvd.register_layout(cfg.url, cfg.http_url, lay, cfg.timeout, cfg.admin_token)
+                log.info("kvdock: registered %r at %s", cfg.model_name, cfg.url)
+            except kvd.ServerError as e:
+                if getattr(e, "code", "") == "registration":
+                    self._off(f"kvdock holds {cfg.model_name!r} as another model: {e}")
+                raise
+            stored = kvd.describe_server(cfg.url, cfg.model_name, cfg.timeout).layout
+            if stored is None:
+                raise UnknownModelError(f"{cfg.model_name!r} is not registered with kvdock at {cfg.url}")
+        try:
+            placed = place(stored.geometry, lay.geometry)
+        except ValueError as e:
+            self._off(f"kvdock holds {cfg.model_name!r} as another model: {e} (use another kvdock.model_name)")
+        ctx = kvd.connect(cfg.url, cfg.http_url, cfg.model_name, cfg.timeout, kv_rank=placed.kv_rank)
+        ctx.chunk_keys = KVDOCK  # type: ignore[attr-defined]  # (this backend sends key tokens itself)
+        if ctx.chunk_size != self.pages.page_size:  # type: ignore[union-attr]
+            ctx.close(wait_s=0.0)
+            self._off(
+                f"kvdock's chunk_size {ctx.chunk_size} is not SGLang's page size {self.pages.page_size} "  # type: ignore[union-attr]
+                "(start kvdock with --chunk-size equal to --page-size)"
+            )
+        if placed.dims is not None:
+            ctx.close(wait_s=0.0)
+            self._off(f"rank {self.tp_rank} holds part of a shard kvdock stores {cfg.model_name!r} in: not supported")
+        self._writable = placed.writable and self.writer
+        return ctx
+
+    def _off(self, why: str) -> NoReturn:
+        self.off = why
+        self.stats["off"] += 1
+        log.error("%s; kvdock is off for this engine (every lookup is a miss)", why)
+        raise KVCacheSDKError(why)
+
+    def _down(self, why: str) -> None:
+        self.stats["down"] += 1
+        self._down_until = time.monotonic() + self.config.retry_s
+        old, self._ctx = self._ctx, None
+        if old is not None:
+            with contextlib.suppress(Exception):  # closing a broken context must not raise
+                old.close(wait_s=0.0)
+        now = time.monotonic()
+        if now - self._last_log > 10.0:
+            self._last_log = now
+            log.warning("%s; misses for %.1fs", why, self.config.retry_s)
+
+    def _run(self, what: str, fn: Any, miss: Any) -> Any:
+        """``fn(ctx)``, or ``miss`` (counted) when kvdock is down, off or the call fails. Never
+        raises."""
+        try:
+            ctx = self._context()
+            if ctx is None:
+                self.stats[f"{what}_unavailable"] += 1
+                return miss
+            return fn(ctx)
+        except (kvd.PoolFullError, kvd.StoreConflictError, kvd.LeaseExpiredError) as e:
+            self.stats[f"{what}_failed"] += 1
+            log.info("kvdock %s: %s", what, e)
+        except UnknownModelError as e:  # the server forgot the model (restarted): register again
+            self.stats[f"{what}_failed"] += 1
+            self._down(f"kvdock {what}: {e}")
+            self._down_until = float("-inf")
+        except KVCacheSDKError as e:
+            self.stats[f"{what}_failed"] += 1
+            self._down(f"kvdock {what} failed: {e}")
+        except Exception as e:  # SGLang's threads die on any exception
+            self.stats[f"{what}_failed"] += 1
+            log.exception("kvdock %s: unexpected %s", what, type(e).__name__)
+        return miss
+
+    # -- the zero-copy path (interface_v1) ------------------------------------------------------
+
+    def _chain(self, keys: list[str], extra_info: Any) -> tuple[np.ndarray, int]:
+        prefix = list(getattr(extra_info, "prefix_keys", None) or [])
+        assert self.pages is not None
+        return key_tokens(prefix + list(keys), self.pages.page_size), len(prefix)
+
+    def _starts(self, keys: list[str], host_indices: torch.Tensor) -> list[int]:
+        """The host index of each key's page; ValueError unless ``host_indices`` is one whole
+        page of consecutive slots per key."""
+        assert self.pages is not None
+        P = self.pages.page_size
+        idx = host_indices.detach().to("cpu", torch.int64).reshape(-1)
+        if idx.numel() != len(keys) * P:
+            raise ValueError(f"{idx.numel()} host indices for {len(keys)} pages of {P}")
+        grid = idx.view(len(keys), P)
+        if not torch.equal(grid - grid[:, :1], torch.arange(P).expand(len(keys), P)):
+            raise ValueError("host indices are not whole pages of consecutive slots")
+        return [int(s) for s in grid[:, 0]]
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many of ``keys`` (from the first) kvdock holds, consecutively."""
+        if not keys:
+            return 0
+        if not self.config.interface_v1:
+            return int(self._run("exists", lambda ctx: self._single_hits(ctx, keys), 0))
+
+        def go(ctx: kvd.KVCacheContext) -> int:
+            chain, first = self._chain(keys, extra_info)
+            hit = kvd.lookup(ctx, chain) // ctx.chunk_size
+            return max(0, min(hit - first, len(keys)))
+
+        n = int(self._run("exists", go, 0))
+        self.stats["pages_found"] += n
+        return n
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Load the pages of ``keys`` into the host pool at ``host_indices``; True for each
+        page loaded (a prefix of ``keys``)."""
+        if not keys:
+            return []
+
+        def go(ctx: kvd.KVCacheContext) -> list[bool]:
+            assert self.pages is not None
+            starts = self._starts(keys, host_indices)
+            chain, first = self._chain(keys, extra_info)
+            hit = kvd.retrieve_into(ctx, chain, _Pages(self.pages, starts, first)) // ctx.chunk_size
+            n = max(0, min(hit - first, len(keys)))
+            return [True] * n + [False] * (len(keys) - n)
+
+        got = self._run("get", go, [False] * len(keys))
+        self.stats["pages_loaded"] += sum(got)
+        return list(got)
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Store the host pool's pages at ``host_indices`` under ``keys``; True for each page
+        kvdock holds afterwards (written now or before)."""
+        if not keys:
+            return []
+        if not self.writer:  # another rank writes this shard (MLA: rank 0)
+            return [True] * len(keys)
+
+        def go(ctx: kvd.KVCacheContext) -> list[bool]:
+            assert self.pages is not None
+            if not self._writable:
+                return [False] * len(keys)
+            starts = self._starts(keys, host_indices)
+            chain, first = self._chain(keys, extra_info)
+            try:
+                r = kvd.store_from(ctx, _Pages(self.pages, starts, first), chain, conflict_wait_s=0.0)
+            except _PrefixMissing:
+                self.stats["set_prefix_missing"] += 1
+                return [False] * len(keys)
+            n = r.stored_chunks + r.deduped_chunks - first
+            self.stats["pages_stored"] += r.stored_chunks
+            n = max(0, min(n, len(keys)))
+            return [True] * n + [False] * (len(keys) - n)
+
+        return list(self._run("set", go, [False] * len(keys)))
+
+    # -- the generic path (a key is a chain of its own) -----------------------------------------
+
+    def _single_hits(self, ctx: kvd.KVCacheContext, keys: list[str]) -> int:
+        assert self.pages is not None
+        prompts = [key_tokens([k], self.pages.page_size) for k in keys]
+        hits = kvd.lookup_many(ctx, prompts)
+        n = 0
+        while n < len(keys) and hits[n] > 0:
+            n += 1
+        return n
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """Read ``key``'s page into ``target_location`` (a flat data page of the pool: SGLang's
+        ``get_dummy_flat_data_page()``; a new one when None); None on a miss."""
+
+        def go(ctx: kvd.KVCacheContext) -> torch.Tensor | None:
+            assert self.pages is not None
+            target = target_location if target_location is not None else self.mem_pool_host.get_dummy_flat_data_page()
+            hit = kvd.retrieve_into(ctx, key_tokens([key], self.pages.page_size), _Flat(self.pages, target))
+            return target if hit else None
+
+        out = self._run("get", go, None)
+        self.stats["pages_loaded"] += out is not None
+        return out  # type: ignore[no-any-return]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        return [self.get(k, t) for k, t in zip(keys, targets, strict=False)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        """Store ``value`` (a flat data page of the pool) under ``key``; True when kvdock holds
+        it afterwards."""
+        if not self.writer:
+            return True
+
+        def go(ctx: kvd.KVCacheContext) -> bool:
+            assert self.pages is not None
+            if not self._writable or value is None:
+                return False
+            chain = key_tokens([key], self.pages.page_size)
+            r = kvd.store_from(ctx, _Flat(self.pages, value), chain, conflict_wait_s=0.0)
+            self.stats["pages_stored"] += r.stored_chunks
+            return bool(r.stored_chunks + r.deduped_chunks)
+
+        return bool(self._run("set", go, False))
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        vals = list(values) if values is not None else [None] * len(keys)
+        return all(self.set(k, v) for k, v in zip(keys, vals, strict=False))
+
+    # -- the rest -------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Nothing: kvdock's tiers are shared (``kvdock`` ``POST /admin/clear`` clears them)."""
+
+    def close(self) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            with contextlib.suppress(Exception):
+                ctx.close(wait_s=0.0)
+
+
+__all__ = ["KvdockHiCacheStorage"]

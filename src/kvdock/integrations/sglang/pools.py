@@ -1,0 +1,149 @@
+"""SGLang's HiCache host pools as kvdock chunks (no SGLang import: duck-typed on the pool).
+
+A host pool page (``page_size`` tokens from host index ``i``, a multiple of the page size) is one
+kvdock chunk ``[planes, L, page_size, D]``: K and V (``planes`` 2, ``D = head_num * head_dim``)
+of an MHA pool, the latent (``planes`` 1, ``D = kv_cache_dim``: ``kv_lora_rank`` then the rope
+part) of an MLA pool. :meth:`HostPages.page` is that chunk as a strided *view* of the pool's
+buffer, so a chunk moves between a kvdock slot and the pool in one copy, whatever the layout:
+
+==================  ==================================  ==================================
+layout              MHA ``kv_buffer``                    MLA ``kv_buffer``
+==================  ==================================  ==================================
+layer_first         ``[2, L, size, H, D]``               ``[L, size, 1, C]``
+page_first          ``[2, size, L, H, D]``               ``[size, L, 1, C]``
+page_first_direct   ``[2, pages, L, P, H, D]``           ``[pages, L, P, 1, C]``
+page_head           ``[2, pages, H, P, L, D]``           --
+==================  ==================================  ==================================
+
+:meth:`HostPages.flat_page` reads a *flat data page* (what SGLang's generic ``get`` / ``set``
+hand a backend: ``get_data_page(i, flat=True)``, the page's bytes in the pool's own order) as the
+same chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvdock.errors import UnsupportedLayoutError
+from kvdock.layout import KV_LATENT, KV_PAIR
+
+MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+class HostPages:
+    """One SGLang host KV pool (``MHATokenToKVPoolHost`` or ``MLATokenToKVPoolHost``) seen as
+    kvdock chunks of ``page_size`` tokens. UnsupportedLayoutError for any other pool, layout,
+    K and V of different widths, or a pool whose buffer is not one tensor."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.layout = str(getattr(pool, "layout", ""))
+        self.page_size = int(pool.page_size)
+        self.num_layers = int(pool.layer_num)
+        self.dtype: torch.dtype = pool.dtype
+        buf = getattr(pool, "kv_buffer", None)
+        if not isinstance(buf, torch.Tensor):
+            raise UnsupportedLayoutError(f"kvdock: {type(pool).__name__} keeps no single KV buffer tensor")
+        self.buffer = buf
+        self.latent = hasattr(pool, "kv_cache_dim") and not hasattr(pool, "head_num")
+        if self.latent:
+            if self.layout not in MLA_LAYOUTS:
+                raise UnsupportedLayoutError(f"kvdock: MLA host layout {self.layout!r} (supported: {MLA_LAYOUTS})")
+            self.kv_kind, self.planes, self.heads, self.head_dim = KV_LATENT, 1, 1, int(pool.kv_cache_dim)
+        else:
+            if self.layout not in MHA_LAYOUTS:
+                raise UnsupportedLayoutError(f"kvdock: MHA host layout {self.layout!r} (supported: {MHA_LAYOUTS})")
+            if int(pool.head_dim) != int(getattr(pool, "v_head_dim", pool.head_dim)):
+                raise UnsupportedLayoutError(
+                    f"kvdock: K and V of different widths ({pool.head_dim} and {pool.v_head_dim}) are not supported"
+                )
+            self.kv_kind, self.planes, self.heads, self.head_dim = KV_PAIR, 2, int(pool.head_num), int(pool.head_dim)
+        self.dim = self.heads * self.head_dim
+        self.shape = (self.planes, self.num_layers, self.page_size, self.dim)
+        expected = self._buffer_shape()
+        if tuple(buf.shape) != expected:
+            raise UnsupportedLayoutError(
+                f"kvdock: {type(pool).__name__} ({self.layout}) buffer of shape {tuple(buf.shape)}, expected {expected}"
+            )
+        self.capacity = int(pool.size)  # host slots (tokens)
+
+    def _buffer_shape(self) -> tuple[int, ...]:
+        L, P, H, D, size = self.num_layers, self.page_size, self.heads, self.head_dim, int(self.pool.size)
+        pages = size // P
+        if self.latent:
+            return {
+                "layer_first": (L, size, 1, D),
+                "page_first": (size, L, 1, D),
+                "page_first_direct": (pages, L, P, 1, D),
+            }[self.layout]
+        return {
+            "layer_first": (2, L, size, H, D),
+            "page_first": (2, size, L, H, D),
+            "page_first_direct": (2, pages, L, P, H, D),
+            "page_head": (2, pages, H, P, L, D),
+        }[self.layout]
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return self.planes * self.num_layers * self.page_size * self.dim * self.dtype.itemsize
+
+    def page(self, index: int) -> torch.Tensor:
+        """The page at host index ``index`` (a multiple of the page size, inside the pool) as a
+        ``[planes, L, page_size, H, head_dim]`` view of the pool's buffer (``H`` 1 for a latent):
+        the chunk :meth:`chunk5` gives of a slot. ValueError otherwise."""
+        P = self.page_size
+        if index % P or not 0 <= index <= self.capacity - P:
+            raise ValueError(f"host index {index} is not the start of a page of the pool (page size {P})")
+        b, pg = self.buffer, index // P
+        if self.latent:
+            if self.layout == "layer_first":
+                v = b[:, index : index + P]  # [L, P, 1, C]
+            elif self.layout == "page_first":
+                v = b[index : index + P].transpose(0, 1)
+            else:
+                v = b[pg]
+            return v.unsqueeze(0)
+        if self.layout == "layer_first":
+            return b[:, :, index : index + P]  # [2, L, P, H, D]
+        if self.layout == "page_first":
+            return b[:, index : index + P].transpose(1, 2)
+        if self.layout == "page_first_direct":
+            return b[:, pg]
+        return b[:, pg].permute(0, 3, 2, 1, 4)  # page_head: [2, H, P, L, D]
+
+    def chunk5(self, chunk: torch.Tensor) -> torch.Tensor:
+        """A contiguous ``[planes, L, page_size, D]`` chunk (a kvdock slot) as ``[planes, L,
+        page_size, H, head_dim]``, the shape of :meth:`page`."""
+        return chunk.view(self.planes, self.num_layers, self.page_size, self.heads, self.head_dim)
+
+    def flat_page(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat data page of this pool (contiguous, ``chunk_nbytes`` bytes, the pool's dtype)
+        as a ``[planes, L, page_size, H, head_dim]`` view, like :meth:`page`. ValueError for
+        anything else."""
+        if (
+            not isinstance(flat, torch.Tensor)
+            or flat.dtype != self.dtype
+            or flat.numel() * flat.element_size() != self.chunk_nbytes
+            or not flat.is_contiguous()
+        ):
+            raise ValueError(f"not a flat data page of this pool ({self.chunk_nbytes} bytes of {self.dtype})")
+        L, P, H, D = self.num_layers, self.page_size, self.heads, self.head_dim
+        if self.latent:
+            if self.layout == "page_first":
+                return flat.view(P, L, 1, D).transpose(0, 1).unsqueeze(0)
+            return flat.view(1, L, P, 1, D)
+        if self.layout == "page_first":
+            return flat.view(2, P, L, H, D).transpose(1, 2)
+        if self.layout == "page_head":
+            return flat.view(2, H, P, L, D).permute(0, 3, 2, 1, 4)
+        return flat.view(2, L, P, H, D)
+
+    def describe(self) -> str:
+        kind = "MLA latent" if self.latent else f"{self.heads} KV heads of {self.head_dim}"
+        return f"{self.layout}, {self.num_layers} layers, {kind}, page {self.page_size}, {self.dtype}"
+
+
+__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "HostPages"]

@@ -1,0 +1,245 @@
+"""kvdock as SGLang's HiCache storage backend, against SGLang 0.5.23's own host pools, storage
+config, factory and page hash: what SGLang stores, the SDK reads by token ids, and what the SDK
+stores, SGLang loads."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
+
+import kvdock.sdk as kvd
+from conftest import DTYPE, HEAD_DIM, HEADS, LAYERS, LAYOUTS, PAGE, host_pool, storage_config
+from kvdock.integrations.sglang import KvdockHiCacheStorage
+from kvdock.keying import key_tokens, sglang_namespace_seed, sglang_page_hashes
+from kvdock.keys import normalize_tokens
+from kvdock.testing import ServerProcess, start_server
+
+Make = Callable[..., KvdockHiCacheStorage]
+
+
+def prompt(n_pages: int, seed: int, tail: int = 5) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return normalize_tokens(rng.integers(0, 50_000, n_pages * PAGE + tail).tolist())
+
+
+def fill(pool: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(pool.kv_buffer.dtype))
+
+
+def pages_kv(b: KvdockHiCacheStorage, idx: torch.Tensor) -> torch.Tensor:
+    """The host pool's pages at ``idx`` (one index per token) as ``[planes, L, T, D]``."""
+    assert b.pages is not None
+    return torch.cat([b.pages.page(int(i)).flatten(3) for i in idx[::PAGE]], dim=2)
+
+
+def extra(prefix: list[str]) -> HiCacheStorageExtraInfo:
+    return HiCacheStorageExtraInfo(prefix_keys=prefix)
+
+
+# -- SGLang's page hash, byte for byte -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("namespace", [(None, None), (None, "alice"), ("lora-7", None), ("", ""), ("k", "ü")])
+def test_page_hashes_are_sglangs_own(namespace: tuple[str | None, str | None]) -> None:
+    seed = storage_namespace_seed(*namespace)
+    assert sglang_namespace_seed(*namespace) == seed
+    tokens = prompt(7, seed=1, tail=3)
+    tokens[5] = 2**32 - 1  # the largest id kvdock takes
+    theirs = get_hash_str(tokens.tolist(), seed, page_size=PAGE)
+    assert sglang_page_hashes(tokens, PAGE, seed) == theirs[:7]  # (SGLang also hashes the partial tail)
+    # chained from the previous page's hash (a call's prefix), too
+    assert sglang_page_hashes(tokens[3 * PAGE :], PAGE, theirs[2]) == theirs[3:7]
+
+
+def test_key_tokens_hold_each_hash_and_refuse_what_is_not_one() -> None:
+    keys = sglang_page_hashes(prompt(2, seed=2), PAGE)
+    kt = key_tokens(keys, PAGE).reshape(2, PAGE)
+    assert kt[:, :8].tobytes() == bytes.fromhex(keys[0]) + bytes.fromhex(keys[1])
+    assert not kt[:, 8:].any()
+    with pytest.raises(ValueError, match="sha256 hex digests"):
+        key_tokens(["abc"], PAGE)
+    with pytest.raises(ValueError, match="at least 8"):
+        key_tokens(keys, 4)
+
+
+# -- SGLang stores, the SDK reads by token ids, and back ------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_sglang_stores_the_sdk_reads_edits_and_sglang_loads_the_edit(
+    sgl_server: ServerProcess, backend: Make, layout: str, mla: bool
+) -> None:
+    name = f"sgl-{'mla' if mla else 'mha'}-{layout}"
+    pool = host_pool(mla, layout)
+    b = backend(storage_config(sgl_server, mla=mla, **{"kvdock.model_name": name}), pool)
+    fill(pool, seed=3)
+    tokens = prompt(4, seed=4)
+    keys = sglang_page_hashes(tokens, PAGE)
+    idx = pool.alloc(4 * PAGE)
+    # two calls, the second chained after the first's pages (SGLang's prefix_keys)
+    assert b.batch_set_v1(keys[:1], idx[:PAGE], extra([])) == [True]
+    assert b.batch_set_v1(keys[1:], idx[PAGE:], extra(keys[:1])) == [True] * 3
+
+    with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
+        assert ctx.layout.engine.name == "sglang"
+        kv = kvd.retrieve(ctx, tokens)
+        assert kv is not None and kv.dtype == DTYPE
+        assert kv.shape == ((1, LAYERS, 4 * PAGE, 80) if mla else (2, LAYERS, 4 * PAGE, HEADS * HEAD_DIM))
+        assert torch.equal(kv, pages_kv(b, idx))
+        assert kvd.lookup(ctx, tokens[: 3 * PAGE + 1]) == 3 * PAGE
+
+        # the remap: the edited KV stored under other tokens...
+        edited = kv.clone()
+        edited[:, :, :PAGE] *= -1
+        other = prompt(4, seed=5)
+        assert kvd.store(ctx, edited, other)
+
+    other_keys = sglang_page_hashes(other, PAGE)
+    # ... is what SGLang finds and loads for them, into other host pages
+    assert b.batch_exists(other_keys, extra([])) == 4
+    dst = pool.alloc(4 * PAGE)
+    assert b.batch_get_v1(other_keys, dst, extra([])) == [True] * 4
+    assert torch.equal(pages_kv(b, dst), edited)
+    # from a prefix on, only the call's pages are copied
+    dst2 = pool.alloc(2 * PAGE)
+    assert b.batch_get_v1(other_keys[2:], dst2, extra(other_keys[:2])) == [True, True]
+    assert torch.equal(pages_kv(b, dst2), edited[:, :, 2 * PAGE :])
+    assert b.stats["pages_loaded"] == 6
+
+
+def test_tensor_parallel_ranks_store_their_heads_as_shards(sgl_server: ServerProcess, backend: Make) -> None:
+    name = "sgl-tp2"
+    ranks = []
+    for r in range(2):
+        pool = host_pool(False, "page_first", heads=HEADS // 2)
+        b = backend(storage_config(sgl_server, tp_rank=r, tp_size=2, **{"kvdock.model_name": name}), pool)
+        fill(pool, seed=10 + r)
+        ranks.append(b)
+    tokens = prompt(3, seed=6)
+    keys = sglang_page_hashes(tokens, PAGE)
+    idx = [b.mem_pool_host.alloc(3 * PAGE) for b in ranks]
+    for b, i in zip(ranks, idx, strict=True):
+        assert b.batch_set_v1(keys, i, extra([])) == [True] * 3
+    with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
+        assert ctx.layout.geometry.world_size == 2 and ctx.shards == 2
+        kv = kvd.retrieve(ctx, tokens)  # the whole model: both ranks' heads
+        assert kv is not None
+        assert torch.equal(kv, torch.cat([pages_kv(b, i) for b, i in zip(ranks, idx, strict=True)], dim=3))
+        other = prompt(3, seed=7)
+        kvd.store(ctx, kv.flip(3), other)  # split into the two shards
+    other_keys = sglang_page_hashes(other, PAGE)
+    for r, b in enumerate(ranks):
+        dst = b.mem_pool_host.alloc(3 * PAGE)
+        assert b.batch_get_v1(other_keys, dst, extra([])) == [True] * 3
+        half = HEADS // 2 * HEAD_DIM
+        assert torch.equal(pages_kv(b, dst), kv.flip(3)[..., r * half : (r + 1) * half])
+
+
+def test_salt_namespaces_are_kept_apart(sgl_server: ServerProcess, backend: Make) -> None:
+    name = "sgl-salts"
+    pool = host_pool(False, "layer_first")
+    b = backend(storage_config(sgl_server, **{"kvdock.model_name": name}), pool)
+    fill(pool, seed=8)
+    tokens = prompt(2, seed=9)
+    alice = sglang_page_hashes(tokens, PAGE, storage_namespace_seed(None, "alice"))
+    idx = pool.alloc(2 * PAGE)
+    assert b.batch_set_v1(alice, idx, extra([])) == [True, True]
+    with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
+        assert kvd.retrieve(ctx, tokens) is None  # no salt: another namespace
+        assert kvd.retrieve(ctx, tokens, cache_salt="bob") is None
+        kv = kvd.retrieve(ctx, tokens, cache_salt="alice")
+        assert kv is not None and torch.equal(kv, pages_kv(b, idx))
+        kvd.store(ctx, kv, tokens, cache_salt="bob")
+    assert b.batch_exists(sglang_page_hashes(tokens, PAGE), extra([])) == 0
+    assert b.batch_exists(sglang_page_hashes(tokens, PAGE, storage_namespace_seed(None, "bob")), extra([])) == 2
+
+
+def test_batch_exists_counts_only_a_consecutive_prefix(sgl_server: ServerProcess, backend: Make) -> None:
+    pool = host_pool(False, "page_first_direct")
+    b = backend(storage_config(sgl_server, **{"kvdock.model_name": "sgl-prefix"}), pool)
+    fill(pool, seed=11)
+    keys = sglang_page_hashes(prompt(4, seed=12), PAGE)
+    idx = pool.alloc(4 * PAGE)
+    assert b.batch_set_v1(keys[:2], idx[: 2 * PAGE], extra([])) == [True, True]
+    assert b.batch_exists(keys, extra([])) == 2
+    assert b.batch_exists(keys[1:], extra(keys[:1])) == 1
+    assert b.batch_exists(keys[2:], extra(keys[:2])) == 0
+    # pages after a hole are never stored (kvdock holds prefixes), and say so
+    assert b.batch_set_v1(keys[3:], idx[3 * PAGE :], extra(keys[:3])) == [False]
+    assert b.stats["set_prefix_missing"] == 1
+    assert b.batch_exists(keys, extra([])) == 2
+    got = b.batch_get_v1(keys, pool.alloc(4 * PAGE), extra([]))
+    assert got == [True, True, False, False]
+
+
+def test_a_dead_server_gives_misses_never_an_exception(
+    backend: Make, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    srv = start_server("--no-disk", chunk_size=PAGE, l1_size="64MiB", log_path=tmp_path / "s.log")
+    pool = host_pool(False, "layer_first")
+    settings = {"kvdock.model_name": "sgl-dead", "kvdock.timeout": 2, "kvdock.retry_s": 0}
+    b = backend(storage_config(srv, **settings), pool)
+    fill(pool, seed=13)
+    keys = sglang_page_hashes(prompt(2, seed=14), PAGE)
+    idx = pool.alloc(2 * PAGE)
+    assert b.batch_set_v1(keys, idx, extra([])) == [True, True]
+    srv.stop()
+    with caplog.at_level(logging.WARNING, logger="kvdock.sglang"):
+        assert b.batch_exists(keys, extra([])) == 0
+        assert b.batch_get_v1(keys, pool.alloc(2 * PAGE), extra([])) == [False, False]
+        assert b.batch_set_v1(keys, idx, extra([])) == [False, False]
+        assert b.get(keys[0], pool.get_dummy_flat_data_page()) is None
+        assert b.set(keys[0], pool.get_data_page(int(idx[0]))) is False
+    failed = sum(v for k, v in b.stats.items() if k.endswith(("_failed", "_unavailable")))
+    assert failed >= 5
+    assert "kvdock" in caplog.text
+
+
+def test_a_chunk_size_other_than_the_page_size_turns_kvdock_off(backend: Make, tmp_path: Any) -> None:
+    srv = start_server("--no-disk", chunk_size=2 * PAGE, l1_size="64MiB", log_path=tmp_path / "s.log")
+    try:
+        pool = host_pool(False, "layer_first")
+        b = backend(storage_config(srv, **{"kvdock.model_name": "sgl-chunk"}), pool)
+        assert "not SGLang's page size" in b.off
+        keys = sglang_page_hashes(prompt(2, seed=15), 2 * PAGE)[:1]
+        assert b.batch_set_v1(keys, pool.alloc(PAGE), extra([])) == [False]
+        assert b.batch_exists(keys, extra([])) == 0
+    finally:
+        srv.stop()
+
+
+def test_the_generic_path_round_trips_each_page(sgl_server: ServerProcess, backend: Make) -> None:
+    for layout in LAYOUTS:
+        pool = host_pool(True, layout)
+        b = backend(storage_config(sgl_server, mla=True, v1=False, **{"kvdock.model_name": f"sgl-gen-{layout}"}), pool)
+        fill(pool, seed=16)
+        keys = sglang_page_hashes(prompt(3, seed=17), PAGE)
+        idx = pool.alloc(3 * PAGE)
+        assert b.batch_set(keys[:2], [pool.get_data_page(int(i)) for i in idx[: 2 * PAGE : PAGE]])
+        assert b.batch_exists(keys) == 2 and b.exists(keys[0]) and not b.exists(keys[2])
+        got = b.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+        assert got[2] is None
+        for j in range(2):
+            assert torch.equal(got[j], pool.get_data_page(int(idx[j * PAGE])))
+
+
+def test_sglangs_factory_builds_the_backend_from_its_extra_config(sgl_server: ServerProcess) -> None:
+    cfg = storage_config(sgl_server, **{"kvdock.model_name": "sgl-factory"})
+    pool = host_pool(False, "page_first")
+    b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    try:
+        assert isinstance(b, KvdockHiCacheStorage) and b.config.interface_v1
+        b.register_mem_pool_host(pool)
+        assert b.off == "" and b._ctx is not None
+    finally:
+        b.close()

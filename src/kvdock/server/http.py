@@ -248,6 +248,9 @@ def make_app(state: ServerState, config: ServerConfig) -> web.Application:
     app[STATE] = state
     app[CONFIG] = config
     app[STARTED] = time.monotonic()
+    tenants = state.tenants
+    if tenants is not None:  # the per-tenant view of /status, at every scrape of /metrics too
+        state.metrics.watch_tenants(lambda: {t.name: tenant_usage(state, t) for t in tenants.all.values()})
     app.router.add_get("/config", _config)
     app.router.add_get("/status", _status)
     app.router.add_get("/healthz", _healthz)

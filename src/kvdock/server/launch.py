@@ -9,6 +9,7 @@ import asyncio
 import functools
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Coroutine
 from typing import Any
 
@@ -39,7 +40,8 @@ log = logging.getLogger("kvdock.server")
 def _serve_one(state: ServerState, control: ControlServer, msg: Incoming, waiting: set[asyncio.Task[None]]) -> None:
     """Handle one request, from the control server's reader callback: reply at once, or in a
     task (``waiting``) when the handler waits for a lower tier or the reply's frames must be
-    tracked until sent."""
+    tracked until sent. Its latency is observed when the reply is handed to the transport."""
+    started = time.perf_counter()
     try:
         if msg.header is None:
             raise ProtocolError("expected frames [seq, header, *payload]")
@@ -68,9 +70,10 @@ def _serve_one(state: ServerState, control: ControlServer, msg: Incoming, waitin
     if isinstance(req, UNANSWERED) and isinstance(out, Reply):
         return
     if isinstance(out, Reply):
+        state.metrics.observe_request(state.registry, req, started)
         _send(state, control, msg, out, waiting, reserved)
         return
-    _spawn(waiting, _reply_later(state, control, msg, req, out, waiting, reserved))
+    _spawn(waiting, _reply_later(state, control, msg, req, out, waiting, reserved, started))
 
 
 def _spawn(waiting: set[asyncio.Task[None]], coro: Coroutine[Any, Any, None]) -> None:
@@ -135,11 +138,13 @@ async def _reply_later(
     pending: Awaitable[Reply],
     waiting: set[asyncio.Task[None]],
     reserved: int,
+    started: float,
 ) -> None:
     try:
         reply = await pending
     except Exception as e:
         reply = _internal_error(state, req, e)
+    state.metrics.observe_request(state.registry, req, started)
     try:
         _send(state, control, msg, reply, waiting, reserved)
     except Exception:

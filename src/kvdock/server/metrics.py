@@ -1,11 +1,39 @@
-"""Prometheus metrics of one server (its own registry, so several servers can live in one process)."""
+"""Prometheus metrics of one server (its own registry, so several servers can live in one process).
+
+Latency histograms (buckets :data:`LATENCY_BUCKETS`, 10 µs to 10 s), all measured on the server:
+
+* ``kvdock_request_duration_seconds{operation, request, transport}``: from a request's arrival to
+  its reply being handed to the transport (a reply that waits for a lower tier included).
+  ``operation`` is ``lookup``, ``retrieve``, ``store`` or ``other`` (:data:`OPERATIONS`), ``request``
+  the message (a retrieve is PrepareRetrieve, then CommitRetrieve), ``transport`` the client's
+  (``shm``, ``inline``; ``none`` before it registered). Fast reads never reach the server and are
+  not in it (``kvdock_fast_reads_total`` counts them).
+* ``kvdock_tier_read_duration_seconds{tier}`` / ``kvdock_tier_write_duration_seconds{tier}``: one
+  read (hit or miss) or write-down of one object by the tier's client, on its thread.
+
+Besides: the standard ``process_*`` and ``python_*`` metrics, and with tenants a per-tenant view
+(``kvdock_tenant_requests_total{tenant, operation}``, ``kvdock_tenant_used_bytes`` /
+``kvdock_tenant_quota_bytes{tenant, tier}``). ``docs/grafana-dashboard.json`` graphs them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import fields
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -15,6 +43,19 @@ from kvdock.storage.coherence import CoherenceCounters
 
 # the *_created series double the output and nobody graphs them
 disable_created_metrics()
+
+LATENCY_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+OPERATIONS = {
+    "Lookup": "lookup",
+    "LookupMany": "lookup",
+    "PrepareRetrieve": "retrieve",
+    "PrepareRetrieveMany": "retrieve",
+    "CommitRetrieve": "retrieve",
+    "PrepareStore": "store",
+    "CommitStore": "store",
+}
 
 
 class Metrics:
@@ -51,6 +92,50 @@ class Metrics:
         )
         self.clients = Gauge("kvdock_clients", "Live client registrations", registry=r)
         self.models = Gauge("kvdock_models", "Registered models", registry=r)
+        self.request_seconds = Histogram(
+            "kvdock_request_duration_seconds",
+            "Seconds from a request's arrival to its reply, on the server, by operation, message and client transport",
+            ["operation", "request", "transport"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "kvdock_tenant_requests", "Requests of a tenant's clients by operation", ["tenant", "operation"], registry=r
+        )
+        self.tier_read_seconds = Histogram(
+            "kvdock_tier_read_duration_seconds",
+            "Seconds one read of one object from the tier took (hit or miss)",
+            ["tier"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tier_write_seconds = Histogram(
+            "kvdock_tier_write_duration_seconds",
+            "Seconds one write-down of one object to the tier took",
+            ["tier"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        # the standard process_* (CPU, memory, file descriptors) and python_* (GC, version) metrics
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)
+        self._tenants_watched = False
+
+    def observe_request(self, registry: Registry, req: object, started: float) -> None:
+        """Record one answered request that arrived at ``started`` (time.perf_counter)."""
+        name = type(req).__name__
+        operation = OPERATIONS.get(name, "other")
+        client = registry.clients.get(getattr(req, "client_id", None) or "")
+        transport = client.transport if client is not None else "none"
+        self.request_seconds.labels(operation, name, transport).observe(time.perf_counter() - started)
+        if client is not None and client.tenant is not None:
+            self.tenant_requests.labels(client.tenant.name, operation).inc()
+
+    def watch_tenants(self, usage: Callable[[], dict[str, dict[str, dict[str, int]]]]) -> None:
+        """Export ``usage()`` (tenant -> tier -> used_bytes, quota_bytes) at every scrape (once)."""
+        if not self._tenants_watched:
+            self._tenants_watched = True
+            self.registry.register(_TenantCollector(usage))
 
     def watch_registry(self, registry: Registry) -> None:
         """Export the number of live clients and registered models at every scrape."""
@@ -58,8 +143,14 @@ class Metrics:
         self.models.set_function(lambda: len(registry.models))
 
     def watch_tiers(self, manager: StorageManager) -> None:
-        """Export the lower tiers' counters and usage at every scrape."""
+        """Export the lower tiers' counters and usage at every scrape, and time each tier's reads
+        and writes: the tier objects' ``read_into`` and ``write_from`` are wrapped (on the
+        instance) in a timer that observes the tier's histograms."""
         self.registry.register(_TierCollector(manager))
+        for lane in manager.lanes:
+            tier = lane.tier
+            setattr(tier, "read_into", _timed(tier.read_into, self.tier_read_seconds.labels(lane.name)))  # noqa: B010
+            setattr(tier, "write_from", _timed(tier.write_from, self.tier_write_seconds.labels(lane.name)))  # noqa: B010
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -146,3 +237,30 @@ class _TierCollector(Collector):
                 fam = CounterMetricFamily(f"kvdock_coherence_{f.name}", _COHERENCE_HELP[f.name])
                 fam.add_metric([], getattr(coherence.counters, f.name))
                 yield fam
+
+
+def _timed(fn: Callable[..., Any], histogram: Any) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            histogram.observe(time.perf_counter() - t0)
+
+    return timed
+
+
+class _TenantCollector(Collector):
+    def __init__(self, usage: Callable[[], dict[str, dict[str, dict[str, int]]]]) -> None:
+        self.usage = usage
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["tenant", "tier"]
+        used = GaugeMetricFamily("kvdock_tenant_used_bytes", "Bytes a tenant holds in a tier", labels=labels)
+        quota = GaugeMetricFamily("kvdock_tenant_quota_bytes", "A tenant's byte quota in a tier", labels=labels)
+        for tenant, tiers in self.usage().items():
+            for tier, doc in tiers.items():
+                used.add_metric([tenant, tier], doc["used_bytes"])
+                quota.add_metric([tenant, tier], doc["quota_bytes"])
+        yield used
+        yield quota

@@ -187,7 +187,7 @@ def test_payload_frames_come_zero_copy_and_stay_alive(peer: ScriptedServer) -> N
 
     t = threading.Thread(target=answer)
     t.start()
-    resp = client.call(lookup(1))
+    resp = client.call(m.PrepareRetrieve("c1", "s", b""))  # (the request RetrievePrepared answers)
     t.join()
     client.close()  # the frames belong to the response, not to the socket
     # views of zmq's own frames, not copies

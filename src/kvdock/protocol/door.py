@@ -4,8 +4,6 @@ per connection, msgpack; the reply that grants the pool carries its descriptors 
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from kvdock.protocol.codec import decode_with
@@ -28,17 +26,15 @@ class PoolOpened(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=Tr
 
 DoorReply = PoolOpened | Error
 
-_request: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(OpenPool)
-_reply: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(DoorReply)
+_request: msgspec.msgpack.Decoder[OpenPool] = msgspec.msgpack.Decoder(OpenPool)
+_reply: msgspec.msgpack.Decoder[DoorReply] = msgspec.msgpack.Decoder(DoorReply)
 
 
 def decode_open(data: bytes | memoryview) -> OpenPool:
     """ProtocolError for anything but an OpenPool."""
-    req: OpenPool = decode_with(_request, data, "pool door request")
-    return req
+    return decode_with(_request, data, "pool door request")
 
 
 def decode_door_reply(data: bytes | memoryview) -> PoolOpened | Error:
     """ProtocolError for anything but a PoolOpened or an Error."""
-    reply: PoolOpened | Error = decode_with(_reply, data, "pool door reply")
-    return reply
+    return decode_with(_reply, data, "pool door reply")

@@ -14,9 +14,8 @@ The event loop only (as every handler).
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvdock.errors import RequestError
+from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
 from kvdock.server.registry import ClientEntry
 from kvdock.server.state import ServerState
@@ -62,7 +61,7 @@ def check_registrant(state: ServerState, tenant: Tenant | None, model: str) -> N
         )
 
 
-def salts_of(req: Any) -> list[str]:
+def salts_of(req: m.Request) -> list[str]:
     """The ``cache_salt`` namespaces a request names (none for ops on sessions it opened)."""
     salt = getattr(req, "cache_salt", None)
     if salt is not None:
@@ -70,7 +69,7 @@ def salts_of(req: Any) -> list[str]:
     return list(getattr(req, "cache_salts", None) or [])
 
 
-def check(state: ServerState, req: Any, key: bytes) -> ClientEntry | None:
+def check(state: ServerState, req: m.Request, key: bytes) -> ClientEntry | None:
     """Check a request that names a registered client (returned; None when it names none, for
     the handler to refuse): raises UNKNOWN_CLIENT for a client id used with another CURVE key,
     UNAUTHORIZED for a salt that is not its tenant's."""

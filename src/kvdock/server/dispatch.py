@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kvdock.errors import RequestError
 from kvdock.protocol import messages as m
+from kvdock.protocol.codes import wire_code
 from kvdock.server import access
 from kvdock.server import batch as b
 from kvdock.server import fastreads as fr
@@ -19,54 +20,87 @@ from kvdock.server import storing as st
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
 from kvdock.storage.coherence import until_vouched
 
-Handler = Callable[[ServerState, Any, Payload], Outcome]
+Q = TypeVar("Q", bound=m.RequestBase[Any])
+H = TypeVar("H", bound=Callable[..., Outcome])
+
+
+class Handlers(Generic[H]):
+    """A handler table keyed by request type. :meth:`add` takes a handler only together with the
+    request type its request parameter names (mypy checks it: ``add(m.Lookup, h.ping)`` does not
+    type-check), each type once; :meth:`of` finds a request's handler (None: not in this table)."""
+
+    def __init__(self) -> None:
+        self._table: dict[type, H] = {}
+
+    def _put(self, req_type: type, handler: H) -> None:
+        assert req_type not in self._table, f"two handlers of {req_type.__name__}"
+        self._table[req_type] = handler
+
+    def of(self, req: m.RequestBase[Any]) -> H | None:
+        return self._table.get(type(req))
+
+    def types(self) -> set[type]:
+        return set(self._table)
+
+
+class ClientHandlers(Handlers[Callable[[ServerState, Any, Payload], Outcome]]):
+    def add(self, req_type: type[Q], handler: Callable[[ServerState, Q, Payload], Outcome]) -> None:
+        self._put(req_type, handler)
+
+
+class IdentifiedHandlers(Handlers[Callable[[ServerState, Any, Payload, bytes], Outcome]]):
+    """Handlers that also get the CURVE key the request came with."""
+
+    def add(self, req_type: type[Q], handler: Callable[[ServerState, Q, Payload, bytes], Outcome]) -> None:
+        self._put(req_type, handler)
+
 
 # the ops whose caller is not a registered client: they learn who it is from the CURVE key the
 # request came with (b"": none, or the local socket) and the token it carries
-IDENTIFIED: dict[type, Callable[[ServerState, Any, Payload, bytes], Outcome]] = {
-    m.RegisterModel: h.register_model,
-    m.RegisterClient: h.register_client,
-    m.Describe: h.describe,
-}
+IDENTIFIED = IdentifiedHandlers()
+IDENTIFIED.add(m.RegisterModel, h.register_model)
+IDENTIFIED.add(m.RegisterClient, h.register_client)
+IDENTIFIED.add(m.Describe, h.describe)
 
 # Every client's table: a request of a whole-model client of a model stored in several shards
 # (ClientEntry.sharded) is run once per shard by the same handlers (server.shards); the ops with
 # per-shard state such a client could not tell apart are refused for it (sh.one_shard)
-HANDLERS: dict[type, Handler] = {
-    m.Ping: h.ping,
-    m.Lookup: lk.lookup,
-    m.QueryPrefetchStatus: sh.one_shard("prefetch status", lk.query_prefetch_status),
-    m.WaitPrefetch: sh.one_shard("prefetch status", lk.wait_prefetch),
-    m.PrepareStore: st.prepare_store,
-    m.CommitStore: st.commit_store,
-    m.PrepareRetrieve: r.prepare_retrieve,
-    m.CommitRetrieve: r.commit_retrieve,
-    m.FastReads: fr.fast_reads,
-    m.LookupMany: sh.one_shard("a batch lookup", b.lookup_many),
-    m.PrepareRetrieveMany: sh.one_shard("a batch retrieve", b.prepare_retrieve_many),
-    m.Locate: sh.one_shard("locating chunks", lk.locate),
-    m.EndSession: st.end_session,
-    m.RenewSessions: sh.one_shard("a zero-copy view", h.renew_sessions),
-    m.CheckIntegrity: h.check_integrity,
-    m.CloseClient: h.close_client,
-}
+HANDLERS = ClientHandlers()
+HANDLERS.add(m.Ping, h.ping)
+HANDLERS.add(m.Lookup, lk.lookup)
+HANDLERS.add(m.QueryPrefetchStatus, sh.one_shard("prefetch status", lk.query_prefetch_status))
+HANDLERS.add(m.WaitPrefetch, sh.one_shard("prefetch status", lk.wait_prefetch))
+HANDLERS.add(m.PrepareStore, st.prepare_store)
+HANDLERS.add(m.CommitStore, st.commit_store)
+HANDLERS.add(m.PrepareRetrieve, r.prepare_retrieve)
+HANDLERS.add(m.CommitRetrieve, r.commit_retrieve)
+HANDLERS.add(m.FastReads, fr.fast_reads)
+HANDLERS.add(m.LookupMany, sh.one_shard("a batch lookup", b.lookup_many))
+HANDLERS.add(m.PrepareRetrieveMany, sh.one_shard("a batch retrieve", b.prepare_retrieve_many))
+HANDLERS.add(m.Locate, sh.one_shard("locating chunks", lk.locate))
+HANDLERS.add(m.EndSession, st.end_session)
+HANDLERS.add(m.RenewSessions, sh.one_shard("a zero-copy view", h.renew_sessions))
+HANDLERS.add(m.CheckIntegrity, h.check_integrity)
+HANDLERS.add(m.CloseClient, h.close_client)
 
 
-def handle(state: ServerState, req: Any, payload: Payload, key: bytes = b"") -> Outcome:
+def handle(state: ServerState, req: m.Request, payload: Payload, key: bytes = b"") -> Outcome:
     """Run the handler of ``req``, which came with CURVE key ``key`` (b"": none), after the
     access checks (server.access); expected failures become an Error reply. Ops that wait for a
     lower tier return an awaitable (the caller must not block the loop on it)."""
     state.metrics.requests.labels(type(req).__name__).inc()
     try:
-        identified = IDENTIFIED.get(type(req))
+        identified = IDENTIFIED.of(req)
         if identified is not None:
             out = identified(state, req, payload, key)
         else:
             access.check(state, req, key)
+            handler = HANDLERS.of(req)
+            assert handler is not None, f"no handler of {type(req).__name__}"  # every Request has one
             if type(req) in READS and not state.manager.vouched():
-                out = _when_vouched(state, HANDLERS[type(req)], req, payload)
+                out = _when_vouched(state, handler, req, payload)
             else:
-                out = HANDLERS[type(req)](state, req, payload)
+                out = handler(state, req, payload)
     except EXPECTED as e:
         return error_reply(state, e)
     if inspect.isawaitable(out):
@@ -80,7 +114,9 @@ READS = {m.Lookup, m.PrepareRetrieve, m.LookupMany, m.PrepareRetrieveMany}
 VOUCH_WAIT_BOUNDS = 10  # how long they wait, in coherence bounds
 
 
-async def _when_vouched(state: ServerState, handler: Handler, req: Any, payload: Payload) -> Reply:
+async def _when_vouched(
+    state: ServerState, handler: Callable[[ServerState, Any, Payload], Outcome], req: m.Request, payload: Payload
+) -> Reply:
     coherence = state.manager.coherence
     if coherence is not None:
         await until_vouched(coherence, VOUCH_WAIT_BOUNDS * coherence.bound_s)
@@ -99,5 +135,6 @@ EXPECTED = (RequestError,)
 
 
 def error_reply(state: ServerState, e: RequestError) -> Reply:
-    state.metrics.errors.labels(e.code).inc()
-    return Reply(m.Error(e.code, str(e)))
+    code = wire_code(e)
+    state.metrics.errors.labels(code.value).inc()
+    return Reply(m.Error(code.value, str(e)))

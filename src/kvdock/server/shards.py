@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Protocol, TypeVar
 
 from kvdock.errors import RequestError, SessionError
 from kvdock.keys import ObjectKey
@@ -140,15 +140,24 @@ def refusal(what: str) -> str:
     )
 
 
-Handler = Callable[[ServerState, Any, Payload], Outcome]
+class ClientRequest(Protocol):
+    """A request that names a registered client."""
+
+    @property
+    def client_id(self) -> str: ...
 
 
-def one_shard(what: str, handler: Handler) -> Handler:
+C = TypeVar("C", bound=ClientRequest)
+
+
+def one_shard(
+    what: str, handler: Callable[[ServerState, C, Payload], Outcome]
+) -> Callable[[ServerState, C, Payload], Outcome]:
     """``handler``, refused (after the client's lease is renewed) for a client whose requests
     cover several shards."""
 
     @functools.wraps(handler)
-    def checked(state: ServerState, req: Any, payload: Payload) -> Outcome:
+    def checked(state: ServerState, req: C, payload: Payload) -> Outcome:
         client = state.registry.clients.get(req.client_id)
         if client is not None and client.sharded:
             client_of(state, req.client_id)

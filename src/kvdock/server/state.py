@@ -9,9 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from kvdock import faults
+from kvdock.protocol.messages import ReplyBase
 from kvdock.server.events import ChunkEvents
 from kvdock.server.metrics import Metrics
 from kvdock.server.pools import Tickets
@@ -32,7 +31,7 @@ class Reply:
     memory: slots can be reused as soon as the handler returns). ``pooled``: the frames were
     taken from ``ServerState.reply_buffers`` and go back there once zmq has sent them."""
 
-    message: msgspec.Struct
+    message: ReplyBase  # the op's declared reply type (RequestBase[R]), or Error
     frames: Sequence[Any] = ()
     pooled: bool = False
 

@@ -52,7 +52,7 @@ import torch
 
 import kvdock
 import kvdock.sdk as kvd
-from kvdock.sdk.handshake import TORCH_DTYPES
+from kvdock.sdk._handshake import TORCH_DTYPES
 from kvdock.testing import ServerProcess, free_port, launch_server
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -26,7 +26,7 @@ import torch
 
 import kvdock.sdk as kvd
 from helpers import make_kv, make_tokens
-from kvdock.sdk import transfer
+from kvdock.sdk import _transfer as transfer
 
 
 def pause_once(cls: type, name: str) -> list[int]:

@@ -15,7 +15,7 @@ import torch
 
 import kvdock.sdk as kvd
 from helpers import CHUNK, MODEL, make_kv, make_tokens, start_server
-from kvdock.sdk import connection as connmod
+from kvdock.sdk import _connection as connmod
 
 
 def test_a_shared_memory_client_talks_over_the_local_socket(make_server) -> None:

@@ -14,7 +14,7 @@ from helpers import CHUNK, GEOMETRY, MODEL, free_port, make_kv, make_tokens
 from kvdock.errors import KVCacheSDKError
 from kvdock.layout import KVGeometry
 from kvdock.protocol import messages as m
-from kvdock.sdk.handshake import find_model
+from kvdock.sdk._handshake import find_model
 
 
 def test_unreachable_http_names_the_url() -> None:
@@ -24,15 +24,23 @@ def test_unreachable_http_names_the_url() -> None:
 
 
 def test_connect_needs_no_http(server) -> None:
-    """The handshake runs over the control plane (Describe): a dead HTTP URL does not matter."""
-    with kvd.connect(server.url, f"http://127.0.0.1:{free_port()}", MODEL, timeout=5) as ctx:
-        assert ctx.chunk_size == server.get("/config")["chunk_size"]
+    """The handshake runs over the control plane (Describe): http_url may be left out (None).
+    Issue 27: a dead one given is refused (tests/sdk/test_first_call.py)."""
+    with kvd.connect(server.url, None, MODEL, timeout=5) as ctx:
+        assert ctx.chunk_size == server.get("/config")["chunk_size"] and ctx.http_url is None
 
 
 def test_silent_zmq_endpoint_times_out_naming_the_url(server) -> None:
-    dead = f"tcp://127.0.0.1:{free_port()}"
-    with pytest.raises(kvd.ServerUnavailableError, match=f"{dead}.*no reply.*1.0s"):
-        kvd.connect(dead, server.http_url, MODEL, timeout=1.0)
+    """A socket that takes the connection but never answers: the whole timeout, then an error
+    naming it (nothing listening at all fails at once: tests/sdk/test_first_call.py)."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        dead = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(kvd.ServerUnavailableError, match=f"{dead}.*no reply.*1.0s"):
+            kvd.connect(dead, server.http_url, MODEL, timeout=1.0)
 
 
 def test_unknown_model_lists_registered_ones(server) -> None:

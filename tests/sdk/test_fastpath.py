@@ -1,4 +1,4 @@
-"""kvdock.sdk.fastpath: lookups and retrieves answered from the pool directory, against real servers.
+"""kvdock.sdk._fastpath: lookups and retrieves answered from the pool directory, against real servers.
 
 What must hold: the same answers and bytes as through the server, never a stale or mixed version
 (overwrites, restarts, concurrent writers in other processes), misses final only where no lower
@@ -25,7 +25,7 @@ import torch
 import kvdock.sdk as kvd
 from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, start_server, wait_written
 from kvdock.protocol import messages as m
-from kvdock.sdk.handshake import watch_creator
+from kvdock.sdk._handshake import watch_creator
 from kvdock.shm import PoolSegment
 from kvdock.transport.client import ControlClient
 
@@ -377,7 +377,7 @@ def test_a_read_redone_with_a_shorter_hit_leaves_no_bytes_in_out_past_it(server,
     """Regression (adversarial test): a fast read whose slots moved during its copy is redone
     through the server; when that finds less, ``out`` past the returned view held the bytes the
     first copy wrote (another object's, under load)."""
-    from kvdock.sdk.transfer import ShmTransfer
+    from kvdock.sdk._transfer import ShmTransfer
 
     tokens = make_tokens(2 * CHUNK, start=9900)
     with kvd.connect(server.url, server.http_url, MODEL) as c:
@@ -436,7 +436,7 @@ def test_a_context_dropped_without_close_is_freed_with_its_reporter(server) -> N
 def test_fast_reads_come_back_after_the_server_drops_the_local_connection(server, monkeypatch) -> None:
     """Review: the watch of the server was made once, at registration: once the server dropped
     that local connection (here for a malformed frame) every read went to it for good."""
-    from kvdock.sdk import connection
+    from kvdock.sdk import _connection as connection
 
     monkeypatch.setattr(connection, "LOCAL_RETRY_S", 0.05)
     tokens = make_tokens(CHUNK, start=9800)
@@ -521,10 +521,9 @@ def test_a_report_never_cuts_the_local_channel_nor_waits_for_a_server_that_does_
 
 def test_replaced_server_watches_are_closed(server, monkeypatch) -> None:
     """Second review: every re-watch kept the old watch's descriptor until the context closed."""
-    from kvdock.sdk import connection
+    from kvdock.sdk import _connection as connection
 
     monkeypatch.setattr(connection, "LOCAL_RETRY_S", 0.05)
-    monkeypatch.setattr("kvdock.sdk.context.REWATCH_S", 0.0)
     tokens = make_tokens(CHUNK, start=9300)
     with kvd.connect(server.url, server.http_url, MODEL) as c:
         assert kvd.store(c, make_kv(CHUNK), tokens)
@@ -546,7 +545,7 @@ def test_replaced_server_watches_are_closed(server, monkeypatch) -> None:
 def test_a_reporter_holds_what_it_cannot_send_and_splits_what_it_sends(monkeypatch) -> None:
     """The reporter's own contract, with a stand-in for the socket (refusing on demand is what a
     real one does only when its server stops reading)."""
-    from kvdock.sdk import fastpath
+    from kvdock.sdk import _fastpath as fastpath
     from kvdock.shm.directory import Found
 
     monkeypatch.setattr(fastpath, "MAX_KEPT", 1500)

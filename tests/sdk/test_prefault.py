@@ -13,7 +13,7 @@ import torch
 
 import kvdock.sdk as kvd
 from helpers import CHUNK, MODEL, make_kv, make_tokens
-from kvdock.sdk.transfer import Prefault
+from kvdock.sdk._transfer import Prefault
 
 
 def _rss_kib(addr: int) -> int:

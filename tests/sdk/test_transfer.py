@@ -13,9 +13,9 @@ import torch
 from helpers import CHUNK, GEOMETRY, make_kv
 from kvdock.errors import KVCacheSDKError
 from kvdock.protocol.messages import SlotRef
+from kvdock.sdk._transfer import ShmTransfer
 from kvdock.sdk.chunks import TensorChunks
 from kvdock.sdk.registration import make_layout
-from kvdock.sdk.transfer import ShmTransfer
 from kvdock.shm.segment import PoolSegment
 from kvdock.shm.slots import ALIGN
 

@@ -517,7 +517,7 @@ def test_a_reregistration_during_a_copy_leaves_no_quarantine_behind(make_server,
     import threading
 
     from kvdock.errors import KVCacheSDKError
-    from kvdock.sdk.transfer import ShmTransfer
+    from kvdock.sdk._transfer import ShmTransfer
 
     srv = make_server("--client-ttl", "1")
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as ctx:

@@ -613,7 +613,7 @@ def test_a_client_refuses_a_server_that_stores_the_model_otherwise_than_its_stat
     another shard. Mocked: Describe answering another layout."""
     import msgspec
 
-    from kvdock.sdk import handshake
+    from kvdock.sdk import _handshake as handshake
 
     srv = make_server(register=None)
     _register(srv)

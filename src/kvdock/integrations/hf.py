@@ -49,7 +49,7 @@ from kvdock.integrations import fingerprint as fp
 from kvdock.keys import normalize_tokens
 from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import EngineInfo
-from kvdock.sdk.handshake import dtype_name
+from kvdock.sdk.engine import dtype_name
 
 KV_FORMAT = hf_codec.KV_FORMAT
 _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})

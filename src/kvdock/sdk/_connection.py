@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import msgspec
 
 from kvdock.errors import ConfigError, InvalidInputError, KVCacheSDKError, PermissionDeniedError, ServerUnavailableError
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import sdk_error
-from kvdock.sdk import validate
+from kvdock.sdk import _validate as validate
 from kvdock.transport.client import ConnectionLost, ControlClient, ControlTimeout, HandshakeRefused, Response
 from kvdock.transport.curve import ClientCurve, resolve_client
 from kvdock.transport.local import PeerWatch
@@ -23,6 +25,9 @@ log = logging.getLogger("kvdock.sdk")
 
 LOCAL_RETRY_S = 5.0  # how long a broken local channel waits before it is tried again
 NOWAIT_LOCAL_S = 0.05  # how long a fire-and-forget message waits for room on the local socket
+PROBE_S = 3.0  # how long connect waits for the control plane's socket to take a connection
+
+R = TypeVar("R")
 
 
 KeyPath = str | os.PathLike[str] | None
@@ -63,6 +68,9 @@ class Connection:
         self._local_url = ""
         self._retry_at = 0.0
         self._closed = False
+        # called (no lock held) each time a new local channel is in use, the first excepted: the
+        # context then watches the server through it (the old channel's watch hung up with it)
+        self.on_local: Callable[[], None] | None = None
 
     @property
     def channel(self) -> str:
@@ -92,6 +100,9 @@ class Connection:
                 self._retry_at = time.monotonic() + LOCAL_RETRY_S
         if old is not None:
             old.close()
+        hook = self.on_local
+        if new is not None and new is self._local and hook is not None:
+            hook()
 
     def _serves(self, local_url: str) -> bool:  # under _lock
         current = self._local
@@ -137,6 +148,12 @@ class Connection:
             raise sdk_error(resp.reply.code, resp.reply.message)
         return resp
 
+    def ask(
+        self, msg: msgspec.Struct, expect: type[R], payload: Sequence[memoryview] = (), timeout: float | None = None
+    ) -> R:
+        """:meth:`call`, typed: the reply, which must be an ``expect`` (KVCacheSDKError otherwise)."""
+        return expect_reply(self.url, msg, self.call(msg, payload, timeout).reply, expect)
+
     def send_nowait(self, msg: msgspec.Struct) -> None:
         """Send without waiting for a reply (best effort): over the local channel when it takes
         the message within NOWAIT_LOCAL_S, else over zmq."""
@@ -161,3 +178,58 @@ class Connection:
         if local is not None:
             local.close()  # what was written stays readable for the server
         self._client.close(linger_s)
+
+
+def open_connection(url: str, timeout: float, server_key: KeyPath = None, client_key: KeyPath = None) -> Connection:
+    """A control-plane connection to ``url``, once something listens there (``probe``)."""
+    conn = Connection(url, timeout, client_curve(server_key, client_key))
+    try:
+        probe(conn.url, conn.timeout)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def expect_reply(url: str, msg: object, reply: object, expect: type[R]) -> R:
+    """``reply`` to ``msg``, if it is an ``expect``; KVCacheSDKError otherwise."""
+    if not isinstance(reply, expect):
+        raise KVCacheSDKError(
+            f"the server at {url} answered {type(msg).__name__} with {type(reply).__name__}, not {expect.__name__}"
+        )
+    return reply
+
+
+def probe(url: str, timeout: float) -> None:
+    """ServerUnavailableError naming ``url`` (a checked ``tcp://`` or ``ipc://`` URL) at once when
+    nothing listens there, or when its socket does not take a connection within
+    ``min(timeout, PROBE_S)``: zmq would wait for a reply the whole timeout (60 s by default)
+    before saying anything. A server that takes the connection gets the whole timeout."""
+    wait = min(timeout, PROBE_S)
+    rest = url.split("://", 1)[1]
+    try:
+        if url.startswith("ipc://"):
+            family, address = socket.AF_UNIX, rest
+            if not os.path.exists(rest):
+                raise FileNotFoundError(f"no socket file {rest}")
+        else:
+            host, _, port = rest.rpartition(":")
+            if ";" in host or host == "*":  # a source address (zmq's 'iface;host'), or a bind-all
+                return
+            family, address = socket.AF_INET, (host.strip("[]"), int(port))  # type: ignore[assignment]
+            if ":" in host:
+                family = socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.settimeout(wait)
+            sock.connect(address)
+    except ConnectionRefusedError:
+        raise ServerUnavailableError(
+            f"nothing listens at {url} (connection refused): is the kvdock server running, with this address "
+            f"(kvdock serve --port)?"
+        ) from None
+    except TimeoutError:
+        raise ServerUnavailableError(
+            f"{url} took no connection within {wait:g}s (a firewall, or a wrong host?)"
+        ) from None
+    except OSError as e:
+        raise ServerUnavailableError(f"cannot reach {url}: {e.strerror or e}") from None

@@ -51,8 +51,9 @@ import numpy as np
 from kvdock.errors import LeaseExpiredError
 from kvdock.keys import TOKEN_DTYPE, chunk_hashes, namespace_digest
 from kvdock.protocol import messages as m
+from kvdock.sdk._retry import DIRECTORY_LOOKS
+from kvdock.sdk._transfer import ShmTransfer, Transfer, layer_slice
 from kvdock.sdk.chunks import ChunkSink
-from kvdock.sdk.transfer import ShmTransfer, Transfer, layer_slice
 from kvdock.shm.directory import DirectoryReader, Found
 
 if TYPE_CHECKING:
@@ -226,13 +227,14 @@ def vouched(ctx: KVCacheContext, t: Transfer, cache_salt: str) -> DirectoryReade
 def _find(ctx: KVCacheContext, t: Transfer, whole: bytes, cache_salt: str) -> Found | None:
     """The directory's answer for the whole chunks ``whole`` (token bytes), if it is final."""
     directory = vouched(ctx, t, cache_salt)
-    if directory is None:
-        ctx.rewatch(t)  # for the next reads, if the server only dropped our local connection
+    if directory is None:  # (a watch that hung up is replaced by the context, not here: _handshake.rewatch)
         return None
     hashes = b"".join(chunk_hashes(np.frombuffer(whole, TOKEN_DTYPE), ctx.chunk_size))
     ns = namespace_digest(ctx.model_name, ctx.shard, cache_salt)
     found = directory.find(ns, hashes, t.chunk_nbytes)
-    if found.ended == "broken":  # an overwrite's commit rewrites a prefix chunk by chunk: look again
+    for _ in range(DIRECTORY_LOOKS - 1):  # an overwrite's commit rewrites a prefix chunk by chunk (_retry)
+        if found.ended != "broken":
+            break
         found = directory.find(ns, hashes, t.chunk_nbytes)
     if found.ended == "all" or (found.ended in ("absent", "broken") and directory.complete):
         return found

@@ -21,8 +21,8 @@ from kvdock.layout import KVGeometry
 from kvdock.protocol import encode
 from kvdock.protocol import messages as m
 from kvdock.protocol.door import OpenPool, PoolOpened, decode_door_reply
-from kvdock.sdk.connection import Connection
-from kvdock.sdk.transfer import InlineTransfer, ShmTransfer, Transfer
+from kvdock.sdk._connection import Connection
+from kvdock.sdk._transfer import InlineTransfer, ShmTransfer, Transfer
 from kvdock.shm import PoolSegment
 from kvdock.shm.segment import proc_start_time
 from kvdock.transport import door
@@ -68,10 +68,12 @@ def find_model(status: dict[str, Any], model_name: str) -> m.ModelLayout:
     return lay
 
 
-@dataclass
+@dataclass(frozen=True)
 class Registration:
-    """What a handshake got: the model's layout, the server's chunk size and limits, this
-    client's id, and the transfer to copy through (of one shard's chunks).
+    """What a handshake got, frozen: the model's layout, the server's chunk size and limits, this
+    client's id, and the transfer to copy through (of one shard's chunks). A context holds one
+    and swaps it for another, whole, when it registers again after a server restart: whoever
+    read it reads one registration's fields, never a mix of two.
 
     ``geometry`` is the KV the context reads and writes: the whole model's (``kv_rank`` None)
     or rank ``kv_rank``'s. Each of its chunks is ``shards`` stored chunks (more than one only
@@ -82,12 +84,47 @@ class Registration:
     chunk_size: int
     client_id: str
     transfer: Transfer
+    geometry: KVGeometry
     max_request_tokens: int = 0  # the server's limit (0: not advertised)
     session_ttl: float = 30.0
     kv_rank: int | None = None
-    geometry: KVGeometry | None = None
     shard: int = 0
     shards: int = 1
+
+    @property
+    def model_name(self) -> str:
+        return self.layout.model_name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.geometry.dtype]
+
+    def accepted(self, msg: object) -> None:
+        """The server answered ``msg`` (an error raised before this): the ``cache_salt``
+        namespaces it names passed its access checks, if it was answered for this registration,
+        whose pool directory may now answer reads of them (``Transfer.accepted``, sdk._fastpath)."""
+        salt = getattr(msg, "cache_salt", None)
+        salts = [salt] if salt is not None else getattr(msg, "cache_salts", None)
+        if salts and self.client_id == getattr(msg, "client_id", None):
+            self.transfer.accept(salts)
+
+
+def refusal(old: Registration, new: Registration, url: str) -> str:
+    """Why ``new`` (after a restart of the server at ``url``) cannot replace ``old``, or ""."""
+    if (new.geometry, new.shards, new.shard, new.chunk_size) != (
+        old.geometry,
+        old.shards,
+        old.shard,
+        old.chunk_size,
+    ) or (new.layout.geometry != old.layout.geometry):
+        return f"the server at {url} restarted with another layout for {old.model_name!r}"
+    mine, theirs = old.layout.fingerprint, new.layout.fingerprint
+    if mine and theirs and mine != theirs:  # the same shapes, another model's KV ("" asserts nothing)
+        return (
+            f"the server at {url} restarted with another model under {old.model_name!r}: fingerprint "
+            f"{theirs} (this context's: {mine})"
+        )
+    return ""
 
 
 def describe(conn: Connection, model_name: str, token: str = "") -> m.Described:
@@ -95,9 +132,9 @@ def describe(conn: Connection, model_name: str, token: str = "") -> m.Described:
     control plane: with tenants, HTTP shows a client without a token nothing). UnknownModelError
     lists the models it may use; KVCacheSDKError for a layout it cannot use."""
     me = os.getpid()
-    desc: m.Described = conn.call(
-        m.Describe(m.PROTOCOL_VERSION, model_name, token, pid=me, pid_start=proc_start_time(me) or 0)
-    ).reply
+    desc = conn.ask(
+        m.Describe(m.PROTOCOL_VERSION, model_name, token, pid=me, pid_start=proc_start_time(me) or 0), m.Described
+    )
     if desc.layout is None:
         known = ", ".join(desc.models) or "none"
         raise UnknownModelError(f"model {model_name!r} is not registered with the server; registered models: {known}")
@@ -110,9 +147,7 @@ def describe(conn: Connection, model_name: str, token: str = "") -> m.Described:
     return desc
 
 
-def register(
-    conn: Connection, http_url: str, model_name: str, kv_rank: int | None = None, token: str = ""
-) -> Registration:
+def register(conn: Connection, model_name: str, kv_rank: int | None = None, token: str = "") -> Registration:
     """The handshake of DESIGN.md section 4 over ``conn`` (used again after a server restart),
     as a client of rank ``kv_rank`` of the model (None: of all of it), of the tenant ``token``
     names (or the CURVE key says). InvalidInputError for a rank the model does not have."""
@@ -130,7 +165,7 @@ def register(
     shards = geo.shards if kv_rank is None else 1
     segment = try_attach(desc.shm_name) if desc.shm_name else open_pool(desc, conn.timeout)
     try:
-        reply = conn.call(
+        reply = conn.ask(
             m.RegisterClient(
                 m.PROTOCOL_VERSION,
                 str(os.getpid()),
@@ -140,8 +175,9 @@ def register(
                 pid=os.getpid(),
                 pid_start=proc_start_time(os.getpid()) or 0,
                 token=token,
-            )
-        ).reply
+            ),
+            m.ClientRegistered,
+        )
         if (
             reply.chunk_size != chunk_size
             or reply.slot_nbytes != geo.chunk_nbytes(chunk_size)
@@ -167,12 +203,12 @@ def register(
         chunk_size,
         reply.client_id,
         transfer,
-        desc.max_request_tokens,
-        desc.session_ttl,
-        kv_rank,
         view,
-        0 if kv_rank is None else geo.shard_of(kv_rank),
-        shards,
+        max_request_tokens=desc.max_request_tokens,
+        session_ttl=desc.session_ttl,
+        kv_rank=kv_rank,
+        shard=0 if kv_rank is None else geo.shard_of(kv_rank),
+        shards=shards,
     )
 
 
@@ -192,6 +228,18 @@ def watch_creator(conn: Connection, segment: PoolSegment) -> PeerWatch | None:
         watch.close()
         return None
     return watch
+
+
+def rewatch(conn: Connection, transfer: Transfer) -> None:
+    """``conn`` has a new local channel (the server dropped the last one, or it was tried again):
+    ``transfer`` watches the server through it from now on, when it leads to the process that
+    made the pool it maps (after a server restart it does not: the next request registers
+    again), so that reads use the pool directory again. Reads never do this: they only look."""
+    if isinstance(transfer, ShmTransfer):
+        watch = watch_creator(conn, transfer.segment)
+        if watch is not None:
+            log.info("watching the server at %s again: reads use its pool directory", conn.url)
+            transfer.rewatch(watch)
 
 
 def open_pool(desc: m.Described, timeout: float) -> PoolSegment | None:

@@ -41,3 +41,28 @@ def server_status(http_url: str, timeout: float = 10.0, token: str = "") -> dict
     """The server's ``GET /status`` document (registered models under ``cache_context_meta``);
     with tenants it needs a token, and a tenant's shows only its models."""
     return get_json(http_url, "/status", timeout, token)
+
+
+CHECK_S = 3.0  # how long connect waits for the HTTP API it was given
+
+
+def check(http_url: str, chunk_size: int | None, timeout: float, token: str = "") -> None:
+    """What connect verifies of the ``http_url`` it was given: that a kvdock server's HTTP API
+    answers there (within ``min(timeout, CHECK_S)``) and, when it shows its ``/config`` (a server
+    with tenants shows it only with a token), that its chunk size is ``chunk_size``: the server
+    the control plane reached (None: not compared). ServerUnavailableError naming ``http_url``
+    otherwise."""
+    hint = "(the server's HTTP API, kvdock serve --http-port; or pass http_url=None: connect does not need it)"
+    try:
+        doc = get_json(http_url, "/config", min(timeout, CHECK_S), token)
+    except PermissionDeniedError:
+        return  # a server with tenants: its HTTP API answers, and shows nothing more without a token
+    except ServerUnavailableError as e:
+        raise ServerUnavailableError(f"http_url {http_url!r} is unusable {hint}: {e}") from None
+    if "chunk_size" not in doc or "protocol_version" not in doc:
+        raise ServerUnavailableError(f"http_url {http_url!r} is not a kvdock server's HTTP API {hint}")
+    if chunk_size is not None and doc["chunk_size"] != chunk_size:
+        raise ServerUnavailableError(
+            f"http_url {http_url!r} is another server's HTTP API {hint}: chunk size {doc['chunk_size']}, "
+            f"not the {chunk_size} of the server that answered at the control-plane url"
+        )

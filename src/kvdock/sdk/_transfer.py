@@ -56,7 +56,7 @@ class Transfer:
         self.chunk_nbytes = geometry.chunk_nbytes(chunk_size)
 
     def directory(self) -> DirectoryReader | None:
-        """The pool directory, when reads may use it now (:mod:`kvdock.sdk.fastpath`)."""
+        """The pool directory, when reads may use it now (:mod:`kvdock.sdk._fastpath`)."""
         return None
 
     def accepted(self, cache_salt: str) -> bool:
@@ -141,7 +141,6 @@ class ShmTransfer(Transfer):
         self.segment = segment
         self._watch = watch
         self._watch_lock = threading.Lock()
-        self.rewatch_at = 0.0  # when a lost watch may be replaced next (KVCacheContext.rewatch)
         self._directory = DirectoryReader(segment) if segment.directory_entries else None
         # the cache_salt namespaces the server accepted in a request of this registration; None:
         # every one (a named pool is a server's without tenants; a tenant's pool is a memfd, shm.pool)
@@ -161,7 +160,7 @@ class ShmTransfer(Transfer):
         the segment still holds our local connection: a directory whose server is gone may show
         what a server started since has overwritten) and vouches for it (before the segment's
         ``valid_until_ns``, CLOCK_MONOTONIC); else None. A fast read asks this before it reads the
-        directory and again after its copy (:func:`kvdock.sdk.fastpath.vouched`)."""
+        directory and again after its copy (:func:`kvdock.sdk._fastpath.vouched`)."""
         d, watch = self._directory, self._watch
         if d is None or watch is None or not d.live or not watch.alive():
             return None

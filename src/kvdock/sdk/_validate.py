@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -19,10 +19,27 @@ from kvdock import layout, memcpy
 from kvdock.config import MAX_SALT_LEN, TOKEN_ENV
 from kvdock.errors import InvalidInputError
 from kvdock.keys import normalize_tokens
+from kvdock.layout import KVGeometry
+from kvdock.protocol import messages as m
 from kvdock.sdk.buffers import default_max_bytes
 
-if TYPE_CHECKING:
-    from kvdock.sdk.context import KVCacheContext
+
+class KVCacheContext(Protocol):
+    """What the checks below read of a context (:class:`kvdock.sdk.KVCacheContext` is one: this
+    module imports no SDK module but the buffer pool's, so that every other may import it)."""
+
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def geometry(self) -> KVGeometry: ...
+    @property
+    def chunk_size(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def shards(self) -> int: ...
+    @property
+    def layout(self) -> m.ModelLayout: ...
 
 MAX_TIMEOUT_S = 24 * 3600.0  # a day; zmq's millisecond timeouts overflow at about 24.8 days
 _ZMQ_SCHEMES = ("tcp://", "ipc://")
@@ -52,15 +69,6 @@ def fast_reads_default() -> bool:
     if raw in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{FAST_READS_ENV}={raw!r}: expected 1 or 0 (on or off)")
-
-
-def context(ctx: object) -> KVCacheContext:
-    """``ctx`` must be what :func:`kvdock.sdk.connect` returned."""
-    from kvdock.sdk.context import KVCacheContext  # context imports this module
-
-    if not isinstance(ctx, KVCacheContext):
-        raise InvalidInputError(f"ctx must be a KVCacheContext from kvdock.sdk.connect(), got {type(ctx).__name__}")
-    return ctx
 
 
 def tokens(value: object) -> np.ndarray:
@@ -150,8 +158,10 @@ def url(value: object) -> str:
     return value
 
 
-def http_url(value: object) -> str:
-    """The server's HTTP address: ``http://HOST:PORT`` (or https)."""
+def http_url(value: object) -> str | None:
+    """The server's HTTP address: ``http://HOST:PORT`` (or https), or None."""
+    if value is None:
+        return None
     expected = "expected 'http://HOST:PORT' (e.g. 'http://127.0.0.1:9000')"
     if not isinstance(value, str):
         raise InvalidInputError(f"http_url must be a str, {expected}; got {type(value).__name__}")

@@ -31,7 +31,8 @@ from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvdock.errors import InvalidInputError, KVCacheSDKError
-from kvdock.sdk import batch, bundle, http, inspection, ops, registration
+from kvdock.sdk import _http as http
+from kvdock.sdk import batch, bundle, inspection, ops, registration
 from kvdock.sdk import context as sync_context
 from kvdock.sdk.context import KVCacheContext
 

@@ -1,7 +1,7 @@
 """lookup_many / retrieve_many: many prompts in one round trip.
 
 Each prompt gets what its single call would give (:func:`~kvdock.sdk.ops.lookup`,
-:func:`~kvdock.sdk.ops.retrieve`); prompts the pool directory answers (:mod:`kvdock.sdk.fastpath`)
+:func:`~kvdock.sdk.ops.retrieve`); prompts the pool directory answers (:mod:`kvdock.sdk._fastpath`)
 are answered there, and the rest share one message to the server and one reply.
 A batch larger than one request may be (``MAX_BATCH`` prompts, or more tokens than the server's
 ``max_request_tokens`` together) is sent as several messages, in order.
@@ -18,9 +18,11 @@ from kvdock.config import MAX_BATCH
 from kvdock.errors import InvalidInputError, KVCacheSDKError, LeaseExpiredError, ServerUnavailableError
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
-from kvdock.sdk import fastpath, validate
-from kvdock.sdk.context import KVCacheContext
-from kvdock.sdk.ops import Landing, retrieve, whole_chunks
+from kvdock.sdk import _fastpath as fastpath
+from kvdock.sdk import _validate as validate
+from kvdock.sdk._requests import Landing, whole_chunks
+from kvdock.sdk.context import KVCacheContext, checked
+from kvdock.sdk.ops import retrieve
 
 INLINE_BATCH_BYTES = 256 << 20  # the most one inline batch reply may carry (the server's cap is 1 GiB)
 
@@ -61,7 +63,7 @@ def lookup_many(ctx: KVCacheContext, prompts: Sequence[object], cache_salt: str 
     """``[lookup(ctx, p, salt) for p in prompts]`` in one round trip: how many leading tokens of
     each prompt are cached (multiples of chunk_size). ``cache_salt``: one for all prompts, or a
     list with one per prompt. InvalidInputError names the first bad prompt."""
-    ctx = validate.context(ctx)
+    ctx = checked(ctx)
     validate.whole_model_only(ctx, "a batch")
     wholes, salts = _requests(ctx, prompts, cache_salt)
     hits = [0] * len(wholes)
@@ -73,7 +75,8 @@ def lookup_many(ctx: KVCacheContext, prompts: Sequence[object], cache_salt: str 
         else:
             hits[i] = hit
     for group in _groups(ctx, wholes, todo):
-        reply = ctx.call(m.LookupMany(ctx.client_id, [wholes[i] for i in group], [salts[i] for i in group])).reply
+        msg = m.LookupMany(ctx.client_id, [wholes[i] for i in group], [salts[i] for i in group])
+        reply = ctx.ask(msg, m.LookupManyResult)
         if len(reply.hit_tokens) != len(group):
             raise KVCacheSDKError(f"malformed reply: {len(reply.hit_tokens)} hits for {len(group)} prompts")
         for i, hit in zip(group, reply.hit_tokens, strict=True):
@@ -93,7 +96,7 @@ def retrieve_many(
     trip: each prompt's longest cached prefix as a new tensor, or None. Prompts sharing a prefix
     share its chunks on the server (each gets its own copy). Raises what retrieve raises; a
     prompt whose copy outlived its lease is retrieved once more on its own."""
-    ctx = validate.context(ctx)
+    ctx = checked(ctx)
     validate.whole_model_only(ctx, "a batch")
     wholes, salts = _requests(ctx, prompts, cache_salt)
     picked = validate.layers(ctx, layers)
@@ -136,19 +139,18 @@ def _retrieve_group(
     toks, group_salts = [wholes[i] for i in group], [salts[i] for i in group]
     msg = m.PrepareRetrieveMany(ctx.client_id, sids, toks, group_salts, wait_s=ctx.timeout / 2, part=part)
     try:
-        resp = ctx.call(msg)
+        prepared, frames = ctx.ask_frames(msg, m.RetrieveManyPrepared)
     except ServerUnavailableError:  # the reply may never come: release whatever it opened
         for sid in sids:
             ctx.end_session(sid)
         raise
     cid = ctx.answered_client_id()
-    rows: list[list[m.SlotRef]] = resp.reply.slots
+    rows: list[list[m.SlotRef]] = prepared.slots
     opened = [sid for sid, row in zip(sids, rows, strict=False) if row]
     expired: list[int] = []
     try:
         if len(rows) != len(group):
             raise KVCacheSDKError(f"malformed reply: {len(rows)} slot lists for {len(group)} prompts")
-        frames = resp.frames
         with ctx.transfer() as t:
             for i, row in zip(group, rows, strict=True):
                 if len(row) <= first:

@@ -39,7 +39,7 @@ from kvdock import __version__
 from kvdock.errors import InvalidInputError
 from kvdock.keys import MAX_TOKEN_ID
 from kvdock.layout import KVGeometry
-from kvdock.sdk import validate
+from kvdock.sdk import _validate as validate
 from kvdock.sdk.context import KVCacheContext
 from kvdock.sdk.ops import StoreResult, retrieve, store_chunks
 

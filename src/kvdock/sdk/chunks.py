@@ -1,7 +1,7 @@
 """The two ends of a transfer: where a store's chunks come from (:class:`ChunkSource`) and where a
 retrieve's go (:class:`ChunkSink`). For the SDK's own calls both are a ``KV_2LTD`` tensor
 (:class:`TensorChunks`); for an engine, its paged KV through a codec, so each chunk moves between
-the engine's pages and a slot in one copy. The transfers (:mod:`kvdock.sdk.transfer`) hand each
+the engine's pages and a slot in one copy. The transfers (:mod:`kvdock.sdk._transfer`) hand each
 end one chunk at a time, or a plain tensor all of its chunks' copies at once
 (:meth:`TensorChunks.add_slots`)."""
 

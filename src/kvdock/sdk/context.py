@@ -1,8 +1,15 @@
 """KVCacheContext: one SDK connection to one server for one model (the handshake that makes it is
-:mod:`kvdock.sdk.handshake`)."""
+:mod:`kvdock.sdk._handshake`).
+
+A context is its connection and one frozen :class:`~kvdock.sdk._handshake.Registration` (the
+layout, chunk size, limits, client id and transfer the server gave it), swapped whole for another
+when the context registers again after a server restart. Its plumbing (the reference-counted
+guard of the transfer, the typed request call, registering again) is for the SDK's own modules;
+what an application reads of it are its properties."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -10,57 +17,27 @@ import uuid
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
+import torch
 
-from kvdock.errors import KVCacheSDKError
-from kvdock.protocol import ErrorCode
+from kvdock.errors import InvalidInputError, KVCacheSDKError
+from kvdock.layout import KVGeometry
 from kvdock.protocol import messages as m
-from kvdock.sdk import validate
-from kvdock.sdk.connection import Connection, KeyPath, client_curve
-from kvdock.sdk.fastpath import Reporter
-from kvdock.sdk.handshake import TORCH_DTYPES as TORCH_DTYPES  # re-exported (moved to handshake)
-from kvdock.sdk.handshake import dtype_name as dtype_name
-from kvdock.sdk.handshake import find_model as find_model
-from kvdock.sdk.handshake import register, watch_creator
-from kvdock.sdk.transfer import ShmTransfer, Transfer
+from kvdock.sdk import _http, _retry
+from kvdock.sdk import _validate as validate
+from kvdock.sdk._connection import Connection, KeyPath, expect_reply, open_connection
+from kvdock.sdk._fastpath import Reporter
+from kvdock.sdk._guard import Held, Holding
+from kvdock.sdk._handshake import Registration, refusal, register, rewatch
+from kvdock.sdk._transfer import Transfer
 from kvdock.transport.client import Response
 
 log = logging.getLogger("kvdock.sdk")
 
-_RESTARTABLE = (m.Lookup, m.PrepareStore, m.PrepareRetrieve, m.LookupMany, m.PrepareRetrieveMany, m.Locate)
 CLOSE_WAIT_S = 10.0  # how long close() waits for copies in progress before it stops waiting
-REWATCH_S = 1.0  # how often a transfer whose server watch hung up tries another
-
-
-class _TransferRef:
-    """The transfer of one registration and how many threads are copying through it. Once
-    retired (by close() or a re-registration) it is closed by whoever sees it unused last."""
-
-    __slots__ = ("client_id", "retired", "transfer", "users")
-
-    def __init__(self, transfer: Transfer, client_id: str) -> None:
-        self.transfer = transfer
-        self.client_id = client_id
-        self.users = 0
-        self.retired = False
-
-
-class _Holding:
-    """``with ctx.transfer() as t``: a class, not a generator (this is on every copy's path)."""
-
-    __slots__ = ("_answered", "_ctx", "_ref")
-
-    def __init__(self, ctx: KVCacheContext, answered: bool) -> None:
-        self._ctx, self._answered = ctx, answered
-
-    def __enter__(self) -> Transfer:
-        self._ref = self._ctx.hold_transfer(self._answered)
-        return self._ref.transfer
-
-    def __exit__(self, *exc: object) -> None:
-        self._ctx.drop_transfer(self._ref)
+R = TypeVar("R")
 
 
 class KVCacheContext:
@@ -73,62 +50,100 @@ class KVCacheContext:
     copying through it has left, so a copy never runs on unmapped memory. A thread that starts a
     copy after close() gets KVCacheSDKError."""
 
-    def __init__(
-        self,
-        url: str,
-        http_url: str,
-        lay: m.ModelLayout,
-        chunk_size: int,
-        conn: Connection,
-        client_id: str,
-        transfer: Transfer,
-    ) -> None:
+    def __init__(self, url: str, http_url: str | None, conn: Connection, reg: Registration, token: str = "") -> None:
         self.url = url
-        self.http_url = http_url
-        self.layout = lay  # as the server registered it (the first registration of the name)
-        self.model_name = lay.model_name
-        self.chunk_size = chunk_size
-        self.geometry = lay.geometry  # the KV this context reads and writes (connect() sets it)
-        self.dtype = TORCH_DTYPES[lay.geometry.dtype]
-        self.client_id = client_id
+        self.http_url = http_url  # None: not given (connect checked it otherwise)
+        self.token = token  # the tenant token it registered with (again after a server restart)
         self.timeout = conn.timeout
-        # checked here so that an oversized request is refused at once, never sent (the server
-        # refuses it too, and drops frames larger than any request)
-        self.max_request_tokens = 0
-        self.kv_rank: int | None = None  # the rank it reads and writes (None: the whole model)
-        self.shard = 0  # the shard whose objects a single-shard context names
-        self.shards = 1  # stored chunks per chunk of ``geometry`` (>1: the whole of a sharded model)
         self._conn = conn
-        self._ref = _TransferRef(transfer, client_id)
+        self._ref = Held(reg)  # the one current registration: swapped whole, under _refs
         self._refs = threading.Condition(threading.Lock())  # guards _ref, its counts, _closed
         self._answered = threading.local()  # .client_id: what this thread's last call was answered as
         self._closed = False
         self._reconnect_lock = threading.Lock()
-        self.session_ttl = 30.0  # the server's lease of a session (from Describe)
-        self.token = ""  # the tenant token it registered with (again after a server restart)
         self._views: set[Any] = set()  # the leases of open zero-copy views (sdk.views)
-        # lookups and retrieves may be answered from the pool directory (sdk.fastpath), and
+        # lookups and retrieves may be answered from the pool directory (sdk._fastpath), and
         # what they read is reported to the server, before any request of this context
         self.fast_reads = validate.fast_reads_default()
-        # (a weak reference: the reporter's thread must not keep an unclosed context alive)
+        # (weak references: the reporter's thread and the connection must not keep an unclosed
+        # context alive)
         me = weakref.ref(self)
         self.reporter = Reporter(conn.send_report, lambda: getattr(me(), "client_id", ""))
+        conn.on_local = lambda: _rewatch(me())
+
+    # what the server registered: one Registration (see _reconnect)
+    @property
+    def registration(self) -> Registration:
+        """The current registration (frozen; replaced whole after a server restart)."""
+        return self._ref.reg
+
+    @property
+    def client_id(self) -> str:  # (the one place it is held: the registration)
+        return self._ref.reg.client_id
+
+    @property
+    def layout(self) -> m.ModelLayout:
+        """The model's layout as the server registered it (the first registration of the name)."""
+        return self._ref.reg.layout
+
+    @property
+    def model_name(self) -> str:
+        return self._ref.reg.layout.model_name
+
+    @property
+    def chunk_size(self) -> int:
+        return self._ref.reg.chunk_size
+
+    @property
+    def geometry(self) -> KVGeometry:
+        """The KV this context reads and writes (the whole model's, or rank ``kv_rank``'s)."""
+        return self._ref.reg.geometry
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._ref.reg.dtype
+
+    @property
+    def kv_rank(self) -> int | None:
+        """The rank it reads and writes (None: the whole model)."""
+        return self._ref.reg.kv_rank
+
+    @property
+    def shard(self) -> int:
+        """The shard whose objects a single-shard context names."""
+        return self._ref.reg.shard
+
+    @property
+    def shards(self) -> int:
+        """Stored chunks per chunk of ``geometry`` (>1: the whole of a sharded model)."""
+        return self._ref.reg.shards
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The server's limit of tokens per request (0: not advertised): checked here so that an
+        oversized request is refused at once, never sent."""
+        return self._ref.reg.max_request_tokens
+
+    @property
+    def session_ttl(self) -> float:
+        """The server's lease of a session."""
+        return self._ref.reg.session_ttl
 
     @property
     def transport(self) -> str:
         """``"shm"`` or ``"inline"``: what the server granted this client."""
-        return self._ref.transfer.name  # type: ignore[attr-defined, no-any-return]
+        return self._ref.reg.transfer.name  # type: ignore[attr-defined, no-any-return]
 
     @property
     def _transfer(self) -> Transfer:
         """The current transfer, unguarded (for tests that poke at slots); copies use transfer()."""
-        return self._ref.transfer
+        return self._ref.reg.transfer
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def transfer(self, answered: bool = True) -> _Holding:
+    def transfer(self, answered: bool = True) -> Holding:
         """``with ctx.transfer() as t:`` — the transfer to copy through, kept mapped until the
         block ends even if another thread closes the context or registers again meanwhile.
 
@@ -136,9 +151,9 @@ class KVCacheContext:
         server's last answer to this thread) if this thread's last request was answered for an
         older registration than the current one (the server restarted in between, so the slots
         it handed out are not in the pool now mapped)."""
-        return _Holding(self, answered)
+        return Holding(self, answered)
 
-    def hold_transfer(self, answered: bool = True) -> _TransferRef:
+    def hold_transfer(self, answered: bool = True) -> Held:
         """What :meth:`transfer` does on entry, for a holder that outlives a ``with`` block (a
         zero-copy view): pair it with :meth:`drop_transfer`. Never from a finalizer (it locks)."""
         with self._refs:
@@ -146,14 +161,14 @@ class KVCacheContext:
                 raise KVCacheSDKError("this KVCacheContext is closed")
             ref = self._ref
             last = getattr(self._answered, "client_id", None) if answered else None
-            if last is not None and last != ref.client_id:
+            if last is not None and last != ref.reg.client_id:
                 raise KVCacheSDKError(
                     f"the server at {self.url} restarted during this transfer (nothing was copied); retry"
                 )
             ref.users += 1
             return ref
 
-    def drop_transfer(self, ref: _TransferRef) -> None:
+    def drop_transfer(self, ref: Held) -> None:
         with self._refs:
             ref.users -= 1
             last = ref.retired and ref.users == 0
@@ -161,8 +176,8 @@ class KVCacheContext:
         if last:
             ref.transfer.close()
 
-    def _retire(self, new: _TransferRef | None) -> None:
-        """Swap the current transfer for ``new`` (under _refs); close the old one if unused."""
+    def _retire(self, new: Held | None) -> None:
+        """Swap the current registration for ``new`` (under _refs); close the old one's transfer if unused."""
         old = self._ref
         if new is not None:
             self._ref = new
@@ -185,7 +200,7 @@ class KVCacheContext:
         try:
             resp = self._conn.call(msg, payload, timeout)
         except KVCacheSDKError as e:
-            if e.code != ErrorCode.UNKNOWN_CLIENT or not isinstance(msg, _RESTARTABLE):
+            if not _retry.registers_again(msg, e):
                 raise
             resp = None
         if resp is None:
@@ -195,66 +210,39 @@ class KVCacheContext:
             msg = msgspec.structs.replace(msg, client_id=self.client_id)
             resp = self._conn.call(msg, payload, timeout)
         self._answered.client_id = getattr(msg, "client_id", None)
-        self._accepted(msg)
+        self._ref.reg.accepted(msg)
         return resp
 
-    def _accepted(self, msg: msgspec.Struct) -> None:
-        """The server answered ``msg`` (an error raised before this): the ``cache_salt``
-        namespaces it names passed its access checks for the registration it was answered for,
-        whose pool directory may now answer reads of them (``Transfer.accepted``, sdk.fastpath)."""
-        salt = getattr(msg, "cache_salt", None)
-        salts = [salt] if salt is not None else getattr(msg, "cache_salts", None)
-        ref = self._ref
-        if salts and ref.client_id == getattr(msg, "client_id", None):
-            ref.transfer.accept(salts)
+    def ask(
+        self, msg: msgspec.Struct, expect: type[R], payload: Sequence[memoryview] = (), timeout: float | None = None
+    ) -> R:
+        """:meth:`call`, typed: the reply, which must be an ``expect`` (KVCacheSDKError otherwise)."""
+        return expect_reply(self.url, msg, self.call(msg, payload, timeout).reply, expect)
+
+    def ask_frames(
+        self, msg: msgspec.Struct, expect: type[R], timeout: float | None = None
+    ) -> tuple[R, list[memoryview]]:
+        """:meth:`ask`, with the payload frames that came with the reply (an inline read's bytes)."""
+        resp = self.call(msg, (), timeout)
+        return expect_reply(self.url, msg, resp.reply, expect), resp.frames
 
     def _reconnect(self) -> None:
-        reg = register(self._conn, self.http_url, self.model_name, self.kv_rank, self.token)
-        if (reg.geometry, reg.shards, reg.shard, reg.chunk_size) != (
-            self.geometry,
-            self.shards,
-            self.shard,
-            self.chunk_size,
-        ) or reg.layout.geometry != self.layout.geometry:
-            reg.transfer.close()
-            self._conn.send_nowait(m.CloseClient(reg.client_id))  # the server registered it already
-            raise KVCacheSDKError(f"the server at {self.url} restarted with another layout for {self.model_name!r}")
-        mine, theirs = self.layout.fingerprint, reg.layout.fingerprint
-        if mine and theirs and mine != theirs:  # the same shapes, another model's KV ("" asserts nothing)
-            reg.transfer.close()
-            self._conn.send_nowait(m.CloseClient(reg.client_id))
-            raise KVCacheSDKError(
-                f"the server at {self.url} restarted with another model under {self.model_name!r}: fingerprint "
-                f"{theirs} (this context's: {mine})"
-            )
+        """Register again (the server restarted): the new registration replaces the current one
+        whole, if it is of the same layout and model (KVCacheSDKError otherwise)."""
+        old = self._ref.reg
+        reg = register(self._conn, old.model_name, old.kv_rank, self.token)
+        refused = refusal(old, reg, self.url)
+        # the layout stays the first registration's (what the context's KV was checked against)
+        reg = dataclasses.replace(reg, layout=old.layout)
         with self._refs:
             closed = self._closed
-            if not closed:
-                self._retire(_TransferRef(reg.transfer, reg.client_id))
-                self.client_id = reg.client_id
-        if closed:  # close() ran meanwhile: this registration is not wanted
+            if not closed and not refused:
+                self._retire(Held(reg))
+        if closed or refused:  # not wanted: close() ran meanwhile, or another model is there now
             reg.transfer.close()
-            self._conn.send_nowait(m.CloseClient(reg.client_id))
-            raise KVCacheSDKError("this KVCacheContext is closed")
+            self._conn.send_nowait(m.CloseClient(reg.client_id))  # the server registered it already
+            raise KVCacheSDKError(refused or "this KVCacheContext is closed")
         log.info("server %s restarted; registered again", self.url)
-        self.max_request_tokens = reg.max_request_tokens
-        self.session_ttl = reg.session_ttl
-
-    def rewatch(self, transfer: Transfer) -> None:
-        """If ``transfer`` lost its watch of the server (the local connection it watched hung up)
-        while this registration stands, watch the server again through the connection's current
-        local channel, when that leads to the process that made the pool (after a server
-        restart it does not: the next request registers again). At most every REWATCH_S."""
-        if not isinstance(transfer, ShmTransfer) or not transfer.watch_lost:
-            return
-        now = time.monotonic()
-        if now < transfer.rewatch_at:
-            return
-        transfer.rewatch_at = now + REWATCH_S
-        watch = watch_creator(self._conn, transfer.segment)
-        if watch is not None:
-            log.info("watching the server at %s again: reads use its pool directory", self.url)
-            transfer.rewatch(watch)
 
     def notify(self, msg: msgspec.Struct) -> None:
         """Send a message whose reply nobody waits for (dropped on arrival); no-op once closed."""
@@ -311,7 +299,7 @@ class KVCacheContext:
         self.reporter.close()
         # only now: the server must not release a copy's pins while it runs; with no copy left,
         # it may free (not quarantine) the reservations of stores that will now never copy
-        self._conn.send_nowait(m.CloseClient(self.client_id, idle=not copying))
+        self._conn.send_nowait(m.CloseClient(self._ref.reg.client_id, idle=not copying))
         self._conn.close(linger_s=0.5)  # long enough for CloseClient to leave
 
     def __enter__(self) -> KVCacheContext:
@@ -329,7 +317,7 @@ class KVCacheContext:
 
 def connect(
     url: str,
-    http_url: str,
+    http_url: str | None,
     model_name: str,
     timeout: float = 60.0,
     *,
@@ -340,8 +328,20 @@ def connect(
 ) -> KVCacheContext:
     """Connect to a server for ``model_name`` (which must be registered there).
 
-    Reads /config and /status, decodes the model's geometry, maps the shared-memory pool when it
-    can and registers as a client. ``kv_rank`` None (the default) reads and writes the whole
+    The handshake runs over the control plane at ``url`` (``tcp://HOST:PORT`` or ``ipc://PATH``):
+    it asks the server to describe itself and the model, maps the shared-memory pool when it can
+    and registers as a client. When nothing listens at ``url`` it fails at once
+    (ServerUnavailableError; so does a socket that takes no connection within 3 s); ``timeout``
+    is how long a server that answers may take (for every later request too).
+
+    ``http_url`` (``http://HOST:PORT``, the server's HTTP API: ``/config``, ``/status``,
+    ``/metrics``) is not needed to connect: pass None to leave it out. When given, connect checks
+    that a kvdock server's HTTP API answers there with the chunk size of the server ``url``
+    reached (ServerUnavailableError naming it otherwise; a server with tenants shows its
+    ``/config`` only with a token, and is then only checked to answer), and keeps it as
+    ``ctx.http_url``.
+
+    ``kv_rank`` None (the default) reads and writes the whole
     model's KV, ``[2, L, T, num_kv_heads_total * head_dim]`` (``[1, L, T, latent]`` for an MLA
     model, ``KV_1LTD``), whatever the tensor parallelism of the engines that wrote it: for a model
     stored in several shards, each chunk is assembled from (and split into) every shard, and
@@ -358,27 +358,45 @@ def connect(
     PermissionDeniedError when the server refuses this client's key, InvalidInputError for
     unusable arguments."""
     validate.url(url)
-    validate.http_url(http_url)
+    http = validate.http_url(http_url)
     validate.model_name(model_name)
     validate.environment()
     rank = validate.kv_rank(kv_rank)
     tok = validate.token(token)
-    conn = Connection(url, timeout, client_curve(server_key, client_key))
+    conn = open_connection(url, timeout, server_key, client_key)
     try:
-        reg = register(conn, http_url, model_name, rank, tok)
+        reg = register(conn, model_name, rank, tok)
     except BaseException:
         conn.close()
         raise
-    ctx = KVCacheContext(url, http_url, reg.layout, reg.chunk_size, conn, reg.client_id, reg.transfer)
-    ctx.max_request_tokens = reg.max_request_tokens
-    ctx.session_ttl = reg.session_ttl
-    ctx.token = tok
-    ctx.kv_rank, ctx.shard, ctx.shards = reg.kv_rank, reg.shard, reg.shards
-    if reg.geometry is not None:
-        ctx.geometry = reg.geometry
+    ctx = KVCacheContext(url, http, conn, reg, tok)
+    if http is not None:
+        try:
+            _http.check(http, reg.chunk_size, conn.timeout, tok)
+        except BaseException:
+            ctx.close()
+            raise
+    return ctx
+
+
+def checked(ctx: object) -> KVCacheContext:
+    """``ctx`` must be what :func:`connect` returned (InvalidInputError otherwise)."""
+    if not isinstance(ctx, KVCacheContext):
+        raise InvalidInputError(f"ctx must be a KVCacheContext from kvdock.sdk.connect(), got {type(ctx).__name__}")
     return ctx
 
 
 def close(ctx: KVCacheContext) -> None:
     """Close ``ctx`` (unmap the pool, close sockets). Harmless to call twice."""
-    validate.context(ctx).close()
+    checked(ctx).close()
+
+
+def _rewatch(ctx: KVCacheContext | None) -> None:
+    """The connection has a new local channel: watch the server through it (``rewatch``)."""
+    if ctx is None:
+        return
+    try:
+        with ctx.transfer(answered=False) as t:
+            rewatch(ctx._conn, t)
+    except KVCacheSDKError:
+        pass  # closed meanwhile

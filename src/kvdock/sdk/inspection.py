@@ -19,10 +19,11 @@ import torch
 
 from kvdock.errors import InvalidInputError, KVCacheSDKError
 from kvdock.protocol import messages as m
-from kvdock.sdk import validate
+from kvdock.sdk import _validate as validate
+from kvdock.sdk._requests import whole_chunks
 from kvdock.sdk.bundle import digest
-from kvdock.sdk.context import KVCacheContext
-from kvdock.sdk.ops import retrieve, retrieve_into, whole_chunks
+from kvdock.sdk.context import KVCacheContext, checked
+from kvdock.sdk.ops import retrieve, retrieve_into
 
 DIFF_BYTES = 256 << 20  # how much of each prefix a diff holds at once (it goes by groups of layers)
 
@@ -93,7 +94,7 @@ class _Stats:
 def inspect_prefix(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> Inspection:
     """Where each whole chunk of ``tokens`` is stored, and checksums and per-layer K/V norms of
     the cached prefix. Raises what :func:`~kvdock.sdk.retrieve` raises."""
-    ctx = validate.context(ctx)
+    ctx = checked(ctx)
     validate.whole_model_only(ctx, "inspection")
     arr = validate.tokens(tokens)
     whole = whole_chunks(ctx, arr)
@@ -119,7 +120,7 @@ def inspect_prefix(ctx: KVCacheContext, tokens: object, cache_salt: str = "") ->
 
 
 def _locate(ctx: KVCacheContext, whole: bytes, cache_salt: str, n: int) -> m.Located:
-    found = ctx.call(m.Locate(ctx.client_id, whole, cache_salt)).reply
+    found = ctx.ask(m.Locate(ctx.client_id, whole, cache_salt), m.Located)
     if not isinstance(found, m.Located) or len(found.chunks) != n:
         raise KVCacheSDKError(f"malformed reply to Locate for {n} chunks: {type(found).__name__}")
     return found
@@ -168,9 +169,9 @@ def diff_prefixes(
     layers at a time (about ``DIFF_BYTES`` held at once); if either prefix changes meanwhile (its
     hit or a chunk's version), KVCacheSDKError says so rather than mixing versions.
     InvalidInputError for unlike geometries."""
-    ctx = validate.context(ctx)
+    ctx = checked(ctx)
     validate.whole_model_only(ctx, "inspection")
-    other = validate.context(other_ctx) if other_ctx is not None else ctx
+    other = checked(other_ctx) if other_ctx is not None else ctx
     a, b = ctx.geometry, other.geometry
     if (a.planes, a.num_layers, a.hidden_dim) != (b.planes, b.num_layers, b.hidden_dim):
         raise InvalidInputError(
@@ -270,3 +271,6 @@ def plot_norms(inspection: Inspection, path: str | os.PathLike[str]) -> None:
         fig.savefig(out)
     finally:
         plt.close("all")
+
+
+__all__ = ["ChunkInfo", "Inspection", "PrefixDiff", "check_plot_path", "diff_prefixes", "inspect_prefix", "plot_norms"]

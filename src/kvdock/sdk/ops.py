@@ -2,87 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import msgspec
 import numpy as np
 import torch
 
-from kvdock import keying
-from kvdock.errors import (
-    InvalidInputError,
-    KVCacheSDKError,
-    KVDockError,
-    LeaseExpiredError,
-    PoolFullError,
-    ServerUnavailableError,
-    StoreConflictError,
-)
+from kvdock.errors import InvalidInputError, KVDockError, PoolFullError, StoreConflictError
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
-from kvdock.sdk import fastpath, validate
-from kvdock.sdk.buffers import buffer_pool
-from kvdock.sdk.chunks import ChunkSink, ChunkSource, ShardedChunks, TensorChunks
-from kvdock.sdk.context import KVCacheContext
-from kvdock.transport.client import Response
+from kvdock.sdk import _fastpath as fastpath
+from kvdock.sdk import _retry
+from kvdock.sdk import _validate as validate
+from kvdock.sdk._requests import Landing, keyed, prepare, shards_of, whole_chunks
+from kvdock.sdk._retry import CONFLICT_WAIT_S
+from kvdock.sdk.chunks import ChunkSink, ChunkSource, TensorChunks
+from kvdock.sdk.context import KVCacheContext, checked
 
 log = logging.getLogger("kvdock.sdk")
-
-
-def whole_chunks(ctx: KVCacheContext, arr: np.ndarray) -> bytes:
-    """``arr``'s whole chunks as the wire's token bytes; InvalidInputError (code ``limit``) past
-    the server's max_request_tokens."""
-    n = len(arr) // ctx.chunk_size * ctx.chunk_size
-    cap = ctx.max_request_tokens
-    if cap and n > cap:
-        err = InvalidInputError(
-            f"request of {n} tokens is over the server's limit of {cap} tokens "
-            f"(max_request_tokens; raise it with --max-request-tokens)"
-        )
-        err.code = "limit"
-        raise err
-    return arr[:n].tobytes()
-
-
-def keyed(ctx: KVCacheContext, arr: np.ndarray, cache_salt: str) -> tuple[np.ndarray, str]:
-    """``(arr, cache_salt)`` as the server names ``ctx``'s chunks (:mod:`kvdock.keying`): as they
-    are under kvdock's key scheme; under SGLang's (a model SGLang registered), the key tokens of
-    SGLang's page hashes of ``arr`` seeded by ``cache_salt`` ("": none), under salt "". The
-    scheme is ``ctx.chunk_keys`` when set (``"kvdock"`` / ``"sglang"``: to read one engine's KV of
-    a model that both serve), else the registered engine's."""
-    scheme = getattr(ctx, "chunk_keys", None) or keying.scheme_of(ctx.layout.engine.name)
-    if scheme == keying.SGLANG:
-        return keying.sglang_tokens(arr, ctx.chunk_size, cache_salt=cache_salt or None), ""
-    return arr, cache_salt
-
-
-E = TypeVar("E", bound=ChunkSource | ChunkSink)
-
-
-def shards_of(ctx: KVCacheContext, end: E, layers: int | None = None) -> E:
-    """``end`` as the end of a transfer of ``ctx``'s stored chunks: itself, or, when each of the
-    context's chunks is stored in several shards, a :class:`ShardedChunks` over it (of
-    ``layers`` layers, default all)."""
-    if ctx.shards == 1:
-        return end
-    p, n, c, d = ctx.geometry.chunk_shape(ctx.chunk_size)
-    stages = ctx.layout.geometry.pp_size
-    shape = (p, n if layers is None else layers, c, d)
-    return ShardedChunks(end, ctx.shards, shape, ctx.dtype, stages)  # type: ignore[return-value]
-
-
-def prepare(ctx: KVCacheContext, sid: str, msg: m.PrepareStore | m.PrepareRetrieve) -> Response:
-    """A prepare whose reply may never come (timeout): release whatever it may have opened."""
-    try:
-        return ctx.call(msg)
-    except ServerUnavailableError:
-        ctx.end_session(sid)
-        raise
 
 
 @dataclass(frozen=True)
@@ -97,9 +36,6 @@ class StoreResult:
     in_flight_chunks: int = 0
 
 
-CONFLICT_WAIT_S = 2.0  # how long a store waits for another client's write of the same chunks
-
-
 def store_chunks(
     ctx: KVCacheContext, kv: object, tokens: object, cache_salt: str = "", overwrite: bool = False
 ) -> StoreResult:
@@ -109,11 +45,11 @@ def store_chunks(
     Chunks that another client is writing at that moment are neither written nor counted as
     deduped: the store waits (up to ``CONFLICT_WAIT_S``) for that write to finish and asks again,
     then reports what is still unresolved as ``in_flight_chunks``. An overwrite does not wait."""
-    ctx = validate.context(ctx)
+    ctx = checked(ctx)
     arr = validate.tokens(tokens)
-    checked = validate.kv(ctx, kv, len(arr))
-    source = TensorChunks(checked, ctx.chunk_size)
-    return _store(ctx, shards_of(ctx, source), arr[: checked.shape[2]], cache_salt, overwrite)
+    kv_t = validate.kv(ctx, kv, len(arr))
+    source = TensorChunks(kv_t, ctx.chunk_size)
+    return _store(ctx, shards_of(ctx, source), arr[: kv_t.shape[2]], cache_salt, overwrite)
 
 
 def store_from(
@@ -130,7 +66,7 @@ def store_from(
     (their paged KV goes to kvdock in one copy); the SDK cannot check what ``source`` writes.
     ``conflict_wait_s``: how long to wait for chunks another client is writing (an engine passes 0:
     a step never waits; those chunks are reported in flight)."""
-    ctx = validate.context(ctx)
+    ctx = checked(ctx)
     return _store(ctx, shards_of(ctx, source), validate.tokens(tokens), cache_salt, overwrite, conflict_wait_s)
 
 
@@ -148,16 +84,14 @@ def _store(
     if not whole:
         return StoreResult(0, 0, 0)
     total = len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size * ctx.shards
-    stored = 0
-    deadline = time.monotonic() + min(conflict_wait_s, ctx.timeout)
-    delay = 0.005
-    while True:
-        prep, n = _store_once(ctx, source, whole, cache_salt, overwrite)
-        stored += n
-        if not prep.in_flight or overwrite or time.monotonic() + delay > deadline:
-            break
-        time.sleep(delay)
-        delay = min(delay * 2, 0.2)
+    pauses = _retry.conflict_pauses(conflict_wait_s, ctx.timeout)
+    prep, stored = _store_once(ctx, source, whole, cache_salt, overwrite)
+    if prep.in_flight and not overwrite:  # another client is writing some: ask again (_retry)
+        for _ in pauses:
+            prep, n = _store_once(ctx, source, whole, cache_salt, overwrite)
+            stored += n
+            if not prep.in_flight:
+                break
     if not stored and prep.pool_full and not prep.slots:
         raise PoolFullError(
             f"the server's L1 pool has no room for {prep.pool_full} chunk(s) of {ctx.model_name!r} "
@@ -174,7 +108,7 @@ def _store_once(
 ) -> tuple[m.StorePrepared, int]:
     """One PrepareStore / copy / CommitStore; returns the plan and how many chunks were committed."""
     sid = ctx.new_session_id()
-    prep = prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite)).reply
+    prep, _ = prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite), m.StorePrepared)
     if not prep.slots:
         return prep, 0
     cid = ctx.answered_client_id()  # the session's client, even if another thread registers again
@@ -182,7 +116,7 @@ def _store_once(
     try:
         with ctx.transfer() as t:
             payload = t.write(prep.slots, source)
-        n = ctx.call(m.CommitStore(cid, sid, [s.index for s in prep.slots]), payload).reply.committed
+        n = ctx.ask(m.CommitStore(cid, sid, [s.index for s in prep.slots]), m.StoreCommitted, payload).committed
         committed = True
     finally:
         if not committed:
@@ -235,7 +169,7 @@ def retrieve(
     view is written, but zeros where a copy that had to be redone (a slot moved during it) wrote. Raises
     InvalidInputError for an unusable ``out``, ``layers`` or ``start``; LeaseExpiredError if the
     copy outlived its lease twice in a row (the process was paused: nothing wrong is returned)."""
-    ctx = validate.context(ctx)
+    ctx = checked(ctx)
     arr, cache_salt = keyed(ctx, validate.tokens(tokens), validate.cache_salt(cache_salt))
     whole = whole_chunks(ctx, arr)
     picked = validate.layers(ctx, layers)
@@ -261,40 +195,6 @@ def retrieve(
     return landing.result(hit)
 
 
-class Landing:
-    """Where the bytes of one retrieve land, layers ``layers`` from token ``start`` on: a new
-    tensor, or the caller's ``out``. :meth:`sink` is asked once the hit is known."""
-
-    def __init__(self, ctx: KVCacheContext, layers: range, start: int, out: torch.Tensor | None = None) -> None:
-        self.ctx, self.layers, self.start, self.out = ctx, layers, start, out
-        self.kv: torch.Tensor | None = None
-        self.handed = 0  # tokens of ``out`` a sink was given (a copy that was redone may have left garbage)
-        whole = layers == range(ctx.geometry.num_layers) and not start
-        # what to ask the server for (an inline reply then carries only these bytes)
-        self.part = None if whole else m.ReadPart(layers.start, layers.stop, layers.step, start // ctx.chunk_size)
-
-    def sink(self, hit: int) -> ChunkSink:
-        n = max(hit - self.start, 0)
-        if self.out is None:
-            p, _, _, d = self.ctx.geometry.chunk_shape(n)
-            self.kv = buffer_pool().empty((p, len(self.layers), n, d), self.ctx.dtype)
-        else:
-            self.kv = self.out[:, :, :n]
-            self.handed = max(self.handed, n)
-        return shards_of(self.ctx, TensorChunks(self.kv, self.ctx.chunk_size, self.start // self.ctx.chunk_size))
-
-    def result(self, hit: int) -> torch.Tensor | None:
-        """What retrieve returns for a hit of ``hit`` tokens: None when it does not pass ``start``.
-        The part of ``out`` past it that an earlier attempt was given (it was discarded: a slot
-        moved during its copy) is zeroed, so ``out`` never holds another object's bytes there."""
-        n = max(hit - self.start, 0)
-        if self.out is not None and self.handed > n:
-            with contextlib.suppress(RuntimeError):  # (an out torch cannot write: refused already)
-                self.out[:, :, n : self.handed].zero_()
-            self.handed = n
-        return self.kv if hit > self.start else None
-
-
 def retrieve_into(
     ctx: KVCacheContext, tokens: object, sink: ChunkSink, cache_salt: str = "", *, tips: Sequence[int] | None = None
 ) -> int:
@@ -309,7 +209,7 @@ def retrieve_into(
     KV one lookup saw, never one rank a version overwritten since and another the new one. With
     ``tips`` a copy that outlives its lease is not tried again: LeaseExpiredError (the sink holds
     garbage; a second try could find the versions gone and answer 0 after the first one's takes)."""
-    ctx = validate.context(ctx)
+    ctx = checked(ctx)
     arr, cache_salt = keyed(ctx, validate.tokens(tokens), validate.cache_salt(cache_salt))
     whole = whole_chunks(ctx, arr)
     vouch = validate.tips(ctx, tips)
@@ -326,16 +226,10 @@ def _retrieve_with_retry(
     part: m.ReadPart | None = None,
     tips: list[int] | None = None,
 ) -> int:
-    hit = None if tips is not None else fastpath.retrieve(ctx, whole, cache_salt, sink, part)
-    if hit is not None:
-        return hit
-    try:
-        return _retrieve_once(ctx, whole, cache_salt, sink, part, tips)
-    except LeaseExpiredError:
-        if tips is not None:  # (what the sink got is garbage, and a retry may find other versions)
-            raise
-        log.warning("a retrieve outlived its lease; trying once more")
-        return _retrieve_once(ctx, whole, cache_salt, sink, part, tips)
+    """A read's hit, under the rules of :func:`kvdock.sdk._retry.read` (the pool directory first,
+    unless ``tips``)."""
+    fast = None if tips is not None else lambda: fastpath.retrieve(ctx, whole, cache_salt, sink, part)
+    return _retry.read(fast, lambda: _retrieve_once(ctx, whole, cache_salt, sink, part, tips), tips is not None)
 
 
 def _retrieve_once(
@@ -352,8 +246,8 @@ def _retrieve_once(
     sid = ctx.new_session_id()
     # the server loads chunks that only L2/L3 hold into L1 first; it must answer before we give up
     msg = m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2, part=part, tips=tips)
-    resp = prepare(ctx, sid, msg)
-    slots = resp.reply.slots
+    prepared, frames = prepare(ctx, sid, msg, m.RetrievePrepared)
+    slots = prepared.slots
     if not slots:
         return 0
     cid = ctx.answered_client_id()
@@ -363,7 +257,7 @@ def _retrieve_once(
     try:
         sink = make_sink(hit)
         with ctx.transfer() as t:
-            t.read(slots, resp.frames, sink, part)
+            t.read(slots, frames, sink, part)
             commits = t.commits_reads
     except BaseException:
         ctx.end_session(sid, cid)
@@ -379,7 +273,7 @@ def _retrieve_once(
 def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:
     """How many leading tokens of ``tokens`` are cached in any tier (a multiple of chunk_size);
     moves no data."""
-    ctx = validate.context(ctx)
+    ctx = checked(ctx)
     arr, cache_salt = keyed(ctx, validate.tokens(tokens), validate.cache_salt(cache_salt))
     whole = whole_chunks(ctx, arr)
     if not whole:
@@ -387,7 +281,7 @@ def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:
     hit = fastpath.lookup(ctx, whole, cache_salt)
     if hit is not None:
         return hit
-    return int(ctx.call(m.Lookup(ctx.client_id, whole, cache_salt)).reply.hit_tokens)
+    return int(ctx.ask(m.Lookup(ctx.client_id, whole, cache_salt), m.LookupResult).hit_tokens)
 
 
 @dataclass(frozen=True)
@@ -403,19 +297,16 @@ def lookup_tips(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> Ti
     """:func:`lookup`, with the versions that :func:`retrieve_into` ``tips=`` then loads (or
     nothing): what the scheduler of a tensor-parallel engine hands its ranks. Always asks the
     server."""
-    ctx = validate.context(ctx)
+    ctx = checked(ctx)
     arr, cache_salt = keyed(ctx, validate.tokens(tokens), validate.cache_salt(cache_salt))
     whole = whole_chunks(ctx, arr)
     if not whole:
         return Tips(0, ())
-    reply = ctx.call(m.Lookup(ctx.client_id, whole, cache_salt)).reply
+    reply = ctx.ask(m.Lookup(ctx.client_id, whole, cache_salt), m.LookupResult)
     return Tips(int(reply.hit_tokens), tuple(int(v) for v in reply.tips))
 
 
 def check_server_integrity(ctx: KVCacheContext, admin_token: str = "") -> list[str]:
     """Ask the server to run its ``check_integrity()``; returns the problems found (empty = sound).
     A server with tenants needs its ``admin_token`` (PermissionDeniedError)."""
-    report = validate.context(ctx).call(m.CheckIntegrity(admin_token)).reply
-    if not isinstance(report, m.IntegrityReport):
-        raise KVCacheSDKError(f"unexpected reply {type(report).__name__}")
-    return list(report.problems)
+    return list(checked(ctx).ask(m.CheckIntegrity(admin_token), m.IntegrityReport).problems)

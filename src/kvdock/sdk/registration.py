@@ -11,9 +11,10 @@ from kvdock import layout
 from kvdock.config import MAX_NAME_LEN
 from kvdock.errors import InvalidInputError
 from kvdock.protocol import messages as m
-from kvdock.sdk import validate
-from kvdock.sdk.connection import Connection, KeyPath, client_curve
-from kvdock.sdk.handshake import dtype_name
+from kvdock.sdk import _http
+from kvdock.sdk import _validate as validate
+from kvdock.sdk._connection import KeyPath, open_connection
+from kvdock.sdk._handshake import dtype_name
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class ModelRegistration:
 
 def register_layout(
     url: str,
-    http_url: str,
+    http_url: str | None,
     lay: m.ModelLayout,
     timeout: float = 60.0,
     admin_token: str = "",
@@ -41,13 +42,18 @@ def register_layout(
     token; InvalidInputError when the server already holds ``max_models`` models; ServerError with
     code ``registration`` when the server refuses the layout (e.g. same name, different geometry,
     or a chunk larger than its pool). ``server_key`` / ``client_key`` (CURVE) and ``token`` (a
-    tenant's, which may register the models it may use): as in :func:`kvdock.sdk.connect`."""
+    tenant's, which may register the models it may use): as in :func:`kvdock.sdk.connect`, and
+    ``http_url`` too (None, or checked to be a kvdock server's HTTP API); nothing listening at
+    ``url`` fails at once."""
     if not isinstance(admin_token, str):
         raise InvalidInputError(f"admin_token must be a str, got {type(admin_token).__name__}")
     tok = validate.token(token)
-    conn = Connection(url, timeout, client_curve(server_key, client_key))
+    http = validate.http_url(http_url)
+    conn = open_connection(url, timeout, server_key, client_key)
     try:
-        reply = conn.call(m.RegisterModel(m.PROTOCOL_VERSION, lay, admin_token, tok)).reply
+        if http is not None:
+            _http.check(http, None, conn.timeout, tok)
+        reply = conn.ask(m.RegisterModel(m.PROTOCOL_VERSION, lay, admin_token, tok), m.ModelRegistered)
     finally:
         conn.close()
     return ModelRegistration(lay.model_name, reply.created, reply.slot_nbytes)
@@ -109,7 +115,7 @@ def make_layout(
 
 def register_model(
     url: str,
-    http_url: str,
+    http_url: str | None,
     model_name: str,
     *,
     num_layers: int,
@@ -171,9 +177,9 @@ def describe_server(
     layout (None when it is not registered or not this client's tenant's), over the control plane
     (keys and token as in :func:`kvdock.sdk.connect`)."""
     tok = validate.token(token)
-    conn = Connection(url, timeout, client_curve(server_key, client_key))
+    conn = open_connection(url, timeout, server_key, client_key)
     try:
-        desc: m.Described = conn.call(m.Describe(m.PROTOCOL_VERSION, model_name, tok)).reply
+        desc = conn.ask(m.Describe(m.PROTOCOL_VERSION, model_name, tok), m.Described)
     finally:
         conn.close()
     return desc

@@ -46,11 +46,11 @@ from kvdock.errors import KVCacheSDKError, LeaseExpiredError
 from kvdock.memcpy import Copier, blank
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
-from kvdock.sdk import validate
+from kvdock.sdk import _validate as validate
+from kvdock.sdk._requests import prepare, whole_chunks
+from kvdock.sdk._transfer import ShmTransfer
 from kvdock.sdk.buffers import buffer_pool
-from kvdock.sdk.context import KVCacheContext
-from kvdock.sdk.ops import prepare, whole_chunks
-from kvdock.sdk.transfer import ShmTransfer
+from kvdock.sdk.context import KVCacheContext, checked
 
 log = logging.getLogger("kvdock.sdk")
 
@@ -166,7 +166,7 @@ class _Keeper:
             for at in range(0, len(sids), m.MAX_RENEW):
                 part = sids[at : at + m.MAX_RENEW]
                 try:
-                    gone = ctx.call(m.RenewSessions(client_id, part), timeout=timeout).reply.gone
+                    gone = ctx.ask(m.RenewSessions(client_id, part), m.Renewed, timeout=timeout).gone
                 except KVCacheSDKError as e:
                     if e.code != ErrorCode.UNKNOWN_CLIENT:  # unreachable for now: the leases may still hold
                         log.warning("could not renew the leases of %d view(s): %s", len(part), e)
@@ -348,7 +348,7 @@ def view(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> PrefixVie
     copy (see the module docstring); an empty view (``num_tokens == 0``) when nothing is cached.
     Use it as a context manager. Raises KVCacheSDKError on the inline transport, and what
     :func:`~kvdock.sdk.retrieve` raises for bad input."""
-    ctx = validate.context(ctx)
+    ctx = checked(ctx)
     validate.whole_model_only(ctx, "a zero-copy view")
     whole = whole_chunks(ctx, validate.tokens(tokens))
     cache_salt = validate.cache_salt(cache_salt)
@@ -361,5 +361,5 @@ def view(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> PrefixVie
         return PrefixView(ctx, ctx.client_id, "", [])
     sid = ctx.new_session_id()
     msg = m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2)
-    slots = list(prepare(ctx, sid, msg).reply.slots)
+    slots = list(prepare(ctx, sid, msg, m.RetrievePrepared)[0].slots)
     return PrefixView(ctx, ctx.answered_client_id(), sid, slots)

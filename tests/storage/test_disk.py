@@ -18,7 +18,7 @@ import pytest
 
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
-from kvdock.storage import TIER_KINDS, diskspace, objfile
+from kvdock.storage import StorageTier, diskspace, objfile
 from kvdock.storage import disk as diskmod
 from kvdock.storage.disk import DiskEntry, DiskInUseError, DiskTier, NoRoom, ScanReport
 from kvdock.storage.objfile import ALIGN, CorruptObject
@@ -119,8 +119,8 @@ def reopen(store: DiskTier, capacity: int | None = None) -> DiskTier:
     return _open[-1]
 
 
-def test_l2_is_the_disk_tier_kind() -> None:
-    assert TIER_KINDS["l2"] is DiskTier and DiskTier.name == "l2"
+def test_l2_is_the_disk_tier() -> None:
+    assert DiskTier.name == "l2" and issubclass(DiskTier, StorageTier)
 
 
 # ---------------------------------------------------------------- one file

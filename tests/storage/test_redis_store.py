@@ -13,7 +13,7 @@ from helpers import RedisProc
 from kvdock.errors import NoRoom
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
-from kvdock.storage import TIER_KINDS, objfile
+from kvdock.storage import StorageTier, objfile
 from kvdock.storage.objfile import ALIGN
 from kvdock.storage.redis import ERRORS, RedisTier, redis_key
 from kvdock.storage.tier import Head
@@ -76,8 +76,8 @@ def raw(redis_server: RedisProc) -> Iterator[redis_py.Redis]:
     c.close()
 
 
-def test_l3_is_the_redis_tier_kind() -> None:
-    assert TIER_KINDS["l3"] is RedisTier and RedisTier.name == "l3"
+def test_l3_is_the_redis_tier() -> None:
+    assert RedisTier.name == "l3" and issubclass(RedisTier, StorageTier)
 
 
 def test_the_server_is_the_one_the_test_id_names(raw: redis_py.Redis, l3_server: str) -> None:

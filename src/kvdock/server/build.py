@@ -29,7 +29,7 @@ from kvdock.server.tenants import Tenants
 from kvdock.shm import cleanup_stale
 from kvdock.shm.directory import Directory
 from kvdock.shm.pool import Pool
-from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane, tier_factory
+from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane
 from kvdock.storage.coherence import Coherence, follow, load_position
 from kvdock.storage.shares import Shares, check_fits
 from kvdock.transport import listener
@@ -215,10 +215,9 @@ def _open_disk(config: ServerConfig, tenants: Tenants | None) -> DiskTier | None
     root = Path(config.disk_dir) if config.disk_dir else default_disk_dir()
     size = config.disk_size or auto_disk_size(root)
     try:
-        disk = tier_factory("l2")(root, size, tier_shares(tenants, "l2", size))
+        disk = DiskTier(root, size, tier_shares(tenants, "l2", size))
     except DiskInUseError as e:
         raise ConfigError(f"{e}; give another --disk-dir, or --no-disk") from None
-    assert isinstance(disk, DiskTier)
     report = disk.scan()
     log.info(
         "L2 disk %s: %s budget, %d object(s) found (%s used), %d torn file(s) and %d temp file(s) removed",
@@ -238,10 +237,9 @@ def _open_redis(config: ServerConfig, tenants: Tenants | None, registry: Registr
     from kvdock.storage.redis import RedisTier  # imports redis-py: only a server with an L3 does
 
     shares = tier_shares(tenants, "l3", config.redis_max_bytes)
-    store = tier_factory("l3")(
+    store = RedisTier(
         config.redis_url, max_bytes=config.redis_max_bytes, shares=shares, identity_of=registry.identity_of
     )
-    assert isinstance(store, RedisTier)
     store.probe()
     if store.up():
         if store.is_cluster_node():

@@ -34,7 +34,8 @@ from kvdock import __version__
 from kvdock.config import ServerConfig
 from kvdock.layout import FORMAT_AXES, concrete_shape
 from kvdock.protocol.messages import PROTOCOL_VERSION, ModelLayout
-from kvdock.server.handlers import ServerState, refresh_gauges
+from kvdock.server.handlers import refresh_gauges
+from kvdock.server.state import ServerState
 from kvdock.server.tenants import Tenant
 from kvdock.shm.slots import Partitions
 

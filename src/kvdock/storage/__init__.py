@@ -9,10 +9,9 @@ from kvdock.storage.lane import TierLane
 from kvdock.storage.manager import StorageManager, StorePlan
 from kvdock.storage.memory import L1Object, L1Store, State
 from kvdock.storage.sessions import Session, Writer
-from kvdock.storage.tier import TIER_KINDS, StorageTier, TierCounters, tier_factory
+from kvdock.storage.tier import StorageTier, TierCounters
 
 __all__ = [
-    "TIER_KINDS",
     "DiskTier",
     "L1Object",
     "L1Store",
@@ -24,7 +23,6 @@ __all__ = [
     "TierCounters",
     "TierLane",
     "Writer",
-    "tier_factory",
 ]
 # RedisTier: from kvdock.storage.redis (not imported here: it imports redis-py, which only a server
 # with an L3 needs)

@@ -37,7 +37,7 @@ from kvdock.layout import KVGeometry
 from kvdock.storage import objfile
 from kvdock.storage.diskspace import DiskSpace
 from kvdock.storage.shares import Shares
-from kvdock.storage.tier import Head, StorageTier, TierCounters, tier_kind
+from kvdock.storage.tier import Head, StorageTier, TierCounters
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,6 @@ def object_name(key: ObjectKey) -> str:
     return h.hexdigest()[:48]
 
 
-@tier_kind("l2")
 class DiskTier(StorageTier):
     """The L2 directory and its index. Thread-safe (see the module docstring)."""
 

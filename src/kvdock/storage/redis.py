@@ -34,7 +34,7 @@ from kvdock.storage._redisclient import ERRORS, cluster_nodes, make_client, run_
 from kvdock.storage._redisread import FALLBACK, read_fast
 from kvdock.storage.coherence import DELETE_SCRIPT, Coherence, Fence
 from kvdock.storage.shares import Shares
-from kvdock.storage.tier import Head, StorageTier, TierCounters, tier_kind
+from kvdock.storage.tier import Head, StorageTier, TierCounters
 
 __all__ = ["ERRORS", "RedisTier", "floor_key", "make_client", "redis_key"]
 
@@ -68,7 +68,6 @@ class _Written(NamedTuple):
     owner: str | None
 
 
-@tier_kind("l3")
 class RedisTier(StorageTier):
     """L3 on one Redis/Valkey server (see the module docstring)."""
 

@@ -12,14 +12,13 @@ Threading contract, for every implementation:
   each other; they may block on I/O;
 * methods marked *[any]* are cheap, never block on I/O, and may be called from any thread.
 
-Tiers are picked by name from :data:`TIER_KINDS`, never by ``if name == ...``.
+The server constructs its tiers directly (``DiskTier`` for L2, ``RedisTier`` for L3:
+:mod:`kvdock.server.build`); the manager and the lanes know them only through this seam.
 """
 
 from __future__ import annotations
 
 import abc
-import importlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -134,26 +133,3 @@ class StorageTier(abc.ABC):
     def check_integrity(self) -> None:
         """[any, quiescent] Assert the tier's own index invariants."""
         return None
-
-
-TIER_KINDS: dict[str, Callable[..., StorageTier]] = {}
-# the module that defines each kind, imported when the kind is first asked for (tier_factory):
-# a server without an L3 never pays the 0.2 s of importing redis-py
-TIER_MODULES = {"l2": "kvdock.storage.disk", "l3": "kvdock.storage.redis"}
-
-
-def tier_factory(name: str) -> Callable[..., StorageTier]:
-    """The factory registered as ``name``, importing its module first if need be; KeyError if unknown."""
-    if name not in TIER_KINDS:
-        importlib.import_module(TIER_MODULES[name])
-    return TIER_KINDS[name]
-
-
-def tier_kind(name: str) -> Callable[[Callable[..., StorageTier]], Callable[..., StorageTier]]:
-    """Register a tier factory under ``name`` (the key of :data:`TIER_KINDS`)."""
-
-    def register(factory: Callable[..., StorageTier]) -> Callable[..., StorageTier]:
-        TIER_KINDS[name] = factory
-        return factory
-
-    return register

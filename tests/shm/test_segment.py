@@ -124,7 +124,7 @@ def test_header_records_magic_pid_start_time_and_size(created: list[PoolSegment]
     assert (directory, entries) == (data, 0) == (s.directory_offset, s.directory_entries)  # no directory asked for
     assert (s.creator_pid, s.creator_start) == (pid, start)
     assert pid == os.getpid()
-    assert start == seg_mod._proc_start_time(os.getpid()) and start > 0
+    assert start == seg_mod.proc_start_time(os.getpid()) and start > 0
     assert nonce.hex() == s.nonce
     assert size == HEADER_SIZE + table_bytes(4096) + 4096
     assert (table, data) == (HEADER_SIZE, HEADER_SIZE + table_bytes(4096)) == (s.table_offset, s.data_offset)
@@ -342,8 +342,8 @@ def test_create_too_large_is_os_error_and_leaves_nothing() -> None:
 
 
 def test_proc_start_time() -> None:
-    assert isinstance(seg_mod._proc_start_time(os.getpid()), int)
-    assert seg_mod._proc_start_time(_dead_pid()) is None
+    assert isinstance(seg_mod.proc_start_time(os.getpid()), int)
+    assert seg_mod.proc_start_time(_dead_pid()) is None
 
 
 def test_cleanup_keeps_a_live_segment(created: list[PoolSegment]) -> None:
@@ -399,7 +399,7 @@ def test_cleanup_removes_segment_whose_header_pid_is_dead(created: list[PoolSegm
 def test_cleanup_removes_segment_when_pid_was_reused(created: list[PoolSegment]) -> None:
     # same pid as a live process, but another start time: the creator is gone, the pid recycled
     s = _create(created)
-    start = seg_mod._proc_start_time(os.getpid())
+    start = seg_mod.proc_start_time(os.getpid())
     assert start is not None
     _rewrite_header(SHM_DIR / s.name, start=start + 1)
     assert s.name in cleanup_stale()

@@ -19,7 +19,8 @@ from kvdock.server import access, fleet
 from kvdock.server.registry import ClientEntry, ModelEntry
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
 from kvdock.server.tenants import Tenant
-from kvdock.shm.segment import PoolSegment, process_visible
+from kvdock.shm.processes import process_visible
+from kvdock.shm.segment import PoolSegment
 
 
 def client_of(state: ServerState, client_id: str) -> ClientEntry:

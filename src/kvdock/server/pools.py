@@ -29,7 +29,7 @@ from kvdock.protocol.codes import ErrorCode
 from kvdock.protocol.door import PoolOpened, decode_open
 from kvdock.protocol.messages import PROTOCOL_VERSION, Error
 from kvdock.shm.pool import Pool
-from kvdock.shm.segment import proc_start_time
+from kvdock.shm.processes import proc_start_time
 from kvdock.transport.door import Caller, PoolDoor
 
 log = logging.getLogger("kvdock.server")

@@ -42,6 +42,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvdock.shm.processes import proc_start_time as proc_start_time  # (its old home)
+from kvdock.shm.processes import process_alive as process_alive
+from kvdock.shm.processes import process_visible as process_visible
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
@@ -74,41 +78,6 @@ def table_bytes(data_size: int) -> int:
 def directory_bytes(entries: int) -> int:
     """Size of a directory of ``entries`` entries, rounded up to pages."""
     return -(-entries * ENTRY_SIZE // PAGE) * PAGE
-
-
-def proc_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot, or None if it does not exist."""
-    return _proc_start_time(pid)
-
-
-def process_alive(pid: int, start_time: int) -> bool:
-    """Whether process ``pid`` that started at ``start_time`` still runs (a zombie does not).
-    Only a missing /proc entry means gone: any other error (EMFILE, ENOMEM) answers "alive",
-    since freeing a live writer's slots would let it write into another object."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    except OSError:
-        return True
-    fields = stat.rsplit(")", 1)[1].split()
-    return fields[0] not in ("Z", "X") and int(fields[19]) == start_time
-
-
-def process_visible(pid: int, start_time: int) -> bool:
-    """Whether ``pid`` names a process this one can see (the same PID namespace, and /proc not
-    hiding it) that started at ``start_time``: a client process a server can tell is gone."""
-    return pid > 0 and _proc_start_time(pid) == start_time
-
-
-def _proc_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot, or None if it does not exist."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name may contain spaces; fields resume after the last ')'
-    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 class PoolSegment:
@@ -211,7 +180,8 @@ class PoolSegment:
 
     @property
     def nonce(self) -> str:
-        return _HEADER.unpack_from(self._mm, 0)[4].hex()
+        nonce: bytes = _HEADER.unpack_from(self._mm, 0)[4]
+        return nonce.hex()
 
     @classmethod
     def create(cls, data_size: int, directory_entries: int = 0) -> PoolSegment:
@@ -386,7 +356,7 @@ def cleanup_stale() -> list[str]:
         magic, _ver, pid, start, _nonce, _size = _V1.unpack_from(raw)
         if magic != MAGIC:
             continue
-        alive_start = _proc_start_time(pid)
+        alive_start = proc_start_time(pid)
         if alive_start is None or (start and alive_start != start):
             try:
                 path.unlink()
@@ -401,7 +371,7 @@ def _write_header(mm: mmap.mmap, size: int, data_size: int, directory_entries: i
     table = HEADER_SIZE
     directory = table + table_bytes(data_size)
     data = directory + directory_bytes(directory_entries)
-    start = _proc_start_time(pid) or 0
+    start = proc_start_time(pid) or 0
     nonce = secrets.token_bytes(32)
     first = data if first is None else first
     header = _HEADER.pack(MAGIC, VERSION, pid, start, nonce, size, table, data, directory, directory_entries, first)

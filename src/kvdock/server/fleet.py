@@ -37,7 +37,8 @@ import msgspec
 
 from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import ModelLayout
-from kvdock.server.registry import ModelEntry, describe_geometry, refuse_another_model
+from kvdock.server.layouts import describe_geometry, refuse_another_model
+from kvdock.server.registry import ModelEntry
 
 if TYPE_CHECKING:
     from kvdock.server.state import ServerState

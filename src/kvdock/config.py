@@ -149,6 +149,14 @@ class ServerConfig:
         "with an L3: within this many ms of an overwrite acknowledged by any server sharing it, no server serves "
         "the replaced version (it answers misses while it cannot tell)",
     )
+    writeback_wait_s: float = _opt(
+        2.0,
+        "with a lower tier: how long a store waits for write-downs to free clean L1 room before it evicts "
+        "chunks not written down yet, newest first (0: never wait; docs/architecture.md, 4)",
+    )
+    eviction_policy: str = _opt(
+        "lru", "which evictable chunk goes first, in every tier: lru, s3fifo (docs/benchmarks.md: trace replay)"
+    )
     admin_token: str = _opt("", "token required (Authorization: Bearer) by HTTP admin actions and to register models")
     log_level: str = _opt("INFO", "DEBUG, INFO or WARNING")
     kv_events_port: int = _opt(0, "publish KV events (chunks stored / removed) on this port (default: off)")
@@ -196,6 +204,8 @@ class ServerConfig:
         for name in ("session_ttl", "client_ttl", "max_models", "max_request_tokens", "l3_coherence_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.writeback_wait_s < 0:
+            raise ConfigError(f"writeback_wait_s must be 0 or more, got {self.writeback_wait_s}")
         for name in ("port", "http_port", "kv_events_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} out of range: {getattr(self, name)}")

@@ -31,6 +31,18 @@ def test_config_and_status_documents(server, ctx) -> None:
         "evictions": 0,
         "quarantined_bytes": 0,
         "unsent_reply_bytes": 0,
+        "eviction": {
+            "eviction_policy": "lru",
+            "evicted_clean": 0,
+            "evicted_dirty": 0,
+            "evicted_dirty_bytes": 0,
+            "throttled_stores": 0,
+            "throttle_seconds": 0.0,
+            "throttle_timeouts": 0,
+            "dirty_objects": 0,
+            "dirty_bytes": 0,
+            "writeback_wait_s": 2.0,
+        },
     }
     (meta,) = st["cache_context_meta"]
     assert meta["model_name"] == MODEL and meta["world_size"] == 1

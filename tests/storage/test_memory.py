@@ -410,7 +410,7 @@ def test_salted_keys_are_distinct_objects(h: Harness) -> None:
 def test_integrity_detects_pinned_object_in_lru(h: Harness) -> None:
     a = h.put(K(1))
     a.pins = 1
-    with pytest.raises(AssertionError, match="LRU membership"):
+    with pytest.raises(AssertionError, match="evictable membership"):
         h.check()
 
 

@@ -104,7 +104,15 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
         # without a lower tier, what a directory lacks is not cached at all (fast reads' misses)
         complete = disk is None and redis is None
         directories = {r: Directory(s, complete) for r, s in pool.shared_segments().items() if s.directory_entries}
-        l1 = L1Store(pool.allocator, watcher=events, memory=pool, directories=directories, shares=l1_shares)
+        l1 = L1Store(
+            pool.allocator,
+            watcher=events,
+            memory=pool,
+            directories=directories,
+            shares=l1_shares,
+            policy=config.eviction_policy,
+        )
+        l1.writeback_wait_s = config.writeback_wait_s
         lanes = [TierLane(t, l1) for t in (disk, redis) if t is not None]
         coherence = _coherence(config, redis, disk, lanes)
         manager = StorageManager(

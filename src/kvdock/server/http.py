@@ -77,6 +77,8 @@ def status_doc(state: ServerState, started: float) -> dict[str, Any]:
             "free_bytes": alloc.free_bytes,
             "objects": len(state.manager.l1),
             "evictions": state.manager.l1.evictions,
+            # the eviction policy, evictions by reason, write-down back-pressure (storage.writeback)
+            "eviction": state.manager.l1.stats(),
             # slots of expired store sessions whose writer process may still write them
             "quarantined_bytes": state.manager.sessions.quarantined_bytes(),
             # inline reply bytes zmq has not written to their clients yet (capped per client)

@@ -27,7 +27,7 @@ from kvdock.server.handlers import client_of
 from kvdock.server.registry import ClientEntry
 from kvdock.server.shards import Interleave, check_free, end_all, request_keys, session_ids, shards_of
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
-from kvdock.storage import L1Object, StorePlan, Writer
+from kvdock.storage import L1Object, StorePlan, Writer, writeback
 from kvdock.storage.tier import Head
 
 
@@ -49,6 +49,8 @@ def prepare_store(state: ServerState, req: m.PrepareStore, payload: Payload) -> 
         return Reply(m.StorePrepared([], 0, 0, len(keysets[0]) * len(keysets)))
     if not req.overwrite and mgr.has_unindexed_tier and any(mgr.lookup_l1(k) < len(k) for k in keysets):
         return _prepare_after_heads(state, client, req, keysets)  # dedup against L3 too
+    if writeback.needs_wait(mgr, keysets, client.model.slot_nbytes, req.overwrite):
+        return _prepare_after_wait(state, client, req, keysets, [None] * len(keysets))
     return _prepare(state, client, req, keysets, [None] * len(keysets))
 
 
@@ -58,6 +60,21 @@ async def _prepare_after_heads(
     mgr = state.manager
     below = [await mgr.unindexed_heads(keys[mgr.lookup_l1(keys) :]) for keys in keysets]
     check_free(state, client, session_ids(req.session_id, len(keysets)))  # (the heads took a while)
+    if writeback.needs_wait(mgr, keysets, client.model.slot_nbytes, req.overwrite):
+        return await _prepare_after_wait(state, client, req, keysets, below)
+    return _prepare(state, client, req, keysets, below)
+
+
+async def _prepare_after_wait(
+    state: ServerState,
+    client: ClientEntry,
+    req: m.PrepareStore,
+    keysets: list[list[ObjectKey]],
+    below: Sequence[dict[ObjectKey, Head] | None],
+) -> Reply:
+    """Wait (bounded) for write-downs to free clean room first (storage.writeback: back-pressure)."""
+    await writeback.wait_for_room(state.manager, keysets, client.model.slot_nbytes, req.overwrite)
+    check_free(state, client, session_ids(req.session_id, len(keysets)))  # (the wait took a while)
     return _prepare(state, client, req, keysets, below)
 
 
@@ -77,11 +94,12 @@ def _prepare(
     plans: list[StorePlan] = []
     sids = session_ids(req.session_id, shards)
     try:
-        for sid, keys, heads in zip(sids, keysets, below, strict=True):
-            plan = mgr.prepare_store(
-                client.client_id, sid, keys, client.model.slot_nbytes, req.overwrite, writer, heads, shards > 1
-            )
-            plans.append(plan)
+        with mgr.l1.dirty_eviction():  # past any wait for write-downs (storage.writeback)
+            for sid, keys, heads in zip(sids, keysets, below, strict=True):
+                plan = mgr.prepare_store(
+                    client.client_id, sid, keys, client.model.slot_nbytes, req.overwrite, writer, heads, shards > 1
+                )
+                plans.append(plan)
     except BaseException:
         end_all(state, client, sids[: len(plans)])
         raise

@@ -67,6 +67,11 @@ class SlotAllocator:
         self.used_bytes += size
         return off
 
+    def free_slots(self, nbytes: int, region: str | None = None) -> int:
+        """How many slots of ``nbytes`` :meth:`alloc` can hand out now (freed ones and uncarved room)."""
+        size = aligned(nbytes)
+        return len(self._free.get(size, ())) + (self.capacity - self._bump) // size
+
     def generation(self, offset: int) -> int:
         """The current generation of the slot at ``offset``."""
         return int(self._gens[(offset - self.base) // ALIGN])
@@ -139,6 +144,9 @@ class Partitions:
     def alloc(self, nbytes: int, region: str | None = None) -> int | None:
         """A free slot of ``nbytes`` in ``region`` (its tenant's, or the shared rest), or None."""
         return self.regions[region].alloc(nbytes)
+
+    def free_slots(self, nbytes: int, region: str | None = None) -> int:
+        return self.regions[region].free_slots(nbytes)
 
     def generation(self, offset: int) -> int:
         return self.region_of(offset).generation(offset)

@@ -9,8 +9,11 @@ Why one queue with one job in flight:
   replaced by an older one, and a deletion queued for an overwrite lands after every write of an
   older version (what makes an acknowledged overwrite final, see the manager);
 * a queued write-down holds no pin: only the object the writer copies *now* is pinned. A slow
-  disk therefore never fills L1 with pinned objects: LRU eviction may drop an object whose turn
-  has not come, and its write is skipped (counted in ``writes_skipped``).
+  disk therefore never fills L1 with pinned objects. An object with a write-down queued is
+  *dirty* (:meth:`L1Store.mark_dirty`) until it is done, skipped or failed: L1 evicts clean
+  objects first, and a store waits a bounded time for write-downs before a dirty object goes
+  (:mod:`kvdock.storage.writeback`); a queued write of an object that left L1 meanwhile (evicted
+  past that bound, replaced, deleted) is skipped (counted in ``writes_skipped``).
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class TierLane:
         self.fence: Callable[[int], Fence] | None = None
         self.dropped_down = 0  # write-downs dropped because the tier was down (also in writes_skipped)
         self.dropped_down_bytes = 0
+        self._noroom_logged = False
 
     @property
     def name(self) -> str:
@@ -118,10 +122,12 @@ class TierLane:
             if isinstance(job, _Call):
                 if not job.done.done():
                     job.done.set_result(job.default)
-            elif job.obj.live:
-                chunks += 1
-                nbytes += job.obj.nbytes
-                self.counters.writes_skipped += 1
+            else:
+                self._l1.mark_clean(job.obj)
+                if job.obj.live:
+                    chunks += 1
+                    nbytes += job.obj.nbytes
+                    self.counters.writes_skipped += 1
         return chunks, nbytes
 
     @property
@@ -129,7 +135,8 @@ class TierLane:
         return self._busy is None and not self._queue
 
     def write(self, obj: L1Object, header: SharedHeader, view: memoryview) -> None:
-        """Queue a write-down of a committed object (returns at once)."""
+        """Queue a write-down of a committed object (returns at once); it is dirty until done."""
+        self._l1.mark_dirty(obj)
         self._queue.append(_Write(obj, header, view))
         self._pump()
 
@@ -156,8 +163,10 @@ class TierLane:
                     continue
                 self._start(job, job.fn)
             elif not job.obj.live:  # replaced or evicted before its turn
+                self._l1.mark_clean(job.obj)
                 self.counters.writes_skipped += 1
             elif not self.tier.up():  # nowhere to write: dropped, and counted apart too
+                self._l1.mark_clean(job.obj)
                 self.counters.writes_skipped += 1
                 self.dropped_down += 1
                 self.dropped_down_bytes += job.obj.nbytes
@@ -187,7 +196,8 @@ class TierLane:
         err = fut.exception()
         if isinstance(job, _Write):
             self.pinned = None
-            self._l1.unpin(job.obj)
+            self._l1.mark_clean(job.obj)
+            self._l1.unpin(job.obj, used=False)
             if err is None:
                 size, seconds = fut.result()
                 self.counters.writes += 1
@@ -195,6 +205,9 @@ class TierLane:
                 self.counters.write_seconds += seconds
             elif isinstance(err, (NoRoom, WriteFenced)):
                 self.counters.writes_skipped += 1
+                if isinstance(err, NoRoom) and not self._noroom_logged:  # (counted every time)
+                    self._noroom_logged = True
+                    log.warning("%s: a write-down found no room (%s); such objects stay in L1 only", self.name, err)
             else:
                 self.counters.write_errors += 1
                 self.tier.failed(err)

@@ -4,7 +4,10 @@ Invariants (checked by :meth:`L1Store.check_integrity`):
 
 * an object is RESERVED (being written, invisible) or READY (visible to lookups);
 * at most one READY and one RESERVED object per key;
-* the LRU list holds exactly the READY, unpinned, live objects, least recently used first;
+* the evictable set (:mod:`kvdock.storage.evictable`) holds exactly the READY, unpinned, live
+  objects: the *clean* ones ordered by the eviction policy (:mod:`kvdock.storage.policy`), the
+  *dirty* ones (a write-down to a lower tier pending) apart, evicted only when a store asks for it
+  after its bounded wait (:mod:`kvdock.storage.writeback`), newest first (tails before heads);
 * an object replaced by an overwrite (or deleted) while pinned is no longer *live*: it keeps its
   slot until its last pin is released, then the slot is freed;
 * with a directory (:mod:`kvdock.shm.directory`) for its region, every READY object is published
@@ -17,16 +20,19 @@ Invariants (checked by :meth:`L1Store.check_integrity`):
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvdock.keys import ObjectKey
 from kvdock.shm.directory import Directory
 from kvdock.shm.pool import SlotMemory
 from kvdock.shm.slots import Partitions, SlotAllocator, aligned
+from kvdock.storage.evictable import Evictable, L1Counters
 from kvdock.storage.listings import Listings
+from kvdock.storage.policy import DEFAULT_POLICY, Policy, make_policy
 from kvdock.storage.shares import Shares
 
 
@@ -48,6 +54,10 @@ class L1Object:
     epoch: int = 0  # the fleet's invalidations its server knew of when it became READY (storage.coherence)
     entry: int = -1  # while READY: its directory entry (-1: none, or no room there)
     region: str | None = None  # the pool region its slot is in (a tenant's, or None: the shared rest)
+    dirty: int = 0  # write-downs to lower tiers queued or in flight (storage.lane)
+    seq: int = 0  # commit order (the newest dirty object is evicted first)
+    depth: int = 0  # its chunk's index in its prompt, as far as L1 knows (0: a head)
+    uses: int = 0  # reads (unpins of a session's pin, fast reads) since it became READY
 
 
 class L1Watcher(Protocol):
@@ -74,6 +84,7 @@ class L1Store:
         memory: SlotMemory | None = None,
         directories: dict[str | None, Directory] | None = None,
         shares: Shares | None = None,
+        policy: str | Callable[[], Policy[Hashable]] = DEFAULT_POLICY,
     ) -> None:
         assert shares is None or not shares.quotas or isinstance(allocator, Partitions), "quotas need regions"
         self.allocator = allocator
@@ -83,10 +94,17 @@ class L1Store:
         self.shares = shares
         self._memory = memory  # the pool's bytes, for workers that copy to and from lower tiers
         self._ready: dict[ObjectKey, L1Object] = {}
+        # READY objects by version (0, before chains: none), to find a chunk's predecessor (its depth)
+        self._versions: dict[int, L1Object] = {}
         self._reserved: dict[ObjectKey, L1Object] = {}
-        self._lru: OrderedDict[ObjectKey, L1Object] = OrderedDict()  # evictable, least recently used first
-        # the same objects by (region, slot size): eviction looks only where a slot would come free
-        self._buckets: dict[tuple[str | None, int], OrderedDict[ObjectKey, L1Object]] = {}
+        # evictable objects by (region, slot size), clean ones in policy order (storage.evictable)
+        self._evictable = Evictable(policy if callable(policy) else lambda: make_policy(policy))
+        self.counters = L1Counters()
+        self._seq = 0
+        # how long a store waits for write-downs to free clean room (storage.writeback); the server's
+        # --writeback-wait-s
+        self.writeback_wait_s = 2.0
+        self._dirty_ok = False  # reservations may evict dirty objects (dirty_eviction)
         self._retired: set[L1Object] = set()  # not live, still pinned
         self._detached: set[L1Object] = set()  # reservations set aside, still holding a slot
         self._watcher = watcher
@@ -123,41 +141,79 @@ class L1Store:
     def reservation(self, key: ObjectKey) -> L1Object | None:
         return self._reserved.get(key)
 
-    def lru_keys(self) -> list[ObjectKey]:
-        """Evictable keys, least recently used first."""
-        return list(self._lru)
+    @property
+    def policy(self) -> str:
+        """The eviction policy's name."""
+        return self._evictable.policy_name
 
-    def reserve(self, key: ObjectKey, nbytes: int) -> L1Object | None:
-        """Reserve a slot for a new version of ``key``, evicting LRU objects of the same slot size
-        (and region) if needed. Returns None when nothing can make room ("pool full"); pinned data
-        is never evicted. A tenant with a region (its L1 quota) is served from it alone, and only
-        its own objects are evicted there; everyone else shares the rest.
-        Precondition: ``key`` has no pending reservation."""
+    def lru_keys(self) -> list[ObjectKey]:
+        """Evictable keys in eviction order, bucket by bucket (clean ones first by the policy, then
+        dirty ones newest first)."""
+        return [o.key for o in self._evictable.order()]
+
+    def reserve(self, key: ObjectKey, nbytes: int, evict_dirty: bool | None = None) -> L1Object | None:
+        """Reserve a slot for a new version of ``key``, evicting clean objects of the same slot
+        size (and region) in policy order if needed; dirty ones (a write-down pending) only with
+        ``evict_dirty`` (default: while :meth:`dirty_eviction` allows it), newest first. Returns
+        None when nothing can make room ("pool full"); pinned data is never evicted. A tenant with
+        a region (its L1 quota) is served from it alone, and only its own objects are evicted there;
+        everyone else shares the rest. Precondition: ``key`` has no pending reservation."""
         assert key not in self._reserved, "key already reserved"
+        dirty = self._dirty_ok if evict_dirty is None else evict_dirty
         region = self._region_for(key)
         offset = self.allocator.alloc(nbytes, region)
         while offset is None:
-            if not self._evict_one((region, aligned(nbytes))) and not self._recarve(region, aligned(nbytes)):
+            bucket = (region, aligned(nbytes))
+            if not self._evict_one(bucket, dirty) and not self._recarve(region, aligned(nbytes), dirty):
                 return None
             offset = self.allocator.alloc(nbytes, region)
         obj = L1Object(key, offset, nbytes, region=region)
         self._reserved[key] = obj
         return obj
 
-    def _recarve(self, region: str | None, size: int) -> bool:
-        """A tenant's region has no slot of ``size`` to give, nor one to evict (its slots were
-        carved for its other sizes): when every object there can be evicted, evict them all and
-        carve the region anew (SlotAllocator.recarve). Whether it did; nothing is evicted when
-        something there is in use (pinned, being written) or ``size`` exceeds the region."""
+    @contextlib.contextmanager
+    def dirty_eviction(self) -> Iterator[None]:
+        """``with store.dirty_eviction():`` reservations made inside may evict dirty objects (a
+        store whose wait for write-downs is over: storage.writeback)."""
+        self._dirty_ok = True
+        try:
+            yield
+        finally:
+            self._dirty_ok = False
+
+    def room(self, key: ObjectKey, nbytes: int) -> tuple[int, int]:
+        """(slots of ``nbytes`` that reservations for ``key``'s owner can get without evicting a
+        dirty object: free ones and clean evictable ones; dirty evictable ones there)."""
+        region = self._region_for(key)
+        clean, dirty = self._evictable.count((region, aligned(nbytes)))
+        return self.allocator.free_slots(nbytes, region) + clean, dirty
+
+    def when_clean(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, the next time an object turns clean (or leaves L1)."""
+        self._evictable.waiters.append(callback)
+
+    def mark_dirty(self, obj: L1Object) -> None:
+        """A write-down of ``obj`` was queued (storage.lane): it is evicted only after it, or last."""
+        self._evictable.redirty(obj, +1)
+
+    def mark_clean(self, obj: L1Object) -> None:
+        """A write-down of ``obj`` is over (written, skipped or failed)."""
+        self._evictable.redirty(obj, -1)
+
+    def _recarve(self, region: str | None, size: int, dirty: bool) -> bool:
+        """A tenant's region has no slot of ``size`` to give nor to evict (carved for its other
+        sizes): when all there can be evicted (dirty objects only with ``dirty``), evict it all and
+        carve the region anew (SlotAllocator.recarve); whether it did."""
         if region is None or not isinstance(self.allocator, Partitions):
             return False  # (the shared rest holds others' objects: never emptied for one store)
         area = self.allocator.regions[region]
-        buckets = [b for b in self._buckets if b[0] == region]
-        evictable = sum(len(self._buckets[b]) * b[1] for b in buckets)
+        buckets = [b for b in self._evictable.buckets() if b[0] == region]
+        counts = {b: self._evictable.count(b) for b in buckets}
+        evictable = sum((c + (d if dirty else 0)) * b[1] for b, (c, d) in counts.items())
         if size > area.capacity or evictable != area.used_bytes:
             return False
         for bucket in buckets:
-            while self._evict_one(bucket):
+            while self._evict_one(bucket, dirty):
                 pass
         area.recarve()
         return True
@@ -168,34 +224,36 @@ class L1Store:
         owner = self.shares.owner(key)
         return owner if owner in self.allocator.regions else None
 
-    def _evict_one(self, bucket: tuple[str | None, int]) -> bool:
-        """Evict the least recently used object of ``bucket`` (region, slot size); whether there
-        was one."""
-        lru = self._buckets.get(bucket)
-        if not lru:
+    def _evict_one(self, bucket: tuple[str | None, int], dirty: bool = False) -> bool:
+        """Evict the policy's victim among the clean objects of ``bucket`` (region, slot size),
+        or with ``dirty`` and none clean, the dirty one committed last; whether there was one."""
+        obj = self._evictable.victim(bucket, dirty)
+        if obj is None:
             return False
-        obj = next(iter(lru.values()))
-        self._lru_drop(obj)
+        self._evictable.evict(obj)
         del self._ready[obj.key]
+        if self._versions.get(obj.version) is obj:
+            del self._versions[obj.version]
         self._listings.unpublish(obj)
         obj.live = False
         self.allocator.free(obj.offset)
         self.evictions += 1
+        self.counters.evicted(obj, self.writeback_wait_s)
         if self._watcher:
             self._watcher.removed(obj, evicted=True)
         return True
 
-    def _lru_add(self, obj: L1Object) -> None:
-        """``obj`` is evictable now, most recently used."""
-        self._lru[obj.key] = obj
-        self._buckets.setdefault((obj.region, aligned(obj.nbytes)), OrderedDict())[obj.key] = obj
+    def _prefix_parent(self, obj: L1Object) -> L1Object | None:
+        """The READY object ``obj`` chains to (the chunk before it in its prompt), if L1 has it."""
+        return self._versions.get(obj.parent) if obj.parent else None
 
-    def _lru_drop(self, obj: L1Object) -> None:
-        del self._lru[obj.key]
-        bucket = (obj.region, aligned(obj.nbytes))
-        del self._buckets[bucket][obj.key]
-        if not self._buckets[bucket]:
-            del self._buckets[bucket]
+    def stats(self) -> dict[str, Any]:
+        """What /status shows of eviction: the policy, the counters, dirty objects now."""
+        dirty = [o for o in self._ready.values() if o.dirty]
+        return self.counters.doc(self.policy, dirty, self.writeback_wait_s)
+
+    def _evictable_now(self, obj: L1Object) -> bool:
+        return obj.state is State.READY and obj.live and obj.pins == 0 and self._ready.get(obj.key) is obj
 
     def commit(self, obj: L1Object) -> None:
         """RESERVED → READY (most recently used). Replaces an older READY version of the key."""
@@ -205,8 +263,14 @@ class L1Store:
         if old is not None:
             self._retire(old, successor=obj)
         obj.state = State.READY
+        self._seq += 1
+        obj.seq = self._seq
+        prev = self._prefix_parent(obj)
+        obj.depth = prev.depth + 1 if prev is not None else 0
         self._ready[obj.key] = obj
-        self._lru_add(obj)
+        if obj.version:
+            self._versions[obj.version] = obj
+        self._evictable.add(obj, new=True)
         if old is None:
             self._listings.publish(obj, self.allocator.generation(obj.offset))
         if self._watcher:
@@ -234,18 +298,21 @@ class L1Store:
         """One more pin. A retired object (replaced or deleted while pinned) can take more pins only
         while it still has some: its bytes are intact until the last one goes."""
         assert obj.state is State.READY and (obj.live or obj.pins > 0)
-        if obj.pins == 0:
-            self._lru_drop(obj)
+        if obj.pins == 0 and obj.live:
+            self._evictable.drop(obj)
         obj.pins += 1
 
-    def unpin(self, obj: L1Object) -> None:
-        """Release one pin; the object becomes most recently used (or is freed if no longer live)."""
+    def unpin(self, obj: L1Object, used: bool = True) -> None:
+        """Release one pin; the object is evictable again, as just used (``used``: a read; a
+        write-down's pin is not one), or is freed if no longer live."""
         assert obj.pins > 0
         obj.pins -= 1
+        if used:
+            obj.uses += 1
         if obj.pins:
             return
         if obj.live:
-            self._lru_add(obj)
+            self._evictable.add(obj, new=obj.uses == 0)
         else:
             self._retired.discard(obj)
             self.allocator.free(obj.offset)
@@ -264,6 +331,7 @@ class L1Store:
         """Delete every READY object; returns how many. Reservations in flight are kept."""
         objs = list(self._ready.values())
         self._ready.clear()
+        self._versions.clear()
         for obj in objs:
             self._retire(obj)
         if self._watcher:
@@ -275,6 +343,8 @@ class L1Store:
         ``successor``, a new version of its key, takes its place in the directory."""
         if self._ready.get(obj.key) is obj:
             del self._ready[obj.key]
+        if self._versions.get(obj.version) is obj:
+            del self._versions[obj.version]
         if successor is not None:
             self._listings.hand_over(obj, successor, self.allocator.generation(successor.offset))
         else:
@@ -283,8 +353,10 @@ class L1Store:
         if obj.pins:
             self._retired.add(obj)
         else:
-            self._lru_drop(obj)
+            self._evictable.drop(obj)
             self.allocator.free(obj.offset)
+        if obj.dirty:
+            self._evictable.wake()
 
     def touch(self, entry: int, offset: int, gen: int, region: str | None) -> bool:
         """A client read the object published at ``entry`` of ``region``'s directory (found in
@@ -294,9 +366,9 @@ class L1Store:
         obj = self._listings.at(region, entry)
         if obj is None or obj.offset != offset or self.allocator.generation(offset) != gen:
             return False
-        if obj.key in self._lru:
-            self._lru.move_to_end(obj.key)
-            self._buckets[(obj.region, aligned(obj.nbytes))].move_to_end(obj.key)
+        obj.uses += 1
+        if obj in self._evictable:
+            self._evictable.access(obj)
         return True
 
     def check_integrity(self) -> None:
@@ -304,18 +376,14 @@ class L1Store:
         self.allocator.check_integrity()
         for key, obj in self._ready.items():
             assert obj.key == key and obj.state is State.READY and obj.live
-            assert (key in self._lru) == (obj.pins == 0), f"LRU membership wrong for pins={obj.pins}"
+            assert (obj in self._evictable) == (obj.pins == 0), f"evictable membership wrong for pins={obj.pins}"
         if isinstance(self.allocator, Partitions):
             for obj in (*self._ready.values(), *self._reserved.values(), *self._retired, *self._detached):
                 assert self.allocator.name_of(obj.offset) == obj.region, "an object's slot is outside its region"
                 assert obj.region is None or self.shares is None or self.shares.owner(obj.key) == obj.region
-        for key, obj in self._lru.items():
-            assert self._ready.get(key) is obj and obj.pins == 0, "LRU holds a pinned or stale object"
-            assert self._buckets[(obj.region, aligned(obj.nbytes))].get(key) is obj, "an LRU bucket lacks an object"
-        assert sum(len(b) for b in self._buckets.values()) == len(self._lru), "LRU buckets hold strays"
-        for (region, size), bucket in self._buckets.items():
-            assert bucket and list(bucket) == [k for k in self._lru if k in bucket], "a bucket is out of LRU order"
-            assert all(o.region == region and aligned(o.nbytes) == size for o in bucket.values())
+        assert all(self._ready.get(o.key) is o for o in self._versions.values()), "a stale version indexed"
+        self._evictable.check(self._evictable_now)
+        assert len(self._evictable) == sum(1 for o in self._ready.values() if not o.pins), "evictable count drifted"
         for key, obj in self._reserved.items():
             assert obj.key == key and obj.state is State.RESERVED and obj.pins == 0
         for obj in self._retired:

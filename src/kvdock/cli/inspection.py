@@ -87,7 +87,8 @@ def render_diff(d: PrefixDiff) -> str:
     return "\n".join(lines)
 
 
-def add_commands(sub: argparse._SubParsersAction, token_cmd: Callable[..., argparse.ArgumentParser],
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                 token_cmd: Callable[..., argparse.ArgumentParser],
                  token_ids: Callable[[argparse.Namespace], list[int]]) -> None:  # fmt: skip
     """Add ``inspect`` and ``diff`` to the ``kvdock`` parser (``token_cmd``: main's maker of a
     command that takes --model, --cache-salt and token ids)."""

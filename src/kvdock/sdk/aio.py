@@ -111,7 +111,7 @@ def _on_context(
     """The coroutine version of an SDK call that takes a context first."""
 
     @functools.wraps(fn)
-    async def call(ctx: AsyncKVCacheContext, *args: P.args, **kwargs: P.kwargs) -> R:
+    async def call(ctx: AsyncKVCacheContext, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return await _context(ctx).run(fn, *args, **kwargs)
 
     call.__doc__ = f"Coroutine of :func:`kvdock.sdk.{fn.__name__}` (run on the context's threads).\n\n{fn.__doc__}"

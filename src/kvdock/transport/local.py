@@ -67,7 +67,7 @@ class FrameReader:
         """Whether a whole message (or a header that cannot be one) waits in the buffer."""
         if len(self._buf) < HEAD.size:
             return False
-        body, _ = HEAD.unpack_from(self._buf)
+        body: int = HEAD.unpack_from(self._buf)[0]
         return body > self.max_body or len(self._buf) >= HEAD.size + body
 
     def feed(self, data: Buffer) -> None:

@@ -197,11 +197,11 @@ class ControlServer:
         # Only the trackers are kept: a Frame object holds its message, so while one lives its
         # tracker never reports the buffer free.
         frames = [zmq.Frame(b, copy=False, track=True) for b in payload]
-        trackers = [f.tracker for f in frames]
+        trackers = [_tracker(f) for f in frames]
         self._send([to.identity, to.seq, header, *frames])
         del frames
         delay = 0.0005
-        while not all(t.done for t in trackers):  # type: ignore[union-attr]
+        while not all(t.done for t in trackers):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
@@ -222,3 +222,10 @@ class ControlServer:
         if self._gate is not None:
             self._gate.stop()
         self._ctx.term()
+
+
+def _tracker(frame: zmq.Frame) -> zmq.MessageTracker:
+    """The tracker of a frame made with ``track=True`` (which always has one)."""
+    tracker: zmq.MessageTracker | None = frame.tracker
+    assert tracker is not None
+    return tracker

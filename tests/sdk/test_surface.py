@@ -6,6 +6,9 @@ import ast
 import importlib
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 import kvdock.sdk as kvd
 
 USERS = [
@@ -89,3 +92,23 @@ def test_validate_and_context_import_no_circle() -> None:
 
 def test_the_package_is_typed() -> None:
     assert (Path(kvd.__file__).parent.parent / "py.typed").is_file()
+
+
+def test_a_request_is_answered_its_declared_reply_type(ctx: kvd.KVCacheContext, monkeypatch) -> None:
+    """The typed call: ``ask`` of a ``RequestBase[R]`` returns an ``R``; a reply of another op's
+    type (the transport's ProtocolError) is a KVCacheSDKError, like every SDK failure."""
+    from kvdock.errors import ProtocolError
+    from kvdock.protocol import messages as m
+
+    reply = ctx.ask(m.Lookup(ctx.client_id, np.arange(32, dtype=np.uint32).tobytes(), ""))
+    assert type(reply) is m.LookupResult and reply.hit_tokens == 0
+    client = ctx._conn._client
+
+    def answered_otherwise(*args: object, **kwargs: object) -> None:
+        raise ProtocolError("a Lookup was answered Pong, not LookupResult")
+
+    monkeypatch.setattr(client, "call", answered_otherwise)
+    ctx.fast_reads = False
+    monkeypatch.setattr(ctx._conn, "_local", None)  # (so the zmq client, patched, carries it)
+    with pytest.raises(kvd.KVCacheSDKError, match=r"a Lookup was answered Pong, not LookupResult$"):
+        kvd.lookup(ctx, list(range(32)))

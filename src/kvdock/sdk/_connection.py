@@ -12,7 +12,14 @@ from typing import TypeVar
 
 import msgspec
 
-from kvdock.errors import ConfigError, InvalidInputError, KVCacheSDKError, PermissionDeniedError, ServerUnavailableError
+from kvdock.errors import (
+    ConfigError,
+    InvalidInputError,
+    KVCacheSDKError,
+    PermissionDeniedError,
+    ProtocolError,
+    ServerUnavailableError,
+)
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import sdk_error
 from kvdock.sdk import _validate as validate
@@ -27,7 +34,7 @@ LOCAL_RETRY_S = 5.0  # how long a broken local channel waits before it is tried 
 NOWAIT_LOCAL_S = 0.05  # how long a fire-and-forget message waits for room on the local socket
 PROBE_S = 3.0  # how long connect waits for the control plane's socket to take a connection
 
-R = TypeVar("R")
+R = TypeVar("R", bound=m.ReplyBase)
 
 
 KeyPath = str | os.PathLike[str] | None
@@ -140,6 +147,8 @@ class Connection:
                 resp = self._client.call(msg, payload, timeout)  # it never left: send it over zmq
         except HandshakeRefused as e:
             raise PermissionDeniedError(f"kvdock server at {self.url}: {e}") from None
+        except ProtocolError as e:  # (a reply of another op's type: transport.client.check_reply)
+            raise KVCacheSDKError(f"kvdock server at {self.url}: {e}") from None
         except ControlTimeout as e:
             if self._closed:
                 raise KVCacheSDKError(f"the connection to {self.url} is closed (KVCacheContext.close())") from None
@@ -148,11 +157,10 @@ class Connection:
             raise sdk_error(resp.reply.code, resp.reply.message)
         return resp
 
-    def ask(
-        self, msg: msgspec.Struct, expect: type[R], payload: Sequence[memoryview] = (), timeout: float | None = None
-    ) -> R:
-        """:meth:`call`, typed: the reply, which must be an ``expect`` (KVCacheSDKError otherwise)."""
-        return expect_reply(self.url, msg, self.call(msg, payload, timeout).reply, expect)
+    def ask(self, msg: m.RequestBase[R], payload: Sequence[memoryview] = (), timeout: float | None = None) -> R:
+        """:meth:`call`, typed: the reply of the type ``msg``'s op declares (an Error reply is
+        raised, and a reply of another type is a KVCacheSDKError)."""
+        return self.call(msg, payload, timeout).reply  # type: ignore[no-any-return]
 
     def send_nowait(self, msg: msgspec.Struct) -> None:
         """Send without waiting for a reply (best effort): over the local channel when it takes
@@ -189,15 +197,6 @@ def open_connection(url: str, timeout: float, server_key: KeyPath = None, client
         conn.close()
         raise
     return conn
-
-
-def expect_reply(url: str, msg: object, reply: object, expect: type[R]) -> R:
-    """``reply`` to ``msg``, if it is an ``expect``; KVCacheSDKError otherwise."""
-    if not isinstance(reply, expect):
-        raise KVCacheSDKError(
-            f"the server at {url} answered {type(msg).__name__} with {type(reply).__name__}, not {expect.__name__}"
-        )
-    return reply
 
 
 def probe(url: str, timeout: float) -> None:

@@ -133,7 +133,7 @@ def describe(conn: Connection, model_name: str, token: str = "") -> m.Described:
     lists the models it may use; KVCacheSDKError for a layout it cannot use."""
     me = os.getpid()
     desc = conn.ask(
-        m.Describe(m.PROTOCOL_VERSION, model_name, token, pid=me, pid_start=proc_start_time(me) or 0), m.Described
+        m.Describe(m.PROTOCOL_VERSION, model_name, token, pid=me, pid_start=proc_start_time(me) or 0)
     )
     if desc.layout is None:
         known = ", ".join(desc.models) or "none"
@@ -176,7 +176,6 @@ def register(conn: Connection, model_name: str, kv_rank: int | None = None, toke
                 pid_start=proc_start_time(os.getpid()) or 0,
                 token=token,
             ),
-            m.ClientRegistered,
         )
         if (
             reply.chunk_size != chunk_size

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# the codec getaddrinfo encodes host names with, loaded with the SDK: a process that drops its
+# privileges after importing kvdock (to a user who cannot read the stdlib) still resolves hosts
+import encodings.idna  # noqa: F401
 import json
 import urllib.error
 import urllib.request

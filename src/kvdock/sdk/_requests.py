@@ -59,16 +59,14 @@ def shards_of(ctx: KVCacheContext, end: E, layers: int | None = None) -> E:
     return ShardedChunks(end, ctx.shards, shape, ctx.dtype, stages)  # type: ignore[return-value]
 
 
-P = TypeVar("P", m.StorePrepared, m.RetrievePrepared)
+P = TypeVar("P", bound=m.ReplyBase)
 
 
-def prepare(
-    ctx: KVCacheContext, sid: str, msg: m.PrepareStore | m.PrepareRetrieve, expect: type[P]
-) -> tuple[P, list[memoryview]]:
+def prepare(ctx: KVCacheContext, sid: str, msg: m.RequestBase[P]) -> tuple[P, list[memoryview]]:
     """A prepare (its reply and frames) whose reply may never come (timeout): then release
     whatever it may have opened."""
     try:
-        return ctx.ask_frames(msg, expect)
+        return ctx.ask_frames(msg)
     except ServerUnavailableError:
         ctx.end_session(sid)
         raise

@@ -76,7 +76,7 @@ def lookup_many(ctx: KVCacheContext, prompts: Sequence[object], cache_salt: str 
             hits[i] = hit
     for group in _groups(ctx, wholes, todo):
         msg = m.LookupMany(ctx.client_id, [wholes[i] for i in group], [salts[i] for i in group])
-        reply = ctx.ask(msg, m.LookupManyResult)
+        reply = ctx.ask(msg)
         if len(reply.hit_tokens) != len(group):
             raise KVCacheSDKError(f"malformed reply: {len(reply.hit_tokens)} hits for {len(group)} prompts")
         for i, hit in zip(group, reply.hit_tokens, strict=True):
@@ -139,7 +139,7 @@ def _retrieve_group(
     toks, group_salts = [wholes[i] for i in group], [salts[i] for i in group]
     msg = m.PrepareRetrieveMany(ctx.client_id, sids, toks, group_salts, wait_s=ctx.timeout / 2, part=part)
     try:
-        prepared, frames = ctx.ask_frames(msg, m.RetrieveManyPrepared)
+        prepared, frames = ctx.ask_frames(msg)
     except ServerUnavailableError:  # the reply may never come: release whatever it opened
         for sid in sids:
             ctx.end_session(sid)

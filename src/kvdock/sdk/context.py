@@ -27,7 +27,7 @@ from kvdock.layout import KVGeometry
 from kvdock.protocol import messages as m
 from kvdock.sdk import _http, _retry
 from kvdock.sdk import _validate as validate
-from kvdock.sdk._connection import Connection, KeyPath, expect_reply, open_connection
+from kvdock.sdk._connection import Connection, KeyPath, open_connection
 from kvdock.sdk._fastpath import Reporter
 from kvdock.sdk._guard import Held, Holding
 from kvdock.sdk._handshake import Registration, refusal, register, rewatch
@@ -37,7 +37,7 @@ from kvdock.transport.client import Response
 log = logging.getLogger("kvdock.sdk")
 
 CLOSE_WAIT_S = 10.0  # how long close() waits for copies in progress before it stops waiting
-R = TypeVar("R")
+R = TypeVar("R", bound=m.ReplyBase)
 
 
 class KVCacheContext:
@@ -213,18 +213,14 @@ class KVCacheContext:
         self._ref.reg.accepted(msg)
         return resp
 
-    def ask(
-        self, msg: msgspec.Struct, expect: type[R], payload: Sequence[memoryview] = (), timeout: float | None = None
-    ) -> R:
-        """:meth:`call`, typed: the reply, which must be an ``expect`` (KVCacheSDKError otherwise)."""
-        return expect_reply(self.url, msg, self.call(msg, payload, timeout).reply, expect)
+    def ask(self, msg: m.RequestBase[R], payload: Sequence[memoryview] = (), timeout: float | None = None) -> R:
+        """:meth:`call`, typed: the reply of the type ``msg``'s op declares (``RequestBase[R]``)."""
+        return self.call(msg, payload, timeout).reply  # type: ignore[no-any-return]
 
-    def ask_frames(
-        self, msg: msgspec.Struct, expect: type[R], timeout: float | None = None
-    ) -> tuple[R, list[memoryview]]:
+    def ask_frames(self, msg: m.RequestBase[R], timeout: float | None = None) -> tuple[R, list[memoryview]]:
         """:meth:`ask`, with the payload frames that came with the reply (an inline read's bytes)."""
         resp = self.call(msg, (), timeout)
-        return expect_reply(self.url, msg, resp.reply, expect), resp.frames
+        return resp.reply, resp.frames
 
     def _reconnect(self) -> None:
         """Register again (the server restarted): the new registration replaces the current one

@@ -120,9 +120,9 @@ def inspect_prefix(ctx: KVCacheContext, tokens: object, cache_salt: str = "") ->
 
 
 def _locate(ctx: KVCacheContext, whole: bytes, cache_salt: str, n: int) -> m.Located:
-    found = ctx.ask(m.Locate(ctx.client_id, whole, cache_salt), m.Located)
-    if not isinstance(found, m.Located) or len(found.chunks) != n:
-        raise KVCacheSDKError(f"malformed reply to Locate for {n} chunks: {type(found).__name__}")
+    found = ctx.ask(m.Locate(ctx.client_id, whole, cache_salt))
+    if len(found.chunks) != n:
+        raise KVCacheSDKError(f"malformed reply to Locate for {n} chunks: {len(found.chunks)}")
     return found
 
 

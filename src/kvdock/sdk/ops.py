@@ -108,7 +108,7 @@ def _store_once(
 ) -> tuple[m.StorePrepared, int]:
     """One PrepareStore / copy / CommitStore; returns the plan and how many chunks were committed."""
     sid = ctx.new_session_id()
-    prep, _ = prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite), m.StorePrepared)
+    prep, _ = prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite))
     if not prep.slots:
         return prep, 0
     cid = ctx.answered_client_id()  # the session's client, even if another thread registers again
@@ -116,7 +116,7 @@ def _store_once(
     try:
         with ctx.transfer() as t:
             payload = t.write(prep.slots, source)
-        n = ctx.ask(m.CommitStore(cid, sid, [s.index for s in prep.slots]), m.StoreCommitted, payload).committed
+        n = ctx.ask(m.CommitStore(cid, sid, [s.index for s in prep.slots]), payload).committed
         committed = True
     finally:
         if not committed:
@@ -246,7 +246,7 @@ def _retrieve_once(
     sid = ctx.new_session_id()
     # the server loads chunks that only L2/L3 hold into L1 first; it must answer before we give up
     msg = m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2, part=part, tips=tips)
-    prepared, frames = prepare(ctx, sid, msg, m.RetrievePrepared)
+    prepared, frames = prepare(ctx, sid, msg)
     slots = prepared.slots
     if not slots:
         return 0
@@ -281,7 +281,7 @@ def lookup(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> int:
     hit = fastpath.lookup(ctx, whole, cache_salt)
     if hit is not None:
         return hit
-    return int(ctx.ask(m.Lookup(ctx.client_id, whole, cache_salt), m.LookupResult).hit_tokens)
+    return int(ctx.ask(m.Lookup(ctx.client_id, whole, cache_salt)).hit_tokens)
 
 
 @dataclass(frozen=True)
@@ -302,11 +302,11 @@ def lookup_tips(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> Ti
     whole = whole_chunks(ctx, arr)
     if not whole:
         return Tips(0, ())
-    reply = ctx.ask(m.Lookup(ctx.client_id, whole, cache_salt), m.LookupResult)
+    reply = ctx.ask(m.Lookup(ctx.client_id, whole, cache_salt))
     return Tips(int(reply.hit_tokens), tuple(int(v) for v in reply.tips))
 
 
 def check_server_integrity(ctx: KVCacheContext, admin_token: str = "") -> list[str]:
     """Ask the server to run its ``check_integrity()``; returns the problems found (empty = sound).
     A server with tenants needs its ``admin_token`` (PermissionDeniedError)."""
-    return list(checked(ctx).ask(m.CheckIntegrity(admin_token), m.IntegrityReport).problems)
+    return list(checked(ctx).ask(m.CheckIntegrity(admin_token)).problems)

@@ -53,7 +53,7 @@ def register_layout(
     try:
         if http is not None:
             _http.check(http, None, conn.timeout, tok)
-        reply = conn.ask(m.RegisterModel(m.PROTOCOL_VERSION, lay, admin_token, tok), m.ModelRegistered)
+        reply = conn.ask(m.RegisterModel(m.PROTOCOL_VERSION, lay, admin_token, tok))
     finally:
         conn.close()
     return ModelRegistration(lay.model_name, reply.created, reply.slot_nbytes)
@@ -179,7 +179,7 @@ def describe_server(
     tok = validate.token(token)
     conn = open_connection(url, timeout, server_key, client_key)
     try:
-        desc = conn.ask(m.Describe(m.PROTOCOL_VERSION, model_name, tok), m.Described)
+        desc = conn.ask(m.Describe(m.PROTOCOL_VERSION, model_name, tok))
     finally:
         conn.close()
     return desc

@@ -166,7 +166,7 @@ class _Keeper:
             for at in range(0, len(sids), m.MAX_RENEW):
                 part = sids[at : at + m.MAX_RENEW]
                 try:
-                    gone = ctx.ask(m.RenewSessions(client_id, part), m.Renewed, timeout=timeout).gone
+                    gone = ctx.ask(m.RenewSessions(client_id, part), timeout=timeout).gone
                 except KVCacheSDKError as e:
                     if e.code != ErrorCode.UNKNOWN_CLIENT:  # unreachable for now: the leases may still hold
                         log.warning("could not renew the leases of %d view(s): %s", len(part), e)
@@ -361,5 +361,5 @@ def view(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> PrefixVie
         return PrefixView(ctx, ctx.client_id, "", [])
     sid = ctx.new_session_id()
     msg = m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2)
-    slots = list(prepare(ctx, sid, msg, m.RetrievePrepared)[0].slots)
+    slots = list(prepare(ctx, sid, msg)[0].slots)
     return PrefixView(ctx, ctx.answered_client_id(), sid, slots)

@@ -31,6 +31,7 @@ from kvdock.storage.policy import Policy
 
 if TYPE_CHECKING:
     from kvdock.storage.memory import L1Object
+    from kvdock.storage.prefixes import Prefixes
 
 Bucket = tuple[str | None, int]  # (region, slot size)
 
@@ -100,7 +101,8 @@ class _Bucket:
 class Evictable:
     """The evictable objects of L1 (READY, live, unpinned), by bucket; see the module docstring."""
 
-    def __init__(self, make_policy: Callable[[], Policy[Hashable]]) -> None:
+    def __init__(self, make_policy: Callable[[], Policy[Hashable]], prefixes: Prefixes) -> None:
+        self._prefixes = prefixes
         self._make_policy = make_policy
         self._buckets: dict[Bucket, _Bucket] = {}
         self._tiebreak = itertools.count()
@@ -136,7 +138,7 @@ class Evictable:
                 heapq.heapify(b.heap)
         else:
             b.clean[obj.key] = obj
-            b.policy.insert(obj.key, new=new, depth=obj.depth)
+            b.policy.insert(obj.key, new=new, before=self._prefixes.parent_key(obj))
 
     def redirty(self, obj: L1Object, delta: int) -> None:
         """One more (+1) or one fewer (-1) write-down of ``obj`` pending; an evictable object moves
@@ -174,7 +176,13 @@ class Evictable:
         """``obj`` (evictable) was read without a pin (a client's fast read)."""
         b = self._buckets[bucket_of(obj)]
         if b.clean.get(obj.key) is obj:
-            b.policy.access(obj.key)
+            b.policy.access(obj.key, before=self._prefixes.parent_key(obj))
+
+    def demote(self, obj: L1Object) -> None:
+        """``obj`` is an orphan (the chunk before it left L1): a clean one goes next."""
+        b = self._buckets.get(bucket_of(obj))
+        if b is not None and b.clean.get(obj.key) is obj:
+            b.policy.demote(obj.key)
 
     def victim(self, bucket: Bucket, dirty: bool = False) -> L1Object | None:
         """The clean object of ``bucket`` to evict next; with ``dirty``, when there is none, the

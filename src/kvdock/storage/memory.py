@@ -33,6 +33,7 @@ from kvdock.shm.slots import Partitions, SlotAllocator, aligned
 from kvdock.storage.evictable import Evictable, L1Counters
 from kvdock.storage.listings import Listings
 from kvdock.storage.policy import DEFAULT_POLICY, Policy, make_policy
+from kvdock.storage.prefixes import Prefixes
 from kvdock.storage.shares import Shares
 
 
@@ -94,11 +95,10 @@ class L1Store:
         self.shares = shares
         self._memory = memory  # the pool's bytes, for workers that copy to and from lower tiers
         self._ready: dict[ObjectKey, L1Object] = {}
-        # READY objects by version (0, before chains: none), to find a chunk's predecessor (its depth)
-        self._versions: dict[int, L1Object] = {}
+        self._prefixes = Prefixes()  # READY objects as prompts (prefix-aware eviction)
         self._reserved: dict[ObjectKey, L1Object] = {}
         # evictable objects by (region, slot size), clean ones in policy order (storage.evictable)
-        self._evictable = Evictable(policy if callable(policy) else lambda: make_policy(policy))
+        self._evictable = Evictable(policy if callable(policy) else lambda: make_policy(policy), self._prefixes)
         self.counters = L1Counters()
         self._seq = 0
         # how long a store waits for write-downs to free clean room (storage.writeback); the server's
@@ -232,8 +232,7 @@ class L1Store:
             return False
         self._evictable.evict(obj)
         del self._ready[obj.key]
-        if self._versions.get(obj.version) is obj:
-            del self._versions[obj.version]
+        self._orphaned(obj)
         self._listings.unpublish(obj)
         obj.live = False
         self.allocator.free(obj.offset)
@@ -243,9 +242,10 @@ class L1Store:
             self._watcher.removed(obj, evicted=True)
         return True
 
-    def _prefix_parent(self, obj: L1Object) -> L1Object | None:
-        """The READY object ``obj`` chains to (the chunk before it in its prompt), if L1 has it."""
-        return self._versions.get(obj.parent) if obj.parent else None
+    def _orphaned(self, obj: L1Object) -> None:
+        """``obj`` left READY: the chunks after it in L1 go first now."""
+        for orphan in self._prefixes.discard(obj):
+            self._evictable.demote(orphan)
 
     def stats(self) -> dict[str, Any]:
         """What /status shows of eviction: the policy, the counters, dirty objects now."""
@@ -265,12 +265,11 @@ class L1Store:
         obj.state = State.READY
         self._seq += 1
         obj.seq = self._seq
-        prev = self._prefix_parent(obj)
-        obj.depth = prev.depth + 1 if prev is not None else 0
         self._ready[obj.key] = obj
-        if obj.version:
-            self._versions[obj.version] = obj
+        orphan = self._prefixes.add(obj)
         self._evictable.add(obj, new=True)
+        if orphan:
+            self._evictable.demote(obj)
         if old is None:
             self._listings.publish(obj, self.allocator.generation(obj.offset))
         if self._watcher:
@@ -331,7 +330,7 @@ class L1Store:
         """Delete every READY object; returns how many. Reservations in flight are kept."""
         objs = list(self._ready.values())
         self._ready.clear()
-        self._versions.clear()
+        self._prefixes.clear()
         for obj in objs:
             self._retire(obj)
         if self._watcher:
@@ -343,8 +342,7 @@ class L1Store:
         ``successor``, a new version of its key, takes its place in the directory."""
         if self._ready.get(obj.key) is obj:
             del self._ready[obj.key]
-        if self._versions.get(obj.version) is obj:
-            del self._versions[obj.version]
+        self._orphaned(obj)
         if successor is not None:
             self._listings.hand_over(obj, successor, self.allocator.generation(successor.offset))
         else:
@@ -381,7 +379,7 @@ class L1Store:
             for obj in (*self._ready.values(), *self._reserved.values(), *self._retired, *self._detached):
                 assert self.allocator.name_of(obj.offset) == obj.region, "an object's slot is outside its region"
                 assert obj.region is None or self.shares is None or self.shares.owner(obj.key) == obj.region
-        assert all(self._ready.get(o.key) is o for o in self._versions.values()), "a stale version indexed"
+        self._prefixes.check(self._ready.values())
         self._evictable.check(self._evictable_now)
         assert len(self._evictable) == sum(1 for o in self._ready.values() if not o.pins), "evictable count drifted"
         for key, obj in self._reserved.items():

@@ -88,7 +88,8 @@ def test_an_acknowledged_overwrite_survives_sigkill_never_stale(tmp_path: Path) 
 def test_an_overwrite_whose_write_down_is_skipped_never_comes_back_old(tmp_path: Path) -> None:
     disk = tmp_path / "l2"
     slow = {"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.3"}
-    srv = start_server(tmp_path, "--disk-dir", str(disk), l1_size="32KiB", env=slow)  # 8 slots
+    # 8 slots; stores never wait for write-downs (--writeback-wait-s 0): unwritten objects are evicted
+    srv = start_server(tmp_path, "--disk-dir", str(disk), "--writeback-wait-s", "0", l1_size="32KiB", env=slow)
     kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
     tokens, others = make_tokens(4 * CHUNK), make_tokens(8 * CHUNK, start=70_000)
     old, new = make_kv(4 * CHUNK, seed=1), make_kv(4 * CHUNK, seed=2)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import MODEL
+from helpers import CHUNK, MODEL, make_tokens
 
 WORKER = textwrap.dedent(
     """
@@ -321,3 +321,24 @@ def test_a_copy_for_slots_of_an_older_registration_is_refused(ctx) -> None:
     assert kvd.lookup(ctx, tokens) == 0
     with ctx.transfer() as t:  # answered for the current registration: fine
         assert t is ctx._transfer
+
+
+def test_a_registration_is_one_frozen_object_swapped_whole(ctx: kvd.KVCacheContext) -> None:
+    """Issue 25: the registration was copied field by field on reconnect (a thread could read
+    one registration's client id with another's limits); the client id was held in three places."""
+    import dataclasses
+
+    reg = ctx.registration
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reg.client_id = "x"  # type: ignore[misc]
+    assert (ctx.client_id, ctx.chunk_size, ctx.geometry, ctx.max_request_tokens) == (
+        reg.client_id, reg.chunk_size, reg.geometry, reg.max_request_tokens,
+    )  # fmt: skip
+    ctx.fast_reads = False
+    with ctx._reconnect_lock:
+        ctx._reconnect()  # what a server restart makes a thread do
+    new = ctx.registration
+    assert new is not reg and new.client_id != reg.client_id and ctx.client_id == new.client_id
+    assert new.layout is reg.layout and new.geometry == reg.geometry  # the first registration's layout
+    assert ctx.reporter._client_id() == new.client_id  # the reporter reads the one place
+    assert kvd.lookup(ctx, make_tokens(CHUNK)) == 0  # the new registration works

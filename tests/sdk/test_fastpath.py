@@ -669,3 +669,27 @@ def test_a_pool_past_its_valid_until_deadline_is_read_through_the_server(server)
             assert served(server) == (before[0] + 1, before[1] + 1)  # from the directory again
     finally:
         pool.close()
+
+
+def test_a_read_does_not_repair_the_server_watch(server, monkeypatch) -> None:
+    """Issue 25: a fast read that found the watch of the server hung up made a new one (a read
+    with a side effect on the connection). Now the watch follows the connection's local channel
+    (kvdock.sdk._handshake.rewatch): while that is down, reads only look, and go to the server."""
+    from kvdock.sdk import _connection
+
+    monkeypatch.setattr(_connection, "LOCAL_RETRY_S", 600.0)  # the local channel stays down
+    tokens = make_tokens(CHUNK, start=9900)
+    with kvd.connect(server.url, server.http_url, MODEL) as c:
+        assert kvd.store(c, make_kv(CHUNK), tokens)
+        looked = []
+        real = _connection.Connection.peer_watch
+        monkeypatch.setattr(_connection.Connection, "peer_watch", lambda self: looked.append(1) or real(self))
+        c._conn._local._chan._sock.sendall(b"\xff" * 8)  # type: ignore[union-attr]  # the server drops us
+        deadline = time.monotonic() + 10
+        while not c._transfer.watch_lost:  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "the server kept the connection"
+            time.sleep(0.01)
+        for _ in range(5):
+            assert torch.equal(kvd.retrieve(c, tokens), make_kv(CHUNK))  # type: ignore[arg-type]  # via the server
+        assert looked == [] and c._transfer.watch_lost  # type: ignore[attr-defined]
+        assert c._conn.channel == "zmq"

@@ -1,5 +1,5 @@
 """The guard of a context's transfer: which registration is current, and who copies through it
-(``KVCacheContext.transfer``, ``hold_transfer``, ``drop_transfer``)."""
+(``KVCacheContext.transfer``, ``_hold_transfer``, ``_drop_transfer``)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ class Held:
 class Guarded(Protocol):
     """What holds the current registration (a KVCacheContext)."""
 
-    def hold_transfer(self, answered: bool = True) -> Held: ...
-    def drop_transfer(self, ref: Held) -> None: ...
+    def _hold_transfer(self, answered: bool = True) -> Held: ...
+    def _drop_transfer(self, ref: Held) -> None: ...
 
 
 class Holding:
@@ -41,8 +41,8 @@ class Holding:
         self._ctx, self._answered = ctx, answered
 
     def __enter__(self) -> Transfer:
-        self._ref = self._ctx.hold_transfer(self._answered)
+        self._ref = self._ctx._hold_transfer(self._answered)
         return self._ref.transfer
 
     def __exit__(self, *exc: object) -> None:
-        self._ctx.drop_transfer(self._ref)
+        self._ctx._drop_transfer(self._ref)

@@ -144,7 +144,7 @@ def _retrieve_group(
         for sid in sids:
             ctx.end_session(sid)
         raise
-    cid = ctx.answered_client_id()
+    cid = ctx._answered_client_id()
     rows: list[list[m.SlotRef]] = prepared.slots
     opened = [sid for sid, row in zip(sids, rows, strict=False) if row]
     expired: list[int] = []

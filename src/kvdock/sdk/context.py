@@ -48,7 +48,10 @@ class KVCacheContext:
     :meth:`transfer`, a reference-counted guard: :meth:`close` and a re-registration after a
     server restart swap the transfer out, and the old one is unmapped only when the last thread
     copying through it has left, so a copy never runs on unmapped memory. A thread that starts a
-    copy after close() gets KVCacheSDKError."""
+    copy after close() gets KVCacheSDKError.
+
+    Applications use its properties (:attr:`registration` and its fields), ``fast_reads`` and
+    :meth:`close`; the request methods (call, ask, transfer, ...) are the SDK modules' own."""
 
     def __init__(self, url: str, http_url: str | None, conn: Connection, reg: Registration, token: str = "") -> None:
         self.url = url
@@ -71,7 +74,6 @@ class KVCacheContext:
         self.reporter = Reporter(conn.send_report, lambda: getattr(me(), "client_id", ""))
         conn.on_local = lambda: _rewatch(me())
 
-    # what the server registered: one Registration (see _reconnect)
     @property
     def registration(self) -> Registration:
         """The current registration (frozen; replaced whole after a server restart)."""
@@ -153,9 +155,9 @@ class KVCacheContext:
         it handed out are not in the pool now mapped)."""
         return Holding(self, answered)
 
-    def hold_transfer(self, answered: bool = True) -> Held:
+    def _hold_transfer(self, answered: bool = True) -> Held:
         """What :meth:`transfer` does on entry, for a holder that outlives a ``with`` block (a
-        zero-copy view): pair it with :meth:`drop_transfer`. Never from a finalizer (it locks)."""
+        zero-copy view): pair it with :meth:`_drop_transfer`. Never from a finalizer (it locks)."""
         with self._refs:
             if self._closed:
                 raise KVCacheSDKError("this KVCacheContext is closed")
@@ -168,7 +170,7 @@ class KVCacheContext:
             ref.users += 1
             return ref
 
-    def drop_transfer(self, ref: Held) -> None:
+    def _drop_transfer(self, ref: Held) -> None:
         with self._refs:
             ref.users -= 1
             last = ref.retired and ref.users == 0
@@ -245,7 +247,7 @@ class KVCacheContext:
         if not self._closed:
             self._conn.send_nowait(msg)
 
-    def answered_client_id(self) -> str:
+    def _answered_client_id(self) -> str:
         """The client id this thread's last request was answered for (a request that registered
         again after a server restart was answered for the new one): end a flow with it."""
         return getattr(self._answered, "client_id", None) or self.client_id
@@ -259,7 +261,7 @@ class KVCacheContext:
     def new_session_id() -> str:
         return uuid.uuid4().hex
 
-    def track_view(self, lease: Any) -> None:
+    def _track_view(self, lease: Any) -> None:
         """Remember the lease of an open zero-copy view (anything with ``revoke()``), which
         :meth:`close` revokes first; KVCacheSDKError once the context is closing."""
         with self._refs:
@@ -267,7 +269,7 @@ class KVCacheContext:
                 raise KVCacheSDKError("this KVCacheContext is closed")
             self._views.add(lease)
 
-    def untrack_view(self, lease: Any) -> None:
+    def _untrack_view(self, lease: Any) -> None:
         with self._refs:
             self._views.discard(lease)
 

@@ -111,7 +111,7 @@ def _store_once(
     prep, _ = prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite))
     if not prep.slots:
         return prep, 0
-    cid = ctx.answered_client_id()  # the session's client, even if another thread registers again
+    cid = ctx._answered_client_id()  # the session's client, even if another thread registers again
     committed = False
     try:
         with ctx.transfer() as t:
@@ -250,7 +250,7 @@ def _retrieve_once(
     slots = prepared.slots
     if not slots:
         return 0
-    cid = ctx.answered_client_id()
+    cid = ctx._answered_client_id()
     hit = len(slots) // ctx.shards * ctx.chunk_size  # (a model's chunk is ctx.shards slots, in order)
     if part is not None and ctx.shards > 1:  # the transfer counts slots, the server chunks
         part = msgspec.structs.replace(part, first_chunk=part.first_chunk * ctx.shards)

@@ -91,9 +91,9 @@ class _Lease:
                 blank(self.addr, self.size)
             self.released, self.revoked = True, revoked
         _keeper(self.ctx).forget(self)
-        self.ctx.untrack_view(self)
+        self.ctx._untrack_view(self)
         self.ctx.notify(m.CommitRetrieve(self.client_id, self.session_id))  # a no-op once closed
-        self.ctx.drop_transfer(self.hold)
+        self.ctx._drop_transfer(self.hold)
         # never closed here: tensors on the mapping hold a reference to it (not a buffer export),
         # so closing would unmap memory they point into; it goes when the last of them does
         self.mm = None
@@ -214,7 +214,7 @@ class PrefixView:
             return
         hold = lease = None
         try:
-            hold = ctx.hold_transfer()
+            hold = ctx._hold_transfer()
             transfer = hold.transfer
             if not isinstance(transfer, ShmTransfer):
                 raise KVCacheSDKError("view() maps the server's shared memory; this context uses the inline transport")
@@ -231,7 +231,7 @@ class PrefixView:
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 self._base = torch.frombuffer(mm, dtype=torch.uint8)
             lease = _Lease(ctx, client_id, session_id, hold, mm, self._base.data_ptr())
-            ctx.track_view(lease)  # KVCacheSDKError if the context is closing
+            ctx._track_view(lease)  # KVCacheSDKError if the context is closing
             keeper = _keeper(ctx)
             keeper.keep(lease)
         except BaseException:
@@ -239,7 +239,7 @@ class PrefixView:
                 lease.release()
             else:
                 if hold is not None:
-                    ctx.drop_transfer(hold)
+                    ctx._drop_transfer(hold)
                 ctx.notify(m.CommitRetrieve(client_id, session_id))
             raise
         self._lease = lease
@@ -362,4 +362,4 @@ def view(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> PrefixVie
     sid = ctx.new_session_id()
     msg = m.PrepareRetrieve(ctx.client_id, sid, whole, cache_salt, wait_s=ctx.timeout / 2)
     slots = list(prepare(ctx, sid, msg)[0].slots)
-    return PrefixView(ctx, ctx.answered_client_id(), sid, slots)
+    return PrefixView(ctx, ctx._answered_client_id(), sid, slots)

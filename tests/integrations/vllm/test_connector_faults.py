@@ -88,13 +88,16 @@ def test_a_failed_load_is_recomputed_and_a_dead_or_restarted_kvdock_never_fails_
         assert prepare_retrieves(faulty) == asked + 1  # the load was tried ...
         assert res["outputs"] == expected  # ... failed, and the blocks were recomputed
 
-        # 1b. KV computed over a failed load is never saved: vLLM learns of the failure only
-        # after the forward pass that attended to the unfilled blocks
+        # 1b. a background load (kvdock.load_async, the default) fails before vLLM computes anything
+        # over it: vLLM recomputes the failed blocks first, so the chunks computed after them are
+        # right, and saved (a foreground load's failure is learnt only after the forward pass that
+        # attended to the unfilled blocks: test_tensor_parallel's engine loads in the foreground)
         longer = p[:192] + prompt(44, 208)
         assert e.call(op="reset_prefix_cache")["ok"]
-        e.generate([longer])  # kvdock holds its first 192 tokens; the load fails, 192..400 computed
+        res = e.call(op="generate", prompts=[longer], max_tokens=8)  # kvdock holds 192; the load fails
+        assert res["cached"] == [0]  # recomputed from the first block
         with kvd.connect(faulty.url, faulty.http_url, MODEL) as ctx:
-            assert kvd.lookup(ctx, longer) == 192  # chunks 3..5 were not stored
+            assert kvd.lookup(ctx, longer) == 384  # chunks 3..5 were stored
 
         # 2. a hung server: requests complete (kvdock calls time out and become misses)
         q = prompt(41, 200)

@@ -43,12 +43,23 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
 
 
 def side(
-    srv: ServerProcess, clock: Clock | None = None, lookup_wait: float = 0.01, timeout: float = 2.0
+    srv: ServerProcess,
+    clock: Clock | None = None,
+    lookup_wait: float = 0.01,
+    timeout: float = 2.0,
+    load_async: bool = False,
+    model: str = MODEL,
 ) -> SchedulerSide:
     cfg = ConnectorConfig(
-        url=srv.url, http_url=srv.http_url, model_name=MODEL, timeout=timeout, retry_s=1.0, lookup_wait=lookup_wait
-    )
+        url=srv.url, http_url=srv.http_url, model_name=model, timeout=timeout, retry_s=1.0, lookup_wait=lookup_wait,
+        load_async=load_async,
+    )  # fmt: skip
     return SchedulerSide(cfg, BLOCK, clock=clock or time.monotonic)
+
+
+def blocks(ids: list[int]) -> SimpleNamespace:
+    """vLLM's KVCacheBlocks as update_state_after_alloc gets them (one KV cache group)."""
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
 
 
 def request(rid: str, tokens: list[int], **more: Any) -> SimpleNamespace:
@@ -60,7 +71,7 @@ def ask(s: SchedulerSide, req: SimpleNamespace, computed: int = 0) -> int:
     deadline = time.monotonic() + 10
     while True:
         n, is_async = s.matched_tokens(req, computed)
-        assert is_async is False
+        assert is_async is bool(n and s.cfg.load_async)
         if n is not None:
             return n
         assert time.monotonic() < deadline
@@ -87,7 +98,7 @@ def test_the_load_starts_at_vllms_own_hit_and_saves_cover_new_chunks(server: Ser
     req = request("r", toks)
     assert ask(s, req, computed=64) == 128  # kvdock holds 192: 128 beyond vLLM's own 64
     assert s.matched_tokens(req, 64) == (128, False)  # asked again: the same, no new lookup
-    s.allocated(req, 128)
+    s.allocated(req, blocks(range(10, 20)), 128)
     new = SimpleNamespace(req_id="r", block_ids=(list(range(10, 20)),), num_computed_tokens=192)
     meta = s.plan(output([new], scheduled={"r": 108}))
     [load] = meta.loads
@@ -199,7 +210,7 @@ def test_a_request_preempted_and_resumed_in_one_step_keeps_its_load(server: Serv
     s = side(server)
     req = request("r", toks)
     assert ask(s, req) == 192
-    s.allocated(req, 192)
+    s.allocated(req, blocks(range(30, 37)), 192)
     cached = SimpleNamespace(
         req_ids=["r"], resumed_req_ids={"r"}, new_block_ids=[(list(range(30, 37)),)], num_computed_tokens=[192]
     )
@@ -219,4 +230,106 @@ def test_a_lora_adapter_gets_its_own_namespace(server: ServerProcess) -> None:
     with kvd.connect(server.url, server.http_url, MODEL) as ctx:
         kvd.store(ctx, torch.randn(2, 2, 128, 64), toks[:128], cache_salt=lora_cache_salt("", "sql"))
     assert ask(s, request("l2", toks, lora_request=SimpleNamespace(lora_name="sql"))) == 128
+    s.shutdown()
+
+
+def test_a_background_load_is_planned_with_the_blocks_allocated_for_it(server: ServerProcess) -> None:
+    toks = list(range(1, 301))
+    store_prefix(server, toks[:192])
+    s = side(server, load_async=True)
+    req = request("r", toks)
+    assert ask(s, req, computed=64) == 128
+    assert s.matched_tokens(req, 64) == (128, True)  # load_kv_async: vLLM holds the request back
+    s.allocated(req, blocks(range(10, 20)), 128)
+    meta = s.plan(output(scheduled={"other": 16}))  # the request is not scheduled while it loads
+    [load] = meta.loads
+    assert load.is_async and (load.start, load.end, load.block_ids) == (64, 192, list(range(10, 16)))
+    assert meta.saves == []
+    s.allocated(req, blocks(range(10, 20)), 0)  # vLLM's second call, after the load: nothing new
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(10, 20)),), num_computed_tokens=192)
+    meta = s.plan(output([new], scheduled={"r": 108}))
+    assert meta.loads == []
+    [save] = meta.saves  # only the chunks computed after the loaded ones
+    assert save.tokens == toks[:256] and save.block_ids == list(range(10, 18))
+    s.shutdown()
+
+
+def test_a_failed_background_load_has_its_recomputed_chunks_saved(server: ServerProcess) -> None:
+    toks = list(range(1, 301))
+    store_prefix(server, toks[:256])
+    s = side(server, load_async=True)
+    req = request("r", toks)
+    assert ask(s, req) == 256
+    s.allocated(req, blocks(range(10, 20)), 256)
+    [load] = s.plan(output()).loads
+    assert load.block_ids == list(range(10, 18))
+    # the workers could not fill blocks 14 and 15 (tokens 128..192): vLLM recomputes from token 128
+    s.output(SimpleNamespace(finished_sending=None, invalid_block_ids={14, 15}))
+    assert s.matched_tokens(req, 128) == (0, False)  # asked again: only what was loaded is a hit
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(10, 20)),), num_computed_tokens=128)
+    [save] = s.plan(output([new], scheduled={"r": 172})).saves
+    assert save.tokens == toks[:256] and save.block_ids == list(range(10, 18))
+    s.shutdown()
+
+
+def test_a_finished_request_keeps_its_blocks_only_while_a_save_may_read_them(server: ServerProcess) -> None:
+    s = side(server)
+    assert ask(s, request("warm", list(range(900, 1000)))) == 0  # learns the chunk size
+    saved, short, gone = request("saved", list(range(1, 201))), request("short", list(range(300, 340))), request(
+        "gone", list(range(400, 600))
+    )
+    for r in (saved, short, gone):
+        assert ask(s, r) == 0
+    news = [
+        SimpleNamespace(req_id=r.request_id, block_ids=(list(range(i * 10, i * 10 + 7)),), num_computed_tokens=0)
+        for i, r in enumerate((saved, short, gone))
+    ]
+    meta = s.plan(output(news, scheduled={"saved": 200, "short": 40, "gone": 200}))
+    assert sorted(x.req_id for x in meta.saves) == ["gone", "saved"]  # "short" has no whole chunk
+    meta = s.plan(output(scheduled={"x": 1}, preempted={"gone"}))  # its copies are dropped or done
+    assert meta.preempted == {"gone"}
+    assert s.finished(saved) == (True, None)  # its save may still be copying out of its blocks
+    assert s.finished(short) == (False, None)
+    assert s.finished(gone) == (False, None)
+    assert s.pending_frees()  # vLLM waits for these blocks rather than preempting
+    meta = s.plan(output())
+    assert meta.delayed == {"saved"}  # the workers report exactly these
+    assert s.plan(output()).delayed == set()
+    s.output(SimpleNamespace(finished_sending={"saved"}, invalid_block_ids=set()))
+    assert not s.pending_frees()
+    s.shutdown()
+
+
+def test_a_scheduler_with_the_workers_layout_registers_the_model_itself(tmp_path: Path) -> None:
+    """The server came up after the engine (or restarted without disk): the scheduler's first
+    lookup registers the layout the workers handed over, learns the chunk size, and plans saves."""
+    from kvdock.layout import KVGeometry
+    from kvdock.protocol.messages import EngineInfo, ModelLayout
+
+    srv = start_server("--no-disk", chunk_size=CHUNK, l1_size="16MiB", log_path=tmp_path / "s.log")
+    try:
+        s = side(srv, model="late")
+        toks = list(range(1, 201))
+        assert ask(s, request("r0", toks)) == 0 and s.chunk_size == 0  # no layout: not registered
+        s.set_layout(ModelLayout("late", KVGeometry(2, 2, 32, "float32"), BLOCK, EngineInfo(name="vllm")))
+        s.link._down_until = float("-inf")  # (past retry_s)
+        assert ask(s, request("r1", toks)) == 0 and s.chunk_size == CHUNK
+        assert "late" in [m["model_name"] for m in kvd.server_status(srv.http_url)["cache_context_meta"]]
+        new = SimpleNamespace(req_id="r1", block_ids=(list(range(7)),), num_computed_tokens=0)
+        [save] = s.plan(output([new], scheduled={"r1": 200})).saves
+        assert save.tokens == toks[:192]
+        s.shutdown()
+    finally:
+        srv.stop()
+
+
+def test_a_request_carrying_num_publishable_block_hashes_saves_only_those_blocks(server: ServerProcess) -> None:
+    s = side(server)
+    assert ask(s, request("warm", list(range(900, 1000)))) == 0  # learns the chunk size
+    toks = list(range(1, 301))
+    req = request("r", toks, num_publishable_block_hashes=5)  # (a field of vLLMs newer than 0.32)
+    assert ask(s, req) == 0
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(10)),), num_computed_tokens=0)
+    [save] = s.plan(output([new], scheduled={"r": 300})).saves
+    assert save.tokens == toks[:128] and save.block_ids == list(range(4))  # 5 blocks: 2 whole chunks
     s.shutdown()

@@ -32,10 +32,13 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(512) for _ in range(n)]
 
 
-def extra(srv: ServerProcess, model: str) -> dict[str, object]:
+def extra(srv: ServerProcess, model: str, **more: object) -> dict[str, object]:
     # a TP engine's first forward pass keeps both cores busy for seconds on the CI machine, and
     # a lookup still in flight after kvdock.timeout is a miss: these tests assert hits
-    return {"kvdock.url": srv.url, "kvdock.http_url": srv.http_url, "kvdock.model_name": model, "kvdock.timeout": 60}
+    return {
+        "kvdock.url": srv.url, "kvdock.http_url": srv.http_url, "kvdock.model_name": model, "kvdock.timeout": 60,
+        **more,
+    }  # fmt: skip
 
 
 def warm(engine: Engine) -> Engine:
@@ -59,7 +62,10 @@ def tp2(model_dir: Path, server: ServerProcess, tmp_path_factory: pytest.TempPat
     # test-only fault: loads under cache_salt "rank1-fails" fail on rank 1 (and only there)
     os.environ[FAULT_FAIL_LOADS_ENV] = "rank1-fails@1"
     try:
-        engine = Engine(model_dir, "float32", extra(server, TP_MODEL), log, tensor_parallel_size=2)
+        # loads in the foreground (before the forward pass that needs them): the ranks must agree
+        # on failed loads within the step (the TP=1 engine loads in the background, the default)
+        cfg = extra(server, TP_MODEL, **{"kvdock.load_async": False})
+        engine = Engine(model_dir, "float32", cfg, log, tensor_parallel_size=2)
     finally:
         del os.environ[FAULT_FAIL_LOADS_ENV]
     with engine as e:
@@ -206,10 +212,12 @@ def test_a_pp2_engine_stores_each_stage_layers_and_the_sdk_assembles_them(
         assert e.call(op="reset_prefix_cache")["ok"]
         loaded = e.call(op="generate", prompts=[p], max_tokens=8)
         assert loaded["cached"] == [192] and loaded["outputs"] == fresh["outputs"]
-        # a request that loads saves nothing in that step: stages cannot agree, within a step,
-        # that every stage's load succeeded (a later stage computes over an earlier one's)
+        # a request that loads in the background is computed only after every stage reported its
+        # load (failed blocks included): the chunk it computes after the loaded ones is saved (a
+        # foreground load saves nothing in its step: stages cannot agree within a step that every
+        # stage's load succeeded, a later stage computing over an earlier one's)
         longer = p + prompt(9, 64)
         assert e.call(op="reset_prefix_cache")["ok"]  # (else vLLM's own prefix cache serves it)
         assert e.call(op="generate", prompts=[longer], max_tokens=2)["cached"] == [192]
         with kvd.connect(server.url, server.http_url, "tiny-pp", timeout=30) as whole:
-            assert kvd.lookup(whole, longer) == 192
+            assert kvd.lookup(whole, longer) == 256

@@ -17,11 +17,13 @@ Importing this module imports vLLM; the rest of kvdock never does.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -31,7 +33,9 @@ from kvdock.integrations.vllm.config import ConnectorConfig
 from kvdock.integrations.vllm.identity import model_fingerprint
 from kvdock.integrations.vllm.plan import KvdockMetadata
 from kvdock.integrations.vllm.scheduler import SchedulerSide, lora_cache_salt
+from kvdock.integrations.vllm.stats import KvdockStats, build
 from kvdock.integrations.vllm.worker import WorkerSide
+from kvdock.protocol.messages import ModelLayout
 
 log = logging.getLogger("kvdock.vllm")
 
@@ -46,9 +50,21 @@ def _served_name(vllm_config: Any) -> str:
     return str(served or model.model)
 
 
+@dataclass
+class KvdockHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler at start: the layout it registers, so that the scheduler
+    registers it too when it is the first to find the server without the model."""
+
+    layout: ModelLayout
+
+
 class KvdockConnector(KVConnectorBase_V1):
     """vLLM's entry point; each role's work lives in its own object (SchedulerSide or
-    WorkerSide), this class only routes vLLM's calls to it."""
+    WorkerSide), this class only routes vLLM's calls to it. Hooks: docs/vllm-connector.md."""
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a save dropped (preemption, full staging) is a later miss
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -96,8 +112,12 @@ class KvdockConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvdockMetadata)
         self.worker.load(meta)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KvdockMetadata)
+        self.worker.preempted(kv_connector_metadata)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        return  # foreground loads complete in start_load_kv; background ones hold their request back
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saves run after the forward pass, in wait_for_save
@@ -108,11 +128,30 @@ class KvdockConnector(KVConnectorBase_V1):
         self.worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self.worker.finished(finished_req_ids)
-        return None, None  # nothing is transferred asynchronously
+        return self.worker.finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        layout = self.worker.layout
+        return KvdockHandshake(layout) if layout is not None else None
+
+    def get_kv_connector_stats(self) -> KvdockStats | None:
+        if self._worker is None:
+            return None
+        stats = KvdockStats(data=self._worker.take_stats())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvdockStats | None:
+        return build(data)
+
+    def unregister_kv_caches(self, *args: Any, **kwargs: Any) -> None:
+        return  # (newer vLLMs, sleep mode) kvdock keeps no reference that outlives a step's use
+
+    def restore_kv_caches(self, *args: Any, **kwargs: Any) -> None:
+        return
 
     def shutdown(self) -> None:
         for side in (self._scheduler, self._worker):
@@ -125,7 +164,24 @@ class KvdockConnector(KVConnectorBase_V1):
         return self.scheduler.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.scheduler.allocated(request, num_external_tokens)
+        self.scheduler.allocated(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.output(connector_output)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler.pending_frees()
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        # every worker registers its own stage's layout; the scheduler registers the first stage's
+        ours = [metadata[k] for k in sorted(metadata) if isinstance(metadata[k], KvdockHandshake)]
+        if ours and self._scheduler is not None:
+            self._scheduler.set_layout(ours[0].layout)  # type: ignore[attr-defined]
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, r): m for r, m in metadata.items()})
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self.scheduler.plan(scheduler_output)

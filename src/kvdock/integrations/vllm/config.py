@@ -17,6 +17,12 @@ kvdock.client_key     CURVE: this engine's secret certificate                   
 kvdock.token          a tenant's token (servers with tenants)                    $KVDOCK_TOKEN
 kvdock.load_failure   vLLM's kv_load_failure_policy while kvdock is in use:      recompute
                       ``recompute`` (a failed load is recomputed) or ``fail``
+kvdock.load_async     load hits in the background while vLLM runs other          true
+                      requests (``load_kv_async``); false: before the forward
+                      pass that needs them
+kvdock.save_buffer_mb host memory (MiB) holding KV copied out of vLLM's pages     256
+                      until kvdock has stored it; a save that does not fit is
+                      dropped (and counted), never waited for
 ====================  ========================================================  ==============
 """
 
@@ -46,6 +52,8 @@ class ConnectorConfig:
     server_key: str = ""
     client_key: str = ""
     token: str = ""
+    load_async: bool = True
+    save_buffer_mb: float = 256.0
 
     @property
     def keys(self) -> dict[str, str | None]:
@@ -82,7 +90,7 @@ class ConnectorConfig:
             url=ours["url"],
             http_url=ours["http_url"],
             model_name=name,
-            cache_decode=_bool(ours.get("cache_decode", False)),
+            cache_decode=_bool(ours.get("cache_decode", False), "cache_decode"),
             timeout=_positive("timeout", ours.get("timeout", 5.0)),
             lookup_wait=_positive("lookup_wait", ours.get("lookup_wait", 0.05), zero=True),
             retry_s=_positive("retry_s", ours.get("retry_s", 2.0)),
@@ -91,29 +99,32 @@ class ConnectorConfig:
             server_key=ours.get("server_key", ""),
             client_key=ours.get("client_key", ""),
             token=ours.get("token", ""),
+            load_async=_bool(ours.get("load_async", True), "load_async"),
+            save_buffer_mb=_positive("save_buffer_mb", ours.get("save_buffer_mb", 256.0), zero=True, what="MiB"),
         )
         if cfg.load_failure not in ("recompute", "fail"):
             raise ConfigError(f"{PREFIX}load_failure must be 'recompute' or 'fail', got {cfg.load_failure!r}")
         return cfg
 
 
-def _bool(value: object) -> bool:
+def _bool(value: object, key: str) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
         return value.lower() in ("true", "1", "yes")
-    raise ConfigError(f"{PREFIX}cache_decode must be a boolean, got {value!r}")
+    raise ConfigError(f"{PREFIX}{key} must be a boolean, got {value!r}")
 
 
-def _positive(key: str, value: object, zero: bool = False) -> float:
-    """A finite number of seconds, > 0 (or >= 0 with ``zero``); ConfigError naming ``key``."""
+def _positive(key: str, value: object, zero: bool = False, what: str = "seconds") -> float:
+    """A finite number (of ``what``), > 0 (or >= 0 with ``zero``); ConfigError naming ``key``."""
+    unit = what
     what = "a non-negative" if zero else "a positive"
     if isinstance(value, bool):
-        raise ConfigError(f"{PREFIX}{key} must be {what} number of seconds, got {value!r}")
+        raise ConfigError(f"{PREFIX}{key} must be {what} number of {unit}, got {value!r}")
     try:
         f = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         f = -1.0
     if not (f >= 0 if zero else f > 0) or f == float("inf"):
-        raise ConfigError(f"{PREFIX}{key} must be {what} number of seconds, got {value!r}")
+        raise ConfigError(f"{PREFIX}{key} must be {what} number of {unit}, got {value!r}")
     return f

@@ -12,10 +12,17 @@ are bound to its share of this process's CPUs, ``VLLM_CPU_OMP_THREADS_BIND``, un
 engine runs in a process group of its own, and :meth:`EngineProcess.stop` ends the whole group. Each stdin line is a
 command; each answer is one stdout line starting with ``@@`` (vLLM's output goes elsewhere):
 
-    {"op": "generate", "prompts": [[ids], ...], "max_tokens": 8, "salts": ["", ...]}
+    {"op": "generate", "prompts": [[ids], ...], "max_tokens": 8, "salts": ["", ...], "settle": true}
         -> {"outputs": [[ids], ...], "cached": [num_cached_tokens, ...], "seconds": wall time,
-            "connector": {"hook": seconds, ...} (with time_connector)}
+            "connector": {"hook": seconds, ...} (with time_connector),
+            "settle_seconds": time to settle}
+        With ``settle`` (the default) the connector's background saves are waited for after the
+        batch (``seconds`` does not include it), and the engine is stepped until it has returned
+        the finished requests' blocks (kept while saves read them): what a test reads from kvdock
+        is then there, and ``reset_prefix_cache`` finds every block free.
     {"op": "reset_prefix_cache"} -> {"ok": true}
+    {"op": "pages", "tokens": [ids], "path": "..."} -> {"found": bool}: the KV vLLM's pages hold for
+        a recent save of exactly those tokens, written to path (``torch.save``; rank 0's)
     {"op": "metrics"} -> {"name": value, ...} (vLLM's counters and gauges)
     {"op": "quit"} -> the process exits at once (no vLLM teardown)
 
@@ -87,12 +94,14 @@ def main() -> None:
         cmd = json.loads(line)
         op = cmd["op"]
         if op == "quit":
-            # nothing outlives this process (saves are synchronous, the server keeps the KV), and
+            # nothing outlives this process (generate settled its saves, the server keeps the KV), and
             # vLLM's own teardown takes ~5 s of every test and example that stops an engine
             sys.stdout.flush()
             os._exit(0)
         if op == "reset_prefix_cache":
             answer({"ok": bool(llm.reset_prefix_cache())})
+        elif op == "pages":
+            answer({"found": llm.collective_rpc(pages_of, args=(cmd["tokens"], cmd["path"]))[0]})
         elif op == "metrics":
             answer({m.name: getattr(m, "value", None) for m in llm.get_metrics() if hasattr(m, "value")})
         elif op == "generate":
@@ -114,9 +123,44 @@ def main() -> None:
             }
             if spent is not None:
                 res["connector"] = {k: v - before.get(k, 0.0) for k, v in spent.items()}
+            if cfg.get("kvdock") is not None and cmd.get("settle", True):
+                start = time.perf_counter()
+                res["drained"] = all(llm.collective_rpc(drain_kvdock))
+                for _ in range(4):  # deliver the finished requests; their blocks come back
+                    llm.llm_engine.step()
+                res["settle_seconds"] = time.perf_counter() - start
             answer(res)
         else:
             answer({"error": f"unknown op {op!r}"})
+
+
+def drain_kvdock(worker: Any = None, timeout: float = 120.0) -> bool:
+    """On a vLLM worker (``collective_rpc``): wait until the connector's background transfers
+    are over; False when they were not within ``timeout``."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return True
+    side = getattr(get_kv_transfer_group(), "_worker", None)
+    return side is None or bool(side.drain(timeout))
+
+
+def pages_of(worker: Any, tokens: list[int], path: str) -> bool:
+    """On a vLLM worker (``collective_rpc``): the KV its pages hold now for the blocks of a recent
+    save of exactly ``tokens``, written to ``path`` as the chunk tensor ``[2, L, T, D]``
+    (``torch.save``); False when no recent save was of ``tokens``."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    side = get_kv_transfer_group()._worker  # type: ignore[attr-defined]
+    spec = next((s for s in reversed(side.recent) if s.tokens == tokens), None)
+    if spec is None:
+        return False
+    geometry = side.codec.geometry
+    out = torch.empty(geometry.chunk_shape(len(spec.block_ids) * side.block_size), dtype=getattr(torch, geometry.dtype))
+    side.codec.gather(torch.tensor(spec.block_ids, dtype=torch.long), out)
+    torch.save(out, path)
+    return True
 
 
 def cpu_binding(ranks: int) -> str:
@@ -133,7 +177,7 @@ def cpu_binding(ranks: int) -> str:
 HOOKS = (
     "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
     "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
-    "get_block_ids_with_load_errors",
+    "get_block_ids_with_load_errors", "handle_preemptions",
 )  # fmt: skip
 
 
@@ -236,9 +280,10 @@ class EngineProcess:
         return self._wait(timeout)
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int = 8, salts: list[str] | None = None
+        self, prompts: list[list[int]], max_tokens: int = 8, salts: list[str] | None = None, settle: bool = True
     ) -> list[list[int]]:
-        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, salts=salts)["outputs"]  # type: ignore[no-any-return]
+        res = self.call(op="generate", prompts=prompts, max_tokens=max_tokens, salts=salts, settle=settle)
+        return res["outputs"]  # type: ignore[no-any-return]
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -1,7 +1,9 @@
 """One connector role's connection to kvdock, built so that kvdock can never fail or stall vLLM.
 
-A :class:`Link` connects lazily, registers the engine's layout (worker side) when the server does
-not know the model -- at start, and again after a server restart -- and turns every kvdock
+A :class:`Link` connects lazily, registers the engine's layout when the server does not know the
+model -- at start, and again at once when a call finds that a restarted server forgot it (both
+roles have the layout: the scheduler gets it from the workers through vLLM's handshake metadata,
+so whichever talks to the server first registers it) -- and turns every kvdock
 failure into a *miss*: :meth:`Link.run` returns the caller's miss value, logs once, and keeps the
 link down for ``retry_s`` so that a dead server costs at most one ``timeout`` per ``retry_s``,
 never one per request. Time comes from an injected clock.
@@ -138,11 +140,35 @@ class Link:
             return miss
         try:
             return fn(ctx)
+        except UnknownModelError as e:
+            if self.layout is None:
+                self._down(f"kvdock {what} failed: {e}")
+                return miss
+            # the server is up but forgot the model (restarted without disk): whoever talks to it
+            # first registers the layout again, at once, and the call is tried once more
+            log.info("kvdock %s: %s; registering %r again", what, e, self.cfg.model_name)
+            self._forget()
+            ctx = self.context()
+            if ctx is None:
+                return miss
+            try:
+                return fn(ctx)
+            except _TRANSIENT as e2:
+                log.info("kvdock %s: %s", what, e2)
+            except KVCacheSDKError as e2:
+                self._down(f"kvdock {what} failed: {e2}")
         except _TRANSIENT as e:
             log.info("kvdock %s: %s", what, e)
         except KVCacheSDKError as e:
             self._down(f"kvdock {what} failed: {e}")
         return miss
+
+    def _forget(self) -> None:
+        """Close the context without taking the link down (the next call connects afresh)."""
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            with contextlib.suppress(KVCacheSDKError):
+                ctx.close(wait_s=0.0)
 
     def drop(self, why: str) -> None:
         """Treat kvdock as down for ``retry_s`` (closing the context): the next call after that

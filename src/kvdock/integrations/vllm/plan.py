@@ -26,6 +26,9 @@ class LoadSpec:
     # the versions the scheduler's lookup saw at token ``end`` (one per stored shard: kvd.Tips),
     # for a tensor-parallel engine's ranks; empty for one rank
     tips: tuple[int, ...] = ()
+    # loaded in the background while vLLM holds the request back (``load_kv_async``): reported
+    # through ``get_finished``, its failed blocks no later than that; else before this step's forward
+    is_async: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,3 +46,9 @@ class SaveSpec:
 class KvdockMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # requests vLLM preempted in this step (their blocks are free again: a save still reading them
+    # must be finished or dropped before the forward pass, ``handle_preemptions``)
+    preempted: set[str] = field(default_factory=set)
+    # finished requests whose blocks vLLM keeps until the worker reports them finished sending
+    # (``request_finished`` returned True: a save was planned for them)
+    delayed: set[str] = field(default_factory=set)

@@ -93,6 +93,8 @@ class _Request:
     asked_from: int = 0  # vLLM's own prefix hit when the match was asked
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # tokens whose save has been planned
+    saving: bool = False  # a save was planned since the request last got its blocks: delay their freeing
+    loading: bool = False  # a background load is in flight (vLLM holds the request back)
 
 
 class SchedulerSide:
@@ -117,6 +119,14 @@ class SchedulerSide:
         self._budget = cfg.lookup_wait  # what this step may still wait for lookups (seconds)
         self._fast = True  # lookups answer well within the budget: worth waiting for in a busy step
         self._idle = False  # the last step scheduled nothing: waiting holds nothing up
+        self._async: list[str] = []  # background loads allocated since the last plan
+        self._delayed: set[str] = set()  # finished with their freeing delayed, since the last plan
+        self._unfreed: set[str] = set()  # delayed and not reported finished sending yet
+
+    def set_layout(self, layout: Any) -> None:
+        """The layout the workers registered (vLLM's handshake metadata): with it, the scheduler's
+        lookups register the model themselves when the server does not know it."""
+        self.link.layout = layout
 
     # -- get_num_new_matched_tokens ------------------------------------------------------------
 
@@ -146,7 +156,8 @@ class SchedulerSide:
                     self._fast = answer.seconds <= self.cfg.lookup_wait * FAST_SHARE
                 st.lookup = None
         st.asked_from = num_computed_tokens
-        return max(0, st.hit - num_computed_tokens), False
+        hit = max(0, st.hit - num_computed_tokens)
+        return hit, bool(hit) and self.cfg.load_async
 
     def _wait(self, lookup: Future[_Answer]) -> None:
         """Wait for ``lookup`` within what is left of this step's budget (the GIL is released
@@ -190,10 +201,16 @@ class SchedulerSide:
 
     # -- update_state_after_alloc ---------------------------------------------------------------
 
-    def allocated(self, request: Any, num_external_tokens: int) -> None:
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """A load of ``num_external_tokens`` was granted; a background one is planned in the next
+        plan with the blocks allocated now (vLLM does not schedule the request meanwhile)."""
         st = self._reqs.get(request.request_id)
         if st is not None and num_external_tokens > 0:
             st.load = (st.asked_from, st.asked_from + num_external_tokens)
+            if self.cfg.load_async:
+                st.block_ids = list(blocks.get_block_ids()[0])
+                st.loading = True
+                self._async.append(request.request_id)
 
     # -- build_connector_meta -------------------------------------------------------------------
 
@@ -201,8 +218,14 @@ class SchedulerSide:
         """This step's loads and saves (vLLM calls it once per step: the lookup budget renews)."""
         self._budget = self.cfg.lookup_wait
         self._idle = not so.total_num_scheduled_tokens
-        meta = KvdockMetadata()
-        self.preempted(so.preempted_req_ids or set())
+        meta = KvdockMetadata(preempted=set(so.preempted_req_ids or ()), delayed=self._delayed)
+        self._delayed = set()
+        self.preempted(meta.preempted)
+        for rid in self._async:
+            st = self._reqs.get(rid)
+            if st is not None and st.load is not None:
+                self._plan_load(meta, rid, st, is_async=True)
+        self._async = []
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
@@ -223,13 +246,9 @@ class SchedulerSide:
 
     def _plan_request(self, meta: KvdockMetadata, rid: str, st: _Request, computed: int) -> None:
         tokens = st.request.prompt_token_ids
+        st.loading = False  # scheduled: a background load is over
         if st.load is not None:
-            start, end = st.load
-            st.load = None
-            nblocks = end // self.block_size
-            load = LoadSpec(rid, list(tokens[:end]), st.block_ids[:nblocks], start, end, st.salt, st.tips)
-            meta.loads.append(load)
-            st.saved = max(st.saved, end)  # kvdock holds these already
+            self._plan_load(meta, rid, st)
         chunk = self.chunk_size
         if not chunk or tokens is None or not st.cacheable:
             return
@@ -239,20 +258,64 @@ class SchedulerSide:
             limit = len(tokens)
             while limit and tokens[limit - 1] < 0:  # placeholders of tokens not sampled yet
                 limit -= 1
+        publishable = getattr(st.request, "num_publishable_block_hashes", None)  # (newer vLLMs)
+        if isinstance(publishable, int) and publishable >= 0:
+            limit = min(limit, publishable * self.block_size)
         end = min(computed, limit) // chunk * chunk
         if end > st.saved and end // self.block_size <= len(st.block_ids):
             meta.saves.append(SaveSpec(rid, list(tokens[:end]), st.block_ids[: end // self.block_size], st.salt))
             st.saved = end
+            st.saving = True
+
+    def _plan_load(self, meta: KvdockMetadata, rid: str, st: _Request, is_async: bool = False) -> None:
+        assert st.load is not None
+        start, end = st.load
+        st.load = None
+        tokens = st.request.prompt_token_ids
+        nblocks = end // self.block_size
+        load = LoadSpec(rid, list(tokens[:end]), st.block_ids[:nblocks], start, end, st.salt, st.tips, is_async)
+        meta.loads.append(load)
+        st.saved = max(st.saved, end)  # kvdock holds these already
+
+    # -- update_connector_output / has_pending_block_frees --------------------------------------
+
+    def output(self, out: Any) -> None:
+        """The workers' report: delayed blocks freed; a background load that failed from block
+        ``i`` on is recomputed by vLLM from there -- the hit shrinks to what was loaded (vLLM asks
+        again: it must not load the same chunks again) and the chunks after it are saved again."""
+        self._unfreed -= set(out.finished_sending or ())
+        invalid = out.invalid_block_ids or set()
+        if not invalid:
+            return
+        for st in self._reqs.values():
+            if st.loading and invalid.intersection(st.block_ids):
+                first = next(i for i, b in enumerate(st.block_ids) if b in invalid)
+                chunk = self.chunk_size or self.block_size
+                valid = first * self.block_size // chunk * chunk
+                st.saved = min(st.saved, valid)
+                st.hit = min(st.hit or 0, valid)
+
+    def pending_frees(self) -> bool:
+        """Blocks of finished requests come back once their saves have read them: vLLM waits
+        for them rather than preempting."""
+        return bool(self._unfreed)
 
     # -- request_finished -----------------------------------------------------------------------
 
     def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        """Saves run synchronously in the step that computed the KV (``wait_for_save``), so by
-        the time a request finishes none of its blocks is still being read: they may be freed."""
-        st = self._reqs.pop(request.request_id, None)
-        if st is not None and st.lookup is not None:
+        """A request with a save planned since it got its blocks may still have them read by the
+        workers' copier: vLLM keeps them until every worker reports the request finished sending
+        (the next plan tells them which requests to report: exactly these)."""
+        rid = request.request_id
+        st = self._reqs.pop(rid, None)
+        if st is None:
+            return False, None
+        if st.lookup is not None:
             st.lookup.cancel()
-        return False, None
+        if st.saving:
+            self._delayed.add(rid)
+            self._unfreed.add(rid)
+        return st.saving, None
 
     def preempted(self, req_ids: set[str]) -> None:
         """vLLM freed these requests' blocks. A load planned for one is kept: vLLM can preempt and
@@ -260,8 +323,10 @@ class SchedulerSide:
         and then lists it as preempted in the plan that must carry its load."""
         for rid in req_ids:
             st = self._reqs.get(rid)
-            if st is not None and st.load is None:
-                st.block_ids = []
+            if st is not None:
+                st.saving = False  # the workers drop or finish its copies before the forward pass
+                if st.load is None:
+                    st.block_ids = []
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

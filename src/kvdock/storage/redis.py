@@ -19,20 +19,21 @@ import functools
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import redis as redis_py
 
 from kvdock.config import CLUSTER_SCHEMES
-from kvdock.errors import CorruptObject, NoRoom, WriteFenced
+from kvdock.errors import CorruptObject, WriteFenced
 from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
 from kvdock.storage import coherence, objfile
 from kvdock.storage._redisclient import ERRORS, cluster_nodes, make_client, run_waited
 from kvdock.storage._redisread import FALLBACK, read_fast
+from kvdock.storage.budget import Budget
 from kvdock.storage.coherence import DELETE_SCRIPT, Coherence, Fence
+from kvdock.storage.policy import Policy
 from kvdock.storage.shares import Shares
 from kvdock.storage.tier import Head, StorageTier, TierCounters
 
@@ -61,13 +62,6 @@ def floor_key(rkey: bytes) -> bytes:
     return rkey + b":f"
 
 
-class _Written(NamedTuple):
-    """One of this server's writes to L3: its bytes and owner (a tenant, or None)."""
-
-    nbytes: int
-    owner: str | None
-
-
 class RedisTier(StorageTier):
     """L3 on one Redis/Valkey server (see the module docstring)."""
 
@@ -80,6 +74,7 @@ class RedisTier(StorageTier):
         max_bytes: int = 0,
         shares: Shares | None = None,
         identity_of: Callable[[str], str | None] = lambda model: "",
+        policy: Policy[Hashable] | None = None,
     ) -> None:
         self.url = url
         # a model's geometry digest now (the server's registry): in its objects' keys (redis_key)
@@ -91,9 +86,8 @@ class RedisTier(StorageTier):
         self.max_bytes = max_bytes
         self.shares = shares
         self._tracking = bool(max_bytes or shares)
-        # redis key -> its bytes and owner, least recently used first (under _lock)
-        self._written: OrderedDict[bytes, _Written] = OrderedDict()
-        self._written_bytes = 0
+        # this server's writes by redis key: bytes, owner, eviction order (under _lock; storage.budget)
+        self._written: Budget[bytes] = Budget(shares, policy, "L3")
         self._down_nodes: dict[str, str] = {}  # cluster nodes the last probe could not reach (under _lock)
         self.cluster = url.startswith(CLUSTER_SCHEMES)
         self.counters = TierCounters()
@@ -219,56 +213,26 @@ class RedisTier(StorageTier):
                 raise WriteFenced(f"L3 refused a stale write-down of {key.chunk.hex()[:16]}")
         if self._tracking:
             with self._lock:
-                self._forget(final)
-                self._written[final] = _Written(size, owner)
-                self._written_bytes += size
-                if self.shares is not None:
-                    self.shares.charge(owner, size)
+                self._written.remove(final)
+                self._written.add(final, size, owner)
         return size
 
     def _forget(self, final: bytes) -> None:
         """Stop counting this server's write of ``final`` (under _lock)."""
-        old = self._written.pop(final, None)
-        if old is not None:
-            self._written_bytes -= old.nbytes
-            if self.shares is not None:
-                self.shares.release(old.owner, old.nbytes)
+        self._written.remove(final)
 
     def _make_room(self, final: bytes, size: int, owner: str | None) -> None:
-        """[writer] Delete this server's least recently used writes until ``size`` more bytes of
-        ``owner`` fit in its quota (its own writes) and in ``max_bytes`` (writes it may evict:
-        storage.shares); NoRoom if they never can. (A key deleted here may hold another server's
-        newer write by now: that is a miss for it, never wrong bytes.)"""
-        shares = self.shares
-        if self.max_bytes and size > self.max_bytes:
-            raise NoRoom(f"{size} bytes do not fit in the L3 budget of {self.max_bytes}")
-        if shares is not None and shares.too_big(owner, size):
-            raise NoRoom(f"{size} bytes do not fit in the L3 quota of tenant {owner!r}")
+        """[writer] Delete this server's writes, first in the eviction policy's order, until
+        ``size`` more bytes of ``owner`` fit in its quota (its own writes) and in ``max_bytes``
+        (writes it may evict: storage.budget); NoRoom if they never can. (A key deleted here may
+        hold another server's newer write by now: that is a miss for it, never wrong bytes.)"""
         while True:
             with self._lock:
-                mine = self._written.get(final)
-                replaced = mine.nbytes if mine is not None else 0
-                if shares is not None and shares.over(owner, size - (replaced if mine and mine.owner == owner else 0)):
-                    victim = self._first(final, lambda v: v == owner)
-                    if victim is None:
-                        raise NoRoom(f"the L3 quota of tenant {owner!r} is held by writes in use")
-                elif self.max_bytes and self._written_bytes - replaced + size > self.max_bytes:
-                    victim = self._first(final, lambda v: shares is None or shares.may_evict(v, owner))
-                    if victim is None:
-                        if shares is None:
-                            return  # (only ``final`` is written: it is replaced)
-                        raise NoRoom(f"the L3 budget of {self.max_bytes} is held by tenants' shares")
-                else:
+                victim = self._written.next_victim(size, owner, self.max_bytes or None, replacing=final)
+                if victim is None:
                     return
-                self._forget(victim)
+                self._written.remove(victim, evicted=True)
             self._redis.delete(victim)
-
-    def _first(self, final: bytes, may: Callable[[str | None], bool]) -> bytes | None:
-        """The least recently used write (not ``final``) whose owner ``may`` says can go (under _lock)."""
-        for rkey, written in self._written.items():
-            if rkey != final and may(written.owner):
-                return rkey
-        return None
 
     def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
         """The fast read (_redisread.read_fast), or redis-py's GET where it cannot decide."""
@@ -280,8 +244,7 @@ class RedisTier(StorageTier):
             found = self._read_plain(rkey, key, out, geometry, chunk_size)
         if found is not None and self._tracking:
             with self._lock:
-                if rkey in self._written:
-                    self._written.move_to_end(rkey)
+                self._written.touch(rkey)
         return found
 
     fast_reads = True  # False: every read is one GET parsed by redis-py (the only read before resp.py)
@@ -382,14 +345,12 @@ class RedisTier(StorageTier):
     def check_integrity(self) -> None:
         """Assert: the bytes of this server's writes add up, and so do their owners' shares."""
         with self._lock:
-            assert self._written_bytes == sum(w.nbytes for w in self._written.values()), "L3 written bytes drifted"
-            if self.shares is not None:
-                self.shares.check((w.owner, w.nbytes) for w in self._written.values())
+            self._written.check()
 
     def status(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"kind": "redis", "up": self._up, "url": self.display_url, "last_error": self.last_error}
         if self.max_bytes:  # what this server wrote and keeps there (other servers' writes not counted)
-            doc["used_bytes"], doc["capacity_bytes"] = self._written_bytes, self.max_bytes
+            doc["used_bytes"], doc["capacity_bytes"] = self._written.used, self.max_bytes
         if self.coherence is not None:  # the fleet's invalidations, as this server follows them
             doc["coherence"] = self.coherence.status()
         if self.cluster:

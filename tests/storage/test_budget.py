@@ -1,0 +1,77 @@
+"""kvdock.storage.budget: the one quota-aware eviction of L2's files and this server's L3 writes:
+an owner's own objects while it is over its quota, then what it may evict while the tier is over
+its capacity, in the policy's order; NoRoom for what can never fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdock.errors import NoRoom
+from kvdock.storage.budget import Budget
+from kvdock.storage.policy import S3FIFO
+from kvdock.storage.shares import Shares
+
+OWNERS = {"a": "a", "b": "b"}  # salt -> tenant; any other salt: nobody's
+
+
+def budget(**quotas: int) -> Budget[str]:
+    return Budget(Shares(lambda salt: OWNERS.get(salt), quotas), tier="L3")
+
+
+def drain(b: Budget[str], nbytes: int, owner: str | None, capacity: int | None, **kw: object) -> list[str]:
+    """Evict as the tiers do until ``nbytes`` of ``owner`` fit; the keys evicted, in order."""
+    out = []
+    while (victim := b.next_victim(nbytes, owner, capacity, **kw)) is not None:  # type: ignore[arg-type]
+        b.remove(victim, evicted=True)
+        out.append(victim)
+    return out
+
+
+def test_lru_order_within_capacity() -> None:
+    b = budget()
+    for k in "wxyz":
+        b.add(k, 10, None)
+    b.touch("w")
+    assert drain(b, 20, None, 40) == ["x", "y"] and b.used == 20
+    assert drain(b, 20, None, 40) == [] and b.next_victim(20, None, None) is None  # (no capacity: quotas only)
+    b.check()
+
+
+def test_an_owner_over_its_quota_evicts_its_own_first_and_never_anothers_share() -> None:
+    b = budget(a=30, b=30)
+    b.add("a1", 10, "a")
+    b.add("n1", 10, None)
+    b.add("b1", 20, "b")
+    b.add("a2", 20, "a")
+    assert drain(b, 10, "a", 100) == ["a1"]  # a: 30 + 10 > 30: its own least recently used
+    assert drain(b, 20, None, 60) == ["n1"]  # nobody's: may evict nobody's only, then ...
+    with pytest.raises(NoRoom, match="the L3 budget of 60 is held by tenants' shares"):
+        b.next_victim(30, None, 60)
+    with pytest.raises(NoRoom, match="40 bytes do not fit in the L3 quota of tenant 'b'"):
+        b.next_victim(40, "b", 100)
+    with pytest.raises(NoRoom, match="101 bytes do not fit in the L3 budget of 100"):
+        b.next_victim(101, "b", 100)
+    assert b.shares is not None and b.shares.used == {"a": 20, "b": 20}
+    b.check()
+
+
+def test_replacing_a_key_frees_its_bytes_and_never_evicts_it() -> None:
+    b = budget()
+    b.add("k", 30, None)
+    b.add("j", 10, None)
+    assert drain(b, 30, None, 40, replacing="k") == []  # k's 30 bytes are replaced by the write
+    assert drain(b, 40, None, 40, replacing="k") == ["j"]
+    with pytest.raises(NoRoom):
+        b.next_victim(40, None, 40, pending=10, replacing="k")  # (only k is left, and it is not a victim)
+
+
+def test_a_scan_resistant_policy_orders_the_budget() -> None:
+    b: Budget[str] = Budget(policy=S3FIFO(), tier="L2")
+    for k in "abcdefghij":
+        b.add(k, 1, None)
+    b.touch("a")  # read once while in the small FIFO: kept over the scan
+    assert drain(b, 5, None, 10) == ["b", "c", "d", "e", "f"]
+    b.check()
+    b.used += 1
+    with pytest.raises(AssertionError, match="budget bytes drifted"):
+        b.check()

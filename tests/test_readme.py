@@ -143,6 +143,16 @@ def _kvdock(args: list[str], cwd: Path) -> tuple[int, str, str]:
 
 
 def _run_blocks(ns: dict[str, Any], srv: Any, cwd: Path, ran: list[Any]) -> None:
+    """Every block in order, in ``cwd`` (the files they name, e.g. prompt.kvb, land there)."""
+    here = Path.cwd()
+    os.chdir(cwd)
+    try:
+        _run_each(ns, srv, cwd, ran)
+    finally:
+        os.chdir(here)
+
+
+def _run_each(ns: dict[str, Any], srv: Any, cwd: Path, ran: list[Any]) -> None:
     for lang, code in blocks():
         if _not_run(code) or "hf.connect(model" in code:
             continue

@@ -189,8 +189,10 @@ def test_the_readme_blocks_run_against_a_real_server(readme_server: Any, tmp_pat
     assert len(ran) >= 9
     # what the blocks did, where the README says what to expect
     outputs = dict(o for _, outs in ran if outs for o in outs)
-    register = next(v for k, v in outputs.items() if k.startswith("kvdock register"))
+    register = next(v for k, v in outputs.items() if k.startswith("kvdock register --model my-model"))
     assert register == {"model_name": "my-model", "created": True, "chunk_nbytes": 2 * LAYERS * 256 * D * 2}
+    mla = next(v for k, v in outputs.items() if k.startswith("kvdock register --model my-mla"))
+    assert mla == {"model_name": "my-mla", "created": True, "chunk_nbytes": 4 * 256 * 576 * 2}
     assert outputs["kvdock lookup   --model my-model 1,2,3"] == {"hit_tokens": 0, "tokens": 3}
     retrieved = next(v for k, v in outputs.items() if k.startswith("kvdock retrieve"))
     assert isinstance(retrieved, dict) and retrieved["hit_tokens"] == 512

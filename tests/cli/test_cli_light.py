@@ -48,7 +48,7 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def test_status_and_register_import_no_torch_and_bypass_a_proxy_for_loopback(server) -> None:
+def test_status_and_register_import_no_torch_and_bypass_a_proxy_for_loopback(server, tmp_path) -> None:
     # a proxy that does not exist: urllib would send every request there (and fail) but for loopback
     dead_proxy = f"http://127.0.0.1:{free_port()}"
     env = _env(http_proxy=dead_proxy, HTTP_PROXY=dead_proxy, no_proxy="")
@@ -59,6 +59,8 @@ def test_status_and_register_import_no_torch_and_bypass_a_proxy_for_loopback(ser
     got, out = probe("register", *flags, "--num-kv-heads", "2", "--head-dim", "8", "--dtype", "float16", env=env)
     assert got == {"code": 0, "heavy": []}
     assert json.loads(out) == {"model_name": "light", "created": True, "chunk_nbytes": 2 * 2 * CHUNK * 16 * 2}
+    got, out = probe("keygen", str(tmp_path / "keys"), env=env)
+    assert got == {"code": 0, "heavy": []} and json.loads(out)["public"].endswith("kvdock.key")
     got, out = probe("serve", "--l1-size", "lots", env=env)  # fails in the config, before any import
     assert got == {"code": 2, "heavy": []}
 

@@ -173,3 +173,18 @@ def test_the_device_copy_out_moves_the_same_bytes_as_the_host_one() -> None:
     # block 1 of layer 0's keys: tokens 32..64 of the copy
     want = pages[0][1, :, :, :32].transpose(0, 1).reshape(32, 64)
     assert torch.equal(host[0, 0, 32:64], want)
+
+
+def test_the_connector_stats_sum_over_workers_and_reduce_for_vllms_log() -> None:
+    from kvdock.integrations.vllm import KvdockConnector
+    from kvdock.integrations.vllm.stats import KvdockStats
+
+    a = KvdockStats(data={"loads": 2, "load_bytes": 3e6, "saves_dropped": 1})
+    b = KvdockConnector.build_kv_connector_stats({"loads": 1, "saved_tokens": 256, "save_s": 0.25})
+    assert isinstance(b, KvdockStats) and not b.is_empty() and KvdockStats().is_empty()
+    reduced = a.aggregate(b).reduce()
+    assert reduced["kvdock loads"] == 3 and reduced["kvdock load MB"] == 3.0
+    assert reduced["kvdock dropped saves"] == 1 and reduced["kvdock saved tokens"] == 256
+    assert reduced["kvdock save s"] == 0.25
+    a.reset()
+    assert a.is_empty()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from kvdock.integrations.vllm.config import ConnectorConfig
 from kvdock.integrations.vllm.geometry import _any_rank, _geometry
 from kvdock.integrations.vllm.link import Link
 from kvdock.integrations.vllm.plan import KvdockMetadata, LoadSpec, SaveSpec
+from kvdock.integrations.vllm.sources import _Blocks, _Part, _Staged
 from kvdock.integrations.vllm.staging import DeviceBridge, bridge_for, copy_out_for
 from kvdock.integrations.vllm.transfers import Transfers
 from kvdock.layout import KVGeometry
@@ -47,44 +49,6 @@ from kvdock.protocol.messages import EngineInfo, ModelLayout
 from kvdock.sharding import Placement, place
 
 log = logging.getLogger("kvdock.vllm")
-
-
-class _Blocks:
-    """One request's blocks as a source and sink of kvdock chunks (chunk ``i`` = blocks
-    ``[i * per_chunk, (i + 1) * per_chunk)``); a sink fills only blocks from ``start_block`` on."""
-
-    def __init__(self, worker: WorkerSide, block_ids: list[int], start_block: int = 0) -> None:
-        self.w = worker
-        self.ids = torch.tensor(block_ids, dtype=torch.long)
-        self.start_block = start_block
-
-    def put(self, index: int, dst: torch.Tensor) -> None:
-        per = self.w.blocks_per_chunk
-        self.w.bridge.gather(self.w.codec, self.ids[index * per : (index + 1) * per], dst)
-
-    def take(self, index: int, src: torch.Tensor) -> None:
-        per = self.w.blocks_per_chunk
-        first, end = max(index * per, self.start_block), (index + 1) * per
-        if first >= end:
-            return  # vLLM computed or cached these blocks itself
-        self.w.bridge.scatter(self.w.codec, self.ids[first:end], src[:, :, (first - index * per) * self.w.block_size :])
-
-    def finish(self) -> None:
-        pass  # every gather and scatter is done when it returns
-
-
-class _Part:
-    """A sink of chunks that hold more heads than this rank (a stored shard it holds part of):
-    hands the rank's values ``[lo, hi)`` of each chunk's last axis on."""
-
-    def __init__(self, inner: _Blocks, lo: int, hi: int) -> None:
-        self.inner, self.lo, self.hi = inner, lo, hi
-
-    def take(self, index: int, src: torch.Tensor) -> None:
-        self.inner.take(index, src[..., self.lo : self.hi].contiguous())
-
-    def finish(self) -> None:
-        self.inner.finish()
 
 
 FAULT_FAIL_LOADS_ENV = faults.FAIL_LOADS_ENV
@@ -115,6 +79,7 @@ class WorkerSide:
         self.transfers: Transfers | None = None  # started by register
         self.layout: ModelLayout | None = None  # what register registers (the scheduler gets it too)
         self.bytes_per_token = 0
+        self._load_stream: torch.cuda.Stream | None = None  # the network thread's uploads (GPU)
         self.recent: deque[SaveSpec] = deque(maxlen=64)  # the last saves queued (tests read pages through it)
 
     # -- register_kv_caches ---------------------------------------------------------------------
@@ -159,6 +124,8 @@ class WorkerSide:
         g = geometry
         self.bytes_per_token = g.planes * g.num_layers * g.hidden_dim * first.element_size()
         self.copier = copy_out_for(self.codec)
+        if self.codec.device.type == "cuda":
+            self._load_stream = torch.cuda.Stream(self.codec.device)
         budget = int(self.cfg.save_buffer_mb * (1 << 20))
         self.transfers = Transfers(self, budget, self.bytes_per_token)
         return lay
@@ -282,9 +249,12 @@ class WorkerSide:
                         return 0
                     return kvd.retrieve_into(ctx, spec.tokens, sink, spec.cache_salt, tips=tips)
 
-                hit = link.run("load", fetch, -1)
-                if isinstance(self.bridge, DeviceBridge):
-                    self.bridge.synchronize()
+                # on a GPU the upload runs on a side stream: a background load overlaps the forward
+                # pass (its blocks are not the batch's), and is complete before it is reported
+                with torch.cuda.stream(self._load_stream) if self._load_stream is not None else nullcontext():
+                    hit = link.run("load", fetch, -1)
+                    if isinstance(self.bridge, DeviceBridge):
+                        self.bridge.synchronize()
                 if hit >= 0:
                     loaded = set(spec.block_ids[spec.start // bs : hit // bs])
                     wanted -= loaded
@@ -383,16 +353,3 @@ class WorkerSide:
             self.transfers.shutdown()
         if self.link is not None:
             self.link.close()
-
-
-class _Staged:
-    """A save's staged KV as a source of kvdock chunks."""
-
-    def __init__(self, staged: torch.Tensor, chunk: int) -> None:
-        self.staged, self.chunk = staged, chunk
-
-    def put(self, index: int, dst: torch.Tensor) -> None:
-        dst.copy_(self.staged[:, :, index * self.chunk : (index + 1) * self.chunk])
-
-    def finish(self) -> None:
-        pass

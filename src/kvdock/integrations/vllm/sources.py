@@ -1,0 +1,62 @@
+"""A request's blocks in vLLM's pages, and a save's staged KV, as the SDK's chunk sources and
+sinks (:func:`kvdock.sdk.store_from`, :func:`kvdock.sdk.retrieve_into`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvdock.integrations.vllm.worker import WorkerSide
+
+
+class _Blocks:
+    """One request's blocks as a source and sink of kvdock chunks (chunk ``i`` = blocks
+    ``[i * per_chunk, (i + 1) * per_chunk)``); a sink fills only blocks from ``start_block`` on."""
+
+    def __init__(self, worker: WorkerSide, block_ids: list[int], start_block: int = 0) -> None:
+        self.w = worker
+        self.ids = torch.tensor(block_ids, dtype=torch.long)
+        self.start_block = start_block
+
+    def put(self, index: int, dst: torch.Tensor) -> None:
+        per = self.w.blocks_per_chunk
+        self.w.bridge.gather(self.w.codec, self.ids[index * per : (index + 1) * per], dst)
+
+    def take(self, index: int, src: torch.Tensor) -> None:
+        per = self.w.blocks_per_chunk
+        first, end = max(index * per, self.start_block), (index + 1) * per
+        if first >= end:
+            return  # vLLM computed or cached these blocks itself
+        self.w.bridge.scatter(self.w.codec, self.ids[first:end], src[:, :, (first - index * per) * self.w.block_size :])
+
+    def finish(self) -> None:
+        pass  # every gather and scatter is done when it returns
+
+
+class _Part:
+    """A sink of chunks that hold more heads than this rank (a stored shard it holds part of):
+    hands the rank's values ``[lo, hi)`` of each chunk's last axis on."""
+
+    def __init__(self, inner: _Blocks, lo: int, hi: int) -> None:
+        self.inner, self.lo, self.hi = inner, lo, hi
+
+    def take(self, index: int, src: torch.Tensor) -> None:
+        self.inner.take(index, src[..., self.lo : self.hi].contiguous())
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+
+class _Staged:
+    """A save's staged KV as a source of kvdock chunks."""
+
+    def __init__(self, staged: torch.Tensor, chunk: int) -> None:
+        self.staged, self.chunk = staged, chunk
+
+    def put(self, index: int, dst: torch.Tensor) -> None:
+        dst.copy_(self.staged[:, :, index * self.chunk : (index + 1) * self.chunk])
+
+    def finish(self) -> None:
+        pass

@@ -218,3 +218,29 @@ def test_the_readme_transformers_block(tmp_path: Path) -> None:
     finally:
         ns.get("ctx") and ns["ctx"].close()  # type: ignore[func-returns-value]
         srv.stop()
+
+
+def test_the_readme_lists_every_serve_flag_with_its_default() -> None:
+    """The flags table of "The server": a row per ServerConfig field, and where the default column
+    is a plain value, it is the field's default (automatic sizes are described in words)."""
+    import dataclasses
+
+    from kvdock.cli.serve import flag
+    from kvdock.config import ServerConfig
+
+    defaults: dict[str, str] = {}
+    for line in README.read_text().splitlines():
+        if line.startswith("| `--"):
+            names, default = (cell.strip() for cell in line.split("|")[1:3])
+            flags = re.findall(r"`(--[a-z0-9-]+)`", names)
+            values = default.split(" / ") if len(flags) > 1 else [default]
+            defaults.update(zip(flags, values, strict=False))
+    for f in dataclasses.fields(ServerConfig):
+        assert flag(f.name) in defaults, f"README's flags table has no row for {flag(f.name)}"
+        shown = defaults[flag(f.name)].split(" (")[0]
+        if isinstance(f.default, bool):
+            assert shown == ("on" if f.default else "off"), f.name
+        elif isinstance(f.default, (int, float)) and f.default and re.fullmatch(r"[\d.]+", shown):
+            assert float(shown) == f.default, f.name
+        elif isinstance(f.default, str) and f.default and not shown.startswith("`"):
+            assert shown == f.default, f.name

@@ -74,8 +74,11 @@ def test_key_tokens_hold_each_hash_and_refuse_what_is_not_one() -> None:
 # -- SGLang stores, the SDK reads by token ids, and back ------------------------------------------
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize(
+    ("mla", "layout"),
+    [(False, layout) for layout in (*LAYOUTS, "page_head")] + [(True, layout) for layout in LAYOUTS],
+    ids=lambda v: {False: "mha", True: "mla"}.get(v, v) if isinstance(v, bool) else v,
+)
 def test_sglang_stores_the_sdk_reads_edits_and_sglang_loads_the_edit(
     sgl_server: ServerProcess, backend: Make, layout: str, mla: bool
 ) -> None:

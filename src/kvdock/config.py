@@ -11,6 +11,8 @@ import ipaddress
 import os
 import re
 import tomllib
+import urllib.parse
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -155,7 +157,9 @@ class ServerConfig:
         "chunks not written down yet, newest first (0: never wait; docs/architecture.md, 4)",
     )
     eviction_policy: str = _opt(
-        "lru", "which evictable chunk goes first, in every tier: lru, s3fifo (docs/benchmarks.md: trace replay)"
+        "s3fifo",
+        "which evictable chunk goes first, in every tier: s3fifo (scan- and frequency-aware, prefix-aware), "
+        "prefix-lru or lru (docs/benchmarks.md: trace replay)",
     )
     admin_token: str = _opt("", "token required (Authorization: Bearer) by HTTP admin actions and to register models")
     log_level: str = _opt("INFO", "DEBUG, INFO or WARNING")
@@ -239,6 +243,15 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def http_opener(url: str) -> urllib.request.OpenerDirector:
+    """urllib's opener for ``url``: the environment's proxies (``http_proxy``, ...), except for a
+    loopback host, which no proxy can reach on this machine's behalf (a proxy would answer for
+    another machine's loopback, or not at all)."""
+    if is_loopback(urllib.parse.urlsplit(url).hostname or ""):
+        return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    return urllib.request.build_opener()
 
 
 def _url_host(host: str) -> str:

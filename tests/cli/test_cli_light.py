@@ -239,3 +239,21 @@ def test_readme_states_the_defaults() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     assert "| `--l1-size` | 1/4 of available memory, at most 2 GiB |" in readme
     assert "| `--disk-dir` / `--disk-size` | `~/.cache/kvdock/l2` / 8 GiB (half the free space when less) |" in readme
+
+
+def test_the_sdk_reaches_a_loopback_server_past_an_http_proxy(server) -> None:
+    """connect() checks ``http_url``: through a proxy the environment names, a loopback URL would
+    reach the proxy (here: nothing) and the server would look dead. (A process of its own: urllib
+    reads the proxy variables once per process.)"""
+    dead_proxy = f"http://127.0.0.1:{free_port()}"
+    code = (
+        "import sys, kvdock.sdk as kvd\n"
+        "with kvd.connect(sys.argv[1], sys.argv[2], 'tiny', timeout=10) as c:\n"
+        "    print(kvd.lookup(c, list(range(16))))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, server.url, server.http_url], capture_output=True, text=True, timeout=120,
+        env=_env(http_proxy=dead_proxy, HTTP_PROXY=dead_proxy),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "0"

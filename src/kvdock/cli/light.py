@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import os
 import urllib.error
-import urllib.parse
 import urllib.request
 from typing import Any
 
-from kvdock.config import TOKEN_ENV, is_loopback
+from kvdock.config import TOKEN_ENV, http_opener
 from kvdock.errors import (
     InvalidInputError,
     KVCacheSDKError,
@@ -25,22 +24,13 @@ from kvdock.transport.client import ConnectionLost, ControlClient, ControlTimeou
 from kvdock.transport.curve import resolve_client
 
 
-def opener_for(url: str) -> urllib.request.OpenerDirector:
-    """urllib's opener for ``url``: the environment's proxies (``http_proxy``, ...), except for a
-    loopback host, which no proxy can reach on this machine's behalf."""
-    host = urllib.parse.urlsplit(url).hostname or ""
-    if is_loopback(host):
-        return urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    return urllib.request.build_opener()
-
-
 def get_json(http_url: str, path: str, timeout: float, token: str = "") -> dict[str, Any]:
     """GET ``http_url + path`` as a JSON object (``token``: ``Authorization: Bearer``);
     PermissionDeniedError for a 401/403, ServerUnavailableError naming the URL otherwise."""
     url = http_url.rstrip("/") + path
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with opener_for(url).open(request, timeout=timeout) as resp:
+        with http_opener(url).open(request, timeout=timeout) as resp:
             doc = json.loads(resp.read())
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from kvdock.config import http_opener
 from kvdock.errors import PermissionDeniedError, ServerUnavailableError
 
 
@@ -20,7 +21,7 @@ def get_json(http_url: str, path: str, timeout: float, token: str = "") -> dict[
     url = http_url.rstrip("/") + path
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
+        with http_opener(url).open(request, timeout=timeout) as resp:  # no proxy for loopback
             doc = json.loads(resp.read())
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):

@@ -246,3 +246,28 @@ def test_sglangs_factory_builds_the_backend_from_its_extra_config(sgl_server: Se
         assert b.off == "" and b._ctx is not None
     finally:
         b.close()
+
+
+def test_mla_tensor_parallel_ranks_share_one_latent_that_rank_0_writes(
+    sgl_server: ServerProcess, backend: Make
+) -> None:
+    name = "sgl-mla-tp2"
+    pools = [host_pool(True, "page_first") for _ in range(2)]
+    ranks = [
+        backend(storage_config(sgl_server, mla=True, tp_rank=r, tp_size=2, **{"kvdock.model_name": name}), pools[r])
+        for r in range(2)
+    ]
+    fill(pools[0], seed=18)
+    fill(pools[1], seed=19)  # (a rank's replica: never written, rank 0 is the writer)
+    keys = sglang_page_hashes(prompt(2, seed=20), PAGE)
+    idx = [p.alloc(2 * PAGE) for p in pools]
+    assert ranks[1].batch_set_v1(keys, idx[1], extra([])) == [True, True]  # SGLang skips it; harmless
+    assert ranks[1].batch_exists(keys, extra([])) == 0  # nothing written by rank 1
+    assert ranks[0].batch_set_v1(keys, idx[0], extra([])) == [True, True]
+    dst = pools[1].alloc(2 * PAGE)
+    assert ranks[1].batch_get_v1(keys, dst, extra([])) == [True, True]
+    assert torch.equal(pages_kv(ranks[1], dst), pages_kv(ranks[0], idx[0]))
+    with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
+        assert ctx.shards == 1
+        kv = kvd.retrieve(ctx, prompt(2, seed=20))
+        assert kv is not None and torch.equal(kv, pages_kv(ranks[0], idx[0]))

@@ -15,6 +15,7 @@ def test_defaults_and_the_served_model_name() -> None:
     assert cfg == ConnectorConfig(
         url="tcp://127.0.0.1:5555", http_url="http://127.0.0.1:9000", model_name="Qwen/Qwen3-8B",
         cache_decode=False, timeout=5.0, lookup_wait=0.05, retry_s=2.0, admin_token="", load_failure="recompute",
+        load_async=True, save_buffer_mb=256.0,
     )  # fmt: skip
 
 
@@ -32,12 +33,15 @@ def test_every_key_is_read() -> None:
             "kvdock.server_key": "/keys/server.key",
             "kvdock.client_key": "/keys/engine.key_secret",
             "kvdock.token": "a-tenant-token-1234",
+            "kvdock.load_async": "false",
+            "kvdock.save_buffer_mb": 64,
             "other.connector.key": 1,  # not ours: ignored
         },
         "served",
     )
     assert (cfg.model_name, cfg.cache_decode, cfg.timeout, cfg.retry_s) == ("mine", True, 0.5, 3.0)
     assert (cfg.admin_token, cfg.load_failure, cfg.lookup_wait) == ("s3cret", "fail", 0.0)
+    assert (cfg.load_async, cfg.save_buffer_mb) == (False, 64.0)
     assert cfg.keys == {
         "server_key": "/keys/server.key",
         "client_key": "/keys/engine.key_secret",
@@ -58,6 +62,8 @@ def test_every_key_is_read() -> None:
         ({**BASE, "kvdock.lookup_wait": -0.1}, "kvdock.lookup_wait must be a non-negative number of seconds, got -0.1"),
         ({**BASE, "kvdock.lookup_wait": "nan"}, "kvdock.lookup_wait must be a non-negative number of seconds"),
         ({**BASE, "kvdock.cache_decode": "maybe"}, "kvdock.cache_decode must be a boolean"),
+        ({**BASE, "kvdock.load_async": 2}, "kvdock.load_async must be a boolean, got 2"),
+        ({**BASE, "kvdock.save_buffer_mb": -1}, "kvdock.save_buffer_mb must be a non-negative number of MiB, got -1"),
         ({**BASE, "kvdock.load_failure": "ignore"}, "kvdock.load_failure must be 'recompute' or 'fail'"),
         ({**BASE, "kvdock.model_name": 7}, "kvdock.model_name must be a string of 1 to 200 characters, got 7"),
         ({**BASE, "kvdock.model_name": ""}, "kvdock.model_name must be a string of 1 to 200"),

@@ -90,6 +90,7 @@ class Registration:
     kv_rank: int | None = None
     shard: int = 0
     shards: int = 1
+    shm_name: str = ""  # the named pool the server offered this client ("" none): whose HTTP API is whose
 
     @property
     def model_name(self) -> str:
@@ -208,6 +209,7 @@ def register(conn: Connection, model_name: str, kv_rank: int | None = None, toke
         kv_rank=kv_rank,
         shard=0 if kv_rank is None else geo.shard_of(kv_rank),
         shards=shards,
+        shm_name=desc.shm_name,
     )
 
 

@@ -50,12 +50,13 @@ def server_status(http_url: str, timeout: float = 10.0, token: str = "") -> dict
 CHECK_S = 3.0  # how long connect waits for the HTTP API it was given
 
 
-def check(http_url: str, chunk_size: int | None, timeout: float, token: str = "") -> None:
+def check(http_url: str, chunk_size: int | None, timeout: float, token: str = "", shm_name: str = "") -> None:
     """What connect verifies of the ``http_url`` it was given: that a kvdock server's HTTP API
     answers there (within ``min(timeout, CHECK_S)``) and, when it shows its ``/config`` (a server
-    with tenants shows it only with a token), that its chunk size is ``chunk_size``: the server
-    the control plane reached (None: not compared). ServerUnavailableError naming ``http_url``
-    otherwise."""
+    with tenants shows it only with a token), that it is the server the control plane reached:
+    its chunk size is ``chunk_size`` (None: not compared) and, given the named pool that server
+    offered (``shm_name``; "": none, not compared), its pool is that one (two servers of the
+    same settings differ there). ServerUnavailableError naming ``http_url`` otherwise."""
     hint = "(the server's HTTP API, kvdock serve --http-port; or pass http_url=None: connect does not need it)"
     try:
         doc = get_json(http_url, "/config", min(timeout, CHECK_S), token)
@@ -69,4 +70,11 @@ def check(http_url: str, chunk_size: int | None, timeout: float, token: str = ""
         raise ServerUnavailableError(
             f"http_url {http_url!r} is another server's HTTP API {hint}: chunk size {doc['chunk_size']}, "
             f"not the {chunk_size} of the server that answered at the control-plane url"
+        )
+    l1 = doc.get("l1")
+    theirs = l1.get("shm_name") if isinstance(l1, dict) else shm_name  # (no "l1": nothing to compare)
+    if shm_name and theirs != shm_name:
+        raise ServerUnavailableError(
+            f"http_url {http_url!r} is another server's HTTP API {hint}: its pool is {theirs!r}, not the "
+            f"{shm_name!r} of the server that answered at the control-plane url"
         )

@@ -10,25 +10,26 @@ import numpy as np
 import torch
 
 from kvdock import keying
-from kvdock.errors import InvalidInputError, ServerUnavailableError
+from kvdock.errors import ServerUnavailableError
+from kvdock.protocol import ErrorCode
 from kvdock.protocol import messages as m
+from kvdock.protocol.codes import sdk_error
 from kvdock.sdk.buffers import buffer_pool
 from kvdock.sdk.chunks import ChunkSink, ChunkSource, ShardedChunks, TensorChunks
 from kvdock.sdk.context import KVCacheContext
 
 
 def whole_chunks(ctx: KVCacheContext, arr: np.ndarray) -> bytes:
-    """``arr``'s whole chunks as the wire's token bytes; InvalidInputError (code ``limit``) past
-    the server's max_request_tokens."""
+    """``arr``'s whole chunks as the wire's token bytes; LimitExceededError (an InvalidInputError,
+    code ``limit``: what the server's own refusal raises) past the server's max_request_tokens."""
     n = len(arr) // ctx.chunk_size * ctx.chunk_size
     cap = ctx.max_request_tokens
     if cap and n > cap:
-        err = InvalidInputError(
+        raise sdk_error(
+            ErrorCode.LIMIT,
             f"request of {n} tokens is over the server's limit of {cap} tokens "
-            f"(max_request_tokens; raise it with --max-request-tokens)"
+            f"(max_request_tokens; raise it with --max-request-tokens)",
         )
-        err.code = "limit"
-        raise err
     return arr[:n].tobytes()
 
 

@@ -21,6 +21,7 @@ from kvdock.errors import InvalidInputError
 from kvdock.keys import normalize_tokens
 from kvdock.layout import KVGeometry
 from kvdock.protocol import messages as m
+from kvdock.protocol.codes import ErrorCode, sdk_error
 from kvdock.sdk.buffers import default_max_bytes
 
 
@@ -118,8 +119,10 @@ def cache_salt(value: object) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidInputError(f"cache_salt must be valid text (it is sent as UTF-8): {e.reason}") from None
-    if len(value) > MAX_SALT_LEN:
-        raise InvalidInputError(f"cache_salt has {len(value)} characters; at most {MAX_SALT_LEN} (hash a longer one)")
+    if len(value) > MAX_SALT_LEN:  # (LimitExceededError: what the server's refusal of it raises)
+        raise sdk_error(
+            ErrorCode.LIMIT, f"cache_salt has {len(value)} characters; at most {MAX_SALT_LEN} (hash a longer one)"
+        )
     return value
 
 

@@ -335,9 +335,10 @@ def connect(
     ``http_url`` (``http://HOST:PORT``, the server's HTTP API: ``/config``, ``/status``,
     ``/metrics``) is not needed to connect: pass None to leave it out. When given, connect checks
     that a kvdock server's HTTP API answers there with the chunk size of the server ``url``
-    reached (ServerUnavailableError naming it otherwise; a server with tenants shows its
-    ``/config`` only with a token, and is then only checked to answer), and keeps it as
-    ``ctx.http_url``.
+    reached and, when that server offered this client its named pool, the same pool (so another
+    server's HTTP API is refused even with the same settings); ServerUnavailableError naming it
+    otherwise (a server with tenants shows its ``/config`` only with a token, and is then only
+    checked to answer). It is kept as ``ctx.http_url``.
 
     ``kv_rank`` None (the default) reads and writes the whole
     model's KV, ``[2, L, T, num_kv_heads_total * head_dim]`` (``[1, L, T, latent]`` for an MLA
@@ -370,7 +371,7 @@ def connect(
     ctx = KVCacheContext(url, http, conn, reg, tok)
     if http is not None:
         try:
-            _http.check(http, reg.chunk_size, conn.timeout, tok)
+            _http.check(http, reg.chunk_size, conn.timeout, tok, reg.shm_name)
         except BaseException:
             ctx.close()
             raise

@@ -20,25 +20,31 @@ from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
 from kvdock.sdk import _fastpath as fastpath
 from kvdock.sdk import _validate as validate
-from kvdock.sdk._requests import Landing, whole_chunks
+from kvdock.sdk._requests import Landing, keyed, whole_chunks
 from kvdock.sdk.context import KVCacheContext, checked
 from kvdock.sdk.ops import retrieve
 
 INLINE_BATCH_BYTES = 256 << 20  # the most one inline batch reply may carry (the server's cap is 1 GiB)
 
 
-def _requests(ctx: KVCacheContext, prompts: object, cache_salt: object) -> tuple[list[bytes], list[str]]:
+def _requests(
+    ctx: KVCacheContext, prompts: object, cache_salt: object
+) -> tuple[list[bytes], list[str], list[tuple[np.ndarray, str]]]:
+    """Each prompt's whole chunks and salt as the server names them (:func:`keyed`), and the
+    prompts and salts as given (what a single call takes)."""
     arrays = validate.prompts(prompts)
-    salts = validate.cache_salts(cache_salt, len(arrays))
-    wholes = []
-    for i, a in enumerate(arrays):
+    given = validate.cache_salts(cache_salt, len(arrays))
+    wholes, salts = [], []
+    for i, raw in enumerate(arrays):
+        a, salt = keyed(ctx, raw, given[i])  # (an SGLang model's page keys: kvdock.keying)
+        salts.append(salt)
         try:
             wholes.append(whole_chunks(ctx, a))
         except InvalidInputError as e:
             err = InvalidInputError(f"prompt {i}: {e}")
             err.code = e.code
             raise err from None
-    return wholes, salts
+    return wholes, salts, list(zip(arrays, given, strict=True))
 
 
 def _groups(ctx: KVCacheContext, wholes: list[bytes], todo: list[int], reply_bytes: int = 0) -> list[list[int]]:
@@ -65,7 +71,7 @@ def lookup_many(ctx: KVCacheContext, prompts: Sequence[object], cache_salt: str 
     list with one per prompt. InvalidInputError names the first bad prompt."""
     ctx = checked(ctx)
     validate.whole_model_only(ctx, "a batch")
-    wholes, salts = _requests(ctx, prompts, cache_salt)
+    wholes, salts, _ = _requests(ctx, prompts, cache_salt)
     hits = [0] * len(wholes)
     todo = []  # the prompts the pool directory cannot answer (sdk.fastpath), for the server
     for i, w in enumerate(wholes):
@@ -98,7 +104,7 @@ def retrieve_many(
     prompt whose copy outlived its lease is retrieved once more on its own."""
     ctx = checked(ctx)
     validate.whole_model_only(ctx, "a batch")
-    wholes, salts = _requests(ctx, prompts, cache_salt)
+    wholes, salts, given = _requests(ctx, prompts, cache_salt)
     picked = validate.layers(ctx, layers)
     start = validate.start(ctx, start)
     results: list[torch.Tensor | None] = [None] * len(wholes)
@@ -117,8 +123,8 @@ def retrieve_many(
     for group in _groups(ctx, wholes, todo, reply_bytes):
         expired = _retrieve_group(ctx, group, wholes, salts, picked, start, results)
         for i in expired:
-            tokens = np.frombuffer(wholes[i], dtype=TOKEN_DTYPE)
-            results[i] = retrieve(ctx, tokens, salts[i], layers=picked, start=start)
+            tokens, salt = given[i]
+            results[i] = retrieve(ctx, tokens, salt, layers=picked, start=start)
     return results
 
 

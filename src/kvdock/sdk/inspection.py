@@ -20,7 +20,7 @@ import torch
 from kvdock.errors import InvalidInputError, KVCacheSDKError
 from kvdock.protocol import messages as m
 from kvdock.sdk import _validate as validate
-from kvdock.sdk._requests import whole_chunks
+from kvdock.sdk._requests import keyed, whole_chunks
 from kvdock.sdk.bundle import digest
 from kvdock.sdk.context import KVCacheContext, checked
 from kvdock.sdk.ops import retrieve, retrieve_into
@@ -97,15 +97,16 @@ def inspect_prefix(ctx: KVCacheContext, tokens: object, cache_salt: str = "") ->
     ctx = checked(ctx)
     validate.whole_model_only(ctx, "inspection")
     arr = validate.tokens(tokens)
-    whole = whole_chunks(ctx, arr)
     cache_salt = validate.cache_salt(cache_salt)
+    keys, key_salt = keyed(ctx, arr, cache_salt)  # what the server names them (kvdock.keying)
+    whole = whole_chunks(ctx, keys)
     n = len(whole) // 4 // ctx.chunk_size
     if not n:
         return Inspection(ctx.model_name, cache_salt, ctx.chunk_size, 0, 0, (), (), ())
     geo = ctx.geometry
     stats = _Stats(geo.planes, geo.num_layers)
     hit = retrieve_into(ctx, arr, stats, cache_salt)
-    found = _locate(ctx, whole, cache_salt, n)
+    found = _locate(ctx, whole, key_salt, n)
     nbytes = geo.chunk_nbytes(ctx.chunk_size)
     cached = hit // ctx.chunk_size  # digests past it are of an attempt whose bytes were refused
     chunks = tuple(
@@ -128,9 +129,10 @@ def _locate(ctx: KVCacheContext, whole: bytes, cache_salt: str, n: int) -> m.Loc
 
 def _versions(ctx: KVCacheContext, tokens: np.ndarray, cache_salt: str) -> tuple[int, ...]:
     """The version of each whole chunk of ``tokens`` where it is stored first (0: nowhere)."""
-    whole = whole_chunks(ctx, tokens)
+    keys, key_salt = keyed(ctx, tokens, cache_salt)
+    whole = whole_chunks(ctx, keys)
     n = len(whole) // 4 // ctx.chunk_size
-    return tuple(row[0].version if row else 0 for row in _locate(ctx, whole, cache_salt, n).chunks) if n else ()
+    return tuple(row[0].version if row else 0 for row in _locate(ctx, whole, key_salt, n).chunks) if n else ()
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from kvdock.memcpy import Copier, blank
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import ErrorCode
 from kvdock.sdk import _validate as validate
-from kvdock.sdk._requests import prepare, whole_chunks
+from kvdock.sdk._requests import keyed, prepare, whole_chunks
 from kvdock.sdk._transfer import ShmTransfer
 from kvdock.sdk.buffers import buffer_pool
 from kvdock.sdk.context import KVCacheContext, checked
@@ -350,8 +350,8 @@ def view(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> PrefixVie
     :func:`~kvdock.sdk.retrieve` raises for bad input."""
     ctx = checked(ctx)
     validate.whole_model_only(ctx, "a zero-copy view")
-    whole = whole_chunks(ctx, validate.tokens(tokens))
-    cache_salt = validate.cache_salt(cache_salt)
+    arr, cache_salt = keyed(ctx, validate.tokens(tokens), validate.cache_salt(cache_salt))
+    whole = whole_chunks(ctx, arr)
     if ctx.transport != "shm":
         raise KVCacheSDKError(
             "view() maps the server's shared memory; this context uses the inline transport "

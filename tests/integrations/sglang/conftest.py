@@ -12,6 +12,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from kvdock.integrations.sglang import KvdockHiCacheStorage
@@ -28,7 +29,14 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
 def host_pool(mla: bool, layout: str, heads: int = HEADS, pages: int = 32) -> Any:
-    """A real SGLang host pool on CPU (its device pool on "cpu", no pinning), ``pages`` pages."""
+    """A real SGLang host pool on CPU (its device pool on "cpu", no pinning), ``pages`` pages.
+    (Booked against a budget of 8 GiB: SGLang otherwise refuses a host pool while the machine
+    has less than 10 GiB available, its reserve for everything else.)"""
+    with host_memory_budget_scope(8 << 30):
+        return _host_pool(mla, layout, heads, pages)
+
+
+def _host_pool(mla: bool, layout: str, heads: int, pages: int) -> Any:
     size = pages * PAGE // 2
     if mla:
         dev = MLATokenToKVPool(

@@ -271,3 +271,30 @@ def test_mla_tensor_parallel_ranks_share_one_latent_that_rank_0_writes(
         assert ctx.shards == 1
         kv = kvd.retrieve(ctx, prompt(2, seed=20))
         assert kv is not None and torch.equal(kv, pages_kv(ranks[0], idx[0]))
+
+
+def test_the_sdks_batch_view_and_inspection_calls_key_an_sglang_model_its_way(
+    sgl_server: ServerProcess, backend: Make
+) -> None:
+    name = "sgl-sdk-calls"
+    pool = host_pool(False, "layer_first")
+    b = backend(storage_config(sgl_server, **{"kvdock.model_name": name}), pool)
+    fill(pool, seed=21)
+    a, c = prompt(2, seed=22), prompt(3, seed=23)
+    for tokens, salt in ((a, None), (c, "carol")):
+        n = len(tokens) // PAGE
+        idx = pool.alloc(n * PAGE)
+        keys = sglang_page_hashes(tokens, PAGE, storage_namespace_seed(None, salt))
+        assert b.batch_set_v1(keys, idx, extra([])) == [True] * n
+        with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
+            assert torch.equal(kvd.retrieve(ctx, tokens, cache_salt=salt or ""), pages_kv(b, idx))
+    with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
+        assert kvd.lookup_many(ctx, [a, c], cache_salt=["", "carol"]) == [2 * PAGE, 3 * PAGE]
+        assert kvd.lookup_many(ctx, [a, c]) == [2 * PAGE, 0]
+        many = kvd.retrieve_many(ctx, [a, c], cache_salt=["", "carol"])
+        assert torch.equal(many[0], kvd.retrieve(ctx, a)) and torch.equal(many[1], kvd.retrieve(ctx, c, "carol"))
+        with kvd.view(ctx, c, cache_salt="carol") as v:
+            assert torch.equal(v.tensor(), many[1])
+        seen = kvd.inspect_prefix(ctx, a)
+        assert seen.hit_tokens == 2 * PAGE
+        assert [[s.tier for s in chunk.stored] for chunk in seen.chunks] == [["l1"], ["l1"]]

@@ -157,7 +157,9 @@ class ServerConfig:
         "chunks not written down yet, newest first (0: never wait; docs/architecture.md, 4)",
     )
     eviction_policy: str = _opt(
-        "lru", "which evictable chunk goes first, in every tier: lru, s3fifo (docs/benchmarks.md: trace replay)"
+        "s3fifo",
+        "which evictable chunk goes first, in every tier: s3fifo (scan- and frequency-aware, prefix-aware), "
+        "prefix-lru or lru (docs/benchmarks.md: trace replay)",
     )
     admin_token: str = _opt("", "token required (Authorization: Bearer) by HTTP admin actions and to register models")
     log_level: str = _opt("INFO", "DEBUG, INFO or WARNING")

@@ -28,7 +28,7 @@ def _unpin(c: kvd.KVCacheContext, name: str) -> None:
 
 
 def test_lru_order_and_pins(make_server) -> None:
-    srv = make_server(l1_size="16KiB")  # exactly four 4 KiB slots
+    srv = make_server("--eviction-policy", "lru", l1_size="16KiB")  # exactly four 4 KiB slots
     kvs = {n: make_kv(CHUNK, seed=i) for i, n in enumerate("ABCDEFGH")}
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
         for n in "ABCD":
@@ -54,6 +54,23 @@ def test_lru_order_and_pins(make_server) -> None:
     assert status["l1"]["evictions"] == 4 and status["l1"]["objects"] == 4 and status["sessions"] == 0
     metrics = srv.text("/metrics")
     assert "kvdock_evictions_total 4.0" in metrics
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("lru", "EFGH"), ("s3fifo", "AFGH")])
+def test_a_scan_of_new_chunks_keeps_a_read_chunk_under_s3fifo(make_server, policy: str, kept: str) -> None:
+    srv = make_server("--eviction-policy", policy, l1_size="16KiB")  # four slots
+    kvs = {n: make_kv(CHUNK, seed=i) for i, n in enumerate("ABCDEFGH")}
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+        for n in "ABCD":
+            assert kvd.store(c, kvs[n], _tok(n))
+        assert torch.equal(kvd.retrieve(c, _tok("A")), kvs["A"])  # A is read once
+        for n in "EFGH":  # a scan of chunks nobody reads again
+            assert kvd.store(c, kvs[n], _tok(n))
+            assert kvd.check_server_integrity(c) == []
+        present = "".join(n for n in "ABCDEFGH" if kvd.lookup(c, _tok(n)) == CHUNK)
+        assert present == kept
+    status = srv.get("/status")["l1"]
+    assert status["eviction"]["eviction_policy"] == policy and status["evictions"] == 4
 
 
 # ---------------------------------------------------------------- clean before dirty (issue 28)
@@ -121,7 +138,15 @@ def test_a_burst_larger_than_l1_loses_nothing_acknowledged(make_server, tmp_path
             assert kvd.lookup(ctx, _prompt(i)) == CHUNK * CHUNKS_PER_PROMPT, f"prompt {i} is not whole"
             assert torch.equal(kvd.retrieve(ctx, _prompt(i)), kv), f"prompt {i} came back wrong"
         assert kvd.check_server_integrity(ctx) == []
-    assert srv.get("/status")["tiers"]["l2"]["writes_skipped"] == 0
+    after = srv.get("/status")
+    assert after["tiers"]["l2"]["writes_skipped"] == 0
+    rate = after["hit_rate"]  # every retrieve whole: from L1, or promoted from L2
+    assert rate["all"] == 1.0 and rate["l2"] > 0 and rate["l1"] + rate["l2"] == pytest.approx(1.0, abs=1e-3), rate
+    metrics = srv.text("/metrics")
+    assert 'kvdock_l1_eviction_policy{policy="s3fifo"} 1.0' in metrics  # the server's default
+    clean = float(after["l1"]["eviction"]["evicted_clean"])
+    assert f'kvdock_l1_evictions_by_reason_total{{reason="clean"}} {clean}' in metrics
+    assert 'kvdock_l1_evictions_by_reason_total{reason="dirty"} 0.0' in metrics
 
 
 @pytest.mark.subprocess_server

@@ -32,7 +32,7 @@ def test_config_and_status_documents(server, ctx) -> None:
         "quarantined_bytes": 0,
         "unsent_reply_bytes": 0,
         "eviction": {
-            "eviction_policy": "lru",
+            "eviction_policy": "s3fifo",
             "evicted_clean": 0,
             "evicted_dirty": 0,
             "evicted_dirty_bytes": 0,

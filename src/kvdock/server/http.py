@@ -85,6 +85,7 @@ def status_doc(state: ServerState, started: float) -> dict[str, Any]:
             "unsent_reply_bytes": state.unsent_bytes,
         },
         "tiers": tiers_doc(state),
+        "hit_rate": hit_rate_doc(state),
         "cache_context_meta": [
             {**model_meta(e.layout), "chunk_nbytes": e.slot_nbytes} for e in state.registry.models.values()
         ],
@@ -112,6 +113,18 @@ def model_meta(lay: ModelLayout) -> dict[str, Any]:
         },
         "layout": msgspec.to_builtins(lay),
     }
+
+
+def hit_rate_doc(state: ServerState) -> dict[str, Any]:
+    """Whole-chunk tokens asked for by lookups and retrieves, found, and the share found in each
+    tier: a lower tier's are the chunks promoted from it into L1 (its ``hits``), L1's the rest."""
+    hit = int(state.metrics.hit_tokens._value.get())
+    asked = hit + int(state.metrics.miss_tokens._value.get())
+    lower = {lane.name: lane.counters.hits * state.chunk_size for lane in state.manager.lanes}
+    doc: dict[str, Any] = {"asked_tokens": asked, "hit_tokens": hit, "all": round(hit / asked, 4) if asked else 0.0}
+    doc["l1"] = round(max(0, hit - sum(lower.values())) / asked, 4) if asked else 0.0
+    doc.update({name: round(n / asked, 4) if asked else 0.0 for name, n in lower.items()})
+    return doc
 
 
 def tiers_doc(state: ServerState) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvdock.server.registry import Registry
-from kvdock.storage import StorageManager, TierCounters
+from kvdock.storage import L1Store, StorageManager, TierCounters
 from kvdock.storage.coherence import CoherenceCounters
 
 # the *_created series double the output and nobody graphs them
@@ -228,6 +228,7 @@ class _TierCollector(Collector):
         )
         quarantined.add_metric([], self.manager.sessions.quarantined_bytes())
         yield from (*gauges.values(), backlog, quarantined)
+        yield from _l1_eviction(self.manager.l1)
         coherence = self.manager.coherence
         if coherence is not None:
             vouched = GaugeMetricFamily("kvdock_coherence_vouched", "1 while L1/L2 are served (coherence bound)")
@@ -264,3 +265,23 @@ class _TenantCollector(Collector):
                 quota.add_metric([tenant, tier], doc["quota_bytes"])
         yield used
         yield quota
+
+
+def _l1_eviction(l1: L1Store) -> Iterator[Metric]:
+    """L1's eviction policy, evictions by reason, and the stores' waits for write-downs
+    (storage.writeback)."""
+    c = l1.counters
+    policy = GaugeMetricFamily("kvdock_l1_eviction_policy", "The L1 eviction policy in use (1)", labels=["policy"])
+    policy.add_metric([l1.policy], 1.0)
+    by = CounterMetricFamily("kvdock_l1_evictions_by_reason", "L1 evictions for room, by reason", labels=["reason"])
+    by.add_metric(["clean"], c.evicted_clean)
+    by.add_metric(["dirty"], c.evicted_dirty)  # before their write-down: acknowledged data dropped
+    throttled = CounterMetricFamily("kvdock_l1_throttled_stores", "Stores that waited for write-downs")
+    throttled.add_metric([], c.throttled_stores)
+    waited = CounterMetricFamily("kvdock_l1_throttle_seconds", "Seconds stores waited for write-downs")
+    waited.add_metric([], c.throttle_seconds)
+    timeouts = CounterMetricFamily(
+        "kvdock_l1_throttle_timeouts", "Stores whose wait for write-downs ran out (dirty objects may go)"
+    )
+    timeouts.add_metric([], c.throttle_timeouts)
+    yield from (policy, by, throttled, waited, timeouts)

@@ -213,7 +213,8 @@ class S3FIFO(Policy[K]):
     both (a read there is not remembered: it stays useless until its predecessor is back)."""
 
     name = "s3fifo"
-    SMALL = 0.1
+    SMALL = 0.1  # the small FIFO's share of the keys
+    GHOST = 2.0  # the ghost's size, in keys held (2: measured on the traces, docs/benchmarks.md)
 
     def __init__(self) -> None:
         self._small: Queue[K] = Queue()
@@ -222,6 +223,7 @@ class S3FIFO(Policy[K]):
         self._freq: dict[K, int] = {}
         self._before: dict[K, K | None] = {}  # the chunk before each key (as last told)
         self._ghost: OrderedDict[K, None] = OrderedDict()
+        self._peak = 0  # the most keys held at once (the ghost never outgrows GHOST times it)
 
     def __len__(self) -> int:
         return len(self._freq)
@@ -237,6 +239,7 @@ class S3FIFO(Policy[K]):
     def insert(self, key: K, new: bool = True, before: K | None = None) -> None:
         assert key not in self._freq, "inserted twice"
         self._before[key] = before
+        self._peak = max(self._peak, len(self._freq) + 1)
         if not new:
             self._freq[key] = 1
             self._main.push(key, before)
@@ -263,7 +266,7 @@ class S3FIFO(Policy[K]):
     def evict(self, key: K) -> None:
         if key in self._small:
             self._ghost[key] = None
-            while len(self._ghost) > max(len(self._freq), 16):
+            while len(self._ghost) > max(int(self.GHOST * len(self._freq)), 16):
                 self._ghost.popitem(last=False)
         self.remove(key)
 
@@ -310,11 +313,11 @@ class S3FIFO(Policy[K]):
         assert sum(len(q) for q in queues) == len(self._freq) == len(self._before), "s3fifo: sizes drifted"
         assert set.union(*queues) == set(self._freq), "s3fifo: queues and frequencies disagree"
         assert all(0 <= f <= 3 for f in self._freq.values()), "s3fifo: a frequency out of range"
-        assert len(self._ghost) <= max(len(self._freq), 16) + 1, "s3fifo: the ghost outgrew its bound"
+        assert len(self._ghost) <= max(int(self.GHOST * self._peak), 16), "s3fifo: the ghost outgrew its bound"
 
 
 POLICIES: dict[str, Callable[[], Policy[Hashable]]] = {"lru": LRU, "prefix-lru": PrefixLRU, "s3fifo": S3FIFO}
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "lru"  # an L1Store or tier made directly; the server's --eviction-policy defaults to s3fifo
 
 
 def make_policy(name: str) -> Policy[Hashable]:

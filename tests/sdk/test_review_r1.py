@@ -49,3 +49,47 @@ def test_a_request_over_the_limit_is_the_limits_exception_whichever_side_refuses
         with pytest.raises(LimitExceededError) as server_side:
             ctx.ask(m.Lookup(ctx.client_id, b"\0" * 4 * 32, salt))
         assert server_side.value.code == ErrorCode.LIMIT
+
+
+def test_a_retry_of_the_old_local_socket_never_undoes_a_new_registrations_one(ctx, monkeypatch) -> None:
+    """After a server restart, one thread's retry of the old (dead) local socket (Connection._current,
+    every LOCAL_RETRY_S) and another thread's re-registration naming the new one (use_local) ran at
+    once: the retry wrote the old URL back over the new one, the new channel was dropped as
+    'superseded', and the context stayed on zmq with no watch (no fast reads) for good, retrying the
+    dead socket every 5 s."""
+    import threading
+
+    from kvdock.sdk import _connection
+
+    conn = ctx._conn
+    new_url, old_url = conn._local_url, "unix:///nonexistent/kvdock-r1/control.sock"
+    assert conn.channel == "local" and new_url.startswith("unix://")
+    # the state a restart leaves: the channel broke, its socket is gone, a retry is due
+    conn._local.close()
+    conn._local_url, conn._retry_at = old_url, 0.0
+    rewatched: list[bool] = []
+    conn.on_local = lambda: rewatched.append(True)
+    creating, retried = threading.Event(), threading.Event()
+    real_client, real_use = _connection.ControlClient, _connection.Connection.use_local
+
+    def client(url: str, timeout: float, *args: object) -> object:
+        if url == new_url:  # the registration's new channel: the retry runs meanwhile
+            creating.set()
+            assert retried.wait(10)
+        return real_client(url, timeout, *args)  # type: ignore[arg-type]
+
+    registering = threading.Thread(target=real_use, args=(conn, new_url))
+
+    def use_local(url: str, **kw: bool) -> None:  # the retry, having read the old URL
+        if url == old_url and not registering.is_alive():
+            registering.start()  # the registration names the new socket now
+            assert creating.wait(10)
+        real_use(conn, url, **kw)
+
+    monkeypatch.setattr(_connection, "ControlClient", client)
+    monkeypatch.setattr(conn, "use_local", use_local)
+    assert conn._current() is conn._client  # the old socket is gone: zmq for this request
+    retried.set()
+    registering.join(10)
+    assert conn._local_url == new_url and conn.channel == "local"
+    assert rewatched == [True]  # the context's watch followed the new channel

@@ -85,12 +85,14 @@ class Connection:
         local = self._local
         return "local" if local is not None and local.usable else "zmq"
 
-    def use_local(self, local_url: str) -> None:
+    def use_local(self, local_url: str, *, retry: bool = False) -> None:
         """Send over ``local_url`` (a ``unix://`` socket; "" for none) from now on, or over zmq
         if it cannot be reached. A working client of the same URL is kept; one replaced is
-        closed (its waiting callers fail: it belonged to a server that is gone)."""
+        closed (its waiting callers fail: it belonged to a server that is gone). ``retry``: only
+        try ``local_url`` again if it is still the one to use (a retry of a broken channel never
+        undoes a registration that named another socket meanwhile)."""
         with self._lock:
-            if self._serves(local_url):
+            if self._serves(local_url) or (retry and local_url != self._local_url):
                 return
             self._local_url = local_url
         new = None
@@ -125,7 +127,7 @@ class Connection:
             with self._lock:
                 if self._local is local:
                     self._local = None  # so that use_local does not keep it
-            self.use_local(self._local_url)
+            self.use_local(self._local_url, retry=True)
             local = self._local
             if local is not None and local.usable:
                 return local

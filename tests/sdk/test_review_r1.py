@@ -93,3 +93,20 @@ def test_a_retry_of_the_old_local_socket_never_undoes_a_new_registrations_one(ct
     registering.join(10)
     assert conn._local_url == new_url and conn.channel == "local"
     assert rewatched == [True]  # the context's watch followed the new channel
+
+
+def test_an_abstract_ipc_endpoint_is_probed_not_refused() -> None:
+    """connect's probe (issue 27: fail at once when nothing listens) looked for a socket file
+    named ``@NAME`` for zmq's abstract-namespace ``ipc://@NAME``, so it refused an endpoint zmq
+    reaches. Here one that takes the connection but never answers: the timeout, as for tcp."""
+    import os
+    import socket
+
+    name = f"kvdock-r1-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.bind("\0" + name)
+        silent.listen(8)
+        with pytest.raises(kvd.ServerUnavailableError, match=rf"ipc://@{name}.*no reply"):
+            kvd.connect(f"ipc://@{name}", None, MODEL, timeout=1.0)
+    with pytest.raises(kvd.ServerUnavailableError, match=rf"^nothing listens at ipc://@{name}"):
+        kvd.connect(f"ipc://@{name}", None, MODEL, timeout=1.0)

@@ -211,7 +211,9 @@ def probe(url: str, timeout: float) -> None:
     try:
         if url.startswith("ipc://"):
             family, address = socket.AF_UNIX, rest
-            if not os.path.exists(rest):
+            if rest.startswith("@"):  # zmq's abstract namespace (Linux): no file to look for
+                address = "\0" + rest[1:]
+            elif not os.path.exists(rest):
                 raise FileNotFoundError(f"no socket file {rest}")
         else:
             host, _, port = rest.rpartition(":")

@@ -14,7 +14,7 @@
  *
  * What a reader gets is a (slot offset, slot generation) pair that was true when the entry was
  * read; the reader copies the slot and then compares the slot's generation in the generation
- * table with it (kvdock.sdk.transfer): the slot was not freed in between iff it is unchanged.
+ * table with it (kvdock.sdk._transfer): the slot was not freed in between iff it is unchanged.
  *
  * The caller passes the directory's address in a mapping it keeps alive for the call: nothing
  * here checks it.

@@ -1,8 +1,8 @@
-"""The handshake of an SDK context with a server (DESIGN.md section 4): ask the server to
-describe itself and the model, map the shared-memory pool when this process can (by name, or a
-tenant's own as a descriptor from the pool door), register as a client, and pick the transfer
-(shared memory with a watch of the server, or inline frames).
-Used by :func:`kvdock.sdk.connect` and again after a server restart."""
+"""The handshake of an SDK context with a server (docs/architecture.md, section 1a: connect): ask
+the server to describe itself and the model, map the shared-memory pool when this process can
+(by name, or a tenant's own as a descriptor from the pool door), register as a client, and pick
+the transfer (shared memory with a watch of the server, or inline frames). Used by
+:func:`kvdock.sdk.connect` and again after a server restart."""
 
 from __future__ import annotations
 
@@ -149,9 +149,10 @@ def describe(conn: Connection, model_name: str, token: str = "") -> m.Described:
 
 
 def register(conn: Connection, model_name: str, kv_rank: int | None = None, token: str = "") -> Registration:
-    """The handshake of DESIGN.md section 4 over ``conn`` (used again after a server restart),
-    as a client of rank ``kv_rank`` of the model (None: of all of it), of the tenant ``token``
-    names (or the CURVE key says). InvalidInputError for a rank the model does not have."""
+    """The handshake (docs/architecture.md, section 1a: connect) over ``conn`` (used again after a
+    server restart), as a client of rank ``kv_rank`` of the model (None: of all of it), of the
+    tenant ``token`` names (or the CURVE key says). InvalidInputError for a rank the model does
+    not have."""
     desc = describe(conn, model_name, token)
     lay = desc.layout
     assert lay is not None

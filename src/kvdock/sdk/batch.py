@@ -73,7 +73,7 @@ def lookup_many(ctx: KVCacheContext, prompts: Sequence[object], cache_salt: str 
     validate.whole_model_only(ctx, "a batch")
     wholes, salts, _ = _requests(ctx, prompts, cache_salt)
     hits = [0] * len(wholes)
-    todo = []  # the prompts the pool directory cannot answer (sdk.fastpath), for the server
+    todo = []  # the prompts the pool directory cannot answer (sdk._fastpath), for the server
     for i, w in enumerate(wholes):
         hit = fastpath.lookup(ctx, w, salts[i]) if w else 0
         if hit is None:
@@ -108,7 +108,7 @@ def retrieve_many(
     picked = validate.layers(ctx, layers)
     start = validate.start(ctx, start)
     results: list[torch.Tensor | None] = [None] * len(wholes)
-    todo = []  # the prompts the pool directory cannot answer (sdk.fastpath), for the server
+    todo = []  # the prompts the pool directory cannot answer (sdk._fastpath), for the server
     for i, w in enumerate(wholes):
         if len(w) // TOKEN_DTYPE.itemsize <= start:
             continue

@@ -1,5 +1,5 @@
 """FastReads: what a shared-memory client read from its pool directory without asking the
-server (``kvdock.sdk.fastpath``), reported afterwards: counted as if served, and the objects it
+server (``kvdock.sdk._fastpath``), reported afterwards: counted as if served, and the objects it
 copied made most recently used, in the reporting client's own region only."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A lookup or a one-chunk retrieve that asks the server pays a round trip between two processes
 (0.08-0.10 ms on a 2-vCPU VM, before any work), more than the copy of a 512 KiB chunk. So the
 segment holds a directory of the readable L1 objects, and shared-memory clients answer lookups
-and copy slots straight from it (``kvdock.sdk.fastpath``), telling the server afterwards.
+and copy slots straight from it (``kvdock.sdk._fastpath``), telling the server afterwards.
 
 Contract (the correctness of those reads rests on it):
 
@@ -15,7 +15,7 @@ Contract (the correctness of those reads rests on it):
 * an entry is (namespace digest, chunk hash) -> (slot offset, slot generation, nbytes, version,
   parent), read and written under a per-entry seqlock (``kvdock._directory``);
 * a reader that copies a slot it found must then check the slot's generation in the
-  generation table (:meth:`kvdock.sdk.transfer.ShmTransfer.read` does): unchanged means nobody
+  generation table (:meth:`kvdock.sdk._transfer.ShmTransfer.read` does): unchanged means nobody
   was handed the slot since the entry was published, so it copied that object;
 * the directory may be incomplete: a key whose bucket is full is not published, and the state
   word UNINDEXED counts such objects. Not finding a key means "not in L1" only while the state

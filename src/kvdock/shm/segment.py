@@ -18,7 +18,7 @@ first byte by (``first``: a tenant's segment holds one region of the pool's offs
 (:mod:`kvdock.shm.directory`), and right after them (``VALID_UNTIL_OFFSET``) the u64
 ``valid_until_ns``: until when, in CLOCK_MONOTONIC ns (``time.monotonic_ns()``, one clock for
 the whole host), the server vouches for the pool directory; past it fast reads ask the server
-(:mod:`kvdock.sdk.fastpath` checks it before and after a copy). A new segment holds
+(:mod:`kvdock.sdk._fastpath` checks it before and after a copy). A new segment holds
 ``NO_DEADLINE`` (2**64 - 1: no limit). Only the server writes it, through its own mapping, as
 one aligned 8-byte store that readers load as one (numpy, as the state words).
 
@@ -252,7 +252,7 @@ class PoolSegment:
         try:
             size = os.fstat(fd).st_size
             # not populated here: for a large pool that takes ~35 ms per GiB; the client's
-            # transfer faults the pages in in the background (kvdock.sdk.transfer.Prefault)
+            # transfer faults the pages in in the background (kvdock.sdk._transfer.Prefault)
             mm = _map(fd, size, name)
         finally:
             os.close(fd)

@@ -216,3 +216,8 @@ class LimitExceededError(InvalidInputError):
 
 class BadPayloadError(InvalidInputError):
     """Payload frames that do not match their request (``bad_payload``)."""
+
+
+class PrefixMissingError(KVDockError):
+    """A store's chunk before the caller's own was asked for: the server no longer holds the
+    prefix the caller's chunks chain after (SGLang's backend then stores nothing: a miss)."""

@@ -298,3 +298,16 @@ def test_the_sdks_batch_view_and_inspection_calls_key_an_sglang_model_its_way(
         seen = kvd.inspect_prefix(ctx, a)
         assert seen.hit_tokens == 2 * PAGE
         assert [[s.tier for s in chunk.stored] for chunk in seen.chunks] == [["l1"], ["l1"]]
+
+
+def test_a_hybrid_models_extra_pools_are_misses_never_an_exception(sgl_server: ServerProcess, backend: Make) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    pool = host_pool(False, "page_first")
+    b = backend(storage_config(sgl_server, **{"kvdock.model_name": "sgl-hybrid"}), pool)
+    keys = sglang_page_hashes(prompt(2, seed=24), PAGE)
+    mamba = PoolTransfer(name=PoolName.MAMBA, host_indices=pool.alloc(2 * PAGE), keys=keys)
+    assert b.batch_exists_v2(keys, [mamba], extra([])).kv_hit_pages == 0
+    assert b.batch_get_v2([mamba], extra([])) == {PoolName.MAMBA: [False, False]}
+    assert b.batch_set_v2([mamba], extra([])) == {PoolName.MAMBA: [False, False]}
+    assert b.stats["batch_set_v2_unsupported"] == 1

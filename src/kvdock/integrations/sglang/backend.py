@@ -37,11 +37,10 @@ import numpy as np
 import torch
 
 import kvdock.sdk as kvd
-from kvdock.errors import KVCacheSDKError, UnknownModelError
+from kvdock.errors import KVCacheSDKError, PrefixMissingError, UnknownModelError
 from kvdock.integrations.sglang.config import BackendConfig
-from kvdock.integrations.sglang.pools import HostPages
+from kvdock.integrations.sglang.pools import Flat, HostPages, Pages
 from kvdock.keying import KVDOCK, key_tokens
-from kvdock.memcpy import Copier
 from kvdock.protocol.messages import EngineInfo
 from kvdock.sharding import place
 
@@ -51,49 +50,6 @@ except ImportError:  # pragma: no cover - only without SGLang
     _Base = object  # type: ignore[assignment,misc]
 
 log = logging.getLogger("kvdock.sglang")
-
-
-class _PrefixMissing(Exception):
-    """The server asked for a chunk before the call's own (kvdock lost part of the prefix)."""
-
-
-class _Pages:
-    """Chunks ``first ..`` of a transfer as the host pool's pages at host indices ``starts``
-    (a ChunkSource and a ChunkSink); chunks before ``first`` (the prefix) are never copied."""
-
-    def __init__(self, pages: HostPages, starts: list[int], first: int) -> None:
-        self.pages, self.starts, self.first = pages, starts, first
-        self.copier = Copier()
-
-    def put(self, index: int, dst: torch.Tensor) -> None:
-        j = index - self.first
-        if j < 0:
-            raise _PrefixMissing(index)
-        self.copier.add(self.pages.chunk5(dst), self.pages.page(self.starts[j]))
-
-    def take(self, index: int, src: torch.Tensor) -> None:
-        j = index - self.first
-        if 0 <= j < len(self.starts):
-            self.copier.add(self.pages.page(self.starts[j]), self.pages.chunk5(src))
-
-    def finish(self) -> None:
-        self.copier.run()
-
-
-class _Flat:
-    """One flat data page (SGLang's generic path) as chunk 0 of a transfer."""
-
-    def __init__(self, pages: HostPages, flat: torch.Tensor) -> None:
-        self.pages, self.view = pages, pages.flat_page(flat)
-
-    def put(self, index: int, dst: torch.Tensor) -> None:
-        self.pages.chunk5(dst).copy_(self.view)
-
-    def take(self, index: int, src: torch.Tensor) -> None:
-        self.view.copy_(self.pages.chunk5(src))
-
-    def finish(self) -> None:
-        pass
 
 
 class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
@@ -290,7 +246,7 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             assert self.pages is not None
             starts = self._starts(keys, host_indices)
             chain, first = self._chain(keys, extra_info)
-            hit = kvd.retrieve_into(ctx, chain, _Pages(self.pages, starts, first)) // ctx.chunk_size
+            hit = kvd.retrieve_into(ctx, chain, Pages(self.pages, starts, first)) // ctx.chunk_size
             n = max(0, min(hit - first, len(keys)))
             return [True] * n + [False] * (len(keys) - n)
 
@@ -313,8 +269,8 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             starts = self._starts(keys, host_indices)
             chain, first = self._chain(keys, extra_info)
             try:
-                r = kvd.store_from(ctx, _Pages(self.pages, starts, first), chain, conflict_wait_s=0.0)
-            except _PrefixMissing:
+                r = kvd.store_from(ctx, Pages(self.pages, starts, first), chain, conflict_wait_s=0.0)
+            except PrefixMissingError:
                 self.stats["set_prefix_missing"] += 1
                 return [False] * len(keys)
             n = r.stored_chunks + r.deduped_chunks - first
@@ -345,7 +301,7 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         def go(ctx: kvd.KVCacheContext) -> torch.Tensor | None:
             assert self.pages is not None
             target = target_location if target_location is not None else self.mem_pool_host.get_dummy_flat_data_page()
-            hit = kvd.retrieve_into(ctx, key_tokens([key], self.pages.page_size), _Flat(self.pages, target))
+            hit = kvd.retrieve_into(ctx, key_tokens([key], self.pages.page_size), Flat(self.pages, target))
             return target if hit else None
 
         out = self._run("get", go, None)
@@ -367,7 +323,7 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             if not self._writable or value is None:
                 return False
             chain = key_tokens([key], self.pages.page_size)
-            r = kvd.store_from(ctx, _Flat(self.pages, value), chain, conflict_wait_s=0.0)
+            r = kvd.store_from(ctx, Flat(self.pages, value), chain, conflict_wait_s=0.0)
             self.stats["pages_stored"] += r.stored_chunks
             return bool(r.stored_chunks + r.deduped_chunks)
 
@@ -378,6 +334,27 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
     ) -> bool:
         vals = list(values) if values is not None else [None] * len(keys)
         return all(self.set(k, v) for k, v in zip(keys, vals, strict=False))
+
+    # -- hybrid models' extra pools (Mamba, SWA, DSA): not stored, every page a miss ------------
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        self._unsupported("batch_exists_v2")
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        self._unsupported("batch_get_v2")
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        self._unsupported("batch_set_v2")
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+    def _unsupported(self, what: str) -> None:
+        self.stats[f"{what}_unsupported"] += 1
+        if self.stats[f"{what}_unsupported"] == 1:
+            log.error("kvdock: %s (a hybrid model's extra pools) is not supported: misses", what)
 
     # -- the rest -------------------------------------------------------------------------------
 

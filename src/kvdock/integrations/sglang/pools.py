@@ -17,7 +17,8 @@ page_head           ``[2, pages, H, P, L, D]``           --
 
 :meth:`HostPages.flat_page` reads a *flat data page* (what SGLang's generic ``get`` / ``set``
 hand a backend: ``get_data_page(i, flat=True)``, the page's bytes in the pool's own order) as the
-same chunk.
+same chunk. :class:`Pages` and :class:`Flat` are those pages as the two ends of an SDK transfer
+(``ChunkSource`` / ``ChunkSink``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from typing import Any
 
 import torch
 
-from kvdock.errors import UnsupportedLayoutError
+from kvdock.errors import PrefixMissingError, UnsupportedLayoutError
 from kvdock.layout import KV_LATENT, KV_PAIR
+from kvdock.memcpy import Copier
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -146,4 +148,43 @@ class HostPages:
         return f"{self.layout}, {self.num_layers} layers, {kind}, page {self.page_size}, {self.dtype}"
 
 
-__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "HostPages"]
+class Pages:
+    """Chunks ``first ..`` of a transfer as the host pool's pages at host indices ``starts``
+    (a ChunkSource and a ChunkSink); chunks before ``first`` (the prefix) are never copied."""
+
+    def __init__(self, pages: HostPages, starts: list[int], first: int) -> None:
+        self.pages, self.starts, self.first = pages, starts, first
+        self.copier = Copier()
+
+    def put(self, index: int, dst: torch.Tensor) -> None:
+        j = index - self.first
+        if j < 0:
+            raise PrefixMissingError(index)
+        self.copier.add(self.pages.chunk5(dst), self.pages.page(self.starts[j]))
+
+    def take(self, index: int, src: torch.Tensor) -> None:
+        j = index - self.first
+        if 0 <= j < len(self.starts):
+            self.copier.add(self.pages.page(self.starts[j]), self.pages.chunk5(src))
+
+    def finish(self) -> None:
+        self.copier.run()
+
+
+class Flat:
+    """One flat data page (SGLang's generic path) as chunk 0 of a transfer."""
+
+    def __init__(self, pages: HostPages, flat: torch.Tensor) -> None:
+        self.pages, self.view = pages, pages.flat_page(flat)
+
+    def put(self, index: int, dst: torch.Tensor) -> None:
+        self.pages.chunk5(dst).copy_(self.view)
+
+    def take(self, index: int, src: torch.Tensor) -> None:
+        self.view.copy_(self.pages.chunk5(src))
+
+    def finish(self) -> None:
+        pass
+
+
+__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "Flat", "HostPages", "Pages"]

@@ -110,3 +110,47 @@ def test_an_abstract_ipc_endpoint_is_probed_not_refused() -> None:
             kvd.connect(f"ipc://@{name}", None, MODEL, timeout=1.0)
     with pytest.raises(kvd.ServerUnavailableError, match=rf"^nothing listens at ipc://@{name}"):
         kvd.connect(f"ipc://@{name}", None, MODEL, timeout=1.0)
+
+
+def _outbound_address() -> str:
+    """This host's address on its first non-loopback interface (a UDP connect sends nothing)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks the route's source address
+        return str(s.getsockname()[0])
+
+
+def test_the_tenant_token_is_never_sent_to_a_non_loopback_http_url() -> None:
+    """connect's check of ``http_url`` sent the tenant token as a Bearer header in clear text to
+    whatever host was given; it is sent to loopback only (elsewhere the check only sees that the
+    API answers)."""
+    import http.server
+    import threading
+
+    from kvdock.sdk import _http
+
+    seen: list[str | None] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(401)
+            self.end_headers()
+            self.wfile.write(b"a token is needed")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    host = _outbound_address()
+    assert not host.startswith("127."), f"no non-loopback interface to test with: {host}"
+    srv = http.server.ThreadingHTTPServer(("0.0.0.0", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_address[1]
+        _http.check(f"http://{host}:{port}", 512, 5.0, token="secret-tenant-token")
+        _http.check(f"http://127.0.0.1:{port}", 512, 5.0, token="secret-tenant-token")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert seen == [None, "Bearer secret-tenant-token"]

@@ -7,10 +7,11 @@ from __future__ import annotations
 import encodings.idna  # noqa: F401
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
-from kvdock.config import http_opener
+from kvdock.config import http_opener, is_loopback
 from kvdock.errors import PermissionDeniedError, ServerUnavailableError
 
 
@@ -56,7 +57,13 @@ def check(http_url: str, chunk_size: int | None, timeout: float, token: str = ""
     with tenants shows it only with a token), that it is the server the control plane reached:
     its chunk size is ``chunk_size`` (None: not compared) and, given the named pool that server
     offered (``shm_name``; "": none, not compared), its pool is that one (two servers of the
-    same settings differ there). ServerUnavailableError naming ``http_url`` otherwise."""
+    same settings differ there). ServerUnavailableError naming ``http_url`` otherwise.
+
+    The tenant ``token`` is sent only to a loopback ``http_url``: this check must not hand it,
+    in clear text, to a host the caller may have mistyped (a server with tenants elsewhere is then
+    only checked to answer)."""
+    if not is_loopback(urllib.parse.urlsplit(http_url).hostname or ""):
+        token = ""
     hint = "(the server's HTTP API, kvdock serve --http-port; or pass http_url=None: connect does not need it)"
     try:
         doc = get_json(http_url, "/config", min(timeout, CHECK_S), token)

@@ -21,10 +21,17 @@ ADMIN = "admin-0123456789"
 ACME = "acme-token-0123456789"
 
 
-def samples(srv) -> dict[str, list]:  # type: ignore[no-untyped-def]
+def scrape(srv, token: str = "") -> str:  # type: ignore[no-untyped-def]
+    """The server's /metrics as a scrape with ``token`` (Authorization: Bearer) sees it."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(srv.http_url + "/metrics", headers=headers), timeout=10) as r:
+        return str(r.read().decode())
+
+
+def samples(srv, token: str = "") -> dict[str, list]:  # type: ignore[no-untyped-def]
     """Every sample of the server's /metrics by sample name (``x_bucket``, ``x_total``, ...)."""
     found: dict[str, list] = {}
-    for family in text_string_to_metric_families(srv.text("/metrics")):
+    for family in text_string_to_metric_families(scrape(srv, token)):
         for s in family.samples:
             found.setdefault(s.name, []).append(s)
     return found
@@ -79,20 +86,20 @@ def test_a_per_tenant_view(make_server, tmp_path) -> None:
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10, token=ACME) as c:
         assert kvd.store(c, make_kv(CHUNK), tokens, cache_salt="acme")
         assert kvd.lookup(c, tokens, cache_salt="acme") == CHUNK
-    wait_for(lambda: _count(samples(srv), "kvdock_tenant_used_bytes", tenant="acme", tier="l2") > 0, "acme's L2 bytes")
-    found = samples(srv)
+    wait_for(lambda: _count(samples(srv, ADMIN), "kvdock_tenant_used_bytes", tenant="acme", tier="l2") > 0, "acme")
+    found = samples(srv, ADMIN)
     assert _count(found, "kvdock_tenant_quota_bytes", tenant="acme", tier="l2") == 2**20
     assert _count(found, "kvdock_tenant_requests_total", tenant="acme", operation="store") == 2  # prepare, commit
     assert _count(found, "kvdock_tenant_requests_total", tenant="acme", operation="lookup") >= 1
 
 
-def declared(srv) -> set[str]:  # type: ignore[no-untyped-def]
+def declared(srv, token: str = "") -> set[str]:  # type: ignore[no-untyped-def]
     """The sample names of every family /metrics declares, also those without samples yet (a
     labelled counter nothing has counted)."""
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
     return {
         f.name + suffix
-        for f in text_string_to_metric_families(srv.text("/metrics"))
+        for f in text_string_to_metric_families(scrape(srv, token))
         for suffix in suffixes.get(f.type, ("",))
     }
 
@@ -124,7 +131,44 @@ def test_every_metric_the_grafana_dashboard_names_exists(make_server, redis_serv
         assert kvd.store(c, make_kv(CHUNK), tokens, cache_salt="acme")
         assert kvd.retrieve(c, tokens, cache_salt="acme") is not None
     wait_for(lambda: "kvdock_tier_write_duration_seconds_bucket" in samples(srv), "a write-down")
-    exported = set(samples(srv)) | declared(srv)
+    exported = set(samples(srv, ADMIN)) | declared(srv, ADMIN)  # Prometheus scrapes with the admin token
     named = dashboard_metrics()
     assert len(named) >= 25, sorted(named)
     assert sorted(named - exported) == []
+
+
+def test_metrics_show_a_tenant_no_other_tenants_series(make_server, tmp_path) -> None:
+    """/metrics needs no token, so its per-tenant series are the admin's (every tenant) or a
+    tenant's own (its token): an anonymous scrape and another tenant see neither acme's name, nor
+    its usage, nor its activity (review R2: every tenant's were open to all)."""
+    beta = "beta-token-0123456789"
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        f'[tenants.acme]\ntokens = ["{ACME}"]\nmodels = ["{MODEL}"]\nsalts = ["acme"]\nl2 = {2**20}\n'
+        f'[tenants.beta]\ntokens = ["{beta}"]\nmodels = ["{MODEL}"]\nsalts = ["beta"]\nl2 = {2**20}\n'
+    )
+    srv = make_server("--tenants", str(path), "--admin-token", ADMIN, "--disk-dir", str(tmp_path / "l2"),
+                      "--disk-size", "64MiB", register=None)  # fmt: skip
+    kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10, admin_token=ADMIN)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10, token=ACME) as c:
+        assert kvd.store(c, make_kv(CHUNK), make_tokens(CHUNK), cache_salt="acme")
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10, token=beta) as c:
+        assert kvd.lookup(c, make_tokens(CHUNK), cache_salt="beta") == 0
+
+    def tenants_in(token: str) -> set[str]:
+        return {s.labels["tenant"] for name, found in samples(srv, token).items()
+                if name.startswith("kvdock_tenant_") for s in found}  # fmt: skip
+
+    wait_for(lambda: _count(samples(srv, ADMIN), "kvdock_tenant_used_bytes", tenant="acme", tier="l2") > 0, "acme")
+    assert tenants_in(ADMIN) == {"acme", "beta"}
+    assert tenants_in(ACME) == {"acme"}
+    assert tenants_in(beta) == {"beta"}
+    for token in ("", "not-a-token"):
+        text = scrape(srv, token)
+        assert "kvdock_tenant_" not in text and "acme" not in text and "beta" not in text, token
+        assert _count(samples(srv, token), "kvdock_request_duration_seconds_count", operation="store") == 2
+    # a tenant sees its own activity and usage, and none of the other's
+    found = samples(srv, beta)
+    assert _count(found, "kvdock_tenant_requests_total", tenant="beta", operation="lookup") >= 1
+    assert _count(found, "kvdock_tenant_requests_total", tenant="acme") == 0
+    assert _count(samples(srv, ACME), "kvdock_tenant_quota_bytes", tenant="acme", tier="l2") == 2**20

@@ -204,9 +204,18 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    """Open to all (no token needed): the server-wide metrics; with tenants, the per-tenant series
+    of every tenant for the admin token, of its own tenant for a tenant's token, none otherwise."""
     state = request.app[STATE]
     refresh_gauges(state)
-    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
+    tenants: list[str] = []
+    if state.tenants is not None:
+        token = _bearer(request)
+        if token and state.registry.is_admin(token):
+            tenants = list(state.tenants.all)
+        elif token and (tenant := state.tenants.by_token(token)) is not None:
+            tenants = [tenant.name]
+    return web.Response(body=state.metrics.render(tenants), content_type="text/plain", charset="utf-8")
 
 
 def _authorize(request: web.Request) -> None:

@@ -14,12 +14,20 @@ Latency histograms (buckets :data:`LATENCY_BUCKETS`, 10 µs to 10 s), all measur
 Besides: the standard ``process_*`` and ``python_*`` metrics, and with tenants a per-tenant view
 (``kvdock_tenant_requests_total{tenant, operation}``, ``kvdock_tenant_used_bytes`` /
 ``kvdock_tenant_quota_bytes{tenant, tier}``). ``docs/grafana-dashboard.json`` graphs them.
+
+``/metrics`` needs no token, so the per-tenant series are kept apart (:attr:`Metrics.tenant_registry`)
+and rendered only for the tenants a scrape may see (:meth:`Metrics.render`): every tenant with the
+admin token, a tenant's own with its token, none without one (a tenant must not learn the others'
+names, usage or activity: ``/status`` shows a tenant only its own usage too).
+
+Each reply's observation uses cached label children (:meth:`Metrics.observe_request`): ``labels()``
+costs about as much as the observation itself, on the server's hot path.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import fields
 from typing import Any
 
@@ -99,8 +107,13 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # per-tenant series: rendered only for a scrape entitled to see them (render)
+        self.tenant_registry = CollectorRegistry()
         self.tenant_requests = Counter(
-            "kvdock_tenant_requests", "Requests of a tenant's clients by operation", ["tenant", "operation"], registry=r
+            "kvdock_tenant_requests",
+            "Requests of a tenant's clients by operation",
+            ["tenant", "operation"],
+            registry=self.tenant_registry,
         )
         self.tier_read_seconds = Histogram(
             "kvdock_tier_read_duration_seconds",
@@ -120,22 +133,34 @@ class Metrics:
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             r.register(collector)
         self._tenants_watched = False
+        # label children by (request type, transport) and (tenant, operation): bounded sets (message
+        # classes, the server's transports, the tenants file's names), never values a client chose
+        self._request_children: dict[tuple[str, str], Any] = {}
+        self._tenant_children: dict[tuple[str, str], Any] = {}
 
     def observe_request(self, registry: Registry, req: object, started: float) -> None:
         """Record one answered request that arrived at ``started`` (time.perf_counter)."""
+        elapsed = time.perf_counter() - started
         name = type(req).__name__
-        operation = OPERATIONS.get(name, "other")
         client = registry.clients.get(getattr(req, "client_id", None) or "")
         transport = client.transport if client is not None else "none"
-        self.request_seconds.labels(operation, name, transport).observe(time.perf_counter() - started)
+        child = self._request_children.get((name, transport))
+        if child is None:
+            child = self.request_seconds.labels(OPERATIONS.get(name, "other"), name, transport)
+            self._request_children[(name, transport)] = child
+        child.observe(elapsed)
         if client is not None and client.tenant is not None:
-            self.tenant_requests.labels(client.tenant.name, operation).inc()
+            key = (client.tenant.name, OPERATIONS.get(name, "other"))
+            counter = self._tenant_children.get(key)
+            if counter is None:
+                counter = self._tenant_children[key] = self.tenant_requests.labels(*key)
+            counter.inc()
 
     def watch_tenants(self, usage: Callable[[], dict[str, dict[str, dict[str, int]]]]) -> None:
         """Export ``usage()`` (tenant -> tier -> used_bytes, quota_bytes) at every scrape (once)."""
         if not self._tenants_watched:
             self._tenants_watched = True
-            self.registry.register(_TenantCollector(usage))
+            self.tenant_registry.register(_TenantCollector(usage))
 
     def watch_registry(self, registry: Registry) -> None:
         """Export the number of live clients and registered models at every scrape."""
@@ -152,8 +177,13 @@ class Metrics:
             setattr(tier, "read_into", _timed(tier.read_into, self.tier_read_seconds.labels(lane.name)))  # noqa: B010
             setattr(tier, "write_from", _timed(tier.write_from, self.tier_write_seconds.labels(lane.name)))  # noqa: B010
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenants: Collection[str] = ()) -> bytes:
+        """The exposition text: every server-wide metric, and the per-tenant series of ``tenants``
+        only (the names the scrape may see; empty: none)."""
+        text = generate_latest(self.registry)
+        if tenants:
+            text += generate_latest(_OnlyTenants(self.tenant_registry, frozenset(tenants)))
+        return text
 
 
 _HELP = {
@@ -249,6 +279,20 @@ def _timed(fn: Callable[..., Any], histogram: Any) -> Callable[..., Any]:
             histogram.observe(time.perf_counter() - t0)
 
     return timed
+
+
+class _OnlyTenants(Collector):
+    """``source``'s metrics with only the samples labelled with one of ``tenants``."""
+
+    def __init__(self, source: CollectorRegistry, tenants: frozenset[str]) -> None:
+        self.source = source
+        self.tenants = tenants
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.source.collect():
+            kept = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            kept.samples = [s for s in metric.samples if s.labels.get("tenant") in self.tenants]
+            yield kept
 
 
 class _TenantCollector(Collector):

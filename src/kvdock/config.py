@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -32,6 +33,7 @@ L1_AUTO_MAX = 2 * 2**30  # ... and at most this (it is pre-faulted: a laptop kee
 DISK_DEFAULT = 8 * 2**30  # the L2 budget when --disk-size is not given ...
 DISK_AUTO_FRACTION = 0.5  # ... or this fraction of the free space there, when that is less
 SIZE_FIELDS = ("l1_size", "disk_size", "redis_max_bytes")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # Hard bounds on what one model registration or request may declare (checked by the server and the
 # SDK): the wire limits, kept in kvdock.protocol.limits (these names stay importable from here).
@@ -201,6 +203,11 @@ class ServerConfig:
         """Return self, or raise ConfigError for values that cannot work."""
         if self.chunk_size <= 0:
             raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
+        for f in fields(self):  # nan passes every "> 0" check (a lease that never ends), inf never comes
+            if str(f.type) == "float" and not math.isfinite(getattr(self, f.name)):
+                raise ConfigError(f"{f.name} must be a finite number, got {getattr(self, f.name)}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         for name in SIZE_FIELDS:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -28,6 +29,8 @@ def get_json(http_url: str, path: str, timeout: float, token: str = "") -> dict[
     """GET ``http_url + path`` as a JSON object (``token``: ``Authorization: Bearer``);
     PermissionDeniedError for a 401/403, ServerUnavailableError naming the URL otherwise."""
     url = http_url.rstrip("/") + path
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        raise InvalidInputError(f"not an HTTP URL: {http_url!r} (e.g. http://127.0.0.1:9000)")
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with http_opener(url).open(request, timeout=timeout) as resp:

@@ -311,3 +311,28 @@ def test_a_hybrid_models_extra_pools_are_misses_never_an_exception(sgl_server: S
     assert b.batch_get_v2([mamba], extra([])) == {PoolName.MAMBA: [False, False]}
     assert b.batch_set_v2([mamba], extra([])) == {PoolName.MAMBA: [False, False]}
     assert b.stats["batch_set_v2_unsupported"] == 1
+
+
+def test_a_name_another_engine_registered_first_keeps_its_keys_and_chunk_keys_picks_sglangs(
+    sgl_server: ServerProcess, backend: Make
+) -> None:
+    name = "sgl-shared-name"
+    kvd.register_model(  # as vLLM or the SDK would: the same geometry, kvdock's own keys
+        sgl_server.url, sgl_server.http_url, name, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+        dtype=DTYPE, tokens_per_block=PAGE,
+    )  # fmt: skip
+    pool = host_pool(False, "page_first")
+    b = backend(storage_config(sgl_server, **{"kvdock.model_name": name}), pool)
+    fill(pool, seed=25)
+    tokens = prompt(2, seed=26)
+    idx = pool.alloc(2 * PAGE)
+    assert b.batch_set_v1(sglang_page_hashes(tokens, PAGE), idx, extra([])) == [True, True]
+    with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
+        assert ctx.layout.engine.name != "sglang"
+        assert kvd.retrieve(ctx, tokens) is None  # kvdock's keys: SGLang's pages are not under them
+        kvd.store(ctx, pages_kv(b, idx).neg(), tokens)  # another engine's KV of the same tokens
+        ctx.chunk_keys = "sglang"  # type: ignore[attr-defined]
+        kv = kvd.retrieve(ctx, tokens)
+        assert kv is not None and torch.equal(kv, pages_kv(b, idx))
+        ctx.chunk_keys = "kvdock"  # type: ignore[attr-defined]
+        assert torch.equal(kvd.retrieve(ctx, tokens), pages_kv(b, idx).neg())

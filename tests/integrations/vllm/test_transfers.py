@@ -188,3 +188,22 @@ def test_the_connector_stats_sum_over_workers_and_reduce_for_vllms_log() -> None
     assert reduced["kvdock save s"] == 0.25
     a.reset()
     assert a.is_empty()
+
+
+def test_a_step_without_a_forward_pass_waits_a_little_for_a_background_load() -> None:
+    w = Fake()
+    w.store_gate.clear()
+    t = Transfers(w, budget_bytes=1 << 20, bytes_per_token=BPT)
+    start = time.monotonic()
+    t.wait_loaded(5.0)  # nothing in flight: returns at once
+    assert time.monotonic() - start < 1.0
+    assert t.save(save("s", [1, 2]))
+    until(lambda: w.copied)  # the network thread is stuck in this store
+    t.load(load("bg", [6, 7]))
+    start = time.monotonic()
+    t.wait_loaded(0.2)  # bounded: the load cannot run yet
+    assert 0.15 < time.monotonic() - start < 5.0
+    threading.Timer(0.1, w.store_gate.set).start()
+    t.wait_loaded(30)
+    assert t.finished() == (set(), {"bg"}, set())
+    t.shutdown()

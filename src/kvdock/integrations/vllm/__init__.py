@@ -110,7 +110,8 @@ class KvdockConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvdockMetadata)
-        self.worker.load(meta)
+        # vLLM's steps without a forward pass (only collecting transfers) run without attention metadata
+        self.worker.load(meta, idle=getattr(forward_context, "attn_metadata", None) is None)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KvdockMetadata)

@@ -52,6 +52,7 @@ log = logging.getLogger("kvdock.vllm")
 
 
 FAULT_FAIL_LOADS_ENV = faults.FAIL_LOADS_ENV
+IDLE_WAIT_S = 0.05  # what a step without a forward pass waits for a background load to finish
 
 
 class WorkerSide:
@@ -80,6 +81,7 @@ class WorkerSide:
         self.layout: ModelLayout | None = None  # what register registers (the scheduler gets it too)
         self.bytes_per_token = 0
         self._load_stream: torch.cuda.Stream | None = None  # the network thread's uploads (GPU)
+        self._idle = False  # this step has no forward pass
         self.recent: deque[SaveSpec] = deque(maxlen=64)  # the last saves queued (tests read pages through it)
 
     # -- register_kv_caches ---------------------------------------------------------------------
@@ -188,7 +190,7 @@ class WorkerSide:
 
     # -- start_load_kv / handle_preemptions ------------------------------------------------------
 
-    def load(self, meta: KvdockMetadata) -> None:
+    def load(self, meta: KvdockMetadata, idle: bool = False) -> None:
         """This step's loads: background ones are queued (vLLM holds their requests back until
         :meth:`finished` reports them, with their failed blocks); the others are loaded before the
         forward pass (the network thread takes them first). With several tensor-parallel ranks, a
@@ -200,6 +202,7 @@ class WorkerSide:
         transfers = self.transfers
         if transfers is None:
             return
+        self._idle = idle  # a step without a forward pass (vLLM only collects transfers)
         transfers.delay(meta.delayed)
         now = [spec for spec in meta.loads if not spec.is_async]
         for spec in meta.loads:
@@ -334,6 +337,8 @@ class WorkerSide:
             self._poisoned.pop(rid, None)
         if self.transfers is None:
             return None, None
+        if self._idle:
+            self.transfers.wait_loaded(IDLE_WAIT_S)
         sent, recved, errors = self.transfers.finished()
         self._load_errors |= errors
         return sent or None, recved or None

@@ -276,8 +276,12 @@ async def _run(
             config.http_port,
             config.chunk_size,
             format_size(state.manager.l1.allocator.capacity),
-            "shared memory " if state.pool.mappable else "private memory, inline transport only",
-            state.pool.main.name or f"{len(state.pool.own)} tenant pool(s)",
+            "shared memory" if state.pool.mappable else "private memory, inline transport only",
+            "".join(
+                f", {x}"
+                for x in (state.pool.main.name, f"{len(state.pool.own)} tenant pool(s)" * bool(state.pool.own))
+                if x
+            ),
         )
         waiting: set[asyncio.Task[None]] = set()  # replies that wait for a lower tier or to be sent
         control.start(lambda msg: _serve_one(state, control, msg, waiting))

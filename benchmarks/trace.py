@@ -67,7 +67,8 @@ def synthetic(kind: str, n: int = 6000, seed: int = 0) -> list[Request]:
     """Traces of other patterns, made here (deterministic): ``scan``: 200 hot prompts of 6
     blocks read with a Zipf-like skew, every third request a one-off prompt of 40 blocks (a scan
     that LRU lets flush the hot set); ``agent``: 64 sessions re-reading one long system prompt
-    (24 blocks) and growing their own context a block or two per turn (agents, multi-turn)."""
+    (24 blocks) and growing their own context a block or two per turn, up to 40 blocks, then
+    starting anew (agents, multi-turn)."""
     import random
 
     rng = random.Random(seed)
@@ -86,7 +87,9 @@ def synthetic(kind: str, n: int = 6000, seed: int = 0) -> list[Request]:
         sessions: list[tuple[int, ...]] = [() for _ in range(64)]
         for _ in range(n):
             s = rng.randrange(len(sessions))
-            sessions[s] = (sessions[s] + tuple(next(fresh) for _ in range(rng.randint(1, 2))))[-40:]
+            if len(sessions[s]) >= 40:  # a new conversation (block ids name a prefix: never shifted)
+                sessions[s] = ()
+            sessions[s] += tuple(next(fresh) for _ in range(rng.randint(1, 2)))
             out.append(Request(system + sessions[s]))
     else:
         raise ValueError(f"unknown synthetic trace {kind!r}: scan or agent")
@@ -259,9 +262,9 @@ def main() -> None:
     capacities = args.capacity or [1_000_000, 3_000_000]
     policies = args.policy or sorted(POLICIES)
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load: {os.getloadavg()}", flush=True)
-    print("| trace | requests | L1 tokens | infinite | belady | policy | sim hit | sim/lru | server hit | "
-          "server req/s | L1+L2 hit | L1+L2 req/s | L2 promotions |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| trace | requests | L1 tokens | infinite | belady | policy | sim hit | sim/lru | sim req/s | server hit | "
+          "server req/s | L1+L2 hit | L1+L2 req/s | L2 promotions / dirty evictions |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     traces: list[tuple[str, Path | str]] = [(p.stem.removeprefix("mooncake_"), p) for p in args.trace]
     traces += [(k, k) for k in args.synthetic]
     for name, source in traces:
@@ -270,16 +273,21 @@ def main() -> None:
         for cap in capacities:
             blocks = cap // BLOCK
             bel = belady(reqs, blocks)
-            sims = {p: simulate(reqs, blocks, p) for p in policies}
+            sims, speed = {}, {}
             for p in policies:
-                row = [name, str(len(reqs)), f"{cap / 1e6:g}M", f"{inf:.1%}",
-                       f"{bel:.1%}", p, f"{sims[p]:.1%}", f"{sims[p] / sims['lru']:.2f}x" if "lru" in sims else "-"]
+                t0 = time.perf_counter()
+                sims[p] = simulate(reqs, blocks, p)
+                speed[p] = len(reqs) / (time.perf_counter() - t0)
+            for p in policies:
+                ratio = f"{sims[p] / sims['lru']:.2f}x" if "lru" in sims else "-"
+                row = [name, str(len(reqs)), f"{cap / 1e6:g}M", f"{inf:.1%}", f"{bel:.1%}", p, f"{sims[p]:.1%}", ratio]
+                row.append(f"{speed[p]:.0f}")
                 if args.server:
                     one = replay(reqs, blocks, p)
                     row += [f"{one['hit']:.1%}", f"{one['rps']:.0f}"]
                     if args.l2:
                         two = replay(reqs, blocks, p, l2_bytes=4 * sum(len(r.blocks) for r in reqs) * SLOT_NBYTES)
-                        row += [f"{two['hit']:.1%}", f"{two['rps']:.0f}", str(two["l2_hits"])]
+                        row += [f"{two['hit']:.1%}", f"{two['rps']:.0f}", f"{two['l2_hits']} / {two['evicted_dirty']}"]
                     else:
                         row += ["-", "-", "-"]
                 else:

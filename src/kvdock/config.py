@@ -364,7 +364,8 @@ def with_sizes(config: ServerConfig) -> ServerConfig:
 def startup_line(config: ServerConfig, given: ServerConfig) -> str:
     """One log line saying what the server takes from the machine: ``config`` as resolved by
     :func:`with_sizes`, ``given`` as the operator gave it (to say which sizes were automatic)."""
-    kind = "private" if config.no_shm else "shared"
+    # with tenants the rest of the pool is private; tenants with an l1 quota get pools of their own
+    kind = "private" if config.no_shm else "tenants' pools and private" if config.tenants else "shared"
     auto_l1 = f"auto: {int(L1_AUTO_FRACTION * 100)}% of available memory, at most {format_size(L1_AUTO_MAX)}"
     how = f"{auto_l1}; --l1-size to choose" if not given.l1_size else "given"
     l1 = f"L1 size: {format_size(config.l1_size)} ({how}) of {kind} memory, pre-faulted"

@@ -59,3 +59,14 @@ def test_import_register_with_a_wrong_admin_token(make_server, tmp_path) -> None
     r = _run(*dst, env=_env(KVDOCK_ADMIN_TOKEN="wrong"))
     assert r.returncode == 2 and "admin token" in r.stderr and r.stdout == "", r.stderr
     assert b.get("/status")["cache_context_meta"] == []  # nothing registered, nothing stored
+
+
+def test_the_startup_line_says_private_memory_with_tenants() -> None:
+    """With tenants nobody maps the shared rest of L1 (a tenant's clients map their tenant's pool):
+    the startup line said 'of shared memory'."""
+    from kvdock.config import ServerConfig, startup_line
+
+    given = ServerConfig(l1_size=2**23, no_disk=True, tenants="tenants.toml")
+    assert "L1 size: 8.00 MiB (given) of tenants' pools and private memory, pre-faulted" in startup_line(given, given)
+    given = ServerConfig(l1_size=2**23, no_disk=True, no_shm=True)
+    assert "L1 size: 8.00 MiB (given) of private memory, pre-faulted" in startup_line(given, given)

@@ -212,3 +212,34 @@ def test_connect_names_and_tokens_per_block(make_server: Callable[..., ServerPro
     # the same name with another geometry is refused by the server, naming both
     with pytest.raises(kvd.ServerError, match="different geometry"):
         kvhf.connect(model.to(torch.bfloat16), srv.url, srv.http_url, model_name="pre")
+
+
+def test_generate_extends_an_edited_prefix_only_with_kv_computed_over_it(
+    make_server: Callable[..., ServerProc],
+) -> None:
+    """An overwrite edits the prompt's first two chunks. A save of KV computed before the edit
+    (over the original prefix: save_kv without ``over``) stores nothing past it; generate loads the
+    edit, computes the rest over it and saves it with the edit's tips, so the next call loads the
+    edit and that continuation (not the original's chunk 2) and answers alike."""
+    srv = make_server(register=None)
+    model = tiny_model("llama")
+    ids = prompt(56)  # 3 whole chunks + 8 tokens
+    with kvhf.connect(model, srv.url, srv.http_url, model_name="m") as ctx:
+        assert kvhf.save_kv(ctx, full_cache(model, ids), ids[0], cache_salt="original")
+        original = kvd.retrieve(ctx, ids[0], cache_salt="original")
+        assert original is not None and original.shape[2] == 48
+        assert kvd.store(ctx, original[:, :, :32], ids[0, :32])
+        edit = _noise_like(original[:, :, :32])
+        assert kvd.store(ctx, edit, ids[0, :32], overwrite=True)
+
+        assert not kvhf.save_kv(ctx, full_cache(model, ids), ids[0])  # computed over the original
+        assert kvd.lookup(ctx, ids[0]) == 32
+
+        first = kvhf.generate(model, ctx, ids, max_new_tokens=NEW, do_sample=False)
+        assert first.hit_tokens == 32
+        assert kvd.lookup(ctx, ids[0]) == 48  # chunk 2, computed over the edit, extends it
+        stored = kvd.retrieve(ctx, ids[0])
+        assert stored is not None and torch.equal(stored[:, :, :32], edit)
+        assert not torch.equal(stored[:, :, 32:], original[:, :, 32:])
+        second = kvhf.generate(model, ctx, ids, max_new_tokens=NEW, do_sample=False)
+        assert second.hit_tokens == 48 and torch.equal(second.output_ids, first.output_ids)

@@ -7,6 +7,7 @@ import torch
 
 import kvdock.sdk as kvd
 from helpers import CHUNK, MODEL, make_kv, make_tokens
+from kvdock.sdk.engine import lookup_tips
 
 
 @pytest.fixture(params=["shm", "inline"])
@@ -65,9 +66,12 @@ def test_dedup_overwrite_and_prefix(tctx: kvd.KVCacheContext) -> None:
     out = kvd.retrieve(tctx, longer)
     assert out is not None and torch.equal(out, kv2)
     assert kvd.lookup(tctx, longer) == 3 * CHUNK
-    # extending the prefix stores only the new chunks
+    # extending the prefix stores only the new chunks; the prefix is an overwrite's (an edit): only
+    # KV computed over that very prefix extends it, so the store names its tips (``over``)
     kv_long = torch.cat([kv2, make_kv(2 * CHUNK, tctx.dtype, seed=5)], dim=2)
     r = kvd.store_chunks(tctx, kv_long, longer)
+    assert (r.stored_chunks, r.deduped_chunks, r.diverged_chunks) == (0, 3, 2)
+    r = kvd.store_chunks(tctx, kv_long, longer, over=lookup_tips(tctx, tokens).versions)
     assert (r.stored_chunks, r.deduped_chunks) == (2, 3)
     assert torch.equal(kvd.retrieve(tctx, longer), kv_long)
     assert kvd.check_server_integrity(tctx) == []

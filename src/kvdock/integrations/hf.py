@@ -23,7 +23,7 @@ the model's own sliding-window mask limits what each query sees, which gives the
 the windowed cache (tested against full recompute). :func:`save_kv` refuses a sliding layer that
 dropped tokens, with a message saying how to prefill instead — never stores a wrong prefix.
 
-Whole-prompt cap (DESIGN.md §3). :func:`load_kv` never covers the whole prompt: it loads at most
+Whole-prompt cap. :func:`load_kv` never covers the whole prompt: it loads at most
 the last whole chunk strictly below ``len(tokens)``, so at least one prompt token is computed
 (``generate`` silently recomputes everything, against a full cache, otherwise).
 """
@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,8 @@ from kvdock.integrations import fingerprint as fp
 from kvdock.keys import normalize_tokens
 from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import EngineInfo
-from kvdock.sdk.engine import dtype_name
+from kvdock.sdk.chunks import TensorChunks
+from kvdock.sdk.engine import dtype_name, lookup_tips, retrieve_into
 
 KV_FORMAT = hf_codec.KV_FORMAT
 _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
@@ -210,8 +212,19 @@ def connect(
     return kvd.connect(url, http_url, name, timeout, server_key=server_key, client_key=client_key, token=token)
 
 
-def save_kv(ctx: kvd.KVCacheContext, cache: DynamicCache, tokens: object, cache_salt: str = "", row: int = 0) -> bool:
+def save_kv(
+    ctx: kvd.KVCacheContext,
+    cache: DynamicCache,
+    tokens: object,
+    cache_salt: str = "",
+    row: int = 0,
+    *,
+    over: Sequence[int] | None = None,
+) -> bool:
     """Store positions ``[0, len(tokens))`` of batch row ``row`` of ``cache`` under ``tokens``.
+    ``over``: when ``cache`` was computed over a prefix loaded from kvdock, that prefix's tips
+    (kvdock.sdk.store's ``over``; :func:`generate` passes them), so the KV may extend a prefix an
+    overwrite edited (without them it never does: it was computed over other bytes).
 
     ``cache`` is a transformers ``DynamicCache`` of plain layers holding at least ``len(tokens)``
     positions (keys after RoPE, as the model left them). Only whole chunks are stored; returns
@@ -225,7 +238,7 @@ def save_kv(ctx: kvd.KVCacheContext, cache: DynamicCache, tokens: object, cache_
     kv = hf_codec.cache_to_kv(cache, ctx.geometry, ctx.dtype, len(toks), n, row, ctx.model_name)
     if n == 0:
         return False
-    return kvd.store(ctx, kv, toks[:n], cache_salt)
+    return kvd.store(ctx, kv, toks[:n], cache_salt, over=over)
 
 
 def load_kv(
@@ -239,17 +252,27 @@ def load_kv(
     (see the module docstring for sliding-window models), on ``device`` (default CPU), in the
     registered dtype. Pass it to ``model.generate(input_ids, cache=...)`` (transformers 5.x;
     ``past_key_values=`` before the rename) with the whole prompt as ``input_ids``."""
-    ctx = _check_ctx(ctx)
-    toks = _tokens(tokens)
+    cache, hit, _ = _load(_check_ctx(ctx), _tokens(tokens), cache_salt, device)
+    return cache, hit
+
+
+def _load(
+    ctx: kvd.KVCacheContext, toks: list[int], cache_salt: str, device: torch.device | str | None
+) -> tuple[DynamicCache | None, int, list[int] | None]:
+    """:func:`load_kv`, with the tips of the prefix it loaded (None when it loaded nothing): the
+    prefix is loaded only if it is still the version a lookup saw, so the tips name its bytes."""
     cap = (len(toks) - 1) // ctx.chunk_size * ctx.chunk_size if toks else 0
     if cap == 0:
-        return None, 0
-    kv = kvd.retrieve(ctx, toks[:cap], cache_salt)
-    if kv is None:
-        return None, 0
-    geo, hit = ctx.geometry, int(kv.shape[2])
-    assert 0 < hit <= cap, (hit, cap)
-    return hf_codec.kv_to_cache(kv, geo, device), hit
+        return None, 0, None
+    seen = lookup_tips(ctx, toks[:cap], cache_salt)
+    if not seen.hit_tokens:
+        return None, 0, None
+    kv = torch.empty(ctx.geometry.chunk_shape(seen.hit_tokens), dtype=ctx.dtype)
+    hit = retrieve_into(ctx, toks[: seen.hit_tokens], TensorChunks(kv, ctx.chunk_size), cache_salt, tips=seen.versions)
+    if not hit:
+        return None, 0, None  # overwritten or gone since the lookup
+    assert hit == seen.hit_tokens <= cap, (hit, seen.hit_tokens, cap)
+    return hf_codec.kv_to_cache(kv, ctx.geometry, device), hit, list(seen.versions)
 
 
 @dataclass(frozen=True)
@@ -343,7 +366,7 @@ def generate(
     clock = _FirstTokenClock(generate_kwargs.pop("streamer", None))
 
     start = time.perf_counter()
-    cache, hit = load_kv(ctx, tokens, cache_salt, device=model.device)
+    cache, hit, over = _load(_check_ctx(ctx), tokens, cache_salt, model.device)
     if cache is None:
         cache = DynamicCache()  # plain layers, so sliding-window layers keep the whole prompt to save
     out = model_generate(ids, streamer=clock, **{cache_kwarg(model): cache}, **generate_kwargs)
@@ -352,5 +375,5 @@ def generate(
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     whole = len(tokens) // ctx.chunk_size * ctx.chunk_size
     if whole > hit and cache.get_seq_length() >= len(tokens):
-        save_kv(ctx, cache, tokens, cache_salt)
+        save_kv(ctx, cache, tokens, cache_salt, over=over)  # computed over the prefix it loaded
     return GenerateResult(sequences, hit, (clock.first_token_at or done) - start)

@@ -86,12 +86,14 @@ class PrefetchStatus(ReplyBase, frozen=True):
 class StorePrepared(ReplyBase, frozen=True):
     """Slots to fill for chunks that are new (or all, when overwriting); ``deduped`` were already
     stored; ``in_flight`` are being written by another client now (not stored, not reserved);
-    ``pool_full`` chunks found no room."""
+    ``pool_full`` chunks found no room; ``diverged`` were not written because they would extend
+    an edited prefix the client did not compute over (PrepareStore.over)."""
 
     slots: list[SlotRef]
     deduped: int
     pool_full: int
     in_flight: int = 0
+    diverged: int = 0
 
 
 class StoreCommitted(ReplyBase, frozen=True):

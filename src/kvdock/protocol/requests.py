@@ -104,6 +104,11 @@ class PrepareStore(RequestBase[StorePrepared], frozen=True):
     tokens: bytes
     cache_salt: str = ""
     overwrite: bool = False
+    # per shard the request covers (like PrepareRetrieve.tips): the version of the last chunk of
+    # the prefix the client loaded from kvdock and computed the KV it stores over. A plain store
+    # whose already-stored leading run holds an edit (an overwrite's version) writes nothing past
+    # that run unless this names the run's tip (StorePrepared.diverged counts what it left).
+    over: list[int] | None = None
 
 
 class CommitStore(RequestBase[StoreCommitted], frozen=True):
@@ -138,7 +143,7 @@ class CommitRetrieve(RequestBase[Done], frozen=True):
 
 class FastReads(RequestBase[Done], frozen=True):
     """Sent without waiting for a reply after lookups and retrieves that a shared-memory client
-    answered from the pool directory, without a session (``kvdock.sdk.fastpath``; one message
+    answered from the pool directory, without a session (``kvdock.sdk._fastpath``; one message
     reports the reads of up to a few milliseconds). The server counts them as it would count
     the ops, renews the client's lease, and makes the objects the retrieves copied most recently
     used. ``asked`` and ``hit`` are whole chunks over all the reads; the retrieves list the

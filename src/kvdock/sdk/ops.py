@@ -28,19 +28,28 @@ log = logging.getLogger("kvdock.sdk")
 class StoreResult:
     """What a store did, chunk by chunk: written, already there (dedup), refused (pool full), or
     being written by another client when this store stopped waiting for it (``in_flight``: not
-    stored by this call, and not known to be stored at all)."""
+    stored by this call, and not known to be stored at all), or not written because they would
+    extend an edited prefix the KV was not computed over (``diverged``: see :func:`store`'s
+    ``over``)."""
 
     stored_chunks: int
     deduped_chunks: int
     pool_full_chunks: int
     in_flight_chunks: int = 0
+    diverged_chunks: int = 0
 
 
 def store_chunks(
-    ctx: KVCacheContext, kv: object, tokens: object, cache_salt: str = "", overwrite: bool = False
+    ctx: KVCacheContext,
+    kv: object,
+    tokens: object,
+    cache_salt: str = "",
+    overwrite: bool = False,
+    *,
+    over: Sequence[int] | None = None,
 ) -> StoreResult:
-    """Like :func:`store`, returning the per-chunk outcome. Raises PoolFullError only when no new
-    chunk could be stored for lack of room.
+    """Like :func:`store` (``over`` too), returning the per-chunk outcome. Raises PoolFullError
+    only when no new chunk could be stored for lack of room.
 
     Chunks that another client is writing at that moment are neither written nor counted as
     deduped: the store waits (up to ``CONFLICT_WAIT_S``) for that write to finish and asks again,
@@ -49,7 +58,7 @@ def store_chunks(
     arr = validate.tokens(tokens)
     kv_t = validate.kv(ctx, kv, len(arr))
     source = TensorChunks(kv_t, ctx.chunk_size)
-    return _store(ctx, shards_of(ctx, source), arr[: kv_t.shape[2]], cache_salt, overwrite)
+    return _store(ctx, shards_of(ctx, source), arr[: kv_t.shape[2]], cache_salt, overwrite, over=over)
 
 
 def store_from(
@@ -59,15 +68,17 @@ def store_from(
     cache_salt: str = "",
     overwrite: bool = False,
     conflict_wait_s: float = CONFLICT_WAIT_S,
+    *,
+    over: Sequence[int] | None = None,
 ) -> StoreResult:
-    """Like :func:`store_chunks`, with the KV coming from ``source``: ``source.put(i, slot)`` is
+    """Like :func:`store_chunks` (``over`` too), with the KV coming from ``source``: ``source.put(i, slot)`` is
     asked for chunk ``i`` of ``tokens`` (whole chunks only) straight into the shared-memory slot
     it goes to -- only for chunks the server does not already hold. This is the engines' seam
     (their paged KV goes to kvdock in one copy); the SDK cannot check what ``source`` writes.
     ``conflict_wait_s``: how long to wait for chunks another client is writing (an engine passes 0:
     a step never waits; those chunks are reported in flight)."""
     ctx = checked(ctx)
-    return _store(ctx, shards_of(ctx, source), validate.tokens(tokens), cache_salt, overwrite, conflict_wait_s)
+    return _store(ctx, shards_of(ctx, source), validate.tokens(tokens), cache_salt, overwrite, conflict_wait_s, over)
 
 
 def _store(
@@ -77,18 +88,20 @@ def _store(
     cache_salt: str,
     overwrite: bool,
     conflict_wait_s: float = CONFLICT_WAIT_S,
+    over: Sequence[int] | None = None,
 ) -> StoreResult:
     cache_salt, overwrite = validate.cache_salt(cache_salt), validate.overwrite(overwrite)
+    tips = validate.tips(ctx, over)  # (the same shape as retrieve_into's tips: one per shard)
     arr, cache_salt = keyed(ctx, arr, cache_salt)
     whole = whole_chunks(ctx, arr)
     if not whole:
         return StoreResult(0, 0, 0)
     total = len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size * ctx.shards
     pauses = _retry.conflict_pauses(conflict_wait_s, ctx.timeout)
-    prep, stored = _store_once(ctx, source, whole, cache_salt, overwrite)
+    prep, stored = _store_once(ctx, source, whole, cache_salt, overwrite, tips)
     if prep.in_flight and not overwrite:  # another client is writing some: ask again (_retry)
         for _ in pauses:
-            prep, n = _store_once(ctx, source, whole, cache_salt, overwrite)
+            prep, n = _store_once(ctx, source, whole, cache_salt, overwrite, tips)
             stored += n
             if not prep.in_flight:
                 break
@@ -99,16 +112,21 @@ def _store(
         )
     if prep.pool_full:
         log.warning("pool full: stored %d chunk(s), %d did not fit", stored, prep.pool_full)
-    unresolved = prep.pool_full + prep.in_flight
-    return StoreResult(stored, total - stored - unresolved, prep.pool_full, prep.in_flight)
+    unresolved = prep.pool_full + prep.in_flight + prep.diverged
+    return StoreResult(stored, total - stored - unresolved, prep.pool_full, prep.in_flight, prep.diverged)
 
 
 def _store_once(
-    ctx: KVCacheContext, source: ChunkSource, whole: bytes, cache_salt: str, overwrite: bool
+    ctx: KVCacheContext,
+    source: ChunkSource,
+    whole: bytes,
+    cache_salt: str,
+    overwrite: bool,
+    over: list[int] | None = None,
 ) -> tuple[m.StorePrepared, int]:
     """One PrepareStore / copy / CommitStore; returns the plan and how many chunks were committed."""
     sid = ctx.new_session_id()
-    prep, _ = prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite))
+    prep, _ = prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite, over))
     if not prep.slots:
         return prep, 0
     cid = ctx._answered_client_id()  # the session's client, even if another thread registers again
@@ -124,7 +142,15 @@ def _store_once(
     return prep, int(n)
 
 
-def store(ctx: KVCacheContext, kv: torch.Tensor, tokens: object, cache_salt: str = "", overwrite: bool = False) -> bool:
+def store(
+    ctx: KVCacheContext,
+    kv: torch.Tensor,
+    tokens: object,
+    cache_salt: str = "",
+    overwrite: bool = False,
+    *,
+    over: Sequence[int] | None = None,
+) -> bool:
     """Store ``kv`` (``[2, L, T, D]``) under the first ``T`` ids of ``tokens``, whole chunks only.
 
     ``tokens`` may be longer than ``kv`` (never shorter): the ids past its ``T`` tokens are
@@ -133,9 +159,16 @@ def store(ctx: KVCacheContext, kv: torch.Tensor, tokens: object, cache_salt: str
 
     Returns True when at least one chunk was newly written, False when every whole chunk was
     already stored (or there is no whole chunk). ``overwrite=True`` replaces stored chunks.
+
+    ``over``: when the KV was computed over a prefix loaded from kvdock, that prefix's tips (the
+    ``versions`` of the :func:`lookup_tips` whose prefix was then loaded, e.g. with
+    ``retrieve_into(..., tips=)``; one per shard ``ctx`` reads). A stored prefix that an overwrite
+    edited is extended only by KV computed over that very prefix: without ``over`` naming its
+    tip, no chunk past it is written (a False return; ``store_chunks`` counts them
+    ``diverged_chunks``), never an error. Over a prefix no overwrite wrote, ``over`` changes nothing.
     Raises InvalidInputError (shape, dtype, length, token ids), PoolFullError, StoreConflictError
     (nothing written because another client is still writing those chunks), KVCacheSDKError."""
-    result = store_chunks(ctx, kv, tokens, cache_salt, overwrite)
+    result = store_chunks(ctx, kv, tokens, cache_salt, overwrite, over=over)
     if not result.stored_chunks and result.in_flight_chunks:
         raise StoreConflictError(
             f"{result.in_flight_chunks} chunk(s) are being written by another client (its store has not "

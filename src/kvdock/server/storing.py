@@ -28,6 +28,7 @@ from kvdock.server.registry import ClientEntry
 from kvdock.server.shards import Interleave, check_free, end_all, request_keys, session_ids, shards_of
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
 from kvdock.storage import L1Object, StorePlan, Writer, writeback
+from kvdock.storage.plans import write_limit
 from kvdock.storage.tier import Head
 
 
@@ -41,6 +42,8 @@ def prepare_store(state: ServerState, req: m.PrepareStore, payload: Payload) -> 
             "would leave the other shards' older version beside it (a chunk of two versions): overwrite the whole "
             "model (a context connected without kv_rank)"
         )
+    if req.over is not None and len(req.over) != len(keysets):
+        raise RequestError(f"a store of {len(keysets)} shard(s) names {len(req.over)} over versions (one per shard)")
     mgr = state.manager
     check_free(state, client, session_ids(req.session_id, len(keysets)))
     if req.overwrite and any(mgr.contended(keys) for keys in keysets):
@@ -93,11 +96,22 @@ def _prepare(
     shards = len(keysets)
     plans: list[StorePlan] = []
     sids = session_ids(req.session_id, shards)
+    # a plain store extends a run holding an edit only with KV computed over it (storage.plans)
+    runs = [] if req.overwrite else [mgr.chains.store_run(k, h) for k, h in zip(keysets, below, strict=True)]
+    limit = write_limit(runs, req.over) if runs else None
     try:
         with mgr.l1.dirty_eviction():  # past any wait for write-downs (storage.writeback)
             for sid, keys, heads in zip(sids, keysets, below, strict=True):
                 plan = mgr.prepare_store(
-                    client.client_id, sid, keys, client.model.slot_nbytes, req.overwrite, writer, heads, shards > 1
+                    client.client_id,
+                    sid,
+                    keys,
+                    client.model.slot_nbytes,
+                    req.overwrite,
+                    writer,
+                    heads,
+                    shards > 1,
+                    limit,
                 )
                 plans.append(plan)
     except BaseException:
@@ -112,7 +126,8 @@ def _prepare(
     deduped, pool_full = sum(p.deduped for p in plans), sum(p.pool_full for p in plans)
     state.metrics.deduped_chunks.inc(deduped)
     state.metrics.pool_full_chunks.inc(pool_full)
-    return Reply(m.StorePrepared(slots, deduped, pool_full, sum(p.in_flight for p in plans)))
+    in_flight, diverged = sum(p.in_flight for p in plans), sum(p.diverged for p in plans)
+    return Reply(m.StorePrepared(slots, deduped, pool_full, in_flight, diverged))
 
 
 def commit_store(state: ServerState, req: m.CommitStore, payload: Payload) -> Outcome:

@@ -14,7 +14,7 @@ from kvdock.keys import ObjectKey
 from kvdock.storage.deletions import Deletions
 from kvdock.storage.lane import TierLane
 from kvdock.storage.memory import L1Object, L1Store
-from kvdock.storage.plans import Chain, Placement
+from kvdock.storage.plans import Chain, Placement, StoreRun, is_edited
 from kvdock.storage.tier import Head
 
 __all__ = ["Chains"]
@@ -110,6 +110,28 @@ class Chains:
                 if found:
                     return found
         return []
+
+    def store_run(self, keys: list[ObjectKey], below: dict[ObjectKey, Head] | None) -> StoreRun:
+        """The leading run of ``keys`` a plain store dedups now (the same checks as the manager's
+        ``prepare_store``, in the same step: L1's READY object or a lower tier's head that chains;
+        a key being written stops it), with its tip and its versions from its last EDITED one on."""
+        parent, n = 0, 0
+        since_edit: list[int] = []
+        for key in keys:
+            if self.l1.reservation(key) is not None:
+                break
+            present = self.l1.get(key)
+            head = Head(present.version, present.parent) if present is not None else None
+            if head is None or head.parent != parent:
+                head = None if key in self.deletions else self.lower_head(key, parent, below)
+            if head is None:
+                break
+            parent, n = head.version, n + 1
+            if is_edited(parent):
+                since_edit.clear()
+            if since_edit or is_edited(parent):
+                since_edit.append(parent)
+        return StoreRun(n, parent, tuple(since_edit))
 
     def lower_head(self, key: ObjectKey, parent: int, below: dict[ObjectKey, Head] | None) -> Head | None:
         """The head of ``key`` in a lower tier if it continues ``parent``'s chain: from an indexed

@@ -136,6 +136,7 @@ class StorageManager:
         writer: Writer | None = None,
         below: dict[ObjectKey, Head] | None = None,
         open_empty: bool = False,
+        limit: int | None = None,
     ) -> StorePlan:
         """Reserve slots for the chunks of ``keys`` that need writing, in order, until the pool is
         full. Chunks already stored are pinned until the commit, so that making room for the new
@@ -145,7 +146,9 @@ class StorageManager:
         of a prefix that another client is writing reserves nothing, all chunks ``in_flight``.
         ``writer`` is the client process that fills the slots itself (shared memory); its slots
         are quarantined if its lease runs out. ``below``: heads read from the tiers without an
-        index (:meth:`unindexed_heads`), so that a chunk only they hold is deduped too.
+        index (:meth:`unindexed_heads`), so that a chunk only they hold is deduped too. ``limit``
+        (a plain store: storage.plans.write_limit): no chunk from that index on is written, they
+        are counted ``diverged``.
 
         Opens a session when at least one slot is reserved (always with ``open_empty``: one shard
         of a request whose commit must also wait for its deletions); SessionError if the id is in
@@ -159,7 +162,7 @@ class StorageManager:
         slots: list[tuple[int, L1Object]] = []
         kept: list[L1Object] = []
         replaced: list[ObjectKey] = []  # overwritten keys: their older versions go from every tier
-        deduped = in_flight = pool_full = 0
+        deduped = in_flight = pool_full = diverged = 0
         parent = 0  # the version chain: each chunk names the version of the one before it
         for i, key in enumerate(keys):
             pending = self.l1.reservation(key)
@@ -183,6 +186,9 @@ class StorageManager:
                 deduped += 1
                 parent = lower.version
                 continue
+            if limit is not None and i >= limit:
+                diverged = len(keys) - i
+                break
             obj = None if pool_full else self.l1.reserve(key, nbytes)
             if overwrite:
                 replaced.append(key)
@@ -191,7 +197,7 @@ class StorageManager:
                 if overwrite:
                     self.l1.remove(key)  # it will not be rewritten: its old version must not stay
             else:
-                obj.version, obj.parent = new_version(), parent
+                obj.version, obj.parent = new_version(overwrite), parent
                 # what it was decided against: apply supersedes a plain store's reservation older than
                 # an invalidation; an overwrite's is the new version (its epoch is set at the commit)
                 obj.epoch = OVERWRITING if overwrite else self._epoch()
@@ -211,7 +217,7 @@ class StorageManager:
         else:
             for obj in kept:
                 self.l1.unpin(obj)
-        return StorePlan(slots, deduped, in_flight, pool_full)
+        return StorePlan(slots, deduped, in_flight, pool_full, diverged)
 
     @property
     def has_unindexed_tier(self) -> bool:

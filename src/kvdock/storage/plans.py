@@ -9,10 +9,24 @@ from dataclasses import dataclass
 from kvdock.storage.memory import L1Object
 from kvdock.storage.tier import Head
 
-__all__ = ["OVERWRITING", "SUPERSEDED", "Chain", "Placement", "StorePlan", "new_version"]
+__all__ = [
+    "EDITED",
+    "OVERWRITING",
+    "SUPERSEDED",
+    "Chain",
+    "Placement",
+    "StoreRun",
+    "StorePlan",
+    "is_edited",
+    "new_version",
+    "write_limit",
+]
 
 SUPERSEDED = -1  # the epoch of a store reservation an invalidation came after: never committed
 OVERWRITING = 1 << 200  # the epoch of an overwrite's reservation until its commit (above any position)
+# The bit of a version id that marks an *edit*: bytes an overwrite committed, which the model would
+# not compute for those tokens. Part of the id, so every tier's header and a restart keep it.
+EDITED = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -38,15 +52,55 @@ class Chain:
 class StorePlan:
     """Outcome of a prepare-store, chunk by chunk: ``slots`` (chunk index, object) to fill;
     ``deduped`` already stored; ``in_flight`` being written by another client right now (neither
-    stored nor reserved: the caller may retry); ``pool_full`` found no room."""
+    stored nor reserved: the caller may retry); ``pool_full`` found no room; ``diverged`` not
+    written because they would extend an edited run the client did not compute over
+    (:func:`write_limit`)."""
 
     slots: list[tuple[int, L1Object]]
     deduped: int
     in_flight: int
     pool_full: int
+    diverged: int = 0
 
 
-def new_version() -> int:
+@dataclass(frozen=True)
+class StoreRun:
+    """The leading run of a plain store's keys that it would dedup (stored already, one chain):
+    its length, the version of its last chunk (0 for none), and the versions of its chunks from
+    its last EDITED one on (empty: no edit in it)."""
+
+    count: int
+    tip: int
+    since_edit: tuple[int, ...] = ()
+
+    @property
+    def edited(self) -> bool:
+        return bool(self.since_edit)
+
+
+def write_limit(runs: list[StoreRun], over: list[int] | None) -> int | None:
+    """The chunk index from which a plain store over shards' ``runs`` writes nothing (None: no
+    limit). A store may extend a run holding an edit only with KV computed over that edit:
+    ``over[s]``, the version of the last chunk the client loaded and computed over, must be a
+    chunk of shard ``s``'s run at or after its last edit -- its tip, or an earlier chunk when the
+    run was extended since by unedited chunks (the client's own earlier save of the same prompt,
+    or another's: an edited run is extended only this way, so they too were computed over the
+    edit). Otherwise the chunks past the run were computed over other bytes for the same tokens (a
+    prompt computed before an overwrite, saved after it): chaining them to the edit would make a
+    prefix of mixed versions. Of several shards, one that diverges stops them all at the shortest
+    run, so no chunk is written in some shards only."""
+    if any(r.edited and (over is None or over[s] not in r.since_edit) for s, r in enumerate(runs)):
+        return min(r.count for r in runs)
+    return None
+
+
+def new_version(edited: bool = False) -> int:
     """A version id for a newly stored object: random, so versions from other servers (sharing
-    L3) or from before a restart never collide in practice; never 0 (the chain's start)."""
-    return secrets.randbits(63) | 1
+    L3) or from before a restart never collide in practice; never 0 (the chain's start); below
+    2**63, with the :data:`EDITED` bit set exactly when ``edited`` (an overwrite's object)."""
+    return secrets.randbits(62) | 1 | (EDITED if edited else 0)
+
+
+def is_edited(version: int) -> bool:
+    """Whether ``version`` is an edit's (see :data:`EDITED`)."""
+    return bool(version & EDITED)

@@ -1,0 +1,41 @@
+"""The version ids and the write limit of storage.plans: an overwrite's versions carry the
+EDITED bit and no other version does; a plain store stops at a run holding an edit unless it was
+computed over that run's tip, in every shard alike."""
+
+from __future__ import annotations
+
+from kvdock.storage.plans import EDITED, StoreRun, is_edited, new_version, write_limit
+
+
+def test_only_edited_versions_carry_the_bit() -> None:
+    plain = [new_version() for _ in range(2000)]
+    edits = [new_version(edited=True) for _ in range(2000)]
+    assert all(0 < v < 2**63 for v in plain + edits)
+    assert not any(is_edited(v) for v in plain)
+    assert all(is_edited(v) and v & EDITED for v in edits)
+    assert len(set(plain + edits)) == 4000
+
+
+def test_a_run_without_an_edit_sets_no_limit() -> None:
+    assert write_limit([StoreRun(3, 77)], None) is None
+    assert write_limit([StoreRun(3, 77)], [5]) is None
+    assert write_limit([StoreRun(0, 0), StoreRun(0, 0)], None) is None
+
+
+def test_a_run_with_an_edit_is_extended_only_over_a_chunk_from_its_last_edit_on() -> None:
+    edit, later = new_version(edited=True), new_version()
+    run = StoreRun(3, later, (edit, later))  # chunk 0 (not listed), the edit, a chunk computed over it
+    assert run.edited
+    assert write_limit([run], None) == 3
+    assert write_limit([run], [later ^ 2]) == 3
+    assert write_limit([run], [later]) is None  # its tip
+    assert write_limit([run], [edit]) is None  # the edit: ``later`` was computed over it as well
+
+
+def test_one_diverging_shard_stops_every_shard_at_the_shortest_run() -> None:
+    a, b = new_version(edited=True), new_version()
+    # shard 1 lost chunk 1 (its run is shorter): nothing is written in either shard from chunk 1
+    assert write_limit([StoreRun(2, a, (a,)), StoreRun(1, b)], None) == 1
+    assert write_limit([StoreRun(2, a, (a,)), StoreRun(1, b)], [a, 0]) is None
+    c = new_version(edited=True)
+    assert write_limit([StoreRun(2, a, (a,)), StoreRun(2, c, (c,))], [a, c ^ 2]) == 2

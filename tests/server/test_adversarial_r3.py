@@ -19,10 +19,21 @@ def _prompt(i: int) -> list[int]:
     return make_tokens(CHUNK * PROMPT_CHUNKS, start=50_000 * (i + 1))
 
 
-def _idle(srv, deadline_s: float = 120.0) -> dict:  # type: ignore[no-untyped-def, type-arg]
+def _status(srv, token: str = "") -> dict:  # type: ignore[no-untyped-def, type-arg]
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(srv.http_url + "/status")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read().decode())  # type: ignore[no-any-return]
+
+
+def _idle(srv, deadline_s: float = 120.0, token: str = "") -> dict:  # type: ignore[no-untyped-def, type-arg]
     deadline = time.monotonic() + deadline_s
     while True:
-        status = srv.get("/status")
+        status = _status(srv, token)
         if status["tiers"]["writeback_backlog_bytes"] == 0:
             return status  # type: ignore[no-any-return]
         assert time.monotonic() < deadline, f"write-downs still queued after {deadline_s} s: {status['tiers']}"
@@ -97,8 +108,14 @@ def test_a_reserver_that_never_commits_hangs_no_one_under_dirty_pressure(make_se
     from kvdock.protocol import messages as m
 
     srv = make_server(
-        "--disk-dir", str(tmp_path / "l2"), "--writeback-wait-s", "0.5", "--session-ttl", "5",
-        l1_size="96KiB", env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.15"},
+        "--disk-dir",
+        str(tmp_path / "l2"),
+        "--writeback-wait-s",
+        "0.5",
+        "--session-ttl",
+        "5",
+        l1_size="96KiB",
+        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.15"},
     )
     squatter = kvd.connect(srv.url, srv.http_url, MODEL, timeout=60)
     held = make_tokens(CHUNK * 8, start=9_000_000)
@@ -152,8 +169,12 @@ def test_sigstop_mid_burst_then_sigcont_loses_nothing_silently(make_server, tmp_
     import signal
 
     srv = make_server(
-        "--disk-dir", str(tmp_path / "l2"), "--writeback-wait-s", "0.3",
-        l1_size="64KiB", env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.05"},
+        "--disk-dir",
+        str(tmp_path / "l2"),
+        "--writeback-wait-s",
+        "0.3",
+        l1_size="64KiB",
+        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.05"},
     )
     t, stored, errors = _start_burst(srv, range(24))
     _wait_stored(stored, 6)
@@ -176,8 +197,12 @@ def test_sigkill_under_write_pressure_then_restart_on_the_same_disk(make_server,
 
     disk = str(tmp_path / "l2")
     srv = make_server(
-        "--disk-dir", disk, "--writeback-wait-s", "0.3",
-        l1_size="64KiB", env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.05"},
+        "--disk-dir",
+        disk,
+        "--writeback-wait-s",
+        "0.3",
+        l1_size="64KiB",
+        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.05"},
     )
     t, stored, _errors = _start_burst(srv, range(30))  # (the kill fails stores in flight)
     _wait_stored(stored, 10)
@@ -195,3 +220,167 @@ def test_sigkill_under_write_pressure_then_restart_on_the_same_disk(make_server,
                 assert torch.equal(kvd.retrieve(c, _prompt(i)), kv[:, :, : n * CHUNK]), f"prompt {i}: wrong bytes"
         assert kvd.check_server_integrity(c) == []
     assert status["tiers"]["l2"]["objects"] == sum(hits), (status["tiers"]["l2"], hits)
+
+
+@pytest.mark.subprocess_server
+def test_a_stopped_l3_under_write_pressure_hangs_no_store_and_drops_visibly(make_server, redis_server) -> None:
+    # L2 off, L3 a redis-server that freezes (SIGSTOP) in the middle of a store burst: write-downs
+    # time out, stores wait at most --writeback-wait-s, and what is dropped is counted
+    import signal
+
+    srv = make_server("--no-disk", "--redis-url", redis_server.url, "--writeback-wait-s", "0.3", l1_size="64KiB")
+    t, stored, errors = _start_burst(srv, range(24))
+    _wait_stored(stored, 4)
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        t.join(240)
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    assert not t.is_alive() and errors == [], errors
+    assert len(stored) == 24
+    slowest = max(s[3] for s in stored.values())
+    assert slowest < 60, f"a store took {slowest:.1f} s"
+    deadline = time.monotonic() + 120
+    while not ((st := _idle(srv)["tiers"]["l3"])["up"] and st["coherence"]["vouched"]):
+        assert time.monotonic() < deadline, f"L3 not back 120 s after SIGCONT: {st}"
+        time.sleep(0.1)
+    status = _idle(srv)
+    l1, l3 = {**status["l1"], **status["l1"]["eviction"]}, status["tiers"]["l3"]
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) as c:
+        hits = [kvd.lookup(c, _prompt(i)) // CHUNK for i in sorted(stored)]
+        for i, n in zip(sorted(stored), hits, strict=True):
+            if n:
+                kv = make_kv(CHUNK * PROMPT_CHUNKS, seed=i)
+                got = kvd.retrieve(c, _prompt(i))
+                if got is None:  # promotions from L3 of the prompts before evicted it (clean: never written)
+                    continue
+                assert torch.equal(got, kv[:, :, : got.shape[2]]), f"prompt {i}: wrong bytes"
+        assert kvd.check_server_integrity(c) == []
+    missing = sum(s[0] for s in stored.values()) - sum(hits)
+    assert missing <= l1["evicted_dirty"] + l3["writes_skipped"], (missing, l1, l3)
+
+
+def _versions_check(srv, prompts: range, overwritten: dict) -> list[int]:  # type: ignore[no-untyped-def, type-arg]
+    """Each prompt's cached prefix is its last acknowledged version's, byte for byte, never the
+    older one; hit chunks per prompt."""
+    hits = []
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) as c:
+        for i in prompts:
+            got = kvd.retrieve(c, _prompt(i))
+            n = 0 if got is None else got.shape[2] // CHUNK
+            hits.append(n)
+            if n:
+                want = make_kv(CHUNK * PROMPT_CHUNKS, seed=overwritten.get(i, i))
+                assert torch.equal(got, want[:, :, : n * CHUNK]), f"prompt {i}: not its last version's bytes"
+        assert kvd.check_server_integrity(c) == []
+    return hits
+
+
+@pytest.mark.subprocess_server
+@pytest.mark.parametrize("policy", ["s3fifo", "prefix-lru"])
+def test_overwrites_of_dirty_objects_under_eviction_never_bring_back_the_old_version(
+    make_server, tmp_path, policy: str
+) -> None:
+    import signal
+
+    disk = str(tmp_path / "l2")
+    srv = make_server(
+        "--disk-dir",
+        disk,
+        "--writeback-wait-s",
+        "0.2",
+        "--eviction-policy",
+        policy,
+        l1_size="64KiB",
+        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.03"},
+    )
+    t, _stored, errors = _start_burst(srv, range(100, 124))  # pressure from another client
+    overwritten: dict[int, int] = {}
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) as c:
+        for i in range(10):
+            kvd.store(c, make_kv(CHUNK * PROMPT_CHUNKS, seed=i), _prompt(i))
+            kvd.store(c, make_kv(CHUNK * PROMPT_CHUNKS, seed=1000 + i), _prompt(i), overwrite=True)
+            overwritten[i] = 1000 + i
+            if i % 3 == 0:  # and a read in between, promoting what L2 holds
+                got = kvd.retrieve(c, _prompt(i))
+                if got is not None:
+                    want = make_kv(CHUNK * PROMPT_CHUNKS, seed=1000 + i)
+                    assert torch.equal(got, want[:, :, : got.shape[2]]), f"prompt {i}: old bytes after overwrite"
+    t.join(240)
+    assert not t.is_alive() and errors == [], errors
+    _idle(srv)
+    _versions_check(srv, range(10), overwritten)
+    srv.stop(signal.SIGKILL)
+    again = make_server("--disk-dir", disk, "--eviction-policy", policy, l1_size="64KiB")
+    _versions_check(again, range(10), overwritten)
+    _versions_check(again, range(100, 124), {})
+
+
+@pytest.mark.subprocess_server
+def test_a_tenants_dirty_burst_evicts_only_its_own_l1_region(make_server, tmp_path) -> None:
+    # acme (L1 quota: 16 slots) bursts faster than a slow disk, past its wait bound: its dirty
+    # evictions stay in its region; beta (quota) and gamma (the shared rest) keep their L1 objects
+    from helpers import GEOMETRY
+
+    acme, beta, gamma, admin = (
+        "acme-token-0123456789",
+        "beta-token-0123456789",
+        "gamma-token-012345678",
+        "adm-0123456789",
+    )
+    slot = 4096
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        "".join(
+            f'[tenants.{n}]\ntokens = ["{tok}"]\nmodels = ["{MODEL}"]\nsalts = ["{n}"]\n{quota}\n'
+            for n, tok, quota in (
+                ("acme", acme, f"l1 = {16 * slot}"),
+                ("beta", beta, f"l1 = {16 * slot}"),
+                ("gamma", gamma, ""),
+            )
+        )
+    )
+    srv = make_server(
+        "--tenants",
+        str(path),
+        "--admin-token",
+        admin,
+        "--disk-dir",
+        str(tmp_path / "l2"),
+        "--writeback-wait-s",
+        "0.2",
+        l1_size=f"{48 * slot}",
+        register=None,
+        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.05"},
+    )
+    kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=30, admin_token=admin)
+    with (
+        kvd.connect(srv.url, srv.http_url, MODEL, 30, token=acme) as a,
+        kvd.connect(srv.url, srv.http_url, MODEL, 30, token=beta) as b,
+        kvd.connect(srv.url, srv.http_url, MODEL, 30, token=gamma) as g,
+    ):
+        for i, (c, salt) in enumerate(((b, "beta"), (b, "beta"), (g, "gamma"), (g, "gamma"))):
+            assert kvd.store(c, make_kv(CHUNK * PROMPT_CHUNKS, seed=200 + i), _prompt(200 + i), cache_salt=salt)
+        _idle(srv, token=admin)
+        acked = 0
+        for i in range(16):  # 64 chunks into 16 slots, back to back
+            r = kvd.store_chunks(a, make_kv(CHUNK * PROMPT_CHUNKS, seed=i), _prompt(i), cache_salt="acme")
+            acked += r.stored_chunks
+        status = _idle(srv, token=admin)
+        l2_hits = status["tiers"]["l2"]["hits"]
+        for i, (c, salt) in enumerate(((b, "beta"), (b, "beta"), (g, "gamma"), (g, "gamma"))):
+            got = kvd.retrieve(c, _prompt(200 + i), cache_salt=salt)
+            assert got is not None and torch.equal(got, make_kv(CHUNK * PROMPT_CHUNKS, seed=200 + i)), (i, salt)
+        after = _status(srv, admin)
+        assert after["tiers"]["l2"]["hits"] == l2_hits, "acme's burst evicted another tenant's L1 objects"
+        hits = [kvd.lookup(a, _prompt(i), cache_salt="acme") // CHUNK for i in range(16)]
+        for i, n in enumerate(hits):
+            if n:
+                got = kvd.retrieve(a, _prompt(i), cache_salt="acme")
+                want = make_kv(CHUNK * PROMPT_CHUNKS, seed=i)
+                assert got is not None and torch.equal(got, want[:, :, : got.shape[2]]), i
+        l1 = status["l1"]["eviction"]
+        assert l1["evicted_dirty"] > 0, l1  # the burst did outrun the wait bound
+        assert acked - sum(hits) == l1["evicted_dirty"] == status["tiers"]["l2"]["writes_skipped"], (acked, hits, l1)
+        assert status["tiers"]["l2"]["objects"] == sum(hits) + 16, "orphans in L2"
+        assert kvd.check_server_integrity(a, admin) == []

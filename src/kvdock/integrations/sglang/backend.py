@@ -19,7 +19,8 @@ has no prefixes: each key is a chain of its own there, which only this backend r
 
 Never raises into SGLang (its storage threads treat an exception as fatal): a kvdock failure, a
 server that is down or hung (``kvdock.timeout``), a refused registration, a chunk size other
-than SGLang's page size, are misses (False / None / 0), logged and counted in :attr:`stats`;
+than SGLang's page size, context parallelism (``attn_cp_size`` or ``dcp_size`` over 1: its ranks
+hold different KV under one page hash), are misses (False / None / 0), logged and counted in :attr:`stats`;
 after a failure kvdock is not tried again for ``kvdock.retry_s``. Wrong bytes never: a page is
 reported loaded only when its whole copy was verified (the SDK's slot generations).
 """
@@ -69,6 +70,13 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self._down_until = float("-inf")
         self._lock = threading.Lock()
         self._last_log = 0.0
+        # Context-parallel ranks (attention CP, MLA's decode CP) hold different KV under the same
+        # page hashes (SGLang's own backends key them apart); kvdock has no shard for that: off.
+        cp, dcp = int(getattr(storage_config, "attn_cp_size", 1) or 1), int(getattr(storage_config, "dcp_size", 1) or 1)
+        if cp > 1 or dcp > 1:
+            self.off = f"kvdock: context parallelism (attn_cp_size {cp}, dcp_size {dcp}) is not supported"
+            self.stats["off"] += 1
+            log.error("%s; kvdock is off for this engine (every lookup is a miss)", self.off)
 
     # -- setup ----------------------------------------------------------------------------------
 

@@ -281,3 +281,16 @@ class TierLane:
     def check_integrity(self) -> None:
         assert (self.pinned is not None) == isinstance(self._busy, _Write), "lane pin and job disagree"
         self.tier.check_integrity()
+
+
+def check_dirty(l1: L1Store, lanes: list[TierLane]) -> None:
+    """Assert: each READY object is dirty exactly as many times as it has write-downs queued or in
+    flight, over every lane (clean before dirty: storage.evictable)."""
+    want: dict[int, int] = {}
+    for lane in lanes:
+        for job in (lane._busy, *lane._queue):
+            if isinstance(job, _Write):
+                want[id(job.obj)] = want.get(id(job.obj), 0) + 1
+    for obj in l1._ready.values():
+        n = want.get(id(obj), 0)
+        assert obj.dirty == n, f"an object is dirty {obj.dirty} times, with {n} write-downs queued"

@@ -45,7 +45,7 @@ from kvdock.storage.coherence import Coherence, PollResult
 from kvdock.storage.deletions import Deletion, Deletions
 from kvdock.storage.drain import drain_lanes
 from kvdock.storage.invalidations import apply_invalidations
-from kvdock.storage.lane import SharedHeader, TierLane
+from kvdock.storage.lane import SharedHeader, TierLane, check_dirty
 from kvdock.storage.loads import Loads
 from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.plans import OVERWRITING, SUPERSEDED, Chain, Placement, StorePlan, new_version
@@ -408,3 +408,4 @@ class StorageManager:
         assert not pins, "a session pins an object the store does not know"
         assert self.l1.reserved_count() == held, "a reservation belongs to no session, load or quarantine"
         self.deletions.check_integrity()
+        check_dirty(self.l1, self.lanes)  # (storage.lane: dirty counts match the write-downs)

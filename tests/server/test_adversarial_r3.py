@@ -459,3 +459,38 @@ def test_an_overwrite_under_write_pressure_answers_within_a_bound(make_server, t
                 assert got is None or torch.equal(got, new[:, :, : got.shape[2]])
     finally:
         srv.stop(signal.SIGKILL)  # (its disk would take the whole backlog to drain)
+
+
+@pytest.mark.subprocess_server
+def test_a_read_from_l2_while_l1_is_all_dirty_is_a_quick_miss_and_drops_nothing(make_server, tmp_path) -> None:
+    srv = make_server(
+        "--disk-dir",
+        str(tmp_path / "l2"),
+        "--writeback-wait-s",
+        "30",
+        l1_size="64KiB",
+        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.5"},
+    )
+    first = make_kv(CHUNK * PROMPT_CHUNKS, seed=0)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) as c:
+        assert kvd.store(c, first, _prompt(0))
+        _idle(srv)  # prompt 0 written down: clean
+        with kvd.view(c, _prompt(0)) as v:  # pinned while the burst comes: kept, byte-exact
+            for i in range(1, 4):
+                assert kvd.store(c, make_kv(CHUNK * PROMPT_CHUNKS, seed=i), _prompt(i))
+            assert torch.equal(v.tensor(), first)
+        assert kvd.store(c, make_kv(CHUNK * PROMPT_CHUNKS, seed=4), _prompt(4))  # evicts prompt 0 (clean)
+        status = _status(srv)
+        assert status["l1"]["eviction"]["dirty_objects"] >= 12, status["l1"]
+        t0 = time.monotonic()
+        got = kvd.retrieve(c, _prompt(0))  # in L2 only; L1 holds dirty objects and free room
+        took = time.monotonic() - t0
+        assert got is None or torch.equal(got, first[:, :, : got.shape[2]])
+        assert took < 20, f"a read took {took:.1f} s"
+        status = _idle(srv)
+        l1 = status["l1"]["eviction"]
+        assert (l1["evicted_dirty"], status["tiers"]["l2"]["writes_skipped"]) == (0, 0), (l1, status["tiers"])
+        for i in range(5):
+            got = kvd.retrieve(c, _prompt(i))
+            assert got is not None and torch.equal(got, make_kv(CHUNK * PROMPT_CHUNKS, seed=i)), i
+        assert kvd.check_server_integrity(c) == []

@@ -494,3 +494,64 @@ def test_a_read_from_l2_while_l1_is_all_dirty_is_a_quick_miss_and_drops_nothing(
             got = kvd.retrieve(c, _prompt(i))
             assert got is not None and torch.equal(got, make_kv(CHUNK * PROMPT_CHUNKS, seed=i)), i
         assert kvd.check_server_integrity(c) == []
+
+
+@pytest.mark.subprocess_server
+@pytest.mark.parametrize("policy", ["s3fifo", "prefix-lru"])
+def test_fast_readers_racing_dirty_evictions_and_overwrites_never_see_wrong_bytes(
+    make_server, tmp_path, policy: str
+) -> None:
+    import threading
+
+    srv = make_server(
+        "--disk-dir",
+        str(tmp_path / "l2"),
+        "--writeback-wait-s",
+        "0.02",
+        "--eviction-policy",
+        policy,
+        l1_size="64KiB",
+        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.1"},
+    )
+    n = 10
+    versions = {
+        i: (make_kv(CHUNK * PROMPT_CHUNKS, seed=i), make_kv(CHUNK * PROMPT_CHUNKS, seed=1000 + i)) for i in range(n)
+    }
+    done = threading.Event()
+    bad: list[str] = []
+    reads = [0, 0]
+
+    def reader() -> None:
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) as c:
+            while not done.is_set():
+                for i in range(n):
+                    got = kvd.retrieve(c, _prompt(i))
+                    reads[0] += 1
+                    if got is None:
+                        continue
+                    reads[1] += 1
+                    k = got.shape[2]
+                    if not any(torch.equal(got, v[:, :, :k]) for v in versions[i]):
+                        bad.append(f"prompt {i}: {k // CHUNK} chunk(s) of neither version (or of both)")
+
+    threads = [threading.Thread(target=reader, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        burst, _stored, errors = _start_burst(srv, range(100, 130))  # plain stores: dirty pressure
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) as c:
+            for i in range(n):
+                kvd.store(c, versions[i][0], _prompt(i))
+                kvd.store(c, versions[i][1], _prompt(i), overwrite=True)
+        burst.join(240)
+        assert errors == [], errors
+    finally:
+        done.set()
+        for t in threads:
+            t.join(120)
+    assert bad == [], bad[:5]
+    assert reads[1] > 0, reads
+    status = _idle(srv)
+    assert status["l1"]["eviction"]["evicted_dirty"] > 0, status["l1"]  # (the point: slots reused under readers)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) as c:
+        assert kvd.check_server_integrity(c) == []

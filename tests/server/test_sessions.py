@@ -371,7 +371,7 @@ def test_retrieve_waiting_for_a_prefetch_keeps_its_session_past_the_lease(tmp_pa
             task = asyncio.ensure_future(srv.call(m.PrepareRetrieve(cid, "r", toks, wait_s=10.0)))
             await asyncio.sleep(0.05)
             now[0] = 1.5  # 1.5 s into a 10 s wait: the reaper runs
-            assert srv.mgr.expire() == 0
+            assert srv.mgr.sessions.expire() == 0
             gate.set()
             reply = await asyncio.wait_for(task, 10)
             assert isinstance(reply.message, m.RetrievePrepared), reply.message

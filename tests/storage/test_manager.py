@@ -482,10 +482,10 @@ def test_expire_releases_pins_and_reservations_with_injected_clock(h: Harness) -
     h.clock.now = 105.0
     h.mgr.reservations("c", "st", [0])  # renews: deadline 115
     h.clock.now = 110.0
-    assert h.mgr.expire() == 0  # deadline 110 is not yet past
+    assert h.mgr.sessions.expire() == 0  # deadline 110 is not yet past
     h.check()
     h.clock.now = 110.5
-    assert h.mgr.expire() == 1  # the retrieve session
+    assert h.mgr.sessions.expire() == 1  # the retrieve session
     h.check()
     assert h.l1.get(K(1)).pins == 0  # type: ignore[union-attr]
     assert h.l1.lru_keys() == [K(1)]
@@ -493,9 +493,9 @@ def test_expire_releases_pins_and_reservations_with_injected_clock(h: Harness) -
         h.mgr.commit_retrieve("c", "rt")
     assert h.l1.reserved_count() == 2
     h.clock.now = 115.0
-    assert h.mgr.expire() == 0
+    assert h.mgr.sessions.expire() == 0
     h.clock.now = 115.01
-    assert h.mgr.expire() == 1  # no writer (an inline client): its slots are freed at once
+    assert h.mgr.sessions.expire() == 1  # no writer (an inline client): its slots are freed at once
     h.check()
     assert h.l1.reserved_count() == 0 and h.used == P
     assert h.mgr.session_count == 0 and h.mgr.sessions.quarantine == {}
@@ -517,7 +517,7 @@ def test_session_pins_and_failed_commit_renew_the_lease(h: Harness) -> None:
     with pytest.raises(SessionError):
         h.mgr.commit_store("c", "s", [3])  # unknown chunk, but the session was touched: deadline 19
     h.clock.now = 18.5
-    assert h.mgr.expire() == 1
+    assert h.mgr.sessions.expire() == 1
     assert h.mgr.session_count == 1
     assert h.mgr.reservations("c", "s", [0])[0].key == K(2)
     h.check()
@@ -525,7 +525,7 @@ def test_session_pins_and_failed_commit_renew_the_lease(h: Harness) -> None:
 
 def test_expire_with_no_sessions(h: Harness) -> None:
     h.clock.now = 1e9
-    assert h.mgr.expire() == 0
+    assert h.mgr.sessions.expire() == 0
     assert h.mgr.sessions.expired == 0
 
 
@@ -535,15 +535,15 @@ def test_end_client_ends_only_that_clients_sessions(h: Harness) -> None:
     h.retrieve("a", "r1", [K(1)])
     h.retrieve("b", "r1", [K(1)])
     assert h.mgr.session_count == 3
-    assert h.mgr.end_client("a") == 2
+    assert h.mgr.sessions.end_client("a") == 2
     h.check()
     assert h.mgr.session_count == 1
     assert not h.l1.is_reserved(K(2))
     assert h.l1.get(K(1)).pins == 1  # type: ignore[union-attr]
     assert h.pins("b", "r1") == 1
-    assert h.mgr.end_client("a") == 0
-    assert h.mgr.end_client("nobody") == 0
-    assert h.mgr.end_client("b") == 1
+    assert h.mgr.sessions.end_client("a") == 0
+    assert h.mgr.sessions.end_client("nobody") == 0
+    assert h.mgr.sessions.end_client("b") == 1
     h.check()
     assert h.mgr.session_count == 0 and h.used == P
 
@@ -555,7 +555,7 @@ def test_expire_quarantines_the_slots_of_a_writer(h: Harness) -> None:
     plan = h.mgr.prepare_store("c", "s", [K(1), K(2)], NB, writer=_me())
     offsets = {o.offset for _, o in plan.slots}
     h.clock.now = TTL + 1
-    assert h.mgr.expire() == 1 and h.mgr.session_count == 0 and h.mgr.sessions.expired == 1
+    assert h.mgr.sessions.expire() == 1 and h.mgr.session_count == 0 and h.mgr.sessions.expired == 1
     h.check()
     # the slots stay allocated (the writer may still write them) but no longer block their keys
     assert h.used == 2 * P and h.l1.reserved_count() == 2
@@ -581,7 +581,7 @@ def test_expire_quarantines_the_slots_of_a_writer(h: Harness) -> None:
 def test_end_session_releases_the_quarantine(h: Harness) -> None:
     h.mgr.prepare_store("c", "s", [K(1), K(2)], NB, writer=_me())
     h.clock.now = TTL + 1
-    assert h.mgr.expire() == 1
+    assert h.mgr.sessions.expire() == 1
     assert h.used == 2 * P
     assert h.mgr.end_session("c", "s") is True  # the client's EndSession after its copy
     h.check()
@@ -594,11 +594,11 @@ def test_end_client_quarantines_a_writers_reservations_and_releases_its_pins(h: 
     h.mgr.prepare_store("a", "st", [K(2)], NB, writer=_me())
     h.mgr.prepare_store("a", "inline", [K(3)], NB)  # no writer: freed at once
     h.retrieve("a", "rt", [K(1)])
-    assert h.mgr.end_client("a") == 3
+    assert h.mgr.sessions.end_client("a") == 3
     h.check()
     assert list(h.mgr.sessions.quarantine) == [("a", "st")]
     assert h.used == 2 * P and h.l1.get(K(1)).pins == 0  # type: ignore[union-attr]
-    assert h.mgr.reap_quarantine() == 0  # this process is alive
+    assert h.mgr.sessions.reap_quarantine() == 0  # this process is alive
     assert h.mgr.end_session("a", "st")
     assert h.used == P
     h.check()
@@ -610,13 +610,13 @@ def test_reap_quarantine_frees_only_the_slots_of_dead_writers(h: Harness) -> Non
     h.mgr.prepare_store("b", "s", [K(3)], NB, writer=me)
     h.mgr.prepare_store("c", "s", [K(4)], NB, writer=Writer(me.pid, me.start_time + 1))  # pid reused
     h.clock.now = TTL + 1
-    assert h.mgr.expire() == 3
+    assert h.mgr.sessions.expire() == 3
     assert h.used == 4 * P and len(h.mgr.sessions.quarantine) == 3
     h.check()
-    assert h.mgr.reap_quarantine() == 3  # slots of the dead process and of the pid's former owner
+    assert h.mgr.sessions.reap_quarantine() == 3  # slots of the dead process and of the pid's former owner
     h.check()
     assert list(h.mgr.sessions.quarantine) == [("b", "s")] and h.used == P
-    assert h.mgr.reap_quarantine() == 0
+    assert h.mgr.sessions.reap_quarantine() == 0
     assert h.used == P  # a live writer keeps its slots
     assert h.mgr.end_session("b", "s") is True
     assert h.used == 0
@@ -631,24 +631,24 @@ def test_end_session_of_a_held_session_releases_nothing_until_unhold(h: Harness)
     h.mgr.prepare_store("c", "s", [K(2), K(3)], NB)
     h.retrieve("c", "r", [K(1)])
     store, read = h.mgr.sessions.get("c", "s"), h.mgr.sessions.get("c", "r")
-    h.mgr.hold(store)
-    h.mgr.hold(read)
-    h.mgr.hold(read)  # two pieces of work for one session
+    h.mgr.sessions.hold(store)
+    h.mgr.sessions.hold(read)
+    h.mgr.sessions.hold(read)  # two pieces of work for one session
     h.clock.now = TTL + 1
-    assert h.mgr.expire() == 0  # a busy session's lease waits
+    assert h.mgr.sessions.expire() == 0  # a busy session's lease waits
     assert h.mgr.end_session("c", "s") is True and h.mgr.end_session("c", "r") is True
     assert not store.open and not read.open and h.mgr.session_count == 0
     with pytest.raises(SessionError):
         h.mgr.reservations("c", "s", [0])
     h.check()  # what the ended sessions still hold is accounted for
     assert h.used == 3 * P and h.l1.reserved_count() == 2 and h.l1.get(K(1)).pins == 1  # type: ignore[union-attr]
-    h.mgr.unhold(store)
+    h.mgr.sessions.unhold(store)
     h.check()
     assert h.used == P and h.l1.reserved_count() == 0
-    h.mgr.unhold(read)
+    h.mgr.sessions.unhold(read)
     assert h.l1.get(K(1)).pins == 1  # type: ignore[union-attr]  # still held once
     h.check()
-    h.mgr.unhold(read)
+    h.mgr.sessions.unhold(read)
     h.check()
     assert h.l1.get(K(1)).pins == 0 and h.l1.lru_keys() == [K(1)]  # type: ignore[union-attr]
 
@@ -656,11 +656,11 @@ def test_end_session_of_a_held_session_releases_nothing_until_unhold(h: Harness)
 def test_a_held_writer_ended_by_its_client_closing_is_quarantined_at_unhold(h: Harness) -> None:
     h.mgr.prepare_store("c", "s", [K(1)], NB, writer=_me())
     session = h.mgr.sessions.get("c", "s")
-    h.mgr.hold(session)
-    assert h.mgr.end_client("c") == 1
+    h.mgr.sessions.hold(session)
+    assert h.mgr.sessions.end_client("c") == 1
     h.check()
     assert h.mgr.sessions.quarantine == {} and h.used == P
-    h.mgr.unhold(session)
+    h.mgr.sessions.unhold(session)
     h.check()
     assert list(h.mgr.sessions.quarantine) == [("c", "s")] and h.used == P
     assert h.mgr.end_session("c", "s") and h.used == 0
@@ -669,10 +669,10 @@ def test_a_held_writer_ended_by_its_client_closing_is_quarantined_at_unhold(h: H
 def test_end_session_after_end_client_of_a_held_writer_releases_its_slots(h: Harness) -> None:
     h.mgr.prepare_store("c", "s", [K(1)], NB, writer=_me())
     session = h.mgr.sessions.get("c", "s")
-    h.mgr.hold(session)  # e.g. waiting for an overwrite's deletions
-    assert h.mgr.end_client("c") == 1  # the client was forgotten meanwhile
+    h.mgr.sessions.hold(session)  # e.g. waiting for an overwrite's deletions
+    assert h.mgr.sessions.end_client("c") == 1  # the client was forgotten meanwhile
     assert h.mgr.end_session("c", "s") is True  # ... and its EndSession arrives: its copy is over
-    h.mgr.unhold(session)
+    h.mgr.sessions.unhold(session)
     h.check()
     assert h.mgr.sessions.quarantine == {} and h.used == 0
 
@@ -680,9 +680,9 @@ def test_end_session_after_end_client_of_a_held_writer_releases_its_slots(h: Har
 def test_held_session_ended_by_end_session_is_not_quarantined(h: Harness) -> None:
     h.mgr.prepare_store("c", "s", [K(1)], NB, writer=_me())
     session = h.mgr.sessions.get("c", "s")
-    h.mgr.hold(session)
+    h.mgr.sessions.hold(session)
     h.mgr.end_session("c", "s")  # the client ended it itself: its copy is over
-    h.mgr.unhold(session)
+    h.mgr.sessions.unhold(session)
     h.check()
     assert h.mgr.sessions.quarantine == {} and h.used == 0
 
@@ -696,7 +696,7 @@ def test_integrity_passes_throughout_and_detects_a_wrong_pin_count(h: Harness) -
     h.mgr.prepare_store("w", "q", [K(3)], NB, writer=_me())
     h.clock.now = TTL + 1
     h.mgr.sessions.renew(h.mgr.sessions.get("r", "r"))
-    assert h.mgr.expire() == 1  # the writer's: quarantined
+    assert h.mgr.sessions.expire() == 1  # the writer's: quarantined
     h.check()
     obj = h.l1.get(K(1))
     assert obj is not None and obj.pins == 1
@@ -1332,7 +1332,7 @@ def test_reap_quarantine_keeps_a_live_writer_when_proc_is_unreadable(
 
     h.mgr.prepare_store("c", "s", [K(1)], NB, writer=_me())
     h.clock.now = TTL + 1
-    assert h.mgr.expire() == 1 and h.mgr.sessions.quarantine
+    assert h.mgr.sessions.expire() == 1 and h.mgr.sessions.quarantine
 
     class NoFds:
         def __init__(self, *args: object) -> None:
@@ -1342,7 +1342,7 @@ def test_reap_quarantine_keeps_a_live_writer_when_proc_is_unreadable(
             raise OSError(errno.EMFILE, "Too many open files")
 
     monkeypatch.setattr(segment, "Path", NoFds)
-    freed = h.mgr.reap_quarantine()
+    freed = h.mgr.sessions.reap_quarantine()
     monkeypatch.undo()
     assert freed == 0, "a live writer's quarantined slots were freed"
 

@@ -170,7 +170,7 @@ def count_hits(state: ServerState, hit_chunks: int, asked_chunks: int) -> None:
 
 def close_client(state: ServerState, req: m.CloseClient, payload: Payload) -> Reply:
     client = client_of(state, req.client_id)
-    state.manager.end_client(client.client_id, quarantine=not req.idle)
+    state.manager.sessions.end_client(client.client_id, quarantine=not req.idle)
     del state.registry.clients[client.client_id]
     return Reply(m.Done())
 

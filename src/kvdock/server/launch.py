@@ -162,9 +162,9 @@ async def _reap(state: ServerState, ttl: float) -> None:
     while True:
         await asyncio.sleep(min(1.0, ttl / 4, state.registry.client_ttl / 4))
         try:
-            n = state.manager.expire()
-            gone = state.registry.expire(state.manager.end_client)
-            freed = state.manager.reap_quarantine()
+            n = state.manager.sessions.expire()
+            gone = state.registry.expire(state.manager.sessions.end_client)
+            freed = state.manager.sessions.reap_quarantine()
             if freed:
                 log.info("%d quarantined slot(s) of dead client processes freed", freed)
         except Exception:  # keep reaping: a dead reaper would leave every lease open forever

@@ -165,12 +165,12 @@ async def retrieve_later(
     once (for the first session's keys), not per shard. ``tips``: see :func:`vouched`."""
     mgr = state.manager
     for s in sessions:
-        mgr.hold(s)
+        mgr.sessions.hold(s)
     try:
         await asyncio.gather(*(wait_prefetched(s, wait_s) for s in sessions))
     finally:
         for s in sessions:
-            mgr.unhold(s)
+            mgr.sessions.unhold(s)
     for s in sessions:
         if isinstance(s.job, PrefetchJob):
             s.job.cancelled = True  # the client gets what is loaded now; stop adding pins
@@ -257,12 +257,12 @@ async def _inline_copy(
         buf = state.reply_buffers.take(len(sent) * per) if sent else bytearray()
         if sent:
             for s in sessions:
-                mgr.hold(s)
+                mgr.sessions.hold(s)
             try:
                 await state.copy(_gather, [mgr.l1.view(o) for o in sent], memoryview(buf), cut)
             finally:
                 for s in sessions:
-                    mgr.unhold(s)
+                    mgr.sessions.unhold(s)
         if count:
             for run in runs:
                 if run:

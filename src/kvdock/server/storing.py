@@ -210,7 +210,7 @@ async def _commit_later(
     sessions = [mgr.sessions.get(client.client_id, sid) for sid in sids]
     ok = True
     for session in sessions:
-        mgr.hold(session)
+        mgr.sessions.hold(session)
     try:
         if frames:
             await state.copy(copy_frames, [mgr.l1.view(o) for o in objs], frames)
@@ -221,7 +221,7 @@ async def _commit_later(
         raise
     finally:
         for session in sessions:
-            mgr.unhold(session)
+            mgr.sessions.unhold(session)
     return _commit(state, client, work, ok)
 
 

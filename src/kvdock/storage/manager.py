@@ -264,11 +264,11 @@ class StorageManager:
         session = self.sessions.get(client_id, session_id)
         if not session.deletes:
             return True
-        self.hold(session)
+        self.sessions.hold(session)
         try:
             results = await asyncio.gather(*session.deletes)
         finally:
-            self.unhold(session)
+            self.sessions.unhold(session)
         return all(r is not None for r in results)
 
     def commit_store(self, client_id: str, session_id: str, indexes: list[int], deletes_ok: bool = True) -> int:
@@ -352,24 +352,9 @@ class StorageManager:
 
     # --- session ends (the session table releases what they hold) ----------------------------
 
-    def hold(self, session: Session) -> None:
-        self.sessions.hold(session)
-
-    def unhold(self, session: Session) -> None:
-        self.sessions.unhold(session)
-
     def end_session(self, client_id: str, session_id: str) -> bool:
         """The client ended a session (or a handler aborts it); see SessionTable.end."""
         return self.sessions.end(client_id, session_id)
-
-    def end_client(self, client_id: str, quarantine: bool = True) -> int:
-        return self.sessions.end_client(client_id, quarantine)
-
-    def expire(self) -> int:
-        return self.sessions.expire()
-
-    def reap_quarantine(self) -> int:
-        return self.sessions.reap_quarantine()
 
     # --- operations --------------------------------------------------------------------------
 

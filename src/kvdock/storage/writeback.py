@@ -33,19 +33,33 @@ if TYPE_CHECKING:
 
 def shortfall(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int, overwrite: bool) -> tuple[int, int]:
     """(slots a store of ``keysets`` would reserve beyond the free and clean ones, dirty objects
-    that could give them): an estimate that never undercounts by more than chunks whose present
-    version does not chain (those are rewritten)."""
+    that could give them). The chunks it reserves are counted as ``prepare_store`` decides them:
+    a leading run that chains (in L1, or in an indexed lower tier) is deduped, every chunk from
+    the first that does not is written (a key held in L1 whose version names another parent
+    included), an overwrite writes all. It may only overcount (chunks a lower tier without an
+    index holds, a reservation of another store after the run, a plain store's write limit)."""
     if not keysets or not keysets[0]:
         return 0, 0
-    l1 = mgr.l1
-    indexed = [lane.tier for lane in mgr.lanes if lane.tier.indexed and lane.tier.up()]
-    need = 0
-    for keys in keysets:
-        for key in keys:
-            held = l1.get(key) is not None or l1.is_reserved(key) or any(t.knows(key) for t in indexed)
-            need += overwrite or not held
-    room, dirty = l1.room(keysets[0][0], nbytes)
+    need = sum(len(keys) if overwrite else _writes(mgr, keys) for keys in keysets)
+    room, dirty = mgr.l1.room(keysets[0][0], nbytes)
     return max(0, need - room), dirty
+
+
+def _writes(mgr: StorageManager, keys: list[ObjectKey]) -> int:
+    """The chunks of ``keys`` a plain store would write: all from the first that does not chain."""
+    parent = 0
+    for i, key in enumerate(keys):
+        if mgr.l1.is_reserved(key):
+            return 0  # it and every chunk after it: in flight (another store's), not written
+        present = mgr.l1.get(key)
+        if present is not None and present.parent == parent:
+            parent = present.version
+            continue
+        lower = None if key in mgr.deletions else mgr.chains.lower_head(key, parent, None)
+        if lower is None:
+            return len(keys) - i
+        parent = lower.version
+    return 0
 
 
 def needs_wait(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int, overwrite: bool) -> bool:

@@ -555,3 +555,45 @@ def test_fast_readers_racing_dirty_evictions_and_overwrites_never_see_wrong_byte
     assert status["l1"]["eviction"]["evicted_dirty"] > 0, status["l1"]  # (the point: slots reused under readers)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) as c:
         assert kvd.check_server_integrity(c) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R3 bug: a sharded model's CommitStore commits shard by shard (server/storing.py: work = zip(sids, "
+    "chunks)), so the write-downs run shard-major and dirty eviction (newest first, storage/evictable.py) drops "
+    "shard 1's head while shard 0's tail stays and is written down: unreachable shard objects, prompts lost whole",
+)
+@pytest.mark.subprocess_server
+def test_dirty_evictions_of_a_tensor_parallel_model_keep_whole_prefixes(make_server, tmp_path) -> None:
+    # a model stored in two shards: a chunk is cached only when both shards hold it, so dirty
+    # evictions (newest first) must never drop one shard's head while the other's tail stays
+    srv = make_server(
+        "--disk-dir",
+        str(tmp_path / "l2"),
+        "--writeback-wait-s",
+        "0.05",
+        l1_size="64KiB",
+        register=None,
+        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.1"},
+    )
+    kvd.register_model(srv.url, srv.http_url, "tp", num_layers=3, num_kv_heads=2, head_dim=8,
+                       dtype="bfloat16", world_size=2, timeout=30)  # fmt: skip
+
+    def kv(seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(2, 3, CHUNK * PROMPT_CHUNKS, 32, generator=g).to(torch.bfloat16)
+
+    acked = 0
+    with kvd.connect(srv.url, srv.http_url, "tp", timeout=60) as c:
+        for i in range(8):  # 64 shard objects into 16 slots, faster than the disk
+            acked += kvd.store_chunks(c, kv(i), _prompt(i)).stored_chunks
+        status = _idle(srv)
+        hits = [kvd.lookup(c, _prompt(i)) // CHUNK for i in range(8)]
+        for i, n in enumerate(hits):
+            if n:
+                got = kvd.retrieve(c, _prompt(i))
+                assert got is not None and torch.equal(got, kv(i)[:, :, : got.shape[2]]), i
+        assert kvd.check_server_integrity(c) == []
+    l1, l2 = status["l1"]["eviction"], status["tiers"]["l2"]
+    assert l1["evicted_dirty"] > 0, l1
+    assert l2["objects"] == 2 * sum(hits), f"L2 holds {l2['objects']} shard objects, {2 * sum(hits)} reachable ({hits})"

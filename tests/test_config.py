@@ -362,7 +362,7 @@ def test_wrongly_typed_limits_in_file(tmp_path: Path, body: str, field: str) -> 
 
 
 def test_cluster_urls_are_taken_apart_or_refused() -> None:
-    from kvdock.config import ClusterURL, parse_cluster_url
+    from kvdock.redisurl import ClusterURL, parse_cluster_url
 
     assert parse_cluster_url("redis+cluster://h1:7000,h2:7001/") == ClusterURL(
         (("h1", 7000), ("h2", 7001)), None, None, False
@@ -388,7 +388,7 @@ def test_the_l3_budget_is_a_size() -> None:
 
 
 def test_cluster_urls_with_ipv6_start_nodes_and_ports_that_collide() -> None:
-    from kvdock.config import parse_cluster_url
+    from kvdock.redisurl import parse_cluster_url
 
     assert parse_cluster_url("redis+cluster://[::1]:7000,10.0.0.2:7001/").nodes == (("::1", 7000), ("10.0.0.2", 7001))
     with pytest.raises(ConfigError, match="'::1:7000' is not HOST:PORT"):

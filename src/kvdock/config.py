@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 from kvdock import __version__
 from kvdock.errors import ConfigError
+from kvdock.redisurl import check_redis_url
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 5555
@@ -211,7 +211,7 @@ class ServerConfig:
         for name in SIZE_FIELDS:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        _check_redis_url(self.redis_url)
+        check_redis_url(self.redis_url)
         for name in ("session_ttl", "client_ttl", "max_models", "max_request_tokens", "l3_coherence_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -383,47 +383,3 @@ def startup_line(config: ServerConfig, given: ServerConfig) -> str:
 def _redact(url: str) -> str:
     """``url`` without its password."""
     return re.sub(r"(://[^@/]*:)[^@/]*@", r"\1***@", url)
-
-
-
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
-CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
-
-
-@dataclass(frozen=True)
-class ClusterURL:
-    """A ``redis+cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...][/]`` URL, taken apart."""
-
-    nodes: tuple[tuple[str, int], ...]  # the start nodes (the client discovers the others)
-    username: str | None
-    password: str | None
-    tls: bool
-
-
-def parse_cluster_url(url: str) -> ClusterURL:
-    """ConfigError if ``url`` is not a cluster URL naming HOST:PORT start nodes."""
-    if not url.startswith(CLUSTER_SCHEMES):
-        raise ConfigError(f"{url!r} is not a Redis Cluster URL ({' or '.join(CLUSTER_SCHEMES)})")
-    auth, _, hosts = url.split("://", 1)[1].rpartition("@")
-    user, _, password = auth.partition(":")
-    nodes = []
-    for part in hosts.rstrip("/").split(","):
-        host, sep, port = part.rpartition(":")
-        bracketed = host.startswith("[") and host.endswith("]")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or (":" in host and not bracketed):
-            raise ConfigError(
-                f"redis_url {url!r}: {part!r} is not HOST:PORT "
-                "(a cluster URL lists its start nodes: redis+cluster://HOST:PORT,[IPV6]:PORT/)"
-            )
-        nodes.append((host[1:-1] if bracketed else host, int(port)))
-    return ClusterURL(tuple(nodes), unquote(user) or None, unquote(password) or None, url.startswith("rediss"))
-
-
-def _check_redis_url(url: str) -> None:
-    """ConfigError unless ``url`` is empty, a Redis URL, or a well-formed cluster URL."""
-    if not url:
-        return
-    if not url.startswith(REDIS_SCHEMES):
-        raise ConfigError(f"redis_url must start with one of {', '.join(REDIS_SCHEMES)}, got {url!r}")
-    if url.startswith(CLUSTER_SCHEMES):
-        parse_cluster_url(url)

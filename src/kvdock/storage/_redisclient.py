@@ -11,7 +11,7 @@ import redis.cluster as redis_cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvdock.config import CLUSTER_SCHEMES, parse_cluster_url
+from kvdock.redisurl import CLUSTER_SCHEMES, parse_cluster_url
 
 __all__ = ["DELETE_WAIT_MS", "ERRORS", "cluster_nodes", "make_client", "run_waited"]
 

@@ -24,10 +24,10 @@ from typing import Any
 
 import redis as redis_py
 
-from kvdock.config import CLUSTER_SCHEMES
 from kvdock.errors import CorruptObject, WriteFenced
 from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
+from kvdock.redisurl import CLUSTER_SCHEMES
 from kvdock.storage import coherence, objfile
 from kvdock.storage._redisclient import ERRORS, cluster_nodes, make_client, run_waited
 from kvdock.storage._redisread import FALLBACK, read_fast

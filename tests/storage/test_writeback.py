@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvdock.shm.slots import ALIGN, Partitions, SlotAllocator
 from kvdock.storage import writeback
+from kvdock.storage.memory import L1Store
+from kvdock.storage.shares import Shares
 from tierworld import NB, K, World, run
 
 
@@ -59,3 +62,33 @@ def test_a_chain_held_in_l1_or_l2_needs_no_room(tmp_path: Path) -> None:
             gate.set()
 
     run(tmp_path, body, slots=3)
+
+
+def test_a_tenants_region_carved_for_another_size_counts_its_dirty_objects_as_the_room_they_hold() -> None:
+    # a tenant's region (its L1 quota) full of one model's slots gives another model's slot size
+    # only by evicting all of it (L1Store._recarve): room() said (0 slots, 0 dirty), so the store
+    # did not wait, and under dirty_eviction the recarve dropped the unwritten objects at once
+    a = SlotAllocator(0, 4 * ALIGN)
+    t = SlotAllocator(4 * ALIGN, 4 * ALIGN)
+    shares = Shares(lambda salt: "t" if salt == "t" else None, {"t": 4 * ALIGN})
+    l1 = L1Store(Partitions({None: a, "t": t}), shares=shares)
+    objs = []
+    for i in range(4):
+        obj = l1.reserve(K(i, "t"), NB)
+        assert obj is not None
+        l1.commit(obj)
+        objs.append(obj)
+    l1.mark_dirty(objs[2])
+    l1.mark_dirty(objs[3])
+    big = K(9, "t")
+    assert l1.room(big, 2 * ALIGN) == (0, 2)  # two dirty objects hold the room: wait for them
+    assert l1.reserve(big, 2 * ALIGN) is None  # (a load, or a store before its wait ran out)
+    l1.mark_clean(objs[2])
+    l1.mark_clean(objs[3])
+    assert l1.room(big, 2 * ALIGN) == (2, 0)  # all clean: the region is carved anew
+    assert l1.reserve(big, 2 * ALIGN) is not None and l1.counters.evicted_dirty == 0
+    pinned = l1.get(K(0, "t"))
+    assert pinned is None  # (recarved: every object of the region went)
+    l1.check_integrity()
+    # elsewhere nothing changes: the shared rest is never recarved
+    assert l1.room(K(9), 2 * ALIGN) == (2, 0)

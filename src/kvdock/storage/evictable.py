@@ -124,6 +124,16 @@ class Evictable:
         b = self._buckets.get(bucket)
         return (len(b.clean), len(b.dirty)) if b is not None else (0, 0)
 
+    def region(self, region: str | None) -> tuple[int, int, int]:
+        """(bytes of the clean, bytes of the dirty, dirty objects) of ``region``'s buckets."""
+        out = [0, 0, 0]
+        for (r, size), b in self._buckets.items():
+            if r == region:
+                out[0] += len(b.clean) * size
+                out[1] += len(b.dirty) * size
+                out[2] += len(b.dirty)
+        return out[0], out[1], out[2]
+
     def add(self, obj: L1Object, new: bool) -> None:
         """``obj`` became evictable (committed, unpinned, written down)."""
         key = bucket_of(obj)

@@ -183,10 +183,19 @@ class L1Store:
 
     def room(self, key: ObjectKey, nbytes: int) -> tuple[int, int]:
         """(slots of ``nbytes`` that reservations for ``key``'s owner can get without evicting a
-        dirty object: free ones and clean evictable ones; dirty evictable ones there)."""
+        dirty object: free ones and clean evictable ones; dirty evictable ones there, or in all of
+        a tenant's region carved for other sizes: :meth:`_recarve` then gives the room)."""
         region = self._region_for(key)
-        clean, dirty = self._evictable.count((region, aligned(nbytes)))
-        return self.allocator.free_slots(nbytes, region) + clean, dirty
+        size = aligned(nbytes)
+        clean, dirty = self._evictable.count((region, size))
+        free = self.allocator.free_slots(nbytes, region)
+        if free + clean or region is None or not isinstance(self.allocator, Partitions):
+            return free + clean, dirty
+        area = self.allocator.regions[region]  # carved for other sizes: only _recarve gives this one
+        clean_bytes, dirty_bytes, dirty_all = self._evictable.region(region)
+        if size > area.capacity or clean_bytes + dirty_bytes != area.used_bytes:
+            return 0, dirty  # (a pinned or reserved object there: no recarving)
+        return (0 if dirty_all else area.capacity // size), dirty_all
 
     def when_clean(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once, the next time an object turns clean (or leaves L1)."""
@@ -207,11 +216,10 @@ class L1Store:
         if region is None or not isinstance(self.allocator, Partitions):
             return False  # (the shared rest holds others' objects: never emptied for one store)
         area = self.allocator.regions[region]
-        buckets = [b for b in self._evictable.buckets() if b[0] == region]
-        counts = {b: self._evictable.count(b) for b in buckets}
-        evictable = sum((c + (d if dirty else 0)) * b[1] for b, (c, d) in counts.items())
-        if size > area.capacity or evictable != area.used_bytes:
+        clean_bytes, dirty_bytes, _ = self._evictable.region(region)
+        if size > area.capacity or clean_bytes + (dirty_bytes if dirty else 0) != area.used_bytes:
             return False
+        buckets = [b for b in self._evictable.buckets() if b[0] == region]
         for bucket in buckets:
             while self._evict_one(bucket, dirty):
                 pass

@@ -597,3 +597,70 @@ def test_dirty_evictions_of_a_tensor_parallel_model_keep_whole_prefixes(make_ser
     l1, l2 = status["l1"]["eviction"], status["tiers"]["l2"]
     assert l1["evicted_dirty"] > 0, l1
     assert l2["objects"] == 2 * sum(hits), f"L2 holds {l2['objects']} shard objects, {2 * sum(hits)} reachable ({hits})"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=kvd.PoolFullError,
+    reason="R3 bug: a tenant's store that needs its L1 region carved anew for another slot size (memory.py "
+    "_recarve) fails with PoolFullError after waiting 1.6 s of a 30 s --writeback-wait-s (seen: its wait ended when "
+    "another tenant's write-downs were done; storage/writeback.py judges room by the new size's bucket, while the "
+    "recarve needs the region's every object evictable), though the same store fits once the write-downs are done",
+)
+@pytest.mark.subprocess_server
+def test_a_tenant_storing_a_model_of_another_slot_size_waits_before_evicting_dirty_objects(
+    make_server, tmp_path
+) -> None:
+    # acme's L1 region (16 slots of 4 KiB) is full of its model A's dirty chunks while the disk
+    # writes gamma's first; acme then stores a model of 8 KiB slots: its region must be carved
+    # anew, which may evict acme's dirty chunks only after the bounded wait (30 s here, while the
+    # disk needs ~10 s for all of them)
+    from helpers import GEOMETRY
+
+    acme, gamma, admin = "acme-token-0123456789", "gamma-token-012345678", "adm-0123456789"
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        f'[tenants.acme]\ntokens = ["{acme}"]\nmodels = ["{MODEL}", "wide"]\nsalts = ["acme"]\nl1 = {16 * 4096}\n'
+        f'[tenants.gamma]\ntokens = ["{gamma}"]\nmodels = ["{MODEL}"]\nsalts = ["gamma"]\n'
+    )
+    srv = make_server(
+        "--tenants",
+        str(path),
+        "--admin-token",
+        admin,
+        "--disk-dir",
+        str(tmp_path / "l2"),
+        "--writeback-wait-s",
+        "30",
+        l1_size=f"{48 * 4096}",
+        register=None,
+        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.4"},
+    )
+    kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=30, admin_token=admin)
+    wide = {**GEOMETRY, "num_layers": 6}  # 6 KiB a chunk: 8 KiB slots
+    kvd.register_model(srv.url, srv.http_url, "wide", dtype="bfloat16", **wide, timeout=30, admin_token=admin)
+    with (
+        kvd.connect(srv.url, srv.http_url, MODEL, 60, token=acme) as a,
+        kvd.connect(srv.url, srv.http_url, MODEL, 60, token=gamma) as g,
+        kvd.connect(srv.url, srv.http_url, "wide", 60, token=acme) as w,
+    ):
+        assert kvd.store(g, make_kv(CHUNK * PROMPT_CHUNKS, seed=77), _prompt(77), cache_salt="gamma")  # the disk's
+        for i in range(4):  # acme's region: 16 dirty chunks
+            assert kvd.store(a, make_kv(CHUNK * PROMPT_CHUNKS, seed=i), _prompt(i), cache_salt="acme")
+        g2 = torch.Generator().manual_seed(5)
+        wide_kv = torch.randn(2, 6, CHUNK, 16, generator=g2).to(torch.bfloat16)
+        t0 = time.monotonic()
+        try:
+            assert kvd.store_chunks(w, wide_kv, _prompt(50)[:CHUNK], cache_salt="acme").stored_chunks == 1
+        except kvd.PoolFullError:
+            waited = _status(srv, admin)["l1"]["eviction"]["throttle_seconds"]
+            log = f"PoolFullError after {time.monotonic() - t0:.1f} s (waited {waited:.1f} s of the 30 s bound)"
+            _idle(srv, token=admin)  # once the disk caught up, the same store fits: it should have waited
+            assert kvd.store_chunks(w, wide_kv, _prompt(50)[:CHUNK], cache_salt="acme").stored_chunks == 1, log
+            raise
+        status = _idle(srv, token=admin)
+        l1, l2 = status["l1"]["eviction"], status["tiers"]["l2"]
+        assert (l1["evicted_dirty"], l2["writes_skipped"]) == (0, 0), (l1, l2)
+        for i in range(4):
+            got = kvd.retrieve(a, _prompt(i), cache_salt="acme")
+            assert got is not None and torch.equal(got, make_kv(CHUNK * PROMPT_CHUNKS, seed=i)), i

@@ -32,6 +32,7 @@ from kvdock.protocol.replies import (
     Pong,
     PrefetchStatus,
     Renewed,
+    Reply,
     RetrieveManyPrepared,
     RetrievePrepared,
     StoreCommitted,
@@ -56,48 +57,8 @@ from kvdock.protocol.requests import (
     RegisterClient,
     RegisterModel,
     RenewSessions,
+    Request,
     WaitPrefetch,
-)
-
-Request = (
-    Ping
-    | RegisterModel
-    | RegisterClient
-    | Describe
-    | Lookup
-    | QueryPrefetchStatus
-    | WaitPrefetch
-    | PrepareStore
-    | CommitStore
-    | PrepareRetrieve
-    | CommitRetrieve
-    | FastReads
-    | LookupMany
-    | PrepareRetrieveMany
-    | Locate
-    | EndSession
-    | RenewSessions
-    | CheckIntegrity
-    | CloseClient
-)
-
-Reply = (
-    Error
-    | Pong
-    | ModelRegistered
-    | ClientRegistered
-    | Described
-    | LookupResult
-    | PrefetchStatus
-    | StorePrepared
-    | StoreCommitted
-    | RetrievePrepared
-    | LookupManyResult
-    | RetrieveManyPrepared
-    | Located
-    | Done
-    | Renewed
-    | IntegrityReport
 )
 
 REQUESTS: tuple[type[RequestBase[ReplyBase]], ...] = typing.get_args(Request)

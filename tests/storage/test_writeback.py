@@ -31,7 +31,8 @@ def test_a_store_rewriting_a_held_chunk_that_no_longer_chains_waits_for_write_do
             w.store([K(5)])  # in flight (pinned)
             w.store([K(6)])  # queued: dirty, evictable
             assert w.l1.room(K(1), NB) == (1, 1)  # K2 is the one clean slot
-            assert writeback.shortfall(w.mgr, [[K(1), K(2)]], NB, False) == (1, 1)
+            # one short; K6 queued and K5 in flight give room once written
+            assert writeback.shortfall(w.mgr, [[K(1), K(2)]], NB, False) == (1, 2)
             assert writeback.needs_wait(w.mgr, [[K(1), K(2)]], NB, False)
             # what the server does once the store may evict dirty objects: both chunks are written
             with w.l1.dirty_eviction():
@@ -56,8 +57,8 @@ def test_a_chain_held_in_l1_or_l2_needs_no_room(tmp_path: Path) -> None:
             w.store([K(6)])
             assert writeback.shortfall(w.mgr, [[K(1), K(2)]], NB, False) == (0, 1)
             assert writeback.shortfall(w.mgr, [[K(1), K(2), K(3)]], NB, False) == (0, 1)  # the clean room
-            assert writeback.shortfall(w.mgr, [[K(1), K(2), K(3), K(4)]], NB, False) == (1, 1)
-            assert writeback.shortfall(w.mgr, [[K(1), K(2)]], NB, True) == (1, 1)  # an overwrite writes all
+            assert writeback.shortfall(w.mgr, [[K(1), K(2), K(3), K(4)]], NB, False) == (1, 2)  # K6, K5 (in flight)
+            assert writeback.shortfall(w.mgr, [[K(1), K(2)]], NB, True) == (1, 2)  # an overwrite writes all
         finally:
             gate.set()
 

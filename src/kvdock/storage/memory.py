@@ -160,7 +160,7 @@ class L1Store:
         everyone else shares the rest. Precondition: ``key`` has no pending reservation."""
         assert key not in self._reserved, "key already reserved"
         dirty = self._dirty_ok if evict_dirty is None else evict_dirty
-        region = self._region_for(key)
+        region = self.region_for(key)
         offset = self.allocator.alloc(nbytes, region)
         while offset is None:
             bucket = (region, aligned(nbytes))
@@ -185,7 +185,7 @@ class L1Store:
         """(slots of ``nbytes`` that reservations for ``key``'s owner can get without evicting a
         dirty object: free ones and clean evictable ones; dirty evictable ones there, or in all of
         a tenant's region carved for other sizes: :meth:`_recarve` then gives the room)."""
-        region = self._region_for(key)
+        region = self.region_for(key)
         size = aligned(nbytes)
         clean, dirty = self._evictable.count((region, size))
         free = self.allocator.free_slots(nbytes, region)
@@ -194,7 +194,7 @@ class L1Store:
         area = self.allocator.regions[region]  # carved for other sizes: only _recarve gives this one
         clean_bytes, dirty_bytes, dirty_all = self._evictable.region(region)
         if size > area.capacity or clean_bytes + dirty_bytes != area.used_bytes:
-            return 0, dirty  # (a pinned or reserved object there: no recarving)
+            return 0, dirty_all  # (a pinned or reserved object there: no recarving now)
         return (0 if dirty_all else area.capacity // size), dirty_all
 
     def when_clean(self, callback: Callable[[], None]) -> None:
@@ -226,7 +226,7 @@ class L1Store:
         area.recarve()
         return True
 
-    def _region_for(self, key: ObjectKey) -> str | None:
+    def region_for(self, key: ObjectKey) -> str | None:
         if self.shares is None or not isinstance(self.allocator, Partitions):
             return None
         owner = self.shares.owner(key)

@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvdock.keys import ObjectKey
+from kvdock.shm.slots import aligned
 
 if TYPE_CHECKING:
     from kvdock.storage.manager import StorageManager
@@ -42,6 +43,13 @@ def shortfall(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int, 
         return 0, 0
     need = sum(len(keys) if overwrite else _writes(mgr, keys) for keys in keysets)
     room, dirty = mgr.l1.room(keysets[0][0], nbytes)
+    if need > room:  # the objects the lanes write now (pinned) give room too once written
+        region = mgr.l1.region_for(keysets[0][0])
+        for lane in mgr.lanes:
+            o = lane.pinned
+            if o is None or not o.dirty or o.region != region:
+                continue
+            dirty += region is not None or aligned(o.nbytes) == aligned(nbytes)  # (a tenant's region: recarved)
     return max(0, need - room), dirty
 
 

@@ -5,14 +5,9 @@ beyond the wire (tests/cli/test_cli_light.py checks it in a fresh interpreter)."
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
-import urllib.parse
-import urllib.request
-from typing import Any
 
-from kvdock.config import TOKEN_ENV, http_opener
+from kvdock.config import TOKEN_ENV
 from kvdock.errors import (
     InvalidInputError,
     KVCacheSDKError,
@@ -23,28 +18,6 @@ from kvdock.protocol import messages as m
 from kvdock.protocol.codes import sdk_error
 from kvdock.transport.client import ConnectionLost, ControlClient, ControlTimeout, HandshakeRefused
 from kvdock.transport.curve import resolve_client
-
-
-def get_json(http_url: str, path: str, timeout: float, token: str = "") -> dict[str, Any]:
-    """GET ``http_url + path`` as a JSON object (``token``: ``Authorization: Bearer``);
-    PermissionDeniedError for a 401/403, ServerUnavailableError naming the URL otherwise."""
-    url = http_url.rstrip("/") + path
-    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
-        raise InvalidInputError(f"not an HTTP URL: {http_url!r} (e.g. http://127.0.0.1:9000)")
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with http_opener(url).open(request, timeout=timeout) as resp:
-            doc = json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        if e.code in (401, 403):
-            raise PermissionDeniedError(f"kvdock HTTP API at {url}: {e.read().decode(errors='replace')}") from None
-        raise ServerUnavailableError(f"kvdock HTTP API at {url} answered {e.code} {e.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        raise ServerUnavailableError(f"cannot reach the kvdock HTTP API at {url}: {reason}") from None
-    if not isinstance(doc, dict):
-        raise ServerUnavailableError(f"{url} did not return a JSON object")
-    return doc
 
 
 def register(

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvdock.cli.light import get_json
+    from kvdock.httpjson import get_json
 
     print(json.dumps(get_json(args.http_url, "/status", args.timeout, token(args)), indent=2))
     return 0

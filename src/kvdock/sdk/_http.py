@@ -5,35 +5,14 @@ from __future__ import annotations
 # the codec getaddrinfo encodes host names with, loaded with the SDK: a process that drops its
 # privileges after importing kvdock (to a user who cannot read the stdlib) still resolves hosts
 import encodings.idna  # noqa: F401
-import json
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
 
-from kvdock.config import http_opener, is_loopback
+from kvdock.config import is_loopback
 from kvdock.errors import PermissionDeniedError, ServerUnavailableError
-
-
-def get_json(http_url: str, path: str, timeout: float, token: str = "") -> dict[str, Any]:
-    """GET ``http_url + path`` as JSON (``token``: sent as ``Authorization: Bearer``);
-    PermissionDeniedError for a 401/403, ServerUnavailableError (naming the URL) on any other
-    failure."""
-    url = http_url.rstrip("/") + path
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with http_opener(url).open(request, timeout=timeout) as resp:  # no proxy for loopback
-            doc = json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        if e.code in (401, 403):
-            raise PermissionDeniedError(f"kvdock HTTP API at {url}: {e.read().decode(errors='replace')}") from None
-        raise ServerUnavailableError(f"kvdock HTTP API at {url} answered {e.code} {e.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        raise ServerUnavailableError(f"cannot reach the kvdock HTTP API at {url}: {reason}") from None
-    if not isinstance(doc, dict):
-        raise ServerUnavailableError(f"{url} did not return a JSON object")
-    return doc
+from kvdock.httpjson import get_json
 
 
 def server_config(http_url: str, timeout: float = 10.0, token: str = "") -> dict[str, Any]:

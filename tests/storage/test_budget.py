@@ -8,7 +8,7 @@ import pytest
 
 from kvdock.errors import NoRoom
 from kvdock.storage.budget import Budget
-from kvdock.storage.policy import S3FIFO
+from kvdock.storage.policy import S3FIFO, make_policy
 from kvdock.storage.shares import Shares
 
 OWNERS = {"a": "a", "b": "b"}  # salt -> tenant; any other salt: nobody's
@@ -75,3 +75,24 @@ def test_a_scan_resistant_policy_orders_the_budget() -> None:
     b.used += 1
     with pytest.raises(AssertionError, match="budget bytes drifted"):
         b.check()
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "prefix-lru"])
+def test_a_tenant_over_its_quota_finds_its_victim_without_simulating_the_whole_order(policy: str) -> None:
+    # (review R5) a tenant over its quota whose objects are not the policy's first victim: the
+    # walk for its own went through order(), which S3FIFO builds by simulating every eviction on
+    # a full copy (O(n), "tests and checks only") -- on every write of that tenant to L2/L3
+    b: Budget[str] = Budget(Shares(lambda salt: OWNERS.get(salt), {"a": 30}), make_policy(policy), tier="L2")
+    for i in range(2000):
+        b.add(f"n{i}", 1, None)
+    for i in range(3):
+        b.add(f"a{i}", 10, "a")
+
+    def no_order() -> list[str]:
+        raise AssertionError("order() (O(n), tests and checks only) on an eviction")
+
+    b.policy.order = no_order  # type: ignore[method-assign]
+    assert b.next_victim(10, "a", None) == "a0"
+    b.remove("a0", evicted=True)
+    assert b.next_victim(10, "a", None) is None
+    assert b.next_victim(10, "a", 2025) == "n0"  # over capacity: nobody's, in order

@@ -30,6 +30,7 @@ Policies by name: :data:`POLICIES` (``--eviction-policy``).
 from __future__ import annotations
 
 import abc
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
@@ -80,11 +81,16 @@ class Policy(abc.ABC, Generic[K]):
 
     def first(self, may: Callable[[K], bool]) -> K | None:
         """The first key in eviction order that ``may`` lets go (a tenant's quota: storage.shares);
-        the victim itself when ``may`` takes it, else a walk in :meth:`order`."""
+        the victim itself when ``may`` takes it, else the first of :meth:`walk`."""
         found = self.victim()
         if found is None or may(found):
             return found
-        return next((k for k in self.order() if may(k)), None)
+        return next((k for k in self.walk() if may(k)), None)
+
+    def walk(self) -> Iterator[K]:
+        """Every key, lazily, in eviction order or close to it (what :meth:`first` walks: it stops
+        at the first key it may take, never building :meth:`order`)."""
+        return iter(self.order())
 
     def check(self) -> None:
         """Assert the policy's own invariants."""
@@ -200,6 +206,9 @@ class PrefixLRU(Policy[K]):
     def order(self) -> list[K]:
         return list(self._q)
 
+    def walk(self) -> Iterator[K]:
+        return iter(self._q)
+
 
 class S3FIFO(Policy[K]):
     """S3-FIFO (Yang et al., SOSP'23), prefix-aware. New keys enter a small FIFO (10 % of the
@@ -290,6 +299,11 @@ class S3FIFO(Policy[K]):
             self._main.remove(key)
             self._main.push(key, self._before[key])
         return None
+
+    def walk(self) -> Iterator[K]:
+        """Orphans, then the small FIFO, then main, each front first (the passes that would
+        reinsert keys read meanwhile are not simulated: see :meth:`order`)."""
+        return itertools.chain(self._orphans, self._small, self._main)
 
     def order(self) -> list[K]:
         """The keys as the next evictions would take them if nothing were read meanwhile

@@ -50,6 +50,33 @@ def _served_name(vllm_config: Any) -> str:
     return str(served or model.model)
 
 
+def check_kv_cache_groups(kv_cache_config: Any) -> None:
+    """Refuse (UnsupportedLayoutError) KV cache groups kvdock cannot map: block ids are per group
+    and kvdock maps one group's blocks onto every layer, so exactly one group; and a group whose
+    blocks all stay the request's while it runs (full attention, MLA). A model whose every layer
+    is sliding-window (or chunked-local, R-SWA, circular, Mamba) keeps one such group even with
+    vLLM's hybrid allocator off, and vLLM frees and reuses the blocks that fall out of the window
+    while the request runs: a save would copy another request's KV out of them, a load would
+    write into another request's blocks."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is None:
+        return
+    if len(groups) != 1:
+        raise UnsupportedLayoutError(
+            f"kvdock supports one KV cache group, this model has {len(groups)} (hybrid models are not supported)"
+        )
+    from vllm.v1 import kv_cache_interface as kvi
+
+    spec = groups[0].kv_cache_spec
+    names = ("RSWASpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")  # (R-SWA: newer vLLMs)
+    partial = tuple(getattr(kvi, n) for n in names if hasattr(kvi, n))
+    if not isinstance(spec, kvi.FullAttentionSpec) or isinstance(spec, partial):
+        raise UnsupportedLayoutError(
+            f"kvdock maps only full-attention KV (every block kept while the request runs); this model's "
+            f"KV cache is {type(spec).__name__}: vLLM frees its blocks outside the window mid-request"
+        )
+
+
 @dataclass
 class KvdockHandshake(KVConnectorHandshakeMetadata):
     """What a worker tells the scheduler at start: the layout it registers, so that the scheduler
@@ -70,12 +97,7 @@ class KvdockConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg = ConnectorConfig.from_extra(extra, _served_name(vllm_config))
-        groups = getattr(kv_cache_config, "kv_cache_groups", None)
-        if groups is not None and len(groups) != 1:
-            # block ids are per group; kvdock maps one group's blocks onto every layer
-            raise UnsupportedLayoutError(
-                f"kvdock supports one KV cache group, this model has {len(groups)} (hybrid models are not supported)"
-            )
+        check_kv_cache_groups(kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         # the model beyond its shapes: kvdock refuses to mix its KV with another model's of the name

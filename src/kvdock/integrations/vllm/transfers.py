@@ -182,9 +182,20 @@ class Transfers:
         with self._cv:
             return self._cv.wait_for(lambda: not self._busy, timeout)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the threads once the work queued so far is done, waiting at most ``timeout``: the
+        copier first (no copy reads vLLM's pages after this returns, which vLLM releases next), then
+        the network thread (the worker closes its link next, which must not happen under a store;
+        a stopped server costs one ``kvdock.timeout``, then the link is down and the rest is
+        quick). Threads still running at the deadline are daemons, left behind with a warning."""
+        deadline = time.monotonic() + timeout
+        copier, net = self._threads
         self._copy_q.put(None)
-        self._net_q.put((2, next(self._seq), None))
+        copier.join(max(0.0, deadline - time.monotonic()))
+        self._net_q.put((2, next(self._seq), None))  # after every save the copier has handed on
+        net.join(max(0.0, deadline - time.monotonic()))
+        if copier.is_alive() or net.is_alive():
+            log.warning("kvdock: transfers still running %.0fs after shutdown began; left behind", timeout)
 
     # -- background threads -----------------------------------------------------------------------
 
@@ -246,7 +257,9 @@ class Transfers:
                 self._stats["saved_tokens"] += len(job.spec.tokens) if written else 0
             return
         spec = job.spec
-        failed, nbytes = set(spec.block_ids), 0
+        bs = len(spec.tokens) // len(spec.block_ids) if spec.block_ids else 1  # whole blocks of the tokens
+        # if fetch raises: the planned blocks, never vLLM's own prefix-hit blocks before them (shared)
+        failed, nbytes = set(spec.block_ids[spec.start // bs : spec.end // bs]), 0
         try:
             failed, nbytes = self.w.fetch(spec)
         finally:

@@ -1,0 +1,145 @@
+"""Review R6 of the asynchronous vLLM connector (issue 30): regressions for what the review found.
+
+* A model whose every layer is sliding-window keeps one KV cache group with vLLM's hybrid
+  allocator off, and vLLM frees the blocks that leave the window while the request runs: the
+  connector must refuse it (a save would copy reused blocks: another request's KV).
+* A background load that fails without saying which blocks reports the planned blocks only,
+  never vLLM's own prefix-cache blocks before them (shared with other requests).
+* Shutdown waits (bounded) for copies in flight and the network thread's work, so the link is
+  never closed under a store and no copy reads pages vLLM is about to release.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from kvdock.errors import UnsupportedLayoutError
+from kvdock.integrations.vllm import check_kv_cache_groups
+from kvdock.integrations.vllm.plan import LoadSpec, SaveSpec
+from kvdock.integrations.vllm.transfers import Transfers
+
+BPT = 100
+
+
+def _config(*specs: Any) -> Any:
+    return SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
+
+
+def _full(**kw: Any) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, **kw)
+
+
+def test_a_model_whose_only_group_frees_blocks_mid_request_is_refused() -> None:
+    window = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+    with pytest.raises(UnsupportedLayoutError, match="SlidingWindowSpec"):
+        check_kv_cache_groups(_config(window))
+    local = ChunkedLocalAttentionSpec(
+        block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, attention_chunk_size=64
+    )
+    with pytest.raises(UnsupportedLayoutError, match="ChunkedLocalAttentionSpec"):
+        check_kv_cache_groups(_config(local))
+    with pytest.raises(UnsupportedLayoutError, match="one KV cache group, this model has 2"):
+        check_kv_cache_groups(_config(_full(), window))
+    # what kvdock maps: full attention (also sliding-window layers promoted to it), MLA, no config
+    check_kv_cache_groups(_config(_full()))
+    check_kv_cache_groups(_config(_full(sliding_window=64)))
+    check_kv_cache_groups(_config(MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)))
+    check_kv_cache_groups(None)
+
+
+class _Fake:
+    def __init__(self) -> None:
+        self.copy_gate = threading.Event()
+        self.copy_gate.set()
+        self.store_gate = threading.Event()
+        self.store_gate.set()
+        self.copying = threading.Event()
+        self.stored: list[str] = []
+        self.raise_on_fetch = False
+
+    def mark(self) -> None:
+        return None
+
+    def copy_out(self, block_ids: list[int], mark: Any) -> torch.Tensor:
+        self.copying.set()
+        assert self.copy_gate.wait(30)
+        return torch.tensor(block_ids)
+
+    def store(self, spec: SaveSpec, staged: torch.Tensor) -> int:
+        assert self.store_gate.wait(30)
+        self.stored.append(spec.req_id)
+        return len(spec.tokens) * BPT
+
+    def fetch(self, spec: LoadSpec) -> tuple[set[int], int]:
+        if self.raise_on_fetch:
+            raise RuntimeError("a bug in the load path")
+        return set(), 0
+
+
+def _until(cond: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_background_load_that_raises_reports_only_its_planned_blocks() -> None:
+    w = _Fake()
+    w.raise_on_fetch = True
+    t = Transfers(w, 1 << 20, BPT)
+    try:
+        # blocks 7, 8 are vLLM's own prefix hit (tokens [0, 64)); kvdock loads blocks 9, 10
+        t.load(LoadSpec("r", list(range(128)), [7, 8, 9, 10], 64, 128, "", (), True))
+        _until(lambda: t.drain(0.01))
+        _, recved, errors = t.finished()
+        assert recved == {"r"} and errors == {9, 10}
+    finally:
+        t.shutdown()
+
+
+def test_shutdown_waits_for_copies_in_flight_and_queued_stores() -> None:
+    w = _Fake()
+    t = Transfers(w, 1 << 20, BPT)
+    w.copy_gate.clear()
+    assert t.save(SaveSpec("a", list(range(64)), [1, 2], ""))
+    assert w.copying.wait(30)
+    done = threading.Event()
+
+    def stop() -> None:
+        t.shutdown()
+        done.set()
+
+    stopper = threading.Thread(target=stop)
+    stopper.start()
+    time.sleep(0.2)
+    assert not done.is_set(), "shutdown returned while a copy still read vLLM's pages"
+    w.copy_gate.set()
+    assert done.wait(30)
+    stopper.join(30)
+    assert w.stored == ["a"]  # stored before the worker closes its link
+    assert all(not th.is_alive() for th in t._threads)
+
+
+def test_shutdown_is_bounded_when_a_store_hangs() -> None:
+    w = _Fake()
+    t = Transfers(w, 1 << 20, BPT)
+    w.store_gate.clear()
+    assert t.save(SaveSpec("a", list(range(64)), [1, 2], ""))
+    _until(lambda: not t._reading)
+    start = time.monotonic()
+    t.shutdown(timeout=0.5)
+    assert time.monotonic() - start < 10
+    w.store_gate.set()

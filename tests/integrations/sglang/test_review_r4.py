@@ -7,10 +7,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host
 
-from conftest import PAGE, host_pool, storage_config
+from conftest import LAYOUTS, PAGE, host_pool, storage_config
+from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.sglang import KvdockHiCacheStorage
 from kvdock.keying import sglang_page_hashes
 from kvdock.keys import normalize_tokens
@@ -80,3 +83,47 @@ def test_decode_context_parallel_mla_ranks_never_load_each_others_pages(
     cfgs = [_config(sgl_server, "r4-dcp", tp_rank=r, dcp_rank=r, **dcp) for r in range(2)]
     assert all(c.is_storage_writer for c in cfgs)  # SGLang: each DCP rank writes its own shard
     _two_ranks_never_share_pages(sgl_server, backend, True, cfgs)
+
+
+@pytest.mark.parametrize(
+    ("mla", "layout"),
+    [(False, layout) for layout in (*LAYOUTS, "page_head")] + [(True, layout) for layout in LAYOUTS],
+)
+def test_the_generic_and_zero_copy_paths_agree_on_every_layout(
+    sgl_server: ServerProcess, backend: Make, mla: bool, layout: str
+) -> None:
+    """A chain's first page is one kvdock chunk whichever path stored it (an engine with
+    ``interface_v1`` and one without share it): SGLang's flat data page and the host page must be
+    the same chunk, or one path loads the other's bytes transposed."""
+    pool = host_pool(mla, layout)
+    name = f"r4-paths-{'mla' if mla else 'mha'}-{layout}"
+    b = backend(storage_config(sgl_server, mla=mla, v1=False, **{"kvdock.model_name": name}), pool)
+    _fill(pool, seed=21)
+    k = [sglang_page_hashes(_tokens(1, seed=s), PAGE)[0] for s in (31, 32)]
+    src = pool.alloc(2 * PAGE)
+    # generic set, zero-copy get
+    assert b.set(k[0], pool.get_data_page(int(src[0])))
+    dst = pool.alloc(PAGE)
+    assert b.batch_get_v1(k[:1], dst, HiCacheStorageExtraInfo(prefix_keys=[])) == [True]
+    assert torch.equal(_pages(b, dst), _pages(b, src[:PAGE]))
+    # zero-copy set, generic get (into SGLang's dummy page, then SGLang's own set_from_flat_data_page)
+    assert b.batch_set_v1(k[1:], src[PAGE:], HiCacheStorageExtraInfo(prefix_keys=[])) == [True]
+    flat = b.get(k[1], pool.get_dummy_flat_data_page())
+    assert flat is not None
+    dst2 = pool.alloc(PAGE)
+    pool.set_from_flat_data_page(int(dst2[0]), flat)
+    assert torch.equal(_pages(b, dst2), _pages(b, src[PAGE:]))
+
+
+def test_a_host_pool_with_state_outside_its_kv_buffer_is_refused(sgl_server: ServerProcess, backend: Make) -> None:
+    """SGLang's MXFP8 MHA host pool keeps each page's block scales outside ``kv_buffer`` (its own
+    L3 page methods refuse: "a page's UE8M0 scales live outside kv_buffer"); kvdock moving only
+    ``kv_buffer`` would load pages with another page's scales. The pool needs CUDA to build, so
+    this is a real page_first MHA pool given that class (its own ``get_size_per_token``)."""
+    pool = host_pool(False, "page_first")
+    pool.__class__ = MHATokenToKVPoolMXFP8Host
+    pool.k_sf_page_bytes = pool.v_sf_page_bytes = 4 * pool.layer_num * PAGE  # (one UE8M0 byte per 32)
+    assert pool.get_size_per_token() > 2 * pool.layer_num * pool.head_num * pool.head_dim * pool.dtype.itemsize
+    b = KvdockHiCacheStorage(_config(sgl_server, "r4-mxfp8"), {})
+    with pytest.raises(UnsupportedLayoutError, match="outside"):
+        b.register_mem_pool_host(pool)

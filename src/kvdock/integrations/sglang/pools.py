@@ -38,7 +38,8 @@ MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 class HostPages:
     """One SGLang host KV pool (``MHATokenToKVPoolHost`` or ``MLATokenToKVPoolHost``) seen as
     kvdock chunks of ``page_size`` tokens. UnsupportedLayoutError for any other pool, layout,
-    K and V of different widths, or a pool whose buffer is not one tensor."""
+    K and V of different widths, a pool whose buffer is not one tensor, or one that keeps
+    per-token state outside it (its ``get_size_per_token()`` is more than the buffer's)."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
@@ -71,6 +72,14 @@ class HostPages:
                 f"kvdock: {type(pool).__name__} ({self.layout}) buffer of shape {tuple(buf.shape)}, expected {expected}"
             )
         self.capacity = int(pool.size)  # host slots (tokens)
+        # a pool with per-page state outside kv_buffer (MXFP8's block scales) says so in its size
+        sized = getattr(pool, "get_size_per_token", None)
+        per_token = int(sized()) if callable(sized) else self.chunk_nbytes // self.page_size
+        if per_token != self.chunk_nbytes // self.page_size:
+            raise UnsupportedLayoutError(
+                f"kvdock: {type(pool).__name__} keeps {per_token} bytes per token, its KV buffer "
+                f"{self.chunk_nbytes // self.page_size}: state outside kv_buffer is not supported"
+            )
 
     def _buffer_shape(self) -> tuple[int, ...]:
         L, P, H, D, size = self.num_layers, self.page_size, self.heads, self.head_dim, int(self.pool.size)

@@ -3,6 +3,7 @@ own storage config and host pools."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -127,3 +128,51 @@ def test_a_host_pool_with_state_outside_its_kv_buffer_is_refused(sgl_server: Ser
     b = KvdockHiCacheStorage(_config(sgl_server, "r4-mxfp8"), {})
     with pytest.raises(UnsupportedLayoutError, match="outside"):
         b.register_mem_pool_host(pool)
+
+
+def test_sglangs_prefetch_and_backup_threads_share_one_backend(sgl_server: ServerProcess, backend: Make) -> None:
+    """SGLang's backup thread stores while its prefetch thread looks up and loads, on one backend:
+    every page reported loaded holds exactly the bytes stored under its key, and nothing raises."""
+    pool = host_pool(False, "page_first_direct", pages=64)
+    b = backend(storage_config(sgl_server, **{"kvdock.model_name": "r4-threads"}), pool)
+    _fill(pool, seed=41)
+    prompts = [sglang_page_hashes(_tokens(2, seed=500 + i), PAGE) for i in range(12)]
+    srcs = [pool.alloc(2 * PAGE) for _ in prompts]
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    errors: list[BaseException] = []
+
+    def backup() -> None:
+        try:
+            for keys, src in zip(prompts, srcs, strict=True):
+                b.batch_set_v1(keys, src, info)
+        except BaseException as e:  # pragma: no cover - the failure is asserted below
+            errors.append(e)
+
+    def prefetch() -> None:
+        try:
+            for _ in range(3):
+                for keys, src in zip(prompts, srcs, strict=True):
+                    n = b.batch_exists(keys, info)
+                    dst = pool.alloc(2 * PAGE)
+                    got = b.batch_get_v1(keys[:n], dst[: n * PAGE], info) if n else []
+                    k = sum(got)
+                    assert got == [True] * k + [False] * (n - k)
+                    if k:
+                        assert torch.equal(_pages(b, dst[: k * PAGE]), _pages(b, src[: k * PAGE]))
+                    pool.free(dst)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=backup), threading.Thread(target=prefetch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert all(not t.is_alive() for t in threads)
+    # afterwards every prompt loads whole
+    for keys, src in zip(prompts, srcs, strict=True):
+        dst = pool.alloc(2 * PAGE)
+        assert b.batch_get_v1(keys, dst, info) == [True, True]
+        assert torch.equal(_pages(b, dst), _pages(b, src))
+        pool.free(dst)

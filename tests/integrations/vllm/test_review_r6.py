@@ -143,3 +143,20 @@ def test_shutdown_is_bounded_when_a_store_hangs() -> None:
     t.shutdown(timeout=0.5)
     assert time.monotonic() - start < 10
     w.store_gate.set()
+
+
+def test_a_real_engine_of_an_all_sliding_window_model_is_refused_at_start(tmp_path: Any) -> None:
+    """vLLM keeps a uniform sliding-window model's single group as SlidingWindowSpec (its blocks
+    outside the window are freed while the request runs): the engine refuses to start with kvdock
+    rather than saving reused blocks."""
+    from engines import TINY, Engine
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path / "mistral"
+    MistralForCausalLM(MistralConfig(**{**TINY, "sliding_window": 64}, torch_dtype="float32")).eval().save_pretrained(
+        path
+    )
+    extra = {"kvdock.url": "tcp://127.0.0.1:9", "kvdock.http_url": "http://127.0.0.1:9", "kvdock.model_name": "m"}
+    with pytest.raises(RuntimeError, match="SlidingWindowSpec"), Engine(path, "float32", extra, tmp_path / "e.log"):
+        pass

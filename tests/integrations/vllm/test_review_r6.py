@@ -160,3 +160,28 @@ def test_a_real_engine_of_an_all_sliding_window_model_is_refused_at_start(tmp_pa
     extra = {"kvdock.url": "tcp://127.0.0.1:9", "kvdock.http_url": "http://127.0.0.1:9", "kvdock.model_name": "m"}
     with pytest.raises(RuntimeError, match="SlidingWindowSpec"), Engine(path, "float32", extra, tmp_path / "e.log"):
         pass
+
+
+def test_a_step_without_a_forward_pass_waits_a_little_for_delayed_frees() -> None:
+    """vLLM steps without a forward pass while a request waits for blocks held by delayed frees:
+    such a step waits (bounded) for the copies that hold them, instead of spinning."""
+    w = _Fake()
+    t = Transfers(w, 1 << 20, BPT)
+    try:
+        w.copy_gate.clear()
+        assert t.save(SaveSpec("a", list(range(64)), [1, 2], ""))
+        assert w.copying.wait(30)
+        t.delay({"a"})
+        start = time.monotonic()
+        t.wait_loaded(0.2)  # bounded: the copy cannot finish yet
+        assert 0.15 < time.monotonic() - start < 5.0
+        threading.Timer(0.1, w.copy_gate.set).start()
+        start = time.monotonic()
+        t.wait_loaded(30)  # returns as soon as the copy is done and "a" can be reported
+        assert time.monotonic() - start < 10
+        assert t.finished()[0] == {"a"}
+        start = time.monotonic()
+        t.wait_loaded(5.0)  # nothing in flight: at once
+        assert time.monotonic() - start < 1.0
+    finally:
+        t.shutdown()

@@ -128,11 +128,13 @@ class Transfers:
         self._net_q.put((0, next(self._seq), _Load(spec)))
 
     def wait_loaded(self, timeout: float) -> None:
-        """Wait (at most ``timeout``) until a background load is over, if one is in flight: in a
-        step without a forward pass waiting holds nothing up, and it saves vLLM a step of spinning
-        before the request can run."""
+        """Wait (at most ``timeout``) until a background load is over, or a finished request's
+        copies are (its blocks come back), if one is in flight: in a step without a forward pass
+        waiting holds nothing up, and it saves vLLM steps of spinning -- before the loaded request
+        can run, or while a request waits for blocks that delayed frees hold (vLLM then neither
+        preempts nor schedules it, and steps empty until they are reported)."""
         with self._cv:
-            self._cv.wait_for(lambda: self._recved or not self._bg_loads, timeout)
+            self._cv.wait_for(lambda: self._recved or self._sent or not (self._bg_loads or self._delayed), timeout)
 
     def load_now(self, specs: list[LoadSpec]) -> list[set[int]]:
         """Load ``specs`` ahead of any other network work and wait for them (each kvdock call is

@@ -4,6 +4,7 @@ own storage config and host pools."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.sglang import KvdockHiCacheStorage
 from kvdock.keying import sglang_page_hashes
 from kvdock.keys import normalize_tokens
-from kvdock.testing import ServerProcess
+from kvdock.testing import ServerProcess, start_server
 
 Make = Callable[..., KvdockHiCacheStorage]
 
@@ -176,3 +177,33 @@ def test_sglangs_prefetch_and_backup_threads_share_one_backend(sgl_server: Serve
         assert b.batch_get_v1(keys, dst, info) == [True, True]
         assert torch.equal(_pages(b, dst), _pages(b, src))
         pool.free(dst)
+
+
+def test_a_kvdock_restart_between_calls_re_registers_and_never_serves_stale_pages(backend: Make, tmp_path: Any) -> None:
+    """The server restarts (same ports, empty, the model forgotten) between SGLang's calls: the
+    pages stored before are misses, the backend registers again, and what it stores then is what
+    it loads."""
+    srv = start_server("--no-disk", chunk_size=PAGE, l1_size="64MiB", log_path=tmp_path / "a.log")
+    pool = host_pool(False, "layer_first")
+    settings = {"kvdock.model_name": "r4-restart", "kvdock.timeout": 5, "kvdock.retry_s": 0}
+    b = backend(storage_config(srv, **settings), pool)
+    _fill(pool, seed=51)
+    keys = sglang_page_hashes(_tokens(2, seed=52), PAGE)
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    src = pool.alloc(2 * PAGE)
+    assert b.batch_set_v1(keys, src, info) == [True, True]
+    srv.stop()
+    srv = start_server(
+        "--no-disk", chunk_size=PAGE, l1_size="64MiB", log_path=tmp_path / "b.log", port=srv.port,
+        http_port=srv.http_port,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while b.batch_exists(keys, info) != 0 or b.batch_set_v1(keys, src, info) != [True, True]:
+            assert time.monotonic() < deadline, dict(b.stats)
+            time.sleep(0.2)
+        dst = pool.alloc(2 * PAGE)
+        assert b.batch_get_v1(keys, dst, info) == [True, True]
+        assert torch.equal(_pages(b, dst), _pages(b, src))
+    finally:
+        srv.stop()

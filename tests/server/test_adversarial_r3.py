@@ -40,11 +40,6 @@ def _idle(srv, deadline_s: float = 120.0, token: str = "") -> dict:  # type: ign
         time.sleep(0.05)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R3 bug: L2's Budget inserts keys without their parent (storage/budget.py add: policy.insert(key)), so "
-    "s3fifo and prefix-lru evict L2 files head first and keep tails whose head is gone (orphans, unreachable)",
-)
 @pytest.mark.subprocess_server
 @pytest.mark.parametrize("policy", ["s3fifo", "prefix-lru"])
 def test_l2_never_keeps_a_tail_whose_head_it_evicted(make_server, tmp_path, policy: str) -> None:
@@ -386,11 +381,6 @@ def test_a_tenants_dirty_burst_evicts_only_its_own_l1_region(make_server, tmp_pa
         assert kvd.check_server_integrity(a, admin) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R3 bug: the L3 budget (--redis-max-bytes, storage/budget.py) inserts keys without their parent, so "
-    "s3fifo evicts this server's L3 writes head first and keeps tails whose head is gone (unreachable orphans)",
-)
 @pytest.mark.subprocess_server
 def test_the_l3_budget_never_keeps_a_tail_whose_head_it_evicted(make_server, redis_server) -> None:
     srv = make_server("--no-disk", "--redis-url", redis_server.url, "--redis-max-bytes", "48KiB", l1_size="16KiB")

@@ -96,3 +96,56 @@ def test_a_tenant_over_its_quota_finds_its_victim_without_simulating_the_whole_o
     b.remove("a0", evicted=True)
     assert b.next_victim(10, "a", None) is None
     assert b.next_victim(10, "a", 2025) == "n0"  # over capacity: nobody's, in order
+
+
+def _prompt(b: Budget[str], name: str, first_version: int, n: int = 4) -> None:
+    """``n`` chunks ``name0``.. of one prompt, head first (versions first_version.., each chained)."""
+    for i in range(n):
+        b.add(f"{name}{i}", 1, None, version=first_version + i, parent=first_version + i - 1 if i else 0)
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "prefix-lru"])
+def test_a_prefix_aware_budget_evicts_a_prompts_tail_before_its_head(policy: str) -> None:
+    # (issue 28 review R3) L2 and the L3 budget inserted keys without their parent: s3fifo and
+    # prefix-lru evicted the heads of prompts first and kept their tails (unreachable orphans)
+    b: Budget[str] = Budget(policy=make_policy(policy), tier="L2")
+    _prompt(b, "p", 10)
+    _prompt(b, "q", 20)
+    assert b.policy.order() == ["p3", "p2", "p1", "p0", "q3", "q2", "q1", "q0"]
+    assert drain(b, 2, None, 8) == ["p3", "p2"]
+    b.check()
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "prefix-lru"])
+def test_a_budget_evicts_orphans_first(policy: str) -> None:
+    b: Budget[str] = Budget(policy=make_policy(policy), tier="L3")
+    _prompt(b, "p", 10)
+    _prompt(b, "q", 20)
+    b.remove("q1")  # deleted (an overwrite, a corrupt file): q2 hangs from nothing (and q3 from q2)
+    assert b.next_victim(1, None, 7) == "q2"
+    b.add("r1", 1, None, version=31, parent=30)  # written while its head is not held: an orphan
+    gone = drain(b, 2, None, 7)
+    assert set(gone) == {"q2", "q3", "r1"} and gone.index("q2") < gone.index("q3"), gone  # q3: once q2 is gone
+    assert drain(b, 1, None, 5) == ["p3"]  # then tails before heads again
+    b.check()
+
+
+def test_a_read_keeps_a_tail_no_longer_than_its_head() -> None:
+    b: Budget[str] = Budget(policy=make_policy("prefix-lru"), tier="L2")
+    _prompt(b, "p", 10, n=2)
+    _prompt(b, "q", 20, n=2)
+    b.touch("p1")  # used, but never more recent than p0: it goes just ahead of it
+    assert b.policy.order() == ["p1", "p0", "q1", "q0"]
+    b.touch("p0")
+    b.touch("p1")  # (as a request reads its prompt: head first)
+    assert b.policy.order() == ["q1", "q0", "p1", "p0"]
+    b.check()
+
+
+def test_the_budgets_prefix_index_is_checked() -> None:
+    b: Budget[str] = Budget(policy=make_policy("s3fifo"), tier="L2")
+    _prompt(b, "p", 10, n=2)
+    b.check()
+    b._children[10].add("stray")
+    with pytest.raises(AssertionError, match="successors index drifted"):
+        b.check()

@@ -13,6 +13,13 @@ The rule (:meth:`Budget.next_victim`), for ``nbytes`` more of ``owner``:
 3. what can never fit (more than the capacity or the owner's whole quota, or nothing left that
    may go) is :class:`~kvdock.errors.NoRoom`.
 
+Prefix-aware, as L1 is (:mod:`kvdock.storage.prefixes`): each object comes with its ``version`` and
+``parent`` (the version of the chunk before it in its prompt, 0 for a head; an object's header).
+The policy is told the key of the object of version ``parent`` when the budget holds it (a tail
+goes just ahead of its head), and an object whose predecessor is not held, or leaves, is an
+*orphan*: :meth:`Policy.demote`, evicted first. So a tier never evicts a head while keeping a tail
+that hangs from it (unreachable bytes). Version 0 (objects before version chains) has no place.
+
 Not thread-safe: the tier's own lock guards it. Keys are whatever the tier names objects by.
 """
 
@@ -42,6 +49,9 @@ class Budget(Generic[K]):
         self.policy = cast(Policy[K], policy if policy is not None else LRU())
         self._charges: dict[K, Charge] = {}
         self.used = 0
+        self._heads: dict[K, tuple[int, int]] = {}  # key -> (version, parent) of a chained object
+        self._versions: dict[int, K] = {}  # version -> the key holding it
+        self._children: dict[int, set[K]] = {}  # parent version -> keys of the objects after it
 
     def __len__(self) -> int:
         return len(self._charges)
@@ -55,15 +65,26 @@ class Budget(Generic[K]):
     def get(self, key: K) -> Charge | None:
         return self._charges.get(key)
 
-    def add(self, key: K, nbytes: int, owner: Owner, charge: bool = True) -> None:
-        """``key`` (absent) holds ``nbytes`` of ``owner`` now, last in eviction order. ``charge``:
-        charge the owner's share here (False: the tier charged it already, for a write in flight)."""
+    def add(self, key: K, nbytes: int, owner: Owner, charge: bool = True, version: int = 0, parent: int = 0) -> None:
+        """``key`` (absent) holds ``nbytes`` of ``owner`` now, last in eviction order but never
+        after the chunk before it (``version``, ``parent``: see the module docstring; an orphan
+        goes first). ``charge``: charge the owner's share here (False: the tier charged it
+        already, for a write in flight)."""
         assert key not in self._charges, "added twice"
         self._charges[key] = Charge(nbytes, owner)
         self.used += nbytes
         if charge and self.shares is not None:
             self.shares.charge(owner, nbytes)
-        self.policy.insert(key)
+        before = self._versions.get(parent) if parent else None
+        self.policy.insert(key, before=before)
+        if version or parent:
+            self._heads[key] = (version, parent)
+            if version:
+                self._versions[version] = key
+            if parent:
+                self._children.setdefault(parent, set()).add(key)
+                if before is None:
+                    self.policy.demote(key)  # its predecessor is not here: useless until it comes back
 
     def remove(self, key: K, evicted: bool = False) -> Charge | None:
         """Forget ``key`` (its share released); its charge, None if absent. ``evicted``: for room
@@ -78,12 +99,26 @@ class Budget(Generic[K]):
             self.policy.evict(key)
         else:
             self.policy.remove(key)
+        version, parent = self._heads.pop(key, (0, 0))
+        if parent:
+            siblings = self._children[parent]
+            siblings.discard(key)
+            if not siblings:
+                del self._children[parent]
+        if version and self._versions.get(version) == key:
+            del self._versions[version]
+            for orphan in self._children.get(version, ()):
+                self.policy.demote(orphan)  # the chunk they hang from is gone: they go first
         return found
+
+    def _before(self, key: K) -> K | None:
+        parent = self._heads.get(key, (0, 0))[1]
+        return self._versions.get(parent) if parent else None
 
     def touch(self, key: K) -> None:
         """``key`` was read (if it is here)."""
         if key in self._charges:
-            self.policy.access(key)
+            self.policy.access(key, before=self._before(key))
 
     def next_victim(
         self, nbytes: int, owner: Owner, capacity: int | None, pending: int = 0, replacing: K | None = None
@@ -119,5 +154,9 @@ class Budget(Generic[K]):
         assert self.used == sum(c.nbytes for c in self._charges.values()), "budget bytes drifted"
         self.policy.check()
         assert set(self.policy.order()) == set(self._charges), "the policy orders other keys than the budget holds"
+        assert self._heads.keys() <= self._charges.keys(), "a chained key the budget does not hold"
+        assert all(self._heads[k][0] == v for v, k in self._versions.items()), "a version indexed under another key"
+        kids = {k for c in self._children.values() for k in c}
+        assert kids == {k for k, (_, p) in self._heads.items() if p}, "the successors index drifted"
         if shares and self.shares is not None:
             self.shares.check((c.owner, c.nbytes) for c in self._charges.values())

@@ -170,7 +170,8 @@ class DiskTier(StorageTier):
         with self._lock:
             for _, entry in sorted(found, key=lambda t: t[0]):
                 self._index[entry.key] = entry
-                self._budget.add(entry.key, entry.file_size, self._owner(entry.key))
+                v, p = entry.head
+                self._budget.add(entry.key, entry.file_size, self._owner(entry.key), version=v, parent=p)
             for owner in list(self.shares.quotas) if self.shares is not None else ():
                 self._make_room(0, owner)  # a quota may have shrunk since the last run
             self._make_room(0)  # ... and so may the budget
@@ -280,7 +281,8 @@ class DiskTier(StorageTier):
                     path.unlink(missing_ok=True)  # not replaced: the older version must not stay
                 raise
             self._index[key] = DiskEntry(key, path, size, head, decoded.identity)
-            self._budget.add(key, size, owner, charge=False)  # (charged since the promise)
+            # (charged since the promise); after the chunk before it in its prompt (storage.budget)
+            self._budget.add(key, size, owner, charge=False, version=head.version, parent=head.parent)
         return size
 
     def _unindex(self, key: ObjectKey) -> DiskEntry | None:

@@ -212,9 +212,10 @@ class RedisTier(StorageTier):
                 self.counters.fenced += 1
                 raise WriteFenced(f"L3 refused a stale write-down of {key.chunk.hex()[:16]}")
         if self._tracking:
+            head, _ = objfile.decode_header(header)  # its place after its prompt's head (storage.budget)
             with self._lock:
                 self._written.remove(final)
-                self._written.add(final, size, owner)
+                self._written.add(final, size, owner, version=head.version, parent=head.parent)
         return size
 
     def _forget(self, final: bytes) -> None:

@@ -185,3 +185,41 @@ def test_a_step_without_a_forward_pass_waits_a_little_for_delayed_frees() -> Non
         assert time.monotonic() - start < 1.0
     finally:
         t.shutdown()
+
+
+def test_a_save_larger_than_the_staging_left_is_cut_to_its_head_not_dropped() -> None:
+    """A save names the request's whole prefix: one larger than ``kvdock.save_buffer_mb`` (2048
+    tokens of an 8B model by default) must still store the head that fits, or long prompts are
+    never cached at all."""
+
+    class Recording(_Fake):
+        def __init__(self) -> None:
+            super().__init__()
+            self.copied: list[list[int]] = []
+            self.saved: list[tuple[str, list[int]]] = []
+
+        def copy_out(self, block_ids: list[int], mark: Any) -> torch.Tensor:
+            self.copied.append(list(block_ids))
+            return super().copy_out(block_ids, mark)
+
+        def store(self, spec: SaveSpec, staged: torch.Tensor) -> int:
+            self.saved.append((spec.req_id, list(spec.tokens)))
+            return super().store(spec, staged)
+
+    w = Recording()
+    t = Transfers(w, 100 * BPT, BPT)  # room for 100 tokens: three blocks of 32
+    try:
+        assert t.save(SaveSpec("long", list(range(32 * 8)), list(range(10, 18)), ""))
+        assert t.drain(30)
+        assert w.copied == [[10, 11, 12]] and w.saved == [("long", list(range(96)))]
+        assert t.take_stats()["saves_dropped"] == 1  # (cut: counted, so the buffer can be sized)
+        w.store_gate.clear()
+        assert t.save(SaveSpec("a", list(range(64)), [1, 2], ""))  # 64 of the 100 tokens
+        assert t.save(SaveSpec("b", list(range(64)), [3, 4], ""))  # 36 left: one block of it
+        assert not t.save(SaveSpec("c", list(range(64)), [5, 6], ""))  # 4 left: no block fits
+        w.store_gate.set()
+        assert t.drain(30)
+        assert w.copied[1:] == [[1, 2], [3]]
+        assert w.saved[1:] == [("a", list(range(64))), ("b", list(range(32)))]
+    finally:
+        t.shutdown()

@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -107,13 +107,25 @@ class Transfers:
     # -- model-runner thread ----------------------------------------------------------------------
 
     def save(self, spec: SaveSpec) -> bool:
-        """Queue ``spec``'s copy-out and store; False (dropped and counted) when staging is full."""
+        """Queue ``spec``'s copy-out and store; False (dropped and counted) when staging is full.
+        A save larger than the staging left is cut to its first whole blocks that fit (counted as
+        dropped too): a save names the request's whole prefix, so without the cut a prompt whose
+        KV is larger than ``kvdock.save_buffer_mb`` (2048 tokens of an 8B model by default) would
+        never be saved at all; its head is still a hit (the store keeps whole chunks of it)."""
         nbytes = len(spec.tokens) * self.bytes_per_token
         with self._cv:
-            if self._staged + nbytes > self.budget:
+            room = self.budget - self._staged
+            if nbytes > room:
                 self._stats["saves_dropped"] += 1
-                log.info("kvdock: staging full (%d bytes); the save of %s is dropped", self._staged, spec.req_id)
-                return False
+                bs = len(spec.tokens) // len(spec.block_ids) if spec.block_ids else 0
+                keep = room // (bs * self.bytes_per_token) if bs and self.bytes_per_token else 0
+                if not keep:
+                    log.info("kvdock: staging full (%d bytes); the save of %s is dropped", self._staged, spec.req_id)
+                    return False
+                n, rid = len(spec.block_ids), spec.req_id
+                log.info("kvdock: staging has room for %d of the %d blocks of %s's save: cut", keep, n, rid)
+                spec = replace(spec, tokens=spec.tokens[: keep * bs], block_ids=spec.block_ids[:keep])
+                nbytes = len(spec.tokens) * self.bytes_per_token
             self._staged += nbytes
             self._busy += 1
             self._reading[spec.req_id] = self._reading.get(spec.req_id, 0) + 1

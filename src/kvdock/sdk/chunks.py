@@ -166,6 +166,7 @@ class ShardedChunks:
             ]
         self._staged: dict[int, torch.Tensor] = {}
         self._pending: dict[int, int] = {}  # chunk -> shards taken so far
+        self._puts: list[tuple[torch.Tensor, int, int]] = []  # (slot, chunk, shard) to fill at finish
 
     def _part(self, t: torch.Tensor, s: int) -> torch.Tensor:
         stage, block = divmod(s, self.per_stage)
@@ -181,7 +182,9 @@ class ShardedChunks:
         if staged is None:
             staged = self._staged[i] = torch.empty(self.shape, dtype=self.dtype)
             self.end.put(i, staged)  # type: ignore[union-attr]
-        dst.copy_(self._part(staged, s))
+        # the end may fill ``staged`` only at its finish (the seam allows it: an engine's Copier),
+        # so the shard is copied out at :meth:`finish`, after the end's
+        self._puts.append((dst, i, s))
 
     def take(self, index: int, src: torch.Tensor) -> None:
         i, s = divmod(index, self.shards)
@@ -214,9 +217,12 @@ class ShardedChunks:
     def finish(self) -> None:
         try:
             finish(self.end)
+            for dst, i, s in self._puts:
+                dst.copy_(self._part(self._staged[i], s))
         finally:
             self._staged.clear()
             self._pending.clear()
+            self._puts.clear()
 
 
 def finish(end: ChunkSource | ChunkSink) -> None:

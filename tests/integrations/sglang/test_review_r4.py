@@ -14,7 +14,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host
 
-from conftest import LAYOUTS, PAGE, host_pool, storage_config
+from conftest import HEADS, LAYOUTS, PAGE, host_pool, storage_config
 from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.sglang import KvdockHiCacheStorage
 from kvdock.keying import sglang_page_hashes
@@ -207,3 +207,37 @@ def test_a_kvdock_restart_between_calls_re_registers_and_never_serves_stale_page
         assert torch.equal(_pages(b, dst), _pages(b, src))
     finally:
         srv.stop()
+
+
+def test_an_engine_of_another_tensor_parallel_degree_loads_the_heads_in_order(
+    sgl_server: ServerProcess, backend: Make
+) -> None:
+    """Two TP ranks store their heads as shards; a TP=1 engine of the same model (all heads)
+    loads each page as rank 0's heads then rank 1's, and what it stores the ranks load back."""
+    name = "r4-tp-degrees"
+    ranks = []
+    for r in range(2):
+        pool = host_pool(False, "page_head", heads=HEADS // 2)
+        _fill(pool, seed=60 + r)
+        ranks.append(backend(storage_config(sgl_server, tp_rank=r, tp_size=2, **{"kvdock.model_name": name}), pool))
+    one_pool = host_pool(False, "page_first")
+    one = backend(storage_config(sgl_server, **{"kvdock.model_name": name}), one_pool)
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    keys = sglang_page_hashes(_tokens(2, seed=61), PAGE)
+    src = [b.mem_pool_host.alloc(2 * PAGE) for b in ranks]
+    for b, s in zip(ranks, src, strict=True):
+        assert b.batch_set_v1(keys, s, info) == [True, True]
+    dst = one_pool.alloc(2 * PAGE)
+    assert one.batch_get_v1(keys, dst, info) == [True, True]
+    whole = torch.cat([_pages(b, s) for b, s in zip(ranks, src, strict=True)], dim=3)
+    assert torch.equal(_pages(one, dst), whole)
+    # the other way: the TP=1 engine stores, each rank loads its heads
+    _fill(one_pool, seed=62)
+    keys2 = sglang_page_hashes(_tokens(2, seed=63), PAGE)
+    src1 = one_pool.alloc(2 * PAGE)
+    assert one.batch_set_v1(keys2, src1, info) == [True, True]
+    d = _pages(one, src1).shape[3] // 2
+    for r, b in enumerate(ranks):
+        got = b.mem_pool_host.alloc(2 * PAGE)
+        assert b.batch_get_v1(keys2, got, info) == [True, True]
+        assert torch.equal(_pages(b, got), _pages(one, src1)[..., r * d : (r + 1) * d])

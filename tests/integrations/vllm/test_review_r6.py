@@ -223,3 +223,30 @@ def test_a_save_larger_than_the_staging_left_is_cut_to_its_head_not_dropped() ->
         assert w.saved[1:] == [("a", list(range(64))), ("b", list(range(32)))]
     finally:
         t.shutdown()
+
+
+def test_a_step_with_a_forward_pass_is_never_taken_for_idle_by_either_model_runner() -> None:
+    """vLLM's V2 model runner (the default on GPUs) calls start_load_kv outside the forward
+    context (a fresh one without attention metadata) and passes the batch as keyword arguments:
+    such a step runs requests, and get_finished must not wait there for background transfers."""
+    from kvdock.integrations.vllm import KvdockConnector, KvdockMetadata
+
+    class Worker:
+        def __init__(self) -> None:
+            self.idle: list[bool] = []
+
+        def load(self, meta: Any, idle: bool = False) -> None:
+            self.idle.append(idle)
+
+    conn = object.__new__(KvdockConnector)
+    worker = Worker()
+    conn._worker = worker  # type: ignore[assignment]
+    conn._scheduler = None
+    conn._connector_metadata = KvdockMetadata()
+    no_meta = SimpleNamespace(attn_metadata=None)
+    conn.start_load_kv(SimpleNamespace(attn_metadata={"l0": object()}))  # V1, a forward pass
+    conn.start_load_kv(no_meta)  # V1, kv_connector_no_forward
+    conn.start_load_kv(no_meta, scheduler_output=object(), request_ids=["a"], num_tokens=8)  # V2 forward
+    conn.start_load_kv(no_meta, num_tokens=8, request_ids=["a"], attn_metadata={"l0": 1})  # V2 full graph
+    conn.start_load_kv(no_meta)  # V2 no_forward: no batch
+    assert worker.idle == [False, True, False, False, True]

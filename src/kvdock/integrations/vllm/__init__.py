@@ -50,6 +50,19 @@ def _served_name(vllm_config: Any) -> str:
     return str(served or model.model)
 
 
+def no_forward_pass(forward_context: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``start_load_kv`` is called in a step without a forward pass (vLLM only collects
+    transfers; waiting there holds nothing up). vLLM's V1 model runner calls it in the step's
+    forward context, which has no attention metadata in such a step. Its V2 model runner (the
+    default on GPUs) calls it outside any forward context (a fresh one without metadata, after
+    the forward pass when no load is synchronous, or before it in a full CUDA graph) and passes
+    the batch instead (``num_tokens``, ``request_ids``; nothing in a step without one): a step
+    taken for idle would wait up to IDLE_WAIT_S for background transfers in a busy step."""
+    if getattr(forward_context, "attn_metadata", None) is not None:
+        return False
+    return not (kwargs.get("num_tokens") or kwargs.get("request_ids") or kwargs.get("attn_metadata") is not None)
+
+
 def check_kv_cache_groups(kv_cache_config: Any) -> None:
     """Refuse (UnsupportedLayoutError) KV cache groups kvdock cannot map: block ids are per group
     and kvdock maps one group's blocks onto every layer, so exactly one group; and a group whose
@@ -132,8 +145,7 @@ class KvdockConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvdockMetadata)
-        # vLLM's steps without a forward pass (only collecting transfers) run without attention metadata
-        self.worker.load(meta, idle=getattr(forward_context, "attn_metadata", None) is None)
+        self.worker.load(meta, idle=no_forward_pass(forward_context, kwargs))
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KvdockMetadata)

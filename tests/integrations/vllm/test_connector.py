@@ -206,3 +206,43 @@ def test_preempted_requests_resume_from_kvdock_with_the_same_tokens(server: Serv
     assert saver.call(op="metrics")["vllm:num_preemptions"] > preempted
     assert metric(server, "kvdock_retrieves_total") >= retrieves + 4  # loaded, also on resume
     assert got == expected
+
+
+def test_kv_computed_over_an_sdk_edit_of_a_prefix_loaded_from_kvdock_extends_it(
+    model_dir: Path, saver: Engine, loader: Engine, sdk: kvd.KVCacheContext, tmp_path: Path
+) -> None:
+    # an SDK overwrite of a prompt's prefix (transformers' KV: an edit, bit 62 of its versions),
+    # then the prompt with more: the engine loads the edit, and its continuation is stored too
+    # (the save names the versions it loaded: over), byte for byte what vLLM's pages hold
+    head = prompt(12, 2 * CHUNK)
+    full = head + prompt(120, 2 * CHUNK + 2)
+    edit = hf_kv(model_dir, head)
+    kvd.store(sdk, edit, head, overwrite=True)
+    assert all(v >> 62 & 1 for v in kvd.lookup_tips(sdk, full).versions)
+    expected = saver.generate([full], salts=["own-kv"])  # vLLM computing everything itself
+    res = loader.call(op="generate", prompts=[full], max_tokens=8)
+    assert res["cached"] == [2 * CHUNK] and res["outputs"] == expected
+    assert kvd.lookup(sdk, full) == 4 * CHUNK  # the continuation was stored over the edit
+    path = tmp_path / "pages.pt"
+    assert loader.call(op="pages", tokens=full[: 4 * CHUNK], path=str(path))["found"]
+    pages, stored = torch.load(path), kvd.retrieve(sdk, full)
+    assert stored is not None and torch.equal(stored, pages)
+    assert torch.equal(pages[:, :, : 2 * CHUNK], edit)  # loaded (transformers' bytes), not recomputed
+
+
+def test_an_edit_in_kvdock_is_never_loaded_after_vllms_own_blocks_nor_extended_by_kv_computed_over_them(
+    server: ServerProcess, model_dir: Path, saver: Engine, loader: Engine, sdk: kvd.KVCacheContext
+) -> None:
+    # vLLM's own prefix cache holds the first chunk it computed itself before the edit:
+    # kvdock's edit is not loaded after it (two versions in one prompt), and KV computed over
+    # vLLM's own blocks never extends the edit
+    head = prompt(13, 2 * CHUNK)
+    full = head + prompt(130, 2 * CHUNK + 2)
+    loader.generate([head[:CHUNK] + prompt(131, 20)])  # vLLM's prefix cache: the first chunk's blocks
+    kvd.store(sdk, hf_kv(model_dir, head), head, overwrite=True)
+    expected = saver.generate([full], salts=["own-kv"])
+    retrieves = metric(server, "kvdock_retrieves_total")
+    res = loader.call(op="generate", prompts=[full], max_tokens=8)
+    assert res["cached"] == [CHUNK] and res["outputs"] == expected  # vLLM's own hit only
+    assert metric(server, "kvdock_retrieves_total") == retrieves
+    assert kvd.lookup(sdk, full) == 2 * CHUNK  # the edit, not extended

@@ -105,6 +105,7 @@ def test_the_load_starts_at_vllms_own_hit_and_saves_cover_new_chunks(server: Ser
     assert (load.start, load.end, load.block_ids, load.tokens) == (64, 192, list(range(10, 16)), toks[:192])
     [save] = meta.saves  # 300 computed: chunks up to 256; the loaded ones are known stored
     assert save.tokens == toks[:256] and save.block_ids == list(range(10, 18))
+    assert save.over is None  # vLLM's own blocks [0, 64): their versions are unknown
     s.shutdown()
 
 
@@ -269,6 +270,48 @@ def test_a_failed_background_load_has_its_recomputed_chunks_saved(server: Server
     new = SimpleNamespace(req_id="r", block_ids=(list(range(10, 20)),), num_computed_tokens=128)
     [save] = s.plan(output([new], scheduled={"r": 172})).saves
     assert save.tokens == toks[:256] and save.block_ids == list(range(10, 18))
+    assert save.over is None  # computed over a partial load, not over the lookup's versions
+    s.shutdown()
+
+
+def test_saves_after_a_whole_load_from_kvdock_name_its_tips_and_an_edit_never_follows_vllms_blocks(
+    server: ServerProcess,
+) -> None:
+    toks = list(range(1, 301))
+    with kvd.connect(server.url, server.http_url, MODEL) as ctx:
+        kvd.store(ctx, torch.randn(2, 2, 128, 64), toks[:128], overwrite=True)  # an edit (SDK overwrite)
+        seen = kvd.lookup_tips(ctx, toks[:256])
+    assert seen.hit_tokens == 128 and len(seen.versions) == 1 and seen.versions[0] >> 62 & 1
+    s = side(server)
+    # 1. loaded from token 0: the load names the lookup's versions, and every later save of the
+    # request (chunked prefill: two steps) passes them as over
+    req = request("r", toks)
+    assert ask(s, req) == 128
+    s.allocated(req, blocks(range(10, 20)), 128)
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(10, 20)),), num_computed_tokens=128)
+    meta = s.plan(output([new], scheduled={"r": 64}))
+    [load] = meta.loads
+    assert (load.start, load.end, load.tips) == (0, 128, seen.versions)
+    [save] = meta.saves
+    assert save.tokens == toks[:192] and save.over == seen.versions
+    cached = SimpleNamespace(req_ids=["r"], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[192])
+    [save] = s.plan(output(cached=cached, scheduled={"r": 108})).saves
+    assert save.tokens == toks[:256] and save.over == seen.versions
+    # 2. vLLM's own prefix cache holds the first 64 tokens: kvdock's edit is not loaded after them
+    other = request("o", toks)
+    assert ask(s, other, computed=64) == 0
+    s.allocated(other, blocks(range(30, 40)), 0)
+    new = SimpleNamespace(req_id="o", block_ids=(list(range(30, 40)),), num_computed_tokens=64)
+    meta = s.plan(output([new], scheduled={"o": 236}))
+    assert meta.loads == []
+    [save] = meta.saves
+    assert save.tokens == toks[:256] and save.over is None
+    # 3. nothing in kvdock: nothing loaded, no over
+    fresh = request("f", list(range(1000, 1200)))
+    assert ask(s, fresh) == 0
+    new = SimpleNamespace(req_id="f", block_ids=(list(range(50, 57)),), num_computed_tokens=0)
+    [save] = s.plan(output([new], scheduled={"f": 200})).saves
+    assert save.tokens == list(range(1000, 1192)) and save.over is None
     s.shutdown()
 
 

@@ -23,8 +23,8 @@ class LoadSpec:
     start: int
     end: int
     cache_salt: str
-    # the versions the scheduler's lookup saw at token ``end`` (one per stored shard: kvd.Tips),
-    # for a tensor-parallel engine's ranks; empty for one rank
+    # the versions the scheduler's lookup saw at token ``end`` (one per stored shard: kvd.Tips):
+    # every rank loads exactly those, or nothing; empty when the lookup saw no hit at ``end``
     tips: tuple[int, ...] = ()
     # loaded in the background while vLLM holds the request back (``load_kv_async``): reported
     # through ``get_finished``, its failed blocks no later than that; else before this step's forward
@@ -40,6 +40,12 @@ class SaveSpec:
     tokens: list[int]
     block_ids: list[int]
     cache_salt: str
+    # the tips of the prefix the request loaded from kvdock (the lookup's, one per stored shard),
+    # when all of its KV before the save's new chunks was computed over exactly that load (kvdock
+    # sent blocks ``[0, hit)`` in full); None otherwise (nothing loaded, a load that failed
+    # partly, vLLM's own prefix hit supplied blocks). The store passes it as ``over``: KV computed
+    # over an edited prefix (an SDK overwrite) may extend it only with these (mixed_spec)
+    over: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -39,6 +39,7 @@ import kvdock.sdk as kvd
 from kvdock.integrations.vllm.config import ConnectorConfig
 from kvdock.integrations.vllm.link import Link
 from kvdock.integrations.vllm.plan import KvdockMetadata, LoadSpec, SaveSpec
+from kvdock.storage.plans import is_edited
 
 log = logging.getLogger("kvdock.vllm")
 
@@ -71,7 +72,7 @@ FAST_SHARE = 0.2  # a lookup is fast when it takes at most this share of kvdock.
 @dataclass(frozen=True)
 class _Answer:
     """A finished lookup: the hit, how long the lookup thread spent on it (seconds), and the
-    versions it saw (for a tensor-parallel engine's ranks: kvd.Tips)."""
+    versions it saw there (kvd.Tips: one per stored shard)."""
 
     hit: int
     seconds: float
@@ -88,7 +89,9 @@ class _Request:
     asked_at: float = 0.0
     lookup: Future[_Answer] | None = None
     hit: int | None = None  # whole-chunk tokens kvdock holds (capped below the prompt)
-    tips: tuple[int, ...] = ()  # the versions the lookup saw there (tensor-parallel engines)
+    tips: tuple[int, ...] = ()  # the versions the lookup saw at ``looked`` (one per stored shard)
+    looked: int = 0  # the lookup's hit (``hit`` shrinks when a load fails; ``tips`` name this one)
+    over: tuple[int, ...] | None = None  # the tips its saves pass as ``over`` (SaveSpec.over)
     load: tuple[int, int] | None = None  # [start, end) to load in the next plan
     asked_from: int = 0  # vLLM's own prefix hit when the match was asked
     block_ids: list[int] = field(default_factory=list)
@@ -152,11 +155,16 @@ class SchedulerSide:
                     st.hit = 0
                 else:
                     answer = st.lookup.result()
-                    st.hit, st.tips = answer.hit, answer.tips
+                    st.hit, st.tips, st.looked = answer.hit, answer.tips, answer.hit
                     self._fast = answer.seconds <= self.cfg.lookup_wait * FAST_SHARE
                 st.lookup = None
         st.asked_from = num_computed_tokens
+        st.over = None  # (again) waiting: vLLM's blocks of it are its prefix cache's now
         hit = max(0, st.hit - num_computed_tokens)
+        if hit and num_computed_tokens and any(is_edited(v) for v in st.tips):
+            # vLLM's own blocks of the prefix are not kvdock's edit: computing over them is
+            # consistent, loading the edit after them would mix two versions in one prompt
+            hit = 0
         return hit, bool(hit) and self.cfg.load_async
 
     def _wait(self, lookup: Future[_Answer]) -> None:
@@ -176,8 +184,9 @@ class SchedulerSide:
         return _Answer(seen.hit_tokens, time.monotonic() - start, seen.versions)
 
     def _lookup(self, tokens: list[int], salt: str) -> kvd.Tips:
-        """The hit (and, for several ranks, the versions they are to load there: each rank loads
-        its own shard, and they must all be one version of the KV)."""
+        """The hit and the versions there, per stored shard: the workers load exactly those (the
+        ranks of a tensor-parallel engine each load their shard: one version of the KV), and a
+        request that loaded them saves with them as ``over``."""
         miss = kvd.Tips(0, ())
 
         def ask(ctx: kvd.KVCacheContext) -> kvd.Tips:
@@ -189,9 +198,8 @@ class SchedulerSide:
             cap = (len(tokens) - 1) // chunk * chunk
             if not cap:
                 return miss
-            if self.ranks > 1:
-                return kvd.lookup_tips(ctx, tokens[:cap], salt)
-            return kvd.Tips(min(kvd.lookup(ctx, tokens[:cap], salt), cap), ())
+            seen = kvd.lookup_tips(ctx, tokens[:cap], salt)
+            return seen if seen.hit_tokens and len(seen.versions) == ctx.shards else miss
 
         try:
             return self.link.run("lookup", ask, miss)
@@ -263,7 +271,8 @@ class SchedulerSide:
             limit = min(limit, publishable * self.block_size)
         end = min(computed, limit) // chunk * chunk
         if end > st.saved and end // self.block_size <= len(st.block_ids):
-            meta.saves.append(SaveSpec(rid, list(tokens[:end]), st.block_ids[: end // self.block_size], st.salt))
+            blocks = st.block_ids[: end // self.block_size]
+            meta.saves.append(SaveSpec(rid, list(tokens[:end]), blocks, st.salt, st.over))
             st.saved = end
             st.saving = True
 
@@ -273,8 +282,12 @@ class SchedulerSide:
         st.load = None
         tokens = st.request.prompt_token_ids
         nblocks = end // self.block_size
-        load = LoadSpec(rid, list(tokens[:end]), st.block_ids[:nblocks], start, end, st.salt, st.tips, is_async)
+        tips = st.tips if end == st.looked else ()  # (a shrunk hit: versions unknown there, nothing loads)
+        load = LoadSpec(rid, list(tokens[:end]), st.block_ids[:nblocks], start, end, st.salt, tips, is_async)
         meta.loads.append(load)
+        # the KV computed after it is over exactly what kvdock holds under these tips, unless vLLM's
+        # own prefix cache supplied blocks (their versions are unknown)
+        st.over = tips if tips and start == 0 else None
         st.saved = max(st.saved, end)  # kvdock holds these already
 
     # -- update_connector_output / has_pending_block_frees --------------------------------------
@@ -294,6 +307,7 @@ class SchedulerSide:
                 valid = first * self.block_size // chunk * chunk
                 st.saved = min(st.saved, valid)
                 st.hit = min(st.hit or 0, valid)
+                st.over = None  # computed over a partial load: not the tips' versions
 
     def pending_frees(self) -> bool:
         """Blocks of finished requests come back once their saves have read them: vLLM waits

@@ -268,14 +268,11 @@ class WorkerSide:
             log.warning("kvdock: %d planned block(s) of %s not loaded; vLLM recomputes them", len(wanted), spec.req_id)
         return wanted, nbytes
 
-    def _tips(self, ctx: kvd.KVCacheContext, spec: LoadSpec) -> list[int] | None:
-        """What a rank of a tensor-parallel engine loads: the versions the scheduler's lookup saw
-        (in the shards ``ctx`` reads), so every rank loads the same KV; [] when the lookup named
-        none (nothing to load). A single rank loads what is there (None)."""
-        if self.codec.geometry.ranks == 1:
-            return None
-        tips = list(spec.tips) if ctx.shards > 1 else list(spec.tips[ctx.shard : ctx.shard + 1])
-        return tips if len(tips) == ctx.shards else []
+    def _tips(self, ctx: kvd.KVCacheContext, spec: LoadSpec) -> list[int]:
+        """What a rank loads: the versions the scheduler's lookup saw (in the shards ``ctx``
+        reads), so every rank of a tensor-parallel engine loads the same KV, and a request's saves
+        name what it loaded (SaveSpec.over); [] when the lookup named none (nothing to load)."""
+        return _shards_of(ctx, spec.tips) or []
 
     def store(self, spec: SaveSpec, staged: torch.Tensor) -> int:
         """Store a save's staged KV (network thread); the bytes written."""
@@ -291,7 +288,8 @@ class WorkerSide:
 
         def store(ctx: kvd.KVCacheContext) -> int:
             # chunks another engine is writing right now are its to store: never wait for them
-            res = kvd.store_from(ctx, source, spec.tokens[:end], spec.cache_salt, conflict_wait_s=0.0)
+            over = _shards_of(ctx, spec.over)  # (None: it may not extend an edited prefix)
+            res = kvd.store_from(ctx, source, spec.tokens[:end], spec.cache_salt, conflict_wait_s=0.0, over=over)
             return res.stored_chunks * chunk * self.bytes_per_token
 
         return link.run("save", store, 0)
@@ -358,3 +356,12 @@ class WorkerSide:
             self.transfers.shutdown()
         if self.link is not None:
             self.link.close()
+
+
+def _shards_of(ctx: kvd.KVCacheContext, versions: tuple[int, ...] | None) -> list[int] | None:
+    """The entries of a lookup's per-shard ``versions`` for the shards ``ctx`` reads or writes
+    (all of them, or its own one); None when they do not fit it (none given, or another layout)."""
+    if not versions:
+        return None
+    mine = list(versions) if ctx.shards > 1 else list(versions[ctx.shard : ctx.shard + 1])
+    return mine if len(mine) == ctx.shards else None

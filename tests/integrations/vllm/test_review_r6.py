@@ -250,3 +250,29 @@ def test_a_step_with_a_forward_pass_is_never_taken_for_idle_by_either_model_runn
     conn.start_load_kv(no_meta, num_tokens=8, request_ids=["a"], attn_metadata={"l0": 1})  # V2 full graph
     conn.start_load_kv(no_meta)  # V2 no_forward: no batch
     assert worker.idle == [False, True, False, False, True]
+
+
+def test_unregister_kv_caches_waits_for_copies_and_background_loads_in_flight() -> None:
+    """Newer vLLMs release the KV caches after unregister_kv_caches (sleep mode): no copy-out or
+    background load may still touch them; a store (reads staging only) is not waited for."""
+    from kvdock.integrations.vllm import KvdockConnector
+
+    w = _Fake()
+    t = Transfers(w, 1 << 20, BPT)
+    conn = object.__new__(KvdockConnector)
+    conn._worker = SimpleNamespace(transfers=t)  # type: ignore[assignment]
+    try:
+        w.copy_gate.clear()
+        assert t.save(SaveSpec("a", list(range(64)), [1, 2], ""))
+        assert w.copying.wait(30)
+        done = threading.Event()
+        threading.Thread(target=lambda: (conn.unregister_kv_caches(), done.set())).start()
+        time.sleep(0.2)
+        assert not done.is_set(), "unregister_kv_caches returned while a copy read the pages"
+        w.store_gate.clear()  # the store that follows hangs: not waited for
+        w.copy_gate.set()
+        assert done.wait(30)
+        assert t.settle(0.0)
+        w.store_gate.set()
+    finally:
+        t.shutdown()

@@ -39,6 +39,8 @@ from kvdock.protocol.messages import ModelLayout
 
 log = logging.getLogger("kvdock.vllm")
 
+UNREGISTER_WAIT_S = 30.0  # at most what unregister_kv_caches waits for copies and loads in flight
+
 __all__ = ["ConnectorConfig", "KvdockConnector", "KvdockMetadata", "lora_cache_salt"]
 
 
@@ -183,7 +185,11 @@ class KvdockConnector(KVConnectorBase_V1):
         return build(data)
 
     def unregister_kv_caches(self, *args: Any, **kwargs: Any) -> None:
-        return  # (newer vLLMs, sleep mode) kvdock keeps no reference that outlives a step's use
+        """(Newer vLLMs, sleep mode: the KV caches are released next.) Copies out of the pages
+        and background loads into them run across steps: wait (bounded) until none does."""
+        transfers = self._worker.transfers if self._worker is not None else None
+        if transfers is not None and not transfers.settle(UNREGISTER_WAIT_S):
+            log.error("kvdock: transfers still touch vLLM's pages %.0fs after unregister_kv_caches", UNREGISTER_WAIT_S)
 
     def restore_kv_caches(self, *args: Any, **kwargs: Any) -> None:
         return

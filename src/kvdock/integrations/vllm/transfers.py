@@ -191,6 +191,13 @@ class Transfers:
             stats, self._stats = self._stats, dict.fromkeys(STAT_KEYS, 0.0)
         return stats
 
+    def settle(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until nothing reads or writes vLLM's pages: no copy-out in
+        flight or queued, no background load (stores read only staging). Before vLLM releases
+        its KV caches (``unregister_kv_caches``, sleep mode)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._reading and not self._bg_loads, timeout)
+
     def drain(self, timeout: float) -> bool:
         """Wait until every queued transfer is over (tests, benchmarks, shutdown)."""
         with self._cv:

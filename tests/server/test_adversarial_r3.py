@@ -547,12 +547,6 @@ def test_fast_readers_racing_dirty_evictions_and_overwrites_never_see_wrong_byte
         assert kvd.check_server_integrity(c) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R3 bug: a sharded model's CommitStore commits shard by shard (server/storing.py: work = zip(sids, "
-    "chunks)), so the write-downs run shard-major and dirty eviction (newest first, storage/evictable.py) drops "
-    "shard 1's head while shard 0's tail stays and is written down: unreachable shard objects, prompts lost whole",
-)
 @pytest.mark.subprocess_server
 def test_dirty_evictions_of_a_tensor_parallel_model_keep_whole_prefixes(make_server, tmp_path) -> None:
     # a model stored in two shards: a chunk is cached only when both shards hold it, so dirty

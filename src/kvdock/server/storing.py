@@ -236,13 +236,12 @@ def _commit(state: ServerState, client: ClientEntry, work: list[tuple[str, list[
     """Commit every shard's session in this one step, or none: every session must still be open
     (one ended meanwhile, by the client or its lease, refuses them all), and when a lower tier
     could not delete an older version the first refusal ends them all."""
-    mgr, n = state.manager, 0
+    mgr = state.manager
     try:
         if deletes_ok and len(work) > 1:
             for sid, indexes in work:
                 mgr.reservations(client.client_id, sid, indexes)  # SessionError for one gone
-        for sid, indexes in work:
-            n += mgr.commit_store(client.client_id, sid, indexes, deletes_ok)
+        n = mgr.commit_stores(client.client_id, work, deletes_ok)  # chunk-major across shards
     finally:
         _abort(state, client, [sid for sid, _ in work])
     state.metrics.stores.inc()

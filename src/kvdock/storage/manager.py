@@ -197,7 +197,7 @@ class StorageManager:
                 if overwrite:
                     self.l1.remove(key)  # it will not be rewritten: its old version must not stay
             else:
-                obj.version, obj.parent = new_version(overwrite), parent
+                obj.version, obj.parent = new_version(overwrite, parent), parent
                 # what it was decided against: apply supersedes a plain store's reservation older than
                 # an invalidation; an overwrite's is the new version (its epoch is set at the commit)
                 obj.epoch = OVERWRITING if overwrite else self._epoch()
@@ -276,11 +276,35 @@ class StorageManager:
         reservations, end the session. The caller awaits :meth:`wait_deletes` first and passes
         its answer: an overwrite whose older versions could not all be deleted is refused
         (RequestError ``tier_unavailable``) and stores nothing."""
+        return self.commit_stores(client_id, [(session_id, indexes)], deletes_ok)
+
+    def commit_stores(self, client_id: str, work: list[tuple[str, list[int]]], deletes_ok: bool = True) -> int:
+        """:meth:`commit_store` of several sessions (one request's shards) in one step, their
+        chunks committed and written down chunk-major (chunk 0 of every shard, then chunk 1...):
+        write-downs and dirty evictions (newest first) then never keep one shard's tail while
+        another shard's head goes (issue 28 R3)."""
+        runs = [[(i, s, o) for i, o in self._to_commit(client_id, *w, deletes_ok)] for s, w in enumerate(work)]
+        ordered = sorted((r for run in runs for r in run), key=lambda r: (r[0], r[1]))
+        units: dict[int, int] = {}  # a chunk's shards: dirty evictions take them together (L1Object.unit)
+        for i, _, obj in ordered:
+            self.l1.commit(obj)
+            obj.unit = units.setdefault(i, obj.seq) if len(work) > 1 else 0
+        objs = [obj for _, _, obj in ordered]
+        self._write_down(objs)
+        for sid, indexes in work:
+            session = self.sessions.get(client_id, sid)
+            committed = set(indexes)
+            session.reserved = {i: o for i, o in session.reserved.items() if i not in committed}
+            self.end_session(client_id, sid)
+        return len(objs)
+
+    def _to_commit(self, client_id: str, session_id: str, indexes: list[int], ok: bool) -> list[tuple[int, L1Object]]:
+        """One session's part of :meth:`commit_stores` before the commit: (index, object) to commit."""
         objs = self.reservations(client_id, session_id, indexes)
         session = self.sessions.get(client_id, session_id)
         if not all(d.done() for d in session.deletes):
             raise AssertionError("commit_store before wait_deletes")
-        if not deletes_ok:
+        if not ok:
             self.end_session(client_id, session_id)
             down = ", ".join(lane.name for lane in self.lanes if not lane.tier.up()) or "a lower tier"
             raise RequestError(
@@ -295,17 +319,14 @@ class StorageManager:
             for i, obj in session.reserved.items():
                 if i not in committed:
                     self.l1.remove(obj.key)
-        superseded = [obj for obj in objs if obj.epoch == SUPERSEDED]
-        for obj in superseded:  # an overwrite elsewhere came after it was prepared: ordered before it
-            self.l1.abort(obj)
-        objs = [obj for obj in objs if obj.epoch != SUPERSEDED]
-        for obj in objs:
-            obj.epoch = epoch
-            self.l1.commit(obj)
-        self._write_down(objs)
-        session.reserved = {i: o for i, o in session.reserved.items() if i not in committed}
-        self.end_session(client_id, session_id)
-        return len(objs)
+        out = []
+        for i, obj in zip(indexes, objs, strict=True):
+            if obj.epoch == SUPERSEDED:  # an overwrite elsewhere came after it was prepared: ordered before it
+                self.l1.abort(obj)
+            else:
+                obj.epoch = epoch
+                out.append((i, obj))
+        return out
 
     def _write_down(self, objs: list[L1Object]) -> None:
         for obj in objs if self.lanes else []:

@@ -58,6 +58,7 @@ class L1Object:
     dirty: int = 0  # write-downs to lower tiers queued or in flight (storage.lane)
     seq: int = 0  # commit order (the newest dirty object is evicted first)
     depth: int = 0  # its chunk's index in its prompt, as far as L1 knows (0: a head)
+    unit: int = 0  # a sharded store's chunk: the seq of its first shard's object (0: alone; dirty ones go together)
     uses: int = 0  # reads (unpins of a session's pin, fast reads) since it became READY
 
 
@@ -234,10 +235,21 @@ class L1Store:
 
     def _evict_one(self, bucket: tuple[str | None, int], dirty: bool = False) -> bool:
         """Evict the policy's victim among the clean objects of ``bucket`` (region, slot size),
-        or with ``dirty`` and none clean, the dirty one committed last; whether there was one."""
+        or with ``dirty`` and none clean, the dirty one committed last; whether there was one. A
+        dirty object of a sharded chunk takes the other shards' dirty objects of that chunk with
+        it (committed just before it, unless being written or written already): a chunk is cached
+        only whole, so one shard's part alone would be written down for nothing."""
         obj = self._evictable.victim(bucket, dirty)
         if obj is None:
             return False
+        while True:
+            self._evict(obj)
+            nxt = self._evictable.victim(bucket, dirty) if obj.dirty and obj.unit else None
+            if nxt is None or not nxt.dirty or nxt.unit != obj.unit:
+                return True
+            obj = nxt
+
+    def _evict(self, obj: L1Object) -> None:
         self._evictable.evict(obj)
         del self._ready[obj.key]
         self._orphaned(obj)
@@ -248,7 +260,6 @@ class L1Store:
         self.counters.evicted(obj, self.writeback_wait_s)
         if self._watcher:
             self._watcher.removed(obj, evicted=True)
-        return True
 
     def _orphaned(self, obj: L1Object) -> None:
         """``obj`` left READY: the chunks after it in L1 go first now."""

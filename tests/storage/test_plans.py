@@ -39,3 +39,19 @@ def test_one_diverging_shard_stops_every_shard_at_the_shortest_run() -> None:
     assert write_limit([StoreRun(2, a, (a,)), StoreRun(1, b)], [a, 0]) is None
     c = new_version(edited=True)
     assert write_limit([StoreRun(2, a, (a,)), StoreRun(2, c, (c,))], [a, c ^ 2]) == 2
+
+
+def test_a_chunk_chained_onto_an_edit_is_derived_not_edited() -> None:
+    """The DERIVED bit: set on a plain chunk whose parent is an edit or derived from one, never on
+    an edit, never on a chunk of unedited parents; write_limit ignores it (only edits count)."""
+    from kvdock.storage.plans import DERIVED, EDITED, depends_on_edit, is_edited, new_version
+
+    plain = new_version(False, 0)
+    edit = new_version(True, plain)
+    after = new_version(False, edit)
+    after_after = new_version(False, after)
+    assert not depends_on_edit(plain) and not depends_on_edit(new_version(False, plain))
+    assert is_edited(edit) and not edit & DERIVED
+    assert after & DERIVED and not after & EDITED and depends_on_edit(after) and not is_edited(after)
+    assert after_after & DERIVED and depends_on_edit(after_after)
+    assert all(0 < v < 2**63 for v in (plain, edit, after, after_after))

@@ -10,6 +10,7 @@ from kvdock.storage.memory import L1Object
 from kvdock.storage.tier import Head
 
 __all__ = [
+    "DERIVED",
     "EDITED",
     "OVERWRITING",
     "SUPERSEDED",
@@ -17,6 +18,7 @@ __all__ = [
     "Placement",
     "StoreRun",
     "StorePlan",
+    "depends_on_edit",
     "is_edited",
     "new_version",
     "write_limit",
@@ -27,6 +29,10 @@ OVERWRITING = 1 << 200  # the epoch of an overwrite's reservation until its comm
 # The bit of a version id that marks an *edit*: bytes an overwrite committed, which the model would
 # not compute for those tokens. Part of the id, so every tier's header and a restart keep it.
 EDITED = 1 << 62
+# The bit of a version id that marks a chunk chained (directly or not) onto an edit: its bytes were
+# computed over edited KV. Not an edit itself (write_limit ignores it); an engine holding other
+# bytes for the chunks before it must not load it after them (kvdock.integrations.vllm).
+DERIVED = 1 << 61
 
 
 @dataclass(frozen=True)
@@ -94,11 +100,18 @@ def write_limit(runs: list[StoreRun], over: list[int] | None) -> int | None:
     return None
 
 
-def new_version(edited: bool = False) -> int:
+def new_version(edited: bool = False, parent: int = 0) -> int:
     """A version id for a newly stored object: random, so versions from other servers (sharing
     L3) or from before a restart never collide in practice; never 0 (the chain's start); below
-    2**63, with the :data:`EDITED` bit set exactly when ``edited`` (an overwrite's object)."""
-    return secrets.randbits(62) | 1 | (EDITED if edited else 0)
+    2**63, with the :data:`EDITED` bit set exactly when ``edited`` (an overwrite's object), and
+    :data:`DERIVED` when it is not and chains onto ``parent``, an edit or derived from one."""
+    derived = not edited and bool(parent & (EDITED | DERIVED))
+    return secrets.randbits(61) | 1 | (EDITED if edited else 0) | (DERIVED if derived else 0)
+
+
+def depends_on_edit(version: int) -> bool:
+    """Whether ``version`` is an edit's or chains onto one (:data:`EDITED`, :data:`DERIVED`)."""
+    return bool(version & (EDITED | DERIVED))
 
 
 def is_edited(version: int) -> bool:

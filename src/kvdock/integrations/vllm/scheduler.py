@@ -39,7 +39,7 @@ import kvdock.sdk as kvd
 from kvdock.integrations.vllm.config import ConnectorConfig
 from kvdock.integrations.vllm.link import Link
 from kvdock.integrations.vllm.plan import KvdockMetadata, LoadSpec, SaveSpec
-from kvdock.storage.plans import is_edited
+from kvdock.storage.plans import depends_on_edit
 
 log = logging.getLogger("kvdock.vllm")
 
@@ -161,7 +161,7 @@ class SchedulerSide:
         st.asked_from = num_computed_tokens
         st.over = None  # (again) waiting: vLLM's blocks of it are its prefix cache's now
         hit = max(0, st.hit - num_computed_tokens)
-        if hit and num_computed_tokens and any(is_edited(v) for v in st.tips):
+        if hit and num_computed_tokens and any(depends_on_edit(v) for v in st.tips):
             # vLLM's own blocks of the prefix are not kvdock's edit: computing over them is
             # consistent, loading the edit after them would mix two versions in one prompt
             hit = 0

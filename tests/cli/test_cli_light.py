@@ -16,13 +16,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, free_port, make_tokens
+from helpers import CHUNK, GEOMETRY, free_port, make_kv, make_tokens
 from kvdock.cli.main import build_parser, main
 from kvdock.cli.serve import flag
-from kvdock.config import DISK_DEFAULT, ServerConfig, auto_disk_size
+from kvdock.config import DEFAULT_HTTP_URL, DISK_DEFAULT, ServerConfig, auto_disk_size
+from kvdock.errors import KVDockError
 
 # run `kvdock ARGS` in a fresh interpreter, then say which heavy modules it imported
 PROBE = """
@@ -257,3 +259,96 @@ def test_the_sdk_reaches_a_loopback_server_past_an_http_proxy(server) -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "0"
+
+
+def test_lookup_imports_no_torch_and_answers_what_the_sdk_does(make_server) -> None:
+    """``kvdock lookup`` (cli/light.py: Describe, RegisterClient, Lookup, CloseClient over the
+    control plane, no SDK) prints the SDK's lookup for a stored prompt (its whole chunks, also of a
+    prompt past them), a miss, another cache_salt; an unknown model and a dead server are the
+    SDK's errors with the SDK's messages; it imports no torch."""
+    srv = make_server()
+    stored = make_tokens(2 * CHUNK, start=7)
+    kv = torch.randn(2, 3, 2 * CHUNK, 16).to(torch.bfloat16)
+    with kvd.connect(srv.url, srv.http_url, "tiny", timeout=10) as c:
+        assert kvd.store_chunks(c, kv, stored, cache_salt="s").stored_chunks == 2
+        prompts = {
+            "stored": (stored, "s"),
+            "longer": (stored + make_tokens(CHUNK + 5, start=900), "s"),
+            "partial": (stored[: CHUNK + 3], "s"),
+            "miss": (make_tokens(2 * CHUNK, start=500), "s"),
+            "other salt": (stored, ""),
+            "short": (stored[:5], "s"),
+        }
+        want = {name: kvd.lookup(c, toks, cache_salt=salt) for name, (toks, salt) in prompts.items()}
+    assert want == {"stored": 2 * CHUNK, "longer": 2 * CHUNK, "partial": CHUNK, "miss": 0, "other salt": 0, "short": 0}
+    flags = ["--url", srv.url, "--http-url", srv.http_url, "--model", "tiny"]
+    for name, (toks, salt) in prompts.items():
+        got, out = probe("lookup", *flags, "--cache-salt", salt, ",".join(map(str, toks)))
+        assert got == {"code": 0, "heavy": []}, name
+        assert json.loads(out) == {"hit_tokens": want[name], "tokens": len(toks)}, name
+    # the errors: each the message the SDK's connect raises
+    for args in (
+        ["--url", srv.url, "--http-url", srv.http_url, "--model", "nope"],  # an unknown model
+        ["--url", f"tcp://127.0.0.1:{free_port()}", "--model", "tiny"],  # no server
+        ["--url", srv.url, "--http-url", f"http://127.0.0.1:{free_port()}", "--model", "tiny"],  # no HTTP API
+    ):
+        url = args[1]
+        http = args[3] if args[2] == "--http-url" else DEFAULT_HTTP_URL
+        model = args[-1]
+        with pytest.raises(KVDockError) as e:
+            kvd.connect(url, http, model, timeout=10)
+        r = _run("lookup", *args, "1,2,3", env=_env())
+        assert (r.returncode, r.stdout) == (2, ""), r.stderr
+        assert r.stderr == f"kvdock lookup: error: {e.value}\n"
+        assert str(e.value)  # (a message, not an empty one)
+    unknown = _run("lookup", "--url", srv.url, "--http-url", srv.http_url, "--model", "nope", "1", env=_env())
+    assert "model 'nope' is not registered with the server; registered models: tiny" in unknown.stderr
+    got, _ = probe("lookup", "--url", f"tcp://127.0.0.1:{free_port()}", "--model", "tiny", "1")
+    assert got == {"code": 2, "heavy": []}
+
+
+def test_lookup_with_a_tenant_token(make_server, tmp_path) -> None:
+    """A tenant's token (``--token`` or ``KVDOCK_TOKEN``) is honoured as the SDK honours it: its
+    namespace's hit; a wrong token is the SDK's PermissionDeniedError message."""
+    acme = "acme-token-0123456789"
+    admin = "admin-0123456789"
+    path = tmp_path / "tenants.toml"
+    path.write_text(f'[tenants.acme]\ntokens = ["{acme}"]\nmodels = ["tiny"]\nsalts = ["acme"]\n')
+    srv = make_server("--tenants", str(path), "--admin-token", admin, register=None)
+    kvd.register_model(srv.url, srv.http_url, "tiny", dtype="bfloat16", **GEOMETRY, timeout=10, admin_token=admin)
+    toks = make_tokens(2 * CHUNK, start=3)
+    with kvd.connect(srv.url, srv.http_url, "tiny", timeout=10, token=acme) as c:
+        assert kvd.store_chunks(c, make_kv(2 * CHUNK), toks, cache_salt="acme").stored_chunks == 2
+        assert kvd.lookup(c, toks, cache_salt="acme") == 2 * CHUNK
+    flags = ["--url", srv.url, "--http-url", srv.http_url, "--model", "tiny", "--cache-salt", "acme"]
+    ids = ",".join(map(str, toks))
+    got, out = probe("lookup", *flags, "--token", acme, ids)
+    assert got == {"code": 0, "heavy": []} and json.loads(out) == {"hit_tokens": 2 * CHUNK, "tokens": 2 * CHUNK}
+    got, out = probe("lookup", *flags, ids, env=_env(KVDOCK_TOKEN=acme))
+    assert got == {"code": 0, "heavy": []} and json.loads(out) == {"hit_tokens": 2 * CHUNK, "tokens": 2 * CHUNK}
+    for bad in ("wrong-token-0123456789", ""):
+        with pytest.raises(KVDockError) as e, kvd.connect(srv.url, srv.http_url, "tiny", timeout=10, token=bad) as c:
+            kvd.lookup(c, toks, cache_salt="acme")
+        r = _run("lookup", *flags, "--token", bad, ids, env=_env())
+        assert (r.returncode, r.stdout) == (2, ""), (bad, r.stderr)
+        assert r.stderr == f"kvdock lookup: error: {e.value}\n", bad
+
+
+def test_lookup_of_a_model_sglang_registered_uses_sglangs_keys(make_server) -> None:
+    """A model SGLang registered is stored under SGLang's page-hash keys (kvdock.keying):
+    ``kvdock lookup`` keys the tokens (and cache_salt) as the SDK does, so it finds what the SDK
+    stored, and misses under another salt."""
+    from kvdock.protocol import messages as m
+
+    srv = make_server(register=None)
+    lay = kvd.make_layout("sg", **GEOMETRY, dtype="bfloat16", engine=m.EngineInfo("sglang", "0.5"))
+    kvd.register_layout(srv.url, srv.http_url, lay, timeout=10)
+    toks = make_tokens(3 * CHUNK + 4, start=11)
+    with kvd.connect(srv.url, srv.http_url, "sg", timeout=10) as c:
+        assert kvd.store_chunks(c, make_kv(2 * CHUNK), toks[: 2 * CHUNK], cache_salt="n").stored_chunks == 2
+        want = {salt: kvd.lookup(c, toks, cache_salt=salt) for salt in ("n", "")}
+    assert want == {"n": 2 * CHUNK, "": 0}
+    for salt, hit in want.items():
+        flags = ["--url", srv.url, "--http-url", srv.http_url, "--model", "sg", "--cache-salt", salt]
+        got, out = probe("lookup", *flags, ",".join(map(str, toks)))
+        assert got == {"code": 0, "heavy": []} and json.loads(out) == {"hit_tokens": hit, "tokens": len(toks)}, salt

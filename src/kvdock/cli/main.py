@@ -138,11 +138,12 @@ def _store(args: argparse.Namespace) -> int:
 
 
 def _lookup(args: argparse.Namespace) -> int:
-    from kvdock import sdk
+    """What ``kvdock.sdk.lookup`` answers, without the SDK (no torch: see cli/light.py)."""
+    from kvdock.cli.light import lookup
 
     tokens = _token_ids(args)
-    with sdk.connect(args.url, args.http_url, args.model, args.timeout, **keys(args)) as ctx:
-        print(json.dumps({"hit_tokens": sdk.lookup(ctx, tokens, args.cache_salt), "tokens": len(tokens)}))
+    hit = lookup(args.url, args.http_url, args.model, tokens, args.cache_salt, args.timeout, **keys(args))
+    print(json.dumps({"hit_tokens": hit, "tokens": len(tokens)}))
     return 0
 
 

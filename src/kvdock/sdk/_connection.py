@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ from kvdock.errors import (
 )
 from kvdock.protocol import messages as m
 from kvdock.protocol.codes import sdk_error
+from kvdock.reach import probe
 from kvdock.sdk import _validate as validate
 from kvdock.transport.client import ConnectionLost, ControlClient, ControlTimeout, HandshakeRefused, Response
 from kvdock.transport.curve import ClientCurve, resolve_client
@@ -32,7 +32,6 @@ log = logging.getLogger("kvdock.sdk")
 
 LOCAL_RETRY_S = 5.0  # how long a broken local channel waits before it is tried again
 NOWAIT_LOCAL_S = 0.05  # how long a fire-and-forget message waits for room on the local socket
-PROBE_S = 3.0  # how long connect waits for the control plane's socket to take a connection
 
 R = TypeVar("R", bound=m.ReplyBase)
 
@@ -199,40 +198,3 @@ def open_connection(url: str, timeout: float, server_key: KeyPath = None, client
         conn.close()
         raise
     return conn
-
-
-def probe(url: str, timeout: float) -> None:
-    """ServerUnavailableError naming ``url`` (a checked ``tcp://`` or ``ipc://`` URL) at once when
-    nothing listens there, or when its socket does not take a connection within
-    ``min(timeout, PROBE_S)``: zmq would wait for a reply the whole timeout (60 s by default)
-    before saying anything. A server that takes the connection gets the whole timeout."""
-    wait = min(timeout, PROBE_S)
-    rest = url.split("://", 1)[1]
-    try:
-        if url.startswith("ipc://"):
-            family, address = socket.AF_UNIX, rest
-            if rest.startswith("@"):  # zmq's abstract namespace (Linux): no file to look for
-                address = "\0" + rest[1:]
-            elif not os.path.exists(rest):
-                raise FileNotFoundError(f"no socket file {rest}")
-        else:
-            host, _, port = rest.rpartition(":")
-            if ";" in host or host == "*":  # a source address (zmq's 'iface;host'), or a bind-all
-                return
-            family, address = socket.AF_INET, (host.strip("[]"), int(port))  # type: ignore[assignment]
-            if ":" in host:
-                family = socket.AF_INET6
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.settimeout(wait)
-            sock.connect(address)
-    except ConnectionRefusedError:
-        raise ServerUnavailableError(
-            f"nothing listens at {url} (connection refused): is the kvdock server running, with this address "
-            f"(kvdock serve --port)?"
-        ) from None
-    except TimeoutError:
-        raise ServerUnavailableError(
-            f"{url} took no connection within {wait:g}s (a firewall, or a wrong host?)"
-        ) from None
-    except OSError as e:
-        raise ServerUnavailableError(f"cannot reach {url}: {e.strerror or e}") from None

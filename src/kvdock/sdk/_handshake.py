@@ -21,6 +21,7 @@ from kvdock.layout import KVGeometry
 from kvdock.protocol import encode
 from kvdock.protocol import messages as m
 from kvdock.protocol.door import OpenPool, PoolOpened, decode_door_reply
+from kvdock.reach import described_layout
 from kvdock.sdk._connection import Connection
 from kvdock.sdk._transfer import InlineTransfer, ShmTransfer, Transfer
 from kvdock.shm import PoolSegment
@@ -136,15 +137,7 @@ def describe(conn: Connection, model_name: str, token: str = "") -> m.Described:
     desc = conn.ask(
         m.Describe(m.PROTOCOL_VERSION, model_name, token, pid=me, pid_start=proc_start_time(me) or 0)
     )
-    if desc.layout is None:
-        known = ", ".join(desc.models) or "none"
-        raise UnknownModelError(f"model {model_name!r} is not registered with the server; registered models: {known}")
-    try:
-        desc.layout.geometry.check()
-    except ValueError as e:
-        raise KVCacheSDKError(f"cannot use the layout of {model_name!r}: {e}") from None
-    if desc.layout.model_name != model_name:
-        raise KVCacheSDKError(f"the server described {desc.layout.model_name!r} for {model_name!r}")
+    described_layout(desc, model_name)
     return desc
 
 

@@ -9,11 +9,9 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from kvdock import keying
+from kvdock import keying, reach
 from kvdock.errors import ServerUnavailableError
-from kvdock.protocol import ErrorCode
 from kvdock.protocol import messages as m
-from kvdock.protocol.codes import sdk_error
 from kvdock.sdk.buffers import buffer_pool
 from kvdock.sdk.chunks import ChunkSink, ChunkSource, ShardedChunks, TensorChunks
 from kvdock.sdk.context import KVCacheContext
@@ -22,15 +20,7 @@ from kvdock.sdk.context import KVCacheContext
 def whole_chunks(ctx: KVCacheContext, arr: np.ndarray) -> bytes:
     """``arr``'s whole chunks as the wire's token bytes; LimitExceededError (an InvalidInputError,
     code ``limit``: what the server's own refusal raises) past the server's max_request_tokens."""
-    n = len(arr) // ctx.chunk_size * ctx.chunk_size
-    cap = ctx.max_request_tokens
-    if cap and n > cap:
-        raise sdk_error(
-            ErrorCode.LIMIT,
-            f"request of {n} tokens is over the server's limit of {cap} tokens "
-            f"(max_request_tokens; raise it with --max-request-tokens)",
-        )
-    return arr[:n].tobytes()
+    return reach.whole_chunks(arr, ctx.chunk_size, ctx.max_request_tokens)
 
 
 def keyed(ctx: KVCacheContext, arr: np.ndarray, cache_salt: str) -> tuple[np.ndarray, str]:

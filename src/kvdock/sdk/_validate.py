@@ -16,12 +16,14 @@ import numpy as np
 import torch
 
 from kvdock import layout, memcpy
-from kvdock.config import MAX_SALT_LEN, TOKEN_ENV
+from kvdock.config import TOKEN_ENV
 from kvdock.errors import InvalidInputError
 from kvdock.keys import normalize_tokens
 from kvdock.layout import KVGeometry
 from kvdock.protocol import messages as m
-from kvdock.protocol.codes import ErrorCode, sdk_error
+from kvdock.reach import cache_salt as cache_salt  # (torch-free: kvdock lookup uses them too)
+from kvdock.reach import http_url as http_url
+from kvdock.reach import url as url
 from kvdock.sdk.buffers import default_max_bytes
 
 
@@ -43,8 +45,6 @@ class KVCacheContext(Protocol):
     def layout(self) -> m.ModelLayout: ...
 
 MAX_TIMEOUT_S = 24 * 3600.0  # a day; zmq's millisecond timeouts overflow at about 24.8 days
-_ZMQ_SCHEMES = ("tcp://", "ipc://")
-_HTTP_SCHEMES = ("http://", "https://")
 
 
 FAST_READS_ENV = "KVDOCK_FAST_READS"
@@ -112,20 +112,6 @@ def cache_salts(value: object, count: int) -> list[str]:
     return [cache_salt(v) for v in value]
 
 
-def cache_salt(value: object) -> str:
-    if not isinstance(value, str):
-        raise InvalidInputError(f'cache_salt must be a str ("" for none), got {type(value).__name__} {value!r:.40}')
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidInputError(f"cache_salt must be valid text (it is sent as UTF-8): {e.reason}") from None
-    if len(value) > MAX_SALT_LEN:  # (LimitExceededError: what the server's refusal of it raises)
-        raise sdk_error(
-            ErrorCode.LIMIT, f"cache_salt has {len(value)} characters; at most {MAX_SALT_LEN} (hash a longer one)"
-        )
-    return value
-
-
 def overwrite(value: object) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise InvalidInputError(f"overwrite must be True or False, got {type(value).__name__} {value!r:.40}")
@@ -140,38 +126,6 @@ def timeout(value: object) -> float:
     if not (math.isfinite(t) and 0 < t <= MAX_TIMEOUT_S):
         raise InvalidInputError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {value!r}")
     return t
-
-
-def url(value: object) -> str:
-    """The server's ZMQ control-plane address: ``tcp://HOST:PORT`` or ``ipc://PATH``."""
-    expected = "expected 'tcp://HOST:PORT' (e.g. 'tcp://127.0.0.1:5555') or 'ipc://PATH'"
-    if not isinstance(value, str):
-        raise InvalidInputError(f"url must be a str, {expected}; got {type(value).__name__}")
-    if not value.startswith(_ZMQ_SCHEMES):
-        hint = f"; did you mean 'tcp://{value}'?" if "://" not in value else ""
-        raise InvalidInputError(f"url {value!r} has no supported scheme: {expected}{hint}")
-    rest = value.split("://", 1)[1]
-    if value.startswith("ipc://"):
-        if not rest:
-            raise InvalidInputError(f"url {value!r} names no path: {expected}")
-        return value
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidInputError(f"url {value!r} needs a host and a port 1..65535: {expected}")
-    return value
-
-
-def http_url(value: object) -> str | None:
-    """The server's HTTP address: ``http://HOST:PORT`` (or https), or None."""
-    if value is None:
-        return None
-    expected = "expected 'http://HOST:PORT' (e.g. 'http://127.0.0.1:9000')"
-    if not isinstance(value, str):
-        raise InvalidInputError(f"http_url must be a str, {expected}; got {type(value).__name__}")
-    if not value.startswith(_HTTP_SCHEMES) or len(value) <= value.index("://") + 3:
-        hint = f"; did you mean 'http://{value}'?" if "://" not in value else ""
-        raise InvalidInputError(f"http_url {value!r} is not an HTTP URL: {expected}{hint}")
-    return value
 
 
 def model_name(value: object) -> str:

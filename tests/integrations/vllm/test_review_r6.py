@@ -276,3 +276,34 @@ def test_unregister_kv_caches_waits_for_copies_and_background_loads_in_flight() 
         w.store_gate.set()
     finally:
         t.shutdown()
+
+
+def test_a_load_that_raises_midway_still_waits_for_its_uploads_before_reporting() -> None:
+    """On a GPU the network thread uploads on a side stream; a load that raises midway reports
+    its blocks failed and vLLM recomputes them at once: its uploads in flight must be complete
+    first, or they would land over the recomputed KV."""
+    from kvdock.integrations.vllm.staging import DeviceBridge
+    from kvdock.integrations.vllm.worker import WorkerSide
+    from kvdock.sharding import Placement
+
+    class Bridge(DeviceBridge):
+        synced = 0
+
+        def synchronize(self) -> None:
+            Bridge.synced += 1
+            super().synchronize()
+
+    class Link:
+        def run(self, what: str, fn: Any, miss: Any) -> Any:
+            raise RuntimeError("a scatter failed midway")
+
+    ws = object.__new__(WorkerSide)
+    ws.block_size, ws.bytes_per_token, ws._faults, ws._load_stream = 32, BPT, set(), None
+    ws.link = Link()  # type: ignore[assignment]
+    ws.codec = SimpleNamespace(geometry=SimpleNamespace(global_rank=0))  # type: ignore[assignment]
+    ws.placement = Placement(None, None, True)
+    ws.bridge = Bridge(torch.device("cpu"), (2, 2, 64, 8), torch.float32)
+    ws._connected = lambda strict=False: object()  # type: ignore[method-assign]
+    failed, nbytes = ws.fetch(LoadSpec("r", list(range(128)), [7, 8, 9, 10], 64, 128, "", (), True))
+    assert (failed, nbytes) == ({9, 10}, 0)
+    assert Bridge.synced == 1

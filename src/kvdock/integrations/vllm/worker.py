@@ -254,10 +254,14 @@ class WorkerSide:
 
                 # on a GPU the upload runs on a side stream: a background load overlaps the forward
                 # pass (its blocks are not the batch's), and is complete before it is reported
+                # (also when the load raises midway: the blocks are then reported failed and vLLM
+                # recomputes them at once, which an upload still in flight would overwrite)
                 with torch.cuda.stream(self._load_stream) if self._load_stream is not None else nullcontext():
-                    hit = link.run("load", fetch, -1)
-                    if isinstance(self.bridge, DeviceBridge):
-                        self.bridge.synchronize()
+                    try:
+                        hit = link.run("load", fetch, -1)
+                    finally:
+                        if isinstance(self.bridge, DeviceBridge):
+                            self.bridge.synchronize()
                 if hit >= 0:
                     loaded = set(spec.block_ids[spec.start // bs : hit // bs])
                     wanted -= loaded

@@ -411,12 +411,6 @@ def redis_server_dbsize(redis_server) -> int:  # type: ignore[no-untyped-def]
     return sum(1 for k in redis.Redis.from_url(redis_server.url).scan_iter(count=1000) if chunk.match(k))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R3 bug: an overwrite's CommitStore waits for its deletion, queued in the lane behind every write-down "
-    "already queued (storage/lane.py FIFO), unrelated ones included: under write pressure it waits for the whole "
-    "backlog (unbounded by --writeback-wait-s; with a 25 s/write disk a client got no reply within 120 s)",
-)
 @pytest.mark.subprocess_server
 def test_an_overwrite_under_write_pressure_answers_within_a_bound(make_server, tmp_path) -> None:
     import signal

@@ -17,6 +17,7 @@ import pytest
 from helpers import RedisProc
 from kvdock.storage import disk as diskmod
 from kvdock.storage import objfile
+from kvdock.storage.lane import _Write
 from kvdock.storage.manager import Chain
 from kvdock.storage.tier import Head
 from tierworld import CHUNK, FILE, GEO, NB, SHAPE, K, World, head, payload, run, until
@@ -194,7 +195,8 @@ def test_write_delete_write_of_one_key_leaves_the_last_version(tmp_path: Path) -
         await w.drain()
         assert disk_bytes(w, K(1)) == payload(K(1), 2)
         c = w.disk.counters
-        assert (c.writes, c.deletes, c.writes_skipped) == (3, 1, 0)
+        # v1's queued write-down was cancelled by the deletion (it would have deleted it anyway)
+        assert (c.writes, c.deletes, c.writes_skipped, w.lanes["l2"].writes_cancelled) == (2, 1, 0, 1)
 
     run(tmp_path, body)
 
@@ -221,7 +223,8 @@ def test_a_delete_lands_after_the_older_write(tmp_path: Path, slow: str) -> None
         await w.drain()
         assert not w.disk.path_for(K(1)).exists() and not w.disk.knows(K(1))
         c = w.disk.counters
-        assert c.deletes == 1 and c.writes == (2 if slow == "queued" else 1)
+        # a queued write of v1 is cancelled by the deletion; one in flight lands before it
+        assert c.deletes == 1 and c.writes == 1 and lane.writes_cancelled == (1 if slow == "queued" else 0)
 
     run(tmp_path, body)
 
@@ -380,5 +383,35 @@ def test_clear_of_l2_runs_after_the_writes_queued_before(tmp_path: Path) -> None
         assert await asyncio.wait_for(task, 10) == {"l2": 3}
         await w.drain()
         assert len(w.disk) == 0, f"{len(w.disk)} objects written after the clear"
+
+    run(tmp_path, body)
+
+
+def test_a_deletion_goes_ahead_of_unrelated_write_downs_and_cancels_those_of_its_keys(tmp_path: Path) -> None:
+    # (issue 28 review R3) an overwrite's deletion waited behind every queued write-down, unrelated
+    # ones included: under write pressure an overwrite waited for the whole backlog
+    async def body(w: World) -> None:
+        assert w.disk is not None
+        lane = w.lanes["l2"]
+        w.store([K(9)])
+        await w.drain()
+        gate = w.block()
+        w.store([K(8)])  # in flight behind the gate
+        w.store([K(1)], version=1)  # an older version of the deleted key, queued
+        w.store([K(2)])  # unrelated, queued
+        w.store([K(3)])
+        first = lane.delete([K(7)])  # a deletion queued before keeps its place ahead
+        deleted = lane.delete([K(1), K(9)])
+        assert [type(j).__name__ for j in lane._queue] == ["_Call", "_Call", "_Write", "_Write"]
+        assert [j.obj.key for j in lane._queue if isinstance(j, _Write)] == [K(2), K(3)]
+        assert lane.writes_cancelled == 1
+        w.check()  # (K1's object is clean now: check_dirty agrees)
+        gate.set()
+        await asyncio.wait_for(deleted, 10)
+        assert first.done()
+        assert not w.disk.knows(K(1)) and not w.disk.knows(K(9)) and w.disk.knows(K(8))
+        await w.drain()
+        assert w.disk.knows(K(2)) and w.disk.knows(K(3)) and not w.disk.knows(K(1))
+        assert w.disk.counters.writes == 4  # K9, K8, K2, K3 (K1 v1 cancelled)
 
     run(tmp_path, body)

@@ -7,7 +7,11 @@ Why one queue with one job in flight:
 
 * writes and deletes of a key reach the tier in commit order, so a newer version is never
   replaced by an older one, and a deletion queued for an overwrite lands after every write of an
-  older version (what makes an acknowledged overwrite final, see the manager);
+  older version (what makes an acknowledged overwrite final, see the manager). A deletion does so
+  without waiting for unrelated write-downs (:meth:`TierLane.delete`): it cancels the queued
+  write-downs of its keys (all of older versions: queued before it; it would delete them anyway)
+  and goes ahead of the other queued write-downs, behind the job in flight (one at a time: a
+  write of its keys in flight lands first) and the deletions and clears queued before it;
 * a queued write-down holds no pin: only the object the writer copies *now* is pinned. A slow
   disk therefore never fills L1 with pinned objects. An object with a write-down queued is
   *dirty* (:meth:`L1Store.mark_dirty`) until it is done, skipped or failed: L1 evicts clean
@@ -95,6 +99,7 @@ class TierLane:
         self.dropped_down = 0  # write-downs dropped because the tier was down (also in writes_skipped)
         self.dropped_down_bytes = 0
         self._noroom_logged = False
+        self.writes_cancelled = 0  # queued write-downs an overwrite's deletion made moot (delete)
 
     @property
     def name(self) -> str:
@@ -143,9 +148,21 @@ class TierLane:
     def delete(self, keys: list[ObjectKey]) -> asyncio.Future[int | None]:
         """Queue a durable deletion of ``keys`` (an overwrite's, :meth:`StorageTier.delete_keys`);
         the future gives the epoch the tier names for the new versions once done, None if the
-        tier could not be reached (then the objects may still be there)."""
+        tier could not be reached (then the objects may still be there). Ahead of the queued
+        write-downs, whose those of ``keys`` it cancels (see the module docstring): an overwrite
+        waits for the write in flight and the deletions before it, never for the whole backlog."""
         done: asyncio.Future[int | None] = self._get_loop().create_future()
-        self._queue.append(_Call("delete", functools.partial(self.tier.delete_keys, keys), done, None, len(keys)))
+        doomed = set(keys)
+        queue: deque[_Write | _Call] = deque()
+        for job in self._queue:
+            if isinstance(job, _Write) and job.obj.key in doomed:
+                self._l1.mark_clean(job.obj)  # an older version: the deletion removes it anyway
+                self.writes_cancelled += 1
+            else:
+                queue.append(job)
+        at = next((i for i, job in enumerate(queue) if isinstance(job, _Write)), len(queue))
+        queue.insert(at, _Call("delete", functools.partial(self.tier.delete_keys, keys), done, None, len(keys)))
+        self._queue = queue
         self._pump()
         return done
 

@@ -18,8 +18,8 @@ Why an acknowledged overwrite is final, before and after a crash:
 1. at PrepareStore the old L1 version of every chunk the overwrite cannot write (pool full)
    stops being visible (at the commit, that of every chunk it reserved but does not commit), and
    each lane queues a durable deletion of every overwritten key;
-2. a lane applies its jobs in order, so that deletion lands after every write-down of an older
-   version (see :mod:`kvdock.storage.lane`);
+2. a lane applies its jobs one at a time, and that deletion lands after every write-down of an
+   older version: it cancels those queued and waits for one in flight (see :mod:`kvdock.storage.lane`);
 3. CommitStore makes the new versions visible and is acknowledged only after every deletion is
    done; if a tier cannot delete (Redis down) the overwrite is refused and nothing is stored.
 

@@ -126,6 +126,17 @@ def test_redis_going_away_degrades_to_l1_l2_and_comes_back(make_server, redis_se
         wait_written(srv, "l2", 3 * 2)
         redis_server.start()
         wait_for(lambda: tier(srv, "l3")["up"] is True, "L3 back up", timeout=40)
+        # Redis lost its invalidation stream: each server sees a new incarnation (a gap: it drops
+        # L1 and clears L2) and writes under it from then on; a write-down issued before it
+        # noticed goes where no reader looks (a miss, never stale bytes)
+        wait_for(
+            lambda: all(
+                tier(s, "l3")["coherence"]["full_drops"] >= 1 and tier(s, "l3")["coherence"]["vouched"]
+                for s in (srv, other)
+            ),
+            "both servers to follow the new stream",
+            timeout=40,
+        )
         third, tok3 = make_kv(2 * CHUNK, seed=9), make_tokens(2 * CHUNK, start=4)
         assert kvd.store(c, third, tok3)
         wait_written(srv, "l3", 4)

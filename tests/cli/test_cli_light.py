@@ -6,9 +6,7 @@ first line says what it takes; ``import`` offers to register the bundle's model.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import io
 import json
 import os
 import signal
@@ -18,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.cli.test_cli import kvdock as _run  # kvdock ARGS in this process, output captured
 
 import kvdock.sdk as kvd
 from helpers import CHUNK, GEOMETRY, free_port, make_kv, make_tokens
-from kvdock.cli.main import build_parser, main
+from kvdock.cli.main import build_parser
 from kvdock.cli.serve import flag
 from kvdock.config import DEFAULT_HTTP_URL, DISK_DEFAULT, ServerConfig, auto_disk_size
 from kvdock.errors import KVDockError
@@ -132,25 +131,6 @@ def test_register_flags_for_mla_pipeline_stages_and_replicated_heads(server) -> 
     r = _run(*base, "--model", "bad", "--dtype", "bfloat16", "--num-layers", "2", "--num-kv-heads", "2",
              "--head-dim", "8", "--kv-kind", "latent")  # fmt: skip
     assert r.returncode == 2 and "latent" in r.stderr, r.stderr
-
-
-def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``kvdock ARGS`` in this process (``main`` with its output captured, ``env`` as the environment)."""
-    out, err = io.StringIO(), io.StringIO()
-    saved = dict(os.environ)
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args))
-            except SystemExit as e:  # argparse's exits
-                code = int(e.code or 0)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return subprocess.CompletedProcess(["kvdock", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_import_offers_to_register_the_bundles_model(make_server, tmp_path) -> None:

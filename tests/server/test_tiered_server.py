@@ -131,10 +131,12 @@ def test_redis_going_away_degrades_to_l1_l2_and_comes_back(make_server, redis_se
         # noticed goes where no reader looks (a miss, never stale bytes)
         wait_for(
             lambda: all(
-                tier(s, "l3")["coherence"]["full_drops"] >= 1 and tier(s, "l3")["coherence"]["vouched"]
+                tier(s, "l3")["coherence"]["full_drops"] >= 1
+                and tier(s, "l3")["coherence"]["vouched"]
+                and tier(s, "l3")["up"]  # (the idle one's tier, marked down by its polls' failure)
                 for s in (srv, other)
             ),
-            "both servers to follow the new stream",
+            "both servers to follow the new stream, their L3 tiers up",
             timeout=40,
         )
         third, tok3 = make_kv(2 * CHUNK, seed=9), make_tokens(2 * CHUNK, start=4)

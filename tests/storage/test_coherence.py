@@ -4,6 +4,7 @@ fenced write-downs, invalidated L1 copies, the vouching bound on an injected clo
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,11 @@ from kvdock.storage.coherence import (
     STREAM_KEY,
     Coherence,
     Fence,
+    PollResult,
     SavedPosition,
     decode_keys,
     encode_keys,
+    follow,
     load_position,
     pos_int,
     pos_text,
@@ -418,5 +421,40 @@ def test_a_host_that_does_not_vouch_reads_the_shared_tier_only(tmp_path: Path, r
             assert world.lanes["l3"].counters.hits == l3_hits + 2 and world.lanes["l2"].counters.hits == 0
         finally:
             close(world)
+
+    asyncio.run(main())
+
+
+def test_the_first_poll_after_an_outage_calls_recovered_once(redis_server: RedisProc) -> None:
+    """CI flake: a server idle through an L3 restart kept its tier down for its probe's backoff
+    (seconds) after its polls got through again; the poll's success now lets the probe come at once."""
+
+    async def main() -> None:
+        raw = redis_py.Redis.from_url(redis_server.url, socket_timeout=1)
+        coherence = Coherence(lambda: raw, bound_s=0.05)
+        failures: list[BaseException] = []
+        recoveries: list[int] = []
+
+        def apply(result: PollResult) -> list[Awaitable[object]]:
+            coherence.applied(result)
+            return []
+
+        task = asyncio.create_task(
+            follow(coherence, apply, failures.append, lambda _u: None, recovered=lambda: recoveries.append(1))
+        )
+        try:
+            await until(lambda: coherence.started and coherence.vouched())
+            assert recoveries == [] and failures == []
+            redis_server.stop()
+            await until(lambda: coherence.failing)
+            await until(lambda: coherence.counters.poll_errors >= 3)
+            assert len(failures) == 1 and isinstance(failures[0], redis_py.ConnectionError) and recoveries == []
+            redis_server.start()
+            await until(lambda: not coherence.failing)
+            await until(lambda: coherence.counters.polls >= 3)
+            assert recoveries == [1] and len(failures) == 1  # once per outage
+        finally:
+            task.cancel()
+            raw.close()
 
     asyncio.run(main())

@@ -178,7 +178,8 @@ async def follow_fleet(state: ServerState) -> None:
             segment.set_valid_until_ns(int(until * 1e9))
 
     try:
-        await follow(coherence, manager.apply, redis.failed, vouch, disk.root if disk is not None else None)
+        keep = disk.root if disk is not None else None
+        await follow(coherence, manager.apply, redis.failed, vouch, keep, recovered=redis.probe_soon)
     except asyncio.CancelledError:
         raise
     except BaseException:  # never silently: without it the server answers misses for good

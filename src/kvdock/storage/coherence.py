@@ -296,12 +296,14 @@ async def follow(
     failed: Callable[[BaseException], None],
     vouch: Callable[[float], None],
     keep: Path | None = None,
+    recovered: Callable[[], None] | None = None,
 ) -> None:
     """Poll the stream for ever (until cancelled): each poll on a thread of its own, applied
     (``apply``, the manager's) on the loop before the next is sent; ``vouch(until)`` with the
     monotonic time until which this server now vouches (its pool segments' headers); ``failed``
-    on an L3 error; with ``keep`` (the L2 directory), the position whose L2 deletions are done is
-    kept there."""
+    on an L3 error (once per outage); ``recovered()`` on the first poll that succeeds after one
+    failed (L3 answers again: the tier's probe need not wait out its backoff); with ``keep`` (the
+    L2 directory), the position whose L2 deletions are done is kept there."""
     loop = asyncio.get_running_loop()
     executor = ThreadPoolExecutor(1, "kvdock-coherence")
     saved = [SavedPosition(coherence.position, coherence.consumed, coherence.incarnation)]
@@ -330,6 +332,8 @@ async def follow(
                 coherence.failing = True
                 await asyncio.sleep(coherence.interval_s * 2)
                 continue
+            if coherence.failing and recovered is not None:
+                recovered()
             coherence.failing = False
             first = not coherence.started  # its position is kept at once (a restart replays from it)
             lapsed = coherence.started and not coherence.vouched()

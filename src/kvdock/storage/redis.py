@@ -132,6 +132,12 @@ class RedisTier(StorageTier):
         with self._lock:
             return not self._up and time.monotonic() >= self._retry_at
 
+    def probe_soon(self) -> None:
+        """[any] Let the next probe come at once, not after the backoff (L3 was seen answering:
+        the coherence poll got through again). The probe still decides whether the tier is up."""
+        with self._lock:
+            self._retry_at = 0.0
+
     def probe(self) -> None:
         """PING (making the cluster client first if need be; every primary of a cluster); on
         success mark the tier up again. While a shard of a cluster is down the whole tier is

@@ -114,6 +114,10 @@ class StorageTier(abc.ABC):
         """[any] Whether a down tier should be probed now (its backoff has passed)."""
         return False
 
+    def probe_soon(self) -> None:
+        """[any] Make :meth:`probe_due` true now (the tier was seen answering again)."""
+        return None
+
     def probe(self) -> None:
         """[worker, reader] Try to reach a down tier again (``up()`` turns True on success)."""
         return None

@@ -21,59 +21,21 @@ Invariants (checked by :meth:`L1Store.check_integrity`):
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from kvdock.keys import ObjectKey
 from kvdock.shm.directory import Directory
 from kvdock.shm.pool import SlotMemory
 from kvdock.shm.slots import Partitions, SlotAllocator, aligned
 from kvdock.storage.evictable import Evictable, L1Counters
+from kvdock.storage.l1object import L1Object, L1Watcher, State
 from kvdock.storage.listings import Listings
 from kvdock.storage.policy import DEFAULT_POLICY, Policy, make_policy
 from kvdock.storage.prefixes import Prefixes
 from kvdock.storage.shares import Shares
 
-
-class State(enum.Enum):
-    RESERVED = 1
-    READY = 2
-
-
-@dataclass(eq=False, slots=True)
-class L1Object:
-    key: ObjectKey
-    offset: int
-    nbytes: int
-    state: State = State.RESERVED
-    pins: int = 0
-    live: bool = True
-    version: int = 0  # unique per stored version (see kvdock.storage.manager: the version chain)
-    parent: int = 0  # the version of the previous chunk of its prefix when stored; 0 for the first
-    epoch: int = 0  # the fleet's invalidations its server knew of when it became READY (storage.coherence)
-    entry: int = -1  # while READY: its directory entry (-1: none, or no room there)
-    region: str | None = None  # the pool region its slot is in (a tenant's, or None: the shared rest)
-    dirty: int = 0  # write-downs to lower tiers queued or in flight (storage.lane)
-    seq: int = 0  # commit order (the newest dirty object is evicted first)
-    depth: int = 0  # its chunk's index in its prompt, as far as L1 knows (0: a head)
-    unit: int = 0  # a sharded store's chunk: the seq of its first shard's object (0: alone; dirty ones go together)
-    uses: int = 0  # reads (unpins of a session's pin, fast reads) since it became READY
-
-
-class L1Watcher(Protocol):
-    """Told when the set of readable keys changes (metrics, KV events). Called from inside the
-    store's methods: it must not call back into the store."""
-
-    def stored(self, obj: L1Object) -> None:
-        """``obj`` became READY: a new key, or a new version of a key."""
-
-    def removed(self, obj: L1Object, evicted: bool) -> None:
-        """``obj``'s key has no READY object any more: evicted (LRU, for room) or deleted."""
-
-    def cleared(self) -> None:
-        """No key has a READY object any more (:meth:`L1Store.clear`; no ``removed`` calls)."""
+__all__ = ["L1Object", "L1Store", "L1Watcher", "State"]
 
 
 class L1Store:

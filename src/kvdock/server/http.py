@@ -130,7 +130,12 @@ def hit_rate_doc(state: ServerState) -> dict[str, Any]:
 def tiers_doc(state: ServerState) -> dict[str, Any]:
     lanes = state.manager.lanes
     doc: dict[str, Any] = {
-        lane.name: {**lane.tier.status(), **dataclasses.asdict(lane.counters), "backlog_bytes": lane.backlog_bytes}
+        lane.name: {
+            **lane.tier.status(),
+            **dataclasses.asdict(lane.counters),
+            "backlog_bytes": lane.backlog_bytes,
+            "writes_cancelled": lane.writes_cancelled,  # queued write-downs an overwrite made moot
+        }
         for lane in lanes
     }
     doc["writeback_backlog_bytes"] = sum(lane.backlog_bytes for lane in lanes)

@@ -222,6 +222,14 @@ class _TierCollector(Collector):
             for lane in lanes:
                 fam.add_metric([lane.name], getattr(lane.counters, f.name))
             yield fam
+        cancelled = CounterMetricFamily(
+            "kvdock_tier_writes_cancelled",
+            "Queued write-downs an overwrite's deletion cancelled (older versions it removes anyway)",
+            labels=["tier"],
+        )
+        for lane in lanes:
+            cancelled.add_metric([lane.name], lane.writes_cancelled)
+        yield cancelled
         gauges = {
             "up": GaugeMetricFamily("kvdock_tier_up", "1 if the tier is reachable", labels=["tier"]),
             "used_bytes": GaugeMetricFamily("kvdock_tier_used_bytes", "Bytes stored in the tier", labels=["tier"]),

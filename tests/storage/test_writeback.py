@@ -45,6 +45,33 @@ def test_a_store_rewriting_a_held_chunk_that_no_longer_chains_waits_for_write_do
     run(tmp_path, body, slots=3)
 
 
+def test_the_chunks_a_store_dedups_in_l1_are_not_room_for_it(tmp_path: Path) -> None:
+    # a store pins the leading run it finds in L1 (prepare_store keeps its prefix): a clean
+    # object of that run is no room for its own new chunks. Counting it said "fits", the store
+    # did not wait, and its reservation evicted a dirty object at once (the trace replay with L2:
+    # 745 dirty evictions, 0 waits that ran out)
+    async def body(w: World) -> None:
+        w.store([K(1)])
+        await w.drain()  # K1 clean
+        gate = w.block()
+        try:
+            w.store([K(5)])  # in flight (pinned)
+            w.store([K(6)])  # queued: dirty, evictable
+            assert w.l1.room(K(1), NB) == (1, 1)  # K1 is the one clean slot...
+            # ... which the store of [K1, K2] pins: K2 needs K6's or K5's room, once written
+            assert writeback.shortfall(w.mgr, [[K(1), K(2)]], NB, False) == (1, 2)
+            assert writeback.needs_wait(w.mgr, [[K(1), K(2)]], NB, False)
+            assert writeback.shortfall(w.mgr, [[K(7)]], NB, False) == (0, 1)  # a store not holding K1 fits
+            with w.l1.dirty_eviction():  # (what a store past its wait does: K6 goes, counted)
+                plan = w.mgr.prepare_store("c", "s", [K(1), K(2)], NB)
+            assert [i for i, _ in plan.slots] == [1] and w.l1.counters.evicted_dirty == 1
+            w.mgr.end_session("c", "s")
+        finally:
+            gate.set()
+
+    run(tmp_path, body, slots=3)
+
+
 def test_a_chain_held_in_l1_or_l2_needs_no_room(tmp_path: Path) -> None:
     async def body(w: World) -> None:
         assert w.disk is not None
@@ -56,8 +83,11 @@ def test_a_chain_held_in_l1_or_l2_needs_no_room(tmp_path: Path) -> None:
             w.store([K(5)])
             w.store([K(6)])
             assert writeback.shortfall(w.mgr, [[K(1), K(2)]], NB, False) == (0, 1)
-            assert writeback.shortfall(w.mgr, [[K(1), K(2), K(3)]], NB, False) == (0, 1)  # the clean room
-            assert writeback.shortfall(w.mgr, [[K(1), K(2), K(3), K(4)]], NB, False) == (1, 2)  # K6, K5 (in flight)
+            # K3 is written: the one clean slot is K2's, which the store pins (it extends K2): K6
+            # and K5 (in flight) give room once written
+            assert writeback.shortfall(w.mgr, [[K(1), K(2), K(3)]], NB, False) == (1, 2)
+            assert writeback.shortfall(w.mgr, [[K(1), K(2), K(3), K(4)]], NB, False) == (2, 2)
+            assert writeback.shortfall(w.mgr, [[K(3)]], NB, False) == (0, 1)  # K2's clean room, not pinned
             assert writeback.shortfall(w.mgr, [[K(1), K(2)]], NB, True) == (1, 2)  # an overwrite writes all
         finally:
             gate.set()

@@ -37,12 +37,15 @@ def shortfall(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int, 
     that could give them). The chunks it reserves are counted as ``prepare_store`` decides them:
     a leading run that chains (in L1, or in an indexed lower tier) is deduped, every chunk from
     the first that does not is written (a key held in L1 whose version names another parent
-    included), an overwrite writes all. It may only overcount (chunks a lower tier without an
+    included), an overwrite writes all; the clean objects of the run it finds in L1 are no room for
+    it (it pins them). It may only overcount (chunks a lower tier without an
     index holds, a reservation of another store after the run, a plain store's write limit)."""
     if not keysets or not keysets[0]:
         return 0, 0
-    need = sum(len(keys) if overwrite else _writes(mgr, keys) for keys in keysets)
+    plans = [(len(keys), 0) if overwrite else _writes(mgr, keys) for keys in keysets]
+    need = sum(n for n, _ in plans)
     room, dirty = mgr.l1.room(keysets[0][0], nbytes)
+    room -= sum(held for _, held in plans)  # the clean run it pins is no room for it
     if need > room:  # the objects the lanes write now (pinned) give room too once written
         region = mgr.l1.region_for(keysets[0][0])
         for lane in mgr.lanes:
@@ -53,21 +56,24 @@ def shortfall(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int, 
     return max(0, need - room), dirty
 
 
-def _writes(mgr: StorageManager, keys: list[ObjectKey]) -> int:
-    """The chunks of ``keys`` a plain store would write: all from the first that does not chain."""
-    parent = 0
+def _writes(mgr: StorageManager, keys: list[ObjectKey]) -> tuple[int, int]:
+    """(the chunks of ``keys`` a plain store would write: all from the first that does not chain,
+    the clean evictable objects of the leading run it finds in L1: ``prepare_store`` pins those,
+    so they are no room for it)."""
+    parent = held = 0
     for i, key in enumerate(keys):
         if mgr.l1.is_reserved(key):
-            return 0  # it and every chunk after it: in flight (another store's), not written
+            return 0, held  # it and every chunk after it: in flight (another store's), not written
         present = mgr.l1.get(key)
         if present is not None and present.parent == parent:
             parent = present.version
+            held += present.pins == 0 and not present.dirty
             continue
         lower = None if key in mgr.deletions else mgr.chains.lower_head(key, parent, None)
         if lower is None:
-            return len(keys) - i
+            return len(keys) - i, held
         parent = lower.version
-    return 0
+    return 0, held
 
 
 def needs_wait(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int, overwrite: bool) -> bool:

@@ -141,6 +141,8 @@ def test_tensor_parallel_ranks_store_their_heads_as_shards(sgl_server: ServerPro
         other = prompt(3, seed=7)
         kvd.store(ctx, kv.flip(3), other)  # split into the two shards
     other_keys = sglang_page_hashes(other, PAGE)
+    for b in ranks:  # every rank's exists first (SGLang all-reduces its hit count), then the gets
+        assert b.batch_exists(other_keys, extra([])) == 3
     for r, b in enumerate(ranks):
         dst = b.mem_pool_host.alloc(3 * PAGE)
         assert b.batch_get_v1(other_keys, dst, extra([])) == [True] * 3
@@ -265,6 +267,9 @@ def test_mla_tensor_parallel_ranks_share_one_latent_that_rank_0_writes(
     assert ranks[1].batch_exists(keys, extra([])) == 0  # nothing written by rank 1
     assert ranks[0].batch_set_v1(keys, idx[0], extra([])) == [True, True]
     dst = pools[1].alloc(2 * PAGE)
+    assert ranks[1].batch_get_v1(keys, dst, extra([])) == [False, False]  # no exists saw them: a miss
+    assert ranks[1].stats["get_unvouched"] == 1
+    assert ranks[1].batch_exists(keys, extra([])) == 2
     assert ranks[1].batch_get_v1(keys, dst, extra([])) == [True, True]
     assert torch.equal(pages_kv(ranks[1], dst), pages_kv(ranks[0], idx[0]))
     with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:

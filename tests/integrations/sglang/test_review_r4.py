@@ -237,6 +237,8 @@ def test_an_engine_of_another_tensor_parallel_degree_loads_the_heads_in_order(
     src1 = one_pool.alloc(2 * PAGE)
     assert one.batch_set_v1(keys2, src1, info) == [True, True]
     d = _pages(one, src1).shape[3] // 2
+    for b in ranks:  # every rank's exists first (SGLang all-reduces its hit count), then the gets
+        assert b.batch_exists(keys2, info) == 2
     for r, b in enumerate(ranks):
         got = b.mem_pool_host.alloc(2 * PAGE)
         assert b.batch_get_v1(keys2, got, info) == [True, True]

@@ -17,6 +17,10 @@ kvdock holds the prompt's chain and the SDK reads it by token ids. The generic p
 (``get`` / ``set`` / ``batch_get`` / ``batch_set``, SGLang's default without ``interface_v1``)
 has no prefixes: each key is a chain of its own there, which only this backend reads.
 
+Tensor-parallel ranks load one version of a page or miss, and SGLang's continuations of a prefix
+it loaded (an SDK edit) are stored: :mod:`.versions` (``tips`` from ``batch_exists`` to
+``batch_get_v1``, ``over`` from gets to sets).
+
 Never raises into SGLang (its storage threads treat an exception as fatal): a kvdock failure, a
 server that is down or hung (``kvdock.timeout``), a refused registration, a chunk size other
 than SGLang's page size, context parallelism (``attn_cp_size`` or ``dcp_size`` over 1: its ranks
@@ -41,8 +45,8 @@ import kvdock.sdk as kvd
 from kvdock.errors import KVCacheSDKError, PrefixMissingError, UnknownModelError
 from kvdock.integrations.sglang.config import BackendConfig
 from kvdock.integrations.sglang.pools import Flat, HostPages, Pages
+from kvdock.integrations.sglang.versions import Loaded, Seen
 from kvdock.keying import KVDOCK, key_tokens
-from kvdock.protocol.messages import EngineInfo
 from kvdock.sharding import place
 
 try:  # the base class when SGLang is installed; the module itself imports without it
@@ -70,6 +74,8 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self._down_until = float("-inf")
         self._lock = threading.Lock()
         self._last_log = 0.0
+        self.ranks = self.tp_size * self.pp_size  # >1: ranks load only what their exists saw
+        self.seen, self.loaded = Seen(), Loaded()
         # Context-parallel ranks (attention CP, MLA's decode CP) hold different KV under the same
         # page hashes (SGLang's own backends key them apart); kvdock has no shard for that: off.
         cp, dcp = int(getattr(storage_config, "attn_cp_size", 1) or 1), int(getattr(storage_config, "dcp_size", 1) or 1)
@@ -90,31 +96,15 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self._context()
 
     def _layout(self) -> Any:
-        pages = self.pages
-        assert pages is not None
+        assert self.pages is not None
         try:
             import sglang
 
             version = str(sglang.__version__)
         except Exception:  # pragma: no cover
             version = ""
-        engine = EngineInfo(name="sglang", version=version, attention_backend=f"hicache/{pages.layout}")
-        latent = pages.latent
-        return kvd.make_layout(
-            self.config.model_name,
-            num_layers=pages.num_layers,
-            num_kv_heads=pages.heads,
-            head_dim=pages.head_dim,
-            dtype=pages.dtype,
-            tokens_per_block=pages.page_size,
-            world_size=self.tp_size,
-            rank=self.tp_rank,
-            total_kv_heads=0 if latent else self.config.total_kv_heads,
-            kv_kind=pages.kv_kind,
-            pp_size=self.pp_size,
-            pp_rank=self.pp_rank,
-            engine=engine,
-        )
+        ranks = (self.tp_size, self.tp_rank, self.pp_size, self.pp_rank)
+        return self.pages.model_layout(self.config.model_name, version, ranks, self.config.total_kv_heads)
 
     def _context(self) -> kvd.KVCacheContext | None:
         """The SDK context, connecting (and registering) first if the retry time has come; None
@@ -210,10 +200,10 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     # -- the zero-copy path (interface_v1) ------------------------------------------------------
 
-    def _chain(self, keys: list[str], extra_info: Any) -> tuple[np.ndarray, int]:
-        prefix = list(getattr(extra_info, "prefix_keys", None) or [])
+    def _chain(self, keys: list[str], extra_info: Any, more: list[str] | None = None) -> tuple[np.ndarray, int]:
+        prefix = _prefix(extra_info)
         assert self.pages is not None
-        return key_tokens(prefix + list(keys), self.pages.page_size), len(prefix)
+        return key_tokens(prefix + list(keys) + (more or []), self.pages.page_size), len(prefix)
 
     def _starts(self, keys: list[str], host_indices: torch.Tensor) -> list[int]:
         """The host index of each key's page; ValueError unless ``host_indices`` is one whole
@@ -237,8 +227,10 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
         def go(ctx: kvd.KVCacheContext) -> int:
             chain, first = self._chain(keys, extra_info)
-            hit = kvd.lookup(ctx, chain) // ctx.chunk_size
-            return max(0, min(hit - first, len(keys)))
+            seen = kvd.lookup_tips(ctx, chain)
+            hit = max(0, min(seen.hit_tokens // ctx.chunk_size - first, len(keys)))
+            self.seen.note(_prefix(extra_info), keys, hit, seen.versions)
+            return hit
 
         n = int(self._run("exists", go, 0))
         self.stats["pages_found"] += n
@@ -246,16 +238,26 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Load the pages of ``keys`` into the host pool at ``host_indices``; True for each
-        page loaded (a prefix of ``keys``)."""
+        page loaded (a prefix of ``keys``). On a rank of several: only the versions this
+        operation's ``batch_exists`` saw, else nothing (:mod:`.versions`)."""
         if not keys:
             return []
 
         def go(ctx: kvd.KVCacheContext) -> list[bool]:
             assert self.pages is not None
             starts = self._starts(keys, host_indices)
-            chain, first = self._chain(keys, extra_info)
-            hit = kvd.retrieve_into(ctx, chain, Pages(self.pages, starts, first)) // ctx.chunk_size
+            vouched = self.seen.vouch(_prefix(extra_info), keys)
+            if vouched is None and self.ranks > 1:
+                self.stats["get_unvouched"] += 1
+                return [False] * len(keys)
+            chain, first = self._chain(keys, extra_info, vouched.extra if vouched else None)
+            tips = vouched.tips if vouched else None
+            hit = kvd.retrieve_into(ctx, chain, Pages(self.pages, starts, first), tips=tips) // ctx.chunk_size
             n = max(0, min(hit - first, len(keys)))
+            if vouched is not None:
+                self.stats["get_vouched" if n else "get_stale"] += 1
+                if n == len(keys) and not vouched.extra:
+                    self.loaded.note(keys[-1], vouched.tips)
             return [True] * n + [False] * (len(keys) - n)
 
         got = self._run("get", go, [False] * len(keys))
@@ -276,13 +278,16 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
                 return [False] * len(keys)
             starts = self._starts(keys, host_indices)
             chain, first = self._chain(keys, extra_info)
+            over = self.loaded.over(_prefix(extra_info), keys)  # (None: SGLang computed the prefix)
+            self.stats["set_over_loaded"] += over is not None
             try:
-                r = kvd.store_from(ctx, Pages(self.pages, starts, first), chain, conflict_wait_s=0.0)
+                r = kvd.store_from(ctx, Pages(self.pages, starts, first), chain, conflict_wait_s=0.0, over=over)
             except PrefixMissingError:
                 self.stats["set_prefix_missing"] += 1
                 return [False] * len(keys)
             n = r.stored_chunks + r.deduped_chunks - first
             self.stats["pages_stored"] += r.stored_chunks
+            self.stats["pages_diverged"] += r.diverged_chunks
             n = max(0, min(n, len(keys)))
             return [True] * n + [False] * (len(keys) - n)
 
@@ -293,6 +298,12 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
     def _single_hits(self, ctx: kvd.KVCacheContext, keys: list[str]) -> int:
         assert self.pages is not None
         prompts = [key_tokens([k], self.pages.page_size) for k in keys]
+        if self.ranks > 1:  # each key's tips, for its get (:mod:`.versions`)
+            n = 0
+            while n < len(keys) and (seen := kvd.lookup_tips(ctx, prompts[n])).hit_tokens:
+                self.seen.note([], keys[n : n + 1], 1, seen.versions)
+                n += 1
+            return n
         hits = kvd.lookup_many(ctx, prompts)
         n = 0
         while n < len(keys) and hits[n] > 0:
@@ -308,8 +319,13 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
         def go(ctx: kvd.KVCacheContext) -> torch.Tensor | None:
             assert self.pages is not None
+            vouched = self.seen.vouch([], [key])
+            if vouched is None and self.ranks > 1:
+                self.stats["get_unvouched"] += 1
+                return None
             target = target_location if target_location is not None else self.mem_pool_host.get_dummy_flat_data_page()
-            hit = kvd.retrieve_into(ctx, key_tokens([key], self.pages.page_size), Flat(self.pages, target))
+            chain, tips = key_tokens([key], self.pages.page_size), vouched.tips if vouched else None
+            hit = kvd.retrieve_into(ctx, chain, Flat(self.pages, target), tips=tips)
             return target if hit else None
 
         out = self._run("get", go, None)
@@ -374,6 +390,10 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         if ctx is not None:
             with contextlib.suppress(Exception):
                 ctx.close(wait_s=0.0)
+
+
+def _prefix(extra_info: Any) -> list[str]:
+    return list(getattr(extra_info, "prefix_keys", None) or [])
 
 
 __all__ = ["KvdockHiCacheStorage"]

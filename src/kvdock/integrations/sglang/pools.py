@@ -30,6 +30,7 @@ import torch
 from kvdock.errors import PrefixMissingError, UnsupportedLayoutError
 from kvdock.layout import KV_LATENT, KV_PAIR
 from kvdock.memcpy import Copier
+from kvdock.protocol.messages import EngineInfo, ModelLayout
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -151,6 +152,31 @@ class HostPages:
         if self.layout == "page_head":
             return flat.view(2, H, P, L, D).permute(0, 3, 2, 1, 4)
         return flat.view(2, L, P, H, D)
+
+    def model_layout(
+        self, model_name: str, version: str, ranks: tuple[int, int, int, int], total_kv_heads: int
+    ) -> ModelLayout:
+        """The layout a rank (``ranks``: tp_size, tp_rank, pp_size, pp_rank) of SGLang ``version``
+        registers for this pool (engine ``"sglang"``: kvdock keys the model SGLang's way)."""
+        from kvdock.sdk.engine import make_layout
+
+        tp_size, tp_rank, pp_size, pp_rank = ranks
+        engine = EngineInfo(name="sglang", version=version, attention_backend=f"hicache/{self.layout}")
+        return make_layout(
+            model_name,
+            num_layers=self.num_layers,
+            num_kv_heads=self.heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            tokens_per_block=self.page_size,
+            world_size=tp_size,
+            rank=tp_rank,
+            total_kv_heads=0 if self.latent else total_kv_heads,
+            kv_kind=self.kv_kind,
+            pp_size=pp_size,
+            pp_rank=pp_rank,
+            engine=engine,
+        )
 
     def describe(self) -> str:
         kind = "MLA latent" if self.latent else f"{self.heads} KV heads of {self.head_dim}"

@@ -15,6 +15,7 @@ instead (``kvdock.inprocess.InProcessServer``, the same surface as ServerProcess
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import os
@@ -102,12 +103,16 @@ class ServerProcess(HttpDocs):
                 raise RuntimeError(f"kvdock serve exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 self.text("/healthz", timeout=1)
-                return self
-            except OSError:
+            # (another process's socket on the port, a ZMQ one say, while this server is still
+            # starting or is about to exit: not an answer; CI once got a ZMTP greeting here)
+            except (OSError, http.client.HTTPException):
                 if time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError(f"kvdock serve did not come up within {timeout:.0f}s:\n{self.log()}") from None
                 time.sleep(0.05)
+                continue
+            if self.proc.poll() is None:
+                return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Send ``sig`` (SIGKILL after ``timeout``) and return the exit code; harmless twice."""

@@ -23,6 +23,8 @@ command; each answer is one stdout line starting with ``@@`` (vLLM's output goes
     {"op": "reset_prefix_cache"} -> {"ok": true}
     {"op": "pages", "tokens": [ids], "path": "..."} -> {"found": bool}: the KV vLLM's pages hold for
         a recent save of exactly those tokens, written to path (``torch.save``; rank 0's)
+    {"op": "copied"} -> {"bytes": n, "copies": k}: what the connector copied out of vLLM's pages
+        for saves, in how many copies (every rank's, since start)
     {"op": "metrics"} -> {"name": value, ...} (vLLM's counters and gauges)
     {"op": "quit"} -> the process exits at once (no vLLM teardown)
 
@@ -102,6 +104,9 @@ def main() -> None:
             answer({"ok": bool(llm.reset_prefix_cache())})
         elif op == "pages":
             answer({"found": llm.collective_rpc(pages_of, args=(cmd["tokens"], cmd["path"]))[0]})
+        elif op == "copied":
+            done = llm.collective_rpc(copied_bytes)
+            answer({"bytes": sum(b for b, _ in done), "copies": sum(n for _, n in done)})
         elif op == "metrics":
             answer({m.name: getattr(m, "value", None) for m in llm.get_metrics() if hasattr(m, "value")})
         elif op == "generate":
@@ -143,6 +148,18 @@ def drain_kvdock(worker: Any = None, timeout: float = 120.0) -> bool:
         return True
     side = getattr(get_kv_transfer_group(), "_worker", None)
     return side is None or bool(side.drain(timeout))
+
+
+def copied_bytes(worker: Any = None) -> tuple[int, int]:
+    """On a vLLM worker (``collective_rpc``): the bytes its connector copied out of vLLM's pages
+    for saves since the engine started, and in how many copies."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return 0, 0
+    side = getattr(get_kv_transfer_group(), "_worker", None)
+    transfers = getattr(side, "transfers", None)
+    return (int(transfers.copied_bytes), int(transfers.copies)) if transfers is not None else (0, 0)
 
 
 def pages_of(worker: Any, tokens: list[int], path: str) -> bool:

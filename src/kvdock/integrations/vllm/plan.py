@@ -34,7 +34,8 @@ class LoadSpec:
 @dataclass(frozen=True)
 class SaveSpec:
     """Store the KV of ``tokens`` (whole chunks, computed by the end of this step) from the
-    request's blocks; chunks kvdock already holds are deduplicated by the server, not copied."""
+    request's blocks; chunks kvdock already holds are deduplicated by the server, not stored again,
+    and those before ``first`` are not even copied out of the pages."""
 
     req_id: str
     tokens: list[int]
@@ -46,6 +47,11 @@ class SaveSpec:
     # partly, vLLM's own prefix hit supplied blocks). The store passes it as ``over``: KV computed
     # over an edited prefix (an SDK overwrite) may extend it only with these (mixed_spec)
     over: tuple[int, ...] | None = None
+    # tokens ``[0, first)`` are believed held by kvdock already (the request's earlier saves or its
+    # load): only blocks from ``first`` on are copied out of vLLM's pages. The store still names
+    # the whole prefix; if kvdock lacks a chunk before ``first`` it writes nothing (never an orphan
+    # chunk) and the worker's next save of the request copies from that chunk on (Transfers)
+    first: int = 0
 
 
 @dataclass

@@ -272,7 +272,7 @@ class SchedulerSide:
         end = min(computed, limit) // chunk * chunk
         if end > st.saved and end // self.block_size <= len(st.block_ids):
             blocks = st.block_ids[: end // self.block_size]
-            meta.saves.append(SaveSpec(rid, list(tokens[:end]), blocks, st.salt, st.over))
+            meta.saves.append(SaveSpec(rid, list(tokens[:end]), blocks, st.salt, st.over, first=st.saved))
             st.saved = end
             st.saving = True
 

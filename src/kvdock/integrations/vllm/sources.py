@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvdock.errors import PrefixMissingError
+
 if TYPE_CHECKING:
     from kvdock.integrations.vllm.worker import WorkerSide
 
@@ -50,13 +52,24 @@ class _Part:
 
 
 class _Staged:
-    """A save's staged KV as a source of kvdock chunks."""
+    """A save's staged KV (its tokens from ``first`` on) as a source of kvdock chunks. A chunk
+    that starts before ``first`` is not staged: PrefixMissingError (with ``at``, the chunk's first
+    token), which ends the store with nothing written -- kvdock lacks a chunk the request's earlier
+    saves were believed to have stored, and writing the later ones alone would orphan them."""
 
-    def __init__(self, staged: torch.Tensor, chunk: int) -> None:
-        self.staged, self.chunk = staged, chunk
+    def __init__(self, staged: torch.Tensor, chunk: int, first: int = 0) -> None:
+        self.staged, self.chunk, self.first = staged, chunk, first
 
     def put(self, index: int, dst: torch.Tensor) -> None:
-        dst.copy_(self.staged[:, :, index * self.chunk : (index + 1) * self.chunk])
+        lo = index * self.chunk - self.first
+        if lo < 0:
+            err = PrefixMissingError(
+                f"kvdock lacks chunk {index} (tokens from {index * self.chunk}) of a prefix whose KV was "
+                f"staged from token {self.first} on: nothing stored; the next save copies from there"
+            )
+            err.at = index * self.chunk  # type: ignore[attr-defined]
+            raise err
+        dst.copy_(self.staged[:, :, lo : lo + self.chunk])
 
     def finish(self) -> None:
         pass

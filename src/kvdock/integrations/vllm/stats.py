@@ -1,7 +1,7 @@
 """The connector's numbers in vLLM's own metrics and logs (``get_kv_connector_stats`` on each
 worker, aggregated over the workers and reduced by vLLM's logger through
 ``build_kv_connector_stats``): loads (count, tokens, bytes, seconds, failed blocks), saves (count,
-tokens, bytes, seconds, copy-out seconds, dropped because staging was full)."""
+tokens, bytes, seconds, copy-out seconds and bytes, dropped because staging was full)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class KvdockStats(KVConnectorStats):
             "kvdock save MB": round(d["save_bytes"] / 1e6, 3),
             "kvdock save s": round(d["save_s"], 4),
             "kvdock copy-out s": round(d["copy_s"], 4),
+            "kvdock copy-out MB": round(d["copy_bytes"] / 1e6, 3),
             "kvdock dropped saves": int(d["saves_dropped"]),
         }
 

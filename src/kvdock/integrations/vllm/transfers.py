@@ -18,6 +18,15 @@ Staging is bounded (``kvdock.save_buffer_mb``): a save that does not fit is drop
 (a later miss), never queued without bound and never waited for. KV computed over a failed load is
 not the copier's business: the worker never submits it.
 
+Only new chunks are copied: a save names the request's whole prefix, but the copier copies only
+its blocks from ``SaveSpec.first`` (what the request's earlier saves or its load put in kvdock),
+lowered to what this worker actually staged of the request (``_covered``: a save dropped, cut,
+cancelled or that failed to copy leaves a gap, and the next save copies from there). The store
+still names the whole prefix, so the server allocates slots for every chunk it lacks; if one lies
+before the staged bytes (evicted meanwhile, an earlier store failed), the store writes nothing
+(:class:`~kvdock.errors.PrefixMissingError`: never an orphan chunk, never other bytes) and the
+request's next save copies from that chunk on. Under chunked prefill each chunk is copied once.
+
 Threads: :meth:`save`, :meth:`load`, :meth:`load_now`, :meth:`delay`, :meth:`preempt`,
 :meth:`finished` and :meth:`take_stats` are called by the model-runner thread; ``Transfers``'
 own threads do the rest; every shared field is guarded by one condition variable.
@@ -36,13 +45,14 @@ from typing import Any, Protocol
 
 import torch
 
+from kvdock.errors import PrefixMissingError
 from kvdock.integrations.vllm.plan import LoadSpec, SaveSpec
 
 log = logging.getLogger("kvdock.vllm")
 
 STAT_KEYS = (
     "loads", "loaded_tokens", "load_bytes", "load_s", "load_errors",
-    "saves", "saved_tokens", "save_bytes", "save_s", "saves_dropped", "copy_s",
+    "saves", "saved_tokens", "save_bytes", "save_s", "saves_dropped", "copy_s", "copy_bytes",
 )  # fmt: skip
 
 
@@ -57,7 +67,9 @@ class Worker(Protocol):
         """The KV of ``block_ids`` as a host tensor ``[2, L, n * block_size, D]`` (copier thread)."""
 
     def store(self, spec: SaveSpec, staged: torch.Tensor) -> int:
-        """Store ``staged`` (the KV of ``spec``); bytes written (network thread)."""
+        """Store ``staged`` (the KV of ``spec``'s tokens from ``spec.first`` on); bytes written
+        (network thread). PrefixMissingError (nothing written) when kvdock lacks a chunk before
+        ``spec.first``: its ``at`` attribute is that chunk's first token."""
 
     def fetch(self, spec: LoadSpec) -> tuple[set[int], int]:
         """Load ``spec``: the planned blocks it did not fill, and the bytes loaded (network thread)."""
@@ -94,6 +106,11 @@ class Transfers:
         self._busy = 0  # jobs queued or running
         self._bg_loads = 0  # background loads queued or running
         self._stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0.0)
+        # live request -> the end of its tokens whose KV this worker staged for kvdock (or the
+        # scheduler's word for it, until a gap is known): the next save copies from at most there
+        self._covered: dict[str, int] = {}
+        self.copied_bytes = 0  # bytes copied out of vLLM's pages since start (tests, benchmarks)
+        self.copies = 0  # copy-outs done since start
         self._copy_q: queue.Queue[_Save | None] = queue.Queue()
         self._net_q: queue.PriorityQueue[tuple[int, int, _Save | _Load | None]] = queue.PriorityQueue()
         self._seq = itertools.count()
@@ -107,25 +124,33 @@ class Transfers:
     # -- model-runner thread ----------------------------------------------------------------------
 
     def save(self, spec: SaveSpec) -> bool:
-        """Queue ``spec``'s copy-out and store; False (dropped and counted) when staging is full.
-        A save larger than the staging left is cut to its first whole blocks that fit (counted as
-        dropped too): a save names the request's whole prefix, so without the cut a prompt whose
-        KV is larger than ``kvdock.save_buffer_mb`` (2048 tokens of an 8B model by default) would
-        never be saved at all; its head is still a hit (the store keeps whole chunks of it)."""
-        nbytes = len(spec.tokens) * self.bytes_per_token
+        """Queue ``spec``'s copy-out (its blocks from ``first`` on, see the module) and store;
+        False (dropped and counted) when staging is full. A save larger than the staging left is
+        cut to its first whole blocks that fit (counted as dropped too; the request's next save
+        copies from the cut on), so a prompt whose KV is larger than ``kvdock.save_buffer_mb``
+        (2048 tokens of an 8B model by default) is still saved, its head at least."""
+        rid = spec.req_id
+        bs = len(spec.tokens) // len(spec.block_ids) if spec.block_ids else 0
         with self._cv:
+            first = min(spec.first, self._covered.get(rid, spec.first), len(spec.tokens))
+            first = first // bs * bs if bs else 0  # (whole blocks: the copy is of blocks)
+            if first >= len(spec.tokens):
+                return True  # nothing new (the scheduler plans only new chunks: not reached)
+            spec = replace(spec, first=first)
+            nbytes = (len(spec.tokens) - first) * self.bytes_per_token
             room = self.budget - self._staged
             if nbytes > room:
                 self._stats["saves_dropped"] += 1
-                bs = len(spec.tokens) // len(spec.block_ids) if spec.block_ids else 0
                 keep = room // (bs * self.bytes_per_token) if bs and self.bytes_per_token else 0
                 if not keep:
-                    log.info("kvdock: staging full (%d bytes); the save of %s is dropped", self._staged, spec.req_id)
+                    log.info("kvdock: staging full (%d bytes); the save of %s is dropped", self._staged, rid)
+                    self._covered[rid] = first
                     return False
-                n, rid = len(spec.block_ids), spec.req_id
-                log.info("kvdock: staging has room for %d of the %d blocks of %s's save: cut", keep, n, rid)
-                spec = replace(spec, tokens=spec.tokens[: keep * bs], block_ids=spec.block_ids[:keep])
-                nbytes = len(spec.tokens) * self.bytes_per_token
+                n, end = len(spec.block_ids), first + keep * bs
+                log.info("kvdock: staging has room for %d of the %d new blocks of %s's save: cut", keep, n, rid)
+                spec = replace(spec, tokens=spec.tokens[:end], block_ids=spec.block_ids[: end // bs])
+                nbytes = (end - first) * self.bytes_per_token
+            self._covered[rid] = len(spec.tokens)
             self._staged += nbytes
             self._busy += 1
             self._reading[spec.req_id] = self._reading.get(spec.req_id, 0) + 1
@@ -161,6 +186,12 @@ class Transfers:
             job.done.wait()
         return [job.failed for job in jobs]
 
+    def forget(self, req_ids: set[str]) -> None:
+        """These requests finished: nothing more is saved of them."""
+        with self._cv:
+            for rid in req_ids:
+                self._covered.pop(rid, None)
+
     def delay(self, req_ids: set[str]) -> None:
         """vLLM keeps these finished requests' blocks until :meth:`finished` reports them."""
         with self._cv:
@@ -171,6 +202,9 @@ class Transfers:
         """These requests' blocks are free again: drop their copies not started, wait for those
         in flight (a memory copy, never the network)."""
         with self._cv:
+            for rid in req_ids:  # a copy dropped leaves a gap; after resuming, save from the start
+                if rid in self._covered:
+                    self._covered[rid] = 0
             hit = {r for r in req_ids if self._reading.get(r)}
             if not hit:
                 return
@@ -236,14 +270,21 @@ class Transfers:
             skip = rid in self._cancelled
         start = time.perf_counter()
         staged = None
+        first_block = job.spec.first * len(job.spec.block_ids) // len(job.spec.tokens)
         if not skip:
             try:
-                staged = self.w.copy_out(job.spec.block_ids, job.mark)
+                staged = self.w.copy_out(job.spec.block_ids[first_block:], job.mark)
             except Exception:
                 log.exception("kvdock: copying the KV of %s out of vLLM's pages failed", rid)
         with self._cv:
             if rid in self._cancelled:  # preempted meanwhile: what was read may be another's KV
                 staged = None
+            if staged is None:
+                self._gap(rid, job.spec.first)
+            else:
+                self.copied_bytes += job.nbytes
+                self.copies += 1
+                self._stats["copy_bytes"] += job.nbytes
             left = self._reading[rid] - 1
             if left:
                 self._reading[rid] = left
@@ -265,8 +306,13 @@ class Transfers:
         start = time.perf_counter()
         if isinstance(job, _Save):
             assert job.staged is not None
+            written = 0
             try:
                 written = self.w.store(job.spec, job.staged)
+            except PrefixMissingError as e:  # nothing written; the next save copies from the gap
+                log.info("kvdock: %s", e)
+                with self._cv:
+                    self._gap(job.spec.req_id, int(getattr(e, "at", 0)))
             finally:
                 job.staged = None
                 with self._cv:
@@ -300,6 +346,12 @@ class Transfers:
                 self._cv.notify_all()
             if job.done is not None:
                 job.done.set()
+
+    def _gap(self, rid: str, at: int) -> None:
+        """(Under the lock.) kvdock lacks ``rid``'s chunk at token ``at`` or will: the request's
+        next save copies from there."""
+        if rid in self._covered:
+            self._covered[rid] = min(self._covered[rid], at)
 
     def _done(self, nbytes: int) -> None:
         with self._cv:

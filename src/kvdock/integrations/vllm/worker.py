@@ -279,7 +279,9 @@ class WorkerSide:
         return _shards_of(ctx, spec.tips) or []
 
     def store(self, spec: SaveSpec, staged: torch.Tensor) -> int:
-        """Store a save's staged KV (network thread); the bytes written."""
+        """Store a save's staged KV (its tokens from ``spec.first`` on; network thread); the
+        bytes written. PrefixMissingError (nothing written) when kvdock lacks a chunk before
+        ``spec.first`` (see :class:`~kvdock.integrations.vllm.sources._Staged`)."""
         link = self.link
         ctx = self._connected() if link is not None else None
         if link is None or ctx is None or not self.placement.writable:
@@ -288,7 +290,7 @@ class WorkerSide:
         end = len(spec.tokens) // chunk * chunk  # whole chunks of the server's chunk size (it may have changed)
         if not end:
             return 0
-        source = _Staged(staged, chunk)
+        source = _Staged(staged, chunk, spec.first)
 
         def store(ctx: kvd.KVCacheContext) -> int:
             # chunks another engine is writing right now are its to store: never wait for them
@@ -339,6 +341,7 @@ class WorkerSide:
             self._poisoned.pop(rid, None)
         if self.transfers is None:
             return None, None
+        self.transfers.forget(finished_req_ids)
         if self._idle:
             self.transfers.wait_loaded(IDLE_WAIT_S)
         sent, recved, errors = self.transfers.finished()

@@ -175,6 +175,24 @@ def test_the_device_copy_out_moves_the_same_bytes_as_the_host_one() -> None:
     assert torch.equal(host[0, 0, 32:64], want)
 
 
+def test_the_device_copy_out_gathers_through_one_bounded_scratch_in_pieces() -> None:
+    """A save larger than the scratch is gathered in pieces through the same buffer, made once:
+    no device allocation per save, and the bytes are the host path's (CPU stand-in)."""
+    g = KVGeometry(2, 2, 32, "float32")
+    pages = [torch.randn(10, 2, 32, 64) for _ in range(2)]
+    codec = codec_for(CodecKey("vllm", "FLASH_ATTN", "LBHNC"), pages, g, 32)
+    block_bytes = 2 * 2 * 32 * 64 * 4
+    dev = DeviceCopyOut(codec, torch.device("cpu"), scratch_bytes=2 * block_bytes + 1)  # two blocks
+    host = HostCopyOut(codec)
+    for ids in ([4, 1, 7, 9, 0], [3], [2, 5, 6, 8, 1, 4]):
+        shape = g.chunk_shape(32 * len(ids))
+        assert torch.equal(dev.copy_out(ids, None, shape), host.copy_out(ids, None, shape))
+    assert dev.allocations == 1 and dev._scratch is not None and dev._scratch.shape == (2, 2, 64, 64)
+    tiny = DeviceCopyOut(codec, torch.device("cpu"), scratch_bytes=1)  # at least one block
+    shape = g.chunk_shape(96)
+    assert torch.equal(tiny.copy_out([4, 1, 7], None, shape), host.copy_out([4, 1, 7], None, shape))
+
+
 def test_the_connector_stats_sum_over_workers_and_reduce_for_vllms_log() -> None:
     from kvdock.integrations.vllm import KvdockConnector
     from kvdock.integrations.vllm.stats import KvdockStats

@@ -14,6 +14,7 @@ Thread: the worker's model-runner thread owns a bridge.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Protocol
 
 import torch
@@ -113,19 +114,34 @@ class HostCopyOut:
         return dst
 
 
+SCRATCH_BYTES = 32 << 20  # DeviceCopyOut's device scratch: a save is gathered through it in pieces
+
+
 class DeviceCopyOut:
     """Copy-out for engine pages on a GPU, off the engine's stream: :meth:`mark` (model-runner
     thread) records an event after the forward pass on the engine's stream; the copier thread makes
     a side stream wait for it, gathers on the device and downloads into pinned host memory there,
     and waits for its own event -- the engine's stream never waits. Built with a CPU device it runs
-    the same steps with host tensors and no streams (how it is unit-tested without a GPU)."""
+    the same steps with host tensors and no streams (how it is unit-tested without a GPU).
 
-    def __init__(self, codec: PagedCodec, device: torch.device) -> None:
+    Device memory is bounded and allocated once: a save is gathered through one scratch buffer of
+    at most ``scratch_bytes`` (whole blocks, at least one) in pieces, each piece downloaded before
+    the next is gathered (the side stream orders them: the download of piece k is queued before the
+    gather of piece k + 1 overwrites the scratch). So the copier never allocates device memory per
+    save -- memory vLLM's own profiling did not see -- and a long save costs a few more kernel
+    launches, not a larger buffer. The pinned host tensor returned is one per save (it is the
+    staging the network thread stores from; torch's caching host allocator reuses freed ones, and
+    ``kvdock.save_buffer_mb`` bounds them all together). One copier thread uses an instance."""
+
+    def __init__(self, codec: PagedCodec, device: torch.device, scratch_bytes: int = SCRATCH_BYTES) -> None:
         self.codec = codec
         self.dtype: torch.dtype = getattr(torch, codec.geometry.dtype)
         self.device = device
         self.cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self.scratch_bytes = scratch_bytes
+        self._scratch: torch.Tensor | None = None  # [2, L, blocks * block_size, D], made at first use
+        self.allocations = 0  # device buffers made (one: the scratch)
 
     def mark(self) -> torch.cuda.Event | None:
         if not self.cuda:
@@ -134,20 +150,34 @@ class DeviceCopyOut:
         event.record()  # on the engine's current stream, after the forward pass
         return event
 
+    def _scratch_for(self, shape: tuple[int, ...], block_size: int) -> tuple[torch.Tensor, int]:
+        """The scratch (made once, of whole blocks) and how many blocks it holds."""
+        per_block = shape[0] * shape[1] * block_size * shape[3] * self.dtype.itemsize
+        blocks = max(1, self.scratch_bytes // per_block)
+        if self._scratch is None:
+            scratch_shape = (shape[0], shape[1], blocks * block_size, shape[3])
+            self._scratch = torch.empty(scratch_shape, dtype=self.dtype, device=self.device)
+            self.allocations += 1
+        return self._scratch, self._scratch.shape[2] // block_size
+
     def copy_out(self, block_ids: list[int], mark: torch.cuda.Event | None, shape: tuple[int, ...]) -> torch.Tensor:
         host = torch.empty(shape, dtype=self.dtype, pin_memory=self.cuda)
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        if self._stream is None:
-            dev = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self.codec.gather(ids.to(self.device), dev)
-            host.copy_(dev)
+        if not block_ids:
             return host
-        with torch.cuda.stream(self._stream):
-            if mark is not None:
+        bs = shape[2] // len(block_ids)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+            if self._stream is not None and mark is not None:
                 self._stream.wait_event(mark)
-            dev = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self.codec.gather(ids.to(self.device, non_blocking=True), dev)
-            host.copy_(dev, non_blocking=True)
+            scratch, per = self._scratch_for(shape, bs)
+            for i in range(0, len(block_ids), per):
+                part = ids[i : i + per]
+                n = len(part) * bs
+                dev = scratch[:, :, :n]
+                self.codec.gather(part.to(self.device, non_blocking=True), dev)
+                host[:, :, i * bs : i * bs + n].copy_(dev, non_blocking=self.cuda)
+            if self._stream is None:
+                return host
             done = torch.cuda.Event()
             done.record(self._stream)
         done.synchronize()  # this thread waits, never the engine's stream

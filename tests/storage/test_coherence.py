@@ -4,6 +4,7 @@ fenced write-downs, invalidated L1 copies, the vouching bound on an injected clo
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from kvdock.errors import WriteFenced
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
 from kvdock.storage.coherence import (
+    DELETE_SCRIPT,
     STREAM_KEY,
     Coherence,
     Fence,
@@ -29,6 +31,7 @@ from kvdock.storage.coherence import (
     save_position,
 )
 from tierworld import CHUNK, GEO, SHAPE, World, payload, until
+from tierworld import NB as CHUNK_NB
 from tierworld import K as WK
 
 A, B = WK(1), WK(2)
@@ -349,23 +352,28 @@ def test_an_overwrites_reservations_are_never_superseded(tmp_path: Path, redis_s
     """Regression (the soak): a poll that applied the overwrite's own entry before ``publish`` had
     marked it as this server's (the replica WAIT in between) superseded the overwrite's own
     reservations, and its commit stored nothing. An overwrite's reservations are the new version
-    whatever entries come meanwhile (of two overwrites, the later second entry wins everywhere)."""
+    whatever of its own entries come meanwhile; of two overwrites, the later second entry wins
+    everywhere (here host 1's: host 2's came first)."""
 
     async def main() -> None:
         host1, host2 = hosts(tmp_path, redis_server)
         try:
             await host1.sync()
             await host2.sync()
+            gate = host1.block("l3")  # host 1's deletions wait: its entries come after host 2's
             plan = host1.mgr.prepare_store("c", "s", [A, B], 3840, overwrite=True)
             for i, obj in plan.slots:
                 host1.l1.view(obj)[:] = payload([A, B][i], 3)
             assert await host2.store_async([A], version=1, overwrite=True) == 1  # entries host 1 sees first
+            gate.set()
+            assert await host1.mgr.wait_deletes("c", "s")
             assert host1.coherence is not None
             host1.coherence.own.clear()  # as if its own entries were not marked yet
             await host1.sync()
-            assert await host1.mgr.wait_deletes("c", "s")
             assert host1.mgr.commit_store("c", "s", [0, 1]) == 2
             assert host1.l1_bytes(A) == payload(A, 3)
+            await host2.sync()
+            assert host2.l1.get(A) is None  # its version, replaced by host 1's later one
         finally:
             close(host1, host2)
 
@@ -458,3 +466,78 @@ def test_the_first_poll_after_an_outage_calls_recovered_once(redis_server: Redis
             raw.close()
 
     asyncio.run(main())
+
+
+def _l3_bytes(host: World, key: ObjectKey) -> bytes | None:
+    assert host.redis is not None
+    out = memoryview(bytearray(CHUNK_NB))
+    return bytes(out) if host.redis.read_into(key, out, GEO, CHUNK) is not None else None
+
+
+def test_an_overwrites_second_step_deletes_what_an_earlier_one_wrote_meanwhile(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """R-LANE follow-up: host 2's overwrite ran entirely between host 1's two steps (E1a < E1b <
+    E2b < E2a), and host 2 wrote its version to L3 past its floor E2b. Host 1's E2a is the later:
+    its version is what every server keeps. Its second step only raised the floor, so L3 served
+    host 2's version after host 1 acknowledged, until host 1's own write-down landed (for ever if
+    that one failed). The second step deletes too."""
+
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        assert host1.redis is not None
+        entered, go = threading.Event(), threading.Event()
+        real_floor = host1.redis._floor
+        calls: list[int] = []
+
+        def floor(final: bytes, position: int) -> None:
+            real_floor(final, position)
+            calls.append(position)
+            if len(calls) == 1:  # between host 1's E1 step and its E2
+                entered.set()
+                go.wait(20)
+
+        host1.redis._floor = floor  # type: ignore[method-assign]
+        try:
+            await host1.sync()
+            await host2.sync()
+            plan = host1.mgr.prepare_store("c", "o", [A], CHUNK_NB, overwrite=True)
+            host1.l1.view(plan.slots[0][1])[:] = payload(A, 3)
+            deletes = asyncio.create_task(host1.mgr.wait_deletes("c", "o"))
+            await until(entered.is_set)
+            assert await host2.store_async([A], version=1, overwrite=True) == 1
+            await host2.drain()
+            assert _l3_bytes(host2, A) == payload(A, 1)  # written past its own floor E2b
+            go.set()
+            assert await deletes
+            assert len(calls) == 2 and calls[1] > calls[0]
+            assert _l3_bytes(host1, A) is None  # host 1's E2a came later: host 2's version is gone
+            assert host1.mgr.commit_store("c", "o", [0]) == 1
+            await host1.drain()
+            await host2.sync()
+            assert host2.l1.get(A) is None  # E2a > its epoch E2b
+            assert _l3_bytes(host1, A) == payload(A, 3) and host1.l1_bytes(A) == payload(A, 3)
+        finally:
+            go.set()
+            close(host1, host2)
+
+    asyncio.run(main())
+
+
+def test_a_late_step_of_an_earlier_overwrite_never_deletes_a_later_ones_value(redis_server: RedisProc) -> None:
+    """The floor script deletes only when it raises the floor: a value written past a later floor
+    (another overwrite's later entry) is that overwrite's version and stays."""
+    raw = redis_py.Redis.from_url(redis_server.url)
+    try:
+        value, floor = b"kvdock:test:value", b"kvdock:test:floor"
+        raw.set(value, b"v-later")
+        raw.set(floor, pos_text(pos_int("200-0")))
+        assert raw.eval(DELETE_SCRIPT, 2, value, floor, "100-0", "1") == 0  # earlier: nothing happens
+        assert raw.get(value) == b"v-later" and raw.get(floor) == b"200-0"
+        assert raw.eval(DELETE_SCRIPT, 2, value, floor, "300-0", "1") == 1  # later: raises and deletes
+        assert raw.get(value) is None and raw.get(floor) == b"300-0"
+        raw.set(floor, b"garbage")  # not a position: replaced, the value deleted
+        raw.set(value, b"v")
+        assert raw.eval(DELETE_SCRIPT, 2, value, floor, "50-0", "1") == 1 and raw.get(floor) == b"50-0"
+    finally:
+        raw.close()

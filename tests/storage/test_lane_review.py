@@ -308,18 +308,13 @@ def test_a_deletion_stays_behind_a_clear_queued_before_it(tmp_path: Path) -> Non
     run(tmp_path, body)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-LANE: an invalidation from another host applied after this host's own later "
-    "overwrite of the key queues an L2 deletion that cancels (queued) or deletes (written) the own, "
-    "NEWER version: acknowledged data silently gone from L2 (a miss, L1/L3 keep it; pre-existing "
-    "outcome, the cancel's 'all of older versions' does not hold here). Fix: apply_invalidations "
-    "skips the L2 deletion of keys whose L1 object/reservation has epoch >= the entry, and "
-    "TierLane.delete takes the entry's position and cancels only writes with obj.epoch < it",
-)
 def test_an_earlier_invalidation_applied_late_keeps_the_hosts_newer_overwrite_in_l2(
     tmp_path: Path, redis_server: RedisProc
 ) -> None:
+    """Was a strict xfail (R-LANE): host 2's earlier entries, applied by host 1 after its own
+    later overwrite was committed, queued an L2 deletion that cancelled (or deleted) host 1's
+    newer version. apply_invalidations now skips L2 for a key whose L1 object is newer."""
+
     async def main() -> None:
         host1 = World(tmp_path / "h1", redis_url=redis_server.url, disk=True, coherent=True)
         host2 = World(tmp_path / "h2", redis_url=redis_server.url, disk=False, coherent=True)
@@ -344,7 +339,7 @@ def test_an_earlier_invalidation_applied_late_keeps_the_hosts_newer_overwrite_in
             await host1.drain()
             assert host1.l1_bytes(K(1)) == payload(K(1), 2)  # L1 keeps the newer version (sound)
             assert redis_bytes(host1, K(1)) == payload(K(1), 2)  # so does L3 (sound)
-            assert host1.lanes["l2"].writes_cancelled == 1  # the deletion cancelled v2's queued write
+            assert host1.lanes["l2"].writes_cancelled == 0  # no deletion: v2's queued write ran
             assert disk_bytes(host1, K(1)) == payload(K(1), 2), "host 1's acknowledged overwrite left its L2"
         finally:
             host1.mgr.close()
@@ -371,19 +366,11 @@ def test_cancelled_write_downs_show_in_status(tmp_path: Path) -> None:
     run(tmp_path, body)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-LANE (coherence, lead's files): of two overlapping overwrites of one key on two hosts, "
-    "the one prepared first and committed last keeps its version in its L1 AND in L3 (its "
-    "reservations are never superseded, and its commit takes the position it applied meanwhile as "
-    "epoch, which passes the other's floor), while the other host keeps its own version in L1 "
-    "(its epoch, the later E2, beats the first's entries): after both acknowledged and both "
-    "synced, host 2 serves a version host 1's later-acknowledged overwrite replaced. Fix: an "
-    "overwrite's epoch is its own E2 (not max with the applied position), and an overwrite "
-    "reservation is superseded by another host's entry whose position is above its own E2 "
-    "(not by its own entries: coh.is_own / positions below its E2)",
-)
 def test_two_overlapping_overwrites_on_two_hosts_agree_on_one_version(tmp_path: Path, redis_server: RedisProc) -> None:
+    """Was a strict xfail (R-LANE): host 1's overwrite, committed after it applied host 2's later
+    entries, took them as its epoch: both hosts kept their own version, L3 host 1's. An
+    overwrite's epoch is its own E2 now, and one that saw another's later entry is not committed."""
+
     async def main() -> None:
         host1 = World(tmp_path / "h1", redis_url=redis_server.url, disk=False, coherent=True)
         host2 = World(tmp_path / "h2", redis_url=redis_server.url, disk=False, coherent=True)
@@ -396,7 +383,7 @@ def test_two_overlapping_overwrites_on_two_hosts_agree_on_one_version(tmp_path: 
             # host 2's overwrite of the key, prepared and acknowledged meanwhile: E1b, E2b (later)
             assert await host2.store_async([K(1)], version=1, overwrite=True) == 1
             await host1.sync()  # host 1 applies host 2's entries while its overwrite is in progress
-            assert host1.mgr.commit_store("c", "o", [0]) == 1  # acknowledged, after host 2's
+            assert host1.mgr.commit_store("c", "o", [0]) == 0  # ordered before host 2's (E2a < E2b)
             await host1.drain()
             await host2.drain()
             host1.now += 1.0
@@ -412,6 +399,7 @@ def test_two_overlapping_overwrites_on_two_hosts_agree_on_one_version(tmp_path: 
                 n: (None if b is None else [v for v in (1, 3) if b == payload(K(1), v)]) for n, b in served.items()
             }
             assert len({b for b in served.values() if b is not None}) <= 1, f"the fleet serves two versions: {versions}"
+            assert served == {"host1 L1": None, "host2 L1": payload(K(1), 1), "L3": payload(K(1), 1)}, versions
         finally:
             host1.mgr.close()
             host2.mgr.close()

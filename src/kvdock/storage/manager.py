@@ -313,15 +313,18 @@ class StorageManager:
                 ErrorCode.TIER_UNAVAILABLE,
             )
         committed = set(indexes)
-        # an overwrite's versions carry its own invalidation's position; others what is applied
-        epoch = max([self._epoch()] + [d.result() or 0 for d in session.deletes])
+        # an overwrite's versions carry its own invalidation's position (E2: of two concurrent
+        # overwrites of a key, the later E2 is what every L1 and L3 keep), never a later one it
+        # applied meanwhile (R-LANE: that let both hosts keep their own); others what is applied
+        e2 = max([d.result() or 0 for d in session.deletes], default=0)
+        epoch = e2 if session.overwrite and e2 else max(self._epoch(), e2)
         if session.overwrite:  # chunks reserved but not committed must not keep their old version
             for i, obj in session.reserved.items():
                 if i not in committed:
                     self.l1.remove(obj.key)
         out = []
         for i, obj in zip(indexes, objs, strict=True):
-            if obj.epoch == SUPERSEDED:  # an overwrite elsewhere came after it was prepared: ordered before it
+            if obj.epoch == SUPERSEDED or obj.seen > epoch:  # an overwrite elsewhere came after: ordered before it
                 self.l1.abort(obj)
             else:
                 obj.epoch = epoch

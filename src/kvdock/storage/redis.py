@@ -319,10 +319,12 @@ class RedisTier(StorageTier):
     def delete_keys(self, keys: list[ObjectKey]) -> int:
         """An overwrite's deletions. With the fleet's :class:`Coherence`: append an invalidation
         of ``keys`` (E1), delete each while raising its floor to E1 (so that no write issued
-        before its server learned of E1 lands after), append the invalidation again (E2) and raise
-        the floors to E2 (of two concurrent overwrites of a key, the one whose E2 comes later is
-        what L3 keeps, as every L1 does), and return E2 (the epoch of the new versions). On a
-        cluster each step WAITs for a replica (_redisclient.run_waited)."""
+        before its server learned of E1 lands after), append the invalidation again (E2), and
+        delete each again while raising the floors to E2 (of two concurrent overwrites of a key,
+        the one whose E2 comes later is what L3 keeps, as every L1 does: a version the other
+        wrote between our E1 and E2 goes too, or L3 would serve it once we acknowledged, until
+        our own write-down lands), and return E2 (the epoch of the new versions). On a cluster
+        each step WAITs for a replica (_redisclient.run_waited)."""
         if self.coherence is None:
             for key in keys:
                 self.delete(key)
@@ -330,21 +332,21 @@ class RedisTier(StorageTier):
         run = functools.partial(run_waited, self._redis) if self.cluster else None
         first = self.coherence.publish(keys, run)
         for key in keys:
-            self._floor(self._key(key), first, delete=True)
+            self._floor(self._key(key), first)
         second = self.coherence.publish(keys, run)
         for key in keys:
-            self._floor(self._key(key), second, delete=False)
+            self._floor(self._key(key), second)
         return second
 
-    def _floor(self, final: bytes, floor: int, delete: bool) -> None:
-        args = (DELETE_SCRIPT, 2, final, floor_key(final), coherence.pos_text(floor), "1" if delete else "0")
+    def _floor(self, final: bytes, floor: int) -> None:
+        """Delete ``final`` and raise its floor to ``floor`` (one script)."""
+        args = (DELETE_SCRIPT, 2, final, floor_key(final), coherence.pos_text(floor), "1")
         if self.cluster:
             run_waited(self._redis, final, *args)
         else:
             self._redis.eval(*args)
-        if delete:
-            with self._lock:
-                self._forget(final)
+        with self._lock:
+            self._forget(final)
 
     def clear(self) -> int:
         return 0  # shared by other servers: never cleared from here

@@ -67,9 +67,10 @@ def test_dedup_overwrite_and_prefix(tctx: kvd.KVCacheContext) -> None:
     assert out is not None and torch.equal(out, kv2)
     assert kvd.lookup(tctx, longer) == 3 * CHUNK
     # extending the prefix stores only the new chunks; the prefix is an overwrite's (an edit): only
-    # KV computed over that very prefix extends it, so the store names its tips (``over``)
+    # KV computed over that very prefix extends it (its bytes, or a store naming its tips: ``over``)
     kv_long = torch.cat([kv2, make_kv(2 * CHUNK, tctx.dtype, seed=5)], dim=2)
-    r = kvd.store_chunks(tctx, kv_long, longer)
+    over_kv1 = torch.cat([kv1, kv_long[:, :, 3 * CHUNK :]], dim=2)  # computed over the overwritten bytes
+    r = kvd.store_chunks(tctx, over_kv1, longer)
     assert (r.stored_chunks, r.deduped_chunks, r.diverged_chunks) == (0, 3, 2)
     r = kvd.store_chunks(tctx, kv_long, longer, over=lookup_tips(tctx, tokens).versions)
     assert (r.stored_chunks, r.deduped_chunks) == (2, 3)

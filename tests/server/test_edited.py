@@ -55,14 +55,17 @@ def clear_l1(srv) -> None:
     urllib.request.urlopen(urllib.request.Request(srv.http_url + "/admin/clear?tier=l1", method="POST")).read()
 
 
-def test_only_an_overwrite_marks_its_versions_edited(make_server) -> None:
+def test_an_overwrite_and_a_users_store_mark_their_versions_edited_an_engines_not(make_server) -> None:
     srv = make_server()
     tokens = make_tokens(2 * CHUNK)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
-        assert kvd.store(c, make_kv(2 * CHUNK, seed=1), tokens)
+        assert kvd.store(c, make_kv(2 * CHUNK, seed=1), tokens, edited=False)  # an engine's own KV
         assert edited_by_tier(c, tokens) == [{"l1": False}, {"l1": False}]
         assert kvd.store(c, make_kv(2 * CHUNK, seed=2), tokens, overwrite=True)
         assert edited_by_tier(c, tokens) == [{"l1": True}, {"l1": True}]
+        users = make_tokens(2 * CHUNK, start=900)
+        assert kvd.store(c, make_kv(2 * CHUNK, seed=3), users)  # the SDK's default: a user's KV
+        assert edited_by_tier(c, users) == [{"l1": True}, {"l1": True}]
 
 
 def test_a_store_extends_an_edited_prefix_only_over_its_tip(make_server) -> None:
@@ -80,21 +83,21 @@ def test_a_store_extends_an_edited_prefix_only_over_its_tip(make_server) -> None
         loaded, tips = load_tips(c, tokens)  # an engine loads the edit, computes chunk 2 over it
         assert torch.equal(loaded, edit)
         mine = torch.cat([loaded, make_kv(3 * CHUNK, seed=3)[:, :, 2 * CHUNK :]], dim=2)
-        assert kvd.store_chunks(c, mine, tokens, over=tips) == kvd.StoreResult(1, 2, 0, 0, 0)
+        assert kvd.store_chunks(c, mine, tokens, over=tips, edited=False) == kvd.StoreResult(1, 2, 0, 0, 0)
         assert chunks_equal(kvd.retrieve(c, tokens), mine)
 
         # the same engine saves more of the prompt later (chunked prefill): the run grew by its
         # own unedited chunk 2, and the tips of what it loaded still vouch (no edit after them)
         longer = make_tokens(4 * CHUNK)
         four = torch.cat([mine, make_kv(4 * CHUNK, seed=4)[:, :, 3 * CHUNK :]], dim=2)
-        assert kvd.store_chunks(c, four, longer, over=tips) == kvd.StoreResult(1, 3, 0, 0, 0)
+        assert kvd.store_chunks(c, four, longer, over=tips, edited=False) == kvd.StoreResult(1, 3, 0, 0, 0)
         assert chunks_equal(kvd.retrieve(c, longer), four)
         assert edited_by_tier(c, longer) == [{"l1": True}, {"l1": True}, {"l1": False}, {"l1": False}]
         # a version before the run's last edit does not: chunk 1 (edited) was not computed over
         first = lookup_tips(c, longer[:CHUNK]).versions
         five = make_tokens(5 * CHUNK)
         kv5 = torch.cat([four, make_kv(5 * CHUNK, seed=5)[:, :, 4 * CHUNK :]], dim=2)
-        assert kvd.store_chunks(c, kv5, five, over=first) == kvd.StoreResult(0, 4, 0, 0, 1)
+        assert kvd.store_chunks(c, kv5, five, over=first, edited=False) == kvd.StoreResult(0, 4, 0, 0, 1)
         assert kvd.lookup(c, five) == 4 * CHUNK
         assert kvd.check_server_integrity(c) == []
 
@@ -104,13 +107,13 @@ def test_a_plain_store_over_an_unedited_prefix_is_unchanged(make_server) -> None
     tokens = make_tokens(3 * CHUNK)
     kv = make_kv(3 * CHUNK, seed=5)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
-        assert kvd.store(c, kv[:, :, : 2 * CHUNK], tokens[: 2 * CHUNK])
-        # ``over`` changes nothing over a prefix no overwrite wrote (even one naming no version)
-        assert kvd.store_chunks(c, kv, tokens, over=[12345]) == kvd.StoreResult(1, 2, 0, 0, 0)
+        assert kvd.store(c, kv[:, :, : 2 * CHUNK], tokens[: 2 * CHUNK], edited=False)  # model KV
+        # ``over`` changes nothing over a prefix no edit wrote (even one naming no version)
+        assert kvd.store_chunks(c, kv, tokens, over=[12345], edited=False) == kvd.StoreResult(1, 2, 0, 0, 0)
         assert chunks_equal(kvd.retrieve(c, tokens), kv)
         more = make_tokens(4 * CHUNK)
         kv4 = torch.cat([kv, make_kv(4 * CHUNK, seed=6)[:, :, 3 * CHUNK :]], dim=2)
-        assert kvd.store(c, kv4, more)  # no over at all: dedups and extends as ever
+        assert kvd.store(c, kv4, more, edited=False)  # no over at all: dedups and extends as ever
         assert chunks_equal(kvd.retrieve(c, more), kv4)
 
 
@@ -212,6 +215,7 @@ def test_the_async_store_takes_over_too(make_server) -> None:
     tokens = make_tokens(2 * CHUNK, start=3_000_000)
     edit = make_kv(CHUNK, seed=2)
     kv = torch.cat([edit, make_kv(2 * CHUNK, seed=3)[:, :, CHUNK:]], dim=2)
+    stale = torch.cat([make_kv(CHUNK, seed=1), kv[:, :, CHUNK:]], dim=2)  # computed over the old chunk
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
         assert kvd.store(c, make_kv(CHUNK, seed=1), tokens[:CHUNK])
         assert kvd.store(c, edit, tokens[:CHUNK], overwrite=True)
@@ -220,8 +224,8 @@ def test_the_async_store_takes_over_too(make_server) -> None:
     async def go() -> None:
         a = await aio.connect(srv.url, srv.http_url, MODEL, timeout=10)
         try:
-            assert await aio.store_chunks(a, kv, tokens) == kvd.StoreResult(0, 1, 0, 0, 1)
-            assert await aio.store(a, kv, tokens, over=tips)
+            assert await aio.store_chunks(a, stale, tokens) == kvd.StoreResult(0, 1, 0, 0, 1)
+            assert await aio.store(a, kv, tokens, over=tips, edited=False)
             assert chunks_equal(await aio.retrieve(a, tokens), kv)
         finally:
             await aio.close(a)

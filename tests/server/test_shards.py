@@ -123,9 +123,10 @@ def test_a_missing_shard_is_a_shorter_hit_never_half_a_chunk(contexts, dtype: to
     whole, ranks = contexts
     tokens = make_tokens(4 * CHUNK, start=100)
     kv = kv_of(whole.geometry, 4 * CHUNK, dtype, 3)
-    assert kvd.store(ranks[0], kv[..., :16].contiguous(), tokens)
+    # the ranks' saves of an engine (its model's KV, not a user's edit: edited=False)
+    assert kvd.store(ranks[0], kv[..., :16].contiguous(), tokens, edited=False)
     assert kvd.lookup(whole, tokens) == 0 and kvd.retrieve(whole, tokens) is None  # rank 1 has nothing
-    assert kvd.store(ranks[1], kv[:, :, : 2 * CHUNK, 16:].contiguous(), tokens[: 2 * CHUNK])
+    assert kvd.store(ranks[1], kv[:, :, : 2 * CHUNK, 16:].contiguous(), tokens[: 2 * CHUNK], edited=False)
     assert kvd.lookup(whole, tokens) == 2 * CHUNK
     got = kvd.retrieve(whole, tokens)
     assert got is not None and got.shape == (2, LAYERS, 2 * CHUNK, 32) and torch.equal(got, kv[:, :, : 2 * CHUNK])
@@ -151,7 +152,7 @@ def test_an_overwrite_of_chunks_a_shard_is_writing_writes_no_shard(contexts, dty
     whole, ranks = contexts
     tokens = make_tokens(3 * CHUNK, start=500)
     old, new = (kv_of(whole.geometry, 3 * CHUNK, dtype, s) for s in (6, 7))
-    assert kvd.store(whole, old[:, :, : 2 * CHUNK].contiguous(), tokens[: 2 * CHUNK])
+    assert kvd.store(whole, old[:, :, : 2 * CHUNK].contiguous(), tokens[: 2 * CHUNK], edited=False)  # model KV
     # rank 1 starts a store of its shard of the third chunk and does not commit it yet
     sid = ranks[1].new_session_id()
     prep = ranks[1].call(m.PrepareStore(ranks[1].client_id, sid, raw(tokens), "", False)).reply

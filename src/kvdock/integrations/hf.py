@@ -222,9 +222,12 @@ def save_kv(
     over: Sequence[int] | None = None,
 ) -> bool:
     """Store positions ``[0, len(tokens))`` of batch row ``row`` of ``cache`` under ``tokens``.
-    ``over``: when ``cache`` was computed over a prefix loaded from kvdock, that prefix's tips
-    (kvdock.sdk.store's ``over``; :func:`generate` passes them), so the KV may extend a prefix an
-    overwrite edited (without them it never does: it was computed over other bytes).
+    The KV is stored as the model's own (``kvdock.sdk.store(..., edited=False)``: not marked
+    edited). ``over``: when ``cache`` was computed over a prefix loaded from kvdock, that prefix's
+    tips (kvdock.sdk.store's ``over``; :func:`generate` passes them), so the KV may extend a
+    stored prefix holding an edit (an overwrite, an SDK store, a bundle import); without them it
+    does so only when its first tokens are byte-identical to that prefix (else it was computed
+    over other bytes: nothing past the prefix is stored).
 
     ``cache`` is a transformers ``DynamicCache`` of plain layers holding at least ``len(tokens)``
     positions (keys after RoPE, as the model left them). Only whole chunks are stored; returns
@@ -238,7 +241,7 @@ def save_kv(
     kv = hf_codec.cache_to_kv(cache, ctx.geometry, ctx.dtype, len(toks), n, row, ctx.model_name)
     if n == 0:
         return False
-    return kvd.store(ctx, kv, toks[:n], cache_salt, over=over)
+    return kvd.store(ctx, kv, toks[:n], cache_salt, over=over, edited=False)  # the model's own KV
 
 
 def load_kv(

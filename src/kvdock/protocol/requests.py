@@ -109,6 +109,10 @@ class PrepareStore(RequestBase[StorePrepared], frozen=True):
     # whose already-stored leading run holds an edit (an overwrite's version) writes nothing past
     # that run unless this names the run's tip (StorePrepared.diverged counts what it left).
     over: list[int] | None = None
+    # the KV is not what the model computes for these tokens (a user's: the SDK's store, a bundle
+    # import): a plain store's new versions then carry the EDITED bit, as an overwrite's do, so
+    # that KV computed over other bytes never extends them (above). Engines' saves say False.
+    edited: bool = False
 
 
 class CommitStore(RequestBase[StoreCommitted], frozen=True):

@@ -6,6 +6,7 @@ the transfer (shared memory with a watch of the server, or inline frames). Used 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -205,6 +206,25 @@ def register(conn: Connection, model_name: str, kv_rank: int | None = None, toke
         shards=shards,
         shm_name=desc.shm_name,
     )
+
+
+def register_again(conn: Connection, old: Registration, url: str, token: str = "") -> Registration:
+    """A context's registration after the server at ``url`` restarted: ``old``'s model and rank
+    registered again, keeping ``old``'s layout (what the context's KV was checked against).
+    KVCacheSDKError when the server now serves another layout or model (:func:`refusal`): the
+    new registration is then released (its pool unmapped, the server told)."""
+    reg = register(conn, old.model_name, old.kv_rank, token)
+    refused = refusal(old, reg, url)
+    if refused:
+        release(conn, reg)
+        raise KVCacheSDKError(refused)
+    return dataclasses.replace(reg, layout=old.layout)
+
+
+def release(conn: Connection, reg: Registration) -> None:
+    """Give up ``reg``, which the server registered: unmap its pool, tell the server it is gone."""
+    reg.transfer.close()
+    conn.send_nowait(m.CloseClient(reg.client_id))
 
 
 def watch_creator(conn: Connection, segment: PoolSegment) -> PeerWatch | None:

@@ -113,8 +113,13 @@ def cache_salts(value: object, count: int) -> list[str]:
 
 
 def overwrite(value: object) -> bool:
+    return flag("overwrite", value)
+
+
+def flag(name: str, value: object) -> bool:
+    """``value`` as a bool (a bool or numpy bool only); InvalidInputError naming ``name`` otherwise."""
     if not isinstance(value, (bool, np.bool_)):
-        raise InvalidInputError(f"overwrite must be True or False, got {type(value).__name__} {value!r:.40}")
+        raise InvalidInputError(f"{name} must be True or False, got {type(value).__name__} {value!r:.40}")
     return bool(value)
 
 

@@ -281,7 +281,12 @@ def import_bundle(
     bundle's), whole chunks of ``ctx``'s chunk size. The bundle must have ``ctx``'s geometry and
     -- unless ``allow_other_model`` (same geometry, other name: the caller vouches for the
     weights) -- its model name. InvalidInputError before anything is stored when a check fails;
-    otherwise what :func:`store_chunks` raises."""
+    otherwise what :func:`store_chunks` raises.
+
+    The chunks are stored as :func:`store` stores a user's KV: marked edited (a bundle's bytes
+    need not be what the model computes here), so an engine's save of the same tokens computed
+    over other bytes never extends them; a stored prefix holding an edit is extended only when
+    the bundle's bytes for it are identical (otherwise ``stored.diverged_chunks``)."""
     b = bundle if isinstance(bundle, Bundle) else read_bundle(bundle)
     m = b.manifest
     if m.geometry != ctx.geometry:
@@ -293,5 +298,7 @@ def import_bundle(
         )
     whole = len(b.tokens) // ctx.chunk_size * ctx.chunk_size
     salt = m.cache_salt if cache_salt is None else cache_salt
-    stored = store_chunks(ctx, b.kv[:, :, :whole], b.tokens[:whole], salt, overwrite) if whole else StoreResult(0, 0, 0)
+    stored = StoreResult(0, 0, 0)
+    if whole:
+        stored = store_chunks(ctx, b.kv[:, :, :whole], b.tokens[:whole], salt, overwrite, edited=True)
     return ImportResult(m, whole, len(b.tokens) - whole, stored)

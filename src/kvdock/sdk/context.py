@@ -9,7 +9,6 @@ what an application reads of it are its properties."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -30,7 +29,7 @@ from kvdock.sdk import _validate as validate
 from kvdock.sdk._connection import Connection, KeyPath, open_connection
 from kvdock.sdk._fastpath import Reporter
 from kvdock.sdk._guard import Held, Holding
-from kvdock.sdk._handshake import Registration, refusal, register, rewatch
+from kvdock.sdk._handshake import Registration, register, register_again, release, rewatch
 from kvdock.sdk._transfer import Transfer
 from kvdock.transport.client import Response
 
@@ -227,19 +226,14 @@ class KVCacheContext:
     def _reconnect(self) -> None:
         """Register again (the server restarted): the new registration replaces the current one
         whole, if it is of the same layout and model (KVCacheSDKError otherwise)."""
-        old = self._ref.reg
-        reg = register(self._conn, old.model_name, old.kv_rank, self.token)
-        refused = refusal(old, reg, self.url)
-        # the layout stays the first registration's (what the context's KV was checked against)
-        reg = dataclasses.replace(reg, layout=old.layout)
+        reg = register_again(self._conn, self._ref.reg, self.url, self.token)
         with self._refs:
             closed = self._closed
-            if not closed and not refused:
+            if not closed:
                 self._retire(Held(reg))
-        if closed or refused:  # not wanted: close() ran meanwhile, or another model is there now
-            reg.transfer.close()
-            self._conn.send_nowait(m.CloseClient(reg.client_id))  # the server registered it already
-            raise KVCacheSDKError(refused or "this KVCacheContext is closed")
+        if closed:  # not wanted: close() ran meanwhile (the server registered it already)
+            release(self._conn, reg)
+            raise KVCacheSDKError("this KVCacheContext is closed")
         log.info("server %s restarted; registered again", self.url)
 
     def notify(self, msg: msgspec.Struct) -> None:

@@ -13,6 +13,7 @@ import torch
 from kvdock.errors import InvalidInputError, KVDockError, PoolFullError, StoreConflictError
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
+from kvdock.sdk import _edits as edits
 from kvdock.sdk import _fastpath as fastpath
 from kvdock.sdk import _retry
 from kvdock.sdk import _validate as validate
@@ -47,9 +48,10 @@ def store_chunks(
     overwrite: bool = False,
     *,
     over: Sequence[int] | None = None,
+    edited: bool = True,
 ) -> StoreResult:
-    """Like :func:`store` (``over`` too), returning the per-chunk outcome. Raises PoolFullError
-    only when no new chunk could be stored for lack of room.
+    """Like :func:`store` (``over`` and ``edited`` too), returning the per-chunk outcome. Raises
+    PoolFullError only when no new chunk could be stored for lack of room.
 
     Chunks that another client is writing at that moment are neither written nor counted as
     deduped: the store waits (up to ``CONFLICT_WAIT_S``) for that write to finish and asks again,
@@ -58,7 +60,8 @@ def store_chunks(
     arr = validate.tokens(tokens)
     kv_t = validate.kv(ctx, kv, len(arr))
     source = TensorChunks(kv_t, ctx.chunk_size)
-    return _store(ctx, shards_of(ctx, source), arr[: kv_t.shape[2]], cache_salt, overwrite, over=over)
+    arr = arr[: kv_t.shape[2]]
+    return _store(ctx, shards_of(ctx, source), arr, cache_salt, overwrite, over=over, edited=edited, kv=kv_t)
 
 
 def store_from(
@@ -70,15 +73,22 @@ def store_from(
     conflict_wait_s: float = CONFLICT_WAIT_S,
     *,
     over: Sequence[int] | None = None,
+    edited: bool = False,
 ) -> StoreResult:
     """Like :func:`store_chunks` (``over`` too), with the KV coming from ``source``: ``source.put(i, slot)`` is
     asked for chunk ``i`` of ``tokens`` (whole chunks only) straight into the shared-memory slot
     it goes to -- only for chunks the server does not already hold. This is the engines' seam
     (their paged KV goes to kvdock in one copy); the SDK cannot check what ``source`` writes.
     ``conflict_wait_s``: how long to wait for chunks another client is writing (an engine passes 0:
-    a step never waits; those chunks are reported in flight)."""
+    a step never waits; those chunks are reported in flight).
+
+    ``edited`` defaults to False here: an engine's KV is what its model computed for ``tokens``
+    (a source of other bytes, e.g. a user's edit, passes True; see :func:`store`). A store past
+    an edited stored prefix needs ``over`` (never checked against the bytes here, unlike
+    :func:`store_chunks`: the SDK does not read ``source`` back)."""
     ctx = checked(ctx)
-    return _store(ctx, shards_of(ctx, source), validate.tokens(tokens), cache_salt, overwrite, conflict_wait_s, over)
+    arr = validate.tokens(tokens)
+    return _store(ctx, shards_of(ctx, source), arr, cache_salt, overwrite, conflict_wait_s, over, edited)
 
 
 def _store(
@@ -89,22 +99,39 @@ def _store(
     overwrite: bool,
     conflict_wait_s: float = CONFLICT_WAIT_S,
     over: Sequence[int] | None = None,
+    edited: bool = False,
+    kv: torch.Tensor | None = None,
 ) -> StoreResult:
+    """The stores of :func:`store_chunks` (``kv``: its tensor, for the read-back of
+    :func:`kvdock.sdk._edits.vouch`) and :func:`store_from`."""
     cache_salt, overwrite = validate.cache_salt(cache_salt), validate.overwrite(overwrite)
     tips = validate.tips(ctx, over)  # (the same shape as retrieve_into's tips: one per shard)
+    edited = validate.flag("edited", edited)
     arr, cache_salt = keyed(ctx, arr, cache_salt)
     whole = whole_chunks(ctx, arr)
     if not whole:
         return StoreResult(0, 0, 0)
     total = len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size * ctx.shards
     pauses = _retry.conflict_pauses(conflict_wait_s, ctx.timeout)
-    prep, stored = _store_once(ctx, source, whole, cache_salt, overwrite, tips)
-    if prep.in_flight and not overwrite:  # another client is writing some: ask again (_retry)
-        for _ in pauses:
-            prep, n = _store_once(ctx, source, whole, cache_salt, overwrite, tips)
+
+    def attempt(tips: list[int] | None) -> tuple[m.StorePrepared, int]:
+        prep, stored = _store_once(ctx, source, whole, cache_salt, overwrite, tips, edited)
+        if prep.in_flight and not overwrite:  # another client is writing some: ask again (_retry)
+            for _ in pauses:
+                prep, n = _store_once(ctx, source, whole, cache_salt, overwrite, tips, edited)
+                stored += n
+                if not prep.in_flight:
+                    break
+        return prep, stored
+
+    prep, stored = attempt(tips)
+    if prep.diverged and tips is None and kv is not None:
+        # the stored prefix holds an edit: KV of exactly its bytes extends it (sdk._edits)
+        read: edits.Read = lambda w, sink, t: _retrieve_with_retry(ctx, w, cache_salt, sink, tips=t)  # noqa: E731
+        vouched = edits.vouch(ctx, kv, whole, cache_salt, read)
+        if vouched is not None:
+            prep, n = attempt(vouched)
             stored += n
-            if not prep.in_flight:
-                break
     if not stored and prep.pool_full and not prep.slots:
         raise PoolFullError(
             f"the server's L1 pool has no room for {prep.pool_full} chunk(s) of {ctx.model_name!r} "
@@ -123,10 +150,12 @@ def _store_once(
     cache_salt: str,
     overwrite: bool,
     over: list[int] | None = None,
+    edited: bool = False,
 ) -> tuple[m.StorePrepared, int]:
     """One PrepareStore / copy / CommitStore; returns the plan and how many chunks were committed."""
     sid = ctx.new_session_id()
-    prep, _ = prepare(ctx, sid, m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite, over))
+    msg = m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite, over, edited)
+    prep, _ = prepare(ctx, sid, msg)
     if not prep.slots:
         return prep, 0
     cid = ctx._answered_client_id()  # the session's client, even if another thread registers again
@@ -150,6 +179,7 @@ def store(
     overwrite: bool = False,
     *,
     over: Sequence[int] | None = None,
+    edited: bool = True,
 ) -> bool:
     """Store ``kv`` (``[2, L, T, D]``) under the first ``T`` ids of ``tokens``, whole chunks only.
 
@@ -160,15 +190,27 @@ def store(
     Returns True when at least one chunk was newly written, False when every whole chunk was
     already stored (or there is no whole chunk). ``overwrite=True`` replaces stored chunks.
 
-    ``over``: when the KV was computed over a prefix loaded from kvdock, that prefix's tips (the
-    ``versions`` of the :func:`lookup_tips` whose prefix was then loaded, e.g. with
-    ``retrieve_into(..., tips=)``; one per shard ``ctx`` reads). A stored prefix that an overwrite
-    edited is extended only by KV computed over that very prefix: without ``over`` naming its
-    tip, no chunk past it is written (a False return; ``store_chunks`` counts them
-    ``diverged_chunks``), never an error. Over a prefix no overwrite wrote, ``over`` changes nothing.
+    Edits. The chunks this call writes are marked *edited* (``edited=True``, the default): KV a
+    user hands in may be anything (another prompt's KV under these tokens, a changed tensor),
+    not what the model computes for ``tokens``, so an engine that computed these tokens itself
+    never extends it with KV computed over other bytes (its save writes nothing past them). Pass
+    ``edited=False`` only for KV the model computed for exactly ``tokens`` (an engine's own
+    save, e.g. :func:`kvdock.integrations.hf.save_kv`).
+
+    A stored prefix holding an edit (this call's earlier stores, a bundle import, an overwrite)
+    is extended only by KV computed over exactly its bytes. ``over``: when the KV was computed
+    over a prefix loaded from kvdock, that prefix's tips (the ``versions`` of the
+    :func:`lookup_tips` whose prefix was then loaded, e.g. with ``retrieve_into(..., tips=)``;
+    one per shard ``ctx`` reads). Without ``over``, the SDK reads the stored prefix back when it
+    holds an edit and, if ``kv``'s first tokens are byte-identical to it, stores the rest over its
+    tips (so storing P, then P+Q from the same tensor, stores Q). Otherwise -- other bytes, or
+    the prefix overwritten meanwhile, even between that read and the store -- no chunk past it
+    is written (a False return; ``store_chunks`` counts them ``diverged_chunks``), never an
+    error, and the stored prefix keeps its bytes. Over a prefix holding no edit, ``over``
+    changes nothing.
     Raises InvalidInputError (shape, dtype, length, token ids), PoolFullError, StoreConflictError
     (nothing written because another client is still writing those chunks), KVCacheSDKError."""
-    result = store_chunks(ctx, kv, tokens, cache_salt, overwrite, over=over)
+    result = store_chunks(ctx, kv, tokens, cache_salt, overwrite, over=over, edited=edited)
     if not result.stored_chunks and result.in_flight_chunks:
         raise StoreConflictError(
             f"{result.in_flight_chunks} chunk(s) are being written by another client (its store has not "

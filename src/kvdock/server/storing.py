@@ -112,6 +112,7 @@ def _prepare(
                     heads,
                     shards > 1,
                     limit,
+                    req.edited,
                 )
                 plans.append(plan)
     except BaseException:

@@ -137,6 +137,7 @@ class StorageManager:
         below: dict[ObjectKey, Head] | None = None,
         open_empty: bool = False,
         limit: int | None = None,
+        edited: bool = False,
     ) -> StorePlan:
         """Reserve slots for the chunks of ``keys`` that need writing, in order, until the pool is
         full. Chunks already stored are pinned until the commit, so that making room for the new
@@ -148,7 +149,8 @@ class StorageManager:
         are quarantined if its lease runs out. ``below``: heads read from the tiers without an
         index (:meth:`unindexed_heads`), so that a chunk only they hold is deduped too. ``limit``
         (a plain store: storage.plans.write_limit): no chunk from that index on is written, they
-        are counted ``diverged``.
+        are counted ``diverged``. ``edited`` (PrepareStore.edited): a plain store's versions carry
+        the EDITED bit too.
 
         Opens a session when at least one slot is reserved (always with ``open_empty``: one shard
         of a request whose commit must also wait for its deletions); SessionError if the id is in
@@ -197,7 +199,7 @@ class StorageManager:
                 if overwrite:
                     self.l1.remove(key)  # it will not be rewritten: its old version must not stay
             else:
-                obj.version, obj.parent = new_version(overwrite, parent), parent
+                obj.version, obj.parent = new_version(overwrite or edited, parent), parent
                 # what it was decided against: apply supersedes a plain store's reservation older than
                 # an invalidation; an overwrite's is the new version (its epoch is set at the commit)
                 obj.epoch = OVERWRITING if overwrite else self._epoch()

@@ -106,6 +106,7 @@ def test_kv_retrieved_by_the_sdk_and_stored_under_other_tokens_gives_the_sources
     wait_stored(srv, source, 8 * PAGE)
     with kvd.connect(srv.url, srv.http_url, MODEL) as ctx:
         assert ctx.layout.engine.name == "sglang"
+        assert ctx.layout.fingerprint.startswith("sglang-v1:")  # (from SGLang's server arguments)
         kv = kvd.retrieve(ctx, source)
         assert kv is not None and kv.shape == (2, 2, 8 * PAGE, 2 * 16)
         kvd.store(ctx, kv, target, overwrite=True)  # (SGLang stored the target's own KV just now)
@@ -113,3 +114,10 @@ def test_kv_retrieved_by_the_sdk_and_stored_under_other_tokens_gives_the_sources
     got, meta = generate(eng, target + tail)
     assert meta["cached_tokens_details"]["storage"] == 8 * PAGE
     assert got == want
+    # SGLang's continuation of the edit it loaded is stored after it (the backend passes ``over``)
+    longer = target + [(19 * i + 1) % 500 + 1 for i in range(2 * PAGE + 3)]
+    generate(eng, longer)
+    wait_stored(srv, longer, 10 * PAGE)
+    with kvd.connect(srv.url, srv.http_url, MODEL) as ctx:
+        stored = kvd.retrieve(ctx, longer)
+        assert stored is not None and torch.equal(stored[:, :, : 8 * PAGE], kv)

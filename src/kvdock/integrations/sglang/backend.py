@@ -21,6 +21,18 @@ Tensor-parallel ranks load one version of a page or miss, and SGLang's continuat
 it loaded (an SDK edit) are stored: :mod:`.versions` (``tips`` from ``batch_exists`` to
 ``batch_get_v1``, ``over`` from gets to sets).
 
+Salts and tenants: SGLang never tells a storage backend a request's ``cache_salt`` or
+``extra_key`` (0.5.23: ``HiCacheStorageExtraInfo`` carries only ``prefix_keys``; the namespace
+is the seed of the page-hash chain, ``get_storage_hash_str`` → ``storage_namespace_seed``, and a
+hash cannot be undone), so SGLang's namespaces are kept apart by the hashes alone and every page
+of an engine goes under one kvdock salt, ``kvdock.cache_salt`` ("" by default): a tenant's salt
+policy applies per engine (its ``kvdock.token`` and a salt it owns), not per SGLang request.
+The SDK reads such pages with ``ctx.chunk_keys = "kvdock"``, the key tokens
+``kvdock.keying.sglang_tokens(tokens, page_size, cache_salt=sglang_salt)`` and that kvdock salt;
+its plain calls (``retrieve(ctx, tokens, cache_salt)``) read the salt "" ones. The model's
+fingerprint comes from SGLang's server arguments (:mod:`.identity`; ``kvdock.fingerprint``
+overrides it): a name kvdock holds with another fingerprint turns kvdock off for the engine.
+
 Never raises into SGLang (its storage threads treat an exception as fatal): a kvdock failure, a
 server that is down or hung (``kvdock.timeout``), a refused registration, a chunk size other
 than SGLang's page size, context parallelism (``attn_cp_size`` or ``dcp_size`` over 1: its ranks
@@ -44,7 +56,8 @@ import torch
 import kvdock.sdk as kvd
 from kvdock.errors import KVCacheSDKError, PrefixMissingError, UnknownModelError
 from kvdock.integrations.sglang.config import BackendConfig
-from kvdock.integrations.sglang.pools import Flat, HostPages, Pages
+from kvdock.integrations.sglang.identity import model_fingerprint
+from kvdock.integrations.sglang.pools import Flat, HostPages, NoExtraPools, Pages
 from kvdock.integrations.sglang.versions import Loaded, Seen
 from kvdock.keying import KVDOCK, key_tokens
 from kvdock.sharding import place
@@ -57,7 +70,7 @@ except ImportError:  # pragma: no cover - only without SGLang
 log = logging.getLogger("kvdock.sglang")
 
 
-class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
+class KvdockHiCacheStorage(NoExtraPools, _Base):  # type: ignore[misc,valid-type]
     """A HiCache storage backend over a kvdock server (see the module docs)."""
 
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
@@ -104,7 +117,9 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         except Exception:  # pragma: no cover
             version = ""
         ranks = (self.tp_size, self.tp_rank, self.pp_size, self.pp_rank)
-        return self.pages.model_layout(self.config.model_name, version, ranks, self.config.total_kv_heads)
+        cfg = self.config
+        found = cfg.fingerprint if cfg.fingerprint is not None else model_fingerprint()
+        return self.pages.model_layout(cfg.model_name, version, ranks, cfg.total_kv_heads, found)
 
     def _context(self) -> kvd.KVCacheContext | None:
         """The SDK context, connecting (and registering) first if the retry time has come; None
@@ -126,23 +141,26 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     def _connect(self) -> kvd.KVCacheContext:
         cfg, lay = self.config, self._layout()
-        stored = kvd.describe_server(cfg.url, cfg.model_name, cfg.timeout).layout
+        token = cfg.token or None
+        stored = kvd.describe_server(cfg.url, cfg.model_name, cfg.timeout, token=token).layout
         if stored is None:
             try:
-                kvd.register_layout(cfg.url, cfg.http_url, lay, cfg.timeout, cfg.admin_token)
+                kvd.register_layout(cfg.url, cfg.http_url, lay, cfg.timeout, cfg.admin_token, token=token)
                 log.info("kvdock: registered %r at %s", cfg.model_name, cfg.url)
             except kvd.ServerError as e:
                 if getattr(e, "code", "") == "registration":
                     self._off(f"kvdock holds {cfg.model_name!r} as another model: {e}")
                 raise
-            stored = kvd.describe_server(cfg.url, cfg.model_name, cfg.timeout).layout
+            stored = kvd.describe_server(cfg.url, cfg.model_name, cfg.timeout, token=token).layout
             if stored is None:
                 raise UnknownModelError(f"{cfg.model_name!r} is not registered with kvdock at {cfg.url}")
+        if stored.fingerprint and lay.fingerprint and stored.fingerprint != lay.fingerprint:
+            self._off(f"kvdock holds {cfg.model_name!r} as another model (fingerprint {stored.fingerprint})")
         try:
             placed = place(stored.geometry, lay.geometry)
         except ValueError as e:
             self._off(f"kvdock holds {cfg.model_name!r} as another model: {e} (use another kvdock.model_name)")
-        ctx = kvd.connect(cfg.url, cfg.http_url, cfg.model_name, cfg.timeout, kv_rank=placed.kv_rank)
+        ctx = kvd.connect(cfg.url, cfg.http_url, cfg.model_name, cfg.timeout, kv_rank=placed.kv_rank, token=token)
         ctx.chunk_keys = KVDOCK  # type: ignore[attr-defined]  # (this backend sends key tokens itself)
         if ctx.chunk_size != self.pages.page_size:  # type: ignore[union-attr]
             ctx.close(wait_s=0.0)
@@ -205,19 +223,6 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         assert self.pages is not None
         return key_tokens(prefix + list(keys) + (more or []), self.pages.page_size), len(prefix)
 
-    def _starts(self, keys: list[str], host_indices: torch.Tensor) -> list[int]:
-        """The host index of each key's page; ValueError unless ``host_indices`` is one whole
-        page of consecutive slots per key."""
-        assert self.pages is not None
-        P = self.pages.page_size
-        idx = host_indices.detach().to("cpu", torch.int64).reshape(-1)
-        if idx.numel() != len(keys) * P:
-            raise ValueError(f"{idx.numel()} host indices for {len(keys)} pages of {P}")
-        grid = idx.view(len(keys), P)
-        if not torch.equal(grid - grid[:, :1], torch.arange(P).expand(len(keys), P)):
-            raise ValueError("host indices are not whole pages of consecutive slots")
-        return [int(s) for s in grid[:, 0]]
-
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many of ``keys`` (from the first) kvdock holds, consecutively."""
         if not keys:
@@ -227,7 +232,7 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
         def go(ctx: kvd.KVCacheContext) -> int:
             chain, first = self._chain(keys, extra_info)
-            seen = kvd.lookup_tips(ctx, chain)
+            seen = kvd.lookup_tips(ctx, chain, self.config.cache_salt)
             hit = max(0, min(seen.hit_tokens // ctx.chunk_size - first, len(keys)))
             self.seen.note(_prefix(extra_info), keys, hit, seen.versions)
             return hit
@@ -245,14 +250,17 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
         def go(ctx: kvd.KVCacheContext) -> list[bool]:
             assert self.pages is not None
-            starts = self._starts(keys, host_indices)
+            starts = self.pages.starts(len(keys), host_indices)
             vouched = self.seen.vouch(_prefix(extra_info), keys)
             if vouched is None and self.ranks > 1:
                 self.stats["get_unvouched"] += 1
                 return [False] * len(keys)
             chain, first = self._chain(keys, extra_info, vouched.extra if vouched else None)
             tips = vouched.tips if vouched else None
-            hit = kvd.retrieve_into(ctx, chain, Pages(self.pages, starts, first), tips=tips) // ctx.chunk_size
+            hit = (
+                kvd.retrieve_into(ctx, chain, Pages(self.pages, starts, first), self.config.cache_salt, tips=tips)
+                // ctx.chunk_size
+            )
             n = max(0, min(hit - first, len(keys)))
             if vouched is not None:
                 self.stats["get_vouched" if n else "get_stale"] += 1
@@ -276,12 +284,14 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             assert self.pages is not None
             if not self._writable:
                 return [False] * len(keys)
-            starts = self._starts(keys, host_indices)
+            starts = self.pages.starts(len(keys), host_indices)
             chain, first = self._chain(keys, extra_info)
             over = self.loaded.over(_prefix(extra_info), keys)  # (None: SGLang computed the prefix)
             self.stats["set_over_loaded"] += over is not None
             try:
-                r = kvd.store_from(ctx, Pages(self.pages, starts, first), chain, conflict_wait_s=0.0, over=over)
+                r = kvd.store_from(
+                    ctx, Pages(self.pages, starts, first), chain, self.config.cache_salt, conflict_wait_s=0.0, over=over
+                )
             except PrefixMissingError:
                 self.stats["set_prefix_missing"] += 1
                 return [False] * len(keys)
@@ -300,11 +310,11 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         prompts = [key_tokens([k], self.pages.page_size) for k in keys]
         if self.ranks > 1:  # each key's tips, for its get (:mod:`.versions`)
             n = 0
-            while n < len(keys) and (seen := kvd.lookup_tips(ctx, prompts[n])).hit_tokens:
+            while n < len(keys) and (seen := kvd.lookup_tips(ctx, prompts[n], self.config.cache_salt)).hit_tokens:
                 self.seen.note([], keys[n : n + 1], 1, seen.versions)
                 n += 1
             return n
-        hits = kvd.lookup_many(ctx, prompts)
+        hits = kvd.lookup_many(ctx, prompts, self.config.cache_salt)
         n = 0
         while n < len(keys) and hits[n] > 0:
             n += 1
@@ -325,7 +335,7 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
                 return None
             target = target_location if target_location is not None else self.mem_pool_host.get_dummy_flat_data_page()
             chain, tips = key_tokens([key], self.pages.page_size), vouched.tips if vouched else None
-            hit = kvd.retrieve_into(ctx, chain, Flat(self.pages, target), tips=tips)
+            hit = kvd.retrieve_into(ctx, chain, Flat(self.pages, target), self.config.cache_salt, tips=tips)
             return target if hit else None
 
         out = self._run("get", go, None)
@@ -347,7 +357,7 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             if not self._writable or value is None:
                 return False
             chain = key_tokens([key], self.pages.page_size)
-            r = kvd.store_from(ctx, Flat(self.pages, value), chain, conflict_wait_s=0.0)
+            r = kvd.store_from(ctx, Flat(self.pages, value), chain, self.config.cache_salt, conflict_wait_s=0.0)
             self.stats["pages_stored"] += r.stored_chunks
             return bool(r.stored_chunks + r.deduped_chunks)
 
@@ -358,27 +368,6 @@ class KvdockHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
     ) -> bool:
         vals = list(values) if values is not None else [None] * len(keys)
         return all(self.set(k, v) for k, v in zip(keys, vals, strict=False))
-
-    # -- hybrid models' extra pools (Mamba, SWA, DSA): not stored, every page a miss ------------
-
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
-        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
-
-        self._unsupported("batch_exists_v2")
-        return PoolTransferResult.empty()
-
-    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
-        self._unsupported("batch_get_v2")
-        return {t.name: [False] * len(t.keys or []) for t in transfers}
-
-    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
-        self._unsupported("batch_set_v2")
-        return {t.name: [False] * len(t.keys or []) for t in transfers}
-
-    def _unsupported(self, what: str) -> None:
-        self.stats[f"{what}_unsupported"] += 1
-        if self.stats[f"{what}_unsupported"] == 1:
-            log.error("kvdock: %s (a hybrid model's extra pools) is not supported: misses", what)
 
     # -- the rest -------------------------------------------------------------------------------
 

@@ -1,19 +1,23 @@
 """The backend's settings, from SGLang's ``--hicache-storage-backend-extra-config`` JSON.
 
-=======================  ===========================================================  ========================
-key                      meaning                                                      default
-=======================  ===========================================================  ========================
-``kvdock.url``           the server's control plane                                   tcp://127.0.0.1:5555
-``kvdock.http_url``      the server's HTTP                                            http://127.0.0.1:9000
-``kvdock.model_name``    the registered name                                          SGLang's ``model_name``
-``kvdock.timeout``       seconds a kvdock call may take before it is a miss           5
-``kvdock.retry_s``       after a failure, seconds before kvdock is tried again        2
-``kvdock.admin_token``   the server's admin token, if it has one                      ""
-``kvdock.total_kv_heads``  the model's KV heads over all TP ranks (GQA replicated     head_num * tp_size
-                         over more ranks than heads)
-``interface_v1``         SGLang's zero-copy path (``batch_get_v1`` / ``batch_set_v1``);  0 (SGLang's default)
-                         what the SDK reads by token ids (see the package docs)
-=======================  ===========================================================  ========================
+=========================  ==============================================================  =========================
+key                        meaning                                                         default
+=========================  ==============================================================  =========================
+``kvdock.url``             the server's control plane                                      tcp://127.0.0.1:5555
+``kvdock.http_url``        the server's HTTP                                               http://127.0.0.1:9000
+``kvdock.model_name``      the registered name                                             SGLang's ``model_name``
+``kvdock.timeout``         seconds a kvdock call may take before it is a miss              5
+``kvdock.retry_s``         after a failure, seconds before kvdock is tried again           2
+``kvdock.admin_token``     the server's admin token, if it has one                         ""
+``kvdock.token``           the bearer token of the engine's tenant (``--tenants``)         ""
+``kvdock.cache_salt``      the kvdock salt SGLang's pages are filed under (one the         ""
+                           tenant owns; SGLang's own salts stay in its page hashes)
+``kvdock.fingerprint``     the model's fingerprint (``ModelLayout.fingerprint``)           from SGLang's server args
+``kvdock.total_kv_heads``  the model's KV heads over all TP ranks (GQA replicated          head_num * tp_size
+                           over more ranks than heads)
+``interface_v1``           SGLang's zero-copy path (``batch_get_v1`` / ``batch_set_v1``);  0 (SGLang's default)
+                           what the SDK reads by token ids (see the package docs)
+=========================  ==============================================================  =========================
 
 ``backend_name``, ``module_path``, ``class_name`` are SGLang's own (the ``dynamic`` backend).
 """
@@ -39,6 +43,9 @@ class BackendConfig:
     admin_token: str = ""
     total_kv_heads: int = 0
     interface_v1: bool = False
+    token: str = ""
+    cache_salt: str = ""
+    fingerprint: str | None = None  # None: computed from SGLang's server args (.identity)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, model_name: str | None) -> BackendConfig:
@@ -57,6 +64,9 @@ class BackendConfig:
             admin_token=_str(extra, "kvdock.admin_token", "", empty=True),
             total_kv_heads=int(_num(extra, "kvdock.total_kv_heads", 0, zero=True, integer=True)),
             interface_v1=bool(extra.get("interface_v1", 0)),
+            token=_str(extra, "kvdock.token", "", empty=True),
+            cache_salt=_str(extra, "kvdock.cache_salt", "", empty=True),
+            fingerprint=_str(extra, "kvdock.fingerprint", "", empty=True) if "kvdock.fingerprint" in extra else None,
         )
 
 

@@ -23,6 +23,8 @@ same chunk. :class:`Pages` and :class:`Flat` are those pages as the two ends of 
 
 from __future__ import annotations
 
+import collections
+import logging
 from typing import Any
 
 import torch
@@ -31,6 +33,8 @@ from kvdock.errors import PrefixMissingError, UnsupportedLayoutError
 from kvdock.layout import KV_LATENT, KV_PAIR
 from kvdock.memcpy import Copier
 from kvdock.protocol.messages import EngineInfo, ModelLayout
+
+log = logging.getLogger("kvdock.sglang")
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -153,8 +157,20 @@ class HostPages:
             return flat.view(2, H, P, L, D).permute(0, 3, 2, 1, 4)
         return flat.view(2, L, P, H, D)
 
+    def starts(self, pages: int, host_indices: torch.Tensor) -> list[int]:
+        """The host index of each of ``pages`` pages at ``host_indices``; ValueError unless they
+        are one whole page of consecutive slots per page."""
+        P = self.page_size
+        idx = host_indices.detach().to("cpu", torch.int64).reshape(-1)
+        if idx.numel() != pages * P:
+            raise ValueError(f"{idx.numel()} host indices for {pages} pages of {P}")
+        grid = idx.view(pages, P)
+        if not torch.equal(grid - grid[:, :1], torch.arange(P).expand(pages, P)):
+            raise ValueError("host indices are not whole pages of consecutive slots")
+        return [int(s) for s in grid[:, 0]]
+
     def model_layout(
-        self, model_name: str, version: str, ranks: tuple[int, int, int, int], total_kv_heads: int
+        self, model_name: str, version: str, ranks: tuple[int, int, int, int], total_kv_heads: int, fingerprint: str
     ) -> ModelLayout:
         """The layout a rank (``ranks``: tp_size, tp_rank, pp_size, pp_rank) of SGLang ``version``
         registers for this pool (engine ``"sglang"``: kvdock keys the model SGLang's way)."""
@@ -176,6 +192,7 @@ class HostPages:
             pp_size=pp_size,
             pp_rank=pp_rank,
             engine=engine,
+            fingerprint=fingerprint,
         )
 
     def describe(self) -> str:
@@ -222,4 +239,30 @@ class Flat:
         pass
 
 
-__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "Flat", "HostPages", "Pages"]
+class NoExtraPools:
+    """A hybrid model's extra pools (Mamba, SWA, DSA: SGLang's ``*_v2`` calls) are not stored:
+    every page a miss, logged once, counted in ``stats``."""
+
+    stats: collections.Counter[str]
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        self._unsupported("batch_exists_v2")
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        self._unsupported("batch_get_v2")
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        self._unsupported("batch_set_v2")
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+    def _unsupported(self, what: str) -> None:
+        self.stats[f"{what}_unsupported"] += 1
+        if self.stats[f"{what}_unsupported"] == 1:
+            log.error("kvdock: %s (a hybrid model's extra pools) is not supported: misses", what)
+
+
+__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "Flat", "HostPages", "NoExtraPools", "Pages"]

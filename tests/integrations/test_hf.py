@@ -243,3 +243,39 @@ def test_generate_extends_an_edited_prefix_only_with_kv_computed_over_it(
         assert not torch.equal(stored[:, :, 32:], original[:, :, 32:])
         second = kvhf.generate(model, ctx, ids, max_new_tokens=NEW, do_sample=False)
         assert second.hit_tokens == 48 and torch.equal(second.output_ids, first.output_ids)
+
+
+def test_saves_are_the_models_kv_extending_plain_prefixes_never_a_users_remap(
+    make_server: Callable[..., ServerProc],
+) -> None:
+    """save_kv stores the model's own KV (not marked edited): a longer prompt's save extends the
+    chunks a shorter one saved. A user's SDK store of another prompt's KV under this prompt's ids
+    (a remap) is an edit: the model's save of the prompt and more, computed over its own KV,
+    stores nothing past it; generate loads the remap, computes the rest over it and extends it."""
+    from kvdock.sdk.engine import lookup_tips
+    from kvdock.storage.plans import DERIVED, EDITED
+
+    srv = make_server(register=None)
+    model = tiny_model("llama")
+    ids, other = prompt(56), prompt(56, seed=2)
+    with kvhf.connect(model, srv.url, srv.http_url, model_name="m") as ctx:
+        assert kvhf.save_kv(ctx, full_cache(model, ids[:, :32]), ids[0, :32])
+        (tip,) = lookup_tips(ctx, ids[0, :32]).versions
+        assert not tip & (EDITED | DERIVED)
+        assert kvhf.save_kv(ctx, full_cache(model, ids), ids[0])  # extends the plain prefix
+        assert kvd.lookup(ctx, ids[0]) == 48
+
+        remap = kvd.retrieve(ctx, ids[0, :32])  # the first prompt's KV, stored under other's ids
+        assert remap is not None and kvd.store(ctx, remap, other[0, :32])
+        seen = lookup_tips(ctx, other[0, :32])
+        assert seen.hit_tokens == 32 and seen.versions[0] & EDITED
+        assert not kvhf.save_kv(ctx, full_cache(model, other), other[0])  # computed over other's own KV
+        assert kvd.lookup(ctx, other[0]) == 32
+        got = kvd.retrieve(ctx, other[0])
+        assert got is not None and torch.equal(got, remap)
+
+        first = kvhf.generate(model, ctx, other, max_new_tokens=NEW, do_sample=False)
+        assert first.hit_tokens == 32
+        assert kvd.lookup(ctx, other[0]) == 48  # chunk 2, computed over the remap, extends it
+        (tip,) = lookup_tips(ctx, other[0]).versions
+        assert tip & (EDITED | DERIVED) == DERIVED

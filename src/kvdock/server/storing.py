@@ -50,34 +50,29 @@ def prepare_store(state: ServerState, req: m.PrepareStore, payload: Payload) -> 
         # another client writes some shard's chunks: overwriting the others would leave a chunk
         # whose shards are of two versions (so the whole prefix of every shard is in flight)
         return Reply(m.StorePrepared([], 0, 0, len(keysets[0]) * len(keysets)))
-    if not req.overwrite and mgr.has_unindexed_tier and any(mgr.lookup_l1(k) < len(k) for k in keysets):
-        return _prepare_after_heads(state, client, req, keysets)  # dedup against L3 too
-    if writeback.needs_wait(mgr, keysets, client.model.slot_nbytes, req.overwrite):
-        return _prepare_after_wait(state, client, req, keysets, [None] * len(keysets))
+    heads = not req.overwrite and mgr.has_unindexed_tier and any(mgr.lookup_l1(k) < len(k) for k in keysets)
+    if heads or writeback.needs_wait(mgr, keysets, client.model.slot_nbytes, req.overwrite):
+        return _prepare_later(state, client, req, keysets, heads)  # heads: dedup against L3 too
     return _prepare(state, client, req, keysets, [None] * len(keysets))
 
 
-async def _prepare_after_heads(
-    state: ServerState, client: ClientEntry, req: m.PrepareStore, keysets: list[list[ObjectKey]]
+async def _prepare_later(
+    state: ServerState, client: ClientEntry, req: m.PrepareStore, keysets: list[list[ObjectKey]], heads: bool
 ) -> Reply:
+    """PrepareStore past what takes a while: first, with ``heads``, the unindexed tier's heads of
+    the chunks L1 lacks (a plain store dedups against L3 too); then, if the store needs dirty
+    objects' room, a bounded wait for write-downs to free clean room (storage.writeback:
+    back-pressure). After each, the request's session ids are checked free again (the client may
+    have opened one meanwhile)."""
     mgr = state.manager
-    below = [await mgr.unindexed_heads(keys[mgr.lookup_l1(keys) :]) for keys in keysets]
-    check_free(state, client, session_ids(req.session_id, len(keysets)))  # (the heads took a while)
+    sids = session_ids(req.session_id, len(keysets))
+    below: list[dict[ObjectKey, Head] | None] = [None] * len(keysets)
+    if heads:
+        below = [await mgr.unindexed_heads(keys[mgr.lookup_l1(keys) :]) for keys in keysets]
+        check_free(state, client, sids)
     if writeback.needs_wait(mgr, keysets, client.model.slot_nbytes, req.overwrite):
-        return await _prepare_after_wait(state, client, req, keysets, below)
-    return _prepare(state, client, req, keysets, below)
-
-
-async def _prepare_after_wait(
-    state: ServerState,
-    client: ClientEntry,
-    req: m.PrepareStore,
-    keysets: list[list[ObjectKey]],
-    below: Sequence[dict[ObjectKey, Head] | None],
-) -> Reply:
-    """Wait (bounded) for write-downs to free clean room first (storage.writeback: back-pressure)."""
-    await writeback.wait_for_room(state.manager, keysets, client.model.slot_nbytes, req.overwrite)
-    check_free(state, client, session_ids(req.session_id, len(keysets)))  # (the wait took a while)
+        await writeback.wait_for_room(mgr, keysets, client.model.slot_nbytes, req.overwrite)
+        check_free(state, client, sids)
     return _prepare(state, client, req, keysets, below)
 
 

@@ -17,12 +17,13 @@ of:
 - with ``--server``, each policy replayed through a real ``kvdock serve`` (L1 alone, and with
   ``--l2`` also L1 + an L2 disk of the whole trace's size): per request a lookup, a retrieve of
   the cached prefix, a store of the whole prompt (as an engine would), with the server's own
-  counters and the replay's throughput (requests/s: policy cost included).
+  counters and the replay's throughput (requests/s: policy cost included). ``--dirty-limit``
+  (repeatable) replays L1 + L2 once per ``--writeback-dirty-limit`` given (default: 1, off).
 
 Usage (``--limit`` the first N requests of each trace)::
 
     python benchmarks/trace.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \\
-        --capacity 1M --capacity 3M [--server --limit 2000 --l2]
+        --capacity 1M --capacity 3M [--server --limit 2000 --l2 --dirty-limit 1 --dirty-limit 0.5]
 """
 
 from __future__ import annotations
@@ -183,21 +184,22 @@ def simulate(reqs: list[Request], capacity: int, policy: str) -> float:
 
 
 @contextmanager
-def server(capacity: int, policy: str, l2_bytes: int) -> Iterator[object]:
+def server(capacity: int, policy: str, l2_bytes: int, dirty_limit: float = 1.0) -> Iterator[object]:
     from kvdock.testing import start_server
 
     with tempfile.TemporaryDirectory() as tmp:
         disk = ["--disk-dir", tmp, "--disk-size", str(l2_bytes)] if l2_bytes else ["--no-disk"]
-        srv = start_server(
-            *disk, "--eviction-policy", policy, l1_size=str(capacity * SLOT_NBYTES), chunk_size=BLOCK
-        )
+        disk += ["--writeback-dirty-limit", str(dirty_limit)] if l2_bytes else []
+        srv = start_server(*disk, "--eviction-policy", policy, l1_size=str(capacity * SLOT_NBYTES), chunk_size=BLOCK)
         try:
             yield srv
         finally:
             srv.stop()
 
 
-def replay(reqs: list[Request], capacity: int, policy: str, l2_bytes: int = 0) -> dict[str, object]:
+def replay(
+    reqs: list[Request], capacity: int, policy: str, l2_bytes: int = 0, dirty_limit: float = 1.0
+) -> dict[str, object]:
     """Replay ``reqs`` through a real server (see the module docstring); its numbers."""
     import torch
 
@@ -205,7 +207,7 @@ def replay(reqs: list[Request], capacity: int, policy: str, l2_bytes: int = 0) -
 
     longest = max(len(r.blocks) for r in reqs) * BLOCK
     kv = torch.randn(2, 1, longest, 4).to(torch.bfloat16)
-    with server(capacity, policy, l2_bytes) as srv:
+    with server(capacity, policy, l2_bytes, dirty_limit) as srv:
         kvd.register_model(
             srv.url,  # type: ignore[attr-defined]
             srv.http_url,  # type: ignore[attr-defined]
@@ -238,7 +240,9 @@ def replay(reqs: list[Request], capacity: int, policy: str, l2_bytes: int = 0) -
         "slots": slots,
         "evictions": l1["evictions"],
         "l2_hits": status["tiers"].get("l2", {}).get("hits", 0),
+        "l2_writes": status["tiers"].get("l2", {}).get("writes", 0),
         "evicted_dirty": l1["eviction"]["evicted_dirty"],
+        "throttle_s": l1["eviction"]["throttle_seconds"],
     }
 
 
@@ -258,13 +262,18 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="only the first N requests of each trace")
     ap.add_argument("--server", action="store_true", help="also replay through a real server")
     ap.add_argument("--l2", action="store_true", help="with --server: also L1 + an L2 disk")
+    ap.add_argument("--dirty-limit", action="append", type=float, help="with --l2: --writeback-dirty-limit values")
     args = ap.parse_args()
     capacities = args.capacity or [1_000_000, 3_000_000]
     policies = args.policy or sorted(POLICIES)
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load: {os.getloadavg()}", flush=True)
-    print("| trace | requests | L1 tokens | infinite | belady | policy | sim hit | sim/lru | sim req/s | server hit | "
-          "server req/s | L1+L2 hit | L1+L2 req/s | L2 promotions / dirty evictions |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    limits = args.dirty_limit or [1.0]
+    print(
+        "| trace | requests | L1 tokens | infinite | belady | policy | sim hit | sim/lru | sim req/s | server hit | "
+        "server req/s | dirty limit | L1+L2 hit | L1+L2 req/s | L2 promotions / writes / dirty evictions | "
+        "store waits (s) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     traces: list[tuple[str, Path | str]] = [(p.stem.removeprefix("mooncake_"), p) for p in args.trace]
     traces += [(k, k) for k in args.synthetic]
     for name, source in traces:
@@ -282,17 +291,20 @@ def main() -> None:
                 ratio = f"{sims[p] / sims['lru']:.2f}x" if "lru" in sims else "-"
                 row = [name, str(len(reqs)), f"{cap / 1e6:g}M", f"{inf:.1%}", f"{bel:.1%}", p, f"{sims[p]:.1%}", ratio]
                 row.append(f"{speed[p]:.0f}")
-                if args.server:
-                    one = replay(reqs, blocks, p)
-                    row += [f"{one['hit']:.1%}", f"{one['rps']:.0f}"]
-                    if args.l2:
-                        two = replay(reqs, blocks, p, l2_bytes=4 * sum(len(r.blocks) for r in reqs) * SLOT_NBYTES)
-                        row += [f"{two['hit']:.1%}", f"{two['rps']:.0f}", f"{two['l2_hits']} / {two['evicted_dirty']}"]
-                    else:
-                        row += ["-", "-", "-"]
-                else:
-                    row += ["-"] * 5
-                print("| " + " | ".join(row) + " |", flush=True)
+                if not args.server:
+                    print("| " + " | ".join(row + ["-"] * 7) + " |", flush=True)
+                    continue
+                one = replay(reqs, blocks, p)
+                row += [f"{one['hit']:.1%}", f"{one['rps']:.0f}"]
+                if not args.l2:
+                    print("| " + " | ".join(row + ["-"] * 5) + " |", flush=True)
+                    continue
+                l2_bytes = 4 * sum(len(r.blocks) for r in reqs) * SLOT_NBYTES
+                for limit in limits:
+                    two = replay(reqs, blocks, p, l2_bytes, limit)
+                    counts = f"{two['l2_hits']} / {two['l2_writes']} / {two['evicted_dirty']}"
+                    more = [f"{limit:g}", f"{two['hit']:.1%}", f"{two['rps']:.0f}", counts, f"{two['throttle_s']:.0f}"]
+                    print("| " + " | ".join(row + more) + " |", flush=True)
 
 
 if __name__ == "__main__":

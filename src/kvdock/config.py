@@ -158,6 +158,12 @@ class ServerConfig:
         "with a lower tier: how long a store waits for write-downs to free clean L1 room before it evicts "
         "chunks not written down yet, newest first (0: never wait; docs/architecture.md, 4)",
     )
+    writeback_dirty_limit: float = _opt(
+        1.0,
+        "with a lower tier: the share of L1 (0-1] that chunks not written down yet may fill before a store waits "
+        "for write-downs (at most --writeback-wait-s), so that L1 keeps clean room for reads promoted from below; "
+        "1: a store waits only when it needs the room (docs/benchmarks.md: trace replay)",
+    )
     eviction_policy: str = _opt(
         "s3fifo",
         "which evictable chunk goes first, in every tier: s3fifo (scan- and frequency-aware, prefix-aware), "
@@ -217,6 +223,8 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.writeback_wait_s < 0:
             raise ConfigError(f"writeback_wait_s must be 0 or more, got {self.writeback_wait_s}")
+        if not 0 < self.writeback_dirty_limit <= 1:
+            raise ConfigError(f"writeback_dirty_limit must be in (0, 1], got {self.writeback_dirty_limit}")
         for name in ("port", "http_port", "kv_events_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} out of range: {getattr(self, name)}")

@@ -114,6 +114,7 @@ def build_state(config: ServerConfig, curve: ServerCurve | None = None, tenants:
             policy=config.eviction_policy,
         )
         l1.writeback_wait_s = config.writeback_wait_s
+        l1.dirty_limit = config.writeback_dirty_limit
         lanes = [TierLane(t, l1) for t in (disk, redis) if t is not None]
         coherence = _coherence(config, redis, disk, lanes)
         manager = StorageManager(

@@ -70,7 +70,7 @@ class L1Counters:
                 wait_s,
             )
 
-    def doc(self, policy: str, dirty: list[L1Object], wait_s: float) -> dict[str, Any]:
+    def doc(self, policy: str, dirty: list[L1Object], wait_s: float, limit: float = 1.0) -> dict[str, Any]:
         """/status ``l1.eviction``."""
         return {
             "eviction_policy": policy,
@@ -78,6 +78,7 @@ class L1Counters:
             "dirty_objects": len(dirty),
             "dirty_bytes": sum(o.nbytes for o in dirty),
             "writeback_wait_s": wait_s,
+            "writeback_dirty_limit": limit,
         }
 
 
@@ -133,6 +134,10 @@ class Evictable:
                 out[1] += len(b.dirty) * size
                 out[2] += len(b.dirty)
         return out[0], out[1], out[2]
+
+    def dirty_bytes(self) -> int:
+        """Bytes of the dirty objects of every bucket."""
+        return sum(len(b.dirty) * size for (_, size), b in self._buckets.items())
 
     def add(self, obj: L1Object, new: bool) -> None:
         """``obj`` became evictable (committed, unpinned, written down)."""

@@ -37,6 +37,7 @@ class L1Object:
     depth: int = 0  # its chunk's index in its prompt, as far as L1 knows (0: a head)
     unit: int = 0  # a sharded store's chunk: the seq of its first shard's object (0: alone; dirty ones go together)
     uses: int = 0  # reads (unpins of a session's pin, fast reads) since it became READY
+    holds: int = 0  # write-downs copying it now (storage.lane: L1Store.hold; not a session's pin)
 
 
 class L1Watcher(Protocol):

@@ -4,12 +4,13 @@ Invariants (checked by :meth:`L1Store.check_integrity`):
 
 * an object is RESERVED (being written, invisible) or READY (visible to lookups);
 * at most one READY and one RESERVED object per key;
-* the evictable set (:mod:`kvdock.storage.evictable`) holds exactly the READY, unpinned, live
-  objects: the *clean* ones ordered by the eviction policy (:mod:`kvdock.storage.policy`), the
-  *dirty* ones (a write-down to a lower tier pending) apart, evicted only when a store asks for it
-  after its bounded wait (:mod:`kvdock.storage.writeback`), newest first (tails before heads);
-* an object replaced by an overwrite (or deleted) while pinned is no longer *live*: it keeps its
-  slot until its last pin is released, then the slot is freed;
+* the evictable set (:mod:`kvdock.storage.evictable`) holds exactly the READY, live objects
+  with no pin and no hold (a lane's writer copying it: :meth:`L1Store.hold`): the *clean* ones
+  ordered by the eviction policy (:mod:`kvdock.storage.policy`), the *dirty* ones (a write-down
+  to a lower tier pending) apart, evicted only when a store asks for it after its bounded wait
+  (:mod:`kvdock.storage.writeback`), newest first (tails before heads);
+* an object replaced by an overwrite (or deleted) while pinned or held is no longer *live*: it
+  keeps its slot until its last pin and hold are released, then the slot is freed;
 * with a directory (:mod:`kvdock.shm.directory`) for its region, every READY object is published
   there (or, its bucket being full, counted as unindexed) from the moment it becomes READY until
   it stops being READY, which is before its slot is freed: clients that read the directory
@@ -64,9 +65,9 @@ class L1Store:
         self._evictable = Evictable(policy if callable(policy) else lambda: make_policy(policy), self._prefixes)
         self.counters = L1Counters()
         self._seq = 0
-        # how long a store waits for write-downs to free clean room (storage.writeback); the server's
-        # --writeback-wait-s
-        self.writeback_wait_s = 2.0
+        # storage.writeback: how long a store waits for write-downs (--writeback-wait-s), and the share
+        # of the pool dirty objects may fill before stores wait (--writeback-dirty-limit)
+        self.writeback_wait_s, self.dirty_limit = 2.0, 1.0
         self._dirty_ok = False  # reservations may evict dirty objects (dirty_eviction)
         self._retired: set[L1Object] = set()  # not live, still pinned
         self._detached: set[L1Object] = set()  # reservations set aside, still holding a slot
@@ -81,8 +82,7 @@ class L1Store:
         """Whether ``region``'s objects are published in a pool directory."""
         return self._listings.has(region)
 
-    def get(self, key: ObjectKey) -> L1Object | None:
-        """The READY object for ``key`` or None."""
+    def get(self, key: ObjectKey) -> L1Object | None:  # the READY object for ``key`` or None
         return self._ready.get(key)
 
     def is_reserved(self, key: ObjectKey) -> bool:
@@ -94,24 +94,21 @@ class L1Store:
         return self._memory.view(obj.offset, obj.nbytes)
 
     def pinned_objects(self) -> list[L1Object]:
-        """Every object with at least one pin, live or retired."""
+        """Every object with at least one pin, live or retired (or only held: storage.lane)."""
         return [o for o in self._ready.values() if o.pins] + list(self._retired)
 
-    def reserved_count(self) -> int:
-        """Reservations, detached ones included."""
+    def reserved_count(self) -> int:  # reservations, detached ones included
         return len(self._reserved) + len(self._detached)
 
     def reservation(self, key: ObjectKey) -> L1Object | None:
         return self._reserved.get(key)
 
     @property
-    def policy(self) -> str:
-        """The eviction policy's name."""
+    def policy(self) -> str:  # the eviction policy's name
         return self._evictable.policy_name
 
     def lru_keys(self) -> list[ObjectKey]:
-        """Evictable keys in eviction order, bucket by bucket (clean ones first by the policy, then
-        dirty ones newest first)."""
+        """Evictable keys in eviction order, by bucket (clean ones by the policy, then dirty ones newest first)."""
         return [o.key for o in self._evictable.order()]
 
     def reserve(self, key: ObjectKey, nbytes: int, evict_dirty: bool | None = None) -> L1Object | None:
@@ -159,6 +156,10 @@ class L1Store:
         if size > area.capacity or clean_bytes + dirty_bytes != area.used_bytes:
             return 0, dirty_all  # (a pinned or reserved object there: no recarving now)
         return (0 if dirty_all else area.capacity // size), dirty_all
+
+    def dirty_bytes(self) -> int:
+        """Bytes of the evictable dirty objects (a write-down queued, none in progress), every region."""
+        return self._evictable.dirty_bytes()
 
     def when_clean(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once, the next time an object turns clean (or leaves L1)."""
@@ -231,10 +232,10 @@ class L1Store:
     def stats(self) -> dict[str, Any]:
         """What /status shows of eviction: the policy, the counters, dirty objects now."""
         dirty = [o for o in self._ready.values() if o.dirty]
-        return self.counters.doc(self.policy, dirty, self.writeback_wait_s)
+        return self.counters.doc(self.policy, dirty, self.writeback_wait_s, self.dirty_limit)
 
     def _evictable_now(self, obj: L1Object) -> bool:
-        return obj.state is State.READY and obj.live and obj.pins == 0 and self._ready.get(obj.key) is obj
+        return obj.state is State.READY and obj.live and not obj.pins + obj.holds and self._ready.get(obj.key) is obj
 
     def commit(self, obj: L1Object) -> None:
         """RESERVED → READY (most recently used). Replaces an older READY version of the key."""
@@ -278,8 +279,7 @@ class L1Store:
         """One more pin. A retired object (replaced or deleted while pinned) can take more pins only
         while it still has some: its bytes are intact until the last one goes."""
         assert obj.state is State.READY and (obj.live or obj.pins > 0)
-        if obj.pins == 0 and obj.live:
-            self._evictable.drop(obj)
+        self._take(obj)
         obj.pins += 1
 
     def unpin(self, obj: L1Object, used: bool = True) -> None:
@@ -289,7 +289,27 @@ class L1Store:
         obj.pins -= 1
         if used:
             obj.uses += 1
-        if obj.pins:
+        self._let_go(obj)
+
+    def hold(self, obj: L1Object) -> None:
+        """A lane's writer will copy ``obj`` (READY, live): like a pin, its slot stays, it is not
+        evictable, until :meth:`release`; not a session's pin (storage.lane's batches)."""
+        assert obj.state is State.READY and obj.live
+        self._take(obj)
+        obj.holds += 1
+
+    def release(self, obj: L1Object) -> None:
+        """A lane's writer is done with ``obj`` (see :meth:`hold`)."""
+        assert obj.holds > 0
+        obj.holds -= 1
+        self._let_go(obj)
+
+    def _take(self, obj: L1Object) -> None:
+        if obj.pins == 0 and obj.holds == 0 and obj.live:
+            self._evictable.drop(obj)
+
+    def _let_go(self, obj: L1Object) -> None:
+        if obj.pins or obj.holds:
             return
         if obj.live:
             self._evictable.add(obj, new=obj.uses == 0)
@@ -329,7 +349,7 @@ class L1Store:
         else:
             self._listings.unpublish(obj)
         obj.live = False
-        if obj.pins:
+        if obj.pins or obj.holds:
             self._retired.add(obj)
         else:
             self._evictable.drop(obj)
@@ -355,18 +375,18 @@ class L1Store:
         self.allocator.check_integrity()
         for key, obj in self._ready.items():
             assert obj.key == key and obj.state is State.READY and obj.live
-            assert (obj in self._evictable) == (obj.pins == 0), f"evictable membership wrong for pins={obj.pins}"
+            assert (obj in self._evictable) == (not obj.pins + obj.holds), "evictable membership wrong"
         if isinstance(self.allocator, Partitions):
             for obj in (*self._ready.values(), *self._reserved.values(), *self._retired, *self._detached):
                 assert self.allocator.name_of(obj.offset) == obj.region, "an object's slot is outside its region"
                 assert obj.region is None or self.shares is None or self.shares.owner(obj.key) == obj.region
         self._prefixes.check(self._ready.values())
         self._evictable.check(self._evictable_now)
-        assert len(self._evictable) == sum(1 for o in self._ready.values() if not o.pins), "evictable count drifted"
+        assert len(self._evictable) == sum(not o.pins + o.holds for o in self._ready.values()), "evictables drifted"
         for key, obj in self._reserved.items():
             assert obj.key == key and obj.state is State.RESERVED and obj.pins == 0
         for obj in self._retired:
-            assert not obj.live and obj.pins > 0
+            assert not obj.live and obj.pins + obj.holds > 0
         for obj in self._detached:
             assert obj.state is State.RESERVED and obj.pins == 0
         held = (*self._ready.values(), *self._reserved.values(), *self._retired, *self._detached)

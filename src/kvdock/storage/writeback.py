@@ -11,6 +11,12 @@ dropped while its tail stays; each is counted (``l1.evicted_dirty``, its bytes, 
 ``writes_skipped``) and logged (at most once a minute). A store never fails because a lower tier
 is slow; it is slowed down, then the newest unwritten chunks are dropped.
 
+``--writeback-dirty-limit`` (``L1Store.dirty_limit``, a share of the pool; 1: off) makes a store
+wait the same bounded way as soon as its chunks would take the dirty objects past that share,
+although clean room is left: the rest stays clean for reads promoted from a lower tier (which
+never evict a dirty object, so with L1 all dirty every one of them misses). It only delays
+stores; past the wait a store goes on as without it (clean objects first).
+
 Loads from lower tiers (promotions into L1) never evict a dirty object: they are misses instead.
 
 The counters (``throttled_stores``, ``throttle_seconds``, ``throttle_timeouts``) are L1's
@@ -46,13 +52,11 @@ def shortfall(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int, 
     need = sum(n for n, _ in plans)
     room, dirty = mgr.l1.room(keysets[0][0], nbytes)
     room -= sum(held for _, held in plans)  # the clean run it pins is no room for it
-    if need > room:  # the objects the lanes write now (pinned) give room too once written
+    if need > room:  # the objects the lanes write now (held) give room too once written
         region = mgr.l1.region_for(keysets[0][0])
-        for lane in mgr.lanes:
-            o = lane.pinned
-            if o is None or not o.dirty or o.region != region:
-                continue
-            dirty += region is not None or aligned(o.nbytes) == aligned(nbytes)  # (a tenant's region: recarved)
+        for o in (o for lane in mgr.lanes for o in lane.writing):
+            if o.dirty and o.region == region:
+                dirty += region is not None or aligned(o.nbytes) == aligned(nbytes)  # (a tenant's region: recarved)
     return max(0, need - room), dirty
 
 
@@ -77,11 +81,20 @@ def _writes(mgr: StorageManager, keys: list[ObjectKey]) -> tuple[int, int]:
 
 
 def needs_wait(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int, overwrite: bool) -> bool:
-    """Whether the store should wait for write-downs first (it needs dirty objects' room)."""
-    if mgr.l1.writeback_wait_s <= 0 or not mgr.lanes:
+    """Whether the store should wait for write-downs first: it needs dirty objects' room, or its
+    chunks would take the dirty objects past ``L1Store.dirty_limit`` of the pool (while any is
+    dirty: the limit only ever delays a store, it never drops anything)."""
+    l1 = mgr.l1
+    if l1.writeback_wait_s <= 0 or not mgr.lanes:
         return False
     short, dirty = shortfall(mgr, keysets, nbytes, overwrite)
-    return short > 0 and dirty > 0
+    if short > 0 and dirty > 0:
+        return True
+    if l1.dirty_limit >= 1 or not (dirty_now := l1.dirty_bytes()):
+        return False
+    plans = [(len(keys), 0) if overwrite else _writes(mgr, keys) for keys in keysets]
+    new = sum(n for n, _ in plans) * aligned(nbytes)
+    return dirty_now + new > l1.dirty_limit * l1.allocator.capacity
 
 
 async def wait_for_room(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int, overwrite: bool) -> bool:

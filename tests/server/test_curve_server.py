@@ -15,28 +15,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.cli.test_cli import kvdock  # kvdock ARGS in this process, output captured
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, free_port, make_kv, make_tokens, start_server
+from helpers import CHUNK, GEOMETRY, MODEL, InProcessServer, free_port, make_kv, make_tokens, start_inprocess
 from kvdock.errors import PermissionDeniedError
-from kvdock.testing import ServerProcess
 from kvdock.transport import curve
 from kvdock.transport.events import EventSubscriber
 
 
 class Keys:
-    """A server keypair, two authorized clients and a stranger, as ``kvdock keygen`` writes them."""
+    """A server keypair, two authorized clients and a stranger, as ``kvdock keygen`` writes them
+    (the command run in this process: tests/cli/test_cli.py's ``kvdock``)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.authorized = root / "authorized"
         self.authorized.mkdir(parents=True)
         for name in ("server", "alice", "bob", "stranger"):
-            r = subprocess.run(
-                [sys.executable, "-m", "kvdock.cli.main", "keygen", str(root), "--name", name],
-                capture_output=True,
-                text=True,
-            )
+            r = kvdock("keygen", str(root), "--name", name)
             assert r.returncode == 0, r.stderr
             assert json.loads(r.stdout) == {
                 "public": str(root / f"{name}.key"),
@@ -57,13 +54,15 @@ class Keys:
         return {"server_key": str(self.root / f"{server}.key"), "client_key": str(self.root / f"{name}.key_secret")}
 
 
-@pytest.fixture
-def keys(tmp_path: Path) -> Keys:
-    return Keys(tmp_path / "keys")
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
+    """One set of keys for the module (the tests only read them)."""
+    return Keys(tmp_path_factory.mktemp("curve") / "keys")
 
 
-def _curve_server(tmp_path: Path, keys: Keys, *extra: str) -> ServerProcess:
-    srv = start_server(tmp_path, *keys.server_flags(), *extra, chunk_size=CHUNK)
+def _curve_server(tmp_path: Path, keys: Keys, *extra: str) -> InProcessServer:
+    """A CURVE server in this process (the keys are flags: no process boundary needed)."""
+    srv = start_inprocess(tmp_path, *keys.server_flags(), *extra, chunk_size=CHUNK)
     kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10, **keys.client("alice"))
     return srv
 

@@ -16,10 +16,22 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, assert_fast_reads_refused, free_port, make_kv, make_tokens, start_server
+from helpers import (
+    CHUNK,
+    GEOMETRY,
+    MODEL,
+    AnyServer,
+    ServerProcess,
+    assert_fast_reads_refused,
+    free_port,
+    make_kv,
+    make_tokens,
+    running,
+    start_inprocess,
+    start_server,
+)
 from kvdock.errors import PermissionDeniedError, UnknownModelError
 from kvdock.protocol import messages as m
-from kvdock.testing import ServerProcess
 from kvdock.transport import curve
 from kvdock.transport.client import ControlClient
 from kvdock.transport.events import EventSubscriber
@@ -46,14 +58,17 @@ salts = ["beta"]
     return path
 
 
-def serve(tmp_path: Path, *extra: str) -> ServerProcess:
-    srv = start_server(tmp_path, "--tenants", str(tenants_file(tmp_path)), "--admin-token", ADMIN, *extra)
+def serve(tmp_path: Path, *extra: str, process: bool = False) -> AnyServer:
+    """A server with the tenants of tenants_file, in this process unless ``process`` (a test of the
+    server process's own memory: marked subprocess_server)."""
+    start = start_server if process else start_inprocess
+    srv = start(tmp_path, "--tenants", str(tenants_file(tmp_path)), "--admin-token", ADMIN, *extra)
     kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10, admin_token=ADMIN)
     kvd.register_model(srv.url, srv.http_url, "other", dtype="bfloat16", **GEOMETRY, timeout=10, token=BETA)
     return srv
 
 
-def http(srv: ServerProcess, path: str, token: str = "", method: str = "GET") -> tuple[int, str]:
+def http(srv: AnyServer, path: str, token: str = "", method: str = "GET") -> tuple[int, str]:
     req = urllib.request.Request(srv.http_url + path, method=method)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
@@ -65,13 +80,14 @@ def http(srv: ServerProcess, path: str, token: str = "", method: str = "GET") ->
 
 
 @pytest.fixture
-def srv(tmp_path: Path, redis_server):  # type: ignore[no-untyped-def]
-    s = serve(tmp_path, "--disk-dir", str(tmp_path / "l2"), "--redis-url", redis_server.url)
+def srv(request: pytest.FixtureRequest, tmp_path: Path, redis_server):  # type: ignore[no-untyped-def]
+    process = request.node.get_closest_marker("subprocess_server") is not None
+    s = serve(tmp_path, "--disk-dir", str(tmp_path / "l2"), "--redis-url", redis_server.url, process=process)
     yield s
     assert s.stop() == 0, s.log()
 
 
-def test_registering_needs_a_tenant_that_may_use_the_model(srv: ServerProcess) -> None:
+def test_registering_needs_a_tenant_that_may_use_the_model(srv: AnyServer) -> None:
     with pytest.raises(PermissionDeniedError, match="tenants only"):
         kvd.register_model(srv.url, srv.http_url, "third", dtype="bfloat16", **GEOMETRY, timeout=10)
     with pytest.raises(PermissionDeniedError, match="tenant 'acme' may not use model 'third'"):
@@ -90,7 +106,7 @@ def test_registering_needs_a_tenant_that_may_use_the_model(srv: ServerProcess) -
         kvd.connect(srv.url, srv.http_url, MODEL, 10, token="not-a-token-of-anyone")
 
 
-def test_a_tenant_sees_only_its_models(srv: ServerProcess) -> None:
+def test_a_tenant_sees_only_its_models(srv: AnyServer) -> None:
     with pytest.raises(UnknownModelError, match=r"'other' is not registered.*registered models: tiny$"):
         kvd.connect(srv.url, srv.http_url, "other", 10, token=ACME)
     assert kvd.describe_server(srv.url, "other", 10, token=ACME).layout is None
@@ -99,7 +115,7 @@ def test_a_tenant_sees_only_its_models(srv: ServerProcess) -> None:
         assert b.model_name == "other"
 
 
-def test_a_tenant_cannot_touch_or_learn_another_tenants_kv(srv: ServerProcess) -> None:
+def test_a_tenant_cannot_touch_or_learn_another_tenants_kv(srv: AnyServer) -> None:
     kv_a, kv_b = make_kv(3 * CHUNK, seed=1), make_kv(3 * CHUNK, seed=2)
     tokens = make_tokens(3 * CHUNK)
     with (
@@ -145,7 +161,7 @@ def test_a_tenant_cannot_touch_or_learn_another_tenants_kv(srv: ServerProcess) -
         assert torch.equal(kvd.retrieve(b, tokens, "beta"), kv_b)
 
 
-def _wait_written_down(srv: ServerProcess) -> None:
+def _wait_written_down(srv: AnyServer) -> None:
     """Until the server's write-downs to L2 and L3 are done (its admin /status says)."""
     deadline = time.monotonic() + 30
     while json.loads(http(srv, "/status", ADMIN)[1])["tiers"]["writeback_backlog_bytes"]:
@@ -153,6 +169,7 @@ def _wait_written_down(srv: ServerProcess) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.subprocess_server  # the server process's own memory maps
 def test_a_tenant_never_maps_the_shared_pool(srv: ServerProcess) -> None:
     """The shared pool holds every quota-less tenant's objects: with tenants it is private memory
     with no name anyone could open (a tenant with an L1 quota has a pool of its own:
@@ -179,7 +196,7 @@ def test_a_tenant_never_maps_the_shared_pool(srv: ServerProcess) -> None:
         client.close()
 
 
-def test_http_shows_a_tenant_only_its_own(srv: ServerProcess) -> None:
+def test_http_shows_a_tenant_only_its_own(srv: AnyServer) -> None:
     for path in ("/status", "/config"):
         code, text = http(srv, path)
         assert code == 401 and "tenant's token or the admin token" in text
@@ -200,7 +217,7 @@ def test_http_shows_a_tenant_only_its_own(srv: ServerProcess) -> None:
 
 
 def test_admin_actions_need_an_admin_token_with_tenants(tmp_path: Path) -> None:
-    srv = start_server(tmp_path, "--tenants", str(tenants_file(tmp_path)))
+    srv = start_inprocess(tmp_path, "--tenants", str(tenants_file(tmp_path)))
     try:
         code, text = http(srv, "/admin/clear", ACME, "POST")
         assert code == 403 and "need its --admin-token" in text
@@ -253,7 +270,7 @@ def test_tenants_by_curve_key_and_client_ids_bound_to_their_key(tmp_path: Path) 
     path = tenants_file(tmp_path, 'keys = ["keys/acme.key"]')
     text = path.read_text().replace(f'tokens = ["{BETA}"]', f'tokens = ["{BETA}"]\nkeys = ["keys/beta.key"]')
     path.write_text(text)
-    srv = start_server(
+    srv = start_inprocess(
         tmp_path, "--tenants", str(path), "--curve-secret-key", str(keys / "server.key_secret"), "--admin-token", ADMIN
     )
     acme = {"server_key": str(keys / "server.key"), "client_key": str(keys / "acme.key_secret")}
@@ -290,7 +307,7 @@ def test_quotas_hold_under_load_and_eviction_stays_within_a_tenants_share(tmp_pa
         'salts = ["acme", "acme/*"]', f'salts = ["acme", "acme/*"]\nl1 = {40 * slot}\nl2 = {60 * slot}'
     )
     path.write_text(text.replace('salts = ["beta"]', f'salts = ["beta"]\nl1 = {40 * slot}\nl2 = {60 * slot}'))
-    srv = start_server(tmp_path, "--tenants", str(path), "--admin-token", ADMIN, "--disk-dir", str(tmp_path / "l2"))
+    srv = start_inprocess(tmp_path, "--tenants", str(path), "--admin-token", ADMIN, "--disk-dir", str(tmp_path / "l2"))
     try:
         kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10, admin_token=ADMIN)
         with kvd.connect(srv.url, srv.http_url, MODEL, 10, token=BETA) as b:
@@ -345,7 +362,7 @@ def test_quotas_must_fit_their_tier(tmp_path: Path) -> None:
     assert "the tenants' l1 quotas add up to 68157440 bytes, more than the tier's" in r.stderr
 
 
-def test_inline_clients_fast_reads_reports_are_refused(srv: ServerProcess) -> None:
+def test_inline_clients_fast_reads_reports_are_refused(srv: AnyServer) -> None:
     """(review) A tenant's client reads no pool directory: a FastReads report of it is made up,
     and would inflate the counters and touch other tenants' slots. (Reports are never answered.)"""
     with kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a:
@@ -381,7 +398,7 @@ def test_a_huge_subscription_is_dropped_and_the_others_are_served(tmp_path: Path
                 if got is not None:
                     break
         assert got is not None and acme.topic == b"kvdock/acme/"
-        assert srv.proc.poll() is None
+        assert running(srv)
     finally:
         acme.close()
         hog.kill()

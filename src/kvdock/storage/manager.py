@@ -48,7 +48,8 @@ from kvdock.storage.invalidations import apply_invalidations
 from kvdock.storage.lane import SharedHeader, TierLane, check_dirty
 from kvdock.storage.loads import Loads
 from kvdock.storage.memory import L1Object, L1Store
-from kvdock.storage.plans import OVERWRITING, SUPERSEDED, Chain, Placement, StorePlan, new_version
+from kvdock.storage.plans import OVERWRITING, SUPERSEDED, Chain, Placement, StorePlan
+from kvdock.storage.reservations import reserve
 from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
 from kvdock.storage.tier import Head
 
@@ -161,50 +162,9 @@ class StorageManager:
             # Writing the chunks around another client's in-flight write would commit a prefix of
             # two versions: the overwrite writes nothing, and says the whole prefix is contended.
             return StorePlan([], 0, len(keys), 0)
-        slots: list[tuple[int, L1Object]] = []
-        kept: list[L1Object] = []
-        replaced: list[ObjectKey] = []  # overwritten keys: their older versions go from every tier
-        deduped = in_flight = pool_full = diverged = 0
-        parent = 0  # the version chain: each chunk names the version of the one before it
-        for i, key in enumerate(keys):
-            pending = self.l1.reservation(key)
-            if pending is not None and pending in self.loads and overwrite:
-                self.l1.detach(pending)  # the load's bytes are the older version: thrown away
-            elif pending is not None or in_flight:
-                # another store, or a load that may still fail: not known stored; and the chunks
-                # after it cannot name their predecessor's version
-                in_flight += 1
-                continue
-            present = self.l1.get(key)
-            if not overwrite and present is not None and present.parent == parent:
-                deduped += 1
-                parent = present.version
-                if not pool_full:
-                    self.l1.pin(present)
-                    kept.append(present)
-                continue
-            lower = None if overwrite or key in self.deletions else self.chains.lower_head(key, parent, below)
-            if lower is not None:  # a lower tier holds this very version: stored already
-                deduped += 1
-                parent = lower.version
-                continue
-            if limit is not None and i >= limit:
-                diverged = len(keys) - i
-                break
-            obj = None if pool_full else self.l1.reserve(key, nbytes)
-            if overwrite:
-                replaced.append(key)
-            if obj is None:
-                pool_full += 1
-                if overwrite:
-                    self.l1.remove(key)  # it will not be rewritten: its old version must not stay
-            else:
-                obj.version, obj.parent = new_version(overwrite or edited, parent), parent
-                # what it was decided against: apply supersedes a plain store's reservation older than
-                # an invalidation; an overwrite's is the new version (its epoch is set at the commit)
-                obj.epoch = OVERWRITING if overwrite else self._epoch()
-                parent = obj.version
-                slots.append((i, obj))
+        l1, epoch = self.l1, self._epoch()
+        got = reserve(l1, self.loads, self.deletions, self.chains, epoch, keys, nbytes, overwrite, below, limit, edited)
+        slots, kept, replaced = got.plan.slots, got.kept, got.replaced
         deletes = self._delete_everywhere(replaced) if replaced else []
         if slots or open_empty:
             self.sessions.open(
@@ -219,7 +179,7 @@ class StorageManager:
         else:
             for obj in kept:
                 self.l1.unpin(obj)
-        return StorePlan(slots, deduped, in_flight, pool_full, diverged)
+        return got.plan
 
     @property
     def has_unindexed_tier(self) -> bool:

@@ -17,7 +17,8 @@ from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, start_server
 from kvdock.keys import normalize_tokens
 from kvdock.protocol import messages as m
 
-SLOW_DISK = {"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.05"}  # every L2 write sleeps first: a slow disk
+# every L2 write or delete sleeps first: a slow disk (a prompt's 16 chunks take 0.32 s to write down)
+SLOW_DISK = {"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.02"}
 
 
 def wait_for(cond, what: str, timeout: float = 20.0) -> None:
@@ -74,7 +75,7 @@ def test_an_acknowledged_overwrite_survives_sigkill_never_stale(tmp_path: Path) 
                 assert kvd.store(c, old, tokens)
                 wait_for(lambda s=srv, n=want: l2(s)["writes"] == n, "the old version on disk")
                 assert kvd.store(c, new, tokens, overwrite=True)  # acknowledged
-                time.sleep(rng.uniform(0, 0.6))  # somewhere in the new version's write-down
+                time.sleep(rng.uniform(0, 0.24))  # somewhere in the new version's write-down (0.32 s)
                 srv.stop(signal.SIGKILL)
             srv = start_server(tmp_path, "--disk-dir", str(disk), env=SLOW_DISK)
             with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:

@@ -17,6 +17,7 @@ from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
 
 import kvdock.sdk as kvd
 from conftest import DTYPE, HEAD_DIM, HEADS, LAYERS, LAYOUTS, PAGE, host_pool, storage_config
+from kvdock.errors import PrefixMissingError
 from kvdock.integrations.sglang import KvdockHiCacheStorage
 from kvdock.keying import key_tokens, sglang_namespace_seed, sglang_page_hashes
 from kvdock.keys import normalize_tokens
@@ -341,3 +342,48 @@ def test_a_name_another_engine_registered_first_keeps_its_keys_and_chunk_keys_pi
         assert kv is not None and torch.equal(kv, pages_kv(b, idx))
         ctx.chunk_keys = "kvdock"  # type: ignore[attr-defined]
         assert torch.equal(kvd.retrieve(ctx, tokens), pages_kv(b, idx).neg())
+
+
+@pytest.mark.parametrize(
+    ("mla", "layout", "heads", "planned"),
+    [
+        (False, "page_first", HEADS, True),
+        (False, "page_head", HEADS, False),  # (runs of one head_dim: too short)
+        (False, "page_first", 1, False),
+        (True, "layer_first", 1, True),
+        (True, "page_first", 1, False),
+    ],
+)
+def test_pages_copy_in_one_planned_step_or_page_by_page(mla: bool, layout: str, heads: int, planned: bool) -> None:
+    """A batch's pages move between slots and the pool as one vectorized plan of runs when a page
+    reduces to runs (one plan per pool), page by page otherwise: the same bytes either way, both
+    ways, whichever order the transfer hands the pages in."""
+    from kvdock.integrations.sglang.pools import HostPages, Pages
+
+    pool = host_pool(mla, layout, heads=heads)
+    fill(pool, seed=30)
+    pages = HostPages(pool)
+    slots = torch.randn(5, *pages.shape).to(DTYPE)  # five kvdock slots
+    assert (pages.plan(slots[0]) is not None) == planned
+    assert pages.plan(slots[1]) is pages.plan(slots[0])  # (made once)
+    starts = [int(i) for i in pool.alloc(5 * PAGE)[::PAGE]]
+    put = Pages(pages, starts, first=2)  # chunks 0, 1: a prefix, never copied
+    for j in (4, 2, 3, 6, 5):
+        put.put(j, slots[j - 2])
+    put.finish()
+    for j in range(5):
+        assert torch.equal(pages.page(starts[j]).flatten(3), slots[j])
+    loaded = torch.randn_like(slots, dtype=torch.float32).to(DTYPE)  # what kvdock hands back
+    take = Pages(pages, starts[:4], first=1)
+    for j in (5, 1, 4, 0, 3, 2):  # chunk 0 (the prefix) and 5 (past the call's pages) are skipped
+        take.take(j, loaded[j - 1] if j else loaded[4])
+    take.finish()
+    for j in range(4):
+        assert torch.equal(pages.page(starts[j]).flatten(3), loaded[j])
+    assert torch.equal(pages.page(starts[4]).flatten(3), slots[4])  # untouched
+    with pytest.raises(PrefixMissingError):
+        put.put(1, slots[0])
+    with pytest.raises(ValueError, match="not the start of a page"):
+        bad = Pages(pages, [starts[0] + 1], first=0)
+        bad.put(0, slots[0])
+        bad.finish()

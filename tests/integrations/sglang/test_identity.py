@@ -112,7 +112,9 @@ def checkpoint(root: Path, seed: int, rope_theta: float = 10000.0) -> Path:
     return root
 
 
-def test_the_fingerprint_names_the_checkpoint_its_config_and_the_kv_dtype(tmp_path: Path) -> None:
+def test_the_fingerprint_names_the_checkpoint_its_config_and_the_kv_dtype(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     a = checkpoint(tmp_path / "a", seed=1)
     args = SimpleNamespace(model_path=str(a), revision=None, dtype="bfloat16", kv_cache_dtype="auto", quantization=None)
     fa = fingerprint_of(args)
@@ -126,7 +128,15 @@ def test_the_fingerprint_names_the_checkpoint_its_config_and_the_kv_dtype(tmp_pa
     override = json.dumps({"rope_theta": 500000.0})
     assert fingerprint_of(SimpleNamespace(**{**vars(args), "json_model_override_args": override})) != fa
     assert fingerprint_of(SimpleNamespace(model_path="")) == ""
-    assert model_fingerprint() == ""  # outside an engine SGLang published no server arguments
+    import sglang.srt.runtime_context as rc
+
+    def unpublished() -> None:
+        raise ValueError("Global server args is not set yet!")  # (SGLang's own words)
+
+    monkeypatch.setattr(rc, "get_server_args", unpublished)
+    assert model_fingerprint() == ""  # outside an engine: none
+    monkeypatch.setattr(rc, "get_server_args", lambda: args)
+    assert model_fingerprint() == fa  # inside one: its server arguments'
 
 
 def test_a_name_kvdock_holds_with_another_fingerprint_turns_kvdock_off(

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvdock.errors import PrefixMissingError, UnsupportedLayoutError
 from kvdock.layout import KV_LATENT, KV_PAIR
-from kvdock.memcpy import Copier
+from kvdock.memcpy import Copier, _disjoint
 from kvdock.protocol.messages import EngineInfo, ModelLayout
 
 log = logging.getLogger("kvdock.sglang")
@@ -77,6 +79,7 @@ class HostPages:
                 f"kvdock: {type(pool).__name__} ({self.layout}) buffer of shape {tuple(buf.shape)}, expected {expected}"
             )
         self.capacity = int(pool.size)  # host slots (tokens)
+        self._plan: tuple[tuple[tuple[int, ...], tuple[int, ...]], Plan | None] | None = None
         # a pool with per-page state outside kv_buffer (MXFP8's block scales) says so in its size
         sized = getattr(pool, "get_size_per_token", None)
         per_token = int(sized()) if callable(sized) else self.chunk_nbytes // self.page_size
@@ -195,31 +198,96 @@ class HostPages:
             fingerprint=fingerprint,
         )
 
+    def plan(self, slot: torch.Tensor) -> Plan | None:
+        """How a page moves to or from a slot view like ``slot`` (``[planes, L, page_size, D]``)
+        as runs of bytes (:class:`Plan`, made once per slot shape), or None when the copy does
+        not reduce to long disjoint runs (the Copier copies such pages one by one)."""
+        key = (tuple(slot.shape), tuple(slot.stride()))
+        cached = self._plan
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        plan = None
+        view, page = self.chunk5(slot), self.page(0)
+        runs = Copier._runs(view, page)
+        if runs is not None and _disjoint(runs[2], runs[0]):
+            run, d, s = runs
+            P = self.page_size
+            step = self.page(P).data_ptr() - page.data_ptr() if self.capacity >= 2 * P else 0
+            ptr0 = page.data_ptr()
+            in_slot, in_page = d.view(np.int64) - view.data_ptr(), s.view(np.int64) - ptr0
+            plan = Plan(key, run, in_slot, in_page, ptr0, step)
+        self._plan = (key, plan)
+        return plan
+
     def describe(self) -> str:
         kind = "MLA latent" if self.latent else f"{self.heads} KV heads of {self.head_dim}"
         return f"{self.layout}, {self.num_layers} layers, {kind}, page {self.page_size}, {self.dtype}"
 
 
+@dataclass(frozen=True)
+class Plan:
+    """The copy of one page between a slot and the pool as ``run``-byte runs: their offsets from
+    the slot's first byte and from the page's, and where page ``k`` starts (``ptr0 + k * step``)."""
+
+    key: tuple[tuple[int, ...], tuple[int, ...]]  # the slot views' shape and strides
+    run: int
+    in_slot: np.ndarray  # int64
+    in_page: np.ndarray  # int64
+    ptr0: int
+    step: int
+
+
 class Pages:
     """Chunks ``first ..`` of a transfer as the host pool's pages at host indices ``starts``
-    (a ChunkSource and a ChunkSink); chunks before ``first`` (the prefix) are never copied."""
+    (a ChunkSource and a ChunkSink); chunks before ``first`` (the prefix) are never copied.
+
+    The copies of all its pages are planned at :meth:`finish` in one vectorized step from the
+    pool's :meth:`HostPages.plan` (the runs of one page, the same for every page), not per page;
+    a pool whose pages reduce to no runs is copied page by page by the Copier."""
 
     def __init__(self, pages: HostPages, starts: list[int], first: int) -> None:
         self.pages, self.starts, self.first = pages, starts, first
         self.copier = Copier()
+        self._plan: Plan | None = None
+        self._slots: list[int] = []  # the queued slots' first bytes
+        self._at: list[int] = []  # ... and their pages' numbers in the pool
+        self._keep: list[torch.Tensor] = []
+        self._taking = False
 
     def put(self, index: int, dst: torch.Tensor) -> None:
         j = index - self.first
         if j < 0:
             raise PrefixMissingError(index)
-        self.copier.add(self.pages.chunk5(dst), self.pages.page(self.starts[j]))
+        self._queue(self.starts[j], dst, False)
 
     def take(self, index: int, src: torch.Tensor) -> None:
         j = index - self.first
         if 0 <= j < len(self.starts):
-            self.copier.add(self.pages.page(self.starts[j]), self.pages.chunk5(src))
+            self._queue(self.starts[j], src, True)
+
+    def _queue(self, start: int, slot: torch.Tensor, taking: bool) -> None:
+        plan = self.pages.plan(slot)
+        if plan is None or (self._plan is not None and plan is not self._plan):
+            page, view = self.pages.page(start), self.pages.chunk5(slot)
+            self.copier.add(*((page, view) if taking else (view, page)))
+            return
+        P = self.pages.page_size
+        if start % P or not 0 <= start <= self.pages.capacity - P:
+            raise ValueError(f"host index {start} is not the start of a page of the pool (page size {P})")
+        self._plan, self._taking = plan, taking
+        self._slots.append(slot.data_ptr())
+        self._at.append(start // P)
+        self._keep.append(slot)
 
     def finish(self) -> None:
+        plan, self._plan = self._plan, None
+        if plan is not None and self._slots:
+            slots = np.array(self._slots, np.int64)[:, None] + plan.in_slot[None, :]
+            pages = plan.ptr0 + np.array(self._at, np.int64)[:, None] * plan.step + plan.in_page[None, :]
+            s, p = slots.reshape(-1).view(np.uint64), pages.reshape(-1).view(np.uint64)
+            dst, src = (p, s) if self._taking else (s, p)
+            self.copier.add_runs(plan.run, dst, src, (self.pages.buffer, self._keep))
+        self._slots, self._at, self._keep = [], [], []
         self.copier.run()
 
 
@@ -265,4 +333,4 @@ class NoExtraPools:
             log.error("kvdock: %s (a hybrid model's extra pools) is not supported: misses", what)
 
 
-__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "Flat", "HostPages", "NoExtraPools", "Pages"]
+__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "Flat", "HostPages", "NoExtraPools", "Pages", "Plan"]

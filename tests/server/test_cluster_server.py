@@ -130,7 +130,10 @@ def test_a_master_killed_under_load_costs_no_errors_no_wrong_bytes_and_l3_comes_
     with Load(a, b, 40, list(range(40))) as load:
         time.sleep(1.0)
         redis_cluster.kill(victim)
-        time.sleep(6.0)  # the replica is promoted after cluster-node-timeout (1 s) and an election
+        # the replica is promoted after cluster-node-timeout (1 s) and an election; the load goes
+        # on through it and for a second after
+        wait_for(lambda: list(redis_cluster.roles().values()).count("master") == 3, "the replica's promotion", 30)
+        time.sleep(1.0)
     assert load.errors == [] and load.wrong == 0, (load.errors[:5], load.wrong)
     assert load.hits > 50, (load.hits, load.misses)
     redis_cluster.wait_ok()  # three masters again: the victim's replica took over

@@ -6,7 +6,9 @@ roles have the layout: the scheduler gets it from the workers through vLLM's han
 so whichever talks to the server first registers it) -- and turns every kvdock
 failure into a *miss*: :meth:`Link.run` returns the caller's miss value, logs once, and keeps the
 link down for ``retry_s`` so that a dead server costs at most one ``timeout`` per ``retry_s``,
-never one per request. Time comes from an injected clock.
+never one per request. Time comes from an injected clock. :attr:`Link.slow` says that the last
+failure took most of a ``timeout`` (a hung or stopped server, not a refused connection): the
+scheduler then answers requests a miss at once rather than holding them for its next try.
 
 A link with the engine's model fingerprint never serves another model's KV: when kvdock holds the
 name with another fingerprint (or refuses the engine's registration: another geometry, another
@@ -42,6 +44,7 @@ from kvdock.protocol.messages import ModelLayout
 log = logging.getLogger("kvdock.vllm")
 T = TypeVar("T")
 
+SLOW_SHARE = 0.5  # a failure that took this share of kvdock.timeout: the server hangs (Link.slow)
 # failures that say nothing about the server's health: the call is a miss, the link stays up
 _TRANSIENT = (LeaseExpiredError, PoolFullError, StoreConflictError)
 
@@ -66,6 +69,9 @@ class Link:
         self._ctx: kvd.KVCacheContext | None = None
         self._down_until = float("-inf")
         self.failures = 0
+        # the last call failed after at least SLOW_SHARE of a timeout (the server hangs); cleared
+        # by the next call that succeeds. Read by other threads (a plain bool)
+        self.slow = False
 
     @property
     def up(self) -> bool:
@@ -134,12 +140,23 @@ class Link:
 
     def run(self, what: str, fn: Callable[[kvd.KVCacheContext], T], miss: T) -> T:
         """``fn(ctx)``, or ``miss`` when kvdock is down or ``fn`` fails with a kvdock error (which
-        is logged; a server failure takes the link down for ``retry_s``)."""
+        is logged; a server failure takes the link down for ``retry_s``, and sets :attr:`slow`
+        when it took at least ``SLOW_SHARE`` of ``timeout``)."""
+        start, failures = time.monotonic(), self.failures
+        try:
+            return self._run(what, fn, miss)
+        finally:
+            if self.failures != failures:
+                self.slow = time.monotonic() - start >= SLOW_SHARE * self.cfg.timeout
+
+    def _run(self, what: str, fn: Callable[[kvd.KVCacheContext], T], miss: T) -> T:
         ctx = self.context()
         if ctx is None:
             return miss
         try:
-            return fn(ctx)
+            result = fn(ctx)
+            self.slow = False
+            return result
         except UnknownModelError as e:
             if self.layout is None:
                 self._down(f"kvdock {what} failed: {e}")

@@ -4,7 +4,10 @@ Lookups never hold the scheduler up for long: the first :meth:`SchedulerSide.mat
 request submits a lookup to a background thread and waits for it at most what is left of the
 step's ``kvdock.lookup_wait`` budget; a lookup still in flight then answers None ("ask again
 later"), and later calls answer from the finished lookup -- the same answer every time, with no
-further side effects. A lookup that fails (kvdock down) is a miss. Waiting in a step that runs
+further side effects. A lookup that fails (kvdock down) is a miss, and while the server hangs
+(the last call failed after most of a ``kvdock.timeout``: ``Link.slow``) a lookup not answered
+within the step's wait is a miss at once: the next try (after ``kvdock.retry_s``) runs on, and
+holds no request for another ``kvdock.timeout``. Waiting in a step that runs
 requests holds them up, so it happens only while lookups are *fast* (the last one took at most a
 fifth of the budget); a wait that runs out, or a slow lookup, stops it until a fast one is seen.
 After a step that scheduled nothing, waiting costs nothing and always happens. So a hung or slow
@@ -125,6 +128,7 @@ class SchedulerSide:
         self._async: list[str] = []  # background loads allocated since the last plan
         self._delayed: set[str] = set()  # finished with their freeing delayed, since the last plan
         self._unfreed: set[str] = set()  # delayed and not reported finished sending yet
+        self._probe: Future[_Answer] | None = None  # the one try while Link.slow (its answer unused)
 
     def set_layout(self, layout: Any) -> None:
         """The layout the workers registered (vLLM's handshake metadata): with it, the scheduler's
@@ -142,16 +146,25 @@ class SchedulerSide:
             # logprobs): no lookup for them; their KV is still saved
             if not st.cacheable or getattr(request, "skip_reading_prefix_cache", False):
                 st.hit = 0
+            elif st.lookup is None and self.link.slow and self.chunk_size:
+                # the last kvdock call hung (Link.slow): one lookup at a time runs on as a try (it
+                # clears Link.slow when it gets through); requests asked meanwhile are misses at once
+                if self._probe is None or self._probe.done():
+                    self._probe = self._pool.submit(self._timed_lookup, list(request.prompt_token_ids), st.salt)
+                st.hit = 0
             else:
                 if st.lookup is None:
                     st.asked_at = self.clock()
                     st.lookup = self._pool.submit(self._timed_lookup, list(request.prompt_token_ids), st.salt)
                 self._wait(st.lookup)
                 if not st.lookup.done():
-                    if self.clock() - st.asked_at < self.cfg.timeout:
+                    # queued behind a lookup that hung: not held for it any longer
+                    hold = 0.0 if self.link.slow and self.chunk_size else self.cfg.timeout
+                    if self.clock() - st.asked_at < hold:
                         return None, False
                     st.lookup.cancel()  # a slow server: admit the request without kvdock
-                    log.warning("kvdock lookup of %s took over %.1fs; a miss", request.request_id, self.cfg.timeout)
+                    if hold:
+                        log.warning("kvdock lookup of %s took over %.1fs; a miss", request.request_id, hold)
                     st.hit = 0
                 else:
                     answer = st.lookup.result()

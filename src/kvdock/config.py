@@ -159,7 +159,7 @@ class ServerConfig:
         "chunks not written down yet, newest first (0: never wait; docs/architecture.md, 4)",
     )
     writeback_dirty_limit: float = _opt(
-        1.0,
+        0.5,
         "with a lower tier: the share of L1 (0-1] that chunks not written down yet may fill before a store waits "
         "for write-downs (at most --writeback-wait-s), so that L1 keeps clean room for reads promoted from below; "
         "1: a store waits only when it needs the room (docs/benchmarks.md: trace replay)",

@@ -344,6 +344,8 @@ def test_a_tenants_dirty_burst_evicts_only_its_own_l1_region(make_server, tmp_pa
         str(tmp_path / "l2"),
         "--writeback-wait-s",
         "0.2",
+        "--writeback-dirty-limit",  # (L1 may fill with dirty objects: the burst outruns the wait)
+        "1",
         l1_size=f"{48 * slot}",
         register=None,
         env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.05"},
@@ -452,6 +454,8 @@ def test_a_read_from_l2_while_l1_is_all_dirty_is_a_quick_miss_and_drops_nothing(
         str(tmp_path / "l2"),
         "--writeback-wait-s",
         "30",
+        "--writeback-dirty-limit",  # (L1 may fill with dirty objects: what this test reads past)
+        "1",
         l1_size="64KiB",
         env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.5"},
     )

@@ -42,7 +42,7 @@ def test_config_and_status_documents(server, ctx) -> None:
             "dirty_objects": 0,
             "dirty_bytes": 0,
             "writeback_wait_s": 2.0,
-            "writeback_dirty_limit": 1.0,
+            "writeback_dirty_limit": 0.5,
         },
     }
     (meta,) = st["cache_context_meta"]

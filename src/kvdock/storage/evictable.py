@@ -135,10 +135,6 @@ class Evictable:
                 out[2] += len(b.dirty)
         return out[0], out[1], out[2]
 
-    def dirty_bytes(self) -> int:
-        """Bytes of the dirty objects of every bucket."""
-        return sum(len(b.dirty) * size for (_, size), b in self._buckets.items())
-
     def add(self, obj: L1Object, new: bool) -> None:
         """``obj`` became evictable (committed, unpinned, written down)."""
         key = bucket_of(obj)

@@ -78,8 +78,7 @@ class L1Store:
     def __len__(self) -> int:
         return len(self._ready)
 
-    def has_directory(self, region: str | None) -> bool:
-        """Whether ``region``'s objects are published in a pool directory."""
+    def has_directory(self, region: str | None) -> bool:  # whether region's objects are in a pool directory
         return self._listings.has(region)
 
     def get(self, key: ObjectKey) -> L1Object | None:  # the READY object for ``key`` or None
@@ -157,9 +156,10 @@ class L1Store:
             return 0, dirty_all  # (a pinned or reserved object there: no recarving now)
         return (0 if dirty_all else area.capacity // size), dirty_all
 
-    def dirty_bytes(self) -> int:
-        """Bytes of the evictable dirty objects (a write-down queued, none in progress), every region."""
-        return self._evictable.dirty_bytes()
+    def dirty_room(self, region: str | None) -> tuple[int, int]:
+        """(bytes of ``region``'s evictable dirty objects, its capacity): the dirty limit's terms."""
+        alloc = self.allocator.regions[region] if isinstance(self.allocator, Partitions) else self.allocator
+        return self._evictable.region(region)[1], alloc.capacity
 
     def when_clean(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once, the next time an object turns clean (or leaves L1)."""

@@ -82,7 +82,8 @@ def _writes(mgr: StorageManager, keys: list[ObjectKey]) -> tuple[int, int]:
 
 def needs_wait(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int, overwrite: bool) -> bool:
     """Whether the store should wait for write-downs first: it needs dirty objects' room, or its
-    chunks would take the dirty objects past ``L1Store.dirty_limit`` of the pool (while any is
+    chunks would take the dirty objects past ``L1Store.dirty_limit`` of the pool (of a tenant's
+    region, in it; while any is
     dirty: the limit only ever delays a store, it never drops anything)."""
     l1 = mgr.l1
     if l1.writeback_wait_s <= 0 or not mgr.lanes:
@@ -90,11 +91,14 @@ def needs_wait(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int,
     short, dirty = shortfall(mgr, keysets, nbytes, overwrite)
     if short > 0 and dirty > 0:
         return True
-    if l1.dirty_limit >= 1 or not (dirty_now := l1.dirty_bytes()):
+    if l1.dirty_limit >= 1:
+        return False
+    dirty_now, capacity = l1.dirty_room(l1.region_for(keysets[0][0]))  # (a tenant's region: its own)
+    if not dirty_now:
         return False
     plans = [(len(keys), 0) if overwrite else _writes(mgr, keys) for keys in keysets]
     new = sum(n for n, _ in plans) * aligned(nbytes)
-    return dirty_now + new > l1.dirty_limit * l1.allocator.capacity
+    return dirty_now + new > l1.dirty_limit * capacity
 
 
 async def wait_for_room(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int, overwrite: bool) -> bool:

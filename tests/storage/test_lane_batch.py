@@ -149,3 +149,29 @@ def test_a_failed_write_ends_the_batch_and_the_rest_are_written_after(tmp_path: 
         assert w.disk.knows(K(4)) is not None and w.disk.knows(K(3)) is None
 
     run(tmp_path, body)
+
+
+def test_the_unrun_writes_of_a_stopped_batch_are_dropped_and_counted_after_an_abort(tmp_path: Path) -> None:
+    # a deletion stops the batch, then the shutdown drain is aborted (abandon): what the batch did
+    # not run is dropped and counted like every queued write-down, never pumped again
+    async def body(w: World) -> None:
+        lane = w.lanes["l2"]
+        lane._batch_size = lambda: 8  # type: ignore[method-assign]
+        ops = _record(w)
+        first = w.block()
+        w.store([K(1)])
+        objs = w.store([K(2), K(3), K(4), K(5)])
+        second = w.block()
+        first.set()
+        await until(lambda: lane.writing == objs)
+        deleted = lane.delete([K(9)])
+        assert lane.abandon() == (0, 0)  # only the deletion was queued: it answers None
+        assert await deleted is None
+        second.set()
+        await until(lambda: lane.idle)
+        assert ops == [("write", 1), ("write", 2)]
+        assert (lane.counters.writes, lane.counters.writes_skipped) == (2, 3)
+        assert all(o.holds == 0 and o.dirty == 0 for o in objs) and lane.backlog() == (0, 0)
+        w.check()
+
+    run(tmp_path, body)

@@ -48,7 +48,6 @@ from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.tier import Head, StorageTier
 
 log = logging.getLogger(__name__)
-
 T = TypeVar("T")
 
 BATCH_S = 0.05  # a batch of write-downs takes about this long (TierLane._batch_size)
@@ -116,7 +115,7 @@ class TierLane:
         # a shared tier's fence for each write-down (kvdock.storage.coherence), given its epoch
         self.fence: Callable[[int], Fence] | None = None
         self.dropped_down = self.dropped_down_bytes = 0  # dropped: the tier was down (also in writes_skipped)
-        self._noroom_logged = False
+        self._noroom_logged = self._abandoned = False
         self.writes_cancelled = 0  # queued write-downs an overwrite's deletion made moot (delete)
 
     @property
@@ -124,12 +123,11 @@ class TierLane:
         return self.tier.name
 
     @property
-    def backlog_bytes(self) -> int:
-        """Bytes of write-downs not done yet: the one in flight and those queued behind it."""
+    def backlog_bytes(self) -> int:  # bytes of write-downs not done yet (backlog)
         return self.backlog()[1]
 
     def backlog(self) -> tuple[int, int]:
-        """(chunks, bytes) of write-downs not done yet: the one in flight and the live ones queued."""
+        """(chunks, bytes) of write-downs not done yet: the batch in flight and the live ones queued."""
         queued = [j.obj.nbytes for j in self._queue if isinstance(j, _Write) and j.obj.live]
         queued += [o.nbytes for o in self.writing]
         return len(queued), sum(queued)
@@ -137,15 +135,15 @@ class TierLane:
     @property
     def writing(self) -> list[L1Object]:
         """The objects the writer holds (L1Store.hold) to copy now or next, in its batch."""
-        b = self._busy
-        return [j.obj for j in b.jobs[b.done :]] if isinstance(b, _Batch) else []
+        return [j.obj for j in self._busy.jobs[self._busy.done :]] if isinstance(self._busy, _Batch) else []
 
     pinned = None  # the writer holds (L1Store.hold), never pins (StorageManager.check_integrity)
 
     def abandon(self) -> tuple[int, int]:
-        """Drop every queued job (a shutdown drain was aborted); the write in flight, if any, still
-        finishes. Returns (chunks, bytes) of the live write-downs dropped (also counted in
-        ``writes_skipped``); queued deletions and clears answer their default (not done)."""
+        """Drop every queued job (a shutdown drain was aborted; the batch in flight still finishes;
+        deletions and clears answer their default); (chunks, bytes) of the live write-downs dropped
+        (also in ``writes_skipped``)."""
+        self._abandoned = True
         chunks = nbytes = 0
         while self._queue:
             job = self._queue.popleft()
@@ -306,20 +304,22 @@ class TierLane:
         self._pump()
 
     def _requeue(self, jobs: list[_Write]) -> None:
-        """The writes a batch did not run (a deletion stopped it) go back: those of a queued
-        deletion's keys are cancelled (older versions, as :meth:`delete` does), the others go
-        right after the deletions at the head of the queue (ahead of everything queued after
-        them, as they were)."""
+        """The writes a batch did not run (a deletion stopped it) go back: those of a queued deletion's
+        keys are cancelled (as :meth:`delete` does), the others go right behind the leading deletions."""
+        for job in jobs:
+            self._l1.release(job.obj)
+        if self._abandoned:  # a drain was aborted meanwhile: dropped and counted, as abandon does
+            self._queue.extendleft(reversed(jobs))
+            self.abandon()
+            return
         doomed = {k for q in self._queue if isinstance(q, _Call) for k in q.keys}  # (all queued after them)
         lead = (i for i, q in enumerate(self._queue) if not (isinstance(q, _Call) and q.what == "delete"))
         at = next(lead, len(self._queue))
         for i, job in enumerate(j for j in jobs if j.obj.key not in doomed):
             self._queue.insert(at + i, job)
-        for job in jobs:
-            self._l1.release(job.obj)
-            if job.obj.key in doomed:
-                self._l1.mark_clean(job.obj)
-                self.writes_cancelled += 1
+        for job in (j for j in jobs if j.obj.key in doomed):
+            self._l1.mark_clean(job.obj)
+            self.writes_cancelled += 1
 
     async def on_reader(self, fn: Callable[..., T], *args: Any, default: T, when_down: bool = False) -> T:
         """Run ``fn(*args)`` on the reader thread; an error marks the tier down and gives ``default``.

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, ServerProc, free_port, make_tokens, start_server
+from helpers import CHUNK, ServerProc, free_port, make_tokens, start_inprocess, start_server
 from kvdock.cli.main import main
 
 
@@ -205,7 +205,7 @@ def test_export_and_import_move_a_prefix_between_servers(server, tmp_path) -> No
     assert json.loads(r.stdout) == {"hit_tokens": 4 * CHUNK, "tokens": 4 * CHUNK, "out": out}
     r = kvdock("export", *src, "--model", "tiny", "1,2,3", "-o", str(tmp_path / "miss.kvb"))
     assert r.returncode == 1 and not (tmp_path / "miss.kvb").exists()
-    b = start_server(tmp_path, chunk_size=2 * CHUNK)
+    b = start_inprocess(tmp_path, chunk_size=2 * CHUNK)  # another chunk size (in process: no boundary needed)
     try:
         kvd.register_model(b.url, b.http_url, "tiny", dtype="bfloat16", num_layers=3, num_kv_heads=2, head_dim=8)
         dst = ["--url", b.url, "--http-url", b.http_url]

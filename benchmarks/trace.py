@@ -230,7 +230,7 @@ def replay(
                 if kvd.lookup(ctx, tokens):
                     got = kvd.retrieve(ctx, tokens)
                     hit += got.shape[2] if got is not None else 0
-                kvd.store_chunks(ctx, kv[:, :, : len(tokens)], tokens)
+                kvd.store_chunks(ctx, kv[:, :, : len(tokens)], tokens, edited=False)  # an engine's save
         seconds = time.perf_counter() - t0
         status = srv.get("/status")  # type: ignore[attr-defined]
     l1 = status["l1"]

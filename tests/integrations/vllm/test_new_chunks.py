@@ -153,7 +153,8 @@ def test_a_staged_save_missing_an_earlier_chunk_stores_nothing_not_an_orphan(sdk
         kvd.store_from(sdk, _Staged(kv[:, :, CHUNK:].clone(), CHUNK, CHUNK), toks, conflict_wait_s=0.0)
     assert err.value.at == 0  # type: ignore[attr-defined]
     assert kvd.lookup(sdk, toks) == 0
-    kvd.store(sdk, kv[:, :, :CHUNK], toks[:CHUNK])  # chunk 0 alone: chunks 1, 2 were not left behind
+    # chunk 0 alone (the engine's own KV: edited=False): chunks 1, 2 were not left behind
+    kvd.store(sdk, kv[:, :, :CHUNK], toks[:CHUNK], edited=False)
     assert kvd.lookup(sdk, toks) == CHUNK
     # now the chain is intact: the staged chunks 1, 2 are stored, and the prefix reads back whole
     res = kvd.store_from(sdk, _Staged(kv[:, :, CHUNK:].clone(), CHUNK, CHUNK), toks, conflict_wait_s=0.0)

@@ -88,7 +88,8 @@ def output(new: list[Any] = (), cached: Any = None, scheduled: dict[str, int] | 
 
 def store_prefix(srv: ServerProcess, tokens: list[int]) -> None:
     with kvd.connect(srv.url, srv.http_url, MODEL) as ctx:
-        kvd.store(ctx, torch.randn(2, 2, len(tokens), 64), tokens)
+        # the model's KV as an engine saved it (edited=False: no SDK edit, loadable after vLLM's own blocks)
+        kvd.store(ctx, torch.randn(2, 2, len(tokens), 64), tokens, edited=False)
 
 
 def test_the_load_starts_at_vllms_own_hit_and_saves_cover_new_chunks(server: ServerProcess) -> None:

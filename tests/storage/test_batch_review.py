@@ -66,7 +66,7 @@ def slow_writes(lane: TierLane, delay_s: float) -> list[ObjectKey]:
             done.append(key)
         return out
 
-    tier.write_from = write_from  # type: ignore[method-assign]
+    tier.write_from = write_from  # type: ignore[method-assign,assignment]
     return done
 
 
@@ -245,6 +245,58 @@ def test_a_failed_write_mid_batch_with_a_deletion_queued_cancels_only_its_keys(t
         settled(w)
 
     run(tmp_path, body, slots=16)
+
+
+# ---------------------------------------------------------------- another host's overwrite (fence)
+
+
+@pytest.mark.parametrize("applied", [False, True], ids=["before_the_poll", "after_the_poll"])
+def test_an_l3_batch_never_writes_a_version_another_hosts_acknowledged_overwrite_replaced(
+    tmp_path: Path, redis_server: RedisProc, applied: bool
+) -> None:
+    """Host 1 holds K1..K4 (v0) in an L3 batch behind a gate (and its L2 writer busy); host 2
+    overwrites K3 (v2), acknowledged. Host 1's batch then runs, before its poll applies host 2's
+    entries (L3's floor refuses K3 v0: fenced) or after it (K3 is no longer live: fenced too).
+    L3 keeps host 2's v2, host 1's L2 never keeps K3 v0, host 1 serves no K3; nothing held."""
+
+    async def main() -> None:
+        host1 = World(tmp_path / "h1", redis_url=redis_server.url, disk=True, coherent=True)
+        host2 = World(tmp_path / "h2", redis_url=redis_server.url, disk=False, coherent=True)
+        try:
+            await host1.sync()
+            await host2.sync()
+            l3 = host1.lanes["l3"]
+            l3._batch_size = lambda: 8  # type: ignore[method-assign]
+            host1.lanes["l2"]._batch_size = lambda: 8  # type: ignore[method-assign]
+            gates = [host1.block("l3"), host1.block("l2")]
+            keys = [K(i) for i in range(1, 5)]
+            objs = host1.store(keys)
+            assert l3.writing == [objs[0]] and len(l3._queue) == 3  # K1 pumped at once (behind the gate)
+            assert await host2.store_async([K(3)], version=2, overwrite=True) == 1
+            await host2.drain()
+            if applied:
+                await host1.sync()  # K3 v0 leaves host 1's L1; its L2 copy is deleted
+                assert host1.l1.get(K(3)) is None
+            gates[0].set()
+            await until(lambda: l3.idle)
+            if not applied:
+                await host1.sync()
+            gates[1].set()
+            await host1.drain()
+            assert redis_bytes(host1, K(3)) == payload(K(3), 2)
+            for k in (K(1), K(2), K(4)):
+                assert redis_bytes(host1, k) == payload(k) and disk_bytes(host1, k) == payload(k)
+            assert disk_bytes(host1, K(3)) in (None, payload(K(3), 2))
+            assert host1.l1.get(K(3)) is None
+            c = l3.counters  # (K3 fenced by L3, or by its liveness on the writer, or skipped at the pump)
+            assert c.writes_skipped == 1 and c.fenced == (not applied) and c.writes == 3 and c.write_errors == 0
+            assert all(o.holds == 0 for o in objs)
+            settled(host1)
+        finally:
+            host1.mgr.close()
+            host2.mgr.close()
+
+    asyncio.run(main())
 
 
 # ---------------------------------------------------------------- shutdown drain, aborted

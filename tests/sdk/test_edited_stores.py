@@ -179,3 +179,31 @@ def test_a_plain_edited_store_stays_edited_in_l2_and_across_a_restart(make_serve
         more = torch.cat([user, make_kv(3 * CHUNK, seed=14)[:, :, 2 * CHUNK :]], dim=2)
         assert kvd.store_chunks(c, more, TX) == kvd.StoreResult(1, 2, 0, 0, 0)  # read back from L2
         assert torch.equal(retrieved(c, TX), more)
+
+
+def test_a_sharded_models_stores_are_edited_in_every_shard_and_extend_over_the_same_bytes(make_server) -> None:
+    srv = make_server(register=None)
+    kvd.register_model(srv.url, srv.http_url, "tp", num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16",
+                       world_size=2, rank=1, timeout=10)  # fmt: skip
+    with (
+        kvd.connect(srv.url, srv.http_url, "tp", timeout=10) as whole,
+        kvd.connect(srv.url, srv.http_url, "tp", timeout=10, kv_rank=1) as rank1,
+    ):
+        g = torch.Generator().manual_seed(15)
+        kv = torch.randn(whole.geometry.chunk_shape(3 * CHUNK), generator=g).bfloat16()
+        assert kvd.store(whole, kv[:, :, : 2 * CHUNK], T)
+        seen = lookup_tips(whole, T)
+        assert len(seen.versions) == 2 and all(v & EDITED for v in seen.versions)
+        # rank 1 of an engine, its own KV of T+X: nothing past the user's T in its shard
+        mine = torch.randn(rank1.geometry.chunk_shape(3 * CHUNK), generator=g).bfloat16()
+        assert engine_save(rank1, mine, TX) == kvd.StoreResult(0, 2, 0, 0, 1)
+        # the user's same tensor, longer: read back from both shards, identical, stored over their tips
+        assert kvd.store_chunks(whole, kv, TX) == kvd.StoreResult(2, 4, 0, 0, 0)
+        assert torch.equal(retrieved(whole, TX), kv)
+        other = kv.clone()
+        other[0, 2, 0, 15] += 1  # one value of shard 1's heads in chunk 0
+        four = make_tokens(4 * CHUNK, start=500)
+        more = torch.cat([other, torch.randn(whole.geometry.chunk_shape(CHUNK), generator=g).bfloat16()], dim=2)
+        assert kvd.store_chunks(whole, more, four) == kvd.StoreResult(0, 6, 0, 0, 2)
+        assert kvd.lookup(whole, four) == 3 * CHUNK
+        assert kvd.check_server_integrity(whole) == []

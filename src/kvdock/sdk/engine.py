@@ -2,7 +2,10 @@
 
 * :func:`store_from` / :func:`retrieve_into` copy chunk by chunk straight between the engine's
   own buffers and the shared-memory slots, through a :class:`ChunkSource` / :class:`ChunkSink`
-  the engine implements (one copy, no intermediate tensor);
+  the engine implements (one copy, no intermediate tensor); an engine's KV is what its model
+  computed (``store_from``'s ``edited=False``; an engine storing a tensor passes ``edited=False``
+  to ``store_chunks``, whose default marks a user's KV edited), and a save of KV computed over a
+  prefix loaded from kvdock names that prefix's tips (``over``);
 * :func:`lookup_tips` and ``retrieve_into(..., tips=)``: the ranks of a tensor-parallel engine
   load the versions one lookup saw;
 * :func:`make_layout` / :func:`register_layout`: register the engine's KV layout

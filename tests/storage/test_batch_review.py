@@ -128,6 +128,100 @@ def test_random_overwrites_during_batches_leave_every_tier_with_the_last_acknowl
     run(tmp_path, body, redis_url=redis_server.url, slots=64)
 
 
+@pytest.mark.parametrize("seed", [4, 5])
+def test_random_overwrites_removals_and_dirty_evictions_under_batches_never_leave_an_older_version(
+    tmp_path: Path, redis_server: RedisProc, seed: int
+) -> None:
+    """A small L1 (12 slots, a 0.05 s wait before dirty evictions) under batches of 5 on both
+    lanes: random overwrites (some pool-full: their uncommitted chunks are deleted everywhere),
+    plain re-stores, removals and clears of L1. Misses are fine; but after the drain no tier
+    holds any version of a key but its last acknowledged one (none where the last overwrite
+    deleted it), and nothing is held, dirty or retired."""
+    from kvdock.errors import RequestError
+
+    rng = random.Random(seed)
+    ids = list(range(1, 17))
+
+    async def body(w: World) -> None:
+        w.l1.writeback_wait_s = 0.05
+        for lane in w.lanes.values():
+            lane._batch_size = lambda: 5  # type: ignore[method-assign]
+            slow_writes(lane, 0.012)
+        latest: dict[int, int | None] = {}
+        busy: set[int] = set()
+        tasks: list[asyncio.Task[None]] = []
+        n = 0
+
+        async def store(chosen: list[int], overwrite: bool) -> None:
+            nonlocal n
+            n += 1
+            sid = f"r{n}"
+            keys = [K(i) for i in chosen]
+            v = max((latest.get(i) or 0) for i in chosen) + 1 if overwrite else None
+            try:
+                if not overwrite and any(latest.get(i) is None for i in chosen):
+                    return
+                keysets = [keys]
+                if writeback.needs_wait(w.mgr, keysets, NB, overwrite):
+                    await writeback.wait_for_room(w.mgr, keysets, NB, overwrite)
+                try:
+                    with w.l1.dirty_eviction():
+                        plan = w.mgr.prepare_store("c", sid, keys, NB, overwrite)
+                except RequestError:
+                    return
+                for j, obj in plan.slots:
+                    w.l1.view(obj)[:] = payload(keys[j], v if overwrite else latest[chosen[j]] or 0)  # type: ignore[arg-type]
+                if overwrite:
+                    ok = await w.mgr.wait_deletes("c", sid)
+                    assert ok
+                    done = {j for j, _ in plan.slots}
+                    if plan.slots:
+                        w.mgr.commit_store("c", sid, sorted(done), ok)
+                    else:
+                        w.mgr.end_session("c", sid)
+                    for j, i in enumerate(chosen):  # committed: v; the rest deleted everywhere
+                        latest[i] = v if j in done else None
+                elif plan.slots:
+                    w.mgr.commit_store("c", sid, [j for j, _ in plan.slots])
+                else:
+                    w.mgr.end_session("c", sid)
+            finally:
+                busy.difference_update(chosen)
+
+        for i in ids:
+            latest[i] = None
+        for _ in range(60):
+            op = rng.random()
+            free = [i for i in ids if i not in busy]
+            if op < 0.6 and free:
+                chosen = rng.sample(free, min(len(free), rng.choice([1, 2, 3])))
+                busy.update(chosen)
+                tasks.append(asyncio.ensure_future(store(chosen, overwrite=rng.random() < 0.7)))
+            elif op < 0.85:
+                i = rng.choice(ids)
+                w.l1.remove(K(i))  # dropped from L1 only (as an eviction): L2/L3 keep it
+            elif op < 0.9:
+                w.l1.clear()
+            await asyncio.sleep(rng.choice([0, 0.002, 0.01, 0.02]))
+            w.check()
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        await w.drain()
+        settled(w)
+        for i, v in latest.items():
+            want = None if v is None else payload(K(i), v)
+            got = {
+                "L1": w.l1_bytes(K(i)) if w.l1.get(K(i)) is not None else None,
+                "L2": disk_bytes(w, K(i)),
+                "L3": redis_bytes(w, K(i)),
+            }
+            for tier, b in got.items():
+                assert b is None or b == want, f"{tier} holds a version of {i} other than its last ({v})"
+        for lane in w.lanes.values():
+            assert (lane.counters.write_errors, lane.dropped_down) == (0, 0), lane.name
+
+    run(tmp_path, body, redis_url=redis_server.url, slots=12)
+
+
 # ---------------------------------------------------------------- held bytes stay the object's own
 
 

@@ -18,7 +18,8 @@ of:
   ``--l2`` also L1 + an L2 disk of the whole trace's size): per request a lookup, a retrieve of
   the cached prefix, a store of the whole prompt (as an engine would), with the server's own
   counters and the replay's throughput (requests/s: policy cost included). ``--dirty-limit``
-  (repeatable) replays L1 + L2 once per ``--writeback-dirty-limit`` given (default: 1, off).
+  (repeatable) replays L1 + L2 once per ``--writeback-dirty-limit`` given (default: 1, off);
+- with ``--admission`` only, the offline table of L2 admission rules (:func:`admission`).
 
 Usage (``--limit`` the first N requests of each trace)::
 
@@ -42,6 +43,7 @@ from pathlib import Path
 BLOCK = 512
 SLOT_NBYTES = 2 * 1 * BLOCK * 4 * 2  # the replay's model: 1 layer, 1 KV head of 4, bf16: 8 KiB a chunk
 GEOMETRY = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4}
+RULES = ("none", "all", "ghost", "reused")  # L2 admission rules (admission())
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,49 @@ def replay(
     }
 
 
+def admission(reqs: list[Request], capacity: int, rule: str) -> tuple[float, int]:
+    """(prefix hit rate, chunks written to L2) of an s3fifo L1Store of ``capacity`` slots over an
+    L2 that is infinitely fast and never full, when L2 takes: ``all`` chunks stored (kvdock), only
+    a chunk stored a second time (``ghost``: after L1 lost it), only a chunk read in L1
+    (``reused``), or nothing (``none``). Reads past L1 are promoted from L2 (offline; W-EVICT)."""
+    from kvdock.keys import ObjectKey
+    from kvdock.shm.slots import ALIGN, SlotAllocator
+    from kvdock.storage.memory import L1Store
+
+    l1 = L1Store(SlotAllocator(ALIGN, capacity * ALIGN), policy="s3fifo")
+    l2: set[int] = set()
+    seen: set[int] = set()
+    hit = 0
+    for r in reqs:
+        run = []
+        for b in r.blocks:
+            key = ObjectKey("m", 0, "", b.to_bytes(32, "little"))
+            obj = l1.get(key)
+            if obj is None and b in l2 and (obj := l1.reserve(key, 100)) is not None:
+                l1.commit(obj)  # promoted
+            elif obj is not None and rule == "reused":
+                l2.add(b)
+            if obj is None:
+                break
+            l1.pin(obj)
+            run.append(obj)
+        hit += len(run)
+        made = []
+        for b in r.blocks[len(run) :]:
+            obj = l1.reserve(ObjectKey("m", 0, "", b.to_bytes(32, "little")), 100)
+            if obj is None:
+                break
+            made.append((b, obj))
+        for b, obj in made:
+            l1.commit(obj)
+            if rule == "all" or (rule == "ghost" and b in seen):
+                l2.add(b)
+            seen.add(b)
+        for obj in run:
+            l1.unpin(obj)
+    return hit * BLOCK / input_tokens(reqs), len(l2)
+
+
 def tokens_arg(text: str) -> int:
     mult = {"K": 1_000, "M": 1_000_000}.get(text[-1:].upper(), 1)
     return int(float(text.rstrip("kKmM")) * mult)
@@ -263,19 +308,30 @@ def main() -> None:
     ap.add_argument("--server", action="store_true", help="also replay through a real server")
     ap.add_argument("--l2", action="store_true", help="with --server: also L1 + an L2 disk")
     ap.add_argument("--dirty-limit", action="append", type=float, help="with --l2: --writeback-dirty-limit values")
+    ap.add_argument("--admission", action="store_true", help="only the offline L2 admission table (admission())")
     args = ap.parse_args()
     capacities = args.capacity or [1_000_000, 3_000_000]
     policies = args.policy or sorted(POLICIES)
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load: {os.getloadavg()}", flush=True)
     limits = args.dirty_limit or [1.0]
+    traces: list[tuple[str, Path | str]] = [(p.stem.removeprefix("mooncake_"), p) for p in args.trace]
+    traces += [(k, k) for k in args.synthetic]
+    if args.admission:
+        print("| trace | requests | L1 tokens | infinite | " + " | ".join(f"L2 admits {r}" for r in RULES) + " |")
+        print("|---" * (4 + len(RULES)) + "|")
+        for name, source in traces:
+            reqs = load(source, args.limit) if isinstance(source, Path) else synthetic(source)[: args.limit or None]
+            for cap in capacities:
+                got = [admission(reqs, cap // BLOCK, rule) for rule in RULES]
+                cells = [f"{h:.1%} ({n} writes)" for h, n in got]
+                print(f"| {name} | {len(reqs)} | {cap / 1e6:g}M | {infinite(reqs):.1%} | " + " | ".join(cells) + " |")
+        return
     print(
         "| trace | requests | L1 tokens | infinite | belady | policy | sim hit | sim/lru | sim req/s | server hit | "
         "server req/s | dirty limit | L1+L2 hit | L1+L2 req/s | L2 promotions / writes / dirty evictions | "
         "store waits (s) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    traces: list[tuple[str, Path | str]] = [(p.stem.removeprefix("mooncake_"), p) for p in args.trace]
-    traces += [(k, k) for k in args.synthetic]
     for name, source in traces:
         reqs = load(source, args.limit) if isinstance(source, Path) else synthetic(source)[: args.limit or None]
         inf = infinite(reqs)

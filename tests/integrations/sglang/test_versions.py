@@ -201,6 +201,12 @@ def test_a_continuation_of_a_prefix_loaded_from_kvdock_is_stored(sgl_server: Ser
         page.copy_(torch.randn(page.shape, generator=g).to(page.dtype))
     assert b.batch_set_v1(keys[4:], cont, info(keys[:4])) == [True, True]
     assert b.stats["set_over_loaded"] == 1 and b.stats["pages_diverged"] == 0
+    assert b.stats["get_vouched"] == 1  # (the edit's tips: a single rank reads with them only for an edit)
+    plain = sglang_page_hashes(prompt(2, seed=12), PAGE)  # SGLang's own pages: no edit, the plain read
+    assert b.batch_set_v1(plain, cont, info([])) == [True, True]
+    assert b.batch_exists(plain, info([])) == 2
+    assert b.batch_get_v1(plain, pool.alloc(2 * PAGE), info([])) == [True, True]
+    assert b.stats["get_vouched"] == 1 and len(b.loaded) == 1
     with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
         kv = kvd.retrieve(ctx, tokens)
         assert kv is not None and kv.shape[2] == 6 * PAGE

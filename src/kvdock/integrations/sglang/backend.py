@@ -61,6 +61,7 @@ from kvdock.integrations.sglang.pools import Flat, HostPages, NoExtraPools, Page
 from kvdock.integrations.sglang.versions import Loaded, Seen
 from kvdock.keying import KVDOCK, key_tokens
 from kvdock.sharding import place
+from kvdock.storage.plans import depends_on_edit
 
 try:  # the base class when SGLang is installed; the module itself imports without it
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
@@ -255,6 +256,8 @@ class KvdockHiCacheStorage(NoExtraPools, _Base):  # type: ignore[misc,valid-type
             if vouched is None and self.ranks > 1:
                 self.stats["get_unvouched"] += 1
                 return [False] * len(keys)
+            if vouched is not None and self.ranks == 1 and not any(depends_on_edit(t) for t in vouched.tips):
+                vouched = None  # one rank, no edit to extend (no over): the plain read, the pool directory first
             chain, first = self._chain(keys, extra_info, vouched.extra if vouched else None)
             tips = vouched.tips if vouched else None
             hit = (

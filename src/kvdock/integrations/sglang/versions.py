@@ -29,7 +29,9 @@ objects). Matching by equality could pair a get with a *later* operation's exist
 after another rank's get): that could mix versions. A get whose pages no recorded exists of this
 rank saw (evicted from the record, or a caller that hashes anew) is a miss on a rank of a
 tensor- or pipeline-parallel engine (counted ``get_unvouched``); a single-rank engine loads
-whatever is there (nothing to mix with). A get asking fewer pages than its exists saw (the MIN,
+whatever is there (nothing to mix with), with the tips only when they name an edit (a version with
+the EDITED or DERIVED bit: :class:`Loaded` needs the version it loaded), else by the plain read
+that may skip the server (the pool directory). A get asking fewer pages than its exists saw (the MIN,
 or the host memory cut) asks kvdock for the whole chain exists saw, with its tip, and copies only
 the pages asked for.
 

@@ -43,3 +43,17 @@ def test_no_policy_beats_belady_and_s3fifo_never_loses_to_lru(trace, kind: str) 
     rates = {p: trace.simulate(reqs, cap, p) for p in ("lru", "prefix-lru", "s3fifo")}
     assert all(r <= bound + 1e-9 <= top + 1e-9 for r in rates.values()), (rates, bound, top)
     assert rates["s3fifo"] >= 0.97 * rates["lru"], rates
+
+
+def test_admission_rules_on_a_hand_made_trace(trace) -> None:  # type: ignore[no-untyped-def]
+    # L1 of 2 slots: R2 pushes R1's chunks out of L1; R3 asks for R1's prompt again
+    R = trace.Request
+    reqs = [R((1, 2)), R((3, 4)), R((1, 2))]
+    got = {rule: trace.admission(reqs, 2, rule) for rule in trace.RULES}
+    assert got["all"] == (pytest.approx(2 / 6), 4)  # both promoted from L2
+    assert got["none"] == (0.0, 0)
+    assert got["ghost"] == (0.0, 2)  # written only when stored again, after the miss
+    assert got["reused"] == (0.0, 0)  # never read while in L1
+    # read while in L1 (R2 = R1 again): "reused" writes it down, and it is there after L1 lost it
+    reqs = [R((1, 2)), R((1, 2)), R((3, 4)), R((1, 2))]
+    assert trace.admission(reqs, 2, "reused") == (pytest.approx(4 / 8), 2)

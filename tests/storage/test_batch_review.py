@@ -424,6 +424,31 @@ def test_an_aborted_drain_stops_the_batch_after_the_write_in_progress(tmp_path: 
     run(tmp_path, body, slots=16)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "R-BATCH (low): TierLane._batch_size divides BATCH_S by the tier's mean write time since "
+        "start (counters.writes / write_seconds), so after a long fast period a tier that slows "
+        "down (a disk under contention, a Redis far away) keeps getting batches sized for the old "
+        "speed: 10,000 writes at 1 ms then 100 at 200 ms still give batches of 16, 3.2 s each "
+        "(64x BATCH_S) during which 16 objects per lane are held, unevictable even past the "
+        "writeback wait, and an aborted drain runs them all. Fix: size batches on a recent "
+        "estimate of the write time (an EWMA updated in _wrote, kept beside the counters)"
+    ),
+)
+def test_the_batch_size_follows_a_tier_that_slowed_down(tmp_path: Path) -> None:
+    async def body(w: World) -> None:
+        lane = w.lanes["l2"]
+        c = lane.counters
+        c.writes, c.write_seconds = 10_000, 10_000 * 0.001  # fast for a long while
+        assert lane._batch_size() == 32
+        c.writes, c.write_seconds = c.writes + 100, c.write_seconds + 100 * 0.2  # the last 100: 0.2 s each
+        assert lane._batch_size() * 0.2 <= 4 * 0.05, f"batches of {lane._batch_size()} writes of 0.2 s"
+        c.writes, c.write_seconds = 0, 0.0
+
+    run(tmp_path, body)
+
+
 # ---------------------------------------------------------------- the dirty limit
 
 

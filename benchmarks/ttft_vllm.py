@@ -26,7 +26,13 @@ this machine (A/A). Same model, prompt lengths and flags.
   not wait for their saves (``settle``: false), so the background saves overlap the next batch
   as they would in a server.
 * Throughput with half of each batch's prompts in kvdock (prompts of an earlier no-hit round,
-  vLLM's own prefix cache cleared), against plain vLLM recomputing the same batch.
+  vLLM's own prefix cache cleared), against plain vLLM recomputing the same batch, and -- the
+  steady measure, since engine processes differ by more than the effect (A/A) -- against the
+  same engine's own batch of new prompts right after (per round: no-hit time / half-hit time).
+  The tokens vLLM reports cached show that half the prompts' whole chunks came from kvdock.
+* Bytes the connector copied out of vLLM's pages per no-hit batch against the KV of the batch's
+  whole chunks: each chunk is copied once (saves stage only the chunks new since the request's
+  last save), also when vLLM's chunked prefill splits a prompt over steps.
 * Batches of new prompts while the kvdock server is stopped (SIGSTOP), against plain vLLM.
 
 The model is a random Llama built from a config (8 layers, hidden 512, 8 query / 4 KV heads of 64,
@@ -99,9 +105,17 @@ def batch(
 ) -> tuple[float, dict[str, float]]:
     """One throughput batch (without waiting for its saves): its wall time, and the seconds spent
     inside each connector hook."""
+    took, hooks, _ = batch_cached(engine, args, seed, given)
+    return took, hooks
+
+
+def batch_cached(
+    engine: EngineProcess, args: argparse.Namespace, seed: int, given: list[list[int]] | None = None
+) -> tuple[float, dict[str, float], int]:
+    """:func:`batch`, and the tokens vLLM reports cached over the batch's prompts."""
     ps = given if given is not None else prompts(seed, args.batch, args.batch_prompt)
     res = engine.call(op="generate", prompts=ps, max_tokens=args.batch_out, settle=False, timeout=900)
-    return float(res["seconds"]), res.get("connector", {})
+    return float(res["seconds"]), res.get("connector", {}), sum(res["cached"])
 
 
 def settle(engine: EngineProcess) -> None:
@@ -133,6 +147,9 @@ def main() -> int:
     plain, recompute, cached, hits = [], [], [], []
     fg_recompute, fg_cached = [], []
     hit_secs: dict[str, list[float]] = {"with": [], "plain": []}
+    own_miss: dict[str, list[float]] = {"with": [], "plain": []}  # the same engine's no-hit batch after
+    hit_cached: list[int] = []  # tokens cached per half-hit batch of the engine with the connector
+    copied = 0.0  # bytes copied out of vLLM's pages per no-hit batch (mean over the rounds)
     stopped: dict[str, list[float]] = {"with": [], "plain": []}
     stopped_inside: list[dict[str, float]] = []
     secs: dict[str, list[float]] = {"with": [], "plain": [], "twin": []}
@@ -177,6 +194,8 @@ def main() -> int:
                         file=sys.stderr,
                     )
                 names = list(engines)
+                settle(eng)
+                before = eng.call(op="copied")["bytes"]
                 for r in range(args.rounds):
                     for name in names[r % 3 :] + names[: r % 3]:  # each engine goes first in turn
                         cpu = cpu_seconds(srv.proc.pid)
@@ -192,14 +211,21 @@ def main() -> int:
                         file=sys.stderr,
                     )
                 settle(eng)
+                copied = (eng.call(op="copied")["bytes"] - before) / args.rounds
                 half = args.batch // 2
                 for r in range(args.rounds):  # half of each batch: prompts of no-hit round r
                     old = prompts(1000 + r, args.batch, args.batch_prompt)[:half]
                     mixed = old + prompts(5000 + r, args.batch - half, args.batch_prompt)
                     for name in ("with", "plain") if r % 2 == 0 else ("plain", "with"):
                         engines[name].call(op="reset_prefix_cache")
-                        hit_secs[name].append(batch(engines[name], args, 0, mixed)[0])
-                    print(f"hit round {r}: with {hit_secs['with'][-1]:.3f}s, plain {hit_secs['plain'][-1]:.3f}s",
+                        took, _, hit = batch_cached(engines[name], args, 0, mixed)
+                        hit_secs[name].append(took)
+                        if name == "with":
+                            hit_cached.append(hit)
+                        # the same engine, a batch of new prompts of the same shape: its own baseline
+                        own_miss[name].append(batch(engines[name], args, 6000 + 10 * r + names.index(name))[0])
+                    print(f"hit round {r}: with {hit_secs['with'][-1]:.3f}s (own no-hit {own_miss['with'][-1]:.3f}s), "
+                          f"plain {hit_secs['plain'][-1]:.3f}s (own no-hit {own_miss['plain'][-1]:.3f}s)",
                           file=sys.stderr)  # fmt: skip
                 os.kill(srv.proc.pid, signal.SIGSTOP)
                 try:
@@ -257,17 +283,30 @@ def main() -> int:
         f"the kvdock server's CPU time per batch: median {med(server_cpu):.3f}s "
         f"({100 * med(c / s for c, s in zip(server_cpu, secs['with'], strict=True)):.1f}% of one core)"
     )
+    whole = args.batch * (args.batch_prompt // 256 * 256) * 8 * 2 * 4 * 64 * 4  # chunk 256
+    print(
+        f"copied out of vLLM's pages per no-hit batch: {copied / 2**20:.1f} MiB "
+        f"(the KV of the batch's whole chunks: {whole / 2**20:.1f} MiB)"
+    )
     print(f"\nthroughput, half of each batch's prompts in kvdock ({args.rounds} rounds, prefix caches cleared)")
     print(f"{'plain vLLM (recomputes all)':<40} {tokens / med(hit_secs['plain']):>9.0f}")
     ratio = [p / w for p, w in zip(hit_secs["plain"], hit_secs["with"], strict=True)]
     label = "vLLM + kvdock (half the prefixes loaded)"
     print(f"{label:<40} {tokens / med(hit_secs['with']):>9.0f} {spread(ratio):>30}")
+    # a hit is whole chunks strictly below the prompt's length (vLLM computes at least one token)
+    expect = args.batch // 2 * ((args.batch_prompt - 1) // 256 * 256)
+    print(f"tokens cached per half-hit batch: {sorted(set(hit_cached))} (the hitting prompts' whole chunks: {expect})")
+    print("against the same engine's own batch of new prompts right after (no-hit time / half-hit time, per round):")
+    for name, label in (("with", "vLLM + kvdock"), ("plain", "plain vLLM (the noise: nothing hits)")):
+        own = [m / h for m, h in zip(own_miss[name], hit_secs[name], strict=True)]
+        print(f"  {label:<38} {tokens / med(hit_secs[name]):>9.0f} {spread(own):>30}")
     print(f"\nbatches of new prompts with the kvdock server stopped (SIGSTOP), {args.stopped_rounds} rounds")
     ratio = [p / w for p, w in zip(stopped["plain"], stopped["with"], strict=True)]
     print(f"{'plain vLLM':<40} {tokens / med(stopped['plain']):>9.0f}")
     print(f"{'vLLM + kvdock, server stopped':<40} {tokens / med(stopped['with']):>9.0f} {spread(ratio):>30}")
     inside_stopped = [sum(h.values()) for h in stopped_inside]
-    print(f"time inside the connector's hooks per stopped batch: median {med(inside_stopped):.4f}s")
+    each = ", ".join(f"{x:.3f}" for x in inside_stopped)
+    print(f"time inside the connector's hooks per stopped batch: median {med(inside_stopped):.4f}s ({each} s)")
     return 0
 
 

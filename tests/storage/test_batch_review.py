@@ -402,9 +402,10 @@ def test_an_l3_batch_never_writes_a_version_another_hosts_acknowledged_overwrite
         "R-BATCH: TierLane.abandon (a drain aborted by a second signal) drops the queue but not the "
         "batch in flight: the writer goes on with every held write of the batch (up to BATCH_MAX=32, "
         "sized on the tier's *mean* write time so far, so a tier that slowed down makes it long), "
-        "while drain.py promises 'the one write in flight finishes' and counts none of them as "
-        "dropped. Fix: abandon() sets self._busy.stop when it is a _Batch (and counts the batch's "
-        "unrun writes as dropped in _requeue/abandon instead of requeueing them after an abandon)"
+        "while drain.py promises 'the one write in flight finishes' (b03251c's abandon docstring "
+        "now says the batch finishes; its unrun writes are counted only if a deletion stopped it). "
+        "Fix: abandon() sets self._busy.stop when it is a _Batch (_requeue, since b03251c, then "
+        "drops and counts the unrun writes)"
     ),
 )
 def test_an_aborted_drain_stops_the_batch_after_the_write_in_progress(tmp_path: Path) -> None:

@@ -17,19 +17,17 @@ from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
 from kvdock.storage.coherence import (
     DELETE_SCRIPT,
+    RECENT_MS,
     STREAM_KEY,
     Coherence,
     Fence,
     PollResult,
-    SavedPosition,
     decode_keys,
     encode_keys,
-    follow,
-    load_position,
     pos_int,
     pos_text,
-    save_position,
 )
+from kvdock.storage.following import SavedPosition, follow, load_position, save_position
 from tierworld import CHUNK, GEO, SHAPE, World, payload, until
 from tierworld import NB as CHUNK_NB
 from tierworld import K as WK
@@ -132,6 +130,12 @@ def test_a_plain_store_committed_before_the_host_knew_of_an_overwrite_is_superse
             host1.store([A], version=0)  # concurrent: host 1 has not seen the overwrite yet
             await host1.sync()
             assert host1.l1.get(A) is None  # ordered before the overwrite, as L3's fence orders it
+            # R-FLEET: host 2's overwrite may not be in L3 yet: a plain store here is in flight
+            plan = host1.mgr.prepare_store("c", "soon", [A], CHUNK_NB)
+            assert (plan.slots, plan.in_flight) == ([], 1) and host1.coherence is not None
+            assert host1.coherence.recently_overwritten(A) and not host1.coherence.recently_overwritten(B)
+            host1.now += RECENT_MS / 1000
+            assert not host1.coherence.recently_overwritten(A)
             host1.store([A], version=2)  # after: kept
             await host1.sync()
             assert host1.l1_bytes(A) == payload(A, 2)

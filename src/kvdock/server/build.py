@@ -30,7 +30,8 @@ from kvdock.shm import cleanup_stale
 from kvdock.shm.directory import Directory
 from kvdock.shm.pool import Pool
 from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane
-from kvdock.storage.coherence import Coherence, follow, load_position
+from kvdock.storage.coherence import Coherence
+from kvdock.storage.following import follow, load_position
 from kvdock.storage.policy import make_policy
 from kvdock.storage.shares import Shares, check_fits
 from kvdock.transport import listener

@@ -18,7 +18,7 @@ from kvdock.server import retrieval as r
 from kvdock.server import shards as sh
 from kvdock.server import storing as st
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
-from kvdock.storage.coherence import until_vouched
+from kvdock.storage.following import until_vouched
 
 Q = TypeVar("Q", bound=m.RequestBase[Any])
 H = TypeVar("H", bound=Callable[..., Outcome])

@@ -41,16 +41,13 @@ replays the stream from there (an L2 without that file is cleared).
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
@@ -70,6 +67,7 @@ from kvdock.storage._coherence_lua import (
 __all__ = [
     "DELETE_SCRIPT",
     "ISSUE_LIMIT_MS",
+    "RECENT_MS",
     "STREAM_KEY",
     "WRITE_SCRIPT",
     "Coherence",
@@ -77,21 +75,13 @@ __all__ = [
     "Fence",
     "Invalidation",
     "PollResult",
-    "SavedPosition",
     "decode_keys",
     "encode_keys",
-    "follow",
-    "load_position",
     "pos_int",
     "pos_text",
-    "save_position",
-    "until_vouched",
 ]
 
 log = logging.getLogger(__name__)
-
-POSITION_FILE = "coherence.pos"
-
 
 def pos_int(text: bytes | str) -> int:
     """A stream id ``ms-seq`` as one ordered int."""
@@ -168,6 +158,11 @@ class CoherenceCounters:
     published: int = 0  # entries this server appended
 
 
+# how long after another server's overwrite of a key a plain store of it here is refused (in
+# flight): that overwrite's commit and write-down to L3 normally land well within it
+RECENT_MS = 10_000
+
+
 @dataclass
 class Coherence:
     """The invalidation stream for one server (see the module docstring). ``client`` returns the
@@ -188,6 +183,9 @@ class Coherence:
     own: set[int] = field(default_factory=set)  # entries this server appended, not yet applied
     incarnation: bytes = b""  # the stream's (INCARNATION_KEY), as this server first saw it
     _vouched_ms: int | None = None  # L3's clock when the last poll that vouched ran (None: none yet)
+    _vouched_sent: float = 0.0  # and ``clock()`` when that poll was sent
+    # keys other servers overwrote lately: L3's clock (ms) of the last entry (event loop only)
+    recent: OrderedDict[ObjectKey, int] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -268,6 +266,35 @@ class Coherence:
             self.vouched_until = max(self.vouched_until, result.sent + self.bound_s)
             with self._lock:
                 self._vouched_ms = result.redis_ms
+                self._vouched_sent = result.sent
+
+    def l3_now_ms(self) -> float | None:
+        """[loop] L3's clock now as this server estimates it (its last vouching poll's reading plus
+        the time since that poll was sent: never behind, a pause included); None before any."""
+        if self._vouched_ms is None:
+            return None
+        return self._vouched_ms + (self.clock() - self._vouched_sent) * 1000
+
+    def note_foreign(self, keys: list[ObjectKey], position: int) -> None:
+        """[loop] Another server's invalidation of ``keys`` was applied (see :meth:`recently_overwritten`)."""
+        ms = position >> 64
+        for key in keys:
+            self.recent[key] = ms
+            self.recent.move_to_end(key)
+        now = self.l3_now_ms()
+        while self.recent and now is not None and next(iter(self.recent.values())) < now - RECENT_MS:
+            self.recent.popitem(last=False)
+
+    def recently_overwritten(self, key: ObjectKey) -> bool:
+        """[loop] Whether another server overwrote ``key`` less than :data:`RECENT_MS` ago: its
+        overwrite may not be committed or written down to L3 yet, so a plain store of the key here
+        (which no longer holds it) would keep other bytes than that server (a store refuses it:
+        in flight)."""
+        ms = self.recent.get(key)
+        if ms is None:
+            return False
+        now = self.l3_now_ms()
+        return now is None or now - ms < RECENT_MS
 
     def is_own(self, position: int) -> bool:
         with self._lock:
@@ -288,108 +315,3 @@ class Coherence:
             "lapses": c.lapses,
             "published": c.published,
         }
-
-
-async def follow(
-    coherence: Coherence,
-    apply: Callable[[PollResult], list[Awaitable[object]]],
-    failed: Callable[[BaseException], None],
-    vouch: Callable[[float], None],
-    keep: Path | None = None,
-    recovered: Callable[[], None] | None = None,
-) -> None:
-    """Poll the stream for ever (until cancelled): each poll on a thread of its own, applied
-    (``apply``, the manager's) on the loop before the next is sent; ``vouch(until)`` with the
-    monotonic time until which this server now vouches (its pool segments' headers); ``failed``
-    on an L3 error (once per outage); ``recovered()`` on the first poll that succeeds after one
-    failed (L3 answers again: the tier's probe need not wait out its backoff); with ``keep`` (the
-    L2 directory), the position whose L2 deletions are done is kept there."""
-    loop = asyncio.get_running_loop()
-    executor = ThreadPoolExecutor(1, "kvdock-coherence")
-    saved = [SavedPosition(coherence.position, coherence.consumed, coherence.incarnation)]
-    saving: set[asyncio.Task[None]] = set()
-    stuck: list[SavedPosition] = []
-
-    async def save(after: list[Awaitable[object]], position: SavedPosition) -> None:
-        results = await asyncio.gather(*after, return_exceptions=True)
-        if any(r is None or isinstance(r, BaseException) for r in results) and not stuck:
-            # an L2 deletion that did not happen: a restart must replay from the last position
-            # whose deletions all did (never advanced again in this run)
-            stuck.append(position)
-            log.error("coherence: an L2 deletion failed; the kept position stays at %s", pos_text(saved[0].position))
-        if keep is not None and not stuck and position.position >= saved[0].position:
-            saved[0] = position
-            save_position(keep, position)
-
-    try:
-        while True:
-            try:
-                result = await loop.run_in_executor(executor, coherence.poll)
-            except Exception as e:  # L3 unreachable: stop vouching (the lease runs out), retry
-                coherence.counters.poll_errors += 1
-                if not coherence.failing:  # once per outage: each call pushes the tier's next probe back
-                    failed(e)
-                coherence.failing = True
-                await asyncio.sleep(coherence.interval_s * 2)
-                continue
-            if coherence.failing and recovered is not None:
-                recovered()
-            coherence.failing = False
-            first = not coherence.started  # its position is kept at once (a restart replays from it)
-            lapsed = coherence.started and not coherence.vouched()
-            try:
-                pending = apply(result)
-            except Exception:  # a bug: never vouch on a half-applied poll; the next reads it again
-                log.exception("coherence: applying invalidations failed; not vouching, retrying")
-                await asyncio.sleep(coherence.interval_s * 2)
-                continue
-            coherence.vouch(result)
-            if lapsed and coherence.vouched():
-                coherence.counters.lapses += 1
-            vouch(coherence.vouched_until)
-            if keep is not None and (pending or result.entries or result.lost or first):
-                position = SavedPosition(result.position, result.consumed, coherence.incarnation)
-                task = loop.create_task(save(pending, position))
-                saving.add(task)
-                task.add_done_callback(saving.discard)
-            if result.caught_up:
-                await asyncio.sleep(coherence.interval_s)
-    finally:
-        executor.shutdown(wait=False)
-
-
-async def until_vouched(coherence: Coherence, timeout_s: float) -> bool:
-    """Wait (at most ``timeout_s``) until the server vouches again; whether it does. No wait while
-    its polls fail (L3 unreachable): no poll is coming soon."""
-    deadline = coherence.clock() + timeout_s
-    while not coherence.vouched() and not coherence.failing:
-        if coherence.clock() >= deadline:
-            return False
-        await asyncio.sleep(coherence.interval_s / 4)
-    return True
-
-
-class SavedPosition(NamedTuple):
-    position: int
-    consumed: int
-    incarnation: bytes = b""
-
-
-def load_position(directory: Path) -> SavedPosition | None:
-    """The position kept beside L2, None if absent or unreadable."""
-    try:
-        text = (directory / POSITION_FILE).read_text().split()
-        return SavedPosition(int(text[0]), int(text[1]), text[2].encode())
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def save_position(directory: Path, saved: SavedPosition) -> None:
-    """Keep the position whose deletions L2 has done (written to a temporary name, renamed: a
-    crash leaves the older position, which replays more, never less)."""
-    tmp = directory / (POSITION_FILE + ".tmp")
-    try:
-        tmp.write_text(f"{saved.position} {saved.consumed} {saved.incarnation.decode()}\n")
-        os.replace(tmp, directory / POSITION_FILE)
-    except OSError as e:
-        log.warning("coherence: could not keep the position in %s: %s", directory, e)

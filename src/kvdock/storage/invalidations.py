@@ -71,6 +71,8 @@ def apply_invalidations(
                 l1.detach(reserved)  # its bytes may be the replaced version: thrown away
             elif not own:
                 reserved.epoch = SUPERSEDED
+        if not own:
+            coh.note_foreign(entry.keys, entry.position)
         if local and stale and not own:
             pending += deletions.queue(stale, local)
     coh.applied(result)

@@ -163,7 +163,10 @@ class StorageManager:
             # two versions: the overwrite writes nothing, and says the whole prefix is contended.
             return StorePlan([], 0, len(keys), 0)
         l1, epoch = self.l1, self._epoch()
-        got = reserve(l1, self.loads, self.deletions, self.chains, epoch, keys, nbytes, overwrite, below, limit, edited)
+        recent = self.coherence.recently_overwritten if self.coherence is not None else None
+        got = reserve(
+            l1, self.loads, self.deletions, self.chains, epoch, keys, nbytes, overwrite, below, limit, edited, recent
+        )
         slots, kept, replaced = got.plan.slots, got.kept, got.replaced
         deletes = self._delete_everywhere(replaced) if replaced else []
         if slots or open_empty:

@@ -8,6 +8,7 @@ its version and epoch. The manager opens the session and queues the overwrite's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvdock.keys import ObjectKey
@@ -44,11 +45,14 @@ def reserve(
     below: dict[ObjectKey, Head] | None,
     limit: int | None,
     edited: bool,
+    recent: Callable[[ObjectKey], bool] | None = None,
 ) -> Reserved:
     """Reserve slots for the chunks of ``keys`` that need writing (see
     :meth:`StorageManager.prepare_store <kvdock.storage.manager.StorageManager.prepare_store>`
     for the arguments). ``epoch``: the position of the fleet's invalidations applied now (a plain
-    store's reservations are superseded by a later entry; an overwrite's get theirs at the commit)."""
+    store's reservations are superseded by a later entry; an overwrite's get theirs at the commit).
+    ``recent(key)``: whether another server overwrote ``key`` lately (Coherence.recently_overwritten):
+    a plain store does not write it (in flight), as that overwrite may not be in L3 yet."""
     out = Reserved(StorePlan([], 0, 0, 0))
     slots: list[tuple[int, L1Object]] = []
     deduped = in_flight = pool_full = diverged = 0
@@ -74,6 +78,9 @@ def reserve(
         if lower is not None:  # a lower tier holds this very version: stored already
             deduped += 1
             parent = lower.version
+            continue
+        if not overwrite and recent is not None and recent(key):
+            in_flight += 1  # (and the chunks after it: they could not name its version)
             continue
         if limit is not None and i >= limit:
             diverged = len(keys) - i

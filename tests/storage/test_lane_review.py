@@ -272,14 +272,10 @@ def test_an_overwrite_whose_redis_is_down_is_refused_and_the_old_version_stays(
 # ---------------------------------------------------------------- findings (strict xfails) and counters
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-LANE: TierLane.delete inserts a deletion before the first queued write, so it "
-    "overtakes a clear queued behind writes, against the lane docstring ('behind ... the deletions "
-    "and clears queued before it'); harmless for bytes (a clear removes what the deletion would), "
-    "fix the docstring/architecture §4 or insert at the first _Write after the last queued clear",
-)
 def test_a_deletion_stays_behind_a_clear_queued_before_it(tmp_path: Path) -> None:
+    """Was a strict xfail (R-LANE): the deletion went before the first queued write, ahead of a
+    clear queued behind writes, against the lane's docstring."""
+
     async def body(w: World) -> None:
         assert w.disk is not None
         order: list[str] = []

@@ -183,7 +183,8 @@ class TierLane:
                 self.writes_cancelled += 1
             else:
                 queue.append(job)
-        at = next((i for i, job in enumerate(queue) if isinstance(job, _Write)), len(queue))
+        # behind the deletions and clears queued before it, ahead of the write-downs after them
+        at = max((i + 1 for i, job in enumerate(queue) if isinstance(job, _Call)), default=0)
         fn = functools.partial(self.tier.delete_keys, keys)
         queue.insert(at, _Call("delete", fn, done, None, len(keys), frozenset(keys)))
         self._queue = queue

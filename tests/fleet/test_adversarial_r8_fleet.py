@@ -654,3 +654,90 @@ def test_of_two_overlapping_overwrites_the_slow_earlier_one_is_not_committed_and
     finally:
         kvd.close(ca)
         kvd.close(cb)
+
+
+@pytest.mark.parametrize("b_read_it", [False, True])
+def test_an_engine_save_through_another_server_never_extends_a_users_edit_it_learned_of_from_l3(
+    make_server, redis_server, b_read_it: bool
+) -> None:
+    """A user stores P through A (an edit); an engine on B, which knows P only through L3 (or
+    read it into its L1 first), saves P'+Q (other bytes for P, computed itself, edited=False,
+    no ``over``). B must write nothing past P: every server serves the user's P, and never a Q
+    chained onto it (nor P')."""
+    a = make_server("--redis-url", redis_server.url, "--no-disk")
+    b = make_server("--redis-url", redis_server.url, "--no-disk")
+    for s in (a, b):
+        wait_for(lambda s=s: _coh(s)["vouched"], "the server to vouch", 30)
+    tokens = tokens_of(9)
+    with (
+        kvd.connect(a.url, a.http_url, MODEL, timeout=30) as ca,
+        kvd.connect(b.url, b.http_url, MODEL, timeout=30) as cb,
+    ):
+        assert kvd.store(ca, pattern(10, 9, chunks=2), tokens[: 2 * CHUNK])
+        wait_for(lambda: _backlog(a) == 0, "A's write-down")
+        if b_read_it:
+            assert decode(kvd.retrieve(cb, tokens), 9) == [10, 10]
+        got = kvd.store_chunks(cb, pattern(11, 9), tokens, edited=False)
+        assert got.stored_chunks == 0, f"the engine's save through B wrote past the user's edit: {got}"
+        wait_for(lambda: _backlog(b) == 0, "B's write-downs")
+        for name, c in (("A", ca), ("B", cb)):
+            assert decode(kvd.retrieve(c, tokens), 9) == [10, 10], name
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R-FLEET: an overwrite committed more than RECENT_MS (10 s) after its stream entries (a "
+    "paused server, a slow copy) leaves a plain store made meanwhile on another server for good: "
+    "B serves it while A serves the overwrite (architecture.md known limits)",
+)
+def test_a_plain_store_more_than_recent_ms_after_a_slow_overwrites_entries_is_replaced_by_it(
+    make_server, redis_server
+) -> None:
+    """As test_a_plain_store_between_an_overwrites_second_entry_and_its_commit_is_replaced_by_it,
+    with A's commit 13 s after its entries and B's plain store past RECENT_MS after them: B's
+    refusal window is over, the store is kept (True), A then commits and acknowledges its
+    overwrite, and B serves the version it replaced for good."""
+    from kvdock.storage.coherence import RECENT_MS
+
+    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": "13"})
+    b = make_server("--redis-url", redis_server.url, "--no-disk")
+    for s in (a, b):
+        wait_for(lambda s=s: _coh(s)["vouched"], "the server to vouch", 30)
+    tokens = tokens_of(12)
+    ca = kvd.connect(a.url, a.http_url, MODEL, timeout=60)
+    cb = kvd.connect(b.url, b.http_url, MODEL, timeout=30)
+    try:
+        with kvd.connect(b.url, b.http_url, MODEL, timeout=30) as c0:  # version 1, written down
+            assert kvd.store(c0, pattern(1, 12), tokens)
+        wait_for(lambda: _backlog(b) == 0, "B's write-down")
+        applied = _coh(b)["entries_applied"]
+        result: list[object] = []
+        t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 12), tokens, overwrite=True)))
+        t.start()
+        wait_for(lambda: _coh(b)["entries_applied"] >= applied + 2, "B to apply A's E1 and E2", 10)
+        seen = time.monotonic()
+        stored: list[object] = []
+
+        def plain() -> bool:  # refused (in flight) until RECENT_MS after A's entries
+            try:
+                stored.append(kvd.store(cb, pattern(3, 12), tokens))
+                return True
+            except kvd.StoreConflictError:
+                return False
+
+        wait_for(plain, "B's plain store to be accepted", 12)
+        assert time.monotonic() - seen > RECENT_MS / 1000 - 1
+        assert stored == [True]
+        assert t.is_alive(), "A acknowledged before B's plain store: the window was missed"
+        t.join(30)
+        assert result == [True]
+        acked = time.monotonic()
+        for s in (a, b):
+            wait_for(lambda s=s: _backlog(s) == 0, "write-downs")
+        while time.monotonic() < acked + 3 * BOUND_S:
+            time.sleep(0.05)
+        served = {n: decode(kvd.retrieve(x, tokens), 12) for n, x in (("A", ca), ("B", cb))}
+        assert all(set(v) <= {2} for v in served.values()), f"after overwrite 2 was acknowledged: {served}"
+    finally:
+        kvd.close(ca)
+        kvd.close(cb)

@@ -368,11 +368,10 @@ def test_concurrent_overwrites_of_one_prefix_through_three_servers_with_sigstop_
     make_server, redis_server, tmp_path
 ) -> None:
     """The soak: three servers with L2, two clients per server on the same two prefixes
-    (overwrites, retrieves, lookups; plain stores of these prefixes through other servers race
-    the overwrites in a way test_a_plain_store_between_an_overwrites_second_entry_and_its_commit_
-    is_replaced_by_it pins: add them here, ``p_store``, once it passes), a server SIGSTOPped for 0.2-0.8 s now and
-    then (its overwrites' commits come after others' entries), one SIGKILLed and restarted on
-    its L2 half-way. ~12 s of load per phase, two phases, then the checks."""
+    (overwrites, plain stores, retrieves, lookups; a plain store of a key another server
+    overwrote less than RECENT_MS ago is refused, a conflict, since f03e847), a server
+    SIGSTOPped for 0.2-0.8 s now and then (its overwrites' commits come after others' entries),
+    one SIGKILLed and restarted on its L2 half-way. ~12 s of load per phase, two phases, then the checks."""
     fleet = Fleet(make_server, redis_server.url, 3, tmp_path, disk=True)
     ledger = Ledger()
     prefixes = [1, 2]
@@ -397,7 +396,7 @@ def test_concurrent_overwrites_of_one_prefix_through_three_servers_with_sigstop_
     totals: dict[str, int] = {}
     for phase in range(2):
         stop = threading.Event()
-        workers = [Worker(fleet, ledger, i % 3, prefixes, stop, seed=100 * phase + i, p_store=0.0) for i in range(6)]
+        workers = [Worker(fleet, ledger, i % 3, prefixes, stop, seed=100 * phase + i) for i in range(6)]
         run_phase(workers, 12, lambda d, phase=phase: chaos(d, kill=phase == 1))
         for w in workers:
             for k, v in w.counts.items():

@@ -228,9 +228,9 @@ def cluster_ports(n: int) -> list[int]:
 class RedisCluster:
     """A real Redis Cluster on loopback: ``masters`` masters and the rest of ``ports`` as their
     replicas (``redis-server``, or ``valkey-server`` with ``server="valkey"``, in cluster mode, a
-    short cluster-node-timeout so failovers take about two seconds), made with ``redis-cli
-    --cluster create``. Nodes can be killed and started again by port; ``url`` is what ``kvdock
-    serve --redis-url`` takes."""
+    short cluster-node-timeout so failovers take about two seconds), made as ``redis-cli
+    --cluster create`` makes one (``_create``, through ``redis-cli``). Nodes can be killed and
+    started again by port; ``url`` is what ``kvdock serve --redis-url`` takes."""
 
     ports: list[int]
     workdir: Path
@@ -269,14 +269,29 @@ class RedisCluster:
             self.start_node(port)
         for port in self.ports:
             self._wait(lambda p=port: self.cli(p, "ping").strip() == "PONG", f"node {port} to start")
-        replicas = len(self.ports) // self.masters - 1
-        subprocess.run(
-            ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-             "--cluster-replicas", str(replicas), "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
+        self._create()
         self.wait_ok()
         return self
+
+    def _create(self) -> None:
+        """What ``redis-cli --cluster create --cluster-replicas N`` does, without its one-second
+        waits for the nodes to agree (wait_ok checks the result): a config epoch of its own per
+        node, the first ``masters`` ports take equal slot ranges, every node meets the first, and
+        the others replicate the masters in turn."""
+        masters, replicas = self.ports[: self.masters], self.ports[self.masters :]
+        for epoch, port in enumerate(self.ports, 1):
+            self.cli(port, "cluster", "set-config-epoch", str(epoch))
+        for i, port in enumerate(masters):
+            first, last = i * 16384 // len(masters), (i + 1) * 16384 // len(masters) - 1
+            self.cli(port, "cluster", "addslotsrange", str(first), str(last))
+        for port in self.ports[1:]:
+            self.cli(port, "cluster", "meet", "127.0.0.1", str(self.ports[0]))
+        ids = [self.cli(port, "cluster", "myid").strip() for port in masters]
+        for i, port in enumerate(replicas):  # (refused until the node has heard of its master)
+            master = ids[i % len(masters)]
+            self._wait(
+                lambda p=port, m=master: self.cli(p, "cluster", "replicate", m).strip() == "OK", f"{port} to replicate"
+            )
 
     def info(self, port: int) -> dict[str, str]:
         return dict(line.split(":", 1) for line in self.cli(port, "cluster", "info").split() if ":" in line)

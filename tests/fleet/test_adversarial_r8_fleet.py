@@ -740,3 +740,51 @@ def test_a_plain_store_more_than_recent_ms_after_a_slow_overwrites_entries_is_re
     finally:
         kvd.close(ca)
         kvd.close(cb)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R-FLEET: a server that starts (or restarts without L2) while another server's overwrite "
+    "is between its entries and its commit never learns of it: its plain store is kept for good",
+)
+def test_a_server_started_during_a_slow_overwrite_does_not_keep_a_plain_store_it_replaces(
+    make_server, redis_server
+) -> None:
+    """A's overwrite (version 2) publishes its entries, then commits 8 s later. C starts
+    meanwhile (its position: the stream's end, past A's entries, so it never applies them nor
+    remembers the key as recently overwritten) and a client stores version 3 through C, plain:
+    stored (the key is gone from L3). A acknowledges version 2; C keeps serving 3."""
+    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": "8"})
+    wait_for(lambda: _coh(a)["vouched"], "A to vouch", 30)
+    tokens = tokens_of(13)
+    ca = kvd.connect(a.url, a.http_url, MODEL, timeout=60)
+    try:
+        with kvd.connect(a.url, a.http_url, MODEL, timeout=30) as c0:
+            assert kvd.store(c0, pattern(1, 13), tokens)  # (8 s: the inline copy)
+        wait_for(lambda: _backlog(a) == 0, "A's write-down")
+        published = _coh(a)["published"]
+        result: list[object] = []
+        t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 13), tokens, overwrite=True)))
+        t.start()
+        wait_for(lambda: _coh(a)["published"] >= published + 2, "A's E1 and E2", 10)
+        c = make_server("--redis-url", redis_server.url, "--no-disk")
+        wait_for(lambda: _coh(c)["vouched"], "C to vouch", 30)
+        with kvd.connect(c.url, c.http_url, MODEL, timeout=30) as cc:
+            try:
+                stored = kvd.store(cc, pattern(3, 13), tokens)
+            except kvd.StoreConflictError:  # refused: what a fix may do
+                stored = False
+            assert t.is_alive(), "A acknowledged before C's plain store: the window was missed"
+            t.join(30)
+            assert result == [True]
+            acked = time.monotonic()
+            for s in (a, c):
+                wait_for(lambda s=s: _backlog(s) == 0, "write-downs")
+            while time.monotonic() < acked + 3 * BOUND_S:
+                time.sleep(0.05)
+            served = {n: decode(kvd.retrieve(x, tokens), 13) for n, x in (("A", ca), ("C", cc))}
+        assert all(set(v) <= {2} for v in served.values()), (
+            f"after overwrite 2 was acknowledged (C's plain store: {stored}): {served}"
+        )
+    finally:
+        kvd.close(ca)

@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -519,10 +520,11 @@ def test_concurrent_overwrites_while_redis_is_flushed_killed_and_restarted_empty
             assert kvd.check_server_integrity(c) == []
 
 
-def _garbage(url: str, stop: threading.Event, rng: random.Random, sent: list[str]) -> None:
+def _garbage(url: str, local: str, stop: threading.Event, rng: random.Random, sent: list[str]) -> None:
     """Malformed frames to a server's control socket until ``stop``: empty and odd multipart
     messages, random bytes, msgpack of the wrong shapes, a request naming an unknown client,
-    oversized frames, raw bytes on the TCP port (no ZMTP greeting), half-closed connections."""
+    oversized frames, raw bytes on the TCP port (no ZMTP greeting), half-closed connections; on
+    the local UNIX socket (``local``, "" for none) headers that cannot be a message and torn ones."""
     from msgspec.msgpack import encode as packb
 
     from kvdock.protocol import encode
@@ -532,8 +534,20 @@ def _garbage(url: str, stop: threading.Event, rng: random.Random, sent: list[str
     host, port = url.removeprefix("tcp://").rsplit(":", 1)
     try:
         while not stop.is_set():
-            kind = rng.randrange(8)
+            kind = rng.randrange(10 if local else 8)
             sent.append(str(kind))
+            if kind >= 8:  # the local UNIX socket: a header that cannot be a message, or a torn one
+                path = local.removeprefix("unix://")
+                with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sk:
+                    sk.settimeout(1)
+                    sk.connect(path)
+                    if kind == 8:
+                        sk.sendall(struct.pack("<II", rng.choice([1 << 31, 0, 12]), rng.choice([0, 1, 1 << 20])))
+                    else:
+                        sk.sendall(struct.pack("<II", 64, 2) + rng.randbytes(rng.randrange(0, 64)))
+                    with contextlib.suppress(OSError):
+                        sk.recv(64)
+                continue
             if kind == 7:  # raw TCP: garbage instead of a ZMTP greeting, then a slammed connection
                 with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1) as sk:
                     sk.sendall(rng.randbytes(rng.randrange(1, 4096)))
@@ -584,8 +598,13 @@ def test_garbage_on_the_control_socket_while_overwrites_run_through_two_servers(
     prefixes = [5, 6]
     stop, gstop = threading.Event(), threading.Event()
     sent: list[list[str]] = [[], []]
+    locals_ = []
+    for s in fleet.servers:
+        with kvd.connect(s.url, s.http_url, MODEL, timeout=30) as c:
+            locals_.append(c._conn._local_url)
+    assert all(u.startswith("unix://") for u in locals_), locals_
     junk = [
-        threading.Thread(target=_garbage, args=(s.url, gstop, random.Random(9 + i), sent[i]), daemon=True)
+        threading.Thread(target=_garbage, args=(s.url, locals_[i], gstop, random.Random(9 + i), sent[i]), daemon=True)
         for i, s in enumerate(fleet.servers)
     ]
     workers = [Worker(fleet, ledger, i % 2, prefixes, stop, seed=900 + i, p_store=0.0) for i in range(4)]

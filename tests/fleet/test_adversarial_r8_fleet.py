@@ -807,3 +807,51 @@ def test_a_server_started_during_a_slow_overwrite_does_not_keep_a_plain_store_it
         )
     finally:
         kvd.close(ca)
+
+
+def test_a_plain_store_after_l3_was_flushed_during_a_slow_overwrite_is_not_kept_against_it(
+    make_server, redis_server
+) -> None:
+    """A's overwrite (version 2) publishes its entries and commits 4 s later; B applies them; L3
+    is FLUSHALLed (stream, floors, values: B sees a gap and drops everything); a client stores
+    version 3 through B, plain. Once A acknowledged 2, neither A, B nor a fresh server serves 3
+    (B refused the store, or it is replaced)."""
+    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": "4"})
+    b = make_server("--redis-url", redis_server.url, "--no-disk")
+    for s in (a, b):
+        wait_for(lambda s=s: _coh(s)["vouched"], "the server to vouch", 30)
+    tokens = tokens_of(14)
+    ca = kvd.connect(a.url, a.http_url, MODEL, timeout=60)
+    cb = kvd.connect(b.url, b.http_url, MODEL, timeout=30)
+    raw = redis_py.Redis(port=redis_server.port)
+    try:
+        assert kvd.store(cb, pattern(1, 14), tokens)
+        wait_for(lambda: _backlog(b) == 0, "B's write-down")
+        applied, drops = _coh(b)["entries_applied"], _coh(b)["full_drops"]
+        result: list[object] = []
+        t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 14), tokens, overwrite=True)))
+        t.start()
+        wait_for(lambda: _coh(b)["entries_applied"] >= applied + 2, "B to apply A's E1 and E2", 10)
+        raw.flushall()
+        wait_for(lambda: _coh(b)["full_drops"] > drops and _coh(b)["vouched"], "B to see the gap", 10)
+        try:
+            stored: object = kvd.store(cb, pattern(3, 14), tokens)
+        except kvd.StoreConflictError as e:
+            stored = repr(e)
+        assert t.is_alive(), "A acknowledged before B's plain store: the window was missed"
+        t.join(30)
+        assert result == [True]
+        acked = time.monotonic()
+        for s in (a, b):
+            wait_for(lambda s=s: _backlog(s) == 0, "write-downs")
+        while time.monotonic() < acked + 3 * BOUND_S:
+            time.sleep(0.05)
+        c = make_server("--redis-url", redis_server.url, "--no-disk")
+        wait_for(lambda: _coh(c)["vouched"], "C to vouch", 30)
+        with kvd.connect(c.url, c.http_url, MODEL, timeout=30) as cc:
+            served = {n: decode(kvd.retrieve(x, tokens), 14) for n, x in (("A", ca), ("B", cb), ("L3 via C", cc))}
+        assert all(set(v) <= {2} for v in served.values()), f"B's plain store: {stored}; served: {served}"
+    finally:
+        raw.close()
+        kvd.close(ca)
+        kvd.close(cb)

@@ -14,12 +14,12 @@ from helpers import CHUNK, MODEL, make_kv, make_tokens
 
 
 def test_a_store_past_the_dirty_limit_stores_every_chunk_and_waits_at_most_the_bound(make_server, tmp_path) -> None:
-    # 128 slots, dirty limit 0.1 (12 slots), each L2 write 0.1 s: a 40-chunk prompt leaves ~39
+    # 128 slots, dirty limit 0.05 (6 slots), each L2 write 0.1 s: a 40-chunk prompt leaves ~39
     # dirty chunks; a second prompt of 8 chunks waits (bounded by --writeback-wait-s 1.5), then
     # is stored whole; nothing acknowledged is dropped (no dirty eviction, no skipped write)
     srv = make_server(
         "--disk-dir", str(tmp_path / "l2"), "--disk-size", "64MiB",
-        "--writeback-dirty-limit", "0.1", "--writeback-wait-s", "1.5",
+        "--writeback-dirty-limit", "0.05", "--writeback-wait-s", "1.5",
         l1_size="512KiB", env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.1"},
     )  # fmt: skip
     a, b = make_tokens(40 * CHUNK), make_tokens(8 * CHUNK, start=700_000)
@@ -54,7 +54,7 @@ def test_a_store_that_writes_nothing_never_waits_for_the_dirty_limit(make_server
 
     srv = make_server(
         "--disk-dir", str(tmp_path / "l2"), "--disk-size", "64MiB",
-        "--writeback-dirty-limit", "0.1", "--writeback-wait-s", "1.5",
+        "--writeback-dirty-limit", "0.05", "--writeback-wait-s", "1.5",
         l1_size="512KiB", env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.1"},
     )  # fmt: skip
     a = make_tokens(40 * CHUNK)

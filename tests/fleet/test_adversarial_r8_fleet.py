@@ -763,18 +763,29 @@ def test_a_plain_store_more_than_recent_ms_after_a_slow_overwrites_entries_is_re
 
 @pytest.mark.xfail(
     strict=True,
-    reason="R-FLEET: a server that starts (or restarts without L2) while another server's overwrite "
-    "is between its entries and its commit never learns of it: its plain store is kept for good",
+    reason="R-FLEET: a server that starts (or restarts on its L2, whose kept position is past the "
+    "entries) while another server's overwrite is between its entries and its commit never notes the "
+    "key as recently overwritten: its plain store is kept for good",
 )
+@pytest.mark.parametrize("how", ["fresh", "restarted on its L2"])
 def test_a_server_started_during_a_slow_overwrite_does_not_keep_a_plain_store_it_replaces(
-    make_server, redis_server
+    make_server, redis_server, tmp_path, how: str
 ) -> None:
     """A's overwrite (version 2) publishes its entries, then commits 8 s later. C starts
     meanwhile (its position: the stream's end, past A's entries, so it never applies them nor
     remembers the key as recently overwritten) and a client stores version 3 through C, plain:
-    stored (the key is gone from L3). A acknowledges version 2; C keeps serving 3."""
-    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": "8"})
+    stored (the key is gone from L3). A acknowledges version 2; C keeps serving 3. Restarted:
+    C ran on its L2 before, applied A's entries, kept a position past them (coherence.pos) and is
+    SIGKILLed and started again on that L2 within the window: the same."""
+    delay = "8" if how == "fresh" else "12"
+    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": delay})
     wait_for(lambda: _coh(a)["vouched"], "A to vouch", 30)
+    c_flags = ["--redis-url", redis_server.url]
+    c_flags += ["--no-disk"] if how == "fresh" else ["--disk-dir", str(tmp_path / "l2-c"), "--disk-size", "64MiB"]
+    if how != "fresh":
+        c0_srv = make_server(*c_flags)
+        wait_for(lambda: _coh(c0_srv)["vouched"], "C to vouch", 30)
+        pos = tmp_path / "l2-c" / "coherence.pos"
     tokens = tokens_of(13)
     ca = kvd.connect(a.url, a.http_url, MODEL, timeout=60)
     try:
@@ -782,11 +793,19 @@ def test_a_server_started_during_a_slow_overwrite_does_not_keep_a_plain_store_it
             assert kvd.store(c0, pattern(1, 13), tokens)  # (8 s: the inline copy)
         wait_for(lambda: _backlog(a) == 0, "A's write-down")
         published = _coh(a)["published"]
+        before = pos.read_bytes() if how != "fresh" and pos.exists() else b""
         result: list[object] = []
         t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 13), tokens, overwrite=True)))
         t.start()
         wait_for(lambda: _coh(a)["published"] >= published + 2, "A's E1 and E2", 10)
-        c = make_server("--redis-url", redis_server.url, "--no-disk")
+        if how == "fresh":
+            c = make_server(*c_flags)
+        else:  # C applied both entries and kept a position past them; then SIGKILL, and back on its L2
+            wait_for(lambda: _coh(c0_srv)["entries_applied"] >= 2, "C to apply A's entries", 10)
+            wait_for(lambda: pos.exists() and pos.read_bytes() != before, "C to keep its position", 10)
+            c0_srv.proc.kill()
+            c0_srv.proc.wait()
+            c = make_server(*c_flags, register=None)
         wait_for(lambda: _coh(c)["vouched"], "C to vouch", 30)
         with kvd.connect(c.url, c.http_url, MODEL, timeout=30) as cc:
             try:

@@ -394,18 +394,13 @@ def test_an_l3_batch_never_writes_a_version_another_hosts_acknowledged_overwrite
 # ---------------------------------------------------------------- shutdown drain, aborted
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "R-BATCH: TierLane.abandon (a drain aborted by a second signal) drops the queue but not the "
-        "batch in flight: the writer goes on with every held write of the batch (up to BATCH_MAX=32, "
-        "sized on the tier's *mean* write time so far, so a tier that slowed down makes it long), "
-        "while drain.py promises 'the one write in flight finishes' (b03251c's abandon docstring "
-        "now says the batch finishes; its unrun writes are counted only if a deletion stopped it). "
-        "Fix: abandon() sets self._busy.stop when it is a _Batch (_requeue, since b03251c, then "
-        "drops and counts the unrun writes)"
-    ),
-)
+# Fixed (W-EVICT): R-BATCH: TierLane.abandon (a drain aborted by a second signal) drops the queue
+# but not the batch in flight: the writer goes on with every held write of the batch (up to
+# BATCH_MAX=32, sized on the tier's *mean* write time so far, so a tier that slowed down makes it
+# long), while drain.py promises 'the one write in flight finishes' (b03251c's abandon docstring
+# now says the batch finishes; its unrun writes are counted only if a deletion stopped it). Fix:
+# abandon() sets self._busy.stop when it is a _Batch (_requeue, since b03251c, then drops and
+# counts the unrun writes)
 def test_an_aborted_drain_stops_the_batch_after_the_write_in_progress(tmp_path: Path) -> None:
     async def body(w: World) -> None:
         lane = w.lanes["l2"]
@@ -423,18 +418,13 @@ def test_an_aborted_drain_stops_the_batch_after_the_write_in_progress(tmp_path: 
     run(tmp_path, body, slots=16)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "R-BATCH (low): TierLane._batch_size divides BATCH_S by the tier's mean write time since "
-        "start (counters.writes / write_seconds), so after a long fast period a tier that slows "
-        "down (a disk under contention, a Redis far away) keeps getting batches sized for the old "
-        "speed: 10,000 writes at 1 ms then 100 at 200 ms still give batches of 16, 3.2 s each "
-        "(64x BATCH_S) during which 16 objects per lane are held, unevictable even past the "
-        "writeback wait, and an aborted drain runs them all. Fix: size batches on a recent "
-        "estimate of the write time (an EWMA updated in _wrote, kept beside the counters)"
-    ),
-)
+# Fixed (W-EVICT): R-BATCH (low): TierLane._batch_size divides BATCH_S by the tier's mean write
+# time since start (counters.writes / write_seconds), so after a long fast period a tier that
+# slows down (a disk under contention, a Redis far away) keeps getting batches sized for the old
+# speed: 10,000 writes at 1 ms then 100 at 200 ms still give batches of 16, 3.2 s each (64x
+# BATCH_S) during which 16 objects per lane are held, unevictable even past the writeback wait,
+# and an aborted drain runs them all. Fix: size batches on a recent estimate of the write time (an
+# EWMA updated in _wrote, kept beside the counters)
 def test_the_batch_size_follows_a_tier_that_slowed_down(tmp_path: Path) -> None:
     async def body(w: World) -> None:
         lane = w.lanes["l2"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvdock.keys import ObjectKey
 from kvdock.storage import diskio
-from kvdock.storage.lane import BATCH_MAX, BATCH_S
+from kvdock.storage.writeback import BATCH_MAX, BATCH_S
 from tierworld import NB, K, World, payload, run, until
 
 

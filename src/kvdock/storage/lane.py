@@ -14,7 +14,7 @@ Why one queue with one job in flight:
   write of its keys in flight lands first) and the deletions and clears queued before it;
 * the job in flight may be a *batch* of consecutive queued write-downs, which the writer runs in
   order without a round trip through the event loop between two of them (as many as take about
-  ``BATCH_S`` at the tier's measured write time: a slow disk writes one at a time); a deletion
+  50 ms at the tier's recent write time, :class:`~kvdock.storage.writeback.BatchSizer`); a deletion
   stops a batch after the write in progress, and its unrun writes go back (those of the
   deletion's keys cancelled, the others right behind it: ``_requeue``);
 * a queued write-down holds nothing: only the objects of the batch in flight are held
@@ -46,12 +46,10 @@ from kvdock.storage import objfile
 from kvdock.storage.coherence import Fence
 from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.tier import Head, StorageTier
+from kvdock.storage.writeback import BatchSizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-BATCH_S = 0.05  # a batch of write-downs takes about this long (TierLane._batch_size)
-BATCH_MAX = 32
 
 
 class SharedHeader:
@@ -116,6 +114,7 @@ class TierLane:
         self.fence: Callable[[int], Fence] | None = None
         self.dropped_down = self.dropped_down_bytes = 0  # dropped: the tier was down (also in writes_skipped)
         self._noroom_logged = self._abandoned = False
+        self._sizer = BatchSizer()
         self.writes_cancelled = 0  # queued write-downs an overwrite's deletion made moot (delete)
 
     @property
@@ -140,10 +139,13 @@ class TierLane:
     pinned = None  # the writer holds (L1Store.hold), never pins (StorageManager.check_integrity)
 
     def abandon(self) -> tuple[int, int]:
-        """Drop every queued job (a shutdown drain was aborted; the batch in flight still finishes;
-        deletions and clears answer their default); (chunks, bytes) of the live write-downs dropped
-        (also in ``writes_skipped``)."""
+        """Drop every queued job (a shutdown drain was aborted; the batch in flight stops after its
+        write in progress, its unrun writes dropped and counted when it returns; deletions and
+        clears answer their default); (chunks, bytes) of the queued live write-downs dropped (also
+        in ``writes_skipped``)."""
         self._abandoned = True
+        if isinstance(self._busy, _Batch):
+            self._busy.stop.set()  # its unrun writes are dropped too (_requeue)
         chunks = nbytes = 0
         while self._queue:
             job = self._queue.popleft()
@@ -227,12 +229,8 @@ class TierLane:
             if batch.jobs:
                 self._start(batch, self._write_batch, batch, self._get_loop())
 
-    def _batch_size(self) -> int:
-        """Writes per batch: about BATCH_S of them at the mean write time so far (1 unmeasured)."""
-        c = self.counters
-        if not c.writes or c.write_seconds <= 0:
-            return 1
-        return max(1, min(BATCH_MAX, int(BATCH_S * c.writes / c.write_seconds)))
+    def _batch_size(self) -> int:  # (writeback.BatchSizer: at the tier's recent write time)
+        return self._sizer.size(self.counters.writes, self.counters.write_seconds)
 
     def _write_batch(self, batch: _Batch, loop: asyncio.AbstractEventLoop) -> int:
         """[writer thread] Run the batch's writes in order, each reported to the loop as done;

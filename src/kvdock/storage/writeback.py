@@ -19,6 +19,9 @@ stores; past the wait a store goes on as without it (clean objects first).
 
 Loads from lower tiers (promotions into L1) never evict a dirty object: they are misses instead.
 
+The lanes' pace is here too: :class:`BatchSizer`, how many queued write-downs a lane's writer runs
+in one call (storage.lane's batches).
+
 The counters (``throttled_stores``, ``throttle_seconds``, ``throttle_timeouts``) are L1's
 (:class:`kvdock.storage.memory.L1Counters`, in /status and /metrics).
 """
@@ -127,3 +130,35 @@ async def wait_for_room(mgr: StorageManager, keysets: list[list[ObjectKey]], nby
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+# --- the lanes' batches of write-downs (storage.lane) -----------------------------------------
+# How many queued write-downs a lane's writer runs in one call: about BATCH_S of writes at the
+# tier's *recent* write time, at most BATCH_MAX, one at a time while nothing is measured. Recent:
+# the mean of the last window of WINDOW writes, or of the writes since it when they are slower, so a
+# tier that slows down (a disk under contention, a Redis far away) gets small batches at once.
+
+BATCH_S = 0.05  # a batch of write-downs takes about this long
+BATCH_MAX = 32
+WINDOW = 16  # writes per estimate
+
+
+class BatchSizer:
+    """One lane's batch size, from its tier's counters (event loop only)."""
+
+    def __init__(self) -> None:
+        self._mark = (0, 0.0)  # (writes, seconds inside them) when the last window closed
+        self._last: tuple[int, float] | None = None  # that window's (writes, seconds)
+
+    def size(self, writes: int, seconds: float) -> int:
+        """Writes for the next batch, given the tier's counters (writes done, seconds inside them)."""
+        n, s = writes - self._mark[0], seconds - self._mark[1]
+        if n < 0:  # (counters reset)
+            self._mark, self._last, n, s = (writes, seconds), None, 0, 0.0
+        known = [w for w in (self._last, (n, s) if n > 0 else None) if w is not None]
+        if n >= WINDOW:
+            self._mark, self._last = (writes, seconds), (n, s)
+        if not known:
+            return 1
+        n, s = max(known, key=lambda w: w[1] / w[0])  # the slower
+        return max(1, min(BATCH_MAX, int(BATCH_S * n / s))) if s > 0 else BATCH_MAX

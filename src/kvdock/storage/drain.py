@@ -8,8 +8,8 @@ is bounded by the backlog (``writeback_backlog_bytes`` in ``/status``, the
 
 Nothing is dropped silently. A tier that is down (Redis gone) is never waited for: its queued
 write-downs are dropped at once, and counted. A second signal aborts the drain: what is still
-queued is dropped and counted (the one write in flight finishes). The log says, per tier, how many
-write-downs were done, dropped and why.
+queued is dropped and counted (the write in progress finishes; the rest of its batch is
+dropped). The log says, per tier, how many write-downs were done, dropped and why.
 """
 
 from __future__ import annotations

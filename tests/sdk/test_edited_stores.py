@@ -117,6 +117,23 @@ def test_a_longer_store_of_other_bytes_writes_nothing_past_the_stored_prefix(ser
         assert got.shape[2] == 2 * CHUNK and torch.equal(got, first)
 
 
+def test_a_users_store_over_an_engines_prefix_of_other_bytes_writes_nothing_past_it(server) -> None:
+    """Lead's review of W-EDIT: a user's tensor for T+X over an engine's plain (unedited) T of
+    other bytes kept the engine's T and chained the user's X onto it (a prefix of two versions).
+    An edited store extends any stored run only over its exact tip (read back, byte-identical)."""
+    model, user = make_kv(3 * CHUNK, seed=7), make_kv(3 * CHUNK, seed=8)
+    with kvd.connect(server.url, server.http_url, MODEL, timeout=10) as c:
+        assert engine_save(c, model[:, :, : 2 * CHUNK], T).stored_chunks == 2
+        assert kvd.store_chunks(c, user, TX) == kvd.StoreResult(0, 2, 0, 0, 1)
+        got = retrieved(c, TX)
+        assert got.shape[2] == 2 * CHUNK and torch.equal(got, model[:, :, : 2 * CHUNK])
+        # the same bytes as the engine's (a user storing the model's own KV, longer) extend it
+        same = torch.cat([model[:, :, : 2 * CHUNK], user[:, :, 2 * CHUNK :]], dim=2)
+        assert kvd.store_chunks(c, same, TX) == kvd.StoreResult(1, 2, 0, 0, 0)
+        assert torch.equal(retrieved(c, TX), same)
+        assert kvd.check_server_integrity(c) == []
+
+
 def test_an_overwrite_between_the_read_back_and_the_store_is_a_miss_never_a_mix(
     server, monkeypatch: pytest.MonkeyPatch
 ) -> None:

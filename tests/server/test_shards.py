@@ -130,9 +130,16 @@ def test_a_missing_shard_is_a_shorter_hit_never_half_a_chunk(contexts, dtype: to
     assert kvd.lookup(whole, tokens) == 2 * CHUNK
     got = kvd.retrieve(whole, tokens)
     assert got is not None and got.shape == (2, LAYERS, 2 * CHUNK, 32) and torch.equal(got, kv[:, :, : 2 * CHUNK])
-    # the whole model's store fills in the missing shard only (rank 0's chunks are deduped)
+    # a user's whole-model store (edited) would fill in the missing shard only, chaining rank 1's
+    # chunks 2-3 onto its stored run and leaving rank 0's chunks 2-3 as stored: the user's tensor
+    # can be read back and compared only up to the common hit (2 chunks), so rank 0's chunks 2-3
+    # would be unverified halves of chunks whose other halves are the user's: nothing is written
     r = kvd.store_chunks(whole, kv, tokens)
-    assert (r.stored_chunks, r.deduped_chunks) == (2, 6)
+    assert (r.stored_chunks, r.deduped_chunks, r.diverged_chunks) == (0, 6, 2)
+    assert torch.equal(kvd.retrieve(whole, tokens), kv[:, :, : 2 * CHUNK])
+    # the engine's own save of the missing shard (model KV, as rank 0's) fills it in
+    r = kvd.store_chunks(ranks[1], kv[..., 16:].contiguous(), tokens, edited=False)
+    assert (r.stored_chunks, r.deduped_chunks) == (2, 2)
     assert torch.equal(kvd.retrieve(whole, tokens), kv)
 
 

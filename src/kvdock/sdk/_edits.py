@@ -1,5 +1,6 @@
 """The SDK's side of edited prefixes (docs/architecture.md, "Edited prefixes"): when a plain store
-of a user's tensor is refused past a stored prefix that holds an edit (``diverged``), the store
+of a user's tensor is refused past a stored prefix (``diverged``: edited stores extend only a
+prefix they read back, `storage.plans.write_limit`), the store
 reads that prefix back and, if the tensor's first tokens are byte-identical to it, stores again
 over its tips (:func:`vouch`). A user who stored P stores P+Q of the same tensor and Q lands; a
 tensor of other bytes for P writes nothing past P."""

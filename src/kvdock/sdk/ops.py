@@ -201,13 +201,14 @@ def store(
     is extended only by KV computed over exactly its bytes. ``over``: when the KV was computed
     over a prefix loaded from kvdock, that prefix's tips (the ``versions`` of the
     :func:`lookup_tips` whose prefix was then loaded, e.g. with ``retrieve_into(..., tips=)``;
-    one per shard ``ctx`` reads). Without ``over``, the SDK reads the stored prefix back when it
-    holds an edit and, if ``kv``'s first tokens are byte-identical to it, stores the rest over its
-    tips (so storing P, then P+Q from the same tensor, stores Q). Otherwise -- other bytes, or
-    the prefix overwritten meanwhile, even between that read and the store -- no chunk past it
-    is written (a False return; ``store_chunks`` counts them ``diverged_chunks``), never an
-    error, and the stored prefix keeps its bytes. Over a prefix holding no edit, ``over``
-    changes nothing.
+    one per shard ``ctx`` reads). Without ``over``, the SDK reads the stored prefix back and, if
+    ``kv``'s first tokens are byte-identical to it, stores the rest over its tips (so storing P,
+    then P+Q from the same tensor, stores Q). Otherwise -- other bytes (an engine's own KV for
+    those tokens included), or the prefix overwritten or extended meanwhile, even between that
+    read and the store -- no chunk past it is written (a False return; ``store_chunks`` counts
+    them ``diverged_chunks``), never an error, and the stored prefix keeps its bytes. With
+    ``edited=False`` (the KV is the model's own for ``tokens``) only a prefix holding an edit is
+    checked, against ``over``.
     Raises InvalidInputError (shape, dtype, length, token ids), PoolFullError, StoreConflictError
     (nothing written because another client is still writing those chunks), KVCacheSDKError."""
     result = store_chunks(ctx, kv, tokens, cache_salt, overwrite, over=over, edited=edited)

@@ -93,7 +93,7 @@ def _prepare(
     sids = session_ids(req.session_id, shards)
     # a plain store extends a run holding an edit only with KV computed over it (storage.plans)
     runs = [] if req.overwrite else [mgr.chains.store_run(k, h) for k, h in zip(keysets, below, strict=True)]
-    limit = write_limit(runs, req.over) if runs else None
+    limit = write_limit(runs, req.over, req.edited) if runs else None
     try:
         with mgr.l1.dirty_eviction():  # past any wait for write-downs (storage.writeback)
             for sid, keys, heads in zip(sids, keysets, below, strict=True):

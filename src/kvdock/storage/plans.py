@@ -84,7 +84,7 @@ class StoreRun:
         return bool(self.since_edit)
 
 
-def write_limit(runs: list[StoreRun], over: list[int] | None) -> int | None:
+def write_limit(runs: list[StoreRun], over: list[int] | None, edited: bool = False) -> int | None:
     """The chunk index from which a plain store over shards' ``runs`` writes nothing (None: no
     limit). A store may extend a run holding an edit only with KV computed over that edit:
     ``over[s]``, the version of the last chunk the client loaded and computed over, must be a
@@ -94,7 +94,16 @@ def write_limit(runs: list[StoreRun], over: list[int] | None) -> int | None:
     edit). Otherwise the chunks past the run were computed over other bytes for the same tokens (a
     prompt computed before an overwrite, saved after it): chaining them to the edit would make a
     prefix of mixed versions. Of several shards, one that diverges stops them all at the shortest
-    run, so no chunk is written in some shards only."""
+    run, so no chunk is written in some shards only.
+
+    An ``edited`` store (a user's tensor: its bytes may differ from what is stored for the same
+    tokens, edited or not) extends a stored run only over exactly its tip (``over[s]`` is the
+    run's last version, which the client read back and found byte-identical to its own first
+    tokens: kvdock.sdk._edits): otherwise its later chunks would hang off bytes they were not
+    made with (review of W-EDIT: a user's edit of P+Q over an engine's plain P kept the engine's
+    P and chained the user's Q onto it)."""
+    if edited and any(r.count and (over is None or over[s] != r.tip) for s, r in enumerate(runs)):
+        return min(r.count for r in runs)
     if any(r.edited and (over is None or over[s] not in r.since_edit) for s, r in enumerate(runs)):
         return min(r.count for r in runs)
     return None

@@ -16,6 +16,7 @@ from kvdock.errors import WriteFenced
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
 from kvdock.storage.coherence import (
+    COMMIT_MARGIN_MS,
     DELETE_SCRIPT,
     RECENT_MS,
     STREAM_KEY,
@@ -545,3 +546,68 @@ def test_a_late_step_of_an_earlier_overwrite_never_deletes_a_later_ones_value(re
         assert raw.eval(DELETE_SCRIPT, 2, value, floor, "50-0", "1") == 1 and raw.get(floor) == b"50-0"
     finally:
         raw.close()
+
+
+def test_an_overwrite_that_comes_to_its_commit_too_late_is_not_committed(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """R-FLEET: other servers refuse plain stores of an overwritten key for RECENT_MS after its
+    entries; an overwrite committed later than that (its server paused, a slow client copy)
+    could find one kept elsewhere for good. It is not committed (a False store, the key a miss)."""
+
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        try:
+            await host1.sync()
+            await host2.sync()
+            for sid, late in (("in-time", False), ("late", True)):
+                plan = host1.mgr.prepare_store("c", sid, [A], CHUNK_NB, overwrite=True)
+                host1.l1.view(plan.slots[0][1])[:] = payload(A, 5)
+                assert await host1.mgr.wait_deletes("c", sid)
+                assert host1.coherence is not None
+                await host1.sync()  # (its clock estimate of L3: from its last poll on)
+                host1.now += (RECENT_MS - COMMIT_MARGIN_MS) / 1000 + (0.5 if late else -1.0)
+                assert host1.mgr.commit_store("c", sid, [0]) == (0 if late else 1)
+                assert (host1.l1.get(A) is None) == late
+            await host2.sync()
+            assert host2.coherence is not None and host2.coherence.recently_overwritten(A)
+        finally:
+            close(host1, host2)
+
+    asyncio.run(main())
+
+
+def test_a_server_that_starts_during_another_ones_overwrite_knows_its_keys_were_overwritten_lately(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """R-FLEET: a server started (or restarted on its L2, its kept position past the entries)
+    while another's overwrite was not yet committed accepted a plain store of its keys. Its
+    first poll (and one after a gap) reads the last RECENT_MS of the stream."""
+
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        try:
+            await host1.sync()
+            await host2.sync()
+            assert await host2.store_async([A], version=1, overwrite=True) == 1
+            await host1.sync()  # (applied by host 1 as usual: its position is past the entries)
+            late = World(tmp_path / "late", redis_url=redis_server.url, coherent=True)
+            resumed = World(tmp_path / "resumed", redis_url=redis_server.url, coherent=True)
+            assert host1.coherence is not None and late.coherence is not None and resumed.coherence is not None
+            resumed.coherence.position, resumed.coherence.consumed = host1.coherence.position, host1.coherence.consumed
+            resumed.coherence.incarnation, resumed.coherence.resume = host1.coherence.incarnation, True
+            try:
+                for w in (late, resumed):
+                    result = await w.sync()
+                    assert result.entries == [] and [k for e in result.recent for k in e.keys] == [A, A]
+                    assert w.coherence is not None and w.coherence.recently_overwritten(A)
+                    plan = w.mgr.prepare_store("c", "plain", [A, B], CHUNK_NB)
+                    assert (plan.slots, plan.in_flight) == ([], 2)
+                    w.now += RECENT_MS / 1000
+                    assert not w.coherence.recently_overwritten(A)
+            finally:
+                close(late, resumed)
+        finally:
+            close(host1, host2)
+
+    asyncio.run(main())

@@ -66,6 +66,7 @@ from kvdock.storage._coherence_lua import (
 
 __all__ = [
     "DELETE_SCRIPT",
+    "COMMIT_MARGIN_MS",
     "ISSUE_LIMIT_MS",
     "RECENT_MS",
     "STREAM_KEY",
@@ -114,7 +115,10 @@ class Invalidation(NamedTuple):
 class PollResult(NamedTuple):
     """One poll: when it was sent (monotonic), L3's clock then, the entries after the position it
     asked from, whether entries were lost (trimmed, or the stream itself), the position and the
-    count of entries consumed after it, and whether it read everything there was."""
+    count of entries consumed after it, and whether it read everything there was. ``recent``: on
+    the first poll of a run and after a gap, the entries of the last :data:`RECENT_MS` (L3's
+    clock) whatever the position, so that a server started (or restarted on its L2, past them)
+    during another's overwrite knows its keys were overwritten lately (R-FLEET)."""
 
     sent: float
     redis_ms: int
@@ -123,6 +127,7 @@ class PollResult(NamedTuple):
     position: int
     consumed: int
     caught_up: bool
+    recent: tuple[Invalidation, ...] = ()
 
 
 def fresh_incarnation() -> bytes:
@@ -161,6 +166,9 @@ class CoherenceCounters:
 # how long after another server's overwrite of a key a plain store of it here is refused (in
 # flight): that overwrite's commit and write-down to L3 normally land well within it
 RECENT_MS = 10_000
+# an overwrite is committed only within RECENT_MS - this of its second entry (Coherence.too_late)
+COMMIT_MARGIN_MS = 2_000
+LOOKBACK_COUNT = 100_000  # entries of the last RECENT_MS a starting server reads at most
 
 
 @dataclass
@@ -216,8 +224,9 @@ class Coherence:
         self.counters.polls += 1
         if not self.incarnation:
             self.incarnation = inc
+        recent = self._lookback(int(now)) if not self.started else ()
         if not self.started and not self.resume:  # no position of our own: start at the tip
-            return PollResult(sent, int(now), [], False, last_pos, added, True)
+            return PollResult(sent, int(now), [], False, last_pos, added, True, recent)
         caught_up = len(raw) < POLL_COUNT
         lost = (
             inc != self.incarnation
@@ -229,13 +238,19 @@ class Coherence:
         )
         if lost:
             self.incarnation = inc
-            return PollResult(sent, int(now), [], True, last_pos, added, True)
+            return PollResult(sent, int(now), [], True, last_pos, added, True, recent or self._lookback(int(now)))
         entries = []
         for entry_id, fields in raw:
             data = dict(zip(fields[::2], fields[1::2], strict=True)).get(b"k", b"")
             entries.append(Invalidation(pos_int(entry_id), decode_keys(data)))
         pos = entries[-1].position if entries else self.position
-        return PollResult(sent, int(now), entries, False, pos, self.consumed + len(entries), caught_up)
+        return PollResult(sent, int(now), entries, False, pos, self.consumed + len(entries), caught_up, recent)
+
+    def _lookback(self, now_ms: int) -> tuple[Invalidation, ...]:
+        """[worker] The stream's entries of the last RECENT_MS (the newest LOOKBACK_COUNT), oldest first."""
+        raw = self.client().xrevrange(STREAM_KEY, "+", f"{max(now_ms - RECENT_MS, 0)}-0", count=LOOKBACK_COUNT)
+        seen = [Invalidation(pos_int(entry_id), decode_keys(fields.get(b"k", b""))) for entry_id, fields in raw]
+        return tuple(reversed(seen))  # oldest first
 
     def publish(self, keys: list[ObjectKey], run: Callable[..., Any] | None = None) -> int:
         """[worker] Append an invalidation of ``keys``; its position. ``run(key, *eval args)``
@@ -295,6 +310,15 @@ class Coherence:
             return False
         now = self.l3_now_ms()
         return now is None or now - ms < RECENT_MS
+
+    def too_late(self, position: int) -> bool:
+        """[loop] Whether an overwrite whose second entry is at ``position`` comes too late to be
+        committed: other servers stop refusing plain stores of its keys :data:`RECENT_MS` after
+        that entry (:meth:`recently_overwritten`, their clock estimates over by up to a poll's
+        delay: :data:`COMMIT_MARGIN_MS`), and one stored then would keep other bytes than this
+        overwrite for good (R-FLEET). Unknown before this server's first vouching poll: False."""
+        now = self.l3_now_ms()
+        return now is not None and now - (position >> 64) > RECENT_MS - COMMIT_MARGIN_MS
 
     def is_own(self, position: int) -> bool:
         with self._lock:

@@ -47,6 +47,8 @@ def apply_invalidations(
             dropped,
         )
         pending += deletions.clear(local)
+    for seen in result.recent:  # (a start or a gap: what other servers overwrote lately)
+        coh.note_foreign(seen.keys, seen.position)
     for entry in result.entries:
         own = coh.is_own(entry.position)
         stale: list[ObjectKey] = []  # keys whose L2 copy the entry replaced

@@ -33,6 +33,7 @@ Not thread-safe: the event loop only (the lanes' threads never call back in here
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -52,6 +53,8 @@ from kvdock.storage.plans import OVERWRITING, SUPERSEDED, Chain, Placement, Stor
 from kvdock.storage.reservations import reserve
 from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
 from kvdock.storage.tier import Head
+
+log = logging.getLogger(__name__)
 
 __all__ = ["OVERWRITING", "SUPERSEDED", "Chain", "Placement", "PrefetchJob", "StorageManager", "StorePlan"]
 
@@ -283,13 +286,17 @@ class StorageManager:
         # applied meanwhile (R-LANE: that let both hosts keep their own); others what is applied
         e2 = max([d.result() or 0 for d in session.deletes], default=0)
         epoch = e2 if session.overwrite and e2 else max(self._epoch(), e2)
+        # committed this late, a plain store elsewhere may already keep other bytes (R-FLEET)
+        late = bool(session.overwrite and e2 and self.coherence is not None and self.coherence.too_late(e2))
+        if late:
+            log.warning("an overwrite came to its commit too late after its stream entries: not committed")
         if session.overwrite:  # chunks reserved but not committed must not keep their old version
             for i, obj in session.reserved.items():
                 if i not in committed:
                     self.l1.remove(obj.key)
         out = []
         for i, obj in zip(indexes, objs, strict=True):
-            if obj.epoch == SUPERSEDED or obj.seen > epoch:  # an overwrite elsewhere came after: ordered before it
+            if late or obj.epoch == SUPERSEDED or obj.seen > epoch:  # (an overwrite elsewhere came after)
                 self.l1.abort(obj)
             else:
                 obj.epoch = epoch

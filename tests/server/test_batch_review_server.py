@@ -37,16 +37,6 @@ def test_a_store_past_the_dirty_limit_stores_every_chunk_and_waits_at_most_the_b
             assert got is not None and torch.equal(got, kv)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "R-BATCH: writeback.needs_wait's dirty-limit branch returns dirty_now + new > limit even "
-        "when new == 0 (every chunk deduped: the store reserves nothing), so once a burst has the "
-        "dirty share past the limit every re-store of a cached prompt (an engine saving a prefix it "
-        "loaded) waits the whole --writeback-wait-s for nothing. Fix: in needs_wait, return False "
-        "from the dirty-limit branch when new == 0 (and count only the chunks the store reserves)"
-    ),
-)
 def test_a_store_that_writes_nothing_never_waits_for_the_dirty_limit(make_server, tmp_path) -> None:
     """A prompt stored again whole (every chunk deduped in L1: nothing to reserve, no room
     needed) must not wait for write-downs; today it waits the whole --writeback-wait-s whenever

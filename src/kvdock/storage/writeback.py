@@ -101,7 +101,8 @@ def needs_wait(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int,
         return False
     plans = [(len(keys), 0) if overwrite else _writes(mgr, keys) for keys in keysets]
     new = sum(n for n, _ in plans) * aligned(nbytes)
-    return dirty_now + new > l1.dirty_limit * capacity
+    # a store that writes nothing adds no dirty object: never held back (R-BATCH)
+    return new > 0 and dirty_now + new > l1.dirty_limit * capacity
 
 
 async def wait_for_room(mgr: StorageManager, keysets: list[list[ObjectKey]], nbytes: int, overwrite: bool) -> bool:

@@ -221,3 +221,47 @@ def test_an_overwrite_fences_and_deletes_the_very_keys_objects_are_stored_under(
             assert floors == [k + b":f" for k in objects]
         finally:
             raw.close()
+
+
+def test_a_plain_store_through_another_server_waits_for_an_overwrite_still_on_its_way_to_l3(
+    make_server, redis_server
+) -> None:
+    """R-FLEET's residual case, through the servers' store path: A's overwrite is acknowledged
+    but its write-down to L3 waits (a backlog); B applied its entries, no longer holds the chunks
+    and (its RECENT_MS window over) no longer counts them as overwritten lately. B's plain store
+    of other bytes would keep them for good: B sees the live floors with no value in L3 and leaves
+    the chunks in flight; once A's write lands, B serves the overwrite."""
+    import threading
+
+    a = make_server("--redis-url", redis_server.url, "--no-disk")
+    b = make_server("--redis-url", redis_server.url, "--no-disk")
+    for s in (a, b):
+        _wait_vouched(s)
+    tokens = make_tokens(2 * CHUNK, start=8_000_000)
+    new, other = make_kv(2 * CHUNK, seed=3), make_kv(2 * CHUNK, seed=4)
+    l3 = next(lane.tier for lane in a.state.manager.lanes if lane.name == "l3")
+    go = threading.Event()
+    real_write = l3.write_from
+
+    def slow_write(*args, **kw):  # type: ignore[no-untyped-def]
+        go.wait(30)
+        return real_write(*args, **kw)
+
+    l3.write_from = slow_write
+    ca = kvd.connect(a.url, a.http_url, MODEL, timeout=10)
+    cb = kvd.connect(b.url, b.http_url, MODEL, timeout=10)
+    try:
+        applied = _status(b)["entries_applied"]
+        assert kvd.store(ca, new, tokens, overwrite=True)  # acknowledged; its write-down waits
+        wait_for(lambda: _status(b)["entries_applied"] >= applied + 2, "B to apply A's entries")
+        b.call(lambda: b.state.manager.coherence.recent.clear())  # as if RECENT_MS had passed
+        with pytest.raises(kvd.StoreConflictError, match="being written by another client"):
+            kvd.store(cb, other, tokens)
+        go.set()
+        wait_for(lambda: a.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, "A's write-down")
+        assert not kvd.store(cb, other, tokens)  # dedups against the overwrite in L3
+        assert torch.equal(_retrieve(cb, tokens), new) and torch.equal(_retrieve(ca, tokens), new)
+    finally:
+        go.set()
+        kvd.close(ca)
+        kvd.close(cb)

@@ -611,3 +611,45 @@ def test_a_server_that_starts_during_another_ones_overwrite_knows_its_keys_were_
             close(host1, host2)
 
     asyncio.run(main())
+
+
+def test_a_plain_store_waits_for_an_overwrite_elsewhere_that_is_not_in_l3_yet(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """R-FLEET's residual case: host 1's overwrite is committed but its write-down to L3 waits
+    (a backlog) past RECENT_MS; host 2 no longer holds the key and no longer counts it as
+    overwritten lately. Its plain store must not keep other bytes than the overwrite: the key's
+    floor is live with no value in L3 (storage.redis.floored), so the store leaves it in flight."""
+
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server)
+        assert host1.redis is not None
+        go = threading.Event()
+        real_write = host1.redis.write_from
+
+        def slow_write(key: ObjectKey, *args: object, **kw: object) -> int:
+            if key == A:
+                go.wait(20)
+            return real_write(key, *args, **kw)  # type: ignore[arg-type]
+
+        host1.redis.write_from = slow_write  # type: ignore[method-assign]
+        try:
+            await host1.sync()
+            await host2.sync()
+            assert await host1.store_async([A], version=1, overwrite=True) == 1  # its L3 write waits
+            await host2.sync()
+            assert host2.coherence is not None
+            host2.now += RECENT_MS / 1000
+            assert not host2.coherence.recently_overwritten(A) and host2.l1.get(A) is None
+            assert await host2.mgr.chains.pending_overwrites([A, B]) == {A}
+            plan = host2.mgr.prepare_store("c", "plain", [A], CHUNK_NB, pending={A})
+            assert (plan.slots, plan.in_flight) == ([], 1)
+            go.set()
+            await host1.drain()
+            assert await host2.mgr.chains.pending_overwrites([A]) == set()  # written: a plain store dedups
+            assert _l3_bytes(host2, A) == payload(A, 1)
+        finally:
+            go.set()
+            close(host1, host2)
+
+    asyncio.run(main())

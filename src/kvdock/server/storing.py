@@ -67,13 +67,18 @@ async def _prepare_later(
     mgr = state.manager
     sids = session_ids(req.session_id, len(keysets))
     below: list[dict[ObjectKey, Head] | None] = [None] * len(keysets)
+    pending: set[ObjectKey] = set()
     if heads:
         below = [await mgr.unindexed_heads(keys[mgr.lookup_l1(keys) :]) for keys in keysets]
+        if mgr.coherence is not None:  # (an overwrite elsewhere not in L3 yet: storage.redis.floored)
+            for keys, found in zip(keysets, below, strict=True):
+                absent = [k for k in keys[mgr.lookup_l1(keys) :] if k not in (found or {})]
+                pending |= await mgr.chains.pending_overwrites(absent)
         check_free(state, client, sids)
     if writeback.needs_wait(mgr, keysets, client.model.slot_nbytes, req.overwrite):
         await writeback.wait_for_room(mgr, keysets, client.model.slot_nbytes, req.overwrite)
         check_free(state, client, sids)
-    return _prepare(state, client, req, keysets, below)
+    return _prepare(state, client, req, keysets, below, pending)
 
 
 def _prepare(
@@ -82,6 +87,7 @@ def _prepare(
     req: m.PrepareStore,
     keysets: list[list[ObjectKey]],
     below: Sequence[dict[ObjectKey, Head] | None],
+    pending: set[ObjectKey] | None = None,
 ) -> Reply:
     """Every shard's PrepareStore, in this one step. Of several shards, every shard gets a session
     (one with no slots still holds its deletions of older versions, which the commit waits for),
@@ -108,6 +114,7 @@ def _prepare(
                     shards > 1,
                     limit,
                     req.edited,
+                    pending,
                 )
                 plans.append(plan)
     except BaseException:

@@ -111,6 +111,17 @@ class Chains:
                     return found
         return []
 
+    async def pending_overwrites(self, keys: list[ObjectKey]) -> set[ObjectKey]:
+        """Those of ``keys`` that a shared tier says an overwrite is writing (a live floor, no
+        value yet: storage.redis ``floored``), for the manager's ``prepare_store(pending=)``: a plain
+        store of them here would keep other bytes than that overwrite once it lands (R-FLEET; one
+        round trip)."""
+        found: set[ObjectKey] = set()
+        for lane in self.lanes:
+            if not lane.tier.indexed and lane.tier.up():
+                found |= await lane.on_reader(lane.tier.floored, keys, default=set())
+        return found
+
     def store_run(self, keys: list[ObjectKey], below: dict[ObjectKey, Head] | None) -> StoreRun:
         """The leading run of ``keys`` a plain store dedups now (the same checks as the manager's
         ``prepare_store``, in the same step: L1's READY object or a lower tier's head that chains;

@@ -142,6 +142,7 @@ class StorageManager:
         open_empty: bool = False,
         limit: int | None = None,
         edited: bool = False,
+        pending: set[ObjectKey] | None = None,
     ) -> StorePlan:
         """Reserve slots for the chunks of ``keys`` that need writing, in order, until the pool is
         full. Chunks already stored are pinned until the commit, so that making room for the new
@@ -154,7 +155,8 @@ class StorageManager:
         index (:meth:`unindexed_heads`), so that a chunk only they hold is deduped too. ``limit``
         (a plain store: storage.plans.write_limit): no chunk from that index on is written, they
         are counted ``diverged``. ``edited`` (PrepareStore.edited): a plain store's versions carry
-        the EDITED bit too.
+        the EDITED bit too. ``pending`` (storage.chains ``pending_overwrites``): keys a plain store
+        does not write (in flight), as an overwrite elsewhere is writing them.
 
         Opens a session when at least one slot is reserved (always with ``open_empty``: one shard
         of a request whose commit must also wait for its deletions); SessionError if the id is in
@@ -166,7 +168,8 @@ class StorageManager:
             # two versions: the overwrite writes nothing, and says the whole prefix is contended.
             return StorePlan([], 0, len(keys), 0)
         l1, epoch = self.l1, self._epoch()
-        recent = self.coherence.recently_overwritten if self.coherence is not None else None
+        coh, busy = self.coherence, pending or set()
+        recent = (lambda k: k in busy or coh.recently_overwritten(k)) if coh is not None else None
         got = reserve(
             l1, self.loads, self.deletions, self.chains, epoch, keys, nbytes, overwrite, below, limit, edited, recent
         )

@@ -304,6 +304,20 @@ class RedisTier(StorageTier):
             out.append(Head(header.version, header.parent))
         return out
 
+    def floored(self, keys: list[ObjectKey]) -> set[ObjectKey]:
+        """[worker, reader] Those of ``keys`` whose floor is live (an overwrite raised it less than
+        FLOOR_TTL_MS ago) while L3 holds no value: an overwrite's version not written down yet, or
+        not at all (one round trip). Empty without the fleet's coherence."""
+        if self.coherence is None or not keys:
+            return set()
+        pipe = self._redis.pipeline(transaction=False)
+        for k in keys:
+            final = self._key(k)
+            pipe.exists(floor_key(final))
+            pipe.exists(final)
+        got = pipe.execute()
+        return {k for k, floor, value in zip(keys, got[::2], got[1::2], strict=True) if floor and not value}
+
     def delete(self, key: ObjectKey) -> None:
         """DEL (on a cluster, WAITed for by a replica: _redisclient.run_waited); with the default appendfsync
         the deletion is as durable as Redis makes anything. (An overwrite's go through

@@ -114,6 +114,11 @@ class StorageTier(abc.ABC):
         """[any] Whether a down tier should be probed now (its backoff has passed)."""
         return False
 
+    def floored(self, keys: list[ObjectKey]) -> set[ObjectKey]:
+        """[worker, reader] Keys a shared tier knows are being overwritten but holds no value of
+        (kvdock.storage.redis); a local tier: none."""
+        return set()
+
     def probe_soon(self) -> None:
         """[any] Make :meth:`probe_due` true now (the tier was seen answering again)."""
         return None

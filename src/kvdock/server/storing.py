@@ -69,11 +69,12 @@ async def _prepare_later(
     below: list[dict[ObjectKey, Head] | None] = [None] * len(keysets)
     pending: set[ObjectKey] = set()
     if heads:
-        below = [await mgr.unindexed_heads(keys[mgr.lookup_l1(keys) :]) for keys in keysets]
+        lacking = [keys[mgr.lookup_l1(keys) :] for keys in keysets]
+        found = [await mgr.unindexed_heads(keys) for keys in lacking]
+        below = list(found)
         if mgr.coherence is not None:  # (an overwrite elsewhere not in L3 yet: storage.redis.floored)
-            for keys, found in zip(keysets, below, strict=True):
-                absent = [k for k in keys[mgr.lookup_l1(keys) :] if k not in (found or {})]
-                pending |= await mgr.chains.pending_overwrites(absent)
+            for keys, held in zip(lacking, found, strict=True):
+                pending |= await mgr.chains.pending_overwrites([k for k in keys if k not in held])
         check_free(state, client, sids)
     if writeback.needs_wait(mgr, keysets, client.model.slot_nbytes, req.overwrite):
         await writeback.wait_for_room(mgr, keysets, client.model.slot_nbytes, req.overwrite)

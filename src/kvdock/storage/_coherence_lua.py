@@ -80,17 +80,17 @@ incarnation(KEYS[2], ARGV[2])
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', {MAXLEN}, '*', 'k', ARGV[1])
 """
 )
-# KEYS: value, floor. ARGV: floor position, "1" to delete the value too. Raises the floor and
-# deletes the value, unless the floor is already at a later position: then another overwrite's
-# later entry came first and what the value holds was written past it (its version wins; a late
-# step of an earlier overwrite must not delete it). Returns the keys deleted.
+# KEYS: value, floor. ARGV: floor position. Raises the floor and deletes the value, unless the
+# floor is already at a later position: then another overwrite's later entry came first and what
+# the value holds was written past it (its version wins; a late step of an earlier overwrite must
+# not delete it). Returns the keys deleted.
 DELETE_SCRIPT = (
     _OLDER
     + f"""
 local f = redis.call('GET', KEYS[2])
 if (not f) or older(f, ARGV[1]) ~= false then
   redis.call('SET', KEYS[2], ARGV[1], 'PX', {FLOOR_TTL_MS})
-  if ARGV[2] == '1' then return redis.call('DEL', KEYS[1]) end
+  return redis.call('DEL', KEYS[1])
 end
 return 0
 """

@@ -65,8 +65,8 @@ from kvdock.storage._coherence_lua import (
 )
 
 __all__ = [
-    "DELETE_SCRIPT",
     "COMMIT_MARGIN_MS",
+    "DELETE_SCRIPT",
     "ISSUE_LIMIT_MS",
     "RECENT_MS",
     "STREAM_KEY",

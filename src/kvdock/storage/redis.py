@@ -344,17 +344,16 @@ class RedisTier(StorageTier):
                 self.delete(key)
             return 0
         run = functools.partial(run_waited, self._redis) if self.cluster else None
-        first = self.coherence.publish(keys, run)
-        for key in keys:
-            self._floor(self._key(key), first)
-        second = self.coherence.publish(keys, run)
-        for key in keys:
-            self._floor(self._key(key), second)
-        return second
+        position = 0
+        for _ in ("E1", "E2"):
+            position = self.coherence.publish(keys, run)
+            for key in keys:
+                self._floor(self._key(key), position)
+        return position
 
     def _floor(self, final: bytes, floor: int) -> None:
         """Delete ``final`` and raise its floor to ``floor`` (one script)."""
-        args = (DELETE_SCRIPT, 2, final, floor_key(final), coherence.pos_text(floor), "1")
+        args = (DELETE_SCRIPT, 2, final, floor_key(final), coherence.pos_text(floor))
         if self.cluster:
             run_waited(self._redis, final, *args)
         else:

@@ -182,6 +182,11 @@ class ServerConfig:
     tenants: str = _opt(
         "", "tenants file (TOML): each tenant's CURVE keys or tokens, models, cache_salt namespaces and quotas"
     )
+    redis_timeout_s: float = _opt(
+        5.0,
+        "with an L3: seconds a connect or a reply of Redis may take before the L3 is taken as down (its reads "
+        "are then misses, its write-downs dropped and counted, until a probe gets through)",
+    )
 
     @property
     def zmq_url(self) -> str:
@@ -225,6 +230,8 @@ class ServerConfig:
             raise ConfigError(f"writeback_wait_s must be 0 or more, got {self.writeback_wait_s}")
         if not 0 < self.writeback_dirty_limit <= 1:
             raise ConfigError(f"writeback_dirty_limit must be in (0, 1], got {self.writeback_dirty_limit}")
+        if self.redis_timeout_s <= 0:
+            raise ConfigError(f"redis_timeout_s must be positive, got {self.redis_timeout_s}")
         for name in ("port", "http_port", "kv_events_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} out of range: {getattr(self, name)}")

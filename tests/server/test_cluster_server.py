@@ -193,14 +193,15 @@ def test_a_shard_that_stops_answering_costs_one_bounded_wait_then_misses(
     make_server, redis_cluster: RedisCluster
 ) -> None:
     """Both nodes of a shard SIGSTOPped (they accept connections and never answer): a request that
-    needs L3 waits at most about two socket timeouts, once; then the tier is down and requests are
-    served from L1 or miss at once, and L3 comes back after SIGCONT. (redis-py's default of ten
-    retries once made each such call take a minute, and clients got errors.)"""
+    needs L3 waits at most about two socket timeouts (--redis-timeout-s 2), once; then the tier is
+    down and requests are served from L1 or miss at once, and L3 comes back after SIGCONT. (redis-py's
+    default of ten retries once made each such call take a minute, and clients got errors; ten
+    retries of 2 s would still take longer than the 15 s allowed.)"""
     import os
     import signal
 
-    a = make_server("--redis-url", redis_cluster.url)
-    b = make_server("--redis-url", redis_cluster.url)
+    a = make_server("--redis-url", redis_cluster.url, "--redis-timeout-s", "2")
+    b = make_server("--redis-url", redis_cluster.url, "--redis-timeout-s", "2")
     with kvd.connect(a.url, a.http_url, MODEL, timeout=30) as ca:
         for i in range(20):
             kvd.store(ca, make_kv(2 * CHUNK, seed=i), prompt(i))

@@ -82,9 +82,9 @@ def test_a_hung_redis_does_not_hold_up_the_shutdown_and_its_drops_are_counted(
     make_server: Callable[..., ServerProc], redis_server: RedisProc
 ) -> None:
     n = 20
-    srv = make_server("--no-disk", "--redis-url", redis_server.url)
+    srv = make_server("--no-disk", "--redis-url", redis_server.url, "--redis-timeout-s", "1")
     # Redis answers reads (the store's dedup lookup) but holds every write: the first write-down
-    # waits out the client's timeout (5 s), then the tier is down
+    # waits out the client's timeout (--redis-timeout-s: 1 s here), then the tier is down
     cli = ["redis-cli", "-p", str(redis_server.port)]
     assert subprocess.run([*cli, "CLIENT", "PAUSE", "120000", "WRITE"], capture_output=True, text=True).stdout == "OK\n"
     try:

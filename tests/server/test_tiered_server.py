@@ -276,7 +276,8 @@ def test_lookups_queued_while_redis_hangs_wait_one_timeout_not_one_each(make_ser
 
     # a bound longer than the test: the server keeps vouching for its L1 while Redis hangs (with
     # the default bound it stops within 100 ms: tests/fleet/test_fleet_coherence.py)
-    srv = make_server("--redis-url", redis_server.url, "--l3-coherence-ms", "60000")
+    # (a Redis timeout of 3 s: one wait for all three is 3 s, one each would be 9 s, past the 8 s allowed)
+    srv = make_server("--redis-url", redis_server.url, "--l3-coherence-ms", "60000", "--redis-timeout-s", "3")
     ctxs = [kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) for _ in range(3)]
     took: dict[int, float] = {}
 

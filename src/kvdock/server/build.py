@@ -251,6 +251,7 @@ def _open_redis(config: ServerConfig, tenants: Tenants | None, registry: Registr
     shares = tier_shares(tenants, "l3", config.redis_max_bytes)
     store = RedisTier(
         config.redis_url,
+        timeout=config.redis_timeout_s,
         max_bytes=config.redis_max_bytes,
         shares=shares,
         identity_of=registry.identity_of,

@@ -187,6 +187,12 @@ class ServerConfig:
         "with an L3: seconds a connect or a reply of Redis may take before the L3 is taken as down (its reads "
         "are then misses, its write-downs dropped and counted, until a probe gets through)",
     )
+    l3_floor_ttl_ms: int = _opt(
+        60_000,
+        "with an L3: how long an overwrite's floor lives there unrefreshed; a server holding an overwrite's version "
+        "refreshes it every sixth of this and serves it only while its last refresh was sent less than half of this "
+        "ago (docs/scale-out.md)",
+    )
 
     @property
     def zmq_url(self) -> str:
@@ -223,7 +229,8 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         check_redis_url(self.redis_url)
-        for name in ("session_ttl", "client_ttl", "max_models", "max_request_tokens", "l3_coherence_ms"):
+        positive = ("session_ttl", "client_ttl", "max_models", "max_request_tokens", "l3_coherence_ms")
+        for name in (*positive, "l3_floor_ttl_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.writeback_wait_s < 0:

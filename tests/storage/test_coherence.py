@@ -537,13 +537,13 @@ def test_a_late_step_of_an_earlier_overwrite_never_deletes_a_later_ones_value(re
         value, floor = b"kvdock:test:value", b"kvdock:test:floor"
         raw.set(value, b"v-later")
         raw.set(floor, pos_text(pos_int("200-0")))
-        assert raw.eval(DELETE_SCRIPT, 2, value, floor, "100-0") == 0  # earlier: nothing happens
+        assert raw.eval(DELETE_SCRIPT, 2, value, floor, "100-0", 60_000) == 0  # earlier: nothing happens
         assert raw.get(value) == b"v-later" and raw.get(floor) == b"200-0"
-        assert raw.eval(DELETE_SCRIPT, 2, value, floor, "300-0") == 1  # later: raises and deletes
+        assert raw.eval(DELETE_SCRIPT, 2, value, floor, "300-0", 60_000) == 1  # later: raises and deletes
         assert raw.get(value) is None and raw.get(floor) == b"300-0"
         raw.set(floor, b"garbage")  # not a position: replaced, the value deleted
         raw.set(value, b"v")
-        assert raw.eval(DELETE_SCRIPT, 2, value, floor, "50-0") == 1 and raw.get(floor) == b"50-0"
+        assert raw.eval(DELETE_SCRIPT, 2, value, floor, "50-0", 60_000) == 1 and raw.get(floor) == b"50-0"
     finally:
         raw.close()
 

@@ -50,7 +50,7 @@ NO_HEAD = Head(0, 0)  # what objects written before version chains read as
 
 
 def header(key: ObjectKey, data: bytes, head: Head = NO_HEAD) -> bytes:
-    return objfile.encode_header(key, DTYPE, SHAPE, memoryview(data), *head, identity=GEO.digest(CHUNK))
+    return objfile.encode_header(key, DTYPE, SHAPE, memoryview(data), *head[:2], identity=GEO.digest(CHUNK))
 
 
 def write(store: DiskTier, key: ObjectKey, data: bytes | None = None, head: Head | None = None) -> DiskEntry:

@@ -45,7 +45,7 @@ def kv(geo: KVGeometry, chunk: int, seed: int) -> torch.Tensor:
 def put(store: RedisTier, key: ObjectKey, t: torch.Tensor, geo: KVGeometry, chunk: int, head: Head) -> bytes:
     data = t.view(torch.uint8).numpy().tobytes()
     shape = list(geo.chunk_shape(chunk))
-    block = objfile.encode_header(key, geo.dtype, shape, memoryview(data), *head, identity=geo.digest(chunk))
+    block = objfile.encode_header(key, geo.dtype, shape, memoryview(data), *head[:2], identity=geo.digest(chunk))
     store.write_from(key, block, memoryview(data))
     return data
 

@@ -43,7 +43,7 @@ def H(i: int) -> Head:
 def put(store: RedisTier, key: ObjectKey, data: bytes | None = None, head: Head | None = None) -> bytes:
     data = payload(key.chunk[0]) if data is None else data
     head = H(key.chunk[0]) if head is None else head
-    block = objfile.encode_header(key, DTYPE, SHAPE, memoryview(data), *head, identity=GEO.digest(CHUNK))
+    block = objfile.encode_header(key, DTYPE, SHAPE, memoryview(data), *head[:2], identity=GEO.digest(CHUNK))
     size = store.write_from(key, block, memoryview(data))
     assert size == len(block) + len(data)
     return data

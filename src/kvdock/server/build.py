@@ -145,7 +145,7 @@ def _coherence(
     an overwrite elsewhere replaced: it is cleared."""
     if redis is None:
         return None
-    coherence = Coherence(lambda: redis._redis, bound_s=config.l3_coherence_ms / 1000)
+    coherence = Coherence(lambda: redis._redis, config.l3_coherence_ms / 1000, floor_ttl_ms=config.l3_floor_ttl_ms)
     redis.coherence = coherence
     for lane in lanes:
         if lane.tier is redis:
@@ -181,7 +181,8 @@ async def follow_fleet(state: ServerState) -> None:
 
     try:
         keep = disk.root if disk is not None else None
-        await follow(coherence, manager.apply, redis.failed, vouch, keep, recovered=redis.probe_soon)
+        keeper = manager.holdings.round if manager.holdings is not None else None
+        await follow(coherence, manager.apply, redis.failed, vouch, keep, recovered=redis.probe_soon, keeper=keeper)
     except asyncio.CancelledError:
         raise
     except BaseException:  # never silently: without it the server answers misses for good

@@ -208,6 +208,9 @@ _COHERENCE_HELP = {
     "full_drops": "Gaps in the invalidation stream: every L1 and L2 object dropped",
     "lapses": "Times this server stopped vouching for L1/L2 (its poll came later than the bound)",
     "published": "Invalidations this server appended (its overwrites, two each)",
+    "keep_rounds": "Rounds keeping the L3 floors of the overwrites' versions held in L1",
+    "keep_dropped": "Overwrites' versions dropped: their L3 floor was gone or raised, or L3 held another version",
+    "keep_repaired": "Overwrites' versions written to L3 again: their floor was kept, their value gone",
 }
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 __all__ = [
     "DELETE_SCRIPT",
+    "FLOOR_TTL_MS",
     "INCARNATION_KEY",
     "ISSUE_LIMIT_MS",
+    "KEEP_SCRIPT",
     "MAXLEN",
     "POLL_COUNT",
     "POLL_SCRIPT",
@@ -23,7 +25,7 @@ STREAM_KEY = b"kvdock:v2:{invalidations}"
 INCARNATION_KEY = b"kvdock:v2:{invalidations}:incarnation"
 MAXLEN = 100_000  # entries the stream keeps (approximately: XADD MAXLEN ~)
 POLL_COUNT = 256  # entries one poll reads at most
-FLOOR_TTL_MS = 60_000
+FLOOR_TTL_MS = 60_000  # the default (--l3-floor-ttl-ms): the scripts take it as an argument
 ISSUE_LIMIT_MS = 10_000
 
 # Lua: positions are "ms-seq" strings compared as two numbers (each exact in a double)
@@ -80,30 +82,65 @@ incarnation(KEYS[2], ARGV[2])
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', {MAXLEN}, '*', 'k', ARGV[1])
 """
 )
-# KEYS: value, floor. ARGV: floor position. Raises the floor and deletes the value, unless the
+# KEYS: value, floor. ARGV: floor position, its TTL (ms). Raises the floor and deletes the value, unless the
 # floor is already at a later position: then another overwrite's later entry came first and what
 # the value holds was written past it (its version wins; a late step of an earlier overwrite must
 # not delete it). Returns the keys deleted.
 DELETE_SCRIPT = (
     _OLDER
-    + f"""
+    + """
 local f = redis.call('GET', KEYS[2])
 if (not f) or older(f, ARGV[1]) ~= false then
-  redis.call('SET', KEYS[2], ARGV[1], 'PX', {FLOOR_TTL_MS})
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[2]))
   return redis.call('DEL', KEYS[1])
 end
 return 0
 """
 )
-# KEYS: value, floor. ARGV: header, payload, position, issued (ms, L3's clock). 1 written, 0 refused.
+# KEYS: value, floor. ARGV: header, payload, position, issued (ms, L3's clock), the version's
+# overwrite (its E2; "" for a plain store's). 1 written, 0 refused. A plain version is refused
+# below the floor; an overwrite's is written only while its own floor is live (after its floor
+# expired, or another overwrite raised it, its holders drop it: KEEP_SCRIPT).
 WRITE_SCRIPT = (
     _OLDER
     + f"""
 if now_ms() - tonumber(ARGV[4]) > {ISSUE_LIMIT_MS} then return 0 end
 local f = redis.call('GET', KEYS[2])
-if f and older(ARGV[3], f) ~= false then return 0 end
+if ARGV[5] ~= '' then
+  if f ~= ARGV[5] then return 0 end
+elseif f and older(ARGV[3], f) ~= false then return 0 end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('APPEND', KEYS[1], ARGV[2])
 return 1
 """
 )
+# KEYS: value, floor. ARGV: an overwrite's E2, the mark of the version held (objfile.mark: how its
+# header's msgpack body ends), the floor's TTL (ms). A holder of that version may serve it on
+# (storage.keeping) while this returns 1 (the floor is E2 and refreshed, the value is that
+# version; or the floor had expired and the value still is that version: the floor is set again)
+# or 0 (the floor is E2 and refreshed, the value is gone: the holder writes it again); -1: drop
+# it (another overwrite raised the floor, or the floor is gone or foreign, or the value is another
+# version, which a plain store made past the floor).
+KEEP_SCRIPT = """
+local function mine()
+  local head = redis.call('GETRANGE', KEYS[1], 0, 11)
+  if string.len(head) < 12 or string.sub(head, 1, 8) ~= 'KVDOCKO1' then return false end
+  local a, b, c, d = string.byte(head, 9, 12)
+  local e = 12 + a + b * 256 + c * 65536 + d * 16777216
+  local n = string.len(ARGV[2])
+  return n > 0 and e - n >= 12 and redis.call('GETRANGE', KEYS[1], e - n, e - 1) == ARGV[2]
+end
+local f = redis.call('GET', KEYS[2])
+if f then
+  if f ~= ARGV[1] then return -1 end
+  redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[3]))
+  if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+  if mine() then return 1 end
+  return -1
+end
+if mine() then
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[3]))
+  return 1
+end
+return -1
+"""

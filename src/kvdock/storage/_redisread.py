@@ -60,4 +60,4 @@ def read_fast(
             raise CorruptObject("checksum mismatch")
     except CorruptObject:
         return FALLBACK
-    return Head(header.version, header.parent)
+    return Head(header.version, header.parent, header.overwrite)

@@ -55,8 +55,10 @@ import msgspec
 from kvdock.keys import ObjectKey
 from kvdock.storage._coherence_lua import (
     DELETE_SCRIPT,
+    FLOOR_TTL_MS,
     INCARNATION_KEY,
     ISSUE_LIMIT_MS,
+    KEEP_SCRIPT,
     POLL_COUNT,
     POLL_SCRIPT,
     PUBLISH_SCRIPT,
@@ -67,7 +69,9 @@ from kvdock.storage._coherence_lua import (
 __all__ = [
     "COMMIT_MARGIN_MS",
     "DELETE_SCRIPT",
+    "FLOOR_TTL_MS",
     "ISSUE_LIMIT_MS",
+    "KEEP_SCRIPT",
     "RECENT_MS",
     "STREAM_KEY",
     "WRITE_SCRIPT",
@@ -161,6 +165,9 @@ class CoherenceCounters:
     full_drops: int = 0  # gaps: everything dropped
     lapses: int = 0  # times the server stopped vouching (poller late or L3 unreachable)
     published: int = 0  # entries this server appended
+    keep_rounds: int = 0  # rounds of KEEP for the overwrites' versions held here (storage.keeping)
+    keep_dropped: int = 0  # versions dropped by them (their floor gone or raised, or L3 holds another)
+    keep_repaired: int = 0  # versions written to L3 again (their floor kept, their value gone)
 
 
 # how long after another server's overwrite of a key a plain store of it here is refused (in
@@ -181,6 +188,10 @@ class Coherence:
     client: Callable[[], Any]
     bound_s: float = 0.1
     clock: Callable[[], float] = time.monotonic
+    floor_ttl_ms: int = FLOOR_TTL_MS  # how long a floor lives in L3 unless refreshed (--l3-floor-ttl-ms)
+    held: int = 0  # overwrites' versions this server holds in L1 (storage.keeping; event loop)
+    kept_until: float = 0.0  # monotonic; while ``held``, L1/L2 are served only before it (the lease)
+    kept_sent: float | None = None  # when the last complete KEEP round was sent (None: none yet)
     position: int = 0  # the last entry applied
     consumed: int = 0  # entries-added of the stream up to ``position``
     vouched_until: float = 0.0  # monotonic; L1/L2 are served only before it
@@ -200,9 +211,43 @@ class Coherence:
     def interval_s(self) -> float:
         return self.bound_s / 5
 
+    @property
+    def refresh_s(self) -> float:
+        """How often the floors of the overwrites' versions held here are kept (storage.keeping)."""
+        return self.floor_ttl_ms / 6000
+
+    @property
+    def lease_s(self) -> float:
+        """How long after a KEEP round was sent this server may serve what it held (half the TTL:
+        every floor it kept lives at least that long)."""
+        return self.floor_ttl_ms / 2000
+
     def vouched(self) -> bool:
-        """[any] Whether every overwrite acknowledged more than ``bound`` ago is applied here."""
-        return self.clock() < self.vouched_until
+        """[any] Whether every overwrite acknowledged more than ``bound`` ago is applied here and,
+        while this server holds overwrites' versions, their floors were kept less than the lease
+        ago (storage.keeping)."""
+        now = self.clock()
+        return now < self.vouched_until and (not self.held or now < self.kept_until)
+
+    def until(self) -> float:
+        """[any] The monotonic instant until which this server vouches now (its pool segments'
+        ``valid_until_ns``)."""
+        return min(self.vouched_until, self.kept_until) if self.held else self.vouched_until
+
+    def hold(self, sent: float, held: int) -> None:
+        """[loop] A version is held (``held`` now), its floor known live at ``sent`` (its overwrite's second
+        step, or the KEEP of its load): the first one starts the lease (later ones are covered by
+        the next round; a lapsed lease is not renewed by them)."""
+        if not self.held:
+            self.kept_until = sent + self.lease_s
+        self.held = held
+
+    def kept(self, sent: float, held: int) -> None:
+        """[loop] A KEEP round sent at ``sent`` is applied; ``held`` versions are held now."""
+        self.held = held
+        self.kept_until = max(self.kept_until, sent + self.lease_s)
+        self.kept_sent = sent
+        self.counters.keep_rounds += 1
 
     def fence(self, epoch: int) -> Fence:
         """[any] The fence for a write-down of an object of ``epoch``, issued now: the position
@@ -338,4 +383,10 @@ class Coherence:
             "full_drops": c.full_drops,
             "lapses": c.lapses,
             "published": c.published,
+            "floor_ttl_ms": self.floor_ttl_ms,
+            "held": self.held,
+            "keep_round_age_s": None if self.kept_sent is None else round(self.clock() - self.kept_sent, 3),
+            "keep_rounds": c.keep_rounds,
+            "keep_dropped": c.keep_dropped,
+            "keep_repaired": c.keep_repaired,
         }

@@ -170,7 +170,7 @@ class DiskTier(StorageTier):
         with self._lock:
             for _, entry in sorted(found, key=lambda t: t[0]):
                 self._index[entry.key] = entry
-                v, p = entry.head
+                v, p = entry.head.version, entry.head.parent
                 self._budget.add(entry.key, entry.file_size, self._owner(entry.key), version=v, parent=p)
             for owner in list(self.shares.quotas) if self.shares is not None else ():
                 self._make_room(0, owner)  # a quota may have shrunk since the last run
@@ -220,7 +220,7 @@ class DiskTier(StorageTier):
         except OSError as e:  # EMFILE, ENOMEM, EIO...: a miss now; the file itself may be fine
             log.warning("L2: cannot read %s (%s); a miss", entry.path, e)
             return None
-        return Head(header.version, header.parent)
+        return Head(header.version, header.parent, header.overwrite)
 
     def _drop(self, entry: DiskEntry, err: BaseException) -> None:
         """Forget (and unlink) a file that could not be read, unless a newer one replaced it."""

@@ -1,17 +1,20 @@
 """Following the fleet's invalidation stream (storage.coherence) for as long as a server runs:
 each poll on a thread of its own, applied on the event loop before the next is sent, the server
 vouching after each poll that read everything; the position whose L2 deletions are done is kept
-beside L2 (``coherence.pos``) so that a restart replays the stream from there."""
+beside L2 (``coherence.pos``) so that a restart replays the stream from there. Beside the polls,
+every ``refresh_s`` a round keeps the floors of the overwrites' versions held here
+(storage.keeping), on a thread of its own too."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvdock.storage.coherence import Coherence, PollResult, pos_text
 
@@ -29,15 +32,19 @@ async def follow(
     vouch: Callable[[float], None],
     keep: Path | None = None,
     recovered: Callable[[], None] | None = None,
+    keeper: Callable[[Callable[..., Awaitable[Any]]], Awaitable[None]] | None = None,
 ) -> None:
     """Poll the stream for ever (until cancelled): each poll on a thread of its own, applied
     (``apply``, the manager's) on the loop before the next is sent; ``vouch(until)`` with the
     monotonic time until which this server now vouches (its pool segments' headers); ``failed``
     on an L3 error (once per outage); ``recovered()`` on the first poll that succeeds after one
     failed (L3 answers again: the tier's probe need not wait out its backoff); with ``keep`` (the
-    L2 directory), the position whose L2 deletions are done is kept there."""
+    L2 directory), the position whose L2 deletions are done is kept there. ``keeper(run)``: one
+    round of storage.keeping (``run(fn, *args)`` runs ``fn`` on the keeper's thread), every
+    ``refresh_s``."""
     loop = asyncio.get_running_loop()
     executor = ThreadPoolExecutor(1, "kvdock-coherence")
+    keeping = loop.create_task(_keep(coherence, keeper, vouch)) if keeper is not None else None
     saved = [SavedPosition(coherence.position, coherence.consumed, coherence.incarnation)]
     saving: set[asyncio.Task[None]] = set()
     stuck: list[SavedPosition] = []
@@ -78,7 +85,7 @@ async def follow(
             coherence.vouch(result)
             if lapsed and coherence.vouched():
                 coherence.counters.lapses += 1
-            vouch(coherence.vouched_until)
+            vouch(coherence.until())
             if keep is not None and (pending or result.entries or result.lost or first):
                 position = SavedPosition(result.position, result.consumed, coherence.incarnation)
                 task = loop.create_task(save(pending, position))
@@ -86,6 +93,30 @@ async def follow(
                 task.add_done_callback(saving.discard)
             if result.caught_up:
                 await asyncio.sleep(coherence.interval_s)
+    finally:
+        if keeping is not None:
+            keeping.cancel()
+        executor.shutdown(wait=False)
+
+
+async def _keep(
+    coherence: Coherence,
+    keeper: Callable[[Callable[..., Awaitable[Any]]], Awaitable[None]],
+    vouch: Callable[[float], None],
+) -> None:
+    """Run a keeping round every ``refresh_s`` (storage.keeping); one that fails (L3 unreachable)
+    renews no lease, and the next comes after the same pause."""
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(1, "kvdock-keep")
+    run = functools.partial(loop.run_in_executor, executor)
+    try:
+        while True:
+            try:
+                await keeper(run)
+            except Exception as e:  # (the polls report outages; a round only renews the lease)
+                log.debug("coherence: a keeping round failed: %s", e)
+            vouch(coherence.until())
+            await asyncio.sleep(coherence.refresh_s)
     finally:
         executor.shutdown(wait=False)
 

@@ -30,6 +30,7 @@ class L1Object:
     parent: int = 0  # the version of the previous chunk of its prefix when stored; 0 for the first
     epoch: int = 0  # the fleet's invalidations its server knew of when it became READY (storage.coherence)
     seen: int = 0  # an overwrite's reservation: the last other server's invalidation of its key applied meanwhile
+    overwrite: int = 0  # an overwrite's version: its E2 (served while its floor is kept: storage.keeping); 0: plain
     entry: int = -1  # while READY: its directory entry (-1: none, or no room there)
     region: str | None = None  # the pool region its slot is in (a tenant's, or None: the shared rest)
     dirty: int = 0  # write-downs to lower tiers queued or in flight (storage.lane)

@@ -58,7 +58,7 @@ class SharedHeader:
 
     def __init__(self, key: ObjectKey, geometry: KVGeometry, chunk_size: int, view: memoryview, head: Head) -> None:
         shape = list(geometry.chunk_shape(chunk_size))
-        self._args = (key, geometry.dtype, shape, view, head.version, head.parent, geometry.digest(chunk_size))
+        self._args = (key, geometry.dtype, shape, view, *head[:2], geometry.digest(chunk_size), head.overwrite)
         self._lock = threading.Lock()
         self._block: bytes | None = None
 

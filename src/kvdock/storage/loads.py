@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
@@ -19,6 +20,9 @@ from kvdock.storage.lane import TierLane
 from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.sessions import PrefetchJob, SessionTable
 from kvdock.storage.tier import Head
+
+if TYPE_CHECKING:
+    from kvdock.storage.keeping import Holdings
 
 __all__ = ["Loads"]
 
@@ -33,7 +37,8 @@ def chains(obj: L1Object | Head | None, parent: int) -> bool:
 class Loads:
     """The loads in flight. ``readable()`` gives the lower tiers reads may use now; ``epoch()``
     the position of the fleet's invalidations applied so far; ``vouched()`` whether L1 and L2
-    may be read (storage.coherence)."""
+    may be read (storage.coherence); ``holdings``: with the fleet's coherence, what keeps an
+    overwrite's version loaded here readable (storage.keeping)."""
 
     def __init__(
         self,
@@ -51,6 +56,7 @@ class Loads:
         self.readable, self.epoch, self.vouched = readable, epoch, vouched
         self._loading: set[L1Object] = set()
         self._waits: dict[ObjectKey, asyncio.Future[None]] = {}
+        self.holdings: Holdings | None = None
 
     def __contains__(self, obj: L1Object) -> bool:
         return obj in self._loading
@@ -115,12 +121,17 @@ class Loads:
         slot.epoch = self.epoch()  # what was applied before the read starts (storage.coherence)
         self._loading.add(slot)
         self._waits[key] = done = asyncio.get_running_loop().create_future()
-        ok = False
+        ok, kept = False, None
         try:
             for lane in lanes:
                 head = await lane.read(key, self.l1.view(slot), geo, self.chunk_size, parent)
                 if head is not None:
-                    slot.version, slot.parent = head
+                    slot.version, slot.parent = head.version, head.parent
+                    # an overwrite's version is readable only while its floor is kept (storage.keeping)
+                    if head.overwrite and self.holdings is not None:
+                        kept = await self.holdings.keep_load(slot, head, lane)
+                        if kept is None:
+                            continue  # not this copy (a lower tier may hold the current version)
                     ok = True
                     break
         except Exception:
@@ -133,6 +144,8 @@ class Loads:
             self.l1.abort(slot)
             return None
         self.l1.commit(slot)
+        if kept is not None and self.holdings is not None:
+            self.holdings.loaded(slot, kept)
         return slot
 
     def check_integrity(self) -> None:

@@ -42,10 +42,11 @@ from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.protocol.codes import ErrorCode
 from kvdock.storage.chains import Chains
-from kvdock.storage.coherence import Coherence, PollResult
+from kvdock.storage.coherence import Coherence, PollResult, pos_text
 from kvdock.storage.deletions import Deletion, Deletions
 from kvdock.storage.drain import drain_lanes
 from kvdock.storage.invalidations import apply_invalidations
+from kvdock.storage.keeping import Holdings
 from kvdock.storage.lane import SharedHeader, TierLane, check_dirty
 from kvdock.storage.loads import Loads
 from kvdock.storage.memory import L1Object, L1Store
@@ -84,6 +85,9 @@ class StorageManager:
             l1, self.sessions, self.deletions, geometry_of, chunk_size, self._readable, self._epoch, self.vouched
         )
         self.chains = Chains(l1, self.lanes, self.deletions, self._readable, self.vouched)
+        # the overwrites' versions held here, kept in L3 (storage.keeping): with the fleet's coherence
+        held = Holdings.make(l1, self.lanes, self.deletions, coherence, geometry_of, chunk_size, self._write_down)
+        self.holdings = self.loads.holdings = held
 
     @property
     def session_count(self) -> int:
@@ -105,7 +109,7 @@ class StorageManager:
         applied every overwrite acknowledged more than the bound ago (storage.coherence)."""
         return self.coherence is None or self.coherence.vouched()
 
-    def _epoch(self) -> int:
+    def _epoch(self) -> int:  # (storage.coherence)
         return self.coherence.position if self.coherence is not None else 0
 
     def _readable(self) -> list[TierLane]:
@@ -201,8 +205,7 @@ class StorageManager:
         return dict(zip(keys, await self.chains.remote_heads(lanes, keys), strict=False))
 
     def contended(self, keys: list[ObjectKey]) -> bool:
-        """Whether another client is writing any of ``keys`` now (an overwrite of them would
-        reserve nothing)."""
+        """Whether another client is writing any of ``keys`` now (an overwrite reserves nothing)."""
         return any(self._written_by_other(key) for key in keys)
 
     def _written_by_other(self, key: ObjectKey) -> bool:
@@ -230,8 +233,7 @@ class StorageManager:
             raise SessionError(f"chunk {e.args[0]} was not reserved by session {session_id!r}") from None
 
     async def wait_deletes(self, client_id: str, session_id: str) -> bool:
-        """Wait for the deletions an overwrite queued (the lease waits too); True if all were done.
-        SessionError if there is no such session."""
+        """Wait for the deletions an overwrite queued (the lease waits too); whether all were done."""
         session = self.sessions.get(client_id, session_id)
         if not session.deletes:
             return True
@@ -261,6 +263,8 @@ class StorageManager:
             self.l1.commit(obj)
             obj.unit = units.setdefault(i, obj.seq) if len(work) > 1 else 0
         objs = [obj for _, _, obj in ordered]
+        if self.holdings is not None:  # (an overwrite's: its floor was raised before the commit)
+            self.holdings.add(objs)
         self._write_down(objs)
         for sid, indexes in work:
             session = self.sessions.get(client_id, sid)
@@ -302,24 +306,24 @@ class StorageManager:
             if late or obj.epoch == SUPERSEDED or obj.seen > epoch:  # (an overwrite elsewhere came after)
                 self.l1.abort(obj)
             else:
-                obj.epoch = epoch
+                obj.epoch, obj.overwrite = epoch, e2 if session.overwrite else 0
                 out.append((i, obj))
         return out
 
-    def _write_down(self, objs: list[L1Object]) -> None:
+    def _write_down(self, objs: list[L1Object], lanes: list[TierLane] | None = None) -> None:
         for obj in objs if self.lanes else []:
             geo = self.geometry_of(obj.key.model)
             assert geo is not None and geo.chunk_nbytes(self.chunk_size) == obj.nbytes
             view = self.l1.view(obj)
-            header = SharedHeader(obj.key, geo, self.chunk_size, view, Head(obj.version, obj.parent))
-            for lane in self.lanes:
+            over = pos_text(obj.overwrite) if obj.overwrite else ""  # (an overwrite's E2: storage.keeping)
+            header = SharedHeader(obj.key, geo, self.chunk_size, view, Head(obj.version, obj.parent, over))
+            for lane in self.lanes if lanes is None else lanes:
                 lane.write(obj, header, view)
 
     # --- retrieve ----------------------------------------------------------------------------
 
     def open_retrieve(self, client_id: str, session_id: str, keys: list[ObjectKey]) -> Session:
-        """Open a retrieve session pinning the leading READY run of ``keys`` (possibly none: a
-        prefetch may add more). SessionError if the id is in use."""
+        """Open a retrieve session pinning the leading READY run of ``keys`` (possibly none)."""
         session = self.sessions.open(client_id, session_id, keys=list(keys))
         for obj in self.chains.l1_run(keys):
             self.l1.pin(obj)

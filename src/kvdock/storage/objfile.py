@@ -42,6 +42,9 @@ class ObjectHeader(msgspec.Struct, frozen=True, array_like=True):
     version: int = 0  # this version of the object (unique, random)
     parent: int = 0  # the version of the chunk before it in its prefix when it was stored (0: first)
     identity: str = ""  # the geometry digest it was written under ("": written before it existed)
+    # an overwrite's version: its second stream entry (E2, "ms-seq", storage.coherence), "" for a
+    # plain store's (a holder serves it only while it keeps that overwrite's floor alive in L3)
+    overwrite: str = ""
 
     @property
     def key(self) -> ObjectKey:
@@ -68,15 +71,25 @@ def encode_header(
     version: int = 0,
     parent: int = 0,
     identity: str = "",
+    overwrite: str = "",
 ) -> bytes:
     """The padded header block for ``payload`` (computes its checksum); ``identity``: the digest
     of the geometry it holds a chunk of (``geometry.digest(chunk_size)``; :func:`check` refuses
-    any other)."""
+    any other); ``overwrite``: an overwrite's E2 ("" for a plain store's version)."""
     digest = checksum(payload)
     k = key
-    return _block(
-        ObjectHeader(k.model, k.rank, k.salt, k.chunk, dtype, shape, len(payload), digest, version, parent, identity)
-    )
+    n, v, p = len(payload), version, parent
+    return _block(ObjectHeader(k.model, k.rank, k.salt, k.chunk, dtype, shape, n, digest, v, p, identity, overwrite))
+
+
+def mark(version: int, parent: int, identity: str, overwrite: str) -> bytes:
+    """How a header of this version ends: the msgpack body of every header written with these
+    fields ends with exactly these bytes (its last four fields, encoded as msgpack encodes them in
+    the array). With the key, the random ``version`` names one stored version: the fleet's KEEP
+    script compares it with the end of the header in L3 (storage.coherence) without hashing the
+    payload again."""
+    enc = msgspec.msgpack.encode
+    return enc(version) + enc(parent) + enc(identity) + enc(overwrite)
 
 
 def header_block_size(key: ObjectKey, dtype: str, shape: list[int], nbytes: int, identity: str = "") -> int:

@@ -212,8 +212,9 @@ class RedisTier(StorageTier):
         self._make_room(final, size, owner)
         if fence is None:
             self._redis.eval(WRITE_SCRIPT, 1, final, header, payload)
-        else:
-            args = (header, payload, coherence.pos_text(fence.position), fence.issued_ms)
+        else:  # (an overwrite's version is written only while its own floor lives: _coherence_lua)
+            over = objfile.decode_header(header)[0].overwrite
+            args = (header, payload, coherence.pos_text(fence.position), fence.issued_ms, over)
             if not int(self._redis.eval(coherence.WRITE_SCRIPT, 2, final, floor_key(final), *args)):
                 self.counters.fenced += 1
                 raise WriteFenced(f"L3 refused a stale write-down of {key.chunk.hex()[:16]}")
@@ -280,7 +281,7 @@ class RedisTier(StorageTier):
             log.warning("L3: corrupted value for %s (%s); deleted", key.chunk.hex()[:16], e)
             return None
         out[:] = payload
-        return Head(header.version, header.parent)
+        return Head(header.version, header.parent, header.overwrite)
 
     HEAD_BYTES = 512  # enough for the header of any object (fetched whole if it is longer)
 
@@ -318,6 +319,18 @@ class RedisTier(StorageTier):
         got = pipe.execute()
         return {k for k, floor, value in zip(keys, got[::2], got[1::2], strict=True) if floor and not value}
 
+    def keep(self, items: list[tuple[ObjectKey, str, bytes]]) -> list[int]:
+        """[worker] KEEP_SCRIPT for each (key, its overwrite's E2, the mark of the version held),
+        pipelined (one round trip; per node on a cluster): 1 serve on, 0 write it again, -1 drop
+        it (storage.keeping)."""
+        if self.coherence is None or not items:
+            return []
+        pipe, ttl = self._redis.pipeline(transaction=False), self.coherence.floor_ttl_ms
+        for key, e2, mark in items:
+            final = self._key(key)
+            pipe.execute_command("EVAL", coherence.KEEP_SCRIPT, 2, final, floor_key(final), e2, mark, ttl)
+        return [int(r) for r in pipe.execute()]
+
     def delete(self, key: ObjectKey) -> None:
         """DEL (on a cluster, WAITed for by a replica: _redisclient.run_waited); with the default appendfsync
         the deletion is as durable as Redis makes anything. (An overwrite's go through
@@ -353,7 +366,8 @@ class RedisTier(StorageTier):
 
     def _floor(self, final: bytes, floor: int) -> None:
         """Delete ``final`` and raise its floor to ``floor`` (one script)."""
-        args = (DELETE_SCRIPT, 2, final, floor_key(final), coherence.pos_text(floor))
+        ttl = self.coherence.floor_ttl_ms if self.coherence is not None else coherence.FLOOR_TTL_MS
+        args = (DELETE_SCRIPT, 2, final, floor_key(final), coherence.pos_text(floor), ttl)
         if self.cluster:
             run_waited(self._redis, final, *args)
         else:

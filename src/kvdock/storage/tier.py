@@ -30,10 +30,13 @@ if TYPE_CHECKING:
 
 
 class Head(NamedTuple):
-    """An object's place in its version chain: its own version and its predecessor's."""
+    """An object's place in its version chain: its own version and its predecessor's; an
+    overwrite's version also names that overwrite (``overwrite``: its E2, from the object's
+    header, as read by ``read_into``; "" for a plain store's, and in indexes)."""
 
     version: int
     parent: int
+    overwrite: str = ""
 
 
 @dataclass
@@ -118,6 +121,11 @@ class StorageTier(abc.ABC):
         """[worker, reader] Keys a shared tier knows are being overwritten but holds no value of
         (kvdock.storage.redis); a local tier: none."""
         return set()
+
+    def keep(self, items: list[tuple[ObjectKey, str, bytes]]) -> list[int]:
+        """[worker] A shared tier's KEEP of overwrites' floors, one answer per item (kvdock.storage.keeping);
+        a local tier: none."""
+        return []
 
     def probe_soon(self) -> None:
         """[any] Make :meth:`probe_due` true now (the tier was seen answering again)."""

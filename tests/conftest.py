@@ -3,6 +3,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -200,14 +201,56 @@ def transport_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
         yield srv
 
 
+class _Spare:
+    """A Redis Cluster made in a thread of its own while the test before runs (RedisCluster.start:
+    its nodes need about two seconds to agree), for the next test that asks for one."""
+
+    def __init__(self, make: Callable[[], RedisCluster]) -> None:
+        self.cluster = make()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._start, name="spare-redis-cluster", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            self.cluster.start()
+        except BaseException as e:  # (raised by take, in the test that wanted it)
+            self.error = e
+
+    def take(self) -> RedisCluster:
+        self._thread.join(60)
+        if self.error is not None or self._thread.is_alive():
+            self.cluster.stop()
+            raise RuntimeError(f"the Redis Cluster made ahead did not start: {self.error!r}")
+        return self.cluster
+
+
+@pytest.fixture(scope="session")
+def _spare_clusters() -> Iterator[dict[str, _Spare]]:
+    """Per L3 server kind, the next test's Redis Cluster, made while the test before runs. Killed
+    at the end of the session."""
+    spares: dict[str, _Spare] = {}
+    yield spares
+    for spare in spares.values():
+        spare._thread.join(60)
+        spare.cluster.stop()
+
+
 @pytest.fixture
-def redis_cluster(tmp_path: Path, l3_server: str) -> Iterator[RedisCluster]:
+def redis_cluster(
+    tmp_path_factory: pytest.TempPathFactory, l3_server: str, _spare_clusters: dict[str, _Spare]
+) -> Iterator[RedisCluster]:
     """A real local Redis Cluster (3 masters, 3 replicas; of valkey-server for ``l3_server``
-    "valkey") on free loopback ports, killed at teardown."""
-    work = tmp_path / "cluster"
-    work.mkdir()
-    cluster = RedisCluster(cluster_ports(6), work, server=l3_server)
+    "valkey") on free loopback ports, of new nodes that no test used before (made ahead while
+    the test before ran: _Spare), killed at teardown."""
+
+    def make() -> RedisCluster:
+        return RedisCluster(cluster_ports(6), tmp_path_factory.mktemp("cluster"), server=l3_server)
+
+    spare = _spare_clusters.pop(l3_server, None)
+    cluster = spare.take() if spare is not None else make().start()
     try:
-        yield cluster.start()
+        _spare_clusters[l3_server] = _Spare(make)  # for the next test
+        yield cluster
     finally:
         cluster.stop()

@@ -108,9 +108,14 @@ def test_pipelined_retrieves_of_a_client_that_never_reads_stay_under_the_unsent_
             child.stdin.write(normalize_tokens(tokens).tobytes().hex())
             child.stdin.close()
             assert child.stdout.readline().strip() == "inline"
+            # watched until the server has answered all 14 (a reply or BUSY each: then nothing more
+            # can be queued for the child), at most 8 s
             deadline = time.monotonic() + 8
             while time.monotonic() < deadline and peak <= 2**30 + reply:
                 peak = max(peak, srv.get("/status")["l1"]["unsent_reply_bytes"])
+                if _answered(srv, "PrepareRetrieve") >= 14:
+                    peak = max(peak, srv.get("/status")["l1"]["unsent_reply_bytes"])
+                    break
                 time.sleep(0.1)
         finally:
             child.kill()
@@ -121,6 +126,15 @@ def test_pipelined_retrieves_of_a_client_that_never_reads_stay_under_the_unsent_
             time.sleep(0.05)
         assert kvd.check_server_integrity(c) == []
     assert peak <= 2**30 + reply, f"{peak / 2**30:.2f} GiB of replies held for one client that reads nothing"
+
+
+def _answered(srv, request: str) -> int:  # type: ignore[no-untyped-def]
+    """Requests of type ``request`` the server has answered (inline clients), from /metrics."""
+    return int(
+        srv.metric(
+            f'kvdock_request_duration_seconds_count{{operation="retrieve",request="{request}",transport="inline"}}', 0
+        )
+    )
 
 
 BATCH_READER = textwrap.dedent(

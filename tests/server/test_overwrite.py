@@ -17,8 +17,8 @@ from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, start_server
 from kvdock.keys import normalize_tokens
 from kvdock.protocol import messages as m
 
-# every L2 write or delete sleeps first: a slow disk (a prompt's 16 chunks take 0.32 s to write down)
-SLOW_DISK = {"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.02"}
+# every L2 write or delete sleeps first: a slow disk (a prompt's 16 chunks take 0.16 s to write down)
+SLOW_DISK = {"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.01"}
 
 
 def wait_for(cond, what: str, timeout: float = 20.0) -> None:
@@ -75,8 +75,10 @@ def test_an_acknowledged_overwrite_survives_sigkill_never_stale(tmp_path: Path) 
                 assert kvd.store(c, old, tokens)
                 wait_for(lambda s=srv, n=want: l2(s)["writes"] == n, "the old version on disk")
                 assert kvd.store(c, new, tokens, overwrite=True)  # acknowledged
-                time.sleep(rng.uniform(0, 0.24))  # somewhere in the new version's write-down (0.32 s)
-                srv.stop(signal.SIGKILL)
+            # (the context closed first, while its server answers: closed after the kill, it
+            # would wait 0.5 s for its goodbye to leave)
+            time.sleep(rng.uniform(0, 0.12))  # somewhere in the new version's write-down (0.16 s)
+            srv.stop(signal.SIGKILL)
             srv = start_server(tmp_path, "--disk-dir", str(disk), env=SLOW_DISK)
             with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
                 got = versions_of(kvd.retrieve(c, tokens), {1: old, 2: new})
@@ -88,7 +90,7 @@ def test_an_acknowledged_overwrite_survives_sigkill_never_stale(tmp_path: Path) 
 
 def test_an_overwrite_whose_write_down_is_skipped_never_comes_back_old(tmp_path: Path) -> None:
     disk = tmp_path / "l2"
-    slow = {"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.3"}
+    slow = {"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.15"}
     # 8 slots; stores never wait for write-downs (--writeback-wait-s 0): unwritten objects are evicted
     srv = start_server(tmp_path, "--disk-dir", str(disk), "--writeback-wait-s", "0", l1_size="32KiB", env=slow)
     kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
@@ -174,7 +176,7 @@ def test_crash_consistency_under_concurrent_overwrites(tmp_path: Path) -> None:
             ]
             for t in threads:
                 t.start()
-            time.sleep(rng.uniform(0.3, 1.2))
+            time.sleep(rng.uniform(0.2, 0.8))
             srv.stop(signal.SIGKILL)
             kills += 1
             stop.set()

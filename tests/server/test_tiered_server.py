@@ -232,8 +232,8 @@ def test_a_slow_disk_never_fails_a_store(make_server, tmp_path: Path) -> None:
     every store succeeds whole; the stores wait (up to --writeback-wait-s, 2 s) for write-downs to
     free clean room, so nothing is evicted before its turn (clean before dirty, issue 28)."""
     srv = make_server(
-        "--disk-dir", str(tmp_path / "l2"), l1_size="64KiB", env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.05"}
-    )
+        "--disk-dir", str(tmp_path / "l2"), l1_size="64KiB", env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.02"}
+    )  # (80 ms to write a prompt down, a few ms to store one)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
         for i in range(40):
             kv = make_kv(4 * CHUNK, seed=i)

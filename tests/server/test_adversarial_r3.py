@@ -453,7 +453,7 @@ def test_a_read_from_l2_while_l1_is_all_dirty_is_a_quick_miss_and_drops_nothing(
         "--writeback-dirty-limit",  # (L1 may fill with dirty objects: what this test reads past)
         "1",
         l1_size="64KiB",
-        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.5"},
+        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.25"},  # (the 16 slots take 4 s to write down)
     )
     first = make_kv(CHUNK * PROMPT_CHUNKS, seed=0)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=60) as c:
@@ -494,7 +494,7 @@ def test_fast_readers_racing_dirty_evictions_and_overwrites_never_see_wrong_byte
         "--eviction-policy",
         policy,
         l1_size="64KiB",
-        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.1"},
+        env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.05"},
     )
     n = 10
     versions = {

@@ -124,7 +124,7 @@ def _store_burst(make_server, tmp_path, delay_s: str, wait_s: str):  # type: ign
 
 
 @pytest.mark.subprocess_server
-@pytest.mark.parametrize("delay_s", ["0", "0.05"], ids=["disk", "slow-disk"])
+@pytest.mark.parametrize("delay_s", ["0", "0.025"], ids=["disk", "slow-disk"])
 def test_a_burst_larger_than_l1_loses_nothing_acknowledged(make_server, tmp_path, delay_s: str) -> None:
     srv, ctx, kvs, status = _store_burst(make_server, tmp_path, delay_s, wait_s="60")
     with ctx:
@@ -151,9 +151,9 @@ def test_a_burst_larger_than_l1_loses_nothing_acknowledged(make_server, tmp_path
 
 @pytest.mark.subprocess_server
 def test_a_disk_slower_than_the_wait_drops_tails_first_and_counts_them(make_server, tmp_path) -> None:
-    # each write takes 0.2 s and a store waits at most 0.1 s: past 32 dirty chunks, the stores
+    # each write takes 0.1 s and a store waits at most 0.05 s: past 32 dirty chunks, the stores
     # (which never fail) evict unwritten chunks, newest first
-    srv, ctx, kvs, status = _store_burst(make_server, tmp_path, "0.2", wait_s="0.1")
+    srv, ctx, kvs, status = _store_burst(make_server, tmp_path, "0.1", wait_s="0.05")
     with ctx:
         l1, l2 = {**status["l1"], **status["l1"]["eviction"]}, status["tiers"]["l2"]
         dropped = l1["evicted_dirty"]

@@ -28,9 +28,21 @@ L3 after the overwrite deleted the key. So the overwrite's deletion sets a per-k
 of its first entry) in the same script, and every write-down carries its server's position when
 it was issued (read before the lane checks that the object is still live): L3 refuses a write
 whose position is below the floor. A server that had applied the first entry has dropped the
-object already, so its write-down never starts. The floor lives ``FLOOR_TTL_MS``; a write is also
-refused once it is older than ``ISSUE_LIMIT_MS`` (by L3's clock, estimated from the last poll), so
-a floor that expired cannot let a stalled write through.
+object already, so its write-down never starts. The floor lives ``floor_ttl_ms``
+(``--l3-floor-ttl-ms``, 60 s); a write is also refused once it is older than ``ISSUE_LIMIT_MS``
+(by L3's clock, estimated from the last poll), so a floor that expired cannot let a stalled write
+through.
+
+**Holding an overwrite's version** (storage.keeping). A server serves a copy of an overwrite's
+version only while it keeps that overwrite's floor alive in L3; when the floor is gone it drops
+its copy (a miss). Such versions carry their E2 (``L1Object.overwrite``, the header's
+``overwrite``); every ``refresh_s`` (TTL / 6) their holders refresh the floors in one pipelined
+round (KEEP_SCRIPT), write a value L3 lost again, and drop a copy whose floor is gone or raised
+or whose value is another version. While it holds any, a server vouches only until ``lease_s``
+(TTL / 2) after its last round was sent (:meth:`vouched`, :meth:`until`): a floor it kept outlives
+that. So a plain store elsewhere, refused while a floor is live with no value (storage.redis
+``floored``), can no longer land while a server serves the overwrite, except after Redis evicted
+a floor refreshed less than a round ago with its value: at most ``refresh_s`` of two versions.
 
 **Gaps.** The stream keeps ``MAXLEN`` entries. A server whose position was trimmed away (down for
 long), or whose L3 lost the stream (restarted empty), cannot know what it missed: it drops every

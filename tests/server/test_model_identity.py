@@ -13,7 +13,7 @@ import redis as redis_py
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, RedisProc, ServerProc, make_tokens, wait_for, wait_written
+from helpers import CHUNK, InProcessServer, RedisProc, ServerProc, make_tokens, wait_for, wait_written
 from kvdock.errors import KVCacheSDKError, ServerError, UnknownModelError
 
 NAME = "m"
@@ -209,11 +209,20 @@ def test_two_servers_registering_the_same_model_with_a_fingerprint_agree(make_se
 
 def test_a_registration_that_could_not_be_saved_is_saved_later(make_server, tmp_path: Path) -> None:
     """models.msgpack could not be written (here: a directory squats its temporary name, as a full
-    disk would fail it): logged, then retried at the next registration and by the reaper."""
+    disk would fail it): logged, then retried at the next registration and by the reaper. (In this
+    process, its retries every 0.2 s instead of SAVE_RETRY_S; the server saves its registry only
+    then, never at a stop, so the server started after the stop reads what a crash would leave.)"""
     disk = tmp_path / "l2"
     squat = disk / "models.msgpack.tmp"
     (squat / "x").mkdir(parents=True)
     srv = make_server("--disk-dir", str(disk), register=None)
+    assert isinstance(srv, InProcessServer)
+
+    def retry_soon() -> None:
+        assert srv.state is not None
+        srv.state.registry._file.retry_s = 0.2
+
+    srv.call(retry_soon)
     assert register(srv, SPLIT_A).created
     assert not (disk / "models.msgpack").exists()
     assert "could not save model registrations" in srv.log()
@@ -228,7 +237,7 @@ def test_a_registration_that_could_not_be_saved_is_saved_later(make_server, tmp_
     assert register(srv, SPLIT_A, name="second").created  # fails again ...
     shutil.rmtree(squat)
     assert register(srv, SPLIT_A, name="third").created  # ... and the next registration saves all
-    srv.stop(signal.SIGKILL)
+    assert srv.stop() == 0
     again = make_server("--disk-dir", str(disk), register=None)
     for name in (NAME, "second", "third"):
         assert kvd.describe_server(again.url, name, timeout=10).layout is not None, name

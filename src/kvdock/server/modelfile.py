@@ -2,8 +2,8 @@
 start, so a restarted server serves its disk cache before any engine registers again.
 
 A save that fails (a full disk) is logged and retried (:meth:`ModelFile.retry`: at each later
-registration, and by the reaper's tick every ``SAVE_RETRY_S``), so the file catches up once the
-disk has room; until then a restart would forget what was registered since."""
+registration, and by the reaper's tick every ``SAVE_RETRY_S``: ``ModelFile.retry_s``), so the file
+catches up once the disk has room; until then a restart would forget what was registered since."""
 
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ SAVE_RETRY_S = 5.0  # how often the reaper's tick retries a save that failed
 
 
 class ModelFile:
-    """The file at ``path`` (None: nothing is saved); ``clock`` paces the retries."""
+    """The file at ``path`` (None: nothing is saved); ``clock`` paces the retries, one every
+    ``retry_s`` seconds of it (a test may shorten it)."""
 
-    def __init__(self, path: Path | None, clock: Callable[[], float]) -> None:
+    def __init__(self, path: Path | None, clock: Callable[[], float], retry_s: float = SAVE_RETRY_S) -> None:
         self.path = path
         self._clock = clock
+        self.retry_s = retry_s
         self.unsaved = False  # the last save failed: the file is older than the registry
         self._retry_at = 0.0
 
@@ -55,13 +57,13 @@ class ModelFile:
             self._write(msgspec.msgpack.encode(layouts))
         except OSError as e:
             self.unsaved = True
-            self._retry_at = self._clock() + SAVE_RETRY_S
+            self._retry_at = self._clock() + self.retry_s
             log.error(
                 "could not save model registrations to %s: %s; retrying every %g s and at each registration "
                 "(a restart now would forget them)",
                 self.path,
                 e,
-                SAVE_RETRY_S,
+                self.retry_s,
             )
             return False
         if self.unsaved:
@@ -70,7 +72,7 @@ class ModelFile:
         return True
 
     def retry(self, layouts: Callable[[], list[ModelLayout]], force: bool = False) -> bool:
-        """Save ``layouts()`` again if the last save failed and SAVE_RETRY_S passed since (or
+        """Save ``layouts()`` again if the last save failed and ``retry_s`` passed since (or
         ``force``); whether the file is up to date now."""
         if not self.unsaved:
             return True

@@ -212,8 +212,11 @@ class ShmTransfer(Transfer):
 
     def _direct(self, end: object, taking: bool, indices: np.ndarray, offsets: np.ndarray, layers: slice) -> bool:
         """Queue the copies of a plain tensor ``end`` with the slots at ``offsets`` as runs
-        (TensorChunks.add_slots); False if ``end`` is something else or has no such runs."""
-        if type(end) not in (TensorChunks, ShardedChunks) or not len(offsets):  # (a subclass may put or take otherwise)
+        (TensorChunks.add_slots), or of an end whose class sets ``direct_slots = True`` and has
+        the same ``add_slots`` (SGLang's host pages); False if ``end`` is something else or has
+        no such runs (then each slot is put or taken)."""
+        direct = type(end) in (TensorChunks, ShardedChunks) or getattr(type(end), "direct_slots", False) is True
+        if not direct or not len(offsets):  # (a subclass may put or take otherwise; an engine's end may say so)
             return False
         self._within(int(offsets.min()), int(offsets.max()) + self.chunk_nbytes)
         if not self._prefault.done:

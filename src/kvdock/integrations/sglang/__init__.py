@@ -13,10 +13,12 @@ SGLang's ``--page-size``, at least 8)::
 The backend (:mod:`.backend`) registers the model (engine ``"sglang"``), and kvdock keys it the
 way SGLang does (:mod:`kvdock.keying`): ``kvdock.sdk.retrieve(ctx, tokens)`` returns SGLang's
 KV of a prompt as ``[2, L, T, D]``, and ``kvdock.sdk.store(ctx, kv, other_tokens)`` makes SGLang
-hit it for ``other_tokens``. Settings: :mod:`.config`.
+hit it for ``other_tokens``. Pages in another namespace (the engine's ``kvdock.cache_salt``, a
+request's ``extra_key``): :class:`~.reads.SGLangKV`. Settings: :mod:`.config`.
 """
 
 from kvdock.integrations.sglang.backend import KvdockHiCacheStorage
 from kvdock.integrations.sglang.pools import HostPages
+from kvdock.integrations.sglang.reads import SGLangKV
 
-__all__ = ["HostPages", "KvdockHiCacheStorage"]
+__all__ = ["HostPages", "KvdockHiCacheStorage", "SGLangKV"]

@@ -27,9 +27,9 @@ is the seed of the page-hash chain, ``get_storage_hash_str`` → ``storage_names
 hash cannot be undone), so SGLang's namespaces are kept apart by the hashes alone and every page
 of an engine goes under one kvdock salt, ``kvdock.cache_salt`` ("" by default): a tenant's salt
 policy applies per engine (its ``kvdock.token`` and a salt it owns), not per SGLang request.
-The SDK reads such pages with ``ctx.chunk_keys = "kvdock"``, the key tokens
-``kvdock.keying.sglang_tokens(tokens, page_size, cache_salt=sglang_salt)`` and that kvdock salt;
-its plain calls (``retrieve(ctx, tokens, cache_salt)``) read the salt "" ones. The model's
+The SDK reads and writes such pages by token ids with :class:`~.reads.SGLangKV` (the engine's
+kvdock salt, a request's SGLang ``cache_salt`` and ``extra_key``); its plain calls
+(``retrieve(ctx, tokens, cache_salt)``) cover kvdock salt "" and no ``extra_key``. The model's
 fingerprint comes from SGLang's server arguments (:mod:`.identity`; ``kvdock.fingerprint``
 overrides it): a name kvdock holds with another fingerprint turns kvdock off for the engine.
 
@@ -48,6 +48,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -60,6 +61,7 @@ from kvdock.integrations.sglang.identity import model_fingerprint
 from kvdock.integrations.sglang.pools import Flat, HostPages, NoExtraPools, Pages
 from kvdock.integrations.sglang.versions import Loaded, Seen
 from kvdock.keying import KVDOCK, key_tokens
+from kvdock.sdk.chunks import ChunkSink, ChunkSource
 from kvdock.sharding import place
 from kvdock.storage.plans import depends_on_edit
 
@@ -219,131 +221,126 @@ class KvdockHiCacheStorage(NoExtraPools, _Base):  # type: ignore[misc,valid-type
 
     # -- the zero-copy path (interface_v1) ------------------------------------------------------
 
-    def _chain(self, keys: list[str], extra_info: Any, more: list[str] | None = None) -> tuple[np.ndarray, int]:
-        prefix = _prefix(extra_info)
+    def _chain(self, keys: list[str], prefix: list[str], more: list[str] | None = None) -> tuple[np.ndarray, int]:
+        """The key tokens of ``prefix + keys + more`` and where ``keys`` start (in chunks)."""
         assert self.pages is not None
         return key_tokens(prefix + list(keys) + (more or []), self.pages.page_size), len(prefix)
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many of ``keys`` (from the first) kvdock holds, consecutively."""
-        if not keys:
-            return 0
-        if not self.config.interface_v1:
-            return int(self._run("exists", lambda ctx: self._single_hits(ctx, keys), 0))
-
-        def go(ctx: kvd.KVCacheContext) -> int:
-            chain, first = self._chain(keys, extra_info)
-            seen = kvd.lookup_tips(ctx, chain, self.config.cache_salt)
-            hit = max(0, min(seen.hit_tokens // ctx.chunk_size - first, len(keys)))
-            self.seen.note(_prefix(extra_info), keys, hit, seen.versions)
-            return hit
-
-        n = int(self._run("exists", go, 0))
-        self.stats["pages_found"] += n
+        """How many of ``keys`` (from the first) kvdock holds, consecutively. The generic path
+        (no ``interface_v1``: each key a chain of its own) asks key by key, each a batch of one."""
+        if self.config.interface_v1:
+            return self._exists(keys, _prefix(extra_info))
+        n = 0
+        while n < len(keys) and self._exists(keys[n : n + 1], []) == 1:
+            n += 1
         return n
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Load the pages of ``keys`` into the host pool at ``host_indices``; True for each
         page loaded (a prefix of ``keys``). On a rank of several: only the versions this
         operation's ``batch_exists`` saw, else nothing (:mod:`.versions`)."""
-        if not keys:
-            return []
+        n = self._load(keys, _prefix(extra_info), lambda first: self._pages(len(keys), host_indices, first))
+        return [True] * n + [False] * (len(keys) - n)
 
-        def go(ctx: kvd.KVCacheContext) -> list[bool]:
-            assert self.pages is not None
-            starts = self.pages.starts(len(keys), host_indices)
-            vouched = self.seen.vouch(_prefix(extra_info), keys)
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Store the host pool's pages at ``host_indices`` under ``keys``; True for each page
+        kvdock holds afterwards (written now or before)."""
+        n = self._store(keys, _prefix(extra_info), lambda first: self._pages(len(keys), host_indices, first))
+        return [True] * n + [False] * (len(keys) - n)
+
+    def _pages(self, n: int, host_indices: torch.Tensor, first: int) -> Pages:
+        assert self.pages is not None
+        return Pages(self.pages, self.pages.starts(n, host_indices), first)
+
+    # -- the one exists, load and store of every call (a single page is a batch of one) ---------
+
+    def _exists(self, keys: list[str], prefix: list[str]) -> int:
+        """How many of ``keys`` (chained after ``prefix``) kvdock holds, consecutively, with the
+        tips it saw recorded for the gets of this operation (:mod:`.versions`). Never raises."""
+        if not keys:
+            return 0
+
+        def go(ctx: kvd.KVCacheContext) -> int:
+            chain, first = self._chain(keys, prefix)
+            seen = kvd.lookup_tips(ctx, chain, self.config.cache_salt)
+            hit = max(0, min(seen.hit_tokens // ctx.chunk_size - first, len(keys)))
+            self.seen.note(prefix, keys, hit, seen.versions)
+            return hit
+
+        n = int(self._run("exists", go, 0))
+        self.stats["pages_found"] += n
+        return n
+
+    def _load(self, keys: list[str], prefix: list[str], sink_of: Callable[[int], ChunkSink]) -> int:
+        """Load the pages of ``keys`` (chained after ``prefix``) into ``sink_of(first)`` (chunk
+        ``first`` is ``keys[0]``); how many loaded, a prefix of ``keys``. Never raises. Every get
+        does this: the versions its ``batch_exists`` saw (:mod:`.versions`), the record of what it
+        loaded for the sets after it, the same counters."""
+        if not keys:
+            return 0
+
+        def go(ctx: kvd.KVCacheContext) -> int:
+            vouched = self.seen.vouch(prefix, keys)
             if vouched is None and self.ranks > 1:
                 self.stats["get_unvouched"] += 1
-                return [False] * len(keys)
+                return 0
             if vouched is not None and self.ranks == 1 and not any(depends_on_edit(t) for t in vouched.tips):
                 vouched = None  # one rank, no edit to extend (no over): the plain read, the pool directory first
-            chain, first = self._chain(keys, extra_info, vouched.extra if vouched else None)
+            chain, first = self._chain(keys, prefix, vouched.extra if vouched else None)
             tips = vouched.tips if vouched else None
-            hit = (
-                kvd.retrieve_into(ctx, chain, Pages(self.pages, starts, first), self.config.cache_salt, tips=tips)
-                // ctx.chunk_size
-            )
+            hit = kvd.retrieve_into(ctx, chain, sink_of(first), self.config.cache_salt, tips=tips) // ctx.chunk_size
             n = max(0, min(hit - first, len(keys)))
             if vouched is not None:
                 self.stats["get_vouched" if n else "get_stale"] += 1
                 if n == len(keys) and not vouched.extra:
                     self.loaded.note(keys[-1], vouched.tips)
-            return [True] * n + [False] * (len(keys) - n)
+            return n
 
-        got = self._run("get", go, [False] * len(keys))
-        self.stats["pages_loaded"] += sum(got)
-        return list(got)
+        n = int(self._run("get", go, 0))
+        self.stats["pages_loaded"] += n
+        return n
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        """Store the host pool's pages at ``host_indices`` under ``keys``; True for each page
-        kvdock holds afterwards (written now or before)."""
+    def _store(self, keys: list[str], prefix: list[str], source_of: Callable[[int], ChunkSource]) -> int:
+        """Store ``source_of(first)``'s chunks (``first``: ``keys[0]``) under ``keys`` chained
+        after ``prefix``; how many of ``keys`` kvdock holds afterwards (a prefix of them). Never
+        raises. Every set does this: ``over`` when this rank loaded the prefix from kvdock
+        (:mod:`.versions`), a missing prefix or a diverged page a counted miss."""
         if not keys:
-            return []
+            return 0
         if not self.writer:  # another rank writes this shard (MLA: rank 0)
-            return [True] * len(keys)
+            return len(keys)
 
-        def go(ctx: kvd.KVCacheContext) -> list[bool]:
-            assert self.pages is not None
+        def go(ctx: kvd.KVCacheContext) -> int:
             if not self._writable:
-                return [False] * len(keys)
-            starts = self.pages.starts(len(keys), host_indices)
-            chain, first = self._chain(keys, extra_info)
-            over = self.loaded.over(_prefix(extra_info), keys)  # (None: SGLang computed the prefix)
+                return 0
+            source = source_of(len(prefix))
+            chain, first = self._chain(keys, prefix)
+            over = self.loaded.over(prefix, keys)  # (None: SGLang computed the prefix)
             self.stats["set_over_loaded"] += over is not None
             try:
-                r = kvd.store_from(
-                    ctx, Pages(self.pages, starts, first), chain, self.config.cache_salt, conflict_wait_s=0.0, over=over
-                )
+                r = kvd.store_from(ctx, source, chain, self.config.cache_salt, conflict_wait_s=0.0, over=over)
             except PrefixMissingError:
                 self.stats["set_prefix_missing"] += 1
-                return [False] * len(keys)
-            n = r.stored_chunks + r.deduped_chunks - first
+                return 0
             self.stats["pages_stored"] += r.stored_chunks
             self.stats["pages_diverged"] += r.diverged_chunks
-            n = max(0, min(n, len(keys)))
-            return [True] * n + [False] * (len(keys) - n)
+            return max(0, min(r.stored_chunks + r.deduped_chunks - first, len(keys)))
 
-        return list(self._run("set", go, [False] * len(keys)))
+        return int(self._run("set", go, 0))
 
-    # -- the generic path (a key is a chain of its own) -----------------------------------------
-
-    def _single_hits(self, ctx: kvd.KVCacheContext, keys: list[str]) -> int:
-        assert self.pages is not None
-        prompts = [key_tokens([k], self.pages.page_size) for k in keys]
-        if self.ranks > 1:  # each key's tips, for its get (:mod:`.versions`)
-            n = 0
-            while n < len(keys) and (seen := kvd.lookup_tips(ctx, prompts[n], self.config.cache_salt)).hit_tokens:
-                self.seen.note([], keys[n : n + 1], 1, seen.versions)
-                n += 1
-            return n
-        hits = kvd.lookup_many(ctx, prompts, self.config.cache_salt)
-        n = 0
-        while n < len(keys) and hits[n] > 0:
-            n += 1
-        return n
+    # -- the generic path (a key is a chain of its own; a page, a batch of one) -----------------
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         """Read ``key``'s page into ``target_location`` (a flat data page of the pool: SGLang's
-        ``get_dummy_flat_data_page()``; a new one when None); None on a miss."""
-
-        def go(ctx: kvd.KVCacheContext) -> torch.Tensor | None:
-            assert self.pages is not None
-            vouched = self.seen.vouch([], [key])
-            if vouched is None and self.ranks > 1:
-                self.stats["get_unvouched"] += 1
-                return None
-            target = target_location if target_location is not None else self.mem_pool_host.get_dummy_flat_data_page()
-            chain, tips = key_tokens([key], self.pages.page_size), vouched.tips if vouched else None
-            hit = kvd.retrieve_into(ctx, chain, Flat(self.pages, target), self.config.cache_salt, tips=tips)
-            return target if hit else None
-
-        out = self._run("get", go, None)
-        self.stats["pages_loaded"] += out is not None
-        return out  # type: ignore[no-any-return]
+        ``get_dummy_flat_data_page()``; a new one when None); None on a miss. A batch of one."""
+        assert self.pages is not None
+        pages = self.pages
+        target = target_location if target_location is not None else self.mem_pool_host.get_dummy_flat_data_page()
+        return target if self._load([key], [], lambda first: Flat(pages, target, first)) else None
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
@@ -351,20 +348,12 @@ class KvdockHiCacheStorage(NoExtraPools, _Base):  # type: ignore[misc,valid-type
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         """Store ``value`` (a flat data page of the pool) under ``key``; True when kvdock holds
-        it afterwards."""
-        if not self.writer:
-            return True
-
-        def go(ctx: kvd.KVCacheContext) -> bool:
-            assert self.pages is not None
-            if not self._writable or value is None:
-                return False
-            chain = key_tokens([key], self.pages.page_size)
-            r = kvd.store_from(ctx, Flat(self.pages, value), chain, self.config.cache_salt, conflict_wait_s=0.0)
-            self.stats["pages_stored"] += r.stored_chunks
-            return bool(r.stored_chunks + r.deduped_chunks)
-
-        return bool(self._run("set", go, False))
+        it afterwards. A batch of one."""
+        assert self.pages is not None
+        pages = self.pages
+        if value is None:
+            return not self.writer
+        return self._store([key], [], lambda first: Flat(pages, value, first)) == 1
 
     def batch_set(
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None

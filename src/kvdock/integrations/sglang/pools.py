@@ -80,6 +80,7 @@ class HostPages:
             )
         self.capacity = int(pool.size)  # host slots (tokens)
         self._plan: tuple[tuple[tuple[int, ...], tuple[int, ...]], Plan | None] | None = None
+        self._slot_plan: tuple[Plan | None] | None = None
         # a pool with per-page state outside kv_buffer (MXFP8's block scales) says so in its size
         sized = getattr(pool, "get_size_per_token", None)
         per_token = int(sized()) if callable(sized) else self.chunk_nbytes // self.page_size
@@ -160,17 +161,27 @@ class HostPages:
             return flat.view(2, H, P, L, D).permute(0, 3, 2, 1, 4)
         return flat.view(2, L, P, H, D)
 
-    def starts(self, pages: int, host_indices: torch.Tensor) -> list[int]:
-        """The host index of each of ``pages`` pages at ``host_indices``; ValueError unless they
-        are one whole page of consecutive slots per page."""
+    def starts(self, pages: int, host_indices: torch.Tensor) -> np.ndarray:
+        """The host index of each of ``pages`` pages at ``host_indices`` (int64); ValueError unless
+        they are one whole page of consecutive slots per page, each page inside the pool."""
         P = self.page_size
-        idx = host_indices.detach().to("cpu", torch.int64).reshape(-1)
+        idx = host_indices.detach().reshape(-1)
         if idx.numel() != pages * P:
             raise ValueError(f"{idx.numel()} host indices for {pages} pages of {P}")
-        grid = idx.view(pages, P)
-        if not torch.equal(grid - grid[:, :1], torch.arange(P).expand(pages, P)):
+        grid = idx.to("cpu", torch.int64).numpy().reshape(pages, P)
+        first = grid[:, 0].copy()
+        if pages and not (grid == first[:, None] + np.arange(P, dtype=np.int64)).all():
             raise ValueError("host indices are not whole pages of consecutive slots")
-        return [int(s) for s in grid[:, 0]]
+        self.check_starts(first)
+        return first
+
+    def check_starts(self, starts: np.ndarray) -> None:
+        """ValueError unless every host index of ``starts`` starts a page inside the pool."""
+        P = self.page_size
+        bad = (starts % P != 0) | (starts < 0) | (starts > self.capacity - P)
+        if bad.any():
+            at = int(starts[np.flatnonzero(bad)[0]])
+            raise ValueError(f"host index {at} is not the start of a page of the pool (page size {P})")
 
     def model_layout(
         self, model_name: str, version: str, ranks: tuple[int, int, int, int], total_kv_heads: int, fingerprint: str
@@ -215,9 +226,16 @@ class HostPages:
             step = self.page(P).data_ptr() - page.data_ptr() if self.capacity >= 2 * P else 0
             ptr0 = page.data_ptr()
             in_slot, in_page = d.view(np.int64) - view.data_ptr(), s.view(np.int64) - ptr0
-            plan = Plan(key, run, in_slot, in_page, ptr0, step)
+            by_page = np.argsort(in_page, kind="stable")  # (a page_first page: its runs out of order)
+            plan = Plan(key, run, in_slot, in_page, ptr0, step, in_slot[by_page], in_page[by_page])
         self._plan = (key, plan)
         return plan
+
+    def slot_plan(self) -> Plan | None:
+        """:meth:`plan` for a contiguous slot (a kvdock slot of this pool's chunks), made once."""
+        if self._slot_plan is None:
+            self._slot_plan = (self.plan(torch.empty(self.shape, dtype=self.dtype)),)
+        return self._slot_plan[0]
 
     def describe(self) -> str:
         kind = "MLA latent" if self.latent else f"{self.heads} KV heads of {self.head_dim}"
@@ -227,7 +245,10 @@ class HostPages:
 @dataclass(frozen=True)
 class Plan:
     """The copy of one page between a slot and the pool as ``run``-byte runs: their offsets from
-    the slot's first byte and from the page's, and where page ``k`` starts (``ptr0 + k * step``)."""
+    the slot's first byte and from the page's, in the slot's order and (``page_*``) in the page's,
+    and where page ``k`` starts (``ptr0 + k * step``). A copy reads its source in order (a set
+    reads the page: in ``page_first`` its runs are one token of one layer, and reading them in the
+    slot's order jumps a layer's width each run, ~10 % slower)."""
 
     key: tuple[tuple[int, ...], tuple[int, ...]]  # the slot views' shape and strides
     run: int
@@ -235,18 +256,26 @@ class Plan:
     in_page: np.ndarray  # int64
     ptr0: int
     step: int
+    page_slot: np.ndarray  # in_slot, in the page's order
+    page_page: np.ndarray  # in_page, sorted
 
 
 class Pages:
     """Chunks ``first ..`` of a transfer as the host pool's pages at host indices ``starts``
     (a ChunkSource and a ChunkSink); chunks before ``first`` (the prefix) are never copied.
 
-    The copies of all its pages are planned at :meth:`finish` in one vectorized step from the
-    pool's :meth:`HostPages.plan` (the runs of one page, the same for every page), not per page;
-    a pool whose pages reduce to no runs is copied page by page by the Copier."""
+    The copies of all its pages are planned at once from the pool's :meth:`HostPages.slot_plan`
+    (the runs of one page, the same for every page), offset by each slot's and page's address:
+    over shared memory the transfer hands it every slot's address in one call
+    (:meth:`add_slots`, no per-slot view), else slot by slot (``put`` / ``take``), planned at
+    :meth:`finish`. A pool whose pages reduce to no runs is copied page by page by the Copier."""
 
-    def __init__(self, pages: HostPages, starts: list[int], first: int) -> None:
-        self.pages, self.starts, self.first = pages, starts, first
+    direct_slots = True  # ShmTransfer may call add_slots (kvdock.sdk._transfer)
+
+    def __init__(self, pages: HostPages, starts: list[int] | np.ndarray, first: int) -> None:
+        self.pages, self.first = pages, first
+        self.starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        pages.check_starts(self.starts)
         self.copier = Copier()
         self._plan: Plan | None = None
         self._slots: list[int] = []  # the queued slots' first bytes
@@ -254,16 +283,45 @@ class Pages:
         self._keep: list[torch.Tensor] = []
         self._taking = False
 
+    def _index(self, chunks: np.ndarray, taking: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(which of ``chunks`` this end copies, their positions among ``starts``): a put of a
+        chunk before ``first`` is PrefixMissingError, of one past the pages ValueError; a take
+        skips both."""
+        j = chunks - self.first
+        mine = (j >= 0) & (j < len(self.starts))
+        if not taking and not mine.all():
+            bad = int(chunks[np.flatnonzero(~mine)[0]])
+            if bad < self.first:
+                raise PrefixMissingError(bad)
+            raise ValueError(f"chunk {bad} is past the {len(self.starts)} pages of this call")
+        return mine, j[mine]
+
     def put(self, index: int, dst: torch.Tensor) -> None:
-        j = index - self.first
-        if j < 0:
-            raise PrefixMissingError(index)
-        self._queue(self.starts[j], dst, False)
+        _, j = self._index(np.array([index], np.int64), False)
+        self._queue(int(self.starts[j[0]]), dst, False)
 
     def take(self, index: int, src: torch.Tensor) -> None:
-        j = index - self.first
-        if 0 <= j < len(self.starts):
-            self._queue(self.starts[j], src, True)
+        _, j = self._index(np.array([index], np.int64), True)
+        if len(j):
+            self._queue(int(self.starts[j[0]]), src, True)
+
+    def add_slots(
+        self, taking: bool, chunks: np.ndarray, slots: np.ndarray, shape: tuple[int, ...], layers: slice,
+        dtype: torch.dtype,
+    ) -> bool:  # fmt: skip
+        """Queue the copies of chunks ``chunks`` to or from (``taking``) the slots at addresses
+        ``slots`` (one per chunk, each a contiguous ``shape`` chunk of ``dtype``), all at once;
+        False (nothing queued: the caller puts or takes each) unless they are this pool's whole
+        chunks and its pages reduce to runs."""
+        hp = self.pages
+        plan = hp.slot_plan() if dtype == hp.dtype and tuple(shape) == hp.shape and layers == slice(None) else None
+        if plan is None or (self._plan is not None and self._plan is not plan) or not len(chunks):
+            return False
+        mine, j = self._index(np.asarray(chunks, np.int64), taking)
+        self._plan, self._taking = plan, taking
+        self._slots.extend(np.asarray(slots, np.int64)[mine].tolist())
+        self._at.extend((self.starts[j] // hp.page_size).tolist())
+        return True
 
     def _queue(self, start: int, slot: torch.Tensor, taking: bool) -> None:
         plan = self.pages.plan(slot)
@@ -271,19 +329,17 @@ class Pages:
             page, view = self.pages.page(start), self.pages.chunk5(slot)
             self.copier.add(*((page, view) if taking else (view, page)))
             return
-        P = self.pages.page_size
-        if start % P or not 0 <= start <= self.pages.capacity - P:
-            raise ValueError(f"host index {start} is not the start of a page of the pool (page size {P})")
         self._plan, self._taking = plan, taking
         self._slots.append(slot.data_ptr())
-        self._at.append(start // P)
+        self._at.append(start // self.pages.page_size)
         self._keep.append(slot)
 
     def finish(self) -> None:
         plan, self._plan = self._plan, None
         if plan is not None and self._slots:
-            slots = np.array(self._slots, np.int64)[:, None] + plan.in_slot[None, :]
-            pages = plan.ptr0 + np.array(self._at, np.int64)[:, None] * plan.step + plan.in_page[None, :]
+            in_slot, in_page = (plan.in_slot, plan.in_page) if self._taking else (plan.page_slot, plan.page_page)
+            slots = np.array(self._slots, np.int64)[:, None] + in_slot[None, :]
+            pages = plan.ptr0 + np.array(self._at, np.int64)[:, None] * plan.step + in_page[None, :]
             s, p = slots.reshape(-1).view(np.uint64), pages.reshape(-1).view(np.uint64)
             dst, src = (p, s) if self._taking else (s, p)
             self.copier.add_runs(plan.run, dst, src, (self.pages.buffer, self._keep))
@@ -292,16 +348,20 @@ class Pages:
 
 
 class Flat:
-    """One flat data page (SGLang's generic path) as chunk 0 of a transfer."""
+    """One flat data page (SGLang's generic path) as chunk ``first`` of a transfer (the page of a
+    batch of one, after ``first`` prefix chunks that are never copied)."""
 
-    def __init__(self, pages: HostPages, flat: torch.Tensor) -> None:
-        self.pages, self.view = pages, pages.flat_page(flat)
+    def __init__(self, pages: HostPages, flat: torch.Tensor, first: int = 0) -> None:
+        self.pages, self.view, self.first = pages, pages.flat_page(flat), first
 
     def put(self, index: int, dst: torch.Tensor) -> None:
+        if index != self.first:
+            raise PrefixMissingError(index) if index < self.first else ValueError(f"chunk {index} is past the page")
         self.pages.chunk5(dst).copy_(self.view)
 
     def take(self, index: int, src: torch.Tensor) -> None:
-        self.view.copy_(self.pages.chunk5(src))
+        if index == self.first:
+            self.view.copy_(self.pages.chunk5(src))
 
     def finish(self) -> None:
         pass

@@ -1,0 +1,146 @@
+"""The backend's data path, against SGLang 0.5.23's real host pools: a batch's pages move between
+kvdock's slots and the pool in one planned copy (no per-slot view), a set reads each page in its
+own order, and a single page (SGLang's generic ``get`` / ``set``) goes the one way a batch does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+import kvdock.sdk as kvd
+from conftest import LAYOUTS, PAGE, host_pool, storage_config
+from kvdock.integrations.sglang import KvdockHiCacheStorage
+from kvdock.integrations.sglang.pools import HostPages, Pages
+from kvdock.keying import sglang_page_hashes
+from kvdock.keys import normalize_tokens
+from kvdock.testing import ServerProcess
+
+Make = Callable[..., KvdockHiCacheStorage]
+
+
+def prompt(n_pages: int, seed: int) -> np.ndarray:
+    return normalize_tokens(np.random.default_rng(seed).integers(0, 50_000, n_pages * PAGE + 1).tolist())
+
+
+def fill(pool: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(pool.kv_buffer.dtype))
+
+
+def pages_kv(b: KvdockHiCacheStorage, idx: torch.Tensor) -> torch.Tensor:
+    assert b.pages is not None
+    return torch.cat([b.pages.page(int(i)).flatten(3) for i in idx[::PAGE]], dim=2)
+
+
+def info(prefix: list[str]) -> HiCacheStorageExtraInfo:
+    return HiCacheStorageExtraInfo(prefix_keys=prefix)
+
+
+@pytest.mark.parametrize(("mla", "layout"), [(False, x) for x in LAYOUTS] + [(True, "layer_first")])
+def test_a_batch_moves_in_one_planned_copy_without_a_view_per_slot(
+    sgl_server: ServerProcess, backend: Make, monkeypatch: pytest.MonkeyPatch, mla: bool, layout: str
+) -> None:
+    """Over shared memory the transfer hands the pages every slot's address at once
+    (``Pages.add_slots``): a put or take per slot would raise here. Bytes exact both ways, after
+    a prefix too."""
+
+    def per_slot(*_: object) -> None:
+        raise AssertionError("a slot went through put/take one by one")
+
+    monkeypatch.setattr(Pages, "put", per_slot)
+    monkeypatch.setattr(Pages, "take", per_slot)
+    name = f"sgl-direct-{'mla' if mla else 'mha'}-{layout}"
+    pool = host_pool(mla, layout)
+    b = backend(storage_config(sgl_server, mla=mla, **{"kvdock.model_name": name}), pool)
+    fill(pool, seed=40)
+    tokens = prompt(5, seed=41)
+    keys = sglang_page_hashes(tokens, PAGE)
+    src = pool.alloc(5 * PAGE)
+    assert b.batch_set_v1(keys[:2], src[: 2 * PAGE], info([])) == [True, True]
+    assert b.batch_set_v1(keys[2:], src[2 * PAGE :], info(keys[:2])) == [True] * 3
+    dst = pool.alloc(5 * PAGE)
+    assert b.batch_exists(keys, info([])) == 5
+    assert b.batch_get_v1(keys[:1], dst[:PAGE], info([])) == [True]
+    assert b.batch_get_v1(keys[1:], dst[PAGE:], info(keys[:1])) == [True] * 4
+    assert torch.equal(pages_kv(b, dst), pages_kv(b, src))
+    with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
+        kv = kvd.retrieve(ctx, tokens)
+        assert kv is not None and torch.equal(kv, pages_kv(b, src))
+    assert b.stats["get_failed"] == b.stats["set_failed"] == 0
+
+
+def test_a_set_reads_each_page_in_its_own_order() -> None:
+    """page_first: a page's runs (one token of one layer) in the page's order, paired with the
+    same slot offsets as in the slot's order; the slot's order is not the page's (else this tests
+    nothing)."""
+    pages = HostPages(host_pool(False, "page_first"))
+    plan = pages.slot_plan()
+    assert plan is not None and plan is pages.slot_plan()
+    assert (np.diff(plan.page_page) > 0).all()
+    assert not (np.diff(plan.in_page) > 0).all()
+    assert sorted(zip(plan.page_slot.tolist(), plan.page_page.tolist(), strict=True)) == sorted(
+        zip(plan.in_slot.tolist(), plan.in_page.tolist(), strict=True)
+    )
+
+
+def test_pages_refuse_host_indices_outside_the_pool_before_any_copy() -> None:
+    pages = HostPages(host_pool(False, "layer_first"))
+    with pytest.raises(ValueError, match="not the start of a page"):
+        Pages(pages, [pages.capacity], first=0)
+    with pytest.raises(ValueError, match="not the start of a page"):
+        pages.starts(1, torch.arange(PAGE) + 3)
+    with pytest.raises(ValueError, match="not whole pages"):
+        pages.starts(2, torch.cat([torch.arange(PAGE), torch.arange(PAGE).flip(0) + PAGE]))
+    assert pages.starts(2, torch.cat([torch.arange(PAGE) + 2 * PAGE, torch.arange(PAGE)])).tolist() == [2 * PAGE, 0]
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["single-page-calls", "batch-of-one"])
+def test_a_single_page_is_a_batch_of_one(sgl_server: ServerProcess, backend: Make, single: bool) -> None:
+    """SGLang's generic ``exists`` / ``get`` / ``set`` of one page and the zero-copy calls of a
+    batch of one go the same way: an SDK edit loaded with the tips exists saw (counted, and
+    recorded for the ``over`` of the sets after it), a set of that page by SGLang forgets it,
+    the same counters, the same bytes."""
+    name = f"sgl-one-{single}"
+    pool = host_pool(False, "page_first")
+    b = backend(storage_config(sgl_server, v1=not single, **{"kvdock.model_name": name}), pool)
+    tokens = prompt(1, seed=42)
+    (key,) = sglang_page_hashes(tokens, PAGE)
+    edit = torch.randn(2, *pages_kv(b, pool.alloc(PAGE)).shape[1:], generator=torch.Generator().manual_seed(43))
+    edit = edit.to(pool.dtype)
+    with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
+        assert kvd.store(ctx, edit, tokens, overwrite=True)  # an edit (its version has the EDITED bit)
+    dst = pool.alloc(PAGE)
+    if single:
+        assert b.exists(key)
+        flat = b.get(key, pool.get_dummy_flat_data_page())
+        assert flat is not None
+        pool.set_from_flat_data_page(int(dst[0]), flat)
+    else:
+        assert b.batch_exists([key], info([])) == 1
+        assert b.batch_get_v1([key], dst, info([])) == [True]
+    assert torch.equal(pages_kv(b, dst), edit)
+    assert b.stats["get_vouched"] == 1 and b.stats["pages_loaded"] == 1
+    assert len(b.loaded) == 1  # what the sets after it extend the edit over
+    # SGLang sets the page itself: kvdock keeps the edit (deduped), the record is forgotten
+    if single:
+        assert b.set(key, pool.get_data_page(int(dst[0]), flat=True))
+    else:
+        assert b.batch_set_v1([key], dst, info([])) == [True]
+    assert len(b.loaded) == 0 and b.stats["pages_stored"] == 0 and b.stats["set_over_loaded"] == 0
+    # a page of its own: stored, the same way
+    other = pool.alloc(PAGE)
+    fill(pool, seed=44)
+    (new,) = sglang_page_hashes(prompt(1, seed=45), PAGE)
+    if single:
+        assert b.set(new, pool.get_data_page(int(other[0]), flat=True))
+    else:
+        assert b.batch_set_v1([new], other, info([])) == [True]
+    assert b.stats["pages_stored"] == 1
+    dst2 = pool.alloc(PAGE)
+    assert b.batch_get_v1([new], dst2, info([])) == [True]
+    assert torch.equal(pages_kv(b, dst2), pages_kv(b, other))

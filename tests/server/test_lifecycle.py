@@ -183,9 +183,11 @@ def test_a_shutdown_while_clients_keep_asking_logs_no_traceback(tmp_path) -> Non
     kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", timeout=10, **GEOMETRY)
     stop = threading.Event()
     done: list[str] = []
+    asked = [0, 0, 0]
 
-    def ask(channel: str) -> None:
-        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=2) as c:
+    def ask(i: int, channel: str) -> None:
+        # (a call that finds the server gone fails within the timeout: 1 s)
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=1) as c:
             if channel == "zmq":
                 c._conn.use_local("")
             n = 0
@@ -193,16 +195,20 @@ def test_a_shutdown_while_clients_keep_asking_logs_no_traceback(tmp_path) -> Non
                 try:
                     kvd.lookup(c, list(range(64)))
                     n += 1
+                    asked[i] = n
                 except kvd.KVCacheSDKError:
                     break
             done.append(f"{channel}:{n}")
 
-    threads = [threading.Thread(target=ask, args=(ch,)) for ch in ("local", "zmq", "local")]
+    threads = [threading.Thread(target=ask, args=(i, ch)) for i, ch in enumerate(("local", "zmq", "local"))]
     for t in threads:
         t.start()
     import time
 
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while min(asked) < 20:  # every client keeps asking
+        assert time.monotonic() < deadline and all(t.is_alive() for t in threads), (asked, done)
+        time.sleep(0.01)
     assert srv.stop() == 0
     stop.set()
     for t in threads:

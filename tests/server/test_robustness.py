@@ -135,8 +135,16 @@ def test_a_frame_larger_than_any_request_is_not_buffered(make_server) -> None:
     sock.connect(srv.url)
     try:
         before = _peak_rss(srv.proc.pid)
+        events = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.send_multipart([b"big", bytes(512 * 2**20)], copy=False)
-        sock.poll(10_000)  # a reply (the frame was buffered and decoded) or nothing (dropped)
+        # a reply (the frame was buffered and decoded), or the server hanging up (dropped unread),
+        # or nothing for 10 s
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(events, zmq.POLLIN)
+        poller.poll(10_000)
+        sock.disable_monitor()
+        events.close()
         grew = _peak_rss(srv.proc.pid) - before
         with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:  # still serving
             assert kvd.check_server_integrity(c) == []

@@ -105,8 +105,8 @@ class Holdings:
         return len(self._held)
 
     def _mark(self, obj: L1Object) -> _Held | None:
-        geo = self.geometry_of(obj.key.model)
-        if geo is None or not obj.overwrite:
+        geo = self.geometry_of(obj.key.model) if obj.overwrite else None
+        if geo is None:
             return None
         e2 = pos_text(obj.overwrite)
         return _Held(obj, e2, objfile.mark(obj.version, obj.parent, geo.digest(self.chunk_size), e2))

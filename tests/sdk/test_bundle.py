@@ -11,8 +11,21 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, ServerProc, make_kv, make_tokens, start_server
+from helpers import (
+    ALWAYS_PROCESS,
+    CHUNK,
+    GEOMETRY,
+    MODEL,
+    ServerProc,
+    make_kv,
+    make_tokens,
+    start_inprocess,
+    start_server,
+)
 from kvdock import __version__
+
+# the servers a test starts itself: in this process (kvdock.inprocess), as make_server's
+start_any = start_server if ALWAYS_PROCESS else start_inprocess
 
 TOKENS = make_tokens(5 * CHUNK + 3, start=7000)  # 5 whole chunks of 16, and a tail
 
@@ -20,7 +33,7 @@ TOKENS = make_tokens(5 * CHUNK + 3, start=7000)  # 5 whole chunks of 16, and a t
 @pytest.fixture
 def other(tmp_path: Path) -> Iterator[ServerProc]:
     """A second server with chunk size 32 and the same model registered."""
-    srv = start_server(tmp_path, chunk_size=32)
+    srv = start_any(tmp_path, chunk_size=32)
     kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
     yield srv
     assert srv.stop() == 0, srv.log()
@@ -190,7 +203,7 @@ def test_rechunking_into_chunks_that_do_not_divide_or_are_smaller(
     bundle, tmp_path: Path, chunk: int, block: int, whole: int
 ) -> None:
     path, kv = bundle
-    srv = start_server(tmp_path, chunk_size=chunk)
+    srv = start_any(tmp_path, chunk_size=chunk)
     try:
         kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", tokens_per_block=block, **GEOMETRY)
         with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
@@ -234,7 +247,7 @@ def test_a_file_that_is_not_a_bundle_is_refused(ctx: kvd.KVCacheContext, tmp_pat
 
 def test_a_bundle_of_another_geometry_or_model_is_refused(bundle, tmp_path: Path) -> None:
     path, kv = bundle
-    srv = start_server(tmp_path)
+    srv = start_any(tmp_path)
     try:
         kvd.register_model(srv.url, srv.http_url, "wide", dtype="bfloat16", num_layers=3, num_kv_heads=4, head_dim=4)
         kvd.register_model(srv.url, srv.http_url, "twin", dtype="bfloat16", **GEOMETRY)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import kvdock.sdk as kvd
@@ -65,9 +66,24 @@ def test_kv_edit_e2e(make_server: Callable[..., ServerProc]) -> None:
         assert src_kv is not None and tgt_kv is not None and torch.equal(src_kv, tgt_kv)
 
 
-def test_help_and_bad_arguments(make_server: Callable[..., ServerProc]) -> None:
+def _example(script: str) -> Any:
+    """The example ``script`` as a module of this process (its ``main(argv)`` is what runs it)."""
+    import importlib.util
+
+    name = "example_" + Path(script).stem
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / script)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_help_and_bad_arguments(make_server: Callable[..., ServerProc], capsys: pytest.CaptureFixture[str]) -> None:
     """--help documents the flags; usage errors exit 2 with a message on stderr and nothing on stdout
-    (checked before the model loads). All cases run concurrently."""
+    (checked before the model loads). Each runs the example's main() in this process (the other
+    tests run the scripts as processes): five processes importing torch cost seconds."""
     srv = make_server(register=None)
     urls = ["--url", srv.url, "--http-url", srv.http_url]
     cases = [
@@ -77,20 +93,18 @@ def test_help_and_bad_arguments(make_server: Callable[..., ServerProc]) -> None:
         ("kv_edit_e2e.py", ["--help"], ""),
         ("token_dropping.py", ["--help"], ""),
     ]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(EXAMPLES / script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for script, args, _ in cases
-    ]
-    for (script, args, message), proc in zip(cases, procs, strict=True):
-        out, err = proc.communicate(timeout=120)
+    for script, args, message in cases:
+        try:
+            code = _example(script).main(args)
+        except SystemExit as e:  # argparse, and the examples' own usage errors
+            code = e.code
+        out, err = capsys.readouterr()
         if args == ["--help"]:
-            assert proc.returncode == 0, err
+            assert code in (0, None), err
             for flag in ("--cache-salt", "--url", "--http-url", "--model", "--chunk-size", "--seed", "Exit status"):
                 assert flag in out, (script, flag)
             continue
-        assert proc.returncode == 2 and message in err, (script, args, err)
+        assert code == 2 and message in err, (script, args, code, err)
         assert out == ""
 
 

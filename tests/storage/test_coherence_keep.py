@@ -36,6 +36,7 @@ def keep(raw: redis_py.Redis, value: bytes, floor: bytes, mark: bytes, e2: str =
     return int(raw.eval(KEEP_SCRIPT, 2, value, floor, e2, mark, ttl))
 
 
+@pytest.mark.valkey  # also on valkey-server (conftest)
 def test_the_keep_script_answers(redis_server: RedisProc) -> None:
     raw = redis_py.Redis.from_url(redis_server.url)
     value, floor = b"kvdock:test:{x}", b"kvdock:test:{x}:f"
@@ -209,6 +210,7 @@ def test_a_round_keeps_repairs_and_drops_and_the_lease_runs_from_its_sending(
     asyncio.run(main())
 
 
+@pytest.mark.valkey  # also on a Valkey cluster (conftest)
 def test_keep_is_pipelined_over_a_clusters_nodes(redis_cluster: Any) -> None:
     """One round for keys on every shard (redis-py's cluster pipeline refuses ``eval``)."""
     from kvdock.storage.coherence import Coherence
@@ -222,7 +224,14 @@ def test_keep_is_pipelined_over_a_clusters_nodes(redis_cluster: Any) -> None:
         keys = [WK(i) for i in range(1, 31)]
         for key in keys[:10]:  # floors at E2, values gone: keep and repair
             tier._redis.set(floor_key(tier._key(key)), E2)
-        assert tier.keep([(k, E2, b"m") for k in keys]) == [0] * 10 + [-1] * 20
+        assert tier.keep([(k, E2, b"m") for k in keys]) == [0] * 10 + [-1] * 20  # (EVAL: no node has it yet)
         assert all(tier._redis.pttl(floor_key(tier._key(k))) > 50_000 for k in keys[:10])
+        calls = lambda: sum(  # noqa: E731
+            int(tier._redis.info("commandstats", target_nodes=n).get("cmdstat_evalsha", {}).get("calls", 0))
+            for n in tier._redis.get_primaries()
+        )
+        before = calls()
+        assert tier.keep([(k, E2, b"m") for k in keys]) == [0] * 10 + [-1] * 20
+        assert calls() - before == 30  # by its digest once every node has it
     finally:
         tier.close()

@@ -16,6 +16,7 @@ event loop, so it is guarded by a lock.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -46,6 +47,7 @@ BACKOFF_MAX = 30.0
 # value or the whole new one, and it is a single-key command (it goes to the key's node, follows
 # slot migrations, and needs no temporary key: no TTL, no leftovers, no multi-key RENAME)
 WRITE_SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]); redis.call('APPEND', KEYS[1], ARGV[2])"
+_KEEP_SHA = hashlib.sha1(coherence.KEEP_SCRIPT.encode()).hexdigest()
 
 
 def redis_key(key: ObjectKey, identity: str = "") -> bytes:
@@ -321,15 +323,23 @@ class RedisTier(StorageTier):
 
     def keep(self, items: list[tuple[ObjectKey, str, bytes]]) -> list[int]:
         """[worker] KEEP_SCRIPT for each (key, its overwrite's E2, the mark of the version held),
-        pipelined (one round trip; per node on a cluster): 1 serve on, 0 write it again, -1 drop
-        it (storage.keeping)."""
+        pipelined (one round trip, per node on a cluster; by its digest, then in full for the
+        nodes that lack it): 1 serve on, 0 write it again, -1 drop it (storage.keeping)."""
         if self.coherence is None or not items:
             return []
-        pipe, ttl = self._redis.pipeline(transaction=False), self.coherence.floor_ttl_ms
-        for key, e2, mark in items:
-            final = self._key(key)
-            pipe.execute_command("EVAL", coherence.KEEP_SCRIPT, 2, final, floor_key(final), e2, mark, ttl)
-        return [int(r) for r in pipe.execute()]
+        ttl, finals = self.coherence.floor_ttl_ms, [self._key(key) for key, _, _ in items]
+        out: list[Any] = [redis_py.exceptions.NoScriptError()] * len(items)
+        for cmd, body in (("EVALSHA", _KEEP_SHA), ("EVAL", coherence.KEEP_SCRIPT)):
+            todo = [i for i, r in enumerate(out) if isinstance(r, redis_py.exceptions.NoScriptError)]
+            pipe = self._redis.pipeline(transaction=False)
+            for i in todo:
+                pipe.execute_command(cmd, body, 2, finals[i], floor_key(finals[i]), *items[i][1:], ttl)
+            for i, r in zip(todo, pipe.execute(raise_on_error=False) if todo else [], strict=True):
+                out[i] = r
+        for r in out:
+            if isinstance(r, Exception):
+                raise r
+        return [int(r) for r in out]
 
     def delete(self, key: ObjectKey) -> None:
         """DEL (on a cluster, WAITed for by a replica: _redisclient.run_waited); with the default appendfsync

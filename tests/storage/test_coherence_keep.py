@@ -235,3 +235,31 @@ def test_keep_is_pipelined_over_a_clusters_nodes(redis_cluster: Any) -> None:
         assert calls() - before == 30  # by its digest once every node has it
     finally:
         tier.close()
+
+
+def test_a_version_loaded_before_its_own_overwrites_entries_are_applied_stays(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """Host 1 loads host 2's overwrite from L3 before its poll brings that overwrite's entries:
+    KEEP vouched for the bytes, so the entries (not later than its E2) leave it readable; a later
+    overwrite's entries still drop it."""
+
+    async def main() -> None:
+        host1, host2 = hosts(tmp_path, redis_server, disk=False)
+        try:
+            await host1.sync()
+            await host2.sync()
+            await overwrite(host2, [A], 1)
+            session = await host1.prefetch("r", [A])  # (host 1 has not polled since)
+            assert [bytes(host1.l1.view(o)) for o in session.pinned] == [payload(A, 1)]
+            host1.mgr.end_session("c", "r")
+            await host1.sync()
+            assert host1.l1_bytes(A) == payload(A, 1) and host1.mgr.lookup_l1([A]) == 1
+            await overwrite(host2, [A], 2)
+            await host1.sync()
+            assert host1.l1.get(A) is None
+        finally:
+            host1.mgr.close()
+            host2.mgr.close()
+
+    asyncio.run(main())

@@ -193,7 +193,9 @@ class Holdings:
                 if lane.tier.indexed:
                     self._drop_local(slot.key, head.version)
             return None
-        slot.overwrite = overwrite
+        # its bytes are that overwrite's version (KEEP vouched for them): its own entries, applied
+        # after the load started, must not drop it (an overwrite's commit takes its E2 as epoch too)
+        slot.overwrite, slot.epoch = overwrite, max(slot.epoch, overwrite)
         return sent, got[0]
 
     def loaded(self, obj: L1Object, kept: tuple[float, int]) -> None:

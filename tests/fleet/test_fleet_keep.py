@@ -40,9 +40,25 @@ def _backlog(srv: Any) -> int:
     return int(srv.get("/status")["tiers"]["writeback_backlog_bytes"])
 
 
-def _objects(raw: redis_py.Redis) -> list[bytes]:
+def _objects(raw: Any) -> list[bytes]:
     """The L3 keys of objects (not floors, not the stream's)."""
-    return sorted(k for k in raw.keys("kvdock:v2:{*}") if not k.endswith(b":f") and b"{invalidations}" not in k)
+    return sorted(k for k in _keys(raw, "kvdock:v2:{*}") if not k.endswith(b":f") and b"{invalidations}" not in k)
+
+
+def _keys(raw: Any, pattern: str) -> list[bytes]:
+    """KEYS on a server, or on every primary of a cluster."""
+    if isinstance(raw, redis_py.RedisCluster):
+        return list(raw.keys(pattern, target_nodes=redis_py.RedisCluster.PRIMARIES))
+    return list(raw.keys(pattern))
+
+
+def _l3(request: pytest.FixtureRequest, kind: str) -> tuple[str, Any]:
+    """The L3's URL for the servers and a raw client of it: a redis-server, or a Redis Cluster."""
+    if kind == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        return cluster.url, redis_py.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+    server = request.getfixturevalue("redis_server")
+    return server.url, redis_py.Redis.from_url(server.url)
 
 
 def _same(got: torch.Tensor | None, want: torch.Tensor) -> bool:
@@ -123,19 +139,20 @@ def test_an_overwrite_written_down_past_its_floors_ttl_never_lets_a_plain_store_
         kvd.close(cb)
 
 
+@pytest.mark.parametrize("kind", ["redis", "cluster"])
 def test_an_overwrites_value_evicted_from_l3_is_kept_by_its_holders_until_they_drop_it(
-    make_server, redis_server
+    make_server, request: pytest.FixtureRequest, kind: str
 ) -> None:
     """Case 2. A overwrites (v2), C loads v2 from L3. Past the floor's TTL, L3 loses the value
     (DEL, as allkeys-lru would evict it, cold in L3 because hot in A's and C's L1): A and C keep
     serving v2, keep its floor and write it again; B's plain store of v1 is refused or dedups,
     never lands. Then L3 loses the floors too: A and C drop v2 within a round, and from then on
-    B's v1 is the one truth."""
-    a, b, c = _servers(make_server, redis_server.url, 3)
+    B's v1 is the one truth. On one Redis and on a Redis Cluster (the rounds go to each node)."""
+    url, raw = _l3(request, kind)
+    a, b, c = _servers(make_server, url, 3)
     tokens = make_tokens(2 * CHUNK, start=22_000_000)
     v1, v2 = make_kv(2 * CHUNK, seed=41), make_kv(2 * CHUNK, seed=42)
     ca, cb, cc = (kvd.connect(s.url, s.http_url, MODEL, timeout=10) for s in (a, b, c))
-    raw = redis_py.Redis.from_url(redis_server.url)
     try:
         applied = _coh(c)["entries_applied"]
         assert kvd.store(ca, v2, tokens, overwrite=True)
@@ -153,7 +170,7 @@ def test_an_overwrites_value_evicted_from_l3_is_kept_by_its_holders_until_they_d
         except kvd.StoreConflictError:  # the floors live with no value: in flight
             stored = None
         assert not stored, "B stored other bytes while A and C serve the overwrite"
-        floors = raw.keys("kvdock:v2:{*}:f")
+        floors = _keys(raw, "kvdock:v2:{*}:f")
         assert len(floors) == 2 and all(raw.pttl(f) > 0 for f in floors), "the holders let the floors expire"
         assert _coh(a)["held"] == 2 and _coh(c)["held"] == 2, (_coh(a), _coh(c))
         wait_for(lambda: len(_objects(raw)) == 2, "a holder to write v2 again", REFRESH_S + 10)
@@ -162,7 +179,7 @@ def test_an_overwrites_value_evicted_from_l3_is_kept_by_its_holders_until_they_d
             assert _same(kvd.retrieve(ctx, tokens), v2)
         assert _same(kvd.retrieve(cb, tokens), v2)  # B too (from L3)
         # L3 loses floors and values at once: the holders drop v2 at their next round
-        raw.delete(*raw.keys("kvdock:v2:{*}:f"), *_objects(raw))
+        raw.delete(*_keys(raw, "kvdock:v2:{*}:f"), *_objects(raw))
         lost = time.monotonic()
         for ctx in (ca, cc):
             wait_for(lambda ctx=ctx: kvd.retrieve(ctx, tokens) is None, "the holder to drop v2", REFRESH_S + 10)

@@ -223,6 +223,8 @@ def test_a_holder_paused_past_its_lease_serves_nothing_it_holds_until_its_round(
         for ctx in (fast, slow, fast, slow):
             assert kvd.retrieve(ctx, tokens) is None, "A served an overwrite whose floor it no longer kept"
         wait_for(lambda: _coh(a)["keep_dropped"] >= 2 and _coh(a)["held"] == 0, "A's round to drop v2")
+        assert a.metric("kvdock_coherence_keep_dropped_total") >= 2
+        assert a.metric("kvdock_coherence_keep_rounds_total") >= 1
         assert kvd.check_server_integrity(slow) == []
     finally:
         raw.close()

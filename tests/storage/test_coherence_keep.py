@@ -26,10 +26,10 @@ E2 = "1796331648926-3"
 TTL = 60_000
 
 
-def block(key: ObjectKey, version: int, overwrite: str, data: bytes) -> bytes:
+def block(key: ObjectKey, version: int, overwrite: str, data: bytes, parent: int = 0) -> bytes:
     """A value as L3 holds it: header (an overwrite's version when ``overwrite``) + payload."""
-    header = objfile.encode_header(key, "float32", SHAPE, memoryview(data), version, 0, GEO.digest(CHUNK), overwrite)
-    return header + data
+    digest = GEO.digest(CHUNK)
+    return objfile.encode_header(key, "float32", SHAPE, memoryview(data), version, parent, digest, overwrite) + data
 
 
 def keep(raw: redis_py.Redis, value: bytes, floor: bytes, mark: bytes, e2: str = E2, ttl: int = TTL) -> int:
@@ -155,14 +155,18 @@ def test_a_load_of_an_overwrites_version_runs_keep_first(tmp_path: Path, redis_s
             obj = w.l1.get(A)
             assert obj is not None and obj.overwrite > 0 and len(w.mgr.holdings) == 1
             raw.delete(floor_key(key_of(A)))
-            raw.set(key_of(A), block(A, 99, "", payload(A, 3)))  # a plain store elsewhere, past the floor
+            foreign = block(A, 99, "", payload(A, 3), parent=77)  # a plain store elsewhere, past the floor
+            raw.set(key_of(A), foreign)  # (of another chain than the one asked: not served either)
             w.evict_l1([A])
             session = await w.prefetch("r2", [A])
-            got = [bytes(w.l1.view(o)) for o in session.pinned]
-            assert got == [payload(A, 3)]  # L3's version, the one truth now: never L2's copy of the overwrite
+            assert session.pinned == []  # a miss: never L2's copy of the overwrite
             w.mgr.end_session("c", "r2")
             await w.drain()
             assert w.disk is not None and w.disk.knows(A) is None and w.coherence.counters.keep_dropped == 1
+            raw.set(key_of(A), block(A, 99, "", payload(A, 3)))  # the plain version that chains: the truth
+            session = await w.prefetch("r3", [A])
+            assert [bytes(w.l1.view(o)) for o in session.pinned] == [payload(A, 3)]
+            w.mgr.end_session("c", "r3")
         finally:
             w.mgr.close()
 

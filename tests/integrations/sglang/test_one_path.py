@@ -144,3 +144,20 @@ def test_a_single_page_is_a_batch_of_one(sgl_server: ServerProcess, backend: Mak
     dst2 = pool.alloc(PAGE)
     assert b.batch_get_v1([new], dst2, info([])) == [True]
     assert torch.equal(pages_kv(b, dst2), pages_kv(b, other))
+
+
+def test_every_call_before_the_pool_is_registered_is_a_miss(sgl_server: ServerProcess) -> None:
+    """SGLang's threads die on any exception: before ``register_mem_pool_host`` every call of the
+    one path is a counted miss."""
+    b = KvdockHiCacheStorage(storage_config(sgl_server, **{"kvdock.model_name": "sgl-unregistered"}), {})
+    try:
+        (key,) = sglang_page_hashes(prompt(1, seed=46), PAGE)
+        idx = torch.arange(PAGE)
+        assert b.get(key) is None and b.batch_get([key]) == [None]
+        assert b.set(key, torch.zeros(8)) is False and b.batch_set([key], [torch.zeros(8)]) is False
+        assert b.batch_exists([key], info([])) == 0 and not b.exists(key)
+        assert b.batch_get_v1([key], idx, info([])) == [False]
+        assert b.batch_set_v1([key], idx, info([])) == [False]
+        assert b.stats["get_unavailable"] == 3 and b.stats["set_unavailable"] == 3
+    finally:
+        b.close()

@@ -249,9 +249,13 @@ class KvdockHiCacheStorage(NoExtraPools, _Base):  # type: ignore[misc,valid-type
         n = self._store(keys, _prefix(extra_info), lambda first: self._pages(len(keys), host_indices, first))
         return [True] * n + [False] * (len(keys) - n)
 
+    def _host_pages(self) -> HostPages:
+        assert self.pages is not None, "register_mem_pool_host was not called"
+        return self.pages
+
     def _pages(self, n: int, host_indices: torch.Tensor, first: int) -> Pages:
-        assert self.pages is not None
-        return Pages(self.pages, self.pages.starts(n, host_indices), first)
+        pages = self._host_pages()
+        return Pages(pages, pages.starts(n, host_indices), first)
 
     # -- the one exists, load and store of every call (a single page is a batch of one) ---------
 
@@ -337,10 +341,15 @@ class KvdockHiCacheStorage(NoExtraPools, _Base):  # type: ignore[misc,valid-type
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         """Read ``key``'s page into ``target_location`` (a flat data page of the pool: SGLang's
         ``get_dummy_flat_data_page()``; a new one when None); None on a miss. A batch of one."""
-        assert self.pages is not None
-        pages = self.pages
-        target = target_location if target_location is not None else self.mem_pool_host.get_dummy_flat_data_page()
-        return target if self._load([key], [], lambda first: Flat(pages, target, first)) else None
+        got: list[torch.Tensor] = []
+
+        def sink(first: int) -> Flat:
+            assert self.pages is not None
+            target = target_location if target_location is not None else self.mem_pool_host.get_dummy_flat_data_page()
+            got.append(target)
+            return Flat(self.pages, target, first)
+
+        return got[0] if self._load([key], [], sink) else None
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
@@ -349,11 +358,9 @@ class KvdockHiCacheStorage(NoExtraPools, _Base):  # type: ignore[misc,valid-type
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         """Store ``value`` (a flat data page of the pool) under ``key``; True when kvdock holds
         it afterwards. A batch of one."""
-        assert self.pages is not None
-        pages = self.pages
         if value is None:
             return not self.writer
-        return self._store([key], [], lambda first: Flat(pages, value, first)) == 1
+        return self._store([key], [], lambda first: Flat(self._host_pages(), value, first)) == 1
 
     def batch_set(
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None

@@ -1,0 +1,157 @@
+"""R-KEEP's review of issue 29's last case (storage.keeping, the fleet's floors), against one real
+Redis, with the storage harness (tierworld) driven step by step as the server drives it. Each test
+is a strict xfail documenting a bug found by the review: it passes once the bug is fixed."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from helpers import RedisProc
+from kvdock.keys import ObjectKey
+from kvdock.storage import objfile
+from tierworld import NB, World, payload
+
+
+def hosts(tmp_path: Path, redis_server: RedisProc, n: int = 2) -> list[World]:
+    return [World(tmp_path / f"h{i}", redis_url=redis_server.url, disk=False, coherent=True) for i in range(n)]
+
+
+def l3_version(w: World, key: ObjectKey) -> int | None:
+    """The version L3 holds under ``key`` (None: no value)."""
+    assert w.redis is not None
+    value = w.redis._redis.get(w.redis._key(key))
+    return None if value is None else objfile.decode_header(value)[0].version
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R-KEEP 1: a plain store's L3 heads and its floored() check are two round trips; an "
+    "overwrite's late write-down landing between them makes the store write over the held version "
+    "(WRITE_SCRIPT lets a plain version at or past the floor replace a value): two truths",
+)
+def test_a_plain_store_never_replaces_an_overwrite_written_down_between_its_heads_and_its_floor_check(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """Issue 29's last case, exactly: host A's overwrite is committed in time but its write-down to
+    L3 waits (a backlog) past RECENT_MS; host B's plain store of the same chunk reads L3's heads
+    (no value yet), then A's write-down lands, then B asks ``floored`` (floor live, but a value:
+    "not pending"), so B writes its own bytes, and its write-down (position past the floor) lands
+    over A's version in L3. Until A's next round B serves the replaced bytes while A serves the
+    overwrite; after it, the acknowledged overwrite is gone from the fleet for good."""
+    x = ObjectKey("tiny", 0, "", bytes([7]) * 32)
+
+    async def main() -> None:
+        a, b = hosts(tmp_path, redis_server)
+        try:
+            await a.sync()
+            await b.sync()
+            plan = a.mgr.prepare_store("c", "ow", [x], NB, True)
+            for _, obj in plan.slots:
+                a.l1.view(obj)[:] = payload(x, 1)
+            assert await a.mgr.wait_deletes("c", "ow")
+            gate = a.block("l3")  # A's write-down waits (a backlog)
+            assert a.mgr.commit_store("c", "ow", [0]) == 1
+            v2 = a.l1.get(x)
+            assert v2 is not None and v2.overwrite > 0 and a.mgr.holdings is not None and len(a.mgr.holdings) == 1
+            await b.sync()
+            assert b.coherence is not None and b.coherence.recently_overwritten(x)
+            b.coherence.recent.clear()  # RECENT_MS (10 s of L3's clock) is over
+            # B's PrepareStore, as server.storing._prepare_later runs it
+            heads = await b.mgr.unindexed_heads([x])
+            assert heads == {}  # nothing in L3 yet
+            gate.set()
+            await a.drain()  # A's write-down lands now (its floor is live: WRITE_SCRIPT lets it in)
+            assert l3_version(a, x) == v2.version
+            pending = await b.mgr.chains.pending_overwrites([x])
+            plan = b.mgr.prepare_store("c", "plain", [x], NB, False, below=heads, pending=pending)
+            for _, obj in plan.slots:
+                b.l1.view(obj)[:] = payload(x, 0)  # B's engine's bytes: those the overwrite replaced
+            if plan.slots:
+                b.mgr.commit_store("c", "plain", [i for i, _ in plan.slots])
+            await b.drain()
+            # one truth: B keeps nothing but the overwrite's bytes, and L3 still holds the overwrite
+            assert l3_version(a, x) == v2.version, "B's plain write-down replaced the overwrite in L3"
+            on_b = b.l1.get(x)
+            assert on_b is None or bytes(b.l1.view(on_b)) == payload(x, 1), "B serves the replaced bytes"
+        finally:
+            a.mgr.close()
+            b.mgr.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R-KEEP 2: a request's shards are separate sessions with one E1/E2 each; of two overlapping "
+    "overwrites through two servers, 'the later E2 wins' is decided per shard, so each server commits "
+    "one shard and L3 ends with one writer's shard 0 beside the other's shard 1 (a chunk of two versions)",
+)
+def test_two_overlapping_overwrites_of_a_sharded_chunk_leave_one_writers_shards(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """Hosts A and C overwrite the same chunk of a model stored in two shards (ranks 0 and 1), one
+    session per shard as server.storing does, committed in one step (commit_stores). Their stream
+    steps interleave as A:shard 0, C:shard 0, C:shard 1, A:shard 1 (A's L3 lane busy a moment
+    between its two shards). Per key, the later E2 wins: C's for shard 0, A's for shard 1. Each
+    server then commits the shard it won, and every reader of the fleet assembles C's shard 0 with
+    A's shard 1 (both kept by their holders: KEEP answers 1 for each)."""
+    r0, r1 = ObjectKey("tiny", 0, "", bytes([9]) * 32), ObjectKey("tiny", 1, "", bytes([9]) * 32)
+
+    async def prepare(w: World, sid: str, key: ObjectKey, version: int) -> None:
+        plan = w.mgr.prepare_store("c", sid, [key], NB, True, open_empty=True)
+        assert [i for i, _ in plan.slots] == [0]
+        for _, obj in plan.slots:
+            w.l1.view(obj)[:] = payload(key, version)
+
+    async def main() -> None:
+        a, c, d = hosts(tmp_path, redis_server, 3)
+        try:
+            await a.sync()
+            await c.sync()
+            await d.sync()
+            await prepare(a, "a", r0, 1)
+            gate = a.block("l3")  # A's lane pauses between its shards' deletions
+            await prepare(a, "a/1", r1, 1)
+            assert await a.mgr.wait_deletes("c", "a")
+            await prepare(c, "c", r0, 2)
+            await prepare(c, "c/1", r1, 2)
+            assert await c.mgr.wait_deletes("c", "c") and await c.mgr.wait_deletes("c", "c/1")
+            gate.set()
+            assert await a.mgr.wait_deletes("c", "a/1")
+            await a.sync()
+            await c.sync()
+            n_a = a.mgr.commit_stores("c", [("a", [0]), ("a/1", [0])])
+            n_c = c.mgr.commit_stores("c", [("c", [0]), ("c/1", [0])])
+            await a.drain()
+            await c.drain()
+            await a.sync()
+            await c.sync()
+            # a reader on a third server: both shards of one writer's version (or a miss)
+            await d.sync()
+            got = []
+            for sid, key in (("d0", r0), ("d1", r1)):
+                session = await d.prefetch(sid, [key])
+                got.append([bytes(d.l1.view(o)) for o in session.pinned])
+                d.mgr.end_session("c", sid)
+            mixed = got == [[payload(r0, 2)], [payload(r1, 1)]] or got == [[payload(r0, 1)], [payload(r1, 2)]]
+            assert not mixed, "a reader assembles C's shard 0 with A's shard 1"
+            # every shard of the chunk from one writer: all of A's, all of C's, or none
+            held = {w: [w.l1.get(k) for k in (r0, r1)] for w in (a, c)}
+            versions = [l3_version(a, k) for k in (r0, r1)]
+            owners = {
+                "A" if v in {o.version for o in held[a] if o} else "C" if v in {o.version for o in held[c] if o} else v
+                for v in versions
+                if v is not None
+            }
+            assert len(owners) <= 1, f"L3 holds shard 0 and shard 1 of different writers: {owners}"
+            assert n_a in (0, 2) and n_c in (0, 2), f"A committed {n_a} shard(s), C {n_c}"
+            for objs in held.values():
+                assert all(o is None for o in objs) or all(o is not None for o in objs)
+        finally:
+            for w in (a, c, d):
+                w.mgr.close()
+
+    asyncio.run(main())

@@ -1,0 +1,187 @@
+"""Adversarial fleet tests (A-FLEET, round 9) of storage.keeping and the overwrite floors: servers
+sharing one real redis-server, an overwrite acknowledged through one of them, and a plain
+write-down of the version it replaced still on its way to L3 from another (a large value on a
+slow link: the lane read its fence before the overwrite, the bytes reach Redis later, within the
+10 s issue limit).
+
+The floor is what refuses that late write (docs/scale-out.md: "A write-down queued on another
+server before it learned of the overwrite can never bring the old version back"). Once no server
+holds the overwrite's version in L1 nobody refreshes the floor, and the floor can be gone before
+the late write lands:
+
+* it expires: ``--l3-floor-ttl-ms`` accepts any positive value, and a TTL under the 10 s issue
+  limit (ISSUE_LIMIT_MS) lets a write issued before the overwrite land after its floor expired;
+* Redis evicts it (``maxmemory-policy allkeys-lru``, which docs/scale-out.md prescribes): a floor
+  is a small key nobody reads once no server holds the version, the least recently used key of
+  an L3 that takes new write-downs all the time.
+
+Either way the replaced version lands over the overwrite's value in L3 and every server serves
+it from then on (not for a window: for good). A miss would be acceptable; the replaced bytes
+are not."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis as redis_py
+import torch
+from tests.helpers import CHUNK, MODEL, RedisProc, free_port, make_kv, make_tokens, wait_for
+
+import kvdock.sdk as kvd
+
+
+def _coh(srv: Any) -> dict:
+    return srv.get("/status")["tiers"]["l3"]["coherence"]
+
+
+def _backlog(srv: Any) -> int:
+    return int(srv.get("/status")["tiers"]["writeback_backlog_bytes"])
+
+
+def _vouching(make_server: Any, url: str, *flags: str) -> Any:
+    srv = make_server("--redis-url", url, "--no-disk", *flags)
+    wait_for(lambda: _coh(srv)["vouched"], "the server to vouch", 30)
+    return srv
+
+
+def _floors(raw: redis_py.Redis) -> list[bytes]:
+    return sorted(k for k in raw.keys("kvdock:v2:{*}:f"))
+
+
+def _miss_or(got: torch.Tensor | None, want: torch.Tensor, replaced: torch.Tensor, who: str) -> None:
+    """``got`` (a retrieve: a leading run of chunks, or None) is a prefix of ``want``; AssertionError
+    naming ``replaced`` if it is a prefix of that."""
+    if got is None:
+        return
+    n = got.shape[2]
+    assert n % CHUNK == 0 and n > 0, f"{who} retrieved {n} tokens"
+    if torch.equal(got, want[:, :, :n]):
+        return
+    assert not torch.equal(got, replaced[:, :, :n]), (
+        f"{who} serves {n // CHUNK} chunk(s) of v1, which an acknowledged overwrite replaced"
+    )
+    raise AssertionError(f"{who} serves bytes of no store")
+
+
+class _SlowLink:
+    """Server ``srv``'s L3 write-downs wait (after their fence was read, as bytes on a slow link
+    would) until :meth:`release`."""
+
+    def __init__(self, srv: Any) -> None:
+        self.l3 = next(lane.tier for lane in srv.state.manager.lanes if lane.name == "l3")
+        self.real = self.l3.write_from
+        self.go, self.waiting = threading.Event(), threading.Event()
+
+        def slow(*args: Any, **kw: Any) -> Any:
+            self.waiting.set()
+            self.go.wait(60)
+            return self.real(*args, **kw)
+
+        self.l3.write_from = slow
+
+    def release(self) -> None:
+        self.go.set()
+        self.l3.write_from = self.real
+
+
+def _late_write_after_an_overwrite(make_server: Any, url: str, flags: tuple[str, ...], floor_gone: Any) -> bool:
+    """B stores v1 (its write-down on a slow link), A overwrites with v2 (acknowledged, written
+    down, its floor raised), A leaves the fleet (nobody holds v2 any more), ``floor_gone(raw)``
+    makes the floor go (False: it took the invalidation stream too, the run proves nothing and
+    this returns False); then B's write lands. A fresh server must not serve v1."""
+    a = _vouching(make_server, url, *flags)
+    b = _vouching(make_server, url, *flags)
+    tokens = make_tokens(2 * CHUNK, start=91_000_000)
+    v1, v2 = make_kv(2 * CHUNK, seed=91), make_kv(2 * CHUNK, seed=92)
+    link = _SlowLink(b)
+    raw = redis_py.Redis.from_url(url)
+    ca = kvd.connect(a.url, a.http_url, MODEL, timeout=10)
+    cb = kvd.connect(b.url, b.http_url, MODEL, timeout=10)
+    try:
+        assert kvd.store(cb, v1, tokens)  # acknowledged; its write-down is on its way
+        assert link.waiting.wait(30), "B's write-down did not start"
+        applied = _coh(b)["entries_applied"]
+        assert kvd.store(ca, v2, tokens, overwrite=True)  # acknowledged: v1 is replaced
+        wait_for(lambda: _backlog(a) == 0, "A's write-down of v2")
+        wait_for(lambda: _coh(b)["entries_applied"] >= applied + 2, "B to apply A's entries")
+        assert len(_floors(raw)) == 2
+        kvd.close(ca)
+        assert a.stop() == 0  # A leaves the fleet (scale-in, a restart): nobody holds v2 now
+        if floor_gone(raw) is False:
+            return False
+        link.release()  # B's write-down of v1 reaches L3 (issued < 10 s ago)
+        wait_for(lambda: _backlog(b) == 0, "B's write-down")
+        c = _vouching(make_server, url, *flags)  # reads L3 alone
+        with kvd.connect(c.url, c.http_url, MODEL, timeout=10) as cc:
+            got = kvd.retrieve(cc, tokens)
+        _miss_or(got, v2, v1, "a fresh server")
+        _miss_or(kvd.retrieve(cb, tokens), v2, v1, "B")
+        return True
+    finally:
+        link.release()
+        raw.close()
+        kvd.close(cb)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="A-FLEET r9: --l3-floor-ttl-ms below the 10 s issue limit lets a write-down issued before an "
+    "overwrite land after the floor expired (no holder refreshes it): the replaced version is served for good",
+)
+def test_a_late_plain_write_down_never_lands_after_a_short_floor_ttl_expired(make_server, redis_server) -> None:
+    """--l3-floor-ttl-ms 3000 (accepted by the config): the floor expires 3 s after the overwrite
+    while B's write-down, issued before it, may still land for 10 s."""
+    _late_write_after_an_overwrite(
+        make_server,
+        redis_server.url,
+        ("--l3-floor-ttl-ms", "3000"),
+        lambda raw: wait_for(lambda: not _floors(raw), "the floors to expire", 15),
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="A-FLEET r9: allkeys-lru evicts an overwrite's floor that no server refreshes (nobody holds the "
+    "version): a write-down issued before the overwrite lands after it, the replaced version is served for good",
+)
+def test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor(make_server) -> None:
+    """Default --l3-floor-ttl-ms (60 s), a redis-server with maxmemory and allkeys-lru: new
+    keys written after the overwrite (another application's, or other prompts' write-downs) push
+    the floor out (real evictions, no DEL)."""
+    lru_flags = ("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "64")
+    lru = RedisProc(free_port(), extra=lru_flags).start()
+    try:
+        # LRU is approximate: a run in which it evicted the stream (or its incarnation key) with
+        # the floors is started again on an empty L3 (3 runs at most)
+        for _ in range(3):
+            if _late_write_after_an_overwrite(make_server, lru.url, (), _evict_floors):
+                return
+            with redis_py.Redis.from_url(lru.url) as raw:
+                raw.flushall()
+        pytest.fail("allkeys-lru evicted the invalidation stream with the floors in every run")
+    finally:
+        lru.stop()
+
+
+def _evict_floors(raw: redis_py.Redis) -> bool:
+    """Write new keys until allkeys-lru has evicted every floor (a deadline, not a count), once
+    the floors are idle for 2 s (LRU's clock ticks in seconds; the servers' polls keep the stream
+    and its incarnation key at 0). False if the stream or its incarnation went too (approximate
+    LRU, now and then): the servers then drop everything and the run proves nothing."""
+    incarnation = raw.get("kvdock:v2:{invalidations}:incarnation")
+    wait_for(lambda: all(raw.object("idletime", f) >= 2 for f in _floors(raw)), "the floors to be idle", 10)
+    evicted = int(raw.info("stats")["evicted_keys"])
+    filler = b"x" * 32 * 1024
+    deadline = time.monotonic() + 6
+    n = 0
+    while _floors(raw):  # one key at a time: stop at the floors, before younger keys go
+        assert time.monotonic() < deadline, "allkeys-lru did not evict the floors"
+        raw.set(f"other-app:{n}", filler)
+        n += 1
+    assert int(raw.info("stats")["evicted_keys"]) > evicted
+    raw.delete(*(f"other-app:{i}" for i in range(max(n - 8, 0), n)))  # room: B's late write evicts nothing
+    stream = raw.exists("kvdock:v2:{invalidations}")
+    return bool(stream) and raw.get("kvdock:v2:{invalidations}:incarnation") == incarnation

@@ -198,3 +198,61 @@ def test_one_keys_keep_error_does_not_stop_the_whole_l1(tmp_path: Path, redis_se
             w.mgr.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R-KEEP 4: KEEP sets a floor's TTL to the caller's own --l3-floor-ttl-ms (PEXPIRE), so a "
+    "holder with a shorter TTL shortens a floor that another holder's lease counts on (docs/scale-out.md "
+    "says mixed TTLs are fine); a plain store elsewhere then lands while that holder serves the overwrite",
+)
+def test_a_holder_with_a_shorter_floor_ttl_never_shortens_another_holders_floor(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """A (TTL 60 s: lease 30 s, rounds every 10 s) overwrites X and keeps its floor; D, run with a
+    shorter --l3-floor-ttl-ms, loads X from L3 (its KEEP sets the floor's TTL to D's), then goes
+    away. L3 evicts X's value (cold there, hot in A's L1: the case keeping exists for). Once D's
+    TTL is over the floor is gone, so B's plain store of X is no longer refused, while A, 5 s
+    after its last round (its next is due at 10 s), still serves the overwrite: two truths."""
+    x = ObjectKey("tiny", 0, "", bytes([5]) * 32)
+
+    async def main() -> None:
+        a, d, b = hosts(tmp_path, redis_server, 3)
+        loop = asyncio.get_running_loop()
+        assert a.redis is not None and a.mgr.holdings is not None and d.coherence is not None
+        assert b.coherence is not None
+        raw = a.redis._redis
+        try:
+            for w in (a, d, b):
+                await w.sync()
+            assert await a.store_async([x], version=1, overwrite=True) == 1
+            await a.drain()
+            await a.mgr.holdings.round(lambda fn, *args: loop.run_in_executor(None, fn, *args))
+            d.coherence.floor_ttl_ms = 300  # D runs with a shorter --l3-floor-ttl-ms
+            await d.sync()
+            session = await d.prefetch("r", [x])
+            assert [bytes(d.l1.view(o)) for o in session.pinned] == [payload(x, 1)]
+            d.mgr.end_session("c", "r")
+            raw.delete(a.redis._key(x))  # L3 evicts X's value (A's next round would repair it)
+            await asyncio.sleep(0.5)  # (D's TTL is over; A's 60 s are far from over)
+            await b.sync()
+            b.coherence.recent.clear()  # RECENT_MS is over
+            heads = await b.mgr.unindexed_heads([x])
+            pending = await b.mgr.chains.pending_overwrites([x])
+            plan = b.mgr.prepare_store("c", "plain", [x], NB, False, below=heads, pending=pending)
+            for _, obj in plan.slots:
+                b.l1.view(obj)[:] = payload(x, 0)
+            if plan.slots:
+                b.mgr.commit_store("c", "plain", [i for i, _ in plan.slots])
+            a.now = 5.0  # within A's lease, before its next round
+            await a.sync()
+            served_by_a = a.mgr.lookup_l1([x]) == 1
+            on_b = b.l1.get(x)
+            assert not (served_by_a and on_b is not None and bytes(b.l1.view(on_b)) != a.l1_bytes(x)), (
+                "A serves the overwrite while B keeps other bytes"
+            )
+        finally:
+            for w in (a, d, b):
+                w.mgr.close()
+
+    asyncio.run(main())

@@ -256,3 +256,67 @@ def test_a_holder_with_a_shorter_floor_ttl_never_shortens_another_holders_floor(
                 w.mgr.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R-KEEP 5: too_late (and seen/SUPERSEDED) are decided per shard session, each with its own "
+    "E2: an overwrite whose shards' E2s straddle the 8 s commit limit commits one shard and aborts the "
+    "other; that shard's floor lapses (nobody keeps it) and a plain store then fills it with other bytes",
+)
+def test_an_overwrite_of_a_sharded_chunk_commits_all_its_shards_or_none(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """One server. An overwrite of a chunk stored in two shards (one session each, committed in one
+    commit_stores as server.storing does) reaches its commit about 8 s after its stream entries
+    (a slow client copy): shard 0's E2 is just past the limit (not committed), shard 1's just
+    within it (committed, held, its floor kept). Once shard 0's floor lapses, a plain store of the
+    chunk (the engine's own KV, the bytes the overwrite replaced) writes shard 0 and dedups shard 1:
+    the server then serves a chunk of two versions."""
+    from kvdock.storage.redis import floor_key
+
+    r0, r1 = ObjectKey("tiny", 0, "", bytes([6]) * 32), ObjectKey("tiny", 1, "", bytes([6]) * 32)
+
+    async def main() -> None:
+        (a,) = hosts(tmp_path, redis_server, 1)
+        coh = a.coherence
+        assert coh is not None and a.redis is not None
+        try:
+            await a.sync()
+            sids = ("a", "a/1")
+            for sid, key in zip(sids, (r0, r1), strict=True):
+                plan = a.mgr.prepare_store("c", sid, [key], NB, True, open_empty=True)
+                for _, obj in plan.slots:
+                    a.l1.view(obj)[:] = payload(key, 1)
+                if sid == "a":
+                    gate = a.block("l3")  # a moment between the shards' deletions
+            assert await a.mgr.wait_deletes("c", "a")
+            await asyncio.sleep(0.2)
+            gate.set()
+            assert await a.mgr.wait_deletes("c", "a/1")
+            e2s = [max(d.result() or 0 for d in a.mgr.sessions.get("c", sid).deletes) for sid in sids]
+            await a.sync()
+            assert coh._vouched_ms is not None
+            gap_ms = (e2s[1] >> 64) - (e2s[0] >> 64)
+            assert gap_ms >= 100
+            target_ms = (e2s[0] >> 64) + 8_000 + gap_ms / 2  # L3's clock at the commit
+            a.now = coh._vouched_sent + (target_ms - coh._vouched_ms) / 1000
+            assert coh.too_late(e2s[0]) and not coh.too_late(e2s[1])
+            n = a.mgr.commit_stores("c", [(sids[0], [0]), (sids[1], [0])])
+            await a.drain()
+            # (what follows once an uncommitted shard's floor lapses)
+            a.redis._redis.delete(floor_key(a.redis._key(r0)))
+            for sid, key in (("p", r0), ("p/1", r1)):
+                pending = await a.mgr.chains.pending_overwrites([key])
+                plan = a.mgr.prepare_store("c", sid, [key], NB, False, pending=pending)
+                for _, obj in plan.slots:
+                    a.l1.view(obj)[:] = payload(key, 0)
+                if plan.slots:
+                    a.mgr.commit_store("c", sid, [0])
+            got = [a.l1_bytes(k) if a.l1.get(k) is not None else None for k in (r0, r1)]
+            assert got not in ([payload(r0, 0), payload(r1, 1)], [payload(r0, 1), payload(r1, 0)]), "mixed"
+            assert n in (0, 2), f"{n} of the chunk's 2 shards committed"
+        finally:
+            a.mgr.close()
+
+    asyncio.run(main())

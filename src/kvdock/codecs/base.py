@@ -24,7 +24,7 @@ then one ``index_select`` / ``index_copy_`` per layer and plane: one copy, no Py
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
@@ -110,30 +110,46 @@ class PagedCodec(ABC):
         return t[kv, layer].view(n, *like.shape[1:])
 
     def _check_io(self, block_ids: torch.Tensor, t: torch.Tensor) -> int:
-        n = int(block_ids.numel())
+        n = int(block_ids.shape[-1])
         g = self.geometry
+        if block_ids.dim() == 2 and block_ids.shape[0] != g.num_layers:
+            raise ValueError(f"per-layer block ids for {block_ids.shape[0]} layers; the model has {g.num_layers}")
         want = (g.planes, g.num_layers, n * self.block_size, g.hidden_dim)
         if tuple(t.shape) != want or t.dtype != self._planes[0][0].dtype:
             raise ValueError(f"chunk buffer is {list(t.shape)} {t.dtype}; want {list(want)} {self._planes[0][0].dtype}")
         return n
 
-    def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+    def gather(self, block_ids: torch.Tensor, out: torch.Tensor, layers: Collection[int] | None = None) -> None:
         """Copy the tokens of ``block_ids`` (1-D int64, on the engine's device, in token order) into
         ``out`` (``[planes, L, len(block_ids) * block_size, D]``, on the same device, each ``out[p, l]``
-        contiguous -- a shared-memory slot is). Mutates only ``out``."""
+        contiguous -- a shared-memory slot is). Mutates only ``out``. ``block_ids`` may be 2-D,
+        ``[L, n]``: each layer's own blocks (vLLM's KV cache groups index shared tensors with
+        their own ids); ``layers`` limits the copy to those layers (the others' rows of ``out``
+        are left as they are)."""
         n = self._check_io(block_ids, out)
         for kv, plane in enumerate(self._planes):
             for layer, view in enumerate(plane):
-                torch.index_select(view, 0, block_ids, out=self._chunk_view(out, kv, layer, n, view))
+                if layers is None or layer in layers:
+                    ids = block_ids if block_ids.dim() == 1 else block_ids[layer]
+                    torch.index_select(view, 0, ids, out=self._chunk_view(out, kv, layer, n, view))
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` (as for :meth:`gather`) into the pages ``block_ids`` of every layer. Mutates
-        only those pages."""
+        only those pages. With 2-D ``block_ids`` (per layer), a negative id skips that block of
+        that layer (a block vLLM does not keep: outside a sliding window)."""
         n = self._check_io(block_ids, src)
+        rows = None if block_ids.dim() == 1 else [(r, r >= 0) for r in block_ids]
         for kv, plane in enumerate(self._planes):
             for layer, view in enumerate(plane):
-                view.index_copy_(0, block_ids, self._chunk_view(src, kv, layer, n, view))
-
+                part = self._chunk_view(src, kv, layer, n, view)
+                if rows is None:
+                    view.index_copy_(0, block_ids, part)
+                    continue
+                ids, keep = rows[layer]
+                if bool(keep.all()):
+                    view.index_copy_(0, ids, part)
+                elif bool(keep.any()):
+                    view.index_copy_(0, ids[keep], part[keep])
 
 C = TypeVar("C", bound=type[PagedCodec])
 

@@ -76,14 +76,22 @@ def make_tiny_mla_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def make_tiny_gemma2_model(path: Path, seed: int = 0) -> Path:
-    """A random Gemma2: a sliding-window layer (window 64) and a full-attention layer."""
+def make_tiny_gemma2_model(path: Path, seed: int = 0, layers: int = 2, embed_scale: float = 1.0) -> Path:
+    """A random Gemma2: ``layers`` layers, sliding-window (window 64) and full-attention ones
+    interleaved (layer 0 sliding). Its embeddings are scaled by ``embed_scale``: Gemma2 ties its
+    output head to them, and at full scale this tiny model repeats the prompt's last token whatever
+    the KV (0.03: its tokens follow the KV of every layer, windows included)."""
     import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Gemma2Config(**{**TINY, "head_dim": 32, "sliding_window": 64}, torch_dtype="float32")
-    Gemma2ForCausalLM(cfg).float().eval().save_pretrained(path)
+    cfg = Gemma2Config(
+        **{**TINY, "head_dim": 32, "sliding_window": 64, "num_hidden_layers": layers}, torch_dtype="float32"
+    )
+    model = Gemma2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(embed_scale)
+    model.save_pretrained(path)
     return path
 
 

@@ -2,7 +2,8 @@
 
 * A model whose every layer is sliding-window keeps one KV cache group with vLLM's hybrid
   allocator off, and vLLM frees the blocks that leave the window while the request runs: the
-  connector must refuse it (a save would copy reused blocks: another request's KV).
+  connector refused it then (a save would copy reused blocks: another request's KV); since
+  SupportsHMA it copies such layers out in the step that computed them, and loads them right.
 * A background load that fails without saying which blocks reports the planned blocks only,
   never vLLM's own prefix-cache blocks before them (shared with other requests).
 * Shutdown waits (bounded) for copies in flight and the network thread's work, so the link is
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
@@ -42,22 +44,26 @@ def _full(**kw: Any) -> FullAttentionSpec:
     return FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, **kw)
 
 
-def test_a_model_whose_only_group_frees_blocks_mid_request_is_refused() -> None:
+def test_kv_cache_groups_that_free_blocks_mid_request_are_mapped_or_refused() -> None:
+    """(Since SupportsHMA: kvdock.integrations.vllm.groups.) A sliding-window group, alone or with
+    full-attention ones, is mapped (its layers copied out while vLLM holds their blocks, loaded
+    only into the blocks it keeps); chunked-local attention is refused, naming the group."""
     window = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
-    with pytest.raises(UnsupportedLayoutError, match="SlidingWindowSpec"):
-        check_kv_cache_groups(_config(window))
+    alone = check_kv_cache_groups(_config(window))
+    assert alone is not None and [g.window for g in alone.groups] == [64]
     local = ChunkedLocalAttentionSpec(
         block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, attention_chunk_size=64
     )
-    with pytest.raises(UnsupportedLayoutError, match="ChunkedLocalAttentionSpec"):
+    with pytest.raises(UnsupportedLayoutError, match=r"group 0 \(ChunkedLocalAttentionSpec"):
         check_kv_cache_groups(_config(local))
-    with pytest.raises(UnsupportedLayoutError, match="one KV cache group, this model has 2"):
-        check_kv_cache_groups(_config(_full(), window))
-    # what kvdock maps: full attention (also sliding-window layers promoted to it), MLA, no config
-    check_kv_cache_groups(_config(_full()))
-    check_kv_cache_groups(_config(_full(sliding_window=64)))
-    check_kv_cache_groups(_config(MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)))
-    check_kv_cache_groups(None)
+    both = check_kv_cache_groups(_config(_full(), window))
+    assert both is not None and [g.window for g in both.groups] == [0, 64]
+    # what kvdock maps as before: full attention (also sliding-window layers promoted to it), MLA, no config
+    mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    for spec in (_full(), _full(sliding_window=64), mla):
+        mapped = check_kv_cache_groups(_config(spec))
+        assert mapped is not None and mapped.plain
+    assert check_kv_cache_groups(None) is None
 
 
 class _Fake:
@@ -145,21 +151,34 @@ def test_shutdown_is_bounded_when_a_store_hangs() -> None:
     w.store_gate.set()
 
 
-def test_a_real_engine_of_an_all_sliding_window_model_is_refused_at_start(tmp_path: Any) -> None:
+def test_a_real_engine_of_an_all_sliding_window_model_loads_what_it_saved(tmp_path: Any) -> None:
     """vLLM keeps a uniform sliding-window model's single group as SlidingWindowSpec (its blocks
-    outside the window are freed while the request runs): the engine refuses to start with kvdock
-    rather than saving reused blocks."""
+    outside the window are freed while the request runs). It was refused before SupportsHMA; now
+    its KV is copied out in the step that computed it, and a hit loads the window's blocks: the
+    same tokens as computing the prompt."""
     from engines import TINY, Engine
     from transformers import MistralConfig, MistralForCausalLM
+
+    from kvdock.testing import start_server
 
     torch.manual_seed(0)
     path = tmp_path / "mistral"
     MistralForCausalLM(MistralConfig(**{**TINY, "sliding_window": 64}, torch_dtype="float32")).eval().save_pretrained(
         path
     )
-    extra = {"kvdock.url": "tcp://127.0.0.1:9", "kvdock.http_url": "http://127.0.0.1:9", "kvdock.model_name": "m"}
-    with pytest.raises(RuntimeError, match="SlidingWindowSpec"), Engine(path, "float32", extra, tmp_path / "e.log"):
-        pass
+    srv = start_server("--no-disk", chunk_size=64, l1_size="64MiB", log_path=tmp_path / "server.log")
+    extra = {"kvdock.url": srv.url, "kvdock.http_url": srv.http_url, "kvdock.model_name": "m"}
+    p = [(i * 37) % 500 + 1 for i in range(200)]
+    try:
+        with Engine(path, "float32", extra, tmp_path / "e.log") as engine:
+            assert engine.call(op="kv_cache")["groups"] == ["SlidingWindowSpec"]
+            first = engine.call(op="generate", prompts=[p], max_tokens=8)
+            assert first["cached"] == [0]
+            assert engine.call(op="reset_prefix_cache")["ok"]
+            again = engine.call(op="generate", prompts=[p], max_tokens=8)
+            assert again["cached"] == [192] and again["outputs"] == first["outputs"]
+    finally:
+        srv.stop()
 
 
 def test_a_step_without_a_forward_pass_waits_a_little_for_delayed_frees() -> None:
@@ -299,6 +318,7 @@ def test_a_load_that_raises_midway_still_waits_for_its_uploads_before_reporting(
 
     ws = object.__new__(WorkerSide)
     ws.block_size, ws.bytes_per_token, ws._faults, ws._load_stream = 32, BPT, set(), None
+    ws.recent_loads, ws.group_of = deque(maxlen=4), []
     ws.link = Link()  # type: ignore[assignment]
     ws.codec = SimpleNamespace(geometry=SimpleNamespace(global_rank=0))  # type: ignore[assignment]
     ws.placement = Placement(None, None, True)

@@ -26,10 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.vllm.config import ConnectorConfig
+from kvdock.integrations.vllm.groups import GroupMap, fingerprint_with, map_groups
 from kvdock.integrations.vllm.identity import model_fingerprint
 from kvdock.integrations.vllm.plan import KvdockMetadata
 from kvdock.integrations.vllm.scheduler import SchedulerSide, lora_cache_salt
@@ -65,31 +68,23 @@ def no_forward_pass(forward_context: Any, kwargs: dict[str, Any]) -> bool:
     return not (kwargs.get("num_tokens") or kwargs.get("request_ids") or kwargs.get("attn_metadata") is not None)
 
 
-def check_kv_cache_groups(kv_cache_config: Any) -> None:
-    """Refuse (UnsupportedLayoutError) KV cache groups kvdock cannot map: block ids are per group
-    and kvdock maps one group's blocks onto every layer, so exactly one group; and a group whose
-    blocks all stay the request's while it runs (full attention, MLA). A model whose every layer
-    is sliding-window (or chunked-local, R-SWA, circular, Mamba) keeps one such group even with
-    vLLM's hybrid allocator off, and vLLM frees and reuses the blocks that fall out of the window
-    while the request runs: a save would copy another request's KV out of them, a load would
-    write into another request's blocks."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if groups is None:
-        return
-    if len(groups) != 1:
+def check_kv_cache_groups(kv_cache_config: Any, block_size: int = 0, load_async: bool = True) -> GroupMap | None:
+    """vLLM's KV cache groups as kvdock maps them (:mod:`~kvdock.integrations.vllm.groups`:
+    full-attention and sliding-window groups), or UnsupportedLayoutError naming the group that
+    cannot be mapped and why. With several groups vLLM takes load failures only per request, for
+    background loads: foreground loads (``kvdock.load_async`` false) are refused."""
+    if kv_cache_config is None:
+        return None
+    if not block_size:
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        block_size = int(groups[0].kv_cache_spec.block_size) if groups else 0
+    mapped = map_groups(kv_cache_config, block_size)
+    if mapped is not None and mapped.several and not load_async:
         raise UnsupportedLayoutError(
-            f"kvdock supports one KV cache group, this model has {len(groups)} (hybrid models are not supported)"
+            f"kvdock: this model has {len(mapped.groups)} KV cache groups (vLLM's hybrid KV cache manager), and vLLM "
+            "takes load failures of several groups only for background loads: set kvdock.load_async=true"
         )
-    from vllm.v1 import kv_cache_interface as kvi
-
-    spec = groups[0].kv_cache_spec
-    names = ("RSWASpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")  # (R-SWA: newer vLLMs)
-    partial = tuple(getattr(kvi, n) for n in names if hasattr(kvi, n))
-    if not isinstance(spec, kvi.FullAttentionSpec) or isinstance(spec, partial):
-        raise UnsupportedLayoutError(
-            f"kvdock maps only full-attention KV (every block kept while the request runs); this model's "
-            f"KV cache is {type(spec).__name__}: vLLM frees its blocks outside the window mid-request"
-        )
+    return mapped
 
 
 @dataclass
@@ -100,9 +95,11 @@ class KvdockHandshake(KVConnectorHandshakeMetadata):
     layout: ModelLayout
 
 
-class KvdockConnector(KVConnectorBase_V1):
+class KvdockConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's entry point; each role's work lives in its own object (SchedulerSide or
-    WorkerSide), this class only routes vLLM's calls to it. Hooks: docs/vllm-connector.md."""
+    WorkerSide), this class only routes vLLM's calls to it. Hooks: docs/vllm-connector.md.
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on; every KV cache group is mapped
+    (:mod:`~kvdock.integrations.vllm.groups`) or the engine is refused at start."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -112,11 +109,13 @@ class KvdockConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg = ConnectorConfig.from_extra(extra, _served_name(vllm_config))
-        check_kv_cache_groups(kv_cache_config)
+        block_size = int(vllm_config.cache_config.block_size)
+        groups = check_kv_cache_groups(kv_cache_config, block_size, self.cfg.load_async)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        # the model beyond its shapes: kvdock refuses to mix its KV with another model's of the name
-        fingerprint = model_fingerprint(vllm_config)
+        # the model beyond its shapes (and its KV cache groups): kvdock refuses to mix its KV with
+        # another model's of the name
+        fingerprint = fingerprint_with(model_fingerprint(vllm_config), groups)
         if role == KVConnectorRole.SCHEDULER:
             # vLLM reads the policy right after building the scheduler's connector
             if self._kv_transfer_config.kv_load_failure_policy != self.cfg.load_failure:
@@ -124,10 +123,9 @@ class KvdockConnector(KVConnectorBase_V1):
                 self._kv_transfer_config.kv_load_failure_policy = self.cfg.load_failure
             parallel = vllm_config.parallel_config
             ranks = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
-            block_size = int(vllm_config.cache_config.block_size)
-            self._scheduler = SchedulerSide(self.cfg, block_size, ranks=ranks, fingerprint=fingerprint)
+            self._scheduler = SchedulerSide(self.cfg, block_size, ranks=ranks, fingerprint=fingerprint, groups=groups)
         else:
-            self._worker = WorkerSide(self.cfg, vllm_config, fingerprint=fingerprint)
+            self._worker = WorkerSide(self.cfg, vllm_config, fingerprint=fingerprint, groups=groups)
 
     @property
     def scheduler(self) -> SchedulerSide:
@@ -166,6 +164,11 @@ class KvdockConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sent, recved = self.get_finished(finished_req_ids)
+        failed = self.worker.take_failed_recving()  # (several KV cache groups: per request)
+        return KVConnectorTransferResults(set(sent or ()), set(recved or ()) | failed, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
@@ -228,4 +231,11 @@ class KvdockConnector(KVConnectorBase_V1):
         return self.scheduler.plan(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # delaying the frees keeps the full-attention groups' blocks for the copier; a sliding-window
+        # group's were copied in wait_for_save (vLLM frees its out-of-window blocks before this)
         return self.scheduler.finished(request)

@@ -23,9 +23,14 @@ command; each answer is one stdout line starting with ``@@`` (vLLM's output goes
     {"op": "reset_prefix_cache"} -> {"ok": true}
     {"op": "pages", "tokens": [ids], "path": "..."} -> {"found": bool}: the KV vLLM's pages hold for
         a recent save of exactly those tokens, written to path (``torch.save``; rank 0's)
+    {"op": "loaded_pages", "tokens": [ids], "path": "..."} -> {"found": bool}: the same for the
+        blocks a recent load of exactly those tokens wrote, each layer through its own KV cache
+        group's blocks; NaN where the layer's group keeps no block (outside a sliding window)
     {"op": "copied"} -> {"bytes": n, "copies": k}: what the connector copied out of vLLM's pages
         for saves, in how many copies (every rank's, since start)
     {"op": "metrics"} -> {"name": value, ...} (vLLM's counters and gauges)
+    {"op": "kv_cache"} -> {"hybrid": bool, "groups": [spec class name, ...]}: whether vLLM's hybrid
+        KV cache manager is on, and its KV cache groups
     {"op": "quit"} -> the process exits at once (no vLLM teardown)
 
 The first line is ``{"ready": true}``, or ``{"error": "..."}`` when vLLM failed to start (the
@@ -104,9 +109,16 @@ def main() -> None:
             answer({"ok": bool(llm.reset_prefix_cache())})
         elif op == "pages":
             answer({"found": llm.collective_rpc(pages_of, args=(cmd["tokens"], cmd["path"]))[0]})
+        elif op == "loaded_pages":
+            answer({"found": llm.collective_rpc(loaded_pages_of, args=(cmd["tokens"], cmd["path"]))[0]})
         elif op == "copied":
             done = llm.collective_rpc(copied_bytes)
             answer({"bytes": sum(b for b, _ in done), "copies": sum(n for _, n in done)})
+        elif op == "kv_cache":
+            vc = llm.llm_engine.vllm_config
+            groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+            hybrid = not vc.scheduler_config.disable_hybrid_kv_cache_manager
+            answer({"hybrid": hybrid, "groups": [type(g.kv_cache_spec).__name__ for g in groups]})
         elif op == "metrics":
             answer({m.name: getattr(m, "value", None) for m in llm.get_metrics() if hasattr(m, "value")})
         elif op == "generate":
@@ -180,6 +192,32 @@ def pages_of(worker: Any, tokens: list[int], path: str) -> bool:
     return True
 
 
+def loaded_pages_of(worker: Any, tokens: list[int], path: str) -> bool:
+    """On a vLLM worker (``collective_rpc``): what its pages hold now in the blocks a recent load of
+    exactly ``tokens`` wrote (``[2, L, T, D]``, per layer through its group's blocks, NaN where its
+    group has none), saved to ``path``; False when no recent load was of ``tokens``."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvdock.integrations.vllm.groups import layer_rows
+
+    side = get_kv_transfer_group()._worker  # type: ignore[attr-defined]
+    spec = next((s for s in reversed(side.recent_loads) if s.tokens == tokens), None)
+    if spec is None:
+        return False
+    n, bs, geometry = len(spec.block_ids), side.block_size, side.codec.geometry
+    rows = layer_rows(side.group_of, spec.groups, 0, n) if spec.groups else [spec.block_ids] * geometry.num_layers
+    ids = torch.tensor([[max(b, 0) for b in row] for row in rows], dtype=torch.long)
+    out = torch.empty(geometry.chunk_shape(n * bs), dtype=getattr(torch, geometry.dtype))
+    side.codec.gather(ids, out)
+    for layer, row in enumerate(rows):
+        for j, b in enumerate(row):
+            if b < 0:
+                out[:, layer, j * bs : (j + 1) * bs] = float("nan")
+    torch.save(out, path)
+    return True
+
+
 def cpu_binding(ranks: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``ranks`` local ranks its share of this
     process's CPUs (vLLM's ``auto`` wants a NUMA node per rank); ranks share CPUs when there are
@@ -194,7 +232,7 @@ def cpu_binding(ranks: int) -> str:
 HOOKS = (
     "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
     "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
-    "get_block_ids_with_load_errors", "handle_preemptions",
+    "get_block_ids_with_load_errors", "handle_preemptions", "request_finished_all_groups",
 )  # fmt: skip
 
 

@@ -1,8 +1,10 @@
 """What the scheduler side tells the worker side each step (vLLM ships it between processes).
 
-Block ids are those of the request's (single) KV cache group, in token order: block ``i`` holds
-tokens ``[i * block_size, (i + 1) * block_size)``. Token ranges are whole blocks; ``end`` is a
-whole number of kvdock chunks.
+Block ids are those of the request's KV cache group (its main group, :mod:`.groups`, when vLLM's
+hybrid manager made several), in token order: block ``i`` holds tokens
+``[i * block_size, (i + 1) * block_size)``. With several groups ``groups`` has every group's ids
+(the same length; vLLM's null block, id 0, where a sliding-window group keeps no block). Token
+ranges are whole blocks; ``end`` is a whole number of kvdock chunks.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class LoadSpec:
     # loaded in the background while vLLM holds the request back (``load_kv_async``): reported
     # through ``get_finished``, its failed blocks no later than that; else before this step's forward
     is_async: bool = False
+    # every KV cache group's block ids (empty: one group, ``block_ids``)
+    groups: tuple[list[int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,11 @@ class SaveSpec:
     # the whole prefix; if kvdock lacks a chunk before ``first`` it writes nothing (never an orphan
     # chunk) and the worker's next save of the request copies from that chunk on (Transfers)
     first: int = 0
+    # every KV cache group's block ids (empty: one group, ``block_ids``)
+    groups: tuple[list[int], ...] = ()
+    # the first token from which every group's blocks are real (a sliding-window group's blocks
+    # before it are freed or were never filled): nothing before it is copied (:mod:`.groups`)
+    real_from: int = 0
 
 
 @dataclass

@@ -40,6 +40,7 @@ from typing import Any
 
 import kvdock.sdk as kvd
 from kvdock.integrations.vllm.config import ConnectorConfig
+from kvdock.integrations.vllm.groups import GroupMap
 from kvdock.integrations.vllm.link import Link
 from kvdock.integrations.vllm.plan import KvdockMetadata, LoadSpec, SaveSpec
 from kvdock.storage.plans import depends_on_edit
@@ -97,7 +98,8 @@ class _Request:
     over: tuple[int, ...] | None = None  # the tips its saves pass as ``over`` (SaveSpec.over)
     load: tuple[int, int] | None = None  # [start, end) to load in the next plan
     asked_from: int = 0  # vLLM's own prefix hit when the match was asked
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # the main group's (one of ``groups``)
+    groups: list[list[int]] = field(default_factory=list)  # every group's, with several groups
     saved: int = 0  # tokens whose save has been planned
     saving: bool = False  # a save was planned since the request last got its blocks: delay their freeing
     loading: bool = False  # a background load is in flight (vLLM holds the request back)
@@ -112,8 +114,11 @@ class SchedulerSide:
         clock: Callable[[], float] = time.monotonic,
         ranks: int = 1,
         fingerprint: str = "",
+        groups: GroupMap | None = None,
     ) -> None:
         self.cfg = cfg
+        # vLLM's KV cache groups (None or plain: one full-attention group, block ids a flat list)
+        self.groups = groups if groups is not None and not groups.plain else None
         self.ranks = ranks  # the engine's tensor-parallel ranks: more than one load each request's KV
         self.clock = clock
         self.block_size = block_size
@@ -229,7 +234,7 @@ class SchedulerSide:
         if st is not None and num_external_tokens > 0:
             st.load = (st.asked_from, st.asked_from + num_external_tokens)
             if self.cfg.load_async:
-                st.block_ids = list(blocks.get_block_ids()[0])
+                self._set_ids(st, blocks.get_block_ids())
                 st.loading = True
                 self._async.append(request.request_id)
 
@@ -250,8 +255,9 @@ class SchedulerSide:
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
-                st.block_ids = list(new.block_ids[0])
-                self._plan_request(meta, new.req_id, st, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
+                self._set_ids(st, new.block_ids)
+                before = new.num_computed_tokens
+                self._plan_request(meta, new.req_id, st, before + so.num_scheduled_tokens[new.req_id], before)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
@@ -259,13 +265,32 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:  # back from preemption: a new block table
-                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+                self._set_ids(st, new_ids)
             elif new_ids is not None:
-                st.block_ids.extend(new_ids[0])
-            self._plan_request(meta, rid, st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+                self._set_ids(st, new_ids, extend=True)
+            before = cached.num_computed_tokens[i]
+            self._plan_request(meta, rid, st, before + so.num_scheduled_tokens.get(rid, 0), before)
         return meta
 
-    def _plan_request(self, meta: KvdockMetadata, rid: str, st: _Request, computed: int) -> None:
+    def _set_ids(self, st: _Request, ids: Any, extend: bool = False) -> None:
+        """The request's block table (one list per KV cache group, vLLM's form), or its new blocks."""
+        if self.groups is None:
+            if extend:
+                st.block_ids.extend(ids[0])
+            else:
+                st.block_ids = list(ids[0]) if ids is not None else []
+            return
+        if extend:
+            for row, new in zip(st.groups, ids, strict=True):
+                row.extend(new)
+        else:
+            st.groups = [list(row) for row in ids] if ids is not None else [[] for _ in self.groups.groups]
+        st.block_ids = st.groups[self.groups.main]
+
+    def _plan_request(self, meta: KvdockMetadata, rid: str, st: _Request, computed: int, before: int = 0) -> None:
+        """Plan ``rid``'s load, and the save of its chunks computed by the end of this step
+        (``computed`` tokens; ``before`` of them were computed before the step: a sliding-window
+        group's blocks before that window were freed at this step's allocation)."""
         tokens = st.request.prompt_token_ids
         st.loading = False  # scheduled: a background load is over
         if st.load is not None:
@@ -284,8 +309,16 @@ class SchedulerSide:
             limit = min(limit, publishable * self.block_size)
         end = min(computed, limit) // chunk * chunk
         if end > st.saved and end // self.block_size <= len(st.block_ids):
-            blocks = st.block_ids[: end // self.block_size]
-            meta.saves.append(SaveSpec(rid, list(tokens[:end]), blocks, st.salt, st.over, first=st.saved))
+            n = end // self.block_size
+            blocks = st.block_ids[:n]
+            groups: tuple[list[int], ...] = ()
+            real = 0
+            if self.groups is not None:
+                self.groups.null_skipped(st.groups, before)
+                groups = tuple(row[:n] for row in st.groups)
+                real = self.groups.real_from(groups, n)
+            save = SaveSpec(rid, list(tokens[:end]), blocks, st.salt, st.over, st.saved, groups, real)
+            meta.saves.append(save)
             st.saved = end
             st.saving = True
 
@@ -296,7 +329,8 @@ class SchedulerSide:
         tokens = st.request.prompt_token_ids
         nblocks = end // self.block_size
         tips = st.tips if end == st.looked else ()  # (a shrunk hit: versions unknown there, nothing loads)
-        load = LoadSpec(rid, list(tokens[:end]), st.block_ids[:nblocks], start, end, st.salt, tips, is_async)
+        groups = tuple(row[:nblocks] for row in st.groups) if self.groups is not None else ()
+        load = LoadSpec(rid, list(tokens[:end]), st.block_ids[:nblocks], start, end, st.salt, tips, is_async, groups)
         meta.loads.append(load)
         # the KV computed after it is over exactly what kvdock holds under these tips, unless vLLM's
         # own prefix cache supplied blocks (their versions are unknown)
@@ -310,6 +344,12 @@ class SchedulerSide:
         ``i`` on is recomputed by vLLM from there -- the hit shrinks to what was loaded (vLLM asks
         again: it must not load the same chunks again) and the chunks after it are saved again."""
         self._unfreed -= set(out.finished_sending or ())
+        for rid in getattr(out, "failed_recving", None) or ():
+            # (several KV cache groups: a failed load is reported per request, and vLLM recomputes
+            # the whole request -- kvdock must not offer it again)
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.hit, st.saved, st.over, st.loading = 0, 0, None, False
         invalid = out.invalid_block_ids or set()
         if not invalid:
             return
@@ -353,7 +393,7 @@ class SchedulerSide:
             if st is not None:
                 st.saving = False  # the workers drop or finish its copies before the forward pass
                 if st.load is None:
-                    st.block_ids = []
+                    self._set_ids(st, None)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -17,21 +17,25 @@ class _Blocks:
     """One request's blocks as a source and sink of kvdock chunks (chunk ``i`` = blocks
     ``[i * per_chunk, (i + 1) * per_chunk)``); a sink fills only blocks from ``start_block`` on."""
 
-    def __init__(self, worker: WorkerSide, block_ids: list[int], start_block: int = 0) -> None:
+    def __init__(self, worker: WorkerSide, block_ids: list[int] | list[list[int]], start_block: int = 0) -> None:
         self.w = worker
+        # one list for every layer, or one per layer (vLLM's KV cache groups; -1: a block vLLM
+        # does not keep, which a load skips)
         self.ids = torch.tensor(block_ids, dtype=torch.long)
         self.start_block = start_block
 
     def put(self, index: int, dst: torch.Tensor) -> None:
         per = self.w.blocks_per_chunk
-        self.w.bridge.gather(self.w.codec, self.ids[index * per : (index + 1) * per], dst)
+        self.w.bridge.gather(self.w.codec, self.ids[..., index * per : (index + 1) * per], dst)
 
     def take(self, index: int, src: torch.Tensor) -> None:
         per = self.w.blocks_per_chunk
         first, end = max(index * per, self.start_block), (index + 1) * per
         if first >= end:
             return  # vLLM computed or cached these blocks itself
-        self.w.bridge.scatter(self.w.codec, self.ids[first:end], src[:, :, (first - index * per) * self.w.block_size :])
+        self.w.bridge.scatter(
+            self.w.codec, self.ids[..., first:end], src[:, :, (first - index * per) * self.w.block_size :]
+        )
 
     def finish(self) -> None:
         pass  # every gather and scatter is done when it returns

@@ -14,6 +14,7 @@ Thread: the worker's model-runner thread owns a bridge.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from contextlib import nullcontext
 from typing import Protocol
 
@@ -96,6 +97,10 @@ def bridge_for(device: torch.device, chunk_shape: tuple[int, ...], dtype: torch.
     return HostBridge() if device.type == "cpu" else DeviceBridge(device, chunk_shape, dtype)
 
 
+Ids = list[int] | list[list[int]]  # one block list for every layer, or one per layer
+Layers = Collection[int] | None
+Into = torch.Tensor | None
+
 class HostCopyOut:
     """Copy-out for engine pages in host memory: the copier thread gathers straight into a new
     host tensor (nothing to order: the forward pass that wrote the KV returned before the save was
@@ -108,9 +113,12 @@ class HostCopyOut:
     def mark(self) -> None:
         return None
 
-    def copy_out(self, block_ids: list[int], mark: object, shape: tuple[int, ...]) -> torch.Tensor:
-        dst = torch.empty(shape, dtype=self.dtype)
-        self.codec.gather(torch.tensor(block_ids, dtype=torch.long), dst)
+    def copy_out(
+        self, block_ids: Ids, mark: object, shape: tuple[int, ...], layers: Layers = None, into: Into = None
+    ) -> torch.Tensor:
+        """(As :meth:`DeviceCopyOut.copy_out`.)"""
+        dst = torch.empty(shape, dtype=self.dtype) if into is None else into
+        self.codec.gather(torch.tensor(block_ids, dtype=torch.long), dst, layers)
         return dst
 
 
@@ -160,22 +168,37 @@ class DeviceCopyOut:
             self.allocations += 1
         return self._scratch, self._scratch.shape[2] // block_size
 
-    def copy_out(self, block_ids: list[int], mark: torch.cuda.Event | None, shape: tuple[int, ...]) -> torch.Tensor:
-        host = torch.empty(shape, dtype=self.dtype, pin_memory=self.cuda)
-        if not block_ids:
-            return host
-        bs = shape[2] // len(block_ids)
+    def copy_out(
+        self,
+        block_ids: Ids,
+        mark: torch.cuda.Event | None,
+        shape: tuple[int, ...],
+        layers: Layers = None,
+        into: Into = None,
+    ) -> torch.Tensor:
+        """The KV of ``block_ids`` as a host tensor of ``shape`` ``[planes, L, n * block_size, D]``:
+        ``block_ids`` one list for every layer, or one per layer (vLLM's KV cache groups); only
+        ``layers`` when given, into ``into`` when given (its other layers left as they are)."""
+        host = torch.empty(shape, dtype=self.dtype, pin_memory=self.cuda) if into is None else into
         ids = torch.tensor(block_ids, dtype=torch.long)
+        n = int(ids.shape[-1])
+        if not n:
+            return host
+        bs = shape[2] // n
         with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
             if self._stream is not None and mark is not None:
                 self._stream.wait_event(mark)
             scratch, per = self._scratch_for(shape, bs)
-            for i in range(0, len(block_ids), per):
-                part = ids[i : i + per]
-                n = len(part) * bs
-                dev = scratch[:, :, :n]
-                self.codec.gather(part.to(self.device, non_blocking=True), dev)
-                host[:, :, i * bs : i * bs + n].copy_(dev, non_blocking=self.cuda)
+            for i in range(0, n, per):
+                part = ids[..., i : i + per]
+                m = int(part.shape[-1]) * bs
+                dev = scratch[:, :, :m]
+                self.codec.gather(part.to(self.device, non_blocking=True), dev, layers)
+                if layers is None:
+                    host[:, :, i * bs : i * bs + m].copy_(dev, non_blocking=self.cuda)
+                else:
+                    for layer in layers:
+                        host[:, layer, i * bs : i * bs + m].copy_(dev[:, layer], non_blocking=self.cuda)
             if self._stream is None:
                 return host
             done = torch.cuda.Event()

@@ -46,6 +46,8 @@ from typing import Any, Protocol
 import torch
 
 from kvdock.errors import PrefixMissingError
+from kvdock.integrations.vllm.groups import NULL_BLOCK
+from kvdock.integrations.vllm.hybrid import GroupCopy
 from kvdock.integrations.vllm.plan import LoadSpec, SaveSpec
 
 log = logging.getLogger("kvdock.vllm")
@@ -73,6 +75,10 @@ class Worker(Protocol):
 
     def fetch(self, spec: LoadSpec) -> tuple[set[int], int]:
         """Load ``spec``: the planned blocks it did not fill, and the bytes loaded (network thread)."""
+
+    @property
+    def hybrid(self) -> GroupCopy | None:
+        """The copy-out of saves with ``spec.groups`` (several KV cache groups, :mod:`.hybrid`)."""
 
 
 @dataclass
@@ -102,6 +108,7 @@ class Transfers:
         self._sent: set[str] = set()  # to report as finished sending
         self._recved: set[str] = set()  # background loads over, to report as finished receiving
         self._errors: set[int] = set()  # failed blocks of loads, to report
+        self._failed: set[str] = set()  # background loads that failed, with several KV cache groups
         self._staged = 0  # bytes of staging reserved
         self._busy = 0  # jobs queued or running
         self._bg_loads = 0  # background loads queued or running
@@ -133,8 +140,12 @@ class Transfers:
         bs = len(spec.tokens) // len(spec.block_ids) if spec.block_ids else 0
         with self._cv:
             first = min(spec.first, self._covered.get(rid, spec.first), len(spec.tokens))
+            first = max(first, spec.real_from)  # (blocks a sliding window gave back are never copied)
             first = first // bs * bs if bs else 0  # (whole blocks: the copy is of blocks)
             if first >= len(spec.tokens):
+                if spec.real_from >= len(spec.tokens):
+                    self._stats["saves_dropped"] += 1  # its window's blocks are gone: a miss later
+                    return False
                 return True  # nothing new (the scheduler plans only new chunks: not reached)
             spec = replace(spec, first=first)
             nbytes = (len(spec.tokens) - first) * self.bytes_per_token
@@ -154,7 +165,22 @@ class Transfers:
             self._staged += nbytes
             self._busy += 1
             self._reading[spec.req_id] = self._reading.get(spec.req_id, 0) + 1
-        self._copy_q.put(_Save(spec, nbytes, self.w.mark()))
+        pre = None
+        try:  # (several groups) the sliding-window layers now: their blocks may be another's next step
+            if spec.groups:
+                hybrid = self.w.hybrid
+                assert hybrid is not None, "a save of several KV cache groups without them"
+                pre = hybrid.presave(spec)
+        except Exception:
+            log.exception("kvdock: copying the KV of %s out of vLLM's pages failed", rid)
+            with self._cv:
+                self._reading[rid] -= 1
+                if not self._reading[rid]:
+                    del self._reading[rid]
+                self._gap(rid, first)
+            self._done(nbytes)  # (notifies)
+            return False
+        self._copy_q.put(_Save(spec, nbytes, self.w.mark(), pre))
         return True
 
     def load(self, spec: LoadSpec) -> None:
@@ -220,6 +246,12 @@ class Transfers:
             self._sent, self._recved, self._errors = set(), set(), set()
         return sent, recved, errors
 
+    def take_failed(self) -> set[str]:
+        """Background loads that failed with several KV cache groups (reported per request)."""
+        with self._cv:
+            failed, self._failed = self._failed, set()
+        return failed
+
     def take_stats(self) -> dict[str, float]:
         with self._cv:
             stats, self._stats = self._stats, dict.fromkeys(STAT_KEYS, 0.0)
@@ -273,7 +305,11 @@ class Transfers:
         first_block = job.spec.first * len(job.spec.block_ids) // len(job.spec.tokens)
         if not skip:
             try:
-                staged = self.w.copy_out(job.spec.block_ids[first_block:], job.mark)
+                if job.staged is not None:  # (several groups: the sliding-window layers are in it)
+                    assert self.w.hybrid is not None
+                    staged = self.w.hybrid.copy_rest(job.spec, first_block, job.mark, job.staged)
+                else:
+                    staged = self.w.copy_out(job.spec.block_ids[first_block:], job.mark)
             except Exception:
                 log.exception("kvdock: copying the KV of %s out of vLLM's pages failed", rid)
         with self._cv:
@@ -326,7 +362,8 @@ class Transfers:
         spec = job.spec
         bs = len(spec.tokens) // len(spec.block_ids) if spec.block_ids else 1  # whole blocks of the tokens
         # if fetch raises: the planned blocks, never vLLM's own prefix-hit blocks before them (shared)
-        failed, nbytes = set(spec.block_ids[spec.start // bs : spec.end // bs]), 0
+        planned = set(spec.block_ids[spec.start // bs : spec.end // bs])
+        failed, nbytes = planned - ({NULL_BLOCK} if spec.groups else set()), 0
         try:
             failed, nbytes = self.w.fetch(spec)
         finally:
@@ -338,7 +375,9 @@ class Transfers:
                 s["load_errors"] += len(failed)
                 s["loaded_tokens"] += nbytes // self.bytes_per_token
                 job.failed = failed
-                if job.done is None:
+                if job.done is None and failed and len(spec.groups) > 1:
+                    self._failed.add(spec.req_id)  # (vLLM takes no block ids with several groups)
+                elif job.done is None:
                     self._errors |= failed
                     self._recved.add(spec.req_id)
                     self._bg_loads -= 1

@@ -39,6 +39,8 @@ from kvdock.codecs.vllm import LAYOUT_ALIASES
 from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.vllm.config import ConnectorConfig
 from kvdock.integrations.vllm.geometry import _any_rank, _geometry
+from kvdock.integrations.vllm.groups import NULL_BLOCK, GroupMap, layer_rows
+from kvdock.integrations.vllm.hybrid import GroupCopy
 from kvdock.integrations.vllm.link import Link
 from kvdock.integrations.vllm.plan import KvdockMetadata, LoadSpec, SaveSpec
 from kvdock.integrations.vllm.sources import _Blocks, _Part, _Staged
@@ -56,8 +58,20 @@ IDLE_WAIT_S = 0.05  # what a step without a forward pass waits for a background 
 
 
 class WorkerSide:
-    def __init__(self, cfg: ConnectorConfig, vllm_config: Any, link: Link | None = None, fingerprint: str = "") -> None:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        vllm_config: Any,
+        link: Link | None = None,
+        fingerprint: str = "",
+        groups: GroupMap | None = None,
+    ) -> None:
         self.cfg = cfg
+        # vLLM's KV cache groups, unless one full-attention group (then layers index their group's ids)
+        self.groups = groups if groups is not None and not groups.plain else None
+        self.group_of: list[int] = []  # per layer (in layer order): its group
+        self.hybrid: GroupCopy | None = None  # the copy-out of several groups (register makes it)
+        self._failed_recv: set[str] = set()  # background loads that failed (several groups), to report
         self.fingerprint = fingerprint  # the engine's model's (identity.model_fingerprint)
         self.vllm_config = vllm_config
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -82,7 +96,8 @@ class WorkerSide:
         self.bytes_per_token = 0
         self._load_stream: torch.cuda.Stream | None = None  # the network thread's uploads (GPU)
         self._idle = False  # this step has no forward pass
-        self.recent: deque[SaveSpec] = deque(maxlen=64)  # the last saves queued (tests read pages through it)
+        self.recent: deque[SaveSpec] = deque(maxlen=64)  # the last saves queued (tests read pages through them)
+        self.recent_loads: deque[LoadSpec] = deque(maxlen=64)  # and loads run
 
     # -- register_kv_caches ---------------------------------------------------------------------
 
@@ -102,6 +117,8 @@ class WorkerSide:
         layout = str(self.vllm_config.cache_config.kv_cache_layout or "")
         layout = LAYOUT_ALIASES.get(layout, layout)
         first = tensors[0]
+        if self.groups is not None:
+            self.group_of = self.groups.group_of(names)
         tp, pp = get_tp_group(), get_pp_group()
         geometry = _geometry(self.vllm_config, backend, first, len(tensors), tp, pp)
         key = CodecKey("vllm", backend, layout, isa if backend == "CPU_ATTN" else "")
@@ -126,6 +143,8 @@ class WorkerSide:
         g = geometry
         self.bytes_per_token = g.planes * g.num_layers * g.hidden_dim * first.element_size()
         self.copier = copy_out_for(self.codec)
+        if self.groups is not None:
+            self.hybrid = GroupCopy(self.groups, self.group_of, self.codec, self.copier)
         if self.codec.device.type == "cuda":
             self._load_stream = torch.cuda.Stream(self.codec.device)
         budget = int(self.cfg.save_buffer_mb * (1 << 20))
@@ -235,14 +254,16 @@ class WorkerSide:
         """Load one request's planned chunks (network thread): the planned blocks not filled, and
         the bytes loaded."""
         bs = self.block_size
-        wanted = set(spec.block_ids[spec.start // bs : spec.end // bs])
+        self.recent_loads.append(spec)
+        wanted = set(spec.block_ids[spec.start // bs : spec.end // bs]) - ({NULL_BLOCK} if spec.groups else set())
         nbytes = 0
         try:
             link = self.link
             if (spec.cache_salt, str(self.codec.geometry.global_rank)) in self._faults:
                 log.warning("kvdock: %s fails this load of %s", FAULT_FAIL_LOADS_ENV, spec.req_id)
             elif link is not None and self._connected() is not None:
-                blocks = _Blocks(self, spec.block_ids, spec.start // bs)
+                ids = layer_rows(self.group_of, spec.groups, 0, len(spec.block_ids)) if spec.groups else spec.block_ids
+                blocks = _Blocks(self, ids, spec.start // bs)
                 dims = self.placement.dims
                 sink = blocks if dims is None else _Part(blocks, *dims)
 
@@ -346,7 +367,12 @@ class WorkerSide:
             self.transfers.wait_loaded(IDLE_WAIT_S)
         sent, recved, errors = self.transfers.finished()
         self._load_errors |= errors
+        self._failed_recv |= self.transfers.take_failed()
         return sent or None, recved or None
+
+    def take_failed_recving(self) -> set[str]:  # (several KV cache groups: vLLM recomputes them)
+        failed, self._failed_recv = self._failed_recv, set()
+        return failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

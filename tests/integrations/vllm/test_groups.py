@@ -217,3 +217,31 @@ def test_the_codec_moves_each_layer_through_its_own_blocks_and_skips_the_ones_a_
     assert torch.equal(out[:, 0, BS:], src[:, 0, BS:]) and torch.equal(out[:, 1], src[:, 1])
     assert bool((out[:, 0, :BS] == 0).all())  # block 2 (and the null block 0) never written
     assert bool((shared[0] == 0).all()) and bool((shared[2] == 0).all())
+
+
+def test_a_save_of_two_groups_is_copied_window_layers_first_through_the_device_path_stand_in() -> None:
+    """GroupCopy with the GPU copy-out built on the CPU (same steps, no streams), a scratch of one
+    block so a save is gathered in pieces: layer 0 (sliding-window group 0) is copied at
+    presave, layer 1 (full-attention group 1) by copy_rest, each through its own blocks."""
+    from kvdock.codecs import CodecKey, codec_for
+    from kvdock.integrations.vllm.hybrid import GroupCopy
+    from kvdock.integrations.vllm.staging import DeviceCopyOut
+    from kvdock.layout import KVGeometry
+
+    shared = torch.randn(8, 2, BS, 64)
+    codec = codec_for(CodecKey("vllm", "FLASH_ATTN", "LBHNC"), [shared, shared], KVGeometry(2, 2, 32, "float32"), BS)
+    mapped = map_groups(_config(_window(64), _full()), BS)
+    assert mapped is not None
+    one_block = 2 * 2 * BS * 64 * 4
+    copy = GroupCopy(mapped, [0, 1], codec, DeviceCopyOut(codec, torch.device("cpu"), scratch_bytes=one_block))
+    assert copy.sync_copier is not None
+    copy.sync_copier = DeviceCopyOut(codec, torch.device("cpu"), scratch_bytes=one_block)
+    spec = SaveSpec("r", list(range(4 * BS)), [4, 5, 6, 7], "", first=2 * BS, groups=([0, 1, 2, 3], [4, 5, 6, 7]))
+    staged = copy.presave(spec)
+    want = torch.empty(2, 2, 2 * BS, 64)
+    codec.gather(torch.tensor([[2, 3], [6, 7]]), want)
+    assert torch.equal(staged[:, 0], want[:, 0])  # the window's layer, now
+    done = copy.copy_rest(spec, 2, None, staged)
+    assert done is staged and torch.equal(staged, want)
+    with pytest.raises(RuntimeError, match="names blocks vLLM does not keep"):
+        copy.presave(SaveSpec("q", list(range(2 * BS)), [4, 5], "", groups=([NULL_BLOCK, 3], [4, 5])))

@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 import kvdock.sdk as kvd
 from conftest import PAGE, host_pool, storage_config
 from kvdock.errors import PermissionDeniedError
-from kvdock.integrations.sglang import KvdockHiCacheStorage
+from kvdock.integrations.sglang import KvdockHiCacheStorage, SGLangKV
 from kvdock.integrations.sglang.identity import fingerprint_of, model_fingerprint
 from kvdock.keying import sglang_page_hashes, sglang_tokens
 from kvdock.keys import normalize_tokens
@@ -87,6 +87,11 @@ def test_an_engine_of_a_tenant_files_its_pages_under_its_salt(tenants_server: Se
         kv = kvd.retrieve(ctx, sglang_tokens(tokens, PAGE), cache_salt="acme/sgl")
         assert kv is not None and torch.equal(kv, pages_kv(b, src))
         assert kvd.retrieve(ctx, sglang_tokens(tokens, PAGE), cache_salt="acme") is None
+    with kvd.connect(srv.url, srv.http_url, NAME, token=ACME) as ctx:  # the same, by token ids (SGLangKV)
+        sg = SGLangKV.of_engine(ctx, acme)
+        got = sg.retrieve(tokens)
+        assert got is not None and torch.equal(got, pages_kv(b, src))
+        assert sg.lookup(tokens) == 3 * PAGE and sg.retrieve(tokens, cache_salt="") is None
     # another salt of the tenant: another namespace; a salt it does not own: refused, a counted miss
     other = backend(storage_config(srv, **{**acme, "kvdock.cache_salt": "acme/other"}), host_pool(False, "page_first"))
     assert other.batch_exists(keys, info([])) == 0

@@ -240,7 +240,7 @@ class WorkerSide:
                 if any_bad:
                     bs = self.block_size
                     self._poisoned.setdefault(spec.req_id, set()).update(
-                        spec.block_ids[spec.start // bs : spec.end // bs]
+                        set(spec.block_ids[spec.start // bs : spec.end // bs]) - {NULL_BLOCK}  # (a window's)
                     )
 
     def preempted(self, meta: KvdockMetadata) -> None:

@@ -161,3 +161,30 @@ def test_every_call_before_the_pool_is_registered_is_a_miss(sgl_server: ServerPr
         assert b.stats["get_unavailable"] == 3 and b.stats["set_unavailable"] == 3
     finally:
         b.close()
+
+
+def test_the_inline_transport_moves_the_same_pages_slot_by_slot(backend: Make, tmp_path: Any) -> None:
+    """A server that shares no memory: the pages go slot by slot (``put`` / ``take``), the same
+    bytes, batch and single page alike, after a prefix too."""
+    from kvdock.testing import start_server
+
+    srv = start_server("--no-disk", "--no-shm", chunk_size=PAGE, l1_size="64MiB", log_path=tmp_path / "s.log")
+    try:
+        pool = host_pool(False, "page_first")
+        b = backend(storage_config(srv, **{"kvdock.model_name": "sgl-inline"}), pool)
+        assert b._ctx is not None and b._ctx.transport == "inline"
+        fill(pool, seed=47)
+        keys = sglang_page_hashes(prompt(3, seed=48), PAGE)
+        src = pool.alloc(3 * PAGE)
+        assert b.batch_set_v1(keys[:1], src[:PAGE], info([])) == [True]
+        assert b.batch_set_v1(keys[1:], src[PAGE:], info(keys[:1])) == [True, True]
+        dst = pool.alloc(3 * PAGE)
+        assert b.batch_exists(keys, info([])) == 3
+        assert b.batch_get_v1(keys[1:], dst[PAGE:], info(keys[:1])) == [True, True]
+        assert torch.equal(pages_kv(b, dst[PAGE:]), pages_kv(b, src[PAGE:]))
+        (one,) = sglang_page_hashes(prompt(1, seed=49), PAGE)
+        assert b.set(one, pool.get_data_page(int(src[0]), flat=True))
+        flat = b.get(one)
+        assert flat is not None and torch.equal(flat, pool.get_data_page(int(src[0]), flat=True))
+    finally:
+        srv.stop()

@@ -22,6 +22,7 @@ are not."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -241,3 +242,44 @@ def test_a_server_with_a_slow_l2_serves_an_overwritten_key_from_l3_soon_after_th
     finally:
         kvd.close(ca)
         kvd.close(cb)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="A-FLEET r9 (liveness): allkeys-lru evicts the stream's incarnation key (one small key, polled 50 "
+    "times a second) when an L3 turns its memory over within LRU's 1 s clock: every server takes it as a lost "
+    "stream, drops all of L1 and L2, and the new incarnation orphans all of L3 (21 full drops in 15 s measured)",
+)
+def test_a_server_keeps_serving_its_l1_while_another_applications_keys_make_redis_evict(make_server) -> None:
+    """A redis-server with maxmemory 6mb and allkeys-lru that another application fills (48 KiB
+    keys, ~200 a second: docs/scale-out.md's 'LRU decides' fleets turn L3 over as fast). A
+    prefix stored through the server is hot in its L1; L3 may lose its copy (a miss there is
+    fine) but nothing was overwritten, so the server must go on serving it from L1."""
+    lru = RedisProc(free_port(), extra=("--maxmemory", "6mb", "--maxmemory-policy", "allkeys-lru")).start()
+    raw = redis_py.Redis.from_url(lru.url)
+    try:
+        srv = _vouching(make_server, lru.url)
+        tokens = make_tokens(2 * CHUNK, start=94_000_000)
+        kv = make_kv(2 * CHUNK, seed=94)
+        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as ctx:
+            assert kvd.store(ctx, kv, tokens)
+            incarnation = raw.get("kvdock:v2:{invalidations}:incarnation")
+            blob = os.urandom(48 * 1024)
+            deadline = time.monotonic() + 10
+            n = 0
+            while time.monotonic() < deadline and _coh(srv)["full_drops"] == 0:
+                for _ in range(20):
+                    raw.set(f"other-app:{n}", blob)
+                    n += 1
+                time.sleep(0.05)
+            assert int(raw.info("stats")["evicted_keys"]) > 0
+            wait_for(lambda: _coh(srv)["vouched"], "the server to vouch", 30)
+            got = kvd.retrieve(ctx, tokens)
+            assert got is not None and torch.equal(got, kv), (
+                f"the server lost a prefix nothing overwrote: {_coh(srv)['full_drops']} full drop(s) "
+                f"after {n} keys of another application (the stream's incarnation {incarnation!r} is now "
+                f"{raw.get('kvdock:v2:{invalidations}:incarnation')!r})"
+            )
+    finally:
+        raw.close()
+        lru.stop()

@@ -14,8 +14,11 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, MODEL, make_kv, make_tokens, start_server
+from helpers import ALWAYS_PROCESS, CHUNK, MODEL, make_kv, make_tokens, start_inprocess, start_server
 from kvdock.sdk import _connection as connmod
+
+# servers a test starts itself: in this process, as make_server's
+start_any = start_server if ALWAYS_PROCESS else start_inprocess
 
 
 def test_a_shared_memory_client_talks_over_the_local_socket(make_server) -> None:
@@ -96,7 +99,8 @@ def test_after_a_restart_the_client_registers_again_and_takes_the_new_local_sock
         first = c._conn._local.url  # type: ignore[union-attr]
         assert kvd.store(c, kv, tokens)
         srv.stop()
-        again = start_server(tmp_path, chunk_size=CHUNK, port=srv.port, http_port=srv.http_port)
+        # (in this process like make_server's: a restart needs no process boundary)
+        again = start_any(tmp_path, chunk_size=CHUNK, port=srv.port, http_port=srv.http_port)
         try:
             kvd.register_model(again.url, again.http_url, MODEL, dtype="bfloat16", timeout=10, **_geometry())
             assert kvd.store(c, kv, tokens)  # the dead socket's EPIPE sent it over zmq: registered again

@@ -195,8 +195,9 @@ def test_hnd_registration_decodes_the_same_geometry(server) -> None:
 
 
 def test_context_survives_a_server_restart(make_server, tmp_path) -> None:
-    from helpers import start_server
+    from helpers import ALWAYS_PROCESS, start_inprocess, start_server
 
+    start_any = start_server if ALWAYS_PROCESS else start_inprocess  # (make_server's kind)
     disk = str(tmp_path / "l2")
     srv = make_server("--disk-dir", disk)
     kv, tokens = make_kv(2 * CHUNK, seed=9), make_tokens(2 * CHUNK, start=9)
@@ -208,7 +209,7 @@ def test_context_survives_a_server_restart(make_server, tmp_path) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         srv.stop()
-        again = start_server(tmp_path, "--disk-dir", disk, chunk_size=CHUNK, port=srv.port, http_port=srv.http_port)
+        again = start_any(tmp_path, "--disk-dir", disk, chunk_size=CHUNK, port=srv.port, http_port=srv.http_port)
         try:
             out = kvd.retrieve(c, tokens)  # registers again, maps the new pool, loads from L2
             assert out is not None and torch.equal(out, kv)

@@ -221,3 +221,9 @@ class BadPayloadError(InvalidInputError):
 class PrefixMissingError(KVDockError):
     """A store's chunk before the caller's own was asked for: the server no longer holds the
     prefix the caller's chunks chain after (SGLang's backend then stores nothing: a miss)."""
+
+
+class WriteLate(WriteFenced):
+    """L3 refused a write-down that reached it more than the issue limit after it was issued
+    (kvdock.storage.coherence: a stalled write); unlike a fenced one, the version itself may still
+    be current, so its server keeps it (an overwrite's version is written again by its holder)."""

@@ -137,9 +137,15 @@ def test_a_plain_store_committed_before_the_host_knew_of_an_overwrite_is_superse
             assert host1.coherence.recently_overwritten(A) and not host1.coherence.recently_overwritten(B)
             host1.now += RECENT_MS / 1000
             assert not host1.coherence.recently_overwritten(A)
-            host1.store([A], version=2)  # after: kept
+            host1.store([A], version=2)  # after: committed (this harness reads no L3 heads: no dedup)
             await host1.sync()
-            assert host1.l1_bytes(A) == payload(A, 2)
+            await host1.drain()
+            # but L3 holds host 2's overwrite under its live floor (host 2 holds it: storage.keeping):
+            # the plain write-down is refused and host 1 drops its copy (R-KEEP 1), one truth
+            assert host1.l1.get(A) is None and host1.lanes["l3"].counters.fenced == 2  # (v0's, then v2's)
+            session = await host1.prefetch("r", [A])
+            assert [bytes(host1.l1.view(o)) for o in session.pinned] == [payload(A, 1)]
+            host1.mgr.end_session("c", "r")
         finally:
             close(host1, host2)
 
@@ -646,7 +652,9 @@ def test_a_plain_store_waits_for_an_overwrite_elsewhere_that_is_not_in_l3_yet(
             assert (plan.slots, plan.in_flight) == ([], 1)
             go.set()
             await host1.drain()
-            assert await host2.mgr.chains.pending_overwrites([A]) == set()  # written: a plain store dedups
+            # written: a plain store's heads find it (it dedups; floored() is asked only of the keys
+            # the heads did not find, and a live floor there means pending: R-KEEP 1)
+            assert A in await host2.mgr.unindexed_heads([A])
             assert _l3_bytes(host2, A) == payload(A, 1)
         finally:
             go.set()

@@ -27,12 +27,6 @@ def l3_version(w: World, key: ObjectKey) -> int | None:
     return None if value is None else objfile.decode_header(value)[0].version
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-KEEP 1: a plain store's L3 heads and its floored() check are two round trips; an "
-    "overwrite's late write-down landing between them makes the store write over the held version "
-    "(WRITE_SCRIPT lets a plain version at or past the floor replace a value): two truths",
-)
 def test_a_plain_store_never_replaces_an_overwrite_written_down_between_its_heads_and_its_floor_check(
     tmp_path: Path, redis_server: RedisProc
 ) -> None:
@@ -310,12 +304,6 @@ def test_an_overwrite_of_a_sharded_chunk_commits_all_its_shards_or_none(
     asyncio.run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-KEEP 1 on a sharded chunk: the heads/floored race hits one shard (storing._prepare_later "
-    "reads each shard's heads in turn), the plain store writes that shard over the overwrite and dedups "
-    "the other; KEEP then drops the one shard and keeps the other: a chunk of two versions for good",
-)
 def test_a_plain_store_racing_an_overwrites_write_down_never_leaves_a_chunk_of_two_versions(
     tmp_path: Path, redis_server: RedisProc
 ) -> None:
@@ -367,12 +355,6 @@ def test_a_plain_store_racing_an_overwrites_write_down_never_leaves_a_chunk_of_t
     asyncio.run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-KEEP 1, the decision itself: a fence in L3 (WRITE_SCRIPT refusing the plain write-down, "
-    "the refused copy dropped) only ends the two truths when the plain store's own write-down is "
-    "refused, which a backlog on its server delays without bound; the store must be refused at prepare",
-)
 def test_a_plain_store_racing_an_overwrites_write_down_is_refused_before_it_is_served(
     tmp_path: Path, redis_server: RedisProc
 ) -> None:

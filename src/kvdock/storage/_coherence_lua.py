@@ -47,6 +47,23 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 """
+# whether the value at ``key`` is a kvdock object whose header's msgpack body ends with ``tail``
+# (objfile.mark: its version; packed(E2): an overwrite's version of that E2, its last field)
+_ENDS = """
+local function ends(key, tail)
+  local head = redis.call('GETRANGE', key, 0, 11)
+  if string.len(head) < 12 or string.sub(head, 1, 8) ~= 'KVDOCKO1' then return false end
+  local a, b, c, d = string.byte(head, 9, 12)
+  local e = 12 + a + b * 256 + c * 65536 + d * 16777216
+  local n = string.len(tail)
+  return n > 0 and e - n >= 12 and redis.call('GETRANGE', key, e - n, e - 1) == tail
+end
+local function packed(s)
+  if #s < 32 then return string.char(160 + #s) .. s end
+  if #s < 256 then return string.char(217, #s) .. s end
+  return ''
+end
+"""
 _INCARNATION = """
 local function incarnation(key, fresh)
   local inc = redis.call('GET', key)
@@ -102,17 +119,20 @@ return 0
 """
 )
 # KEYS: value, floor. ARGV: header, payload, position, issued (ms, L3's clock), the version's
-# overwrite (its E2; "" for a plain store's). 1 written, 0 refused. A plain version is refused
-# below the floor; an overwrite's is written only while its own floor is live (after its floor
-# expired, or another overwrite raised it, its holders drop it: KEEP_SCRIPT).
+# overwrite (its E2; "" for a plain store's). 1 written, 0 refused as late, -1 as fenced. A plain version is refused
+# below the floor, and over the version of the overwrite that set the floor (a plain store that
+# checked before that version landed: R-KEEP 1); an overwrite's is written only while its own
+# floor is live (after its floor expired, or another overwrite raised it, its holders drop it:
+# KEEP_SCRIPT). A server whose write is refused drops its copy (storage.keeping).
 WRITE_SCRIPT = (
     _OLDER
+    + _ENDS
     + f"""
 if now_ms() - tonumber(ARGV[4]) > {ISSUE_LIMIT_MS} then return 0 end
 local f = redis.call('GET', KEYS[2])
 if ARGV[5] ~= '' then
-  if f ~= ARGV[5] then return 0 end
-elseif f and older(ARGV[3], f) ~= false then return 0 end
+  if f ~= ARGV[5] then return -1 end
+elseif f and (older(ARGV[3], f) ~= false or ends(KEYS[1], packed(f))) then return -1 end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('APPEND', KEYS[1], ARGV[2])
 return 1
@@ -120,20 +140,15 @@ return 1
 )
 # KEYS: value, floor. ARGV: an overwrite's E2, the mark of the version held (objfile.mark: how its
 # header's msgpack body ends), the floor's TTL (ms). A holder of that version may serve it on
-# (storage.keeping) while this returns 1 (the floor is E2 and refreshed to at least the TTL, the value is that
-# version; or the floor had expired and the value still is that version: the floor is set again)
+# (storage.keeping) while this returns 1 (the floor is E2 and refreshed to at least the TTL, the
+# value is that version; or the floor had expired and the value still is that version: set again)
 # or 0 (the floor is E2 and refreshed, the value is gone: the holder writes it again); -1: drop
 # it (another overwrite raised the floor, or the floor is gone or foreign, or the value is another
 # version, which a plain store made past the floor).
-KEEP_SCRIPT = """
-local function mine()
-  local head = redis.call('GETRANGE', KEYS[1], 0, 11)
-  if string.len(head) < 12 or string.sub(head, 1, 8) ~= 'KVDOCKO1' then return false end
-  local a, b, c, d = string.byte(head, 9, 12)
-  local e = 12 + a + b * 256 + c * 65536 + d * 16777216
-  local n = string.len(ARGV[2])
-  return n > 0 and e - n >= 12 and redis.call('GETRANGE', KEYS[1], e - n, e - 1) == ARGV[2]
-end
+KEEP_SCRIPT = (
+    _ENDS
+    + """
+local function mine() return ends(KEYS[1], ARGV[2]) end
 local f = redis.call('GET', KEYS[2])
 if f then
   if f ~= ARGV[1] then return -1 end
@@ -150,3 +165,4 @@ if mine() then
 end
 return -1
 """
+)

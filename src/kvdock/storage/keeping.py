@@ -26,11 +26,18 @@ How:
 * a load of a marked object from L2 or L3 runs KEEP before the object becomes readable
   (:meth:`Holdings.keep_load`): -1 is a miss (and the L2 copy goes), 1 and 0 make it held;
 * a marked version's write-down to L3 lands only while its own floor is live (WRITE_SCRIPT), so
-  once its holders must drop it, it can never be written again.
+  once its holders must drop it, it can never be written again; a plain write-down over the
+  version of the overwrite whose floor is live is refused too, and a server whose write-down L3
+  refuses as stale drops its copy (:meth:`Holdings.refused`, from L1 and L2); a plain store whose
+  L3 heads found no value waits while the floor is live (storage.redis ``floored``, R-KEEP 1);
+* KEEP never shortens a floor (holders may run with other TTLs), and an overwrite's floor lives
+  at least FLOOR_MIN_MS (a write issued before it lands within the issue limit).
 
 Left: an L3 that evicts a floor refreshed less than ``refresh_s`` ago (allkeys-lru may: a floor is
 a small key read only by these rounds) together with the value lets a plain store elsewhere land
-while the holders serve on until their next round: a window of at most ``refresh_s``.
+while the holders serve on until their next round: a window of at most ``refresh_s``; one that
+evicts an overwrite's floor within the issue limit while nobody holds its version lets a plain
+write-down issued before the overwrite land after it (docs/scale-out.md).
 
 Event loop only, except :meth:`RedisTier.keep <kvdock.storage.redis.RedisTier.keep>` (a worker
 thread)."""
@@ -82,6 +89,7 @@ class Holdings:
         self.local = [lane for lane in lanes if lane.tier.indexed]
         self.geometry_of, self.chunk_size, self.repair = geometry_of, chunk_size, repair
         self._held: dict[ObjectKey, _Held] = {}
+        self.l3.refused = self.refused  # (a version L3 refuses is not served here either)
 
     @classmethod
     def make(
@@ -165,6 +173,12 @@ class Holdings:
         self.coherence.counters.keep_dropped += 1
         log.info("coherence: an overwrite's version of %s is no longer kept in L3: dropped", obj.key.chunk.hex()[:16])
         self._drop_local(obj.key, obj.version)
+
+    def refused(self, obj: L1Object) -> None:
+        """[loop] L3 refused ``obj``'s write-down (stale, past a floor, or over the version of
+        the overwrite that set it: storage.lane): still READY here, it goes from L1 and L2 too."""
+        if self.l1.get(obj.key) is obj:
+            self.drop(obj)
 
     def _drop_local(self, key: ObjectKey, version: int) -> None:
         lanes = [lane for lane in self.local if (h := lane.tier.knows(key)) is not None and h.version == version]

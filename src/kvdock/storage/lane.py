@@ -39,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvdock.errors import NoRoom, WriteFenced
+from kvdock.errors import NoRoom, WriteFenced, WriteLate
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.storage import objfile
@@ -110,8 +110,9 @@ class TierLane:
         self._queue: deque[_Write | _Call] = deque()
         self._busy: _Batch | _Call | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # a shared tier's fence for each write-down (kvdock.storage.coherence), given its epoch
+        # a shared tier's fence for each write-down, given its epoch (kvdock.storage.coherence),
         self.fence: Callable[[int], Fence] | None = None
+        self.refused: Callable[[L1Object], None] | None = None  # and who drops what it refuses (.keeping)
         self.dropped_down = self.dropped_down_bytes = 0  # dropped: the tier was down (also in writes_skipped)
         self._noroom_logged = self._abandoned = False
         self._sizer = BatchSizer()
@@ -140,9 +141,8 @@ class TierLane:
 
     def abandon(self) -> tuple[int, int]:
         """Drop every queued job (a shutdown drain was aborted; the batch in flight stops after its
-        write in progress, its unrun writes dropped and counted when it returns; deletions and
-        clears answer their default); (chunks, bytes) of the queued live write-downs dropped (also
-        in ``writes_skipped``)."""
+        write in progress, its unrun writes dropped and counted when it returns; deletions and clears
+        answer their default); (chunks, bytes) of the queued live write-downs dropped (writes_skipped)."""
         self._abandoned = True
         if isinstance(self._busy, _Batch):
             self._busy.stop.set()  # its unrun writes are dropped too (_requeue)
@@ -277,6 +277,8 @@ class TierLane:
             self.counters.write_seconds += seconds
         elif isinstance(err, (NoRoom, WriteFenced)):
             self.counters.writes_skipped += 1
+            if isinstance(err, WriteFenced) and not isinstance(err, WriteLate) and self.refused is not None:
+                self.refused(job.obj)  # (not served here either)
             if isinstance(err, NoRoom) and not self._noroom_logged:  # (counted every time)
                 self._noroom_logged = True
                 log.warning("%s: a write-down found no room (%s); such objects stay in L1 only", self.name, err)

@@ -25,7 +25,7 @@ from typing import Any
 
 import redis as redis_py
 
-from kvdock.errors import CorruptObject, WriteFenced
+from kvdock.errors import CorruptObject, WriteFenced, WriteLate
 from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
 from kvdock.redisurl import CLUSTER_SCHEMES
@@ -218,9 +218,11 @@ class RedisTier(StorageTier):
         else:  # (an overwrite's version is written only while its own floor lives: _coherence_lua)
             over = objfile.decode_header(header)[0].overwrite
             args = (header, payload, coherence.pos_text(fence.position), fence.issued_ms, over)
-            if not int(self._redis.eval(coherence.WRITE_SCRIPT, 2, final, floor_key(final), *args)):
+            written = int(self._redis.eval(coherence.WRITE_SCRIPT, 2, final, floor_key(final), *args))
+            if written != 1:
                 self.counters.fenced += 1
-                raise WriteFenced(f"L3 refused a stale write-down of {key.chunk.hex()[:16]}")
+                err = WriteLate if written == 0 else WriteFenced  # (late: issued too long ago)
+                raise err(f"L3 refused a write-down of {key.chunk.hex()[:16]} ({'late' if written == 0 else 'stale'})")
         if self._tracking:
             head, _ = objfile.decode_header(header)  # its place after its prompt's head (storage.budget)
             with self._lock:
@@ -309,18 +311,17 @@ class RedisTier(StorageTier):
         return out
 
     def floored(self, keys: list[ObjectKey]) -> set[ObjectKey]:
-        """[worker, reader] Those of ``keys`` whose floor is live (an overwrite raised it less than
-        FLOOR_TTL_MS ago) while L3 holds no value: an overwrite's version not written down yet, or
-        not at all (one round trip). Empty without the fleet's coherence."""
+        """[worker, reader] Those of ``keys`` (a plain store's heads found no value of them) whose
+        floor is live (an overwrite raised it, or a holder keeps it: storage.keeping): an
+        overwrite's version not written down yet, or not at all, or written since those heads were
+        read (the store would write over it: R-KEEP 1). One round trip; empty without the fleet's
+        coherence."""
         if self.coherence is None or not keys:
             return set()
         pipe = self._redis.pipeline(transaction=False)
         for k in keys:
-            final = self._key(k)
-            pipe.exists(floor_key(final))
-            pipe.exists(final)
-        got = pipe.execute()
-        return {k for k, floor, value in zip(keys, got[::2], got[1::2], strict=True) if floor and not value}
+            pipe.exists(floor_key(self._key(k)))
+        return {k for k, floor in zip(keys, pipe.execute(), strict=True) if floor}
 
     def keep(self, items: list[tuple[ObjectKey, str, bytes]]) -> list[int]:
         """[worker] KEEP_SCRIPT for each (key, its overwrite's E2, the mark of the version held),

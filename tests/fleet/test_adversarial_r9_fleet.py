@@ -152,7 +152,9 @@ def test_a_late_plain_write_down_never_lands_after_a_short_floor_ttl_expired(mak
 
 
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # (F-LEASE: passes in the runs where LRU left the overwrite's values, which
+    # WRITE_SCRIPT now refuses a plain write-down issued before the overwrite over; fails where it
+    # evicted them with the floors: the residual docs/scale-out.md names)
     reason="A-FLEET r9: allkeys-lru evicts an overwrite's floor that no server refreshes (nobody holds the "
     "version): a write-down issued before the overwrite lands after it, the replaced version is served for good",
 )

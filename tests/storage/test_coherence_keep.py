@@ -267,3 +267,33 @@ def test_a_version_loaded_before_its_own_overwrites_entries_are_applied_stays(
             host2.mgr.close()
 
     asyncio.run(main())
+
+
+def test_a_plain_write_down_issued_before_an_overwrite_never_lands_on_its_version_once_the_floor_is_evicted(
+    tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """allkeys-lru evicted the overwrite's floor (A-FLEET r9): a plain write-down issued before the
+    overwrite (its fence's position below E2) still finds the overwrite's version, which names its
+    E2 in its header, and is refused; one issued after it lands (a plain store's ordinary rule)."""
+
+    async def main() -> None:
+        (w,) = hosts(tmp_path, redis_server, 1, disk=False)
+        try:
+            await w.sync()
+            await overwrite(w, [A], 1)
+            obj = w.l1.get(A)
+            assert obj is not None and w.coherence is not None and w.redis is not None
+            raw, key_of = raw_of(w)
+            raw.delete(floor_key(key_of(A)))  # evicted
+            data = memoryview(payload(A, 0))
+            plain = objfile.encode_header(A, "float32", SHAPE, data, 5, 0, GEO.digest(CHUNK))
+            fence = w.coherence.fence(0)
+            with pytest.raises(WriteFenced):
+                w.redis.write_from(A, plain, data, fence._replace(position=obj.overwrite - 1))
+            assert objfile.decode_header(raw.get(key_of(A)))[0].version == obj.version
+            w.redis.write_from(A, plain, data, fence._replace(position=obj.overwrite))
+            assert objfile.decode_header(raw.get(key_of(A)))[0].version == 5
+        finally:
+            w.mgr.close()
+
+    asyncio.run(main())

@@ -58,6 +58,17 @@ local function ends(key, tail)
   local n = string.len(tail)
   return n > 0 and e - n >= 12 and redis.call('GETRANGE', key, e - n, e - 1) == tail
 end
+local function overwrite_of(key)
+  -- the E2 an overwrite's version at ``key`` names (its header's last field), nil for any other
+  local head = redis.call('GETRANGE', key, 0, 11)
+  if string.len(head) < 12 or string.sub(head, 1, 8) ~= 'KVDOCKO1' then return nil end
+  local a, b, c, d = string.byte(head, 9, 12)
+  local e = 12 + a + b * 256 + c * 65536 + d * 16777216
+  local tail = redis.call('GETRANGE', key, math.max(12, e - 40), e - 1)
+  local s = string.match(tail, '(%d+%-%d+)$')
+  if s and #s < 32 and string.byte(tail, #tail - #s) == 160 + #s then return s end
+  return nil
+end
 local function packed(s)
   if #s < 32 then return string.char(160 + #s) .. s end
   if #s < 256 then return string.char(217, #s) .. s end
@@ -121,7 +132,8 @@ return 0
 # KEYS: value, floor. ARGV: header, payload, position, issued (ms, L3's clock), the version's
 # overwrite (its E2; "" for a plain store's). 1 written, 0 refused as late, -1 as fenced. A plain version is refused
 # below the floor, and over the version of the overwrite that set the floor (a plain store that
-# checked before that version landed: R-KEEP 1); an overwrite's is written only while its own
+# checked before that version landed: R-KEEP 1), and with no floor (evicted) over an overwrite's
+# version whose E2 is past its position (issued before that overwrite); an overwrite's is written only while its own
 # floor is live (after its floor expired, or another overwrite raised it, its holders drop it:
 # KEEP_SCRIPT). A server whose write is refused drops its copy (storage.keeping).
 WRITE_SCRIPT = (
@@ -132,7 +144,11 @@ if now_ms() - tonumber(ARGV[4]) > {ISSUE_LIMIT_MS} then return 0 end
 local f = redis.call('GET', KEYS[2])
 if ARGV[5] ~= '' then
   if f ~= ARGV[5] then return -1 end
-elseif f and (older(ARGV[3], f) ~= false or ends(KEYS[1], packed(f))) then return -1 end
+elseif f and (older(ARGV[3], f) ~= false or ends(KEYS[1], packed(f))) then return -1
+elseif not f then  -- (a floor evicted: an overwrite's version still names its E2)
+  local o = overwrite_of(KEYS[1])
+  if o and older(ARGV[3], o) ~= false then return -1 end
+end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('APPEND', KEYS[1], ARGV[2])
 return 1

@@ -36,8 +36,8 @@ How:
 Left: an L3 that evicts a floor refreshed less than ``refresh_s`` ago (allkeys-lru may: a floor is
 a small key read only by these rounds) together with the value lets a plain store elsewhere land
 while the holders serve on until their next round: a window of at most ``refresh_s``; one that
-evicts an overwrite's floor within the issue limit lets a plain write-down issued before the
-overwrite land after it (its holders then drop it: docs/scale-out.md).
+evicts an overwrite's floor and its value within the issue limit lets a plain write-down issued
+before the overwrite land after it (its holders then drop it: docs/scale-out.md).
 
 Event loop only, except :meth:`RedisTier.keep <kvdock.storage.redis.RedisTier.keep>` (a worker
 thread)."""

@@ -93,6 +93,16 @@ def _serves(ctx: kvd.KVCacheContext, fleet: Fleet, i: int, prefix: int, want: in
     raise AssertionError(f"{what}: server {i} serves {got} of prefix {prefix}, not version {want}: {status}")
 
 
+# Not strict: this soak passes most runs, but now and then (1 of 4 runs on a loaded 2-core VM)
+# allkeys-lru evicts a fresh floor while a plain write-down issued before its overwrite is on its
+# way, and every server then serves the version the acknowledged overwrite replaced (seen: three
+# servers serving version 6614 0.37 s after overwrite 6618 was acknowledged). The deterministic
+# strict xfails of that case are test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor
+# (test_adversarial_r9_fleet.py); drop this marker once they pass.
+@pytest.mark.xfail(
+    strict=False,
+    reason="A-FLEET r9: allkeys-lru evicting a floor lets a late plain write-down bring a replaced version back",
+)
 @pytest.mark.subprocess_server
 def test_keeping_under_real_lru_evictions_sigstop_past_the_lease_sigkill_and_flushall(
     make_server, tmp_path: Path

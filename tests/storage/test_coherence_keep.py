@@ -297,3 +297,31 @@ def test_a_plain_write_down_issued_before_an_overwrite_never_lands_on_its_versio
             w.mgr.close()
 
     asyncio.run(main())
+
+
+def test_an_incarnation_key_evicted_alone_is_restored_from_the_stream(tmp_path: Path, redis_server: RedisProc) -> None:
+    """allkeys-lru evicts the stream's small incarnation key while the stream stays (A-FLEET r9):
+    the next poll restores it from the stream's last entry, no gap, nothing dropped; with the
+    stream gone too, a new incarnation and a gap (everything dropped), as before."""
+    from kvdock.storage.coherence import INCARNATION_KEY, STREAM_KEY
+
+    async def main() -> None:
+        (w,) = hosts(tmp_path, redis_server, 1, disk=False)
+        try:
+            await w.sync()
+            await overwrite(w, [A], 1)
+            await w.sync()
+            raw, _ = raw_of(w)
+            assert w.coherence is not None
+            known = w.coherence.incarnation
+            raw.delete(INCARNATION_KEY)
+            result = await w.sync()
+            assert not result.lost and w.coherence.incarnation == known and raw.get(INCARNATION_KEY) == known
+            assert w.l1.get(A) is not None
+            raw.delete(INCARNATION_KEY, STREAM_KEY)
+            result = await w.sync()
+            assert result.lost and w.coherence.incarnation != known and w.l1.get(A) is None
+        finally:
+            w.mgr.close()
+
+    asyncio.run(main())

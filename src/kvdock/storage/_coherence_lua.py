@@ -75,11 +75,21 @@ local function packed(s)
   return ''
 end
 """
+# the stream's incarnation (KEYS[2]); every entry names it too ('i'), so that one evicted alone
+# (allkeys-lru: a small key) is restored from the stream's last entry, not taken for a lost stream
+# (A-FLEET r9); with the stream gone too, a fresh one (``fresh``) starts
 _INCARNATION = """
-local function incarnation(key, fresh)
+local function incarnation(key, fresh, stream)
   local inc = redis.call('GET', key)
   if not inc then
     inc = fresh
+    local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+    if last[1] then
+      local f = last[1][2]
+      for j = 1, #f - 1, 2 do
+        if f[j] == 'i' then inc = f[j + 1] end
+      end
+    end
     redis.call('SET', key, inc)
   end
   return inc
@@ -94,7 +104,7 @@ POLL_SCRIPT = (
     + """
 local s = KEYS[1]
 local now = now_ms()
-local inc = incarnation(KEYS[2], ARGV[3])
+local inc = incarnation(KEYS[2], ARGV[3], KEYS[1])
 if redis.call('EXISTS', s) == 0 then return {now, inc, 0, '0-0', '0-0', 0, {}} end
 local info = redis.call('XINFO', 'STREAM', s)
 local f = {}
@@ -110,8 +120,8 @@ return {now, inc, f['entries-added'], f['last-generated-id'], first, f['length']
 PUBLISH_SCRIPT = (
     _INCARNATION
     + f"""
-incarnation(KEYS[2], ARGV[2])
-return redis.call('XADD', KEYS[1], 'MAXLEN', '~', {MAXLEN}, '*', 'k', ARGV[1])
+local inc = incarnation(KEYS[2], ARGV[2], KEYS[1])
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', {MAXLEN}, '*', 'k', ARGV[1], 'i', inc)
 """
 )
 # KEYS: value, floor. ARGV: floor position, its TTL (ms). Raises the floor and deletes the value, unless the

@@ -182,7 +182,18 @@ def test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor(make_se
         lru.stop()
 
 
-def _evict_floors(raw: redis_py.Redis) -> bool:
+def _objects(raw: redis_py.Redis) -> list[bytes]:
+    """The L3 keys of objects (not floors, not the stream's)."""
+    return [k for k in raw.keys("kvdock:v2:{*}") if not k.endswith(b":f") and b"{invalidations}" not in k]
+
+
+def _evict_floors_and_values(raw: redis_py.Redis) -> bool:
+    """As :func:`_evict_floors`, until the overwrite's values are evicted too (the residual F-LEASE
+    left in c1d7e26: WRITE_SCRIPT refuses a late plain write over a value that names a later E2)."""
+    return _evict_floors(raw, values=True)
+
+
+def _evict_floors(raw: redis_py.Redis, values: bool = False) -> bool:
     """Write new keys until allkeys-lru has evicted every floor (a deadline, not a count), once
     the floors are idle for 2 s (LRU's clock ticks in seconds; the servers' polls keep the stream
     and its incarnation key at 0). False if the stream or its incarnation went too (approximate
@@ -193,7 +204,7 @@ def _evict_floors(raw: redis_py.Redis) -> bool:
     filler = b"x" * 32 * 1024
     deadline = time.monotonic() + 6
     n = 0
-    while _floors(raw):  # one key at a time: stop at the floors, before younger keys go
+    while _floors(raw) or (values and _objects(raw)):  # one key at a time: stop there, before younger keys go
         assert time.monotonic() < deadline, "allkeys-lru did not evict the floors"
         raw.set(f"other-app:{n}", filler)
         n += 1
@@ -201,6 +212,32 @@ def _evict_floors(raw: redis_py.Redis) -> bool:
     raw.delete(*(f"other-app:{i}" for i in range(max(n - 8, 0), n)))  # room: B's late write evicts nothing
     stream = raw.exists("kvdock:v2:{invalidations}")
     return bool(stream) and raw.get("kvdock:v2:{invalidations}:incarnation") == incarnation
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="A-FLEET r9: allkeys-lru evicts an overwrite's floor and its value (the residual docs/scale-out.md "
+    "names): a plain write-down issued before the overwrite lands after it, the replaced version is served for good",
+)
+@pytest.mark.parametrize("holder", [False, True], ids=["nobody-holds", "a-holder-keeps-it"])
+def test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor_and_the_value(
+    make_server, holder: bool
+) -> None:
+    """As test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor, LRU evicting the
+    overwrite's values as well as its floors (deterministically: new keys until both are gone).
+    With ``holder``, A's next round finds no floor and another version: it drops v2, and v1, the
+    replaced version, is what every server serves from then on."""
+    lru_flags = ("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "64")
+    lru = RedisProc(free_port(), extra=lru_flags).start()
+    try:
+        for _ in range(3):
+            if _late_write_after_an_overwrite(make_server, lru.url, (), _evict_floors_and_values, leave=not holder):
+                return
+            with redis_py.Redis.from_url(lru.url) as raw:
+                raw.flushall()
+        pytest.fail("allkeys-lru evicted the invalidation stream with the floors in every run")
+    finally:
+        lru.stop()
 
 
 @pytest.mark.xfail(

@@ -98,7 +98,7 @@ def _serves(ctx: kvd.KVCacheContext, fleet: Fleet, i: int, prefix: int, want: in
 # after overwrite 6618 was acknowledged; which soak was not recorded). Most likely cause (not
 # confirmed): allkeys-lru evicted the fresh floor while a plain write-down issued before the
 # overwrite was on its way; that case is pinned by the strict xfails
-# test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor (test_adversarial_r9_fleet.py).
+# test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor_and_the_value (r9_fleet).
 # Drop this marker once they pass, and look again if a soak still fails.
 @pytest.mark.xfail(
     strict=False,

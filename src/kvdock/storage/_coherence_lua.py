@@ -50,20 +50,22 @@ end
 # whether the value at ``key`` is a kvdock object whose header's msgpack body ends with ``tail``
 # (objfile.mark: its version; packed(E2): an overwrite's version of that E2, its last field)
 _ENDS = """
-local function ends(key, tail)
-  local head = redis.call('GETRANGE', key, 0, 11)
-  if string.len(head) < 12 or string.sub(head, 1, 8) ~= 'KVDOCKO1' then return false end
-  local a, b, c, d = string.byte(head, 9, 12)
-  local e = 12 + a + b * 256 + c * 65536 + d * 16777216
-  local n = string.len(tail)
-  return n > 0 and e - n >= 12 and redis.call('GETRANGE', key, e - n, e - 1) == tail
-end
-local function overwrite_of(key)
-  -- the E2 an overwrite's version at ``key`` names (its header's last field), nil for any other
+local function body_end(key)
+  -- where the msgpack header of the kvdock object at ``key`` ends (objfile's prefix), nil for any other value
   local head = redis.call('GETRANGE', key, 0, 11)
   if string.len(head) < 12 or string.sub(head, 1, 8) ~= 'KVDOCKO1' then return nil end
   local a, b, c, d = string.byte(head, 9, 12)
-  local e = 12 + a + b * 256 + c * 65536 + d * 16777216
+  return 12 + a + b * 256 + c * 65536 + d * 16777216
+end
+local function ends(key, tail)
+  local e = body_end(key)
+  local n = string.len(tail)
+  return e ~= nil and n > 0 and e - n >= 12 and redis.call('GETRANGE', key, e - n, e - 1) == tail
+end
+local function overwrite_of(key)
+  -- the E2 an overwrite's version at ``key`` names (its header's last field), nil for any other
+  local e = body_end(key)
+  if not e then return nil end
   local tail = redis.call('GETRANGE', key, math.max(12, e - 40), e - 1)
   local s = string.match(tail, '(%d+%-%d+)$')
   if s and #s < 32 and string.byte(tail, #tail - #s) == 160 + #s then return s end

@@ -213,18 +213,19 @@ class RedisTier(StorageTier):
         size = len(header) + len(payload)
         owner = self.shares.owner(key) if self.shares is not None else None
         self._make_room(final, size, owner)
+        # its version and parent (storage.budget), an overwrite's E2 (written only while its floor lives)
+        head = objfile.decode_header(header)[0] if fence is not None or self._tracking else None
         if fence is None:
             self._redis.eval(WRITE_SCRIPT, 1, final, header, payload)
-        else:  # (an overwrite's version is written only while its own floor lives: _coherence_lua)
-            over = objfile.decode_header(header)[0].overwrite
-            args = (header, payload, coherence.pos_text(fence.position), fence.issued_ms, over)
+        else:
+            assert head is not None
+            args = (header, payload, coherence.pos_text(fence.position), fence.issued_ms, head.overwrite)
             written = int(self._redis.eval(coherence.WRITE_SCRIPT, 2, final, floor_key(final), *args))
             if written != 1:
                 self.counters.fenced += 1
                 err = WriteLate if written == 0 else WriteFenced  # (late: issued too long ago)
                 raise err(f"L3 refused a write-down of {key.chunk.hex()[:16]} ({'late' if written == 0 else 'stale'})")
-        if self._tracking:
-            head, _ = objfile.decode_header(header)  # its place after its prompt's head (storage.budget)
+        if head is not None and self._tracking:  # its place after its prompt's head (storage.budget)
             with self._lock:
                 self._written.remove(final)
                 self._written.add(final, size, owner, version=head.version, parent=head.parent)

@@ -8,7 +8,7 @@ from urllib.parse import unquote
 
 from kvdock.errors import ConfigError
 
-__all__ = ["CLUSTER_SCHEMES", "REDIS_SCHEMES", "ClusterURL", "check_redis_url", "parse_cluster_url"]
+__all__ = ["CLUSTER_SCHEMES", "REDIS_SCHEMES", "ClusterURL", "check_redis_url", "parse_cluster_url", "redacted"]
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
@@ -51,3 +51,11 @@ def check_redis_url(url: str) -> None:
         raise ConfigError(f"redis_url must start with one of {', '.join(REDIS_SCHEMES)}, got {url!r}")
     if url.startswith(CLUSTER_SCHEMES):
         parse_cluster_url(url)
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (for logs and /status)."""
+    if "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url

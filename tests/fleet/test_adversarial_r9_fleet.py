@@ -151,22 +151,15 @@ def test_a_late_plain_write_down_never_lands_after_a_short_floor_ttl_expired(mak
     )
 
 
-@pytest.mark.xfail(
-    strict=False,  # (F-LEASE: passes in the runs where LRU left the overwrite's values, which
-    # WRITE_SCRIPT now refuses a plain write-down issued before the overwrite over; fails where it
-    # evicted them with the floors: the residual docs/scale-out.md names)
-    reason="A-FLEET r9: allkeys-lru evicts an overwrite's floor that no server refreshes (nobody holds the "
-    "version): a write-down issued before the overwrite lands after it, the replaced version is served for good",
-)
 @pytest.mark.parametrize("holder", [False, True], ids=["nobody-holds", "a-holder-keeps-it"])
 def test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor(make_server, holder: bool) -> None:
     """Default --l3-floor-ttl-ms (60 s), a redis-server with maxmemory and allkeys-lru: new
     keys written after the overwrite (another application's, or other prompts' write-downs) push
     the floor out (real evictions, no DEL). With ``holder``, A still holds v2 and keeps its floor
     every 10 s: LRU evicts it between two rounds (an L3 whose write-downs turn its memory over in
-    less than a round: docs/scale-out.md's 16 hosts write 50 GiB/s); B's v1 lands, A's next
-    round sees another version and drops v2: v1, the replaced version, for good (not the
-    documented window of two versions for a round)."""
+    less than a round: docs/scale-out.md's 16 hosts write 50 GiB/s). Was a non-strict xfail
+    (B's v1 landed where LRU took the values too); B's write is staged now, and B's check of the
+    stream finds A's entries after its position: it is dropped (storage._redisstage)."""
     lru_flags = ("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "64")
     lru = RedisProc(free_port(), extra=lru_flags).start()
     try:
@@ -214,19 +207,15 @@ def _evict_floors(raw: redis_py.Redis, values: bool = False) -> bool:
     return bool(stream) and raw.get("kvdock:v2:{invalidations}:incarnation") == incarnation
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="A-FLEET r9: allkeys-lru evicts an overwrite's floor and its value (the residual docs/scale-out.md "
-    "names): a plain write-down issued before the overwrite lands after it, the replaced version is served for good",
-)
 @pytest.mark.parametrize("holder", [False, True], ids=["nobody-holds", "a-holder-keeps-it"])
 def test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor_and_the_value(
     make_server, holder: bool
 ) -> None:
     """As test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor, LRU evicting the
     overwrite's values as well as its floors (deterministically: new keys until both are gone).
-    With ``holder``, A's next round finds no floor and another version: it drops v2, and v1, the
-    replaced version, is what every server serves from then on."""
+    With ``holder``, A's next round finds no floor and no value: it drops v2. Was a strict xfail
+    (v1, the replaced version, landed and was served for good); B's write is staged now, and its
+    check of the stream finds A's entries after its position: dropped, every server misses."""
     lru_flags = ("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "64")
     lru = RedisProc(free_port(), extra=lru_flags).start()
     try:
@@ -283,18 +272,32 @@ def test_a_server_with_a_slow_l2_serves_an_overwritten_key_from_l3_soon_after_th
         kvd.close(cb)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="A-FLEET r9 (liveness): allkeys-lru evicts the stream's incarnation key (one small key, polled 50 "
-    "times a second) when an L3 turns its memory over within LRU's 1 s clock: every server takes it as a lost "
-    "stream, drops all of L1 and L2, and the new incarnation orphans all of L3 (21 full drops in 15 s measured)",
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param(
+            "allkeys-lru",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="A-FLEET r9 (liveness): allkeys-lru evicts the invalidation stream or its incarnation key "
+                "(small keys, polled 50 times a second, but LRU's clock ticks once a second) when an L3 turns its "
+                "memory over within a second: every server takes it as a lost stream and drops all of L1 and L2 "
+                "(docs/scale-out.md: use allkeys-lfu for such an L3)",
+            ),
+        ),
+        "allkeys-lfu",
+    ],
 )
-def test_a_server_keeps_serving_its_l1_while_another_applications_keys_make_redis_evict(make_server) -> None:
+def test_a_server_keeps_serving_its_l1_while_another_applications_keys_make_redis_evict(
+    make_server, policy: str
+) -> None:
     """A redis-server with maxmemory 6mb and allkeys-lru that another application fills (48 KiB
     keys, ~200 a second: docs/scale-out.md's 'LRU decides' fleets turn L3 over as fast). A
     prefix stored through the server is hot in its L1; L3 may lose its copy (a miss there is
-    fine) but nothing was overwritten, so the server must go on serving it from L1."""
-    lru = RedisProc(free_port(), extra=("--maxmemory", "6mb", "--maxmemory-policy", "allkeys-lru")).start()
+    fine) but nothing was overwritten, so the server must go on serving it from L1. Under
+    allkeys-lfu the stream and its incarnation key, read by every poll, are never the least
+    frequently used."""
+    lru = RedisProc(free_port(), extra=("--maxmemory", "6mb", "--maxmemory-policy", policy)).start()
     raw = redis_py.Redis.from_url(lru.url)
     try:
         srv = _vouching(make_server, lru.url)

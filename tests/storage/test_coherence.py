@@ -100,6 +100,7 @@ def test_another_hosts_l1_copy_goes_at_its_next_poll_and_nothing_is_served_past_
             await host1.sync()
             await host2.sync()
             host1.store([A, B], version=0)
+            await host1.drain()  # (written down first: one settled after the overwrite drops it at once)
             assert host1.mgr.lookup_l1([A, B]) == 2
             assert await host2.store_async([A], version=1, overwrite=True) == 1
             assert host1.mgr.lookup_l1([A, B]) == 2  # within the bound: host 1 has not polled yet

@@ -125,6 +125,7 @@ def test_a_write_down_of_an_overwrites_version_lands_only_while_its_floor_lives(
             plain = objfile.encode_header(A, "float32", SHAPE, data, 5, 0, GEO.digest(CHUNK))
             raw.delete(floor_key(key_of(A)))
             w.redis.write_from(A, plain, data, fence)  # a plain version: today's rule (no floor: lands)
+            assert w.redis.settle() == {}  # (staged, then committed: storage._redisstage)
             assert raw.get(key_of(A)) == plain + bytes(data)
         finally:
             w.mgr.close()
@@ -292,6 +293,7 @@ def test_a_plain_write_down_issued_before_an_overwrite_never_lands_on_its_versio
                 w.redis.write_from(A, plain, data, fence._replace(position=obj.overwrite - 1))
             assert objfile.decode_header(raw.get(key_of(A)))[0].version == obj.version
             w.redis.write_from(A, plain, data, fence._replace(position=obj.overwrite))
+            assert w.redis.settle() == {}
             assert objfile.decode_header(raw.get(key_of(A)))[0].version == 5
         finally:
             w.mgr.close()

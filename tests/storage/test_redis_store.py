@@ -14,6 +14,7 @@ from kvdock.errors import NoRoom
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.storage import StorageTier, objfile
+from kvdock.storage._redisread import HEAD_BYTES
 from kvdock.storage.objfile import ALIGN
 from kvdock.storage.redis import ERRORS, RedisTier, redis_key
 from kvdock.storage.tier import Head
@@ -238,8 +239,8 @@ def test_heads_of_the_leading_run(store: RedisTier) -> None:
 def test_heads_of_a_header_longer_than_the_first_read(store: RedisTier) -> None:
     """A long cache_salt makes the header longer than the bytes heads() fetches at first: it
     fetches the rest of that header, not a wrong or missing head."""
-    key = K(1, salt="s" * 3 * RedisTier.HEAD_BYTES)
-    assert len(objfile.encode_header(key, DTYPE, SHAPE, memoryview(payload(1)))) > RedisTier.HEAD_BYTES
+    key = K(1, salt="s" * 3 * HEAD_BYTES)
+    assert len(objfile.encode_header(key, DTYPE, SHAPE, memoryview(payload(1)))) > HEAD_BYTES
     put(store, key, head=Head(31, 0))
     put(store, K(2))
     assert store.heads([key, K(2)]) == [Head(31, 0), H(2)]

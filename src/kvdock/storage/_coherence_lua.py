@@ -6,6 +6,8 @@ object's) node."""
 from __future__ import annotations
 
 __all__ = [
+    "CHECK_SCRIPT",
+    "COMMIT_SCRIPT",
     "DELETE_SCRIPT",
     "FLOOR_MIN_MS",
     "FLOOR_TTL_MS",
@@ -13,9 +15,12 @@ __all__ = [
     "ISSUE_LIMIT_MS",
     "KEEP_SCRIPT",
     "MAXLEN",
+    "NONCE_SUFFIX",
     "POLL_COUNT",
     "POLL_SCRIPT",
     "PUBLISH_SCRIPT",
+    "STAGED_SUFFIX",
+    "STAGED_TTL_MS",
     "STREAM_KEY",
     "WRITE_SCRIPT",
 ]
@@ -79,12 +84,15 @@ end
 """
 # the stream's incarnation (KEYS[2]); every entry names it too ('i'), so that one evicted alone
 # (allkeys-lru: a small key) is restored from the stream's last entry, not taken for a lost stream
-# (A-FLEET r9); with the stream gone too, a fresh one (``fresh``) starts
-_INCARNATION = """
+# (A-FLEET r9). A stream that is gone (evicted, deleted, flushed) starts a fresh incarnation
+# (``fresh``) whose first entry (no keys) it gets at once: the stream exists for as long as its
+# incarnation does, so that a missing one never passes for "no overwrite yet" (CHECK_SCRIPT)
+_INCARNATION = f"""
 local function incarnation(key, fresh, stream)
   local inc = redis.call('GET', key)
-  if not inc then
-    inc = fresh
+  local live = redis.call('EXISTS', stream) == 1
+  if inc and live then return inc end
+  if live then
     local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
     if last[1] then
       local f = last[1][2]
@@ -92,8 +100,12 @@ local function incarnation(key, fresh, stream)
         if f[j] == 'i' then inc = f[j + 1] end
       end
     end
-    redis.call('SET', key, inc)
   end
+  if (not live) or (not inc) then
+    inc = fresh
+    redis.call('XADD', stream, 'MAXLEN', '~', {MAXLEN}, '*', 'k', '\\144', 'i', inc)
+  end
+  redis.call('SET', key, inc)
   return inc
 end
 """
@@ -126,13 +138,16 @@ local inc = incarnation(KEYS[2], ARGV[2], KEYS[1])
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', {MAXLEN}, '*', 'k', ARGV[1], 'i', inc)
 """
 )
-# KEYS: value, floor. ARGV: floor position, its TTL (ms). Raises the floor and deletes the value, unless the
-# floor is already at a later position: then another overwrite's later entry came first and what
-# the value holds was written past it (its version wins; a late step of an earlier overwrite must
-# not delete it). Returns the keys deleted.
+# KEYS: value, floor, and (optional) the value's staged write and its nonce (STAGED_SUFFIX,
+# NONCE_SUFFIX). ARGV: floor position, its TTL (ms). Raises the floor and deletes the value, unless
+# the floor is already at a later position: then another overwrite's later entry came first and
+# what the value holds was written past it (its version wins; a late step of an earlier overwrite
+# must not delete it). A staged write goes either way: it is committed only if no overwrite's step
+# ran after it landed. Returns the values deleted (0 or 1).
 DELETE_SCRIPT = (
     _OLDER
     + """
+if KEYS[3] then redis.call('DEL', KEYS[3], KEYS[4]) end
 local f = redis.call('GET', KEYS[2])
 if (not f) or older(f, ARGV[1]) ~= false then
   redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[2]))
@@ -141,29 +156,90 @@ end
 return 0
 """
 )
-# KEYS: value, floor. ARGV: header, payload, position, issued (ms, L3's clock), the version's
-# overwrite (its E2; "" for a plain store's). 1 written, 0 refused as late, -1 as fenced. A plain version is refused
-# below the floor, and over the version of the overwrite that set the floor (a plain store that
-# checked before that version landed: R-KEEP 1), and with no floor (evicted) over an overwrite's
-# version whose E2 is past its position (issued before that overwrite); an overwrite's is written only while its own
-# floor is live (after its floor expired, or another overwrite raised it, its holders drop it:
-# KEEP_SCRIPT). A server whose write is refused drops its copy (storage.keeping).
+# whether a plain version issued at ``pos`` would bring back what an overwrite replaced: below the
+# floor; over the version of the overwrite that set the floor (a plain store that checked before
+# that version landed: R-KEEP 1); with no floor (evicted), over an overwrite's version whose E2 is
+# past ``pos`` (issued before that overwrite)
+_STALE = """
+local function stale(value, floor, pos)
+  local f = redis.call('GET', floor)
+  if f then return older(pos, f) ~= false or ends(value, packed(f)) end
+  local o = overwrite_of(value)
+  return o ~= nil and older(pos, o) ~= false
+end
+"""
+STAGED_SUFFIX, NONCE_SUFFIX = b":s", b":n"
+STAGED_TTL_MS = 2 * ISSUE_LIMIT_MS  # a staged write nobody commits goes by itself
+# KEYS: value, floor, and for a plain version the value's staged write and its nonce. ARGV:
+# header, payload, position, issued (ms, L3's clock), the version's overwrite (its E2; "" for a
+# plain store's), for a plain version its nonce. 1 written (staged), 0 refused as late, -1 as
+# fenced. A plain version is refused if stale (above); it is written to the staged key with its
+# nonce beside it (both expire after STAGED_TTL_MS), which readers never read: COMMIT_SCRIPT makes
+# it the value once its server checked the stream (storage._redisstage). An overwrite's version
+# is written only while its own floor is live (after its floor expired, or another overwrite
+# raised it, its holders drop it: KEEP_SCRIPT). A server whose write is refused drops its copy
+# (storage.keeping).
 WRITE_SCRIPT = (
     _OLDER
     + _ENDS
+    + _STALE
     + f"""
 if now_ms() - tonumber(ARGV[4]) > {ISSUE_LIMIT_MS} then return 0 end
-local f = redis.call('GET', KEYS[2])
+local into = KEYS[1]
 if ARGV[5] ~= '' then
-  if f ~= ARGV[5] then return -1 end
-elseif f and (older(ARGV[3], f) ~= false or ends(KEYS[1], packed(f))) then return -1
-elseif not f then  -- (a floor evicted: an overwrite's version still names its E2)
-  local o = overwrite_of(KEYS[1])
-  if o and older(ARGV[3], o) ~= false then return -1 end
+  if redis.call('GET', KEYS[2]) ~= ARGV[5] then return -1 end
+elseif stale(KEYS[1], KEYS[2], ARGV[3]) then return -1
+elseif KEYS[3] then
+  into = KEYS[3]
+  redis.call('SET', KEYS[4], ARGV[6], 'PX', {STAGED_TTL_MS})
 end
-redis.call('SET', KEYS[1], ARGV[1])
-redis.call('APPEND', KEYS[1], ARGV[2])
+redis.call('SET', into, ARGV[1])
+redis.call('APPEND', into, ARGV[2])
+if into ~= KEYS[1] then redis.call('PEXPIRE', into, {STAGED_TTL_MS}) end
 return 1
+"""
+)
+# KEYS: value, floor, staged, nonce. ARGV: the staged write's nonce, its position, '1' to commit it
+# or '0' to drop it. Returns 1 committed (renamed onto the value, its TTL removed), -1 dropped
+# (asked to, or stale by now: an overwrite's floor came meanwhile), 0 not there any more (another
+# server's write staged over it, an overwrite's step deleted it, or it expired or was evicted).
+COMMIT_SCRIPT = (
+    _OLDER
+    + _ENDS
+    + _STALE
+    + """
+if redis.call('GET', KEYS[4]) ~= ARGV[1] or redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+if ARGV[3] == '1' and not stale(KEYS[1], KEYS[2], ARGV[2]) then
+  redis.call('RENAME', KEYS[3], KEYS[1])
+  redis.call('PERSIST', KEYS[1])
+  redis.call('DEL', KEYS[4])
+  return 1
+end
+redis.call('DEL', KEYS[3], KEYS[4])
+return -1
+"""
+)
+# KEYS: the stream, its incarnation. ARGV: an incarnation, a position, a count. The stream's
+# entries after the position (at most count), or -1 where they cannot be told complete: another
+# incarnation, a stream gone, trimmed past the position, or with an entry after it deleted (XDEL),
+# or more than count of them. (A staged write is committed only if none of them names its key.)
+CHECK_SCRIPT = (
+    _OLDER
+    + """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] or redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+local f = {}
+for j = 1, #info, 2 do f[info[j]] = info[j + 1] end
+local p = ARGV[2]
+local md = f['max-deleted-entry-id']
+if md and older(p, md) ~= false then return -1 end
+if tonumber(f['length']) > 0 then
+  if type(f['first-entry']) ~= 'table' or older(p, f['first-entry'][1]) ~= false then return -1 end
+elseif older(p, f['last-generated-id']) ~= false then return -1 end
+local n = tonumber(ARGV[3])
+local e = redis.call('XRANGE', KEYS[1], '(' .. p, '+', 'COUNT', n + 1)
+if #e > n then return -1 end
+return e
 """
 )
 # KEYS: value, floor. ARGV: an overwrite's E2, the mark of the version held (objfile.mark: how its

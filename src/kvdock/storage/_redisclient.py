@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Any
 
 import redis as redis_py
@@ -13,7 +14,7 @@ from redis.retry import Retry
 
 from kvdock.redisurl import CLUSTER_SCHEMES, parse_cluster_url
 
-__all__ = ["DELETE_WAIT_MS", "ERRORS", "cluster_nodes", "make_client", "run_waited"]
+__all__ = ["DELETE_WAIT_MS", "ERRORS", "cluster_nodes", "eval_each", "make_client", "ping_primaries", "run_waited"]
 
 # RedisClusterException (no slots, cluster down at start) is not a RedisError
 ERRORS = (redis_py.RedisError, redis_py.exceptions.RedisClusterException, OSError)
@@ -81,3 +82,36 @@ def cluster_nodes(client: Any, down: dict[str, str]) -> list[dict[str, str]]:
         for n in found
     ]
     return sorted(docs, key=lambda d: d["addr"])
+
+
+def eval_each(client: Any, script: str, calls: list[tuple[Any, ...]]) -> list[Any]:
+    """[worker] ``script`` once per call (``numkeys, *keys, *args``), pipelined: one round trip (per
+    node on a cluster), by the script's digest (EVALSHA), then in full (EVAL) for the nodes that
+    lack it. One result per call: a call's own script error (ResponseError, OOM say) is its result,
+    any other error raises."""
+    sha = hashlib.sha1(script.encode()).hexdigest()
+    out: list[Any] = [redis_py.exceptions.NoScriptError()] * len(calls)
+    for cmd, body in (("EVALSHA", sha), ("EVAL", script)):
+        todo = [i for i, r in enumerate(out) if isinstance(r, redis_py.exceptions.NoScriptError)]
+        if not todo:
+            break
+        pipe = client.pipeline(transaction=False)
+        for i in todo:
+            pipe.execute_command(cmd, body, *calls[i])
+        for i, r in zip(todo, pipe.execute(raise_on_error=False), strict=True):
+            out[i] = r
+    for r in out:
+        if isinstance(r, Exception) and not isinstance(r, redis_py.exceptions.ResponseError):
+            raise r
+    return out
+
+
+def ping_primaries(client: Any) -> dict[str, str]:
+    """PING every primary a cluster client knows: the ones that do not answer, with why."""
+    down: dict[str, str] = {}
+    for node in client.get_primaries():
+        try:
+            client.ping(target_nodes=node)
+        except ERRORS as e:
+            down[node.name] = f"{type(e).__name__}: {e}"
+    return down

@@ -1,4 +1,5 @@
-"""The L3 tier's fast read (storage.redis): a value received straight into an L1 slot."""
+"""The L3 tier's reads (storage.redis): the fast read (a value received straight into an L1 slot),
+the plain checked GET, and the heads of leading keys."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from kvdock.storage import objfile, resp
 from kvdock.storage._redisclient import ERRORS
 from kvdock.storage.tier import Head
 
-__all__ = ["FALLBACK", "Fallback", "read_fast"]
+__all__ = ["FALLBACK", "HEAD_BYTES", "Fallback", "read_fast", "read_heads", "read_plain"]
 
 
 class Fallback(enum.Enum):
@@ -61,3 +62,51 @@ def read_fast(
     except CorruptObject:
         return FALLBACK
     return Head(header.version, header.parent, header.overwrite)
+
+
+def read_plain(
+    client: Any, key: ObjectKey, rkey: bytes, out: memoryview, geometry: KVGeometry, chunk_size: int
+) -> Head | CorruptObject | None:
+    """One GET through redis-py (its parser makes the value a bytes object), checked, then copied
+    into ``out``: its head, None if absent, the CorruptObject that a torn, foreign or corrupted
+    value raised (the tier deletes it)."""
+    value = client.get(rkey)
+    if value is None:
+        return None
+    try:
+        view = memoryview(value)
+        header, offset = objfile.decode_header(view[: objfile.header_size_hint(view)])
+        objfile.check(header, key, geometry, chunk_size)
+        if len(view) != offset + header.nbytes:
+            raise CorruptObject("value length does not match its header")
+        payload = view[offset:]
+        objfile.verify_payload(header, payload)
+    except CorruptObject as e:
+        return e
+    out[:] = payload
+    return Head(header.version, header.parent, header.overwrite)
+
+
+HEAD_BYTES = 512  # enough for the header of any object (fetched whole if it is longer)
+
+
+def read_heads(client: Any, rkeys: list[bytes]) -> list[Head]:
+    """The heads of the leading ``rkeys`` present (shorter at the first absent or corrupted: a read
+    finds and deletes that one): one pipelined round trip reading the first bytes of each value."""
+    if not rkeys:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for rkey in rkeys:
+        pipe.getrange(rkey, 0, HEAD_BYTES - 1)
+    out = []
+    for rkey, first in zip(rkeys, pipe.execute(), strict=True):
+        if not first:
+            break
+        try:
+            end = objfile.header_end(first)
+            block = first if end <= len(first) else client.getrange(rkey, 0, end - 1)
+            header, _ = objfile.decode_header(block)
+        except CorruptObject:
+            break
+        out.append(Head(header.version, header.parent))
+    return out

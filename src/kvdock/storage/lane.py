@@ -31,18 +31,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvdock.errors import NoRoom, WriteFenced, WriteLate
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
-from kvdock.storage import objfile
+from kvdock.storage._lanejobs import SharedHeader as SharedHeader  # (re-exported: the manager makes them)
+from kvdock.storage._lanejobs import _Batch, _Call, _Write
 from kvdock.storage.coherence import Fence
 from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.tier import Head, StorageTier
@@ -50,52 +49,6 @@ from kvdock.storage.writeback import BatchSizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class SharedHeader:
-    """An object's header block, computed once (it checksums the whole payload) by whichever
-    lane's writer thread needs it first, while that lane pins the object."""
-
-    def __init__(self, key: ObjectKey, geometry: KVGeometry, chunk_size: int, view: memoryview, head: Head) -> None:
-        shape = list(geometry.chunk_shape(chunk_size))
-        self._args = (key, geometry.dtype, shape, view, *head[:2], geometry.digest(chunk_size), head.overwrite)
-        self._lock = threading.Lock()
-        self._block: bytes | None = None
-
-    def get(self) -> bytes:
-        with self._lock:
-            if self._block is None:
-                self._block = objfile.encode_header(*self._args)
-            return self._block
-
-
-@dataclass(eq=False)
-class _Write:
-    obj: L1Object
-    header: SharedHeader
-    view: memoryview
-
-
-@dataclass(eq=False)
-class _Call:
-    """A writer-thread call queued behind the writes before it (a deletion, a clear)."""
-
-    what: str  # for logs; "delete" also counts in ``deletes``
-    fn: Callable[[], Any]
-    done: asyncio.Future[Any]
-    default: Any  # the result when the tier is down or the call fails
-    count: int = 1  # what it counts in ``deletes``: the keys a deletion removes
-    keys: frozenset[ObjectKey] = frozenset()  # a deletion's keys
-
-
-@dataclass(eq=False)
-class _Batch:
-    """Write-downs the writer runs in order in one call (see the module docstring: a busy event
-    loop between two writes left the disk idle two thirds of the time)."""
-
-    jobs: list[_Write]
-    stop: threading.Event = field(default_factory=threading.Event)  # a deletion came: stop after this write
-    done: int = 0  # writes finished (event loop side)
 
 
 class TierLane:
@@ -233,19 +186,44 @@ class TierLane:
         return self._sizer.size(self.counters.writes, self.counters.write_seconds)
 
     def _write_batch(self, batch: _Batch, loop: asyncio.AbstractEventLoop) -> int:
-        """[writer thread] Run the batch's writes in order, each reported to the loop as done;
-        stop early when a deletion came (``stop``) or the tier failed; how many ran."""
+        """[writer thread] Run the batch's writes in order, each reported to the loop as done (a
+        staging tier's once the batch is settled: StorageTier.settle); stop early when a deletion
+        came (``stop``) or the tier failed; how many ran."""
+        ran: list[tuple[_Write, tuple[int, float] | None, Exception | None]] = []
+        count = 0
         for i, job in enumerate(batch.jobs):
             if i and batch.stop.is_set():
-                return i
+                break
+            count = i + 1
+            err: Exception | None = None
             try:
-                result, err = self._write_job(job), None
+                result = self._write_job(job)
             except Exception as e:  # reported to the loop (_wrote), as a write's own outcome
                 result, err = None, e
-            loop.call_soon_threadsafe(self._wrote, batch, job, result, err)
+            if self.tier.stages:
+                ran.append((job, result, err))
+            else:
+                loop.call_soon_threadsafe(self._wrote, batch, job, result, err)
             if err is not None and not isinstance(err, (NoRoom, WriteFenced)):
-                return i + 1  # the tier failed: the rest wait for the loop (dropped while it is down)
-        return len(batch.jobs)
+                break  # the tier failed: the rest wait for the loop (dropped while it is down)
+        if ran:
+            self._settle(batch, ran, loop)
+        return count
+
+    def _settle(
+        self,
+        batch: _Batch,
+        ran: list[tuple[_Write, tuple[int, float] | None, Exception | None]],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        """[writer thread] Settle a staging tier's batch (``ran``: its writes so far) and report each."""
+        try:
+            unsettled: dict[ObjectKey, Exception] = self.tier.settle()
+        except Exception as e:  # the tier failed: no staged write of the batch is known to land
+            unsettled = {job.obj.key: e for job, _, failure in ran if failure is None}
+        for job, result, failure in ran:
+            failed = failure if failure is not None else unsettled.get(job.obj.key)
+            loop.call_soon_threadsafe(self._wrote, batch, job, result if failed is None else None, failed)
 
     def _write_job(self, job: _Write) -> tuple[int, float]:
         t0 = time.perf_counter()

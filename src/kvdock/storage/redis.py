@@ -16,7 +16,6 @@ event loop, so it is guarded by a lock.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import threading
 import time
@@ -28,11 +27,11 @@ import redis as redis_py
 from kvdock.errors import CorruptObject, WriteFenced, WriteLate
 from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
-from kvdock.redisurl import CLUSTER_SCHEMES
-from kvdock.storage import coherence, objfile
+from kvdock.redisurl import CLUSTER_SCHEMES, redacted
+from kvdock.storage import _redisstage, coherence, objfile
 from kvdock.storage._coherence_lua import FLOOR_MIN_MS
-from kvdock.storage._redisclient import ERRORS, cluster_nodes, make_client, run_waited
-from kvdock.storage._redisread import FALLBACK, read_fast
+from kvdock.storage._redisclient import ERRORS, cluster_nodes, eval_each, make_client, ping_primaries, run_waited
+from kvdock.storage._redisread import FALLBACK, read_fast, read_heads, read_plain
 from kvdock.storage.budget import Budget
 from kvdock.storage.coherence import DELETE_SCRIPT, Coherence, Fence
 from kvdock.storage.policy import Policy
@@ -48,7 +47,6 @@ BACKOFF_MAX = 30.0
 # value or the whole new one, and it is a single-key command (it goes to the key's node, follows
 # slot migrations, and needs no temporary key: no TTL, no leftovers, no multi-key RENAME)
 WRITE_SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]); redis.call('APPEND', KEYS[1], ARGV[2])"
-_KEEP_SHA = hashlib.sha1(coherence.KEEP_SCRIPT.encode()).hexdigest()
 
 
 def redis_key(key: ObjectKey, identity: str = "") -> bytes:
@@ -103,14 +101,12 @@ class RedisTier(StorageTier):
         self._backoff = 1.0
         self._retry_at = 0.0
         self.coherence: Coherence | None = None  # the fleet's invalidations (set by the server)
+        self._staging: list[_redisstage.Staged] = []  # plain write-downs staged, to settle (writer thread)
 
     @property
     def display_url(self) -> str:
         """The URL without its password."""
-        if "@" in self.url:
-            scheme, rest = self.url.split("://", 1)
-            return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-        return self.url
+        return redacted(self.url)
 
     def up(self) -> bool:
         return self._up
@@ -149,7 +145,12 @@ class RedisTier(StorageTier):
             if self._client is None:
                 self._client = make_client(self.url, self.timeout)
             if self.cluster:  # every shard: a default node answering says nothing of a dead master
-                self._ping_primaries()
+                down = ping_primaries(self._client)
+                with self._lock:
+                    self._down_nodes = down  # (for /status)
+                if down:
+                    name, err = next(iter(down.items()))
+                    raise redis_py.ConnectionError(f"{len(down)} primary node(s) do not answer; {name}: {err}")
             else:
                 self._client.ping()
         except ERRORS as e:
@@ -161,22 +162,6 @@ class RedisTier(StorageTier):
                 log.warning("L3 %s is back", self.display_url)
             self._up = True
             self._backoff = 1.0
-
-    def _ping_primaries(self) -> None:
-        """PING every primary the client knows, noting which do not answer (for /status); raises
-        the first error."""
-        client = self._client
-        down: dict[str, str] = {}
-        for node in client.get_primaries():
-            try:
-                client.ping(target_nodes=node)
-            except ERRORS as e:
-                down[node.name] = f"{type(e).__name__}: {e}"
-        with self._lock:
-            self._down_nodes = down
-        if down:
-            name, err = next(iter(down.items()))
-            raise redis_py.ConnectionError(f"{len(down)} primary node(s) do not answer; {name}: {err}")
 
     def is_cluster_node(self) -> bool:
         """[any, at start] Whether a single-server URL points at a Redis Cluster node (it would
@@ -208,7 +193,8 @@ class RedisTier(StorageTier):
     def write_from(self, key: ObjectKey, header: bytes, payload: memoryview, fence: Fence | None = None) -> int:
         """Store ``header + payload`` under the key in one atomic script (WRITE_SCRIPT); with a
         ``fence``, the script refuses (WriteFenced) a write that an overwrite's floor or its age
-        makes stale (kvdock.storage.coherence)."""
+        makes stale (kvdock.storage.coherence), and a plain version's is only staged: readable once
+        :meth:`settle` commits it (storage._redisstage)."""
         final = self._key(key, fence.incarnation if fence is not None else None)
         size = len(header) + len(payload)
         owner = self.shares.owner(key) if self.shares is not None else None
@@ -219,17 +205,56 @@ class RedisTier(StorageTier):
             self._redis.eval(WRITE_SCRIPT, 1, final, header, payload)
         else:
             assert head is not None
-            args = (header, payload, coherence.pos_text(fence.position), fence.issued_ms, head.overwrite)
-            written = int(self._redis.eval(coherence.WRITE_SCRIPT, 2, final, floor_key(final), *args))
+            keys: tuple[bytes, ...] = (final, floor_key(final))
+            position = coherence.pos_text(fence.position)
+            args: tuple[Any, ...] = (header, payload, position, fence.issued_ms, head.overwrite)
+            staged = None
+            if not head.overwrite:
+                staged = _redisstage.Staged(key, final, _redisstage.nonce(), fence.position, size)
+                keys, args = (*keys, *_redisstage.staged_keys(final)), (*args, staged.nonce)
+            written = int(self._redis.eval(coherence.WRITE_SCRIPT, len(keys), *keys, *args))
             if written != 1:
                 self.counters.fenced += 1
                 err = WriteLate if written == 0 else WriteFenced  # (late: issued too long ago)
                 raise err(f"L3 refused a write-down of {key.chunk.hex()[:16]} ({'late' if written == 0 else 'stale'})")
+            if staged is not None:
+                self._staging.append(staged)
         if head is not None and self._tracking:  # its place after its prompt's head (storage.budget)
             with self._lock:
                 self._written.remove(final)
                 self._written.add(final, size, owner, version=head.version, parent=head.parent)
         return size
+
+    @property
+    def stages(self) -> bool:  # type: ignore[override]
+        """Plain versions' write-downs are staged with the fleet's coherence (storage._redisstage)."""
+        return self.coherence is not None
+
+    def settle(self) -> dict[ObjectKey, Exception]:
+        """[writer] Commit the plain versions :meth:`write_from` staged since the last call
+        (storage._redisstage.settle); those that did not land, with WriteFenced (an overwrite
+        replaced them: their server drops its copy) or WriteLate (not there any more, or not
+        provably current: skipped)."""
+        staged, self._staging = self._staging, []
+        if not staged or self.coherence is None:
+            return {}
+        outcomes = _redisstage.settle(self.coherence.client(), self._commit, staged, self.coherence.incarnation)
+        out: dict[ObjectKey, Exception] = {}
+        for s, outcome in zip(staged, outcomes, strict=True):
+            err = _redisstage.refusal(s, outcome)
+            if err is not None:
+                self.counters.fenced += 1
+                with self._lock:
+                    self._forget(s.final)
+                out[s.key] = err
+        return out
+
+    def _commit(self, staged: list[_redisstage.Staged], commit: list[bool]) -> list[int]:
+        """[writer] COMMIT_SCRIPT for each staged write, pipelined (dropped where ``commit`` is
+        False); a write whose script failed (OOM say) did not land: GONE."""
+        calls = [_redisstage.commit_args(s, floor_key(s.final), c) for s, c in zip(staged, commit, strict=True)]
+        done = eval_each(self._redis, _redisstage.COMMIT_SCRIPT, calls)
+        return [_redisstage.GONE if isinstance(r, Exception) else int(r) for r in done]
 
     def _forget(self, final: bytes) -> None:
         """Stop counting this server's write of ``final`` (under _lock)."""
@@ -266,50 +291,20 @@ class RedisTier(StorageTier):
     def _read_plain(
         self, rkey: bytes, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int
     ) -> Head | None:
-        """One GET through redis-py (its parser makes the value a bytes object), checked, then
-        copied into ``out``."""
-        value = self._redis.get(rkey)
-        if value is None:
-            return None
-        try:
-            view = memoryview(value)
-            header, offset = objfile.decode_header(view[: objfile.header_size_hint(view)])
-            objfile.check(header, key, geometry, chunk_size)
-            if len(view) != offset + header.nbytes:
-                raise CorruptObject("value length does not match its header")
-            payload = view[offset:]
-            objfile.verify_payload(header, payload)
-        except CorruptObject as e:
+        """One GET through redis-py (_redisread.read_plain); a corrupted value is deleted so
+        lookups stop counting it (a newer value renamed onto the key meanwhile would go too, which
+        is only a miss)."""
+        found = read_plain(self._redis, key, rkey, out, geometry, chunk_size)
+        if isinstance(found, CorruptObject):
             self.counters.corrupted += 1
-            # Deleted so lookups stop counting it; a newer value renamed onto the key meanwhile
-            # would go too, which is only a miss.
             self._redis.delete(rkey)
-            log.warning("L3: corrupted value for %s (%s); deleted", key.chunk.hex()[:16], e)
+            log.warning("L3: corrupted value for %s (%s); deleted", key.chunk.hex()[:16], found)
             return None
-        out[:] = payload
-        return Head(header.version, header.parent, header.overwrite)
-
-    HEAD_BYTES = 512  # enough for the header of any object (fetched whole if it is longer)
+        return found
 
     def heads(self, keys: list[ObjectKey]) -> list[Head]:
         """One pipelined round trip reading the first bytes of each value (its header)."""
-        if not keys:
-            return []
-        pipe = self._redis.pipeline(transaction=False)
-        for k in keys:
-            pipe.getrange(self._key(k), 0, self.HEAD_BYTES - 1)
-        out = []
-        for key, first in zip(keys, pipe.execute(), strict=True):
-            if not first:
-                break
-            try:
-                end = objfile.header_end(first)
-                block = first if end <= len(first) else self._redis.getrange(self._key(key), 0, end - 1)
-                header, _ = objfile.decode_header(block)
-            except CorruptObject:
-                break  # read_into will find and delete it
-            out.append(Head(header.version, header.parent))
-        return out
+        return read_heads(self._redis, [self._key(k) for k in keys])
 
     def floored(self, keys: list[ObjectKey]) -> set[ObjectKey]:
         """[worker, reader] Those of ``keys`` (a plain store's heads found no value of them) whose
@@ -326,33 +321,25 @@ class RedisTier(StorageTier):
 
     def keep(self, items: list[tuple[ObjectKey, str, bytes]]) -> list[int]:
         """[worker] KEEP_SCRIPT for each (key, its overwrite's E2, the mark of the version held),
-        pipelined (one round trip, per node on a cluster; by its digest, then in full for the
-        nodes that lack it): 1 serve on, 0 write it again, -1 drop it (storage.keeping)."""
+        pipelined (_redisclient.eval_each): 1 serve on, 0 write it again, -1 drop it
+        (storage.keeping). (A script's error for one key, OOM say, drops that key only: R-KEEP 3.)"""
         if self.coherence is None or not items:
             return []
-        ttl, finals = self.coherence.floor_ttl_ms, [self._key(key) for key, _, _ in items]
-        out: list[Any] = [redis_py.exceptions.NoScriptError()] * len(items)
-        for cmd, body in (("EVALSHA", _KEEP_SHA), ("EVAL", coherence.KEEP_SCRIPT)):
-            todo = [i for i, r in enumerate(out) if isinstance(r, redis_py.exceptions.NoScriptError)]
-            pipe = self._redis.pipeline(transaction=False)
-            for i in todo:
-                pipe.execute_command(cmd, body, 2, finals[i], floor_key(finals[i]), *items[i][1:], ttl)
-            for i, r in zip(todo, pipe.execute(raise_on_error=False) if todo else [], strict=True):
-                out[i] = r
-        for r in out:  # (a script's error for one key, OOM say, drops that key only: R-KEEP 3)
-            if isinstance(r, Exception) and not isinstance(r, redis_py.exceptions.ResponseError):
-                raise r
-        return [-1 if isinstance(r, Exception) else int(r) for r in out]
+        ttl = self.coherence.floor_ttl_ms
+        calls = [(2, self._key(key), floor_key(self._key(key)), e2, mark, ttl) for key, e2, mark in items]
+        done = eval_each(self._redis, coherence.KEEP_SCRIPT, calls)
+        return [-1 if isinstance(r, Exception) else int(r) for r in done]
 
     def delete(self, key: ObjectKey) -> None:
         """DEL (on a cluster, WAITed for by a replica: _redisclient.run_waited); with the default appendfsync
         the deletion is as durable as Redis makes anything. (An overwrite's go through
         :meth:`delete_keys`.)"""
         final = self._key(key)
+        keys = (final, *_redisstage.staged_keys(final))  # (a write staged before it goes too)
         if self.cluster:
-            run_waited(self._redis, final, "return redis.call('DEL', KEYS[1])", 1, final)
+            run_waited(self._redis, final, "return redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])", 3, *keys)
         else:
-            self._redis.delete(final)
+            self._redis.delete(*keys)
         with self._lock:
             self._forget(final)
 
@@ -381,7 +368,8 @@ class RedisTier(StorageTier):
         """Delete ``final`` and raise its floor to ``floor`` (one script)."""
         ttl = self.coherence.floor_ttl_ms if self.coherence is not None else coherence.FLOOR_TTL_MS
         ttl = max(ttl, FLOOR_MIN_MS)  # (a write-down issued before it lands within ISSUE_LIMIT_MS)
-        args = (DELETE_SCRIPT, 2, final, floor_key(final), coherence.pos_text(floor), ttl)
+        keys = (final, floor_key(final), *_redisstage.staged_keys(final))
+        args = (DELETE_SCRIPT, 4, *keys, coherence.pos_text(floor), ttl)
         if self.cluster:
             run_waited(self._redis, final, *args)
         else:

@@ -94,6 +94,15 @@ class StorageTier(abc.ABC):
         (WriteFenced) a write that an overwrite elsewhere made stale
         (:mod:`kvdock.storage.coherence`); a local tier ignores it."""
 
+    stages: bool = False  # write_from may only stage a write: the lane calls settle() after each batch
+
+    def settle(self) -> dict[ObjectKey, Exception]:
+        """[worker, writer] Make readable the writes :meth:`write_from` only staged since the last
+        call (a shared tier's plain versions: :mod:`kvdock.storage._redisstage`); those that did not
+        land, with why (WriteFenced: stale, the object's server drops it; WriteLate: skipped).
+        The lane calls it after each batch. A tier that stages nothing: none."""
+        return {}
+
     @abc.abstractmethod
     def delete(self, key: ObjectKey) -> None:
         """[worker, writer] Remove ``key``'s object durably: when this returns, the object is gone

@@ -57,17 +57,10 @@ def _evicted(cluster: Any) -> int:
     return total
 
 
-# Not strict: the soaks pass most runs, but once in ~10 runs of the pair on a loaded 2-core VM
-# all three servers served a version that an acknowledged overwrite had replaced (6614, 0.37 s
-# after overwrite 6618 was acknowledged; which soak was not recorded). Most likely cause (not
-# confirmed): allkeys-lru evicted the fresh floor while a plain write-down issued before the
-# overwrite was on its way; that case is pinned by the strict xfails
-# test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor_and_the_value (r9_fleet).
-# Drop this marker once they pass, and look again if a soak still fails.
-@pytest.mark.xfail(
-    strict=False,
-    reason="A-FLEET r9: allkeys-lru evicting a floor lets a late plain write-down bring a replaced version back",
-)
+# Was a non-strict xfail: once in ~10 runs all three servers served a version an acknowledged
+# overwrite had replaced, most likely allkeys-lru evicting a fresh floor (and value) while a plain
+# write-down issued before the overwrite was on its way; such write-downs are staged and checked
+# against the stream now (storage/_redisstage.py).
 @pytest.mark.subprocess_server
 def test_keeping_on_a_cluster_under_lru_evictions_a_master_failover_and_sigstop(
     make_server, redis_cluster, tmp_path: Path

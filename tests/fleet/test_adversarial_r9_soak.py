@@ -93,17 +93,10 @@ def _serves(ctx: kvd.KVCacheContext, fleet: Fleet, i: int, prefix: int, want: in
     raise AssertionError(f"{what}: server {i} serves {got} of prefix {prefix}, not version {want}: {status}")
 
 
-# Not strict: the soaks pass most runs, but once in ~10 runs of the pair on a loaded 2-core VM
-# all three servers served a version that an acknowledged overwrite had replaced (6614, 0.37 s
-# after overwrite 6618 was acknowledged; which soak was not recorded). Most likely cause (not
-# confirmed): allkeys-lru evicted the fresh floor while a plain write-down issued before the
-# overwrite was on its way; that case is pinned by the strict xfails
-# test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor_and_the_value (r9_fleet).
-# Drop this marker once they pass, and look again if a soak still fails.
-@pytest.mark.xfail(
-    strict=False,
-    reason="A-FLEET r9: allkeys-lru evicting a floor lets a late plain write-down bring a replaced version back",
-)
+# Was a non-strict xfail: once in ~10 runs all three servers served a version an acknowledged
+# overwrite had replaced, most likely allkeys-lru evicting a fresh floor (and value) while a plain
+# write-down issued before the overwrite was on its way; such write-downs are staged and checked
+# against the stream now (storage/_redisstage.py).
 @pytest.mark.subprocess_server
 def test_keeping_under_real_lru_evictions_sigstop_past_the_lease_sigkill_and_flushall(
     make_server, tmp_path: Path

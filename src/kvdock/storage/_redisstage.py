@@ -37,8 +37,9 @@ from kvdock.storage._coherence_lua import (
     NONCE_SUFFIX,
     STAGED_SUFFIX,
     STREAM_KEY,
+    WRITE_SCRIPT,
 )
-from kvdock.storage.coherence import decode_keys, pos_int, pos_text
+from kvdock.storage.coherence import Fence, decode_keys, pos_int, pos_text
 
 __all__ = [
     "CHECK_COUNT",
@@ -53,6 +54,7 @@ __all__ = [
     "refusal",
     "settle",
     "staged_keys",
+    "write",
 ]
 
 CHECK_COUNT = 10_000  # stream entries one check reads at most (more: the batch is not committed)
@@ -77,6 +79,32 @@ def nonce() -> str:
 def staged_keys(final: bytes) -> tuple[bytes, bytes]:
     """The staged write's key and its nonce's, beside ``final`` in its hash slot."""
     return final + STAGED_SUFFIX, final + NONCE_SUFFIX
+
+
+def write(
+    client: Any,
+    key: ObjectKey,
+    final: bytes,
+    floor: bytes,
+    header: bytes,
+    payload: memoryview,
+    fence: Fence,
+    overwrite: str,
+) -> Staged | None:
+    """[writer] WRITE_SCRIPT (storage.coherence) for ``key``'s object at ``final``: an overwrite's
+    version (``overwrite``: its E2, from its header) written (None), a plain version ("") staged (its Staged, for
+    :func:`settle`); raises WriteLate (issued too long ago) or WriteFenced (stale)."""
+    keys: tuple[bytes, ...] = (final, floor)
+    args: tuple[Any, ...] = (header, payload, pos_text(fence.position), fence.issued_ms, overwrite)
+    staged = None
+    if not overwrite:
+        staged = Staged(key, final, nonce(), fence.position, len(header) + len(payload))
+        keys, args = (*keys, *staged_keys(final)), (*args, staged.nonce)
+    written = int(client.eval(WRITE_SCRIPT, len(keys), *keys, *args))
+    if written != 1:
+        err = WriteLate if written == 0 else WriteFenced
+        raise err(f"L3 refused a write-down of {key.chunk.hex()[:16]} ({'late' if written == 0 else 'stale'})")
+    return staged
 
 
 def _named(entries: list[Any]) -> dict[ObjectKey, int]:

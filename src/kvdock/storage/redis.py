@@ -24,7 +24,7 @@ from typing import Any
 
 import redis as redis_py
 
-from kvdock.errors import CorruptObject, WriteFenced, WriteLate
+from kvdock.errors import CorruptObject, WriteFenced
 from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
 from kvdock.redisurl import CLUSTER_SCHEMES, redacted
@@ -205,18 +205,13 @@ class RedisTier(StorageTier):
             self._redis.eval(WRITE_SCRIPT, 1, final, header, payload)
         else:
             assert head is not None
-            keys: tuple[bytes, ...] = (final, floor_key(final))
-            position = coherence.pos_text(fence.position)
-            args: tuple[Any, ...] = (header, payload, position, fence.issued_ms, head.overwrite)
-            staged = None
-            if not head.overwrite:
-                staged = _redisstage.Staged(key, final, _redisstage.nonce(), fence.position, size)
-                keys, args = (*keys, *_redisstage.staged_keys(final)), (*args, staged.nonce)
-            written = int(self._redis.eval(coherence.WRITE_SCRIPT, len(keys), *keys, *args))
-            if written != 1:
+            try:  # (a plain version's is staged: settle commits it)
+                staged = _redisstage.write(
+                    self._redis, key, final, floor_key(final), header, payload, fence, head.overwrite
+                )
+            except WriteFenced:
                 self.counters.fenced += 1
-                err = WriteLate if written == 0 else WriteFenced  # (late: issued too long ago)
-                raise err(f"L3 refused a write-down of {key.chunk.hex()[:16]} ({'late' if written == 0 else 'stale'})")
+                raise
             if staged is not None:
                 self._staging.append(staged)
         if head is not None and self._tracking:  # its place after its prompt's head (storage.budget)

@@ -135,3 +135,28 @@ def test_the_lane_reports_every_staged_write_once_settled(tmp_path: Path, redis_
         w.check()
 
     _one_host(tmp_path, redis_server, body)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="R-STAGE 3 (latent: the lane never batches two live objects of one key): RedisTier.settle "
+    "reports by ObjectKey, so of two writes of one key staged since the last settle, the one that "
+    "landed is reported as not landed (the first's GONE) and forgotten by the budget",
+)
+def test_two_staged_writes_of_one_key_report_the_one_that_landed(tmp_path: Path, redis_server: RedisProc) -> None:
+    async def body(w: World, raw: redis_py.Redis) -> None:
+        tier, coherence = w.redis, w.coherence
+        assert tier is not None and coherence is not None
+        header, data = _plain(A, 1)
+        size = len(header) + len(data)
+        _budget(tier, 10 * size)
+        for version in (1, 2):
+            h, d = _plain(A, version)
+            tier.write_from(A, h, d, coherence.fence(coherence.position))
+        refused = tier.settle()
+        h2, d2 = _plain(A, 2)
+        assert raw.get(tier._key(A)) == h2 + bytes(d2)  # the second landed
+        assert tier._written.used == size  # (the bug: 0, forgotten)
+        assert refused == {}  # (the bug: {A: WriteLate(gone)}, which the lane gives both writes)
+
+    _one_host(tmp_path, redis_server, body)

@@ -80,7 +80,7 @@ def redis_bytes(w: World, key: ObjectKey) -> bytes | None:
 def settled(w: World) -> None:
     """Every lane idle, nothing in its backlog, integrity (incl. dirty counts) holds."""
     for lane in w.lanes.values():
-        assert lane.idle and lane.backlog() == (0, 0) and lane.pinned is None, lane.name
+        assert lane.idle and lane.backlog() == (0, 0) and not lane.writing, lane.name
     w.check()
 
 

@@ -90,8 +90,6 @@ class TierLane:
         """The objects the writer holds (L1Store.hold) to copy now or next, in its batch."""
         return [j.obj for j in self._busy.jobs[self._busy.done :]] if isinstance(self._busy, _Batch) else []
 
-    pinned = None  # the writer holds (L1Store.hold), never pins (StorageManager.check_integrity)
-
     def abandon(self) -> tuple[int, int]:
         """Drop every queued job (a shutdown drain was aborted; the batch in flight stops after its
         write in progress, its unrun writes dropped and counted when it returns; deletions and clears

@@ -388,8 +388,6 @@ class StorageManager:
         held += len(self.loads)
         for lane in self.lanes:
             lane.check_integrity()
-            if lane.pinned is not None:
-                pins[id(lane.pinned)] = pins.get(id(lane.pinned), 0) + 1
         self.loads.check_integrity()
         for obj in self.l1.pinned_objects():
             assert pins.pop(id(obj), 0) == obj.pins, "pin count does not match the sessions holding it"

@@ -1,6 +1,7 @@
 """R-STAGE review of 7be2b81 (staged L3 write-downs, storage._redisstage): findings reproduced on
-one real redis-server with in-process hosts (tierworld). Each test is a strict xfail naming the
-bug; fix the bug and drop the mark.
+one real redis-server with in-process hosts (tierworld). Each test was a strict xfail naming the
+bug; all three are fixed (RedisTier._make_room deletes a victim's staged write too; settle forgets
+a key only where its earlier write cannot be there, and reports the last staging of a key).
 
 Both are about this server's L3 byte budget (``RedisTier._written``, ``--redis-max-bytes`` and
 the tenants' quotas): since a plain write-down only lands at :meth:`RedisTier.settle`, the
@@ -52,12 +53,6 @@ def _one_host(tmp_path: Path, redis_server: RedisProc, body: object) -> None:
     asyncio.run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-STAGE 1: RedisTier._make_room evicts a write staged earlier in the same batch by deleting "
-    "only its value key (nothing there yet); settle then commits it, untracked: L3 holds more than "
-    "--redis-max-bytes",
-)
 def test_a_write_staged_in_the_batch_and_evicted_for_room_does_not_land_untracked(
     tmp_path: Path, redis_server: RedisProc
 ) -> None:
@@ -87,12 +82,6 @@ def test_a_write_staged_in_the_batch_and_evicted_for_room_does_not_land_untracke
     _one_host(tmp_path, redis_server, body)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-STAGE 2: RedisTier.settle forgets (budget) every key whose staged write did not land, "
-    "though L3 may still hold this server's earlier committed value of it (GONE: the staged key was "
-    "evicted; UNPROVEN: the stream was trimmed): bytes in L3 the budget no longer counts",
-)
 def test_a_staged_write_that_did_not_land_leaves_the_earlier_value_counted(
     tmp_path: Path, redis_server: RedisProc
 ) -> None:
@@ -137,12 +126,6 @@ def test_the_lane_reports_every_staged_write_once_settled(tmp_path: Path, redis_
     _one_host(tmp_path, redis_server, body)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-STAGE 3 (latent: the lane never batches two live objects of one key): RedisTier.settle "
-    "reports by ObjectKey, so of two writes of one key staged since the last settle, the one that "
-    "landed is reported as not landed (the first's GONE) and forgotten by the budget",
-)
 def test_two_staged_writes_of_one_key_report_the_one_that_landed(tmp_path: Path, redis_server: RedisProc) -> None:
     async def body(w: World, raw: redis_py.Redis) -> None:
         tier, coherence = w.redis, w.coherence

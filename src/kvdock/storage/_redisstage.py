@@ -63,13 +63,16 @@ COMMITTED, GONE, REFUSED, UNPROVEN = 1, 0, -1, -2  # a staged write's outcome (s
 
 class Staged(NamedTuple):
     """A plain version's write staged in L3: its object key, L3 key, nonce, its server's position
-    when issued, and its size."""
+    when issued and the stream's incarnation then, its size, and whether its server's L3 budget
+    counted an earlier write of that key when it was staged (storage.redis)."""
 
     key: ObjectKey
     final: bytes
     nonce: str
     position: int
+    incarnation: bytes
     size: int
+    counted: bool = False
 
 
 def nonce() -> str:
@@ -98,7 +101,7 @@ def write(
     args: tuple[Any, ...] = (header, payload, pos_text(fence.position), fence.issued_ms, overwrite)
     staged = None
     if not overwrite:
-        staged = Staged(key, final, nonce(), fence.position, len(header) + len(payload))
+        staged = Staged(key, final, nonce(), fence.position, fence.incarnation, len(header) + len(payload))
         keys, args = (*keys, *staged_keys(final)), (*args, staged.nonce)
     written = int(client.eval(WRITE_SCRIPT, len(keys), *keys, *args))
     if written != 1:
@@ -125,7 +128,8 @@ def settle(
     (the client of the stream's node) from the earliest position, then ``run(staged, commit)``
     (COMMIT_SCRIPT for each, pipelined; ``commit[i]`` False drops it). Per write: COMMITTED,
     GONE (not there any more), REFUSED (an entry after its position names its key, or stale by
-    then) or UNPROVEN (the stream could not show every entry after its position)."""
+    then) or UNPROVEN (the stream could not show every entry after its position, or the write was
+    issued under another incarnation of it than ``incarnation``, the current one)."""
     if not staged:
         return []
     start = min(s.position for s in staged)
@@ -134,9 +138,10 @@ def settle(
         run(staged, [False] * len(staged))
         return [UNPROVEN] * len(staged)
     named = _named(found)
-    commit = [named.get(s.key, 0) <= s.position for s in staged]
+    current = [s.incarnation == incarnation for s in staged]
+    commit = [c and named.get(s.key, 0) <= s.position for s, c in zip(staged, current, strict=True)]
     done = run(staged, commit)
-    return [d if c else REFUSED for d, c in zip(done, commit, strict=True)]
+    return [d if ok else REFUSED if c else UNPROVEN for d, ok, c in zip(done, commit, current, strict=True)]
 
 
 def commit_args(s: Staged, floor: bytes, commit: bool) -> tuple[Any, ...]:

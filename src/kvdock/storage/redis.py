@@ -213,7 +213,8 @@ class RedisTier(StorageTier):
                 self.counters.fenced += 1
                 raise
             if staged is not None:
-                self._staging.append(staged)
+                with self._lock:
+                    self._staging.append(staged._replace(counted=final in self._written))
         if head is not None and self._tracking:  # its place after its prompt's head (storage.budget)
             with self._lock:
                 self._written.remove(final)
@@ -234,14 +235,17 @@ class RedisTier(StorageTier):
         if not staged or self.coherence is None:
             return {}
         outcomes = _redisstage.settle(self.coherence.client(), self._commit, staged, self.coherence.incarnation)
+        last = {s.key: i for i, s in enumerate(staged)}  # (an earlier staging of a key was replaced by it)
         out: dict[ObjectKey, Exception] = {}
-        for s, outcome in zip(staged, outcomes, strict=True):
+        for i, (s, outcome) in enumerate(zip(staged, outcomes, strict=True)):
             err = _redisstage.refusal(s, outcome)
-            if err is not None:
-                self.counters.fenced += 1
+            if err is None or last[s.key] != i:
+                continue
+            self.counters.fenced += 1
+            if outcome == _redisstage.REFUSED or not s.counted:  # (else its earlier write may be there)
                 with self._lock:
                     self._forget(s.final)
-                out[s.key] = err
+            out[s.key] = err
         return out
 
     def _commit(self, staged: list[_redisstage.Staged], commit: list[bool]) -> list[int]:
@@ -266,7 +270,7 @@ class RedisTier(StorageTier):
                 if victim is None:
                     return
                 self._written.remove(victim, evicted=True)
-            self._redis.delete(victim)
+            self._redis.delete(victim, *_redisstage.staged_keys(victim))  # (a write staged in this batch too)
 
     def read_into(self, key: ObjectKey, out: memoryview, geometry: KVGeometry, chunk_size: int) -> Head | None:
         """The fast read (_redisread.read_fast), or redis-py's GET where it cannot decide."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
 import redis as redis_py
 
 from helpers import RedisProc

@@ -84,6 +84,14 @@ def check_kv_cache_groups(kv_cache_config: Any, block_size: int = 0, load_async:
             f"kvdock: this model has {len(mapped.groups)} KV cache groups (vLLM's hybrid KV cache manager), and vLLM "
             "takes load failures of several groups only for background loads: set kvdock.load_async=true"
         )
+    if mapped is not None and mapped.windowed and not load_async:
+        # vLLM recomputes a failed foreground load from its first failed block, attending to the
+        # null blocks a sliding window left before it (no KV): only a background load's failure
+        # can be reported per request (recomputed from the start)
+        raise UnsupportedLayoutError(
+            "kvdock: this model has a sliding-window KV cache group, whose failed loads are recomputed right only "
+            "from the request's start, which vLLM does only for background loads: set kvdock.load_async=true"
+        )
     return mapped
 
 

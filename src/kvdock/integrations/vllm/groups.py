@@ -112,7 +112,11 @@ class GroupMap:
         return (last + 1) * self.block_size
 
     def describe(self) -> list[dict[str, Any]]:
-        return [{"layers": list(g.layers), "window": g.window, "retained": g.retained} for g in self.groups]
+        """The layout as the fingerprint covers it: each group's window, not its layer names --
+        every pipeline stage's config names only its own layers (the scheduler's is stage 0's),
+        and all stages must register one fingerprint; which layers are windowed is the model
+        config's (in the model fingerprint already)."""
+        return [{"window": g.window, "retained": g.retained} for g in self.groups]
 
 
 def _refusal(index: int, group: Any, spec: Any, why: str) -> UnsupportedLayoutError:
@@ -180,9 +184,15 @@ def fingerprint_with(fingerprint: str, groups: GroupMap | None) -> str:
     return fp.fingerprint("vllm-groups", {"model": fingerprint, "groups": groups.describe()})
 
 
+def real_blocks(rows: Sequence[Sequence[int]], lo: int, hi: int) -> int:
+    """How many (layer, block) pairs of ``layer_rows``' ``rows`` in blocks ``[lo, hi)`` are real
+    (not -1): what a load writes, for its byte count (a window's layers fill fewer blocks)."""
+    return sum(1 for row in rows for b in row[lo:hi] if b >= 0)
+
+
 def layer_rows(group_of: Iterable[int], ids: Sequence[Sequence[int]], lo: int, hi: int) -> list[list[int]]:
     """Per layer, its group's block ids ``[lo, hi)``, the null block as -1 (a load skips it)."""
     return [[-1 if b == NULL_BLOCK else b for b in ids[g][lo:hi]] for g in group_of]
 
 
-__all__ = ["NULL_BLOCK", "WHY", "Group", "GroupMap", "fingerprint_with", "layer_rows", "map_groups"]
+__all__ = ["NULL_BLOCK", "WHY", "Group", "GroupMap", "fingerprint_with", "layer_rows", "map_groups", "real_blocks"]

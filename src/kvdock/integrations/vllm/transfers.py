@@ -373,14 +373,19 @@ class Transfers:
                 s["load_s"] += time.perf_counter() - start
                 s["load_bytes"] += nbytes
                 s["load_errors"] += len(failed)
-                s["loaded_tokens"] += nbytes // self.bytes_per_token
+                tokens = (0 if failed else spec.end - spec.start) if spec.groups else nbytes // self.bytes_per_token
+                s["loaded_tokens"] += tokens  # (with groups bytes are not tokens: windows fill fewer blocks)
                 job.failed = failed
-                if job.done is None and failed and len(spec.groups) > 1:
-                    self._failed.add(spec.req_id)  # (vLLM takes no block ids with several groups)
+                if job.done is None and failed and spec.groups:
+                    # (vLLM takes no block ids with several groups; and a sliding-window group
+                    # recomputed from a failed block would attend to the null blocks before it,
+                    # which hold no KV: the whole request is recomputed)
+                    self._failed.add(spec.req_id)
                 elif job.done is None:
                     self._errors |= failed
                     self._recved.add(spec.req_id)
-                    self._bg_loads -= 1
+                if job.done is None:
+                    self._bg_loads -= 1  # (over, failed or not)
                 self._busy -= 1
                 self._cv.notify_all()
             if job.done is not None:

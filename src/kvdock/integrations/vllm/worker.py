@@ -39,7 +39,7 @@ from kvdock.codecs.vllm import LAYOUT_ALIASES
 from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.vllm.config import ConnectorConfig
 from kvdock.integrations.vllm.geometry import _any_rank, _geometry
-from kvdock.integrations.vllm.groups import NULL_BLOCK, GroupMap, layer_rows
+from kvdock.integrations.vllm.groups import NULL_BLOCK, GroupMap, layer_rows, real_blocks
 from kvdock.integrations.vllm.hybrid import GroupCopy
 from kvdock.integrations.vllm.link import Link
 from kvdock.integrations.vllm.plan import KvdockMetadata, LoadSpec, SaveSpec
@@ -287,6 +287,10 @@ class WorkerSide:
                     loaded = set(spec.block_ids[spec.start // bs : hit // bs])
                     wanted -= loaded
                     nbytes = len(loaded) * bs * self.bytes_per_token
+                    if spec.groups:  # (a window's layers fill only the blocks vLLM keeps)
+                        per_layer = self.bytes_per_token // max(1, len(self.group_of))
+                        rows = layer_rows(self.group_of, spec.groups, 0, len(spec.block_ids))
+                        nbytes = real_blocks(rows, spec.start // bs, hit // bs) * bs * per_layer
         except Exception:  # whatever went wrong, the blocks are recomputed and vLLM runs on
             log.exception("kvdock load of %s failed", spec.req_id)
         if wanted:

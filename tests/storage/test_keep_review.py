@@ -8,8 +8,6 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-import pytest
-
 from helpers import RedisProc
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
@@ -78,12 +76,6 @@ def test_a_plain_store_never_replaces_an_overwrite_written_down_between_its_head
     asyncio.run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-KEEP 2: a request's shards are separate sessions with one E1/E2 each; of two overlapping "
-    "overwrites through two servers, 'the later E2 wins' is decided per shard, so each server commits "
-    "one shard and L3 ends with one writer's shard 0 beside the other's shard 1 (a chunk of two versions)",
-)
 def test_two_overlapping_overwrites_of_a_sharded_chunk_leave_one_writers_shards(
     tmp_path: Path, redis_server: RedisProc
 ) -> None:
@@ -92,7 +84,10 @@ def test_two_overlapping_overwrites_of_a_sharded_chunk_leave_one_writers_shards(
     steps interleave as A:shard 0, C:shard 0, C:shard 1, A:shard 1 (A's L3 lane busy a moment
     between its two shards). Per key, the later E2 wins: C's for shard 0, A's for shard 1. Each
     server then commits the shard it won, and every reader of the fleet assembles C's shard 0 with
-    A's shard 1 (both kept by their holders: KEEP answers 1 for each)."""
+    A's shard 1 (both kept by their holders: KEEP answers 1 for each). Fixed: the server now
+    deletes a request's shards under one invalidation (prepare_stores:
+    test_coherence_shards.py); this drives the old per-shard deletions, and still no server
+    commits a chunk in one shard only (storage.commits): here neither commits (a miss)."""
     r0, r1 = ObjectKey("tiny", 0, "", bytes([9]) * 32), ObjectKey("tiny", 1, "", bytes([9]) * 32)
 
     async def prepare(w: World, sid: str, key: ObjectKey, version: int) -> None:
@@ -240,12 +235,6 @@ def test_a_holder_with_a_shorter_floor_ttl_never_shortens_another_holders_floor(
     asyncio.run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="R-KEEP 5: too_late (and seen/SUPERSEDED) are decided per shard session, each with its own "
-    "E2: an overwrite whose shards' E2s straddle the 8 s commit limit commits one shard and aborts the "
-    "other; that shard's floor lapses (nobody keeps it) and a plain store then fills it with other bytes",
-)
 def test_an_overwrite_of_a_sharded_chunk_commits_all_its_shards_or_none(
     tmp_path: Path, redis_server: RedisProc
 ) -> None:
@@ -254,7 +243,9 @@ def test_an_overwrite_of_a_sharded_chunk_commits_all_its_shards_or_none(
     (a slow client copy): shard 0's E2 is just past the limit (not committed), shard 1's just
     within it (committed, held, its floor kept). Once shard 0's floor lapses, a plain store of the
     chunk (the engine's own KV, the bytes the overwrite replaced) writes shard 0 and dedups shard 1:
-    the server then serves a chunk of two versions."""
+    the server then serves a chunk of two versions. Fixed: the shards now share one E2
+    (prepare_stores); with the old per-shard deletions driven here, the commit still takes a
+    chunk in every shard or none (storage.commits)."""
     from kvdock.storage.redis import floor_key
 
     r0, r1 = ObjectKey("tiny", 0, "", bytes([6]) * 32), ObjectKey("tiny", 1, "", bytes([6]) * 32)

@@ -27,7 +27,7 @@ from kvdock.server.handlers import client_of
 from kvdock.server.registry import ClientEntry
 from kvdock.server.shards import Interleave, check_free, end_all, request_keys, session_ids, shards_of
 from kvdock.server.state import Outcome, Payload, Reply, ServerState
-from kvdock.storage import L1Object, StorePlan, Writer, writeback
+from kvdock.storage import L1Object, Writer, writeback
 from kvdock.storage.plans import write_limit
 from kvdock.storage.tier import Head
 
@@ -96,31 +96,24 @@ def _prepare(
     mgr = state.manager
     writer = Writer(client.pid, client.pid_start) if client.transport == "shm" else None
     shards = len(keysets)
-    plans: list[StorePlan] = []
     sids = session_ids(req.session_id, shards)
     # a plain store extends a run holding an edit only with KV computed over it (storage.plans)
     runs = [] if req.overwrite else [mgr.chains.store_run(k, h) for k, h in zip(keysets, below, strict=True)]
     limit = write_limit(runs, req.over, req.edited) if runs else None
-    try:
-        with mgr.l1.dirty_eviction():  # past any wait for write-downs (storage.writeback)
-            for sid, keys, heads in zip(sids, keysets, below, strict=True):
-                plan = mgr.prepare_store(
-                    client.client_id,
-                    sid,
-                    keys,
-                    client.model.slot_nbytes,
-                    req.overwrite,
-                    writer,
-                    heads,
-                    shards > 1,
-                    limit,
-                    req.edited,
-                    pending,
-                )
-                plans.append(plan)
-    except BaseException:
-        end_all(state, client, sids[: len(plans)])
-        raise
+    with mgr.l1.dirty_eviction():  # past any wait for write-downs (storage.writeback)
+        # every shard at once: one deletion (one invalidation) of all their older versions; on an
+        # error, no shard's session stays open
+        plans = mgr.prepare_stores(
+            client.client_id,
+            list(zip(sids, keysets, below, strict=True)),
+            client.model.slot_nbytes,
+            req.overwrite,
+            writer,
+            shards > 1,
+            limit,
+            req.edited,
+            pending,
+        )
     if shards > 1 and not any(p.slots for p in plans):
         end_all(state, client, sids)
     alloc = mgr.l1.allocator

@@ -167,12 +167,21 @@ class Holdings:
             self.repair(obj)
 
     def drop(self, obj: L1Object) -> None:
-        """[loop] Drop ``obj`` from L1 and its version from L2 (a miss from now on)."""
-        self.l1.remove(obj.key)
-        self._held.pop(obj.key, None)
-        self.coherence.counters.keep_dropped += 1
-        log.info("coherence: an overwrite's version of %s is no longer kept in L3: dropped", obj.key.chunk.hex()[:16])
-        self._drop_local(obj.key, obj.version)
+        """[loop] Drop ``obj`` from L1 and its version from L2 (a miss from now on), and with it
+        the other shards of its chunk held here (``L1Object.unit``, one request's commit): a
+        shard dropped alone could be stored again with other bytes beside the ones kept (R-KEEP 5)."""
+        unit = [obj]
+        if obj.unit:
+            unit += [h.obj for h in self._held.values() if h.obj.unit == obj.unit and h.obj is not obj]
+        for one in unit:
+            if one is not obj and self.l1.get(one.key) is not one:
+                continue
+            self.l1.remove(one.key)
+            self._held.pop(one.key, None)
+            self.coherence.counters.keep_dropped += 1
+            key = one.key.chunk.hex()[:16]
+            log.info("coherence: an overwrite's version of %s is no longer kept in L3: dropped", key)
+            self._drop_local(one.key, one.version)
 
     def refused(self, obj: L1Object) -> None:
         """[loop] L3 refused ``obj``'s write-down (stale, past a floor, or over the version of

@@ -37,12 +37,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from kvdock.errors import RequestError, SessionError
+from kvdock.errors import SessionError
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
-from kvdock.protocol.codes import ErrorCode
 from kvdock.storage.chains import Chains
 from kvdock.storage.coherence import Coherence, PollResult, pos_text
+from kvdock.storage.commits import to_commit
 from kvdock.storage.deletions import Deletion, Deletions
 from kvdock.storage.drain import drain_lanes
 from kvdock.storage.invalidations import apply_invalidations
@@ -164,35 +164,63 @@ class StorageManager:
 
         Opens a session when at least one slot is reserved (always with ``open_empty``: one shard
         of a request whose commit must also wait for its deletions); SessionError if the id is in
-        use."""
-        if self.sessions.in_use(client_id, session_id):  # before anything is reserved for it
-            raise SessionError(f"session {session_id!r} is already open")
-        if overwrite and self.contended(keys):
+        use. One shard of :meth:`prepare_stores`."""
+        shard = (session_id, keys, below)
+        return self.prepare_stores(client_id, [shard], nbytes, overwrite, writer, open_empty, limit, edited, pending)[0]
+
+    def prepare_stores(
+        self,
+        client_id: str,
+        shards: list[tuple[str, list[ObjectKey], dict[ObjectKey, Head] | None]],
+        nbytes: int,
+        overwrite: bool = False,
+        writer: Writer | None = None,
+        open_empty: bool = False,
+        limit: int | None = None,
+        edited: bool = False,
+        pending: set[ObjectKey] | None = None,
+    ) -> list[StorePlan]:
+        """:meth:`prepare_store` of every shard of one request, (session id, keys, below) each, in
+        this one step, with ONE deletion of all their older versions: one invalidation (E1, E2)
+        names every shard's keys, so the fleet orders two overwrites of a chunk the same way for
+        all its shards and the commit decides them together (R-KEEP 2 and 5: per-shard entries let
+        one writer's shard 0 end beside another's shard 1)."""
+        for sid, _, _ in shards:  # before anything is reserved for them
+            if self.sessions.in_use(client_id, sid):
+                raise SessionError(f"session {sid!r} is already open")
+        if overwrite and any(self.contended(keys) for _, keys, _ in shards):
             # Writing the chunks around another client's in-flight write would commit a prefix of
             # two versions: the overwrite writes nothing, and says the whole prefix is contended.
-            return StorePlan([], 0, len(keys), 0)
+            return [StorePlan([], 0, len(keys), 0) for _, keys, _ in shards]
         l1, epoch = self.l1, self._epoch()
         coh, busy = self.coherence, pending or set()
         recent = (lambda k: k in busy or coh.recently_overwritten(k)) if coh is not None else None
-        got = reserve(
-            l1, self.loads, self.deletions, self.chains, epoch, keys, nbytes, overwrite, below, limit, edited, recent
-        )
-        slots, kept, replaced = got.plan.slots, got.kept, got.replaced
-        deletes = self._delete_everywhere(replaced) if replaced else []
-        if slots or open_empty:
-            self.sessions.open(
-                client_id,
-                session_id,
-                reserved=dict(slots),
-                pinned=kept,
-                writer=writer,
-                overwrite=overwrite,
-                deletes=deletes,
-            )
-        else:
-            for obj in kept:
-                self.l1.unpin(obj)
-        return got.plan
+        plans: list[StorePlan] = []
+        opened: list[Session] = []
+        replaced: list[ObjectKey] = []
+        try:
+            for sid, keys, below in shards:
+                args = (epoch, keys, nbytes, overwrite, below, limit, edited, recent)
+                got = reserve(l1, self.loads, self.deletions, self.chains, *args)
+                replaced += got.replaced
+                plans.append(got.plan)
+                if got.plan.slots or open_empty:
+                    slots = dict(got.plan.slots)
+                    session = self.sessions.open(client_id, sid, reserved=slots, pinned=got.kept, writer=writer)
+                    session.overwrite = overwrite
+                    opened.append(session)
+                else:
+                    for obj in got.kept:
+                        self.l1.unpin(obj)
+        except BaseException:
+            for session in opened:
+                self.end_session(client_id, session.session_id)
+            raise
+        finally:  # (the old versions reserve replaced go, whatever happens)
+            deletes = self._delete_everywhere(replaced) if replaced else []
+            for session in opened:
+                session.deletes = deletes
+        return plans
 
     @property
     def has_unindexed_tier(self) -> bool:
@@ -255,9 +283,10 @@ class StorageManager:
         """:meth:`commit_store` of several sessions (one request's shards) in one step, their
         chunks committed and written down chunk-major (chunk 0 of every shard, then chunk 1...):
         write-downs and dirty evictions (newest first) then never keep one shard's tail while
-        another shard's head goes (issue 28 R3)."""
-        runs = [[(i, s, o) for i, o in self._to_commit(client_id, *w, deletes_ok)] for s, w in enumerate(work)]
-        ordered = sorted((r for run in runs for r in run), key=lambda r: (r[0], r[1]))
+        another shard's head goes (issue 28 R3). An overwrite commits all its shards or none, a plain
+        store each chunk in all shards or none (storage.commits)."""
+        # every shard or none (storage.commits: R-KEEP 2 and 5)
+        ordered = sorted(to_commit(self, client_id, work, deletes_ok), key=lambda r: (r[0], r[1]))
         units: dict[int, int] = {}  # a chunk's shards: dirty evictions take them together (L1Object.unit)
         for i, _, obj in ordered:
             self.l1.commit(obj)
@@ -272,43 +301,6 @@ class StorageManager:
             session.reserved = {i: o for i, o in session.reserved.items() if i not in committed}
             self.end_session(client_id, sid)
         return len(objs)
-
-    def _to_commit(self, client_id: str, session_id: str, indexes: list[int], ok: bool) -> list[tuple[int, L1Object]]:
-        """One session's part of :meth:`commit_stores` before the commit: (index, object) to commit."""
-        objs = self.reservations(client_id, session_id, indexes)
-        session = self.sessions.get(client_id, session_id)
-        if not all(d.done() for d in session.deletes):
-            raise AssertionError("commit_store before wait_deletes")
-        if not ok:
-            self.end_session(client_id, session_id)
-            down = ", ".join(lane.name for lane in self.lanes if not lane.tier.up()) or "a lower tier"
-            raise RequestError(
-                f"overwrite refused: {down} could not delete the older version, which could come back; "
-                "nothing was stored (retry when the tier is back)",
-                ErrorCode.TIER_UNAVAILABLE,
-            )
-        committed = set(indexes)
-        # an overwrite's versions carry its own invalidation's position (E2: of two concurrent
-        # overwrites of a key, the later E2 is what every L1 and L3 keep), never a later one it
-        # applied meanwhile (R-LANE: that let both hosts keep their own); others what is applied
-        e2 = max([d.result() or 0 for d in session.deletes], default=0)
-        epoch = e2 if session.overwrite and e2 else max(self._epoch(), e2)
-        # committed this late, a plain store elsewhere may already keep other bytes (R-FLEET)
-        late = bool(session.overwrite and e2 and self.coherence is not None and self.coherence.too_late(e2))
-        if late:
-            log.warning("an overwrite came to its commit too late after its stream entries: not committed")
-        if session.overwrite:  # chunks reserved but not committed must not keep their old version
-            for i, obj in session.reserved.items():
-                if i not in committed:
-                    self.l1.remove(obj.key)
-        out = []
-        for i, obj in zip(indexes, objs, strict=True):
-            if late or obj.epoch == SUPERSEDED or obj.seen > epoch:  # (an overwrite elsewhere came after)
-                self.l1.abort(obj)
-            else:
-                obj.epoch, obj.overwrite = epoch, e2 if session.overwrite else 0
-                out.append((i, obj))
-        return out
 
     def _write_down(self, objs: list[L1Object], lanes: list[TierLane] | None = None) -> None:
         for obj in objs if self.lanes else []:

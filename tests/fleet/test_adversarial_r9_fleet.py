@@ -229,12 +229,6 @@ def test_a_late_plain_write_down_never_lands_after_lru_evicted_the_floor_and_the
         lru.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="A-FLEET r9 (liveness): every invalidation queues an L2 deletion of its keys even where L2 holds "
-    "none, and loads skip a key while a deletion of it is in flight: a slow L2 misses a hot key's L3 copy for "
-    "as long as that backlog lasts (and the shutdown drain waits for it, logging 0 chunks left)",
-)
 def test_a_server_with_a_slow_l2_serves_an_overwritten_key_from_l3_soon_after_the_overwrites_stop(
     make_server, redis_server, tmp_path
 ) -> None:

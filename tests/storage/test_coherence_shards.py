@@ -155,3 +155,46 @@ def test_a_holder_that_must_drop_one_shard_of_an_overwrite_drops_every_shard(
             a.mgr.close()
 
     asyncio.run(main())
+
+
+def test_a_slow_l2_never_holds_up_loads_of_an_overwritten_key_from_l3(tmp_path: Path, redis_server: RedisProc) -> None:
+    """C overwrites X (written down to L3). A, whose L2 never held X and whose L2 lane is busy (a
+    slow disk), applies C's invalidations: their L2 deletion of X waits behind the busy lane, yet a
+    load of X on A reads C's version from L3 at once (L3 is current; only L2 waits for it). Its L2
+    is still not read for X meanwhile: a stale copy there is never served."""
+    x, y = ObjectKey("tiny", 0, "", bytes([24]) * 32), ObjectKey("tiny", 0, "", bytes([25]) * 32)
+
+    async def main() -> None:
+        a = World(tmp_path / "a", redis_url=redis_server.url, disk=True, coherent=True)
+        (c,) = hosts(tmp_path, redis_server, 1)
+        loop = asyncio.get_running_loop()
+        assert a.coherence is not None and a.disk is not None
+        gate = None
+        try:
+            await a.sync()
+            await c.sync()
+            a.store([y], version=0)  # A's own Y: in L1, L2 and L3
+            await a.drain()
+            a.evict_l1([y])
+            assert await c.store_async([x], version=2, overwrite=True) == 1
+            assert await c.store_async([y], version=2, overwrite=True) == 1
+            await c.drain()
+            gate = a.block("l2")  # A's L2 is slow: its deletions wait
+            result = await loop.run_in_executor(None, a.coherence.poll)
+            pending = a.mgr.apply(result)
+            a.coherence.vouch(result)
+            assert pending and a.disk.knows(y) is not None  # (Y's L2 deletion not done yet)
+            for sid, key in (("rx", x), ("ry", y)):
+                session = await asyncio.wait_for(a.prefetch(sid, [key]), 5)
+                assert [bytes(a.l1.view(o)) for o in session.pinned] == [payload(key, 2)], "not C's version from L3"
+                a.mgr.end_session("c", sid)
+            gate.set()
+            await asyncio.gather(*pending)
+            assert a.disk.knows(y) is None
+        finally:
+            if gate is not None:
+                gate.set()
+            a.mgr.close()
+            c.mgr.close()
+
+    asyncio.run(main())

@@ -66,8 +66,9 @@ class Chains:
             key = keys[n]
             obj = self.l1.get(key) if vouched else None
             heads = [Head(obj.version, obj.parent)] if obj is not None else []
-            if key not in self.deletions:
-                heads += [h for lane in lanes if lane.tier.indexed and (h := lane.tier.knows(key)) is not None]
+            if key not in self.deletions:  # (L2 not while a deletion of the key from it is in flight)
+                local = [lane for lane in lanes if lane.tier.indexed and not self.deletions.blocks(key, lane)]
+                heads += [h for lane in local if (h := lane.tier.knows(key)) is not None]
                 if not any(h.parent == parent for h in heads):
                     if remote is None:
                         remote, remote_at = await self.remote_heads(lanes, keys[n:]), n
@@ -147,6 +148,7 @@ class Chains:
     def lower_head(self, key: ObjectKey, parent: int, below: dict[ObjectKey, Head] | None) -> Head | None:
         """The head of ``key`` in a lower tier if it continues ``parent``'s chain: from an indexed
         tier's index (L2), or from ``below`` (heads already read from the others)."""
-        heads = [lane.tier.knows(key) for lane in self.readable() if lane.tier.indexed]
+        local = [lane for lane in self.readable() if lane.tier.indexed and not self.deletions.blocks(key, lane)]
+        heads = [lane.tier.knows(key) for lane in local]
         heads.append((below or {}).get(key))
         return next((h for h in heads if h is not None and h.parent == parent), None)

@@ -76,6 +76,6 @@ def apply_invalidations(
         if not own:
             coh.note_foreign(entry.keys, entry.position)
         if local and stale and not own:
-            pending += deletions.queue(stale, local)
+            pending += deletions.queue(stale, local, local=True)  # (L3 stays readable: storage.deletions)
     coh.applied(result)
     return pending

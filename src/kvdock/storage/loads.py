@@ -111,7 +111,9 @@ class Loads:
             return obj
         geo = self.geometry_of(key.model)
         lanes = [
-            lane for lane in self.readable() if not lane.tier.indexed or chains(lane.tier.knows(key), parent)
+            lane
+            for lane in self.readable()
+            if not self.deletions.blocks(key, lane) and (not lane.tier.indexed or chains(lane.tier.knows(key), parent))
         ]
         if geo is None or not lanes or key in self.deletions or self.l1.is_reserved(key):
             return None

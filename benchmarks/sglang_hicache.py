@@ -9,11 +9,11 @@ them, files under ``--file-dir``: by default a tmpfs, so the page cache is not t
     .venv-sglang/bin/python benchmarks/sglang_hicache.py [--layers 16 --heads 8 --page 64 --pages 32]
 
 Every set stores pages kvdock does not hold yet (new keys each round; one kvdock server per
-layout, whose L1 holds them all: no eviction); every get loads all of them, and is timed until
-the server has handled the report of its reads (the get's own server work, which otherwise rode
-on the next set's first request). Each round starts once the backend's mapping of kvdock's pool
-is prefaulted (the steady state of an engine). Prints one table row per layout: GB/s and the
-ratio to memcpy.
+layout, whose L1 holds them all: no eviction); every get loads all of them, and the server has
+handled the report of its reads (untimed) before the next round (else that report, the get's own
+server work, rode on the next set's first request). Each round starts once the backend's mapping
+of kvdock's pool is prefaulted (the steady state of an engine). Prints one table row per layout:
+GB/s and the ratio to memcpy.
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def kvdock_backend(
         for r in range(rounds + 1):  # (round 0 warms up)
             keys = [f"{r:032x}{i:032x}" for i in range(n)]  # new pages every round
             m1, t_set = timed(memcpy), timed(lambda k=keys: all(b.batch_set_v1(k, src_idx, none)) or fail(b.stats))
-            m2, t_get = timed(memcpy), timed(lambda k=keys: get_all(b, k, dst_idx, none))
+            m2, t_get = timed(memcpy), timed(lambda k=keys: all(b.batch_get_v1(k, dst_idx, none)) or fail(b.stats))
+            settled(b)  # (untimed: the get's reads reported, their server work done before the next round)
             if r:
                 rows.append((m1, t_set, m2, t_get))
         assert b.pages is not None
@@ -121,18 +122,13 @@ def kvdock_backend(
     }
 
 
-def get_all(b: Any, keys: list[str], dst_idx: torch.Tensor, none: Any) -> None:
-    """One get of every page, with what it leaves the server to do (:func:`settled`)."""
-    all(b.batch_get_v1(keys, dst_idx, none)) or fail(b.stats)
-    settled(b)
-
-
 def settled(b: Any) -> None:
-    """Wait until the server has handled everything this get caused: a get answered from the pool
-    directory (no round trip) reports its reads to the server later (``FastReads``: the LRU
-    touches of its pages, ~7 us a page on the server), sent before the context's next request.
-    Without this the next set's PrepareStore carried the get's report (its server work counted
-    as the set's); a Ping flushes the report first, so the get is timed with it."""
+    """Wait until the server has handled what the last get left it: a get answered from the pool
+    directory (no round trip) reports its reads later (``FastReads``: the LRU touches of its
+    pages, ~7 us a page of server work), sent before the context's next request. Unsettled, the
+    next set's PrepareStore carried that report (the get's server work timed as the set's). A
+    Ping, untimed, flushes it: each call is timed as SGLang's thread sees it, and no call's
+    background work lands in another's (or a memcpy's) timing."""
     ctx = b._context()
     assert ctx is not None, b.stats
     ctx.ask(Ping())

@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, Slid
 from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.vllm import check_kv_cache_groups
 from kvdock.integrations.vllm.groups import NULL_BLOCK, fingerprint_with, map_groups
-from kvdock.integrations.vllm.plan import LoadSpec
+from kvdock.integrations.vllm.plan import KvdockMetadata, LoadSpec, SaveSpec
 from kvdock.integrations.vllm.transfers import Transfers
 from kvdock.integrations.vllm.worker import WorkerSide
 
@@ -132,6 +132,7 @@ class _Link:
 
 def _worker(hit: int, group_of: list[int]) -> WorkerSide:
     w = WorkerSide.__new__(WorkerSide)
+    w.groups = map_groups(_config(["a", "b"], _window(), _full()), BS) if group_of else None
     w.block_size = BS
     w.recent_loads = deque()
     w.group_of = group_of
@@ -214,3 +215,39 @@ def test_a_window_models_load_that_fails_is_recomputed_from_the_start(tmp_path: 
     finally:
         srv.stop()
 
+
+
+def test_a_plan_whose_group_layout_is_not_the_workers_never_moves_kv() -> None:
+    """The scheduler and the workers map vLLM's groups from their own configs: should they ever
+    differ, a load or save naming one layout is refused by a worker of the other (each layer
+    would be moved through another group's block ids), never run."""
+    window = [NULL_BLOCK] * 4 + [14, 15]
+    full = [20, 21, 22, 23, 24, 25]
+    flat = LoadSpec("r", list(range(192)), full, 0, 192, "", (), True)  # (no groups: one group's ids)
+    assert _worker(192, [0, 1, 0, 1]).fetch(flat) == (set(full), 0)  # all failed: vLLM recomputes
+    grouped = LoadSpec("r", list(range(192)), full, 0, 192, "", (), True, (window, full))
+    assert _worker(192, []).fetch(grouped)[1] == 0
+
+    class _Queue:
+        def __init__(self) -> None:
+            self.saves: list[str] = []
+
+        def save(self, spec: Any) -> bool:
+            self.saves.append(spec.req_id)
+            return True
+
+    for w, spec in (
+        (_worker(0, [0, 1, 0, 1]), SaveSpec("flat", list(range(64)), [20, 21], "")),
+        (_worker(0, []), SaveSpec("grouped", list(range(64)), [20, 21], "", groups=([14, 15], [20, 21]))),
+    ):
+        w.transfers = _Queue()  # type: ignore[assignment]
+        w.off, w._poisoned, w._loaded_now, w.recent = False, {}, set(), deque()
+        w.codec = SimpleNamespace(geometry=SimpleNamespace(pp_size=1))  # type: ignore[assignment]
+        w.save(KvdockMetadata(saves=[spec]))
+        assert w.transfers.saves == []  # type: ignore[attr-defined]
+    ok = _worker(0, [])
+    ok.transfers = _Queue()  # type: ignore[assignment]
+    ok.off, ok._poisoned, ok._loaded_now, ok.recent = False, {}, set(), deque()
+    ok.codec = SimpleNamespace(geometry=SimpleNamespace(pp_size=1))  # type: ignore[assignment]
+    ok.save(KvdockMetadata(saves=[SaveSpec("plain", list(range(64)), [20, 21], "")]))
+    assert ok.transfers.saves == ["plain"]  # type: ignore[attr-defined]

@@ -318,7 +318,7 @@ def test_a_load_that_raises_midway_still_waits_for_its_uploads_before_reporting(
 
     ws = object.__new__(WorkerSide)
     ws.block_size, ws.bytes_per_token, ws._faults, ws._load_stream = 32, BPT, set(), None
-    ws.recent_loads, ws.group_of = deque(maxlen=4), []
+    ws.recent_loads, ws.group_of, ws.groups = deque(maxlen=4), [], None
     ws.link = Link()  # type: ignore[assignment]
     ws.codec = SimpleNamespace(geometry=SimpleNamespace(global_rank=0))  # type: ignore[assignment]
     ws.placement = Placement(None, None, True)

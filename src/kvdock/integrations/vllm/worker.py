@@ -261,6 +261,8 @@ class WorkerSide:
             link = self.link
             if (spec.cache_salt, str(self.codec.geometry.global_rank)) in self._faults:
                 log.warning("kvdock: %s fails this load of %s", FAULT_FAIL_LOADS_ENV, spec.req_id)
+            elif bool(spec.groups) != (self.groups is not None):  # (never one group's block ids for another's)
+                log.error("kvdock: a load of %s names other KV cache groups than this worker's", spec.req_id)
             elif link is not None and self._connected() is not None:
                 ids = layer_rows(self.group_of, spec.groups, 0, len(spec.block_ids)) if spec.groups else spec.block_ids
                 blocks = _Blocks(self, ids, spec.start // bs)
@@ -337,6 +339,9 @@ class WorkerSide:
         bad = set().union(*self._poisoned.values()) if self._poisoned else set()
         staged = self.codec.geometry.pp_size > 1
         for spec in meta.saves:
+            if bool(spec.groups) != (self.groups is not None):  # (never one group's block ids for another's)
+                log.error("kvdock: not saving %s: its save names other KV cache groups than this worker's", spec.req_id)
+                continue
             if staged and spec.req_id in self._loaded_now:
                 # a later stage's KV of this step is computed from an earlier stage's hidden states,
                 # over a load that may have failed there (stages cannot agree within a step): not

@@ -371,3 +371,39 @@ def test_a_stream_made_again_with_a_first_id_not_past_an_older_position_commits_
         raw.close()
         kvd.close(ca)
         kvd.close(cb)
+
+
+def test_two_servers_writing_down_one_prefix_while_a_third_overwrites_it(make_server, redis_server) -> None:
+    """A and B store the same v1 (plain). A's write-down is staged and held before its check; B's
+    is issued and held before its stage (a slow link). C overwrites with v2 (acknowledged,
+    written down); Redis evicts the floors and values; B's stage then lands (nothing refuses it
+    there) and both go on. No server serves v1; L3 holds v2 or nothing."""
+    url = redis_server.url
+    a, b, c = (_vouching(make_server, url) for _ in range(3))
+    tokens = make_tokens(2 * CHUNK, start=106_000_000)
+    v1, v2 = make_kv(2 * CHUNK, seed=113), make_kv(2 * CHUNK, seed=114)
+    raw = redis_py.Redis.from_url(url)
+    hold, link = _Hold(a, "settle"), _SlowLink(b)
+    ctxs = [kvd.connect(s.url, s.http_url, MODEL, timeout=10) for s in (a, b, c)]
+    try:
+        assert kvd.store(ctxs[0], v1, tokens)
+        assert hold.waiting.wait(30), "A's write-down did not reach its check"
+        assert kvd.store(ctxs[1], v1, tokens)
+        assert link.waiting.wait(30), "B's write-down did not start"
+        assert kvd.store(ctxs[2], v2, tokens, overwrite=True)
+        wait_for(lambda: _backlog(c) == 0, "C's write-down of v2")
+        raw.delete(*_floors_and_values(raw))
+        link.release()
+        wait_for(lambda: any(k.endswith(b":s") for k in _objects(raw)) or _backlog(b) == 0, "B's stage")
+        hold.release()
+        wait_for(lambda: _backlog(a) == 0 and _backlog(b) == 0, "A's and B's write-downs")
+        assert not [k for k in _objects(raw) if k.endswith(b"}")], "L3 holds a value of the replaced version"
+        _miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
+        for who, ctx in zip("ABC", ctxs, strict=True):
+            _miss_or(kvd.retrieve(ctx, tokens), v2, v1, who)
+    finally:
+        hold.release()
+        link.release()
+        raw.close()
+        for ctx in ctxs:
+            kvd.close(ctx)

@@ -251,3 +251,30 @@ def test_a_plan_whose_group_layout_is_not_the_workers_never_moves_kv() -> None:
     ok.codec = SimpleNamespace(geometry=SimpleNamespace(pp_size=1))  # type: ignore[assignment]
     ok.save(KvdockMetadata(saves=[SaveSpec("plain", list(range(64)), [20, 21], "")]))
     assert ok.transfers.saves == ["plain"]  # type: ignore[attr-defined]
+
+
+def test_a_pp2_engine_of_a_hybrid_model_starts_saves_and_loads(tmp_path: Path) -> None:
+    """A Gemma2 (sliding-window and full-attention layers interleaved) in two pipeline stages:
+    each stage's KV cache config names its own layers; both register one fingerprint, store their
+    layers of each chunk, and a repeat loads them with a plain engine's tokens."""
+    from engines import Engine, make_tiny_gemma2_model
+
+    import kvdock.sdk as kvd
+    from kvdock.testing import start_server
+
+    model = make_tiny_gemma2_model(tmp_path / "gemma2", layers=4, embed_scale=0.03)
+    srv = start_server("--no-disk", chunk_size=64, l1_size="64MiB", log_path=tmp_path / "s.log")
+    extra = {"kvdock.url": srv.url, "kvdock.http_url": srv.http_url, "kvdock.model_name": "g-pp"}
+    pp = {"pipeline_parallel_size": 2, "enforce_eager": False, "compilation_config": {"mode": 2, "backend": "eager"}}
+    p = [(i * 37) % 500 + 1 for i in range(200)]
+    try:
+        with Engine(model, "float32", extra, tmp_path / "e.log", **pp) as e:
+            assert e.call(op="kv_cache")["hybrid"] is True
+            fresh = e.call(op="generate", prompts=[p], max_tokens=8)
+            with kvd.connect(srv.url, srv.http_url, "g-pp", timeout=30) as whole:
+                assert whole.shards == 2 and kvd.lookup(whole, p) == 192
+            assert e.call(op="reset_prefix_cache")["ok"]
+            loaded = e.call(op="generate", prompts=[p], max_tokens=8)
+            assert loaded["cached"] == [192] and loaded["outputs"] == fresh["outputs"]
+    finally:
+        srv.stop()

@@ -107,11 +107,73 @@ PROCESS_TESTS: dict[str, str] = {
 }
 
 
+# The longest tests (node id under tests/ without parameters, longest first; each takes >= ~10 s
+# on 2 cores, mostly waiting: soaks, faults' delays, drains): under pytest-xdist each worker
+# starts with its share of them (_longest_first), so none is left to run alone at the end
+LONGEST: tuple[str, ...] = (
+    "fleet/test_adversarial_r9_cluster.py::test_keeping_on_a_cluster_under_lru_evictions_a_master_failover_and_sigstop",
+    "server/test_shutdown_drain.py::test_sigterm_writes_down_a_backlog_of_over_30_s_before_exit",
+    "fleet/test_adversarial_r8_fleet.py::test_concurrent_overwrites_of_one_prefix_through_three_servers_with_sigstop_and_sigkill",
+    "fleet/test_adversarial_r9_soak.py::test_keeping_under_real_lru_evictions_sigstop_past_the_lease_sigkill_and_flushall",
+    "fleet/test_fleet_keep.py::test_an_overwrite_written_down_past_its_floors_ttl_never_lets_a_plain_store_elsewhere_make_a_second_truth",
+    "server/test_overwrite.py::test_crash_consistency_under_concurrent_overwrites",
+    "fleet/test_adversarial_r8_fleet.py::test_a_server_started_during_a_slow_overwrite_does_not_keep_a_plain_store_it_replaces",
+    "integrations/test_examples.py::test_examples_with_a_local_model_directory",
+    "fleet/test_adversarial_r8_fleet.py::test_concurrent_overwrites_while_redis_is_flushed_killed_and_restarted_empty",
+    "integrations/test_examples.py::test_kv_edit_e2e",
+    "server/test_overwrite.py::test_an_acknowledged_overwrite_survives_sigkill_never_stale",
+    "fleet/test_adversarial_r8_fleet.py::test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused",
+    "server/test_cluster_server.py::test_a_master_killed_under_load_costs_no_errors_no_wrong_bytes_and_l3_comes_back",
+    "fleet/test_adversarial_r8_fleet.py::test_garbage_on_the_control_socket_while_overwrites_run_through_two_servers",
+    "server/test_lifecycle.py::test_busy_port_fails_cleanly_without_leaking_memory",
+    "server/test_retrieval.py::test_a_batch_reply_buffer_is_not_reused_while_a_paused_client_has_not_read_it",
+    "server/test_adversarial_r3.py::test_an_overwrite_under_write_pressure_answers_within_a_bound",
+    "fleet/test_fleet_keep.py::test_an_overwrites_value_evicted_from_l3_is_kept_by_its_holders_until_they_drop_it",
+    "fleet/test_adversarial_r9_fleet.py::test_a_server_with_a_slow_l2_serves_an_overwritten_key_from_l3_soon_after_the_overwrites_stop",
+    "fleet/test_adversarial_r9_fleet.py::test_a_server_keeps_serving_its_l1_while_another_applications_keys_make_redis_evict",
+    "server/test_sessions.py::test_store_never_claims_dedup_for_chunks_another_client_is_writing",
+    "sdk/test_concurrency.py::test_server_restart_while_threads_copy_never_crashes",
+    "fleet/test_adversarial_r8_fleet.py::test_a_plain_store_after_l3_was_flushed_during_a_slow_overwrite_is_not_kept_against_it",
+)
+
+
+def _longest_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n W``), reorder ``items`` so that each worker's first block starts
+    with its share of LONGEST (round robin, longest first). xdist's worksteal and load schedulers
+    hand the workers contiguous blocks of the collection at the start (block i: what is left //
+    the workers left) and steal from a block's end: the long tests start at once, side by side,
+    and the short ones fill in. Only the order changes (every worker computes the same one)."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    if workers < 2:
+        return
+    rank = {name: i for i, name in enumerate(LONGEST)}
+
+    def key(item: pytest.Item) -> str:
+        return item.nodeid.split("[", 1)[0].removeprefix("tests/")
+
+    slow = sorted((it for it in items if key(it) in rank), key=lambda it: rank[key(it)])
+    rest = [it for it in items if key(it) not in rank]
+    if not slow or not rest:
+        return
+    heads = [slow[i::workers] for i in range(workers)]
+    order: list[pytest.Item] = []
+    left = len(items)
+    for i in range(workers):
+        size = left // (workers - i)
+        left -= size
+        fill = max(size - len(heads[i]), 0)
+        order += heads[i] + rest[:fill]
+        del rest[:fill]
+    items[:] = order + rest
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         name = item.nodeid.split("[", 1)[0].removeprefix("tests/")
         if name in PROCESS_TESTS or any(name.startswith(d) for d in PROCESS_TESTS if d.endswith("/")):
             item.add_marker(pytest.mark.subprocess_server)
+    _longest_first(config, items)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -71,8 +71,9 @@ def no_forward_pass(forward_context: Any, kwargs: dict[str, Any]) -> bool:
 def check_kv_cache_groups(kv_cache_config: Any, block_size: int = 0, load_async: bool = True) -> GroupMap | None:
     """vLLM's KV cache groups as kvdock maps them (:mod:`~kvdock.integrations.vllm.groups`:
     full-attention and sliding-window groups), or UnsupportedLayoutError naming the group that
-    cannot be mapped and why. With several groups vLLM takes load failures only per request, for
-    background loads: foreground loads (``kvdock.load_async`` false) are refused."""
+    cannot be mapped and why. With several groups, or a sliding-window one, a load failure must be
+    the request's (vLLM takes that only for background loads): foreground loads (``kvdock.load_async``
+    false) are refused."""
     if kv_cache_config is None:
         return None
     if not block_size:
@@ -175,7 +176,7 @@ class KvdockConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, recved = self.get_finished(finished_req_ids)
-        failed = self.worker.take_failed_recving()  # (several KV cache groups: per request)
+        failed = self.worker.take_failed_recving()  # (KV cache groups: per request)
         return KVConnectorTransferResults(set(sent or ()), set(recved or ()) | failed, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

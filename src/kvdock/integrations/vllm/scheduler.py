@@ -345,7 +345,7 @@ class SchedulerSide:
         again: it must not load the same chunks again) and the chunks after it are saved again."""
         self._unfreed -= set(out.finished_sending or ())
         for rid in getattr(out, "failed_recving", None) or ():
-            # (several KV cache groups: a failed load is reported per request, and vLLM recomputes
+            # (KV cache groups: a failed load is reported per request, and vLLM recomputes
             # the whole request -- kvdock must not offer it again)
             st = self._reqs.get(rid)
             if st is not None:

@@ -108,7 +108,7 @@ class Transfers:
         self._sent: set[str] = set()  # to report as finished sending
         self._recved: set[str] = set()  # background loads over, to report as finished receiving
         self._errors: set[int] = set()  # failed blocks of loads, to report
-        self._failed: set[str] = set()  # background loads that failed, with several KV cache groups
+        self._failed: set[str] = set()  # background loads that failed, with KV cache groups
         self._staged = 0  # bytes of staging reserved
         self._busy = 0  # jobs queued or running
         self._bg_loads = 0  # background loads queued or running
@@ -247,7 +247,8 @@ class Transfers:
         return sent, recved, errors
 
     def take_failed(self) -> set[str]:
-        """Background loads that failed with several KV cache groups (reported per request)."""
+        """Background loads that failed with KV cache groups (several, or a sliding window): reported per
+        request, vLLM recomputes them from the start."""
         with self._cv:
             failed, self._failed = self._failed, set()
         return failed

@@ -71,7 +71,7 @@ class WorkerSide:
         self.groups = groups if groups is not None and not groups.plain else None
         self.group_of: list[int] = []  # per layer (in layer order): its group
         self.hybrid: GroupCopy | None = None  # the copy-out of several groups (register makes it)
-        self._failed_recv: set[str] = set()  # background loads that failed (several groups), to report
+        self._failed_recv: set[str] = set()  # background loads that failed (with groups), to report
         self.fingerprint = fingerprint  # the engine's model's (identity.model_fingerprint)
         self.vllm_config = vllm_config
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -379,7 +379,7 @@ class WorkerSide:
         self._failed_recv |= self.transfers.take_failed()
         return sent or None, recved or None
 
-    def take_failed_recving(self) -> set[str]:  # (several KV cache groups: vLLM recomputes them)
+    def take_failed_recving(self) -> set[str]:  # (KV cache groups: vLLM recomputes them from the start)
         failed, self._failed_recv = self._failed_recv, set()
         return failed
 

@@ -324,24 +324,19 @@ class _SlowLink:
         self.tier.write_from = self.real
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="A-STAGE r10 #1 (b5d875b): a lost stream whose incarnation key stays starts again under the same "
-    "incarnation, and CHECK_SCRIPT takes 'first entry past the position' as proof that nothing was lost; but "
-    "the first entry's id is Redis' clock (XADD *), not past an older position when the stream was lost and "
-    "made again within the same millisecond or after the clock stepped back: a write-down issued before an "
-    "overwrite is committed after it and the replaced version is served for good",
-)
 def test_a_stream_made_again_with_a_first_id_not_past_an_older_position_commits_nothing_issued_before(
     make_server, redis_server
 ) -> None:
     """B's write-down of v1 is issued (its position: the stream's tip X) and held on a slow link;
     A overwrites with v2 (E1, E2 after X). Redis then evicts the stream, the floors and the values
-    (allkeys-lru) and a poll makes the stream again (POLL_SCRIPT: XADD * naming the incarnation,
-    which stays). The id Redis gives that first entry is its clock's millisecond: emulated here as
-    X's millisecond (the loss and the new entry in the same millisecond as X, or Redis' clock
-    stepped back by NTP), in one transaction so that no poll comes between. B's write goes on:
-    it must not land (the stream cannot show what came after X)."""
+    (allkeys-lru) and a poll makes the stream again (POLL_SCRIPT: XADD * naming a new incarnation).
+    The id Redis gives that first entry is its clock's millisecond: emulated here as X's
+    millisecond (the loss and the new entry in the same millisecond as X, or Redis' clock stepped
+    back by NTP), in one transaction so that no poll comes between. B's write goes on: it must not
+    land (the stream cannot show what came after X). Was a strict xfail while b5d875b made the
+    stream again under the same incarnation (CHECK_SCRIPT took 'first entry past the position' as
+    proof); a lost stream starts a new incarnation again, and B's write, issued under the old one,
+    is never committed."""
     url = redis_server.url
     a, b = _vouching(make_server, url), _vouching(make_server, url)
     tokens = make_tokens(2 * CHUNK, start=105_000_000)
@@ -357,10 +352,12 @@ def test_a_stream_made_again_with_a_first_id_not_past_an_older_position_commits_
         assert raw.xrevrange(STREAM, count=1)[0][0] == tip  # B's position is the tip (nothing since)
         assert kvd.store(ca, v2, tokens, overwrite=True)
         wait_for(lambda: _backlog(a) == 0, "A's write-down of v2")
-        inc = raw.get(STREAM + b":incarnation")
+        inc = b"%032x" % 0x5EED  # (what POLL_SCRIPT does on a lost stream, with Redis' clock stepped back)
+        assert raw.get(STREAM + b":incarnation") != inc
         first = tip.split(b"-")[0] + b"-0"  # (the same millisecond as B's position)
         with raw.pipeline(transaction=True) as tx:
             tx.delete(STREAM, *_floors_and_values(raw))
+            tx.set(STREAM + b":incarnation", inc)
             tx.xadd(STREAM, {b"k": b"\x90", b"i": inc}, id=first)
             tx.execute()
         link.release()

@@ -170,13 +170,14 @@ def test_of_two_hosts_staging_one_key_only_the_last_stager_commits(tmp_path: Pat
     _two_hosts(tmp_path, redis_server, body)
 
 
-def test_a_lost_stream_starts_again_at_once_with_an_entry_naming_its_incarnation(
+def test_a_lost_stream_starts_a_new_incarnation_at_once_that_names_itself(
     tmp_path: Path, redis_server: RedisProc
 ) -> None:
     """The stream always exists while its incarnation does: a fresh L3 gets a first entry (no
     keys) naming the incarnation; a stream deleted (or evicted) while its incarnation key stays
-    starts again with such an entry at the next poll (a gap for every server; L3's objects keep
-    their keys), never an "empty" stream that would let a staged write issued before pass."""
+    starts a new incarnation with such an entry at the next poll (a gap for every server), never an
+    "empty" stream, nor one under the old incarnation whose first id could be before positions of
+    the lost one: a write staged before the loss is never committed."""
 
     async def body(h1: World, h2: World, raw: redis_py.Redis) -> None:
         first = raw.xrange(STREAM_KEY)
@@ -185,12 +186,13 @@ def test_a_lost_stream_starts_again_at_once_with_an_entry_naming_its_incarnation
         assert decode_keys(first[0][1][b"k"]) == []
         assert h1.coherence is not None
         old = h1.coherence.position
+        final, _ = _stage(h2, position=old)  # issued before the loss, settled after it
         raw.delete(STREAM_KEY)
         result = await h1.sync()
-        assert result.lost and raw.get(INCARNATION_KEY) == h1.coherence.incarnation == inc
+        new = h1.coherence.incarnation
+        assert result.lost and raw.get(INCARNATION_KEY) == new != inc
         again = raw.xrange(STREAM_KEY)
-        assert len(again) == 1 and again[0][1] == {b"k": b"\x90", b"i": inc}
-        final, _ = _stage(h2, position=old)  # h2 has not polled since: issued before the loss
+        assert len(again) == 1 and again[0][1] == {b"k": b"\x90", b"i": new}
         assert h2.redis is not None
         refused = h2.redis.settle()
         assert list(refused) == [A] and "unproven" in str(refused[A]) and raw.get(final) is None

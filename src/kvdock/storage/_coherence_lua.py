@@ -84,12 +84,13 @@ end
 """
 # the stream's incarnation (KEYS[2]); every entry names it too ('i'), so that one evicted alone
 # (allkeys-lru: a small key) is restored from the stream's last entry, not taken for a lost stream
-# (A-FLEET r9); with neither, a fresh one (``fresh``) starts. A stream that is gone (evicted,
-# deleted) starts again at once with a first entry (no keys) naming the incarnation, so that the
-# stream exists for as long as its incarnation does and a missing one never passes for "no
-# overwrite yet" (CHECK_SCRIPT: its first entry is then past every earlier position). The
-# servers see the gap (fewer entries added than they consumed) and drop L1 and L2; L3's objects
-# stay readable under the same incarnation.
+# (A-FLEET r9). A stream that is gone (evicted, deleted, flushed) starts a fresh incarnation
+# (``fresh``) whose first entry (no keys) names it, at once: the stream exists for as long as its
+# incarnation does, so that a missing one never passes for "no overwrite yet", and a write issued
+# before the loss (under the old incarnation) is never committed (CHECK_SCRIPT). Not the same
+# incarnation again: the new stream's first id is Redis' clock, which need not be past positions
+# of the lost one (the same millisecond, a clock stepped back: A-STAGE r10 #1). The servers see
+# the gap and drop L1 and L2; L3's objects of the old incarnation are orphaned (misses).
 _INCARNATION = f"""
 local function incarnation(key, fresh, stream)
   local inc = redis.call('GET', key)
@@ -104,8 +105,8 @@ local function incarnation(key, fresh, stream)
       end
     end
   end
-  if not inc then inc = fresh end
-  if not live then
+  if (not live) or (not inc) then
+    inc = fresh
     redis.call('XADD', stream, 'MAXLEN', '~', {MAXLEN}, '*', 'k', '\\144', 'i', inc)
   end
   redis.call('SET', key, inc)

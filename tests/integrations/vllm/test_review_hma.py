@@ -178,12 +178,14 @@ def test_loaded_tokens_are_tokens_whatever_the_group_layout() -> None:
         t.shutdown()
 
 
-def test_a_window_models_load_that_fails_is_recomputed_from_the_start(tmp_path: Path) -> None:
-    """A real engine of an all-sliding-window model (tiny Mistral, window 64): kvdock's lookups find
-    the prompt, its retrieves find nothing. Block-wise, vLLM recomputed from token 128 over a window
-    of null blocks (other tokens than a plain engine's, and that KV saved); now the whole request
-    is recomputed: the same tokens, and kvdock's KV stays what the first run saved."""
-    from engines import TINY, Engine
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_a_window_models_load_that_fails_is_recomputed_from_the_start(tmp_path: Path, kind: str) -> None:
+    """Real engines: an all-sliding-window model (tiny Mistral, window 64: one group) and a Gemma2
+    with interleaved windows (two groups). kvdock's lookups find the prompt, its retrieves find
+    nothing. Block-wise (the Mistral before the fix), vLLM recomputed from token 128 over a window
+    of null blocks: other tokens than a plain engine's. Now the whole request is recomputed: the
+    same tokens; and the engine goes on (the failed load is over: the next prompt runs)."""
+    from engines import TINY, Engine, make_tiny_gemma2_model
     from transformers import MistralConfig, MistralForCausalLM
 
     import kvdock.sdk as kvd
@@ -191,30 +193,33 @@ def test_a_window_models_load_that_fails_is_recomputed_from_the_start(tmp_path: 
     from kvdock.testing import start_server
 
     torch.manual_seed(0)
-    path = tmp_path / "mistral"
-    MistralForCausalLM(MistralConfig(**{**TINY, "sliding_window": 64}, torch_dtype="float32")).eval().save_pretrained(
-        path
-    )
+    path = tmp_path / kind
+    if kind == "mistral":
+        config = MistralConfig(**{**TINY, "sliding_window": 64}, torch_dtype="float32")
+        MistralForCausalLM(config).eval().save_pretrained(path)
+    else:
+        make_tiny_gemma2_model(path, layers=4, embed_scale=0.03)
     srv = start_server(
         "--no-disk", chunk_size=64, l1_size="64MiB", log_path=tmp_path / "s.log", env={FAULT_RETRIEVE_MISS_ENV: "1"}
     )
     extra = {"kvdock.url": srv.url, "kvdock.http_url": srv.http_url, "kvdock.model_name": "m"}
     p = [(i * 37) % 500 + 1 for i in range(200)]
+    q = [(i * 41) % 500 + 3 for i in range(200)]
     try:
         with Engine(path, "float32", None, tmp_path / "plain.log") as plain:
-            want = plain.call(op="generate", prompts=[p], max_tokens=8)["outputs"]
+            want = plain.call(op="generate", prompts=[p, q], max_tokens=8)["outputs"]
         with Engine(path, "float32", extra, tmp_path / "e.log") as engine:
             first = engine.call(op="generate", prompts=[p], max_tokens=8)
-            assert first["cached"] == [0] and first["outputs"] == want
+            assert first["cached"] == [0] and first["outputs"] == want[:1]
             with kvd.connect(srv.url, srv.http_url, "m") as ctx:
                 assert kvd.lookup(ctx, p) == 192
             assert engine.call(op="reset_prefix_cache")["ok"]
             again = engine.call(op="generate", prompts=[p], max_tokens=8)
-            assert again["outputs"] == want
+            assert again["outputs"] == want[:1]
             assert again["cached"] == [0]  # recomputed from the start, not from token 128
+            assert engine.call(op="generate", prompts=[q], max_tokens=8)["outputs"] == want[1:]
     finally:
         srv.stop()
-
 
 
 def test_a_plan_whose_group_layout_is_not_the_workers_never_moves_kv() -> None:

@@ -6,15 +6,15 @@ A lost stream (evicted with its incarnation key, deleted) starts a new incarnati
 made after that deletes and writes the chunk under the new incarnation's keys only. A server
 whose poller is late (an overloaded host: docs/scale-out.md) stops vouching and, after ten
 bounds, answers reads from L3 alone (server/dispatch.py: "the shared tier (L3) is always
-current"), but under the incarnation it last knew: it reads the old incarnation's value, which
-no overwrite deletes any more."""
+current"), but under the incarnation it last knew: it read the old incarnation's value, which
+no overwrite deletes any more. Was a strict xfail; now such a read checks L3's incarnation after
+it (RedisTier._superseded) and is a miss when it changed."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
-import pytest
 import redis as redis_py
 import torch
 from tests.helpers import CHUNK, MODEL, make_kv, make_tokens, wait_for
@@ -39,12 +39,6 @@ def _vouching(make_server: Any, url: str) -> Any:
     return srv
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="A-STAGE r10 #2: a server whose poller is late answers reads from L3 alone under the incarnation "
-    "it last knew; after the stream (and its incarnation key) was lost and an overwrite was made under the "
-    "new incarnation, that server serves the old incarnation's value of the chunk: the replaced version",
-)
 def test_a_server_with_a_late_poller_never_serves_from_l3_what_an_overwrite_under_a_new_incarnation_replaced(
     make_server, redis_server
 ) -> None:

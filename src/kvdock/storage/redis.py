@@ -29,7 +29,7 @@ from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
 from kvdock.redisurl import CLUSTER_SCHEMES, redacted
 from kvdock.storage import _redisstage, coherence, objfile
-from kvdock.storage._coherence_lua import FLOOR_MIN_MS
+from kvdock.storage._coherence_lua import FLOOR_MIN_MS, INCARNATION_KEY
 from kvdock.storage._redisclient import ERRORS, cluster_nodes, eval_each, make_client, ping_primaries, run_waited
 from kvdock.storage._redisread import FALLBACK, read_fast, read_heads, read_plain
 from kvdock.storage.budget import Budget
@@ -280,6 +280,8 @@ class RedisTier(StorageTier):
         )
         if found is FALLBACK:
             found = self._read_plain(rkey, key, out, geometry, chunk_size)
+        if found is not None and self._superseded():
+            return None
         if found is not None and self._tracking:
             with self._lock:
                 self._written.touch(rkey)
@@ -303,7 +305,16 @@ class RedisTier(StorageTier):
 
     def heads(self, keys: list[ObjectKey]) -> list[Head]:
         """One pipelined round trip reading the first bytes of each value (its header)."""
-        return read_heads(self._redis, [self._key(k) for k in keys])
+        found = read_heads(self._redis, [self._key(k) for k in keys])
+        return [] if found and self._superseded() else found
+
+    def _superseded(self) -> bool:
+        """[worker] While this server does not vouch (its poller late: it answers from L3 alone),
+        whether L3's stream started another incarnation than the one it knows: its keys are then
+        not what overwrites delete any more (A-STAGE r10 #2), so what it read is a miss. One GET,
+        after the read, only while not vouching."""
+        c = self.coherence
+        return c is not None and not c.vouched() and c.client().get(INCARNATION_KEY) != c.incarnation
 
     def floored(self, keys: list[ObjectKey]) -> set[ObjectKey]:
         """[worker, reader] Those of ``keys`` (a plain store's heads found no value of them) whose

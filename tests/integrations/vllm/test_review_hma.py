@@ -29,7 +29,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 
 from kvdock.errors import UnsupportedLayoutError
-from kvdock.integrations.vllm import check_kv_cache_groups
+from kvdock.integrations.vllm import check_context_parallel, check_kv_cache_groups
 from kvdock.integrations.vllm.groups import NULL_BLOCK, fingerprint_with, map_groups
 from kvdock.integrations.vllm.plan import KvdockMetadata, LoadSpec, SaveSpec
 from kvdock.integrations.vllm.transfers import Transfers
@@ -283,3 +283,15 @@ def test_a_pp2_engine_of_a_hybrid_model_starts_saves_and_loads(tmp_path: Path) -
             assert loaded["cached"] == [192] and loaded["outputs"] == fresh["outputs"]
     finally:
         srv.stop()
+
+
+def test_context_parallelism_is_refused_at_start() -> None:
+    """With decode (or prefill) context parallelism a rank's pages hold every n-th token of a block:
+    its blocks are not a kvdock chunk's tokens, so the engine does not start with kvdock."""
+    check_context_parallel(SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
+    check_context_parallel(SimpleNamespace())  # (older vLLMs: neither field)
+    dcp = r"decode_context_parallel_size=2, prefill_context_parallel_size=1\)"
+    with pytest.raises(UnsupportedLayoutError, match=dcp):
+        check_context_parallel(SimpleNamespace(decode_context_parallel_size=2, prefill_context_parallel_size=1))
+    with pytest.raises(UnsupportedLayoutError, match=r"prefill_context_parallel_size=2"):
+        check_context_parallel(SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=2))

@@ -96,6 +96,19 @@ def check_kv_cache_groups(kv_cache_config: Any, block_size: int = 0, load_async:
     return mapped
 
 
+def check_context_parallel(parallel: Any) -> None:
+    """Decode / prefill context parallelism spreads each block's tokens over ranks (a rank's pages
+    hold every n-th token, vLLM's block is n times the kernel's): kvdock does not map that, and
+    refuses it at engine start rather than move another layout's KV."""
+    dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    if dcp > 1 or pcp > 1:
+        raise UnsupportedLayoutError(
+            f"kvdock does not map context parallelism (decode_context_parallel_size={dcp}, "
+            f"prefill_context_parallel_size={pcp}): each rank's pages hold only some of a block's tokens"
+        )
+
+
 @dataclass
 class KvdockHandshake(KVConnectorHandshakeMetadata):
     """What a worker tells the scheduler at start: the layout it registers, so that the scheduler
@@ -119,6 +132,7 @@ class KvdockConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg = ConnectorConfig.from_extra(extra, _served_name(vllm_config))
         block_size = int(vllm_config.cache_config.block_size)
+        check_context_parallel(vllm_config.parallel_config)
         groups = check_kv_cache_groups(kv_cache_config, block_size, self.cfg.load_async)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -280,6 +280,7 @@ def test_a_server_with_a_slow_l2_serves_an_overwritten_key_from_l3_soon_after_th
             ),
         ),
         "allkeys-lfu",
+        "volatile-lru",
     ],
 )
 def test_a_server_keeps_serving_its_l1_while_another_applications_keys_make_redis_evict(
@@ -290,7 +291,8 @@ def test_a_server_keeps_serving_its_l1_while_another_applications_keys_make_redi
     prefix stored through the server is hot in its L1; L3 may lose its copy (a miss there is
     fine) but nothing was overwritten, so the server must go on serving it from L1. Under
     allkeys-lfu the stream and its incarnation key, read by every poll, are never the least
-    frequently used."""
+    frequently used; under volatile-lru (the other application's keys with a TTL, as kvdock's
+    objects have: OBJECT_TTL_MS) they carry no TTL and are never evicted."""
     lru = RedisProc(free_port(), extra=("--maxmemory", "6mb", "--maxmemory-policy", policy)).start()
     raw = redis_py.Redis.from_url(lru.url)
     try:
@@ -305,7 +307,7 @@ def test_a_server_keeps_serving_its_l1_while_another_applications_keys_make_redi
             n = 0
             while time.monotonic() < deadline and _coh(srv)["full_drops"] == 0:
                 for _ in range(20):
-                    raw.set(f"other-app:{n}", blob)
+                    raw.set(f"other-app:{n}", blob, px=3_600_000 if policy.startswith("volatile") else None)
                     n += 1
                 time.sleep(0.05)
             assert int(raw.info("stats")["evicted_keys"]) > 0

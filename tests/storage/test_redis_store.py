@@ -14,6 +14,7 @@ from kvdock.errors import NoRoom
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.storage import StorageTier, objfile
+from kvdock.storage._coherence_lua import OBJECT_TTL_MS
 from kvdock.storage._redisread import HEAD_BYTES
 from kvdock.storage.objfile import ALIGN
 from kvdock.storage.redis import ERRORS, RedisTier, redis_key
@@ -94,7 +95,9 @@ def test_put_then_get_is_byte_exact(store: RedisTier, raw: redis_py.Redis) -> No
     value = raw.get(redis_key(K(1)))
     assert value is not None and len(value) == ALIGN + NB and value[ALIGN:] == data
     assert raw.dbsize() == 1  # one key: no temporary one left beside it
-    assert raw.ttl(redis_key(K(1))) == -1  # no expiry (a temporary key's TTL once came along: 300 s)
+    # every object expires after OBJECT_TTL_MS (volatile-* policies evict objects only), not sooner
+    # (a temporary key's TTL of 300 s once came along)
+    assert OBJECT_TTL_MS // 1000 - 60 < raw.ttl(redis_key(K(1))) <= OBJECT_TTL_MS // 1000
     assert store.counters.corrupted == 0
 
 

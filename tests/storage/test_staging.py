@@ -14,7 +14,7 @@ import redis as redis_py
 from helpers import RedisProc
 from kvdock.errors import WriteFenced, WriteLate
 from kvdock.storage import objfile
-from kvdock.storage._coherence_lua import INCARNATION_KEY, STAGED_TTL_MS
+from kvdock.storage._coherence_lua import INCARNATION_KEY, OBJECT_TTL_MS, STAGED_TTL_MS
 from kvdock.storage._redisstage import staged_keys
 from kvdock.storage.coherence import STREAM_KEY, Fence, decode_keys
 from kvdock.storage.redis import floor_key
@@ -68,7 +68,8 @@ def test_a_staged_write_is_invisible_until_its_check_commits_it(tmp_path: Path, 
         header, data = _plain(1)
         assert h1.redis is not None and h1.redis.settle() == {}
         assert raw.get(final) == header + bytes(data)
-        assert raw.pttl(final) == -1 and raw.exists(staged, nonce) == 0  # no TTL left on the value
+        assert raw.exists(staged, nonce) == 0
+        assert STAGED_TTL_MS < raw.pttl(final) <= OBJECT_TTL_MS  # (the staged TTL replaced: volatile-* policies)
         assert h1.redis.settle() == {}  # nothing staged since
 
     _two_hosts(tmp_path, redis_server, body)

@@ -16,6 +16,7 @@ __all__ = [
     "KEEP_SCRIPT",
     "MAXLEN",
     "NONCE_SUFFIX",
+    "OBJECT_TTL_MS",
     "POLL_COUNT",
     "POLL_SCRIPT",
     "PUBLISH_SCRIPT",
@@ -173,6 +174,10 @@ local function stale(value, floor, pos)
 end
 """
 STAGED_SUFFIX, NONCE_SUFFIX = b":s", b":n"
+# every object's value expires this long after it was written (a cache: in practice never), so that
+# under a volatile-* policy Redis evicts only objects, floors and staged writes, never the stream,
+# its incarnation or the models' records, which carry no TTL (docs/scale-out.md)
+OBJECT_TTL_MS = 30 * 86_400_000
 STAGED_TTL_MS = 2 * ISSUE_LIMIT_MS  # a staged write nobody commits goes by itself
 # KEYS: value, floor, and for a plain version the value's staged write and its nonce. ARGV:
 # header, payload, position, issued (ms, L3's clock), the version's overwrite (its E2; "" for a
@@ -199,23 +204,25 @@ elseif KEYS[3] then
 end
 redis.call('SET', into, ARGV[1])
 redis.call('APPEND', into, ARGV[2])
-if into ~= KEYS[1] then redis.call('PEXPIRE', into, {STAGED_TTL_MS}) end
+local ttl = {OBJECT_TTL_MS}
+if into ~= KEYS[1] then ttl = {STAGED_TTL_MS} end
+redis.call('PEXPIRE', into, ttl)
 return 1
 """
 )
 # KEYS: value, floor, staged, nonce. ARGV: the staged write's nonce, its position, '1' to commit it
-# or '0' to drop it. Returns 1 committed (renamed onto the value, its TTL removed), -1 dropped
+# or '0' to drop it. Returns 1 committed (renamed onto the value, with OBJECT_TTL_MS), -1 dropped
 # (asked to, or stale by now: an overwrite's floor came meanwhile), 0 not there any more (another
 # server's write staged over it, an overwrite's step deleted it, or it expired or was evicted).
 COMMIT_SCRIPT = (
     _OLDER
     + _ENDS
     + _STALE
-    + """
+    + f"""
 if redis.call('GET', KEYS[4]) ~= ARGV[1] or redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 if ARGV[3] == '1' and not stale(KEYS[1], KEYS[2], ARGV[2]) then
   redis.call('RENAME', KEYS[3], KEYS[1])
-  redis.call('PERSIST', KEYS[1])
+  redis.call('PEXPIRE', KEYS[1], {OBJECT_TTL_MS})
   redis.call('DEL', KEYS[4])
   return 1
 end

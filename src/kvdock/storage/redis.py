@@ -29,7 +29,7 @@ from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
 from kvdock.redisurl import CLUSTER_SCHEMES, redacted
 from kvdock.storage import _redisstage, coherence, objfile
-from kvdock.storage._coherence_lua import FLOOR_MIN_MS, INCARNATION_KEY
+from kvdock.storage._coherence_lua import FLOOR_MIN_MS, INCARNATION_KEY, OBJECT_TTL_MS
 from kvdock.storage._redisclient import ERRORS, cluster_nodes, eval_each, make_client, ping_primaries, run_waited
 from kvdock.storage._redisread import FALLBACK, read_fast, read_heads, read_plain
 from kvdock.storage.budget import Budget
@@ -45,8 +45,12 @@ log = logging.getLogger(__name__)
 BACKOFF_MAX = 30.0
 # SET + APPEND of one key as one script: Redis runs a script atomically, so readers see the old
 # value or the whole new one, and it is a single-key command (it goes to the key's node, follows
-# slot migrations, and needs no temporary key: no TTL, no leftovers, no multi-key RENAME)
-WRITE_SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]); redis.call('APPEND', KEYS[1], ARGV[2])"
+# slot migrations, and needs no temporary key: no leftovers, no multi-key RENAME); with
+# OBJECT_TTL_MS (volatile-* policies evict objects only)
+WRITE_SCRIPT = (
+    "redis.call('SET', KEYS[1], ARGV[1]); redis.call('APPEND', KEYS[1], ARGV[2]); "
+    f"redis.call('PEXPIRE', KEYS[1], {OBJECT_TTL_MS})"
+)
 
 
 def redis_key(key: ObjectKey, identity: str = "") -> bytes:

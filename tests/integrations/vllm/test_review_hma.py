@@ -14,6 +14,8 @@ their users): regressions for what a fresh reviewer found.
   one name, so the second stage was refused.
 * The load statistics counted every layer of a loaded block, also the window's layers that have no
   block there.
+* Hardening: a plan whose group layout is not the worker's is refused (never one group's block ids
+  for another's layers); decode / prefill context parallelism is refused at start.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -247,3 +248,24 @@ def assert_fast_reads_refused(srv: ServerProcess, client_id: str) -> None:
     finally:
         client.close()
     assert srv.metric("kvdock_lookups_total", 0.0) == before
+
+
+class SlowLink:
+    """An in-process server's L3 write-downs wait (their fence read, nothing sent yet: as bytes on
+    a slow link would) until :meth:`release`; ``waiting`` is set once one waits."""
+
+    def __init__(self, srv: Any) -> None:
+        self.tier = next(lane.tier for lane in srv.state.manager.lanes if lane.name == "l3")
+        self.real = self.tier.write_from
+        self.go, self.waiting = threading.Event(), threading.Event()
+
+        def slow(*args: Any, **kw: Any) -> Any:
+            self.waiting.set()
+            self.go.wait(60)
+            return self.real(*args, **kw)
+
+        self.tier.write_from = slow
+
+    def release(self) -> None:
+        self.go.set()
+        self.tier.write_from = self.real

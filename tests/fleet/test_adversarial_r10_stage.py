@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import redis as redis_py
 import torch
-from tests.helpers import CHUNK, MODEL, RedisProc, free_port, make_kv, make_tokens, wait_for
+from tests.helpers import CHUNK, MODEL, RedisProc, SlowLink, free_port, make_kv, make_tokens, wait_for
 
 import kvdock.sdk as kvd
 from kvdock.errors import TierUnavailableError
@@ -303,27 +303,6 @@ def test_staging_under_noeviction_oom_stores_nothing_wrong_and_recovers(make_ser
         proc.stop()
 
 
-class _SlowLink:
-    """Server ``srv``'s next L3 write-down waits (its fence read, its stage not sent) until
-    :meth:`release`, as bytes on a slow link would."""
-
-    def __init__(self, srv: Any) -> None:
-        self.tier = _tier(srv)
-        self.real = self.tier.write_from
-        self.go, self.waiting = threading.Event(), threading.Event()
-
-        def slow(*args: Any, **kw: Any) -> Any:
-            self.waiting.set()
-            self.go.wait(60)
-            return self.real(*args, **kw)
-
-        self.tier.write_from = slow
-
-    def release(self) -> None:
-        self.go.set()
-        self.tier.write_from = self.real
-
-
 def test_a_stream_made_again_with_a_first_id_not_past_an_older_position_commits_nothing_issued_before(
     make_server, redis_server
 ) -> None:
@@ -342,7 +321,7 @@ def test_a_stream_made_again_with_a_first_id_not_past_an_older_position_commits_
     tokens = make_tokens(2 * CHUNK, start=105_000_000)
     v1, v2 = make_kv(2 * CHUNK, seed=111), make_kv(2 * CHUNK, seed=112)
     raw = redis_py.Redis.from_url(url)
-    link = _SlowLink(b)
+    link = SlowLink(b)
     ca = kvd.connect(a.url, a.http_url, MODEL, timeout=10)
     cb = kvd.connect(b.url, b.http_url, MODEL, timeout=10)
     try:
@@ -380,7 +359,7 @@ def test_two_servers_writing_down_one_prefix_while_a_third_overwrites_it(make_se
     tokens = make_tokens(2 * CHUNK, start=106_000_000)
     v1, v2 = make_kv(2 * CHUNK, seed=113), make_kv(2 * CHUNK, seed=114)
     raw = redis_py.Redis.from_url(url)
-    hold, link = _Hold(a, "settle"), _SlowLink(b)
+    hold, link = _Hold(a, "settle"), SlowLink(b)
     ctxs = [kvd.connect(s.url, s.http_url, MODEL, timeout=10) for s in (a, b, c)]
     try:
         assert kvd.store(ctxs[0], v1, tokens)

@@ -23,14 +23,13 @@ are not."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any
 
 import pytest
 import redis as redis_py
 import torch
-from tests.helpers import CHUNK, MODEL, RedisProc, free_port, make_kv, make_tokens, wait_for
+from tests.helpers import CHUNK, MODEL, RedisProc, SlowLink, free_port, make_kv, make_tokens, wait_for
 
 import kvdock.sdk as kvd
 
@@ -68,27 +67,6 @@ def _miss_or(got: torch.Tensor | None, want: torch.Tensor, replaced: torch.Tenso
     raise AssertionError(f"{who} serves bytes of no store")
 
 
-class _SlowLink:
-    """Server ``srv``'s L3 write-downs wait (after their fence was read, as bytes on a slow link
-    would) until :meth:`release`."""
-
-    def __init__(self, srv: Any) -> None:
-        self.l3 = next(lane.tier for lane in srv.state.manager.lanes if lane.name == "l3")
-        self.real = self.l3.write_from
-        self.go, self.waiting = threading.Event(), threading.Event()
-
-        def slow(*args: Any, **kw: Any) -> Any:
-            self.waiting.set()
-            self.go.wait(60)
-            return self.real(*args, **kw)
-
-        self.l3.write_from = slow
-
-    def release(self) -> None:
-        self.go.set()
-        self.l3.write_from = self.real
-
-
 def _late_write_after_an_overwrite(
     make_server: Any, url: str, flags: tuple[str, ...], floor_gone: Any, leave: bool = True
 ) -> bool:
@@ -101,7 +79,7 @@ def _late_write_after_an_overwrite(
     b = _vouching(make_server, url, *flags)
     tokens = make_tokens(2 * CHUNK, start=91_000_000)
     v1, v2 = make_kv(2 * CHUNK, seed=91), make_kv(2 * CHUNK, seed=92)
-    link = _SlowLink(b)
+    link = SlowLink(b)
     raw = redis_py.Redis.from_url(url)
     ca = kvd.connect(a.url, a.http_url, MODEL, timeout=10)
     cb = kvd.connect(b.url, b.http_url, MODEL, timeout=10)

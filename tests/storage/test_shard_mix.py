@@ -28,7 +28,6 @@ def l3_version(w: World, key: ObjectKey) -> int | None:
     return None if value is None else objfile.decode_header(value)[0].version
 
 
-@pytest.mark.xfail(strict=True, reason="F-SHARD2: L3 evicting one shard lets a plain store mix versions")
 def test_an_l3_that_evicts_one_shard_of_a_held_overwrite_never_leaves_a_chunk_of_two_versions(
     tmp_path: Path, redis_server: RedisProc, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "STAGED_SUFFIX",
     "STAGED_TTL_MS",
     "STREAM_KEY",
+    "UNKEEP_SCRIPT",
     "WRITE_SCRIPT",
 ]
 
@@ -279,5 +280,24 @@ if mine() then
   return 1
 end
 return -1
+"""
+)
+# KEYS: value, floor. ARGV: an overwrite's E2, the floor's TTL (ms). A holder that drops one shard
+# of that overwrite's chunk (storage.keeping, F-SHARD2) unkeeps each of the chunk's shards: the
+# value goes if it is that overwrite's version, and the floor, if it is E2 (or was gone and the value
+# went), becomes E2 .. '!' (no position: KEEP and WRITE of E2's versions answer -1, plain writes are
+# stale and plain stores wait while it lives, for at least FLOOR_MIN_MS; a later overwrite's step
+# replaces it). Other overwrites' state and plain versions are left alone. Returns the values deleted.
+UNKEEP_SCRIPT = (
+    _ENDS
+    + f"""
+local f = redis.call('GET', KEYS[2])
+local n = 0
+if overwrite_of(KEYS[1]) == ARGV[1] then n = redis.call('DEL', KEYS[1]) end
+if f == ARGV[1] or ((not f) and n == 1) then
+  local ttl = math.max(redis.call('PTTL', KEYS[2]), tonumber(ARGV[2]), {FLOOR_MIN_MS})
+  redis.call('SET', KEYS[2], ARGV[1] .. '!', 'PX', ttl)
+end
+return n
 """
 )

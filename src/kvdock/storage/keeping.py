@@ -30,6 +30,14 @@ How:
   version of the overwrite whose floor is live is refused too, and a server whose write-down L3
   refuses as stale drops its copy (:meth:`Holdings.refused`, from L1 and L2); a plain store whose
   L3 heads found no value waits while the floor is live (storage.redis ``floored``, R-KEEP 1);
+* *one version per chunk* (F-SHARD2): an overwrite's version of a chunk stored in several shards
+  (one key per shard, the same E2: one request) is kept whole or not at all. A holder that must
+  drop one shard of it (KEEP or a load's KEEP -1, a write-down fenced) drops every shard it holds
+  of that commit (``L1Object.unit``), and its next round UNKEEPs that E2 on every shard of the
+  chunk (UNKEEP_SCRIPT: E2's version goes from L3, a floor at E2 is poisoned), so every other
+  holder, loaders of one shard included, gets -1 at its next round and nobody repairs or loads it
+  again: what a plain store wrote in an evicted shard meets the overwrite's other shards for at most
+  two rounds (the dropping holder's, then the others');
 * KEEP never shortens a floor (holders may run with other TTLs), and an overwrite's floor lives
   at least FLOOR_MIN_MS (a write issued before it lands within the issue limit).
 
@@ -37,7 +45,10 @@ Left: an L3 that evicts a floor refreshed less than ``refresh_s`` ago (allkeys-l
 a small key read only by these rounds) together with the value lets a plain store elsewhere land
 while the holders serve on until their next round: a window of at most ``refresh_s``; one that
 evicts an overwrite's floor and its value within the issue limit lets a plain write-down issued
-before the overwrite land after it (its holders then drop it: docs/scale-out.md).
+before the overwrite land after it (its holders then drop it: docs/scale-out.md); and one shard's
+floor and value evicted while no server holds that shard's version any more (loaders hold the
+other shard only, KEEP 1) lets a plain store fill it beside the overwrite's other shards until
+those are dropped.
 
 Event loop only, except :meth:`RedisTier.keep <kvdock.storage.redis.RedisTier.keep>` (a worker
 thread)."""
@@ -89,6 +100,7 @@ class Holdings:
         self.local = [lane for lane in lanes if lane.tier.indexed]
         self.geometry_of, self.chunk_size, self.repair = geometry_of, chunk_size, repair
         self._held: dict[ObjectKey, _Held] = {}
+        self._unkeep: dict[ObjectKey, str] = {}  # shards whose E2 version goes from L3 next round
         self.l3.refused = self.refused  # (a version L3 refuses is not served here either)
 
     @classmethod
@@ -153,6 +165,13 @@ class Holdings:
             results: list[int] = await run(self.l3.tier.keep, [(h.obj.key, h.e2, h.mark) for h in items])
             for held, result in zip(items, results, strict=True):
                 self._apply(held.obj, result)
+        if self._unkeep:
+            unkeep, self._unkeep = self._unkeep, {}
+            try:
+                await run(self.l3.tier.unkeep, list(unkeep.items()))
+            except BaseException:
+                self._unkeep = unkeep | self._unkeep  # (again next round)
+                raise
         self.coherence.kept(sent, len(self._live()))
 
     def _apply(self, obj: L1Object, result: int) -> None:
@@ -182,6 +201,20 @@ class Holdings:
             key = one.key.chunk.hex()[:16]
             log.info("coherence: an overwrite's version of %s is no longer kept in L3: dropped", key)
             self._drop_local(one.key, one.version)
+            self._unkeep_chunk(one)
+
+    def _unkeep_chunk(self, obj: L1Object) -> None:
+        """[loop] Queue, for the next round, the UNKEEP (storage._coherence_lua) of every shard of
+        ``obj``'s chunk for ``obj``'s overwrite (nothing for a plain version or a model in one
+        shard): that overwrite's version goes from L3 and its floors are poisoned, so that no
+        holder (a loader holds its shard alone) keeps, repairs or loads one shard of it beside
+        another version's sibling (F-SHARD2)."""
+        geo = self.geometry_of(obj.key.model)
+        if not obj.overwrite or geo is None or geo.shards < 2:
+            return
+        e2, k = pos_text(obj.overwrite), obj.key
+        for rank in range(geo.shards):
+            self._unkeep.setdefault(ObjectKey(k.model, rank, k.salt, k.chunk), e2)
 
     def refused(self, obj: L1Object) -> None:
         """[loop] L3 refused ``obj``'s write-down (stale, past a floor, or over the version of
@@ -215,6 +248,10 @@ class Holdings:
                 self.coherence.counters.keep_dropped += 1
                 if lane.tier.indexed:
                     self._drop_local(slot.key, head.version)
+                k = slot.key
+                if (shards := geo.shards) > 1:
+                    for rank in range(shards):
+                        self._unkeep.setdefault(ObjectKey(k.model, rank, k.salt, k.chunk), head.overwrite)
             return None
         # its bytes are that overwrite's version (KEEP vouched for them): its own entries, applied
         # after the load started, must not drop it (an overwrite's commit takes its E2 as epoch too)

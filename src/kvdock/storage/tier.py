@@ -136,6 +136,11 @@ class StorageTier(abc.ABC):
         a local tier: none."""
         return []
 
+    def unkeep(self, items: list[tuple[ObjectKey, str]]) -> list[int]:
+        """[worker] A shared tier's UNKEEP of an overwrite's version of a chunk's shards, (key, its
+        overwrite's E2) each (kvdock.storage.keeping); a local tier: none."""
+        return []
+
     def probe_soon(self) -> None:
         """[any] Make :meth:`probe_due` true now (the tier was seen answering again)."""
         return None

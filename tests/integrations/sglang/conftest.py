@@ -28,15 +28,16 @@ DTYPE = torch.bfloat16
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
-def host_pool(mla: bool, layout: str, heads: int = HEADS, pages: int = 32) -> Any:
-    """A real SGLang host pool on CPU (its device pool on "cpu", no pinning), ``pages`` pages.
+def host_pool(mla: bool, layout: str, heads: int = HEADS, pages: int = 32, groups: int = 1) -> Any:
+    """A real SGLang host pool on CPU (its device pool on "cpu", no pinning), ``pages`` pages
+    (an MHA ``page_unified`` pool: ``groups`` head groups, SGLang's ``head_group_num``).
     (Booked against a budget of 8 GiB: SGLang otherwise refuses a host pool while the machine
     has less than 10 GiB available, its reserve for everything else.)"""
     with host_memory_budget_scope(8 << 30):
-        return _host_pool(mla, layout, heads, pages)
+        return _host_pool(mla, layout, heads, pages, groups)
 
 
-def _host_pool(mla: bool, layout: str, heads: int, pages: int) -> Any:
+def _host_pool(mla: bool, layout: str, heads: int, pages: int, groups: int = 1) -> Any:
     size = pages * PAGE // 2
     if mla:
         dev = MLATokenToKVPool(
@@ -54,6 +55,8 @@ def _host_pool(mla: bool, layout: str, heads: int, pages: int) -> Any:
         device="cpu", enable_memory_saver=False,
     )  # fmt: skip
     cls, info, kw = _mha_host_inputs(dev)
+    if groups != 1:
+        kw["head_group_num"] = groups
     return cls(
         info, host_to_device_ratio=2.0, host_size=0, page_size=PAGE, layout=layout, pin_memory=False, device="cpu", **kw
     )

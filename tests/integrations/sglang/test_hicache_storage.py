@@ -77,7 +77,8 @@ def test_key_tokens_hold_each_hash_and_refuse_what_is_not_one() -> None:
 
 @pytest.mark.parametrize(
     ("mla", "layout"),
-    [(False, layout) for layout in (*LAYOUTS, "page_head")] + [(True, layout) for layout in LAYOUTS],
+    [(False, layout) for layout in (*LAYOUTS, "page_head", "page_unified")]
+    + [(True, layout) for layout in (*LAYOUTS, "page_unified")],
     ids=lambda v: {False: "mha", True: "mla"}.get(v, v) if isinstance(v, bool) else v,
 )
 def test_sglang_stores_the_sdk_reads_edits_and_sglang_loads_the_edit(
@@ -352,6 +353,8 @@ def test_a_name_another_engine_registered_first_keeps_its_keys_and_chunk_keys_pi
         (False, "page_first", 1, False),
         (True, "layer_first", 1, True),
         (True, "page_first", 1, False),
+        (False, "page_unified", HEADS, True),
+        (True, "page_unified", 1, True),
     ],
 )
 def test_pages_copy_in_one_planned_step_or_page_by_page(mla: bool, layout: str, heads: int, planned: bool) -> None:

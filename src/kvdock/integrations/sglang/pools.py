@@ -13,7 +13,13 @@ layer_first         ``[2, L, size, H, D]``               ``[L, size, 1, C]``
 page_first          ``[2, size, L, H, D]``               ``[size, L, 1, C]``
 page_first_direct   ``[2, pages, L, P, H, D]``           ``[pages, L, P, 1, C]``
 page_head           ``[2, pages, H, P, L, D]``           --
+page_unified        ``[pages, G, L, 2, P, H/G, D]``      ``[pages, L, P, C]``
 ==================  ==================================  ==================================
+
+``page_unified`` (SGLang's ``page-unified-v1`` page block; ``G`` the pool's ``head_group_num``)
+is refused unless SGLang's ``PAGE_UNIFIED_OBJECT_LAYOUT`` still names that byte order. With
+``G > 1`` a page's heads are two axes ``(G, H/G)`` (:attr:`HostPages.head_shape`), head
+``g * H/G + h`` either way.
 
 :meth:`HostPages.flat_page` reads a *flat data page* (what SGLang's generic ``get`` / ``set``
 hand a backend: ``get_data_page(i, flat=True)``, the page's bytes in the pool's own order) as the
@@ -23,8 +29,6 @@ same chunk. :class:`Pages` and :class:`Flat` are those pages as the two ends of 
 
 from __future__ import annotations
 
-import collections
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +40,9 @@ from kvdock.layout import KV_LATENT, KV_PAIR
 from kvdock.memcpy import Copier, _disjoint
 from kvdock.protocol.messages import EngineInfo, ModelLayout
 
-log = logging.getLogger("kvdock.sglang")
-
-MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
-MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head", "page_unified")
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_unified")
+UNIFIED_ORDER = "page-unified-v1"  # the page block's byte order kvdock reads (SGLang's name for it)
 
 
 class HostPages:
@@ -72,6 +75,13 @@ class HostPages:
                 )
             self.kv_kind, self.planes, self.heads, self.head_dim = KV_PAIR, 2, int(pool.head_num), int(pool.head_dim)
         self.dim = self.heads * self.head_dim
+        groups = int(getattr(pool, "head_group_num", 1)) if self.layout == "page_unified" and not self.latent else 1
+        if groups < 1 or self.heads % groups:
+            raise UnsupportedLayoutError(f"kvdock: {groups} head groups of {self.heads} KV heads")
+        self.groups = groups  # page_unified's head groups (1 otherwise)
+        self.head_shape = (self.heads,) if groups == 1 else (groups, self.heads // groups)
+        if self.layout == "page_unified":
+            _check_unified_order()
         self.shape = (self.planes, self.num_layers, self.page_size, self.dim)
         expected = self._buffer_shape()
         if tuple(buf.shape) != expected:
@@ -98,12 +108,14 @@ class HostPages:
                 "layer_first": (L, size, 1, D),
                 "page_first": (size, L, 1, D),
                 "page_first_direct": (pages, L, P, 1, D),
+                "page_unified": (pages, L, P, D),
             }[self.layout]
         return {
             "layer_first": (2, L, size, H, D),
             "page_first": (2, size, L, H, D),
             "page_first_direct": (2, pages, L, P, H, D),
             "page_head": (2, pages, H, P, L, D),
+            "page_unified": (pages, self.groups, L, 2, P, H // self.groups, D),
         }[self.layout]
 
     @property
@@ -112,8 +124,8 @@ class HostPages:
 
     def page(self, index: int) -> torch.Tensor:
         """The page at host index ``index`` (a multiple of the page size, inside the pool) as a
-        ``[planes, L, page_size, H, head_dim]`` view of the pool's buffer (``H`` 1 for a latent):
-        the chunk :meth:`chunk5` gives of a slot. ValueError otherwise."""
+        ``[planes, L, page_size, *head_shape, head_dim]`` view of the pool's buffer (``H`` 1 for a
+        latent): the chunk :meth:`chunk5` gives of a slot. ValueError otherwise."""
         P = self.page_size
         if index % P or not 0 <= index <= self.capacity - P:
             raise ValueError(f"host index {index} is not the start of a page of the pool (page size {P})")
@@ -123,6 +135,8 @@ class HostPages:
                 v = b[:, index : index + P]  # [L, P, 1, C]
             elif self.layout == "page_first":
                 v = b[index : index + P].transpose(0, 1)
+            elif self.layout == "page_unified":
+                v = b[pg].unsqueeze(2)  # [L, P, C] -> [L, P, 1, C]
             else:
                 v = b[pg]
             return v.unsqueeze(0)
@@ -132,17 +146,24 @@ class HostPages:
             return b[:, index : index + P].transpose(1, 2)
         if self.layout == "page_first_direct":
             return b[:, pg]
+        if self.layout == "page_unified":
+            return self._ungroup(b[pg])
         return b[:, pg].permute(0, 3, 2, 1, 4)  # page_head: [2, H, P, L, D]
+
+    def _ungroup(self, block: torch.Tensor) -> torch.Tensor:
+        """An MHA ``page_unified`` page block ``[G, L, 2, P, H/G, D]`` as ``[2, L, P, *head_shape, D]``."""
+        v = block.permute(2, 1, 3, 0, 4, 5)
+        return v.squeeze(3) if len(self.head_shape) == 1 else v
 
     def chunk5(self, chunk: torch.Tensor) -> torch.Tensor:
         """A contiguous ``[planes, L, page_size, D]`` chunk (a kvdock slot) as ``[planes, L,
-        page_size, H, head_dim]``, the shape of :meth:`page`."""
-        return chunk.view(self.planes, self.num_layers, self.page_size, self.heads, self.head_dim)
+        page_size, *head_shape, head_dim]``, the shape of :meth:`page`."""
+        return chunk.view(self.planes, self.num_layers, self.page_size, *self.head_shape, self.head_dim)
 
     def flat_page(self, flat: torch.Tensor) -> torch.Tensor:
         """A flat data page of this pool (contiguous, ``chunk_nbytes`` bytes, the pool's dtype)
-        as a ``[planes, L, page_size, H, head_dim]`` view, like :meth:`page`. ValueError for
-        anything else."""
+        as a ``[planes, L, page_size, *head_shape, head_dim]`` view, like :meth:`page` (a
+        ``page_unified`` flat page: the page block's bytes). ValueError for anything else."""
         if (
             not isinstance(flat, torch.Tensor)
             or flat.dtype != self.dtype
@@ -159,6 +180,8 @@ class HostPages:
             return flat.view(2, P, L, H, D).transpose(1, 2)
         if self.layout == "page_head":
             return flat.view(2, H, P, L, D).permute(0, 3, 2, 1, 4)
+        if self.layout == "page_unified":
+            return self._ungroup(flat.view(self.groups, L, 2, P, H // self.groups, D))
         return flat.view(2, L, P, H, D)
 
     def starts(self, pages: int, host_indices: torch.Tensor) -> np.ndarray:
@@ -240,6 +263,17 @@ class HostPages:
     def describe(self) -> str:
         kind = "MLA latent" if self.latent else f"{self.heads} KV heads of {self.head_dim}"
         return f"{self.layout}, {self.num_layers} layers, {kind}, page {self.page_size}, {self.dtype}"
+
+
+def _check_unified_order() -> None:
+    """UnsupportedLayoutError unless SGLang's ``page_unified`` page block is still in the byte
+    order kvdock reads (SGLang renames it when the order changes: old objects must then miss)."""
+    try:
+        from sglang.srt.mem_cache.pool_host.page_unified import PAGE_UNIFIED_OBJECT_LAYOUT as theirs
+    except ImportError:
+        theirs = None
+    if theirs != UNIFIED_ORDER:
+        raise UnsupportedLayoutError(f"kvdock: page_unified byte order {theirs!r} (kvdock reads {UNIFIED_ORDER!r})")
 
 
 @dataclass(frozen=True)
@@ -367,30 +401,4 @@ class Flat:
         pass
 
 
-class NoExtraPools:
-    """A hybrid model's extra pools (Mamba, SWA, DSA: SGLang's ``*_v2`` calls) are not stored:
-    every page a miss, logged once, counted in ``stats``."""
-
-    stats: collections.Counter[str]
-
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
-        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
-
-        self._unsupported("batch_exists_v2")
-        return PoolTransferResult.empty()
-
-    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
-        self._unsupported("batch_get_v2")
-        return {t.name: [False] * len(t.keys or []) for t in transfers}
-
-    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
-        self._unsupported("batch_set_v2")
-        return {t.name: [False] * len(t.keys or []) for t in transfers}
-
-    def _unsupported(self, what: str) -> None:
-        self.stats[f"{what}_unsupported"] += 1
-        if self.stats[f"{what}_unsupported"] == 1:
-            log.error("kvdock: %s (a hybrid model's extra pools) is not supported: misses", what)
-
-
-__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "Flat", "HostPages", "NoExtraPools", "Pages", "Plan"]
+__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "UNIFIED_ORDER", "Flat", "HostPages", "Pages", "Plan"]

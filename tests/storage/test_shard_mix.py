@@ -28,16 +28,22 @@ def l3_version(w: World, key: ObjectKey) -> int | None:
     return None if value is None else objfile.decode_header(value)[0].version
 
 
+@pytest.mark.parametrize("committer_holds", [True, False], ids=["committer-holds", "loader-only"])
 def test_an_l3_that_evicts_one_shard_of_a_held_overwrite_never_leaves_a_chunk_of_two_versions(
-    tmp_path: Path, redis_server: RedisProc, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, redis_server: RedisProc, monkeypatch: pytest.MonkeyPatch, committer_holds: bool
 ) -> None:
     """A overwrites a 2-shard chunk (version 1: held, written down); D loads shard 1 (a loader
     holding that shard alone). L3 evicts shard 0's floor and value. B's plain store of the chunk
     (version 3) writes shard 0 and dedups shard 1 (A's version in L3). After A's and D's next
-    rounds: no reader, no server's L1 and no L3 state pairs B's shard 0 with A's shard 1."""
+    rounds: no reader, no server's L1 and no L3 state pairs B's shard 0 with A's shard 1. Also
+    with A holding nothing any more (its L1 evicted the chunk): D, the loader of shard 1 alone,
+    must see that shard 0 is no longer the overwrite's."""
     # "tiny" in two tensor-parallel shards (each shard's chunk the harness' shape)
     monkeypatch.setattr(tierworld, "GEO", KVGeometry(3, 2, 5, "float32", world_size=2))
-    r0, r1 = ObjectKey("tiny", 0, "", bytes([31]) * 32), ObjectKey("tiny", 1, "", bytes([31]) * 32)
+    r0, r1 = (
+        ObjectKey("tiny", 0, "", bytes([31 + committer_holds]) * 32),
+        ObjectKey("tiny", 1, "", bytes([31 + committer_holds]) * 32),
+    )
     keys = [r0, r1]
 
     async def main() -> None:
@@ -62,6 +68,9 @@ def test_an_l3_that_evicts_one_shard_of_a_held_overwrite_never_leaves_a_chunk_of
             assert [bytes(d.l1.view(o)) for o in session.pinned] == [payload(r1, 1)]
             d.mgr.end_session("c", "d1")
             assert len(d.mgr.holdings) == 1
+            a_versions = [a.l1.get(k).version for k in keys]  # type: ignore[union-attr]
+            if not committer_holds:
+                a.evict_l1(keys)
             # L3 evicts shard 0's floor and value (an LRU policy: both cold there)
             raw = a.redis._redis
             assert raw.delete(a.redis._key(r0), floor_key(a.redis._key(r0))) == 2
@@ -79,9 +88,9 @@ def test_an_l3_that_evicts_one_shard_of_a_held_overwrite_never_leaves_a_chunk_of
                 commits.append((sid, [i for i, _ in plan.slots]))
             b.mgr.commit_stores("c", commits)
             await b.drain()
-            on_b, on_a = b.l1.get(r0), a.l1.get(r1)
-            assert on_b is not None and on_a is not None and b.l1.get(r1) is None
-            assert [l3_version(a, k) for k in keys] == [on_b.version, on_a.version]  # (the hole: two versions)
+            on_b = b.l1.get(r0)
+            assert on_b is not None and b.l1.get(r1) is None
+            assert [l3_version(a, k) for k in keys] == [on_b.version, a_versions[1]]  # (the hole: two versions)
             # the holders' next rounds (the committer's and the loader's)
             for w in (a, d):
                 assert w.mgr.holdings is not None

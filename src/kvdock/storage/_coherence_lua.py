@@ -19,6 +19,7 @@ __all__ = [
     "OBJECT_TTL_MS",
     "POLL_COUNT",
     "POLL_SCRIPT",
+    "SHARD_SCRIPT",
     "PUBLISH_SCRIPT",
     "STAGED_SUFFIX",
     "STAGED_TTL_MS",
@@ -299,5 +300,23 @@ if f == ARGV[1] or ((not f) and n == 1) then
   redis.call('SET', KEYS[2], ARGV[1] .. '!', 'PX', ttl)
 end
 return n
+"""
+)
+# KEYS: value, floor. ARGV: an overwrite's E2. Whether a shard of a chunk is still whole with a
+# sibling shard of that overwrite held elsewhere (storage.keeping; an overwrite of a sharded model
+# covers every shard in one request: one E2): 1 if its floor is E2 and its value is that
+# overwrite's version or gone (being written), or its floor is gone and its value is that
+# overwrite's version; -1 otherwise (evicted, a plain version, another overwrite's). Reads only.
+SHARD_SCRIPT = (
+    _ENDS
+    + """
+local f = redis.call('GET', KEYS[2])
+local o = overwrite_of(KEYS[1])
+if f then
+  if f == ARGV[1] and (o == ARGV[1] or redis.call('EXISTS', KEYS[1]) == 0) then return 1 end
+  return -1
+end
+if o == ARGV[1] then return 1 end
+return -1
 """
 )

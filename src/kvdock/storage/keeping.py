@@ -30,14 +30,16 @@ How:
   version of the overwrite whose floor is live is refused too, and a server whose write-down L3
   refuses as stale drops its copy (:meth:`Holdings.refused`, from L1 and L2); a plain store whose
   L3 heads found no value waits while the floor is live (storage.redis ``floored``, R-KEEP 1);
-* *one version per chunk* (F-SHARD2): an overwrite's version of a chunk stored in several shards
-  (one key per shard, the same E2: one request) is kept whole or not at all. A holder that must
-  drop one shard of it (KEEP or a load's KEEP -1, a write-down fenced) drops every shard it holds
-  of that commit (``L1Object.unit``), and its next round UNKEEPs that E2 on every shard of the
-  chunk (UNKEEP_SCRIPT: E2's version goes from L3, a floor at E2 is poisoned), so every other
-  holder, loaders of one shard included, gets -1 at its next round and nobody repairs or loads it
-  again: what a plain store wrote in an evicted shard meets the overwrite's other shards for at most
-  two rounds (the dropping holder's, then the others');
+* *one version per chunk* (F-SHARD2): an overwrite of a model stored in several shards covers
+  every shard in one request (one E2; server.storing refuses one rank's), so a held shard of it
+  is served only while every shard of its chunk is that overwrite's in L3. A round (and a load's
+  KEEP) checks the sibling shards of each held one too (SHARD_SCRIPT: floor E2 with that version
+  or no value yet, or no floor and that version); any shard that is not (evicted, a plain store's
+  bytes, another overwrite's) makes every held shard of that chunk and E2 -1. A holder that drops
+  a shard drops every shard it holds of that commit (``L1Object.unit``), and its next round
+  UNKEEPs that E2 on every shard of the chunk (UNKEEP_SCRIPT: E2's version goes from L3, a floor
+  at E2 is poisoned), so nobody repairs or loads it again: what a plain store wrote in an evicted
+  shard meets the overwrite's other shards for at most one round of their holders;
 * KEEP never shortens a floor (holders may run with other TTLs), and an overwrite's floor lives
   at least FLOOR_MIN_MS (a write issued before it lands within the issue limit).
 
@@ -45,10 +47,7 @@ Left: an L3 that evicts a floor refreshed less than ``refresh_s`` ago (allkeys-l
 a small key read only by these rounds) together with the value lets a plain store elsewhere land
 while the holders serve on until their next round: a window of at most ``refresh_s``; one that
 evicts an overwrite's floor and its value within the issue limit lets a plain write-down issued
-before the overwrite land after it (its holders then drop it: docs/scale-out.md); and one shard's
-floor and value evicted while no server holds that shard's version any more (loaders hold the
-other shard only, KEEP 1) lets a plain store fill it beside the overwrite's other shards until
-those are dropped.
+before the overwrite land after it (its holders then drop it: docs/scale-out.md).
 
 Event loop only, except :meth:`RedisTier.keep <kvdock.storage.redis.RedisTier.keep>` (a worker
 thread)."""
@@ -162,7 +161,8 @@ class Holdings:
         items = self._live()
         sent = self.coherence.clock()
         if items:
-            results: list[int] = await run(self.l3.tier.keep, [(h.obj.key, h.e2, h.mark) for h in items])
+            mine = [(h.obj.key, h.e2, h.mark) for h in items]
+            results: list[int] = await run(self._keep, mine, self._siblings(mine))
             for held, result in zip(items, results, strict=True):
                 self._apply(held.obj, result)
         if self._unkeep:
@@ -173,6 +173,33 @@ class Holdings:
                 self._unkeep = unkeep | self._unkeep  # (again next round)
                 raise
         self.coherence.kept(sent, len(self._live()))
+
+    def _siblings(self, items: list[tuple[ObjectKey, str, bytes]]) -> list[tuple[ObjectKey, str]]:
+        """[any] The other shards of the chunks of ``items`` (a model stored in several shards),
+        each with its item's E2, those that are items themselves left out."""
+        mine = {(key, e2) for key, e2, _ in items}
+        out: dict[tuple[ObjectKey, str], None] = {}
+        for key, e2, _ in items:
+            geo = self.geometry_of(key.model)
+            for rank in range(geo.shards if geo is not None else 1):
+                sib = (ObjectKey(key.model, rank, key.salt, key.chunk), e2)
+                if sib not in mine:
+                    out[sib] = None
+        return list(out)
+
+    def _keep(self, items: list[tuple[ObjectKey, str, bytes]], siblings: list[tuple[ObjectKey, str]]) -> list[int]:
+        """[worker] KEEP for ``items``, then whether their ``siblings`` are still their overwrite's
+        (SHARD_SCRIPT): an item whose chunk has any shard that is not (evicted, a plain version:
+        F-SHARD2), or one that KEEP drops, is -1, with every item of its chunk and E2."""
+        results = self.l3.tier.keep(items)
+        bad = {(k.model, k.salt, k.chunk, e2) for (k, e2, _), r in zip(items, results, strict=True) if r < 0}
+        if siblings:
+            for (k, e2), r in zip(siblings, self.l3.tier.shards_kept(siblings), strict=True):
+                if r < 0:
+                    bad.add((k.model, k.salt, k.chunk, e2))
+        return [
+            -1 if (k.model, k.salt, k.chunk, e2) in bad else r for (k, e2, _), r in zip(items, results, strict=True)
+        ]
 
     def _apply(self, obj: L1Object, result: int) -> None:
         """[loop] One KEEP answer for ``obj`` (still held unless the loop dropped it meanwhile)."""
@@ -242,7 +269,8 @@ class Holdings:
         mark = objfile.mark(head.version, head.parent, geo.digest(self.chunk_size), head.overwrite)
         sent = self.coherence.clock()
         none: list[int] = []
-        got = await self.l3.on_reader(self.l3.tier.keep, [(slot.key, head.overwrite, mark)], default=none)
+        item = [(slot.key, head.overwrite, mark)]
+        got = await self.l3.on_reader(self._keep, item, self._siblings(item), default=none)
         if not got or got[0] < 0:
             if got:
                 self.coherence.counters.keep_dropped += 1

@@ -29,7 +29,7 @@ from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
 from kvdock.redisurl import CLUSTER_SCHEMES, redacted
 from kvdock.storage import _redisstage, coherence, objfile
-from kvdock.storage._coherence_lua import FLOOR_MIN_MS, INCARNATION_KEY, OBJECT_TTL_MS, UNKEEP_SCRIPT
+from kvdock.storage._coherence_lua import FLOOR_MIN_MS, INCARNATION_KEY, OBJECT_TTL_MS, SHARD_SCRIPT, UNKEEP_SCRIPT
 from kvdock.storage._redisclient import ERRORS, cluster_nodes, eval_each, make_client, ping_primaries, run_waited
 from kvdock.storage._redisread import FALLBACK, read_fast, read_heads, read_plain
 from kvdock.storage.budget import Budget
@@ -342,6 +342,15 @@ class RedisTier(StorageTier):
         ttl = self.coherence.floor_ttl_ms
         calls = [(2, self._key(key), floor_key(self._key(key)), e2, mark, ttl) for key, e2, mark in items]
         done = eval_each(self._redis, coherence.KEEP_SCRIPT, calls)
+        return [-1 if isinstance(r, Exception) else int(r) for r in done]
+
+    def shards_kept(self, items: list[tuple[ObjectKey, str]]) -> list[int]:
+        """[worker] SHARD_SCRIPT for each (key, an overwrite's E2), pipelined: 1 that shard is
+        still that overwrite's, -1 not (storage.keeping: a sibling shard of a held one)."""
+        if self.coherence is None or not items:
+            return [1] * len(items)
+        calls = [(2, self._key(key), floor_key(self._key(key)), e2) for key, e2 in items]
+        done = eval_each(self._redis, SHARD_SCRIPT, calls)
         return [-1 if isinstance(r, Exception) else int(r) for r in done]
 
     def unkeep(self, items: list[tuple[ObjectKey, str]]) -> list[int]:

@@ -136,6 +136,11 @@ class StorageTier(abc.ABC):
         a local tier: none."""
         return []
 
+    def shards_kept(self, items: list[tuple[ObjectKey, str]]) -> list[int]:
+        """[worker] A shared tier's check that each (key, an overwrite's E2) is still that
+        overwrite's (kvdock.storage.keeping: 1, or -1); a local tier: all 1."""
+        return [1] * len(items)
+
     def unkeep(self, items: list[tuple[ObjectKey, str]]) -> list[int]:
         """[worker] A shared tier's UNKEEP of an overwrite's version of a chunk's shards, (key, its
         overwrite's E2) each (kvdock.storage.keeping); a local tier: none."""

@@ -159,11 +159,11 @@ class _Fake:
     def mark(self) -> None:
         return None
 
-    def presave(self, spec: SaveSpec) -> torch.Tensor:
+    def presave(self, spec: SaveSpec) -> tuple[torch.Tensor, None]:
         self.presaved.append((spec.first, len(spec.tokens)))
         staged = torch.zeros(2, 2, len(spec.tokens) - spec.first, 1)
         staged[:, 0] = 1.0
-        return staged
+        return staged, None
 
     def copy_rest(self, spec: SaveSpec, first_block: int, mark: Any, staged: torch.Tensor) -> torch.Tensor:
         self.copied.append(first_block)
@@ -237,7 +237,8 @@ def test_a_save_of_two_groups_is_copied_window_layers_first_through_the_device_p
     assert copy.sync_copier is not None
     copy.sync_copier = DeviceCopyOut(codec, torch.device("cpu"), scratch_bytes=one_block)
     spec = SaveSpec("r", list(range(4 * BS)), [4, 5, 6, 7], "", first=2 * BS, groups=([0, 1, 2, 3], [4, 5, 6, 7]))
-    staged = copy.presave(spec)
+    staged, ready = copy.presave(spec)
+    assert ready is None  # (no streams: copied when presave returns)
     want = torch.empty(2, 2, 2 * BS, 64)
     codec.gather(torch.tensor([[2, 3], [6, 7]]), want)
     assert torch.equal(staged[:, 0], want[:, 0])  # the window's layer, now

@@ -1,8 +1,17 @@
 """Copying a save out of vLLM's pages when its layers are in several KV cache groups (the
 mapping: :mod:`~kvdock.integrations.vllm.groups`): each layer through its own group's block ids,
-the sliding-window layers in ``wait_for_save`` (on the model-runner thread: vLLM may free their
-blocks at the next step's allocation), the others by the copier thread afterwards (vLLM keeps
-their blocks until the request is reported finished sending)."""
+the sliding-window layers started in ``wait_for_save`` (on the model-runner thread: vLLM may free
+their blocks at the next step's allocation), the others by the copier thread afterwards (vLLM
+keeps their blocks until the request is reported finished sending).
+
+On a GPU ``wait_for_save`` only *enqueues* the window layers' copy, never waits for it: an event
+recorded on the engine's stream after the forward pass, the gather and the device -> pinned
+download on the model-runner thread's side stream after that event, and the engine's stream made
+to wait (on the device) for an event after the gather -- so the next step's kernels, which may
+write blocks vLLM freed, run only after the copy read them. The copier thread waits for the
+download (``ready``) before the save goes on to kvdock. On the CPU (pages in host memory) the
+window layers are copied in ``wait_for_save`` as before (a memory copy).
+"""
 
 from __future__ import annotations
 
@@ -36,19 +45,23 @@ class GroupCopy:
             raise RuntimeError(f"kvdock: a save of {spec.req_id} names blocks vLLM does not keep")
         return rows
 
-    def presave(self, spec: SaveSpec) -> torch.Tensor:
+    def presave(self, spec: SaveSpec) -> tuple[torch.Tensor, Any]:
         """(Model-runner thread, in ``wait_for_save``.) The staging of a save (its tokens from
-        ``spec.first`` on), its sliding-window layers copied now, the rest left to the copier."""
+        ``spec.first`` on), its sliding-window layers copied (on a GPU: enqueued, see the module;
+        the rest is left to the copier), and what the copier waits for before reading it (an
+        event, or None: copied)."""
         first_block = spec.first // self.block_size
         shape = self.codec.geometry.chunk_shape((len(spec.block_ids) - first_block) * self.block_size)
         pinned = self.codec.device.type == "cuda"
+        ready = None
         # (vLLM runs this hook in inference mode: the copier thread may write only a normal tensor)
         with torch.inference_mode(False):
             staged = torch.empty(shape, dtype=getattr(torch, self.codec.geometry.dtype), pin_memory=pinned)
             copier = self.sync_copier
             if copier is not None:
-                copier.copy_out(self._rows(spec, first_block), copier.mark(), shape, self.windowed, staged)
-        return staged
+                rows = self._rows(spec, first_block)
+                _, _, ready = copier.enqueue(rows, copier.mark(), shape, self.windowed, staged, hold=True)
+        return staged, ready
 
     def copy_rest(self, spec: SaveSpec, first_block: int, mark: Any, staged: torch.Tensor) -> torch.Tensor:
         """(Copier thread.) The full-attention layers of a save into :meth:`presave`'s staging."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from contextlib import nullcontext
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -101,6 +101,7 @@ Ids = list[int] | list[list[int]]  # one block list for every layer, or one per 
 Layers = Collection[int] | None
 Into = torch.Tensor | None
 
+
 class HostCopyOut:
     """Copy-out for engine pages in host memory: the copier thread gathers straight into a new
     host tensor (nothing to order: the forward pass that wrote the KV returned before the save was
@@ -120,6 +121,13 @@ class HostCopyOut:
         dst = torch.empty(shape, dtype=self.dtype) if into is None else into
         self.codec.gather(torch.tensor(block_ids, dtype=torch.long), dst, layers)
         return dst
+
+    def enqueue(
+        self, block_ids: Ids, mark: object, shape: tuple[int, ...], layers: Layers = None, into: Into = None,
+        hold: bool = False,
+    ) -> tuple[torch.Tensor, None, None]:  # fmt: skip
+        """(As :meth:`DeviceCopyOut.enqueue`: the copy is done when this returns.)"""
+        return self.copy_out(block_ids, mark, shape, layers, into), None, None
 
 
 SCRATCH_BYTES = 32 << 20  # DeviceCopyOut's device scratch: a save is gathered through it in pieces
@@ -141,20 +149,25 @@ class DeviceCopyOut:
     staging the network thread stores from; torch's caching host allocator reuses freed ones, and
     ``kvdock.save_buffer_mb`` bounds them all together). One copier thread uses an instance."""
 
-    def __init__(self, codec: PagedCodec, device: torch.device, scratch_bytes: int = SCRATCH_BYTES) -> None:
+    def __init__(
+        self, codec: PagedCodec, device: torch.device, scratch_bytes: int = SCRATCH_BYTES, cuda: Any = None
+    ) -> None:
         self.codec = codec
         self.dtype: torch.dtype = getattr(torch, codec.geometry.dtype)
         self.device = device
-        self.cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pinned = device.type == "cuda"
+        # streams and events: torch.cuda's (a seam: tests pass stand-ins that log the order of operations)
+        self._cuda: Any = torch.cuda if cuda is None else cuda
+        self.cuda = self.pinned or cuda is not None
+        self._stream = self._cuda.Stream(device) if self.cuda else None
         self.scratch_bytes = scratch_bytes
         self._scratch: torch.Tensor | None = None  # [2, L, blocks * block_size, D], made at first use
         self.allocations = 0  # device buffers made (one: the scratch)
 
-    def mark(self) -> torch.cuda.Event | None:
+    def mark(self) -> Any:  # (a torch.cuda.Event, or None without streams)
         if not self.cuda:
             return None
-        event = torch.cuda.Event()
+        event = self._cuda.Event()
         event.record()  # on the engine's current stream, after the forward pass
         return event
 
@@ -178,14 +191,37 @@ class DeviceCopyOut:
     ) -> torch.Tensor:
         """The KV of ``block_ids`` as a host tensor of ``shape`` ``[planes, L, n * block_size, D]``:
         ``block_ids`` one list for every layer, or one per layer (vLLM's KV cache groups); only
-        ``layers`` when given, into ``into`` when given (its other layers left as they are)."""
-        host = torch.empty(shape, dtype=self.dtype, pin_memory=self.cuda) if into is None else into
+        ``layers`` when given, into ``into`` when given (its other layers left as they are).
+        Complete when this returns (this thread waits for the side stream, never the engine's)."""
+        host, _, done = self.enqueue(block_ids, mark, shape, layers, into)
+        if done is not None:
+            done.synchronize()
+        return host
+
+    def enqueue(
+        self,
+        block_ids: Ids,
+        mark: torch.cuda.Event | None,
+        shape: tuple[int, ...],
+        layers: Layers = None,
+        into: Into = None,
+        hold: bool = False,
+    ) -> tuple[torch.Tensor, Any, Any]:
+        """:meth:`copy_out`, only enqueued on the side stream (after ``mark``): ``(host, read,
+        done)``, ``read`` an event after the last gather from vLLM's pages, ``done`` after the last
+        download into ``host`` (both None without streams: then the copy is done). With ``hold``
+        the engine's current stream waits for ``read`` (on the device; this thread never waits):
+        its next kernels -- which may write blocks vLLM frees after this step -- run after the
+        copy has read them, so the caller may return to vLLM before the copy ran."""
+        host = torch.empty(shape, dtype=self.dtype, pin_memory=self.pinned) if into is None else into
         ids = torch.tensor(block_ids, dtype=torch.long)
         n = int(ids.shape[-1])
         if not n:
-            return host
+            return host, None, None
         bs = shape[2] // n
-        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+        engine = self._cuda.current_stream(self.device) if hold and self._stream is not None else None
+        read = None
+        with self._cuda.stream(self._stream) if self._stream is not None else nullcontext():
             if self._stream is not None and mark is not None:
                 self._stream.wait_event(mark)
             scratch, per = self._scratch_for(shape, bs)
@@ -194,17 +230,21 @@ class DeviceCopyOut:
                 m = int(part.shape[-1]) * bs
                 dev = scratch[:, :, :m]
                 self.codec.gather(part.to(self.device, non_blocking=True), dev, layers)
+                if i + per >= n and self._stream is not None:  # the last read of vLLM's pages
+                    read = self._cuda.Event()
+                    read.record(self._stream)
                 if layers is None:
                     host[:, :, i * bs : i * bs + m].copy_(dev, non_blocking=self.cuda)
                 else:
                     for layer in layers:
                         host[:, layer, i * bs : i * bs + m].copy_(dev[:, layer], non_blocking=self.cuda)
             if self._stream is None:
-                return host
-            done = torch.cuda.Event()
+                return host, None, None
+            done = self._cuda.Event()
             done.record(self._stream)
-        done.synchronize()  # this thread waits, never the engine's stream
-        return host
+        if engine is not None:
+            engine.wait_event(read)
+        return host, read, done
 
 
 def copy_out_for(codec: PagedCodec) -> HostCopyOut | DeviceCopyOut:

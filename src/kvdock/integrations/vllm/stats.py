@@ -10,7 +10,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvdock.integrations.vllm.transfers import STAT_KEYS
+from kvdock.integrations.vllm._jobs import STAT_KEYS
 
 
 @dataclass

@@ -40,60 +40,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
-
-import torch
+from dataclasses import replace
+from typing import Any
 
 from kvdock.errors import PrefixMissingError
+from kvdock.integrations.vllm._jobs import STAT_KEYS, Worker, _Load, _Save
 from kvdock.integrations.vllm.groups import NULL_BLOCK
-from kvdock.integrations.vllm.hybrid import GroupCopy
 from kvdock.integrations.vllm.plan import LoadSpec, SaveSpec
 
 log = logging.getLogger("kvdock.vllm")
-
-STAT_KEYS = (
-    "loads", "loaded_tokens", "load_bytes", "load_s", "load_errors",
-    "saves", "saved_tokens", "save_bytes", "save_s", "saves_dropped", "copy_s", "copy_bytes",
-)  # fmt: skip
-
-
-class Worker(Protocol):
-    """What the transfers need of the worker side (a seam for tests)."""
-
-    def mark(self) -> Any:
-        """On the model-runner thread, when a save is submitted: what orders its copy after the
-        forward pass that wrote the KV (a CUDA event; None on the CPU)."""
-
-    def copy_out(self, block_ids: list[int], mark: Any) -> torch.Tensor:
-        """The KV of ``block_ids`` as a host tensor ``[2, L, n * block_size, D]`` (copier thread)."""
-
-    def store(self, spec: SaveSpec, staged: torch.Tensor) -> int:
-        """Store ``staged`` (the KV of ``spec``'s tokens from ``spec.first`` on); bytes written
-        (network thread). PrefixMissingError (nothing written) when kvdock lacks a chunk before
-        ``spec.first``: its ``at`` attribute is that chunk's first token."""
-
-    def fetch(self, spec: LoadSpec) -> tuple[set[int], int]:
-        """Load ``spec``: the planned blocks it did not fill, and the bytes loaded (network thread)."""
-
-    @property
-    def hybrid(self) -> GroupCopy | None:
-        """The copy-out of saves with ``spec.groups`` (several KV cache groups, :mod:`.hybrid`)."""
-
-
-@dataclass
-class _Save:
-    spec: SaveSpec
-    nbytes: int
-    mark: Any
-    staged: torch.Tensor | None = None
-
-
-@dataclass
-class _Load:
-    spec: LoadSpec
-    done: threading.Event | None = None  # set when a load vLLM waits for is over
-    failed: set[int] = field(default_factory=set)
 
 
 class Transfers:
@@ -165,12 +120,12 @@ class Transfers:
             self._staged += nbytes
             self._busy += 1
             self._reading[spec.req_id] = self._reading.get(spec.req_id, 0) + 1
-        pre = None
+        pre, ready = None, None
         try:  # (several groups) the sliding-window layers now: their blocks may be another's next step
-            if spec.groups:
+            if spec.groups:  # (on a GPU only enqueued: the copier waits for ``ready``, see .hybrid)
                 hybrid = self.w.hybrid
                 assert hybrid is not None, "a save of several KV cache groups without them"
-                pre = hybrid.presave(spec)
+                pre, ready = hybrid.presave(spec)
         except Exception:
             log.exception("kvdock: copying the KV of %s out of vLLM's pages failed", rid)
             with self._cv:
@@ -180,7 +135,7 @@ class Transfers:
                 self._gap(rid, first)
             self._done(nbytes)  # (notifies)
             return False
-        self._copy_q.put(_Save(spec, nbytes, self.w.mark(), pre))
+        self._copy_q.put(_Save(spec, nbytes, self.w.mark(), pre, ready))
         return True
 
     def load(self, spec: LoadSpec) -> None:
@@ -304,15 +259,18 @@ class Transfers:
         start = time.perf_counter()
         staged = None
         first_block = job.spec.first * len(job.spec.block_ids) // len(job.spec.tokens)
-        if not skip:
-            try:
-                if job.staged is not None:  # (several groups: the sliding-window layers are in it)
-                    assert self.w.hybrid is not None
-                    staged = self.w.hybrid.copy_rest(job.spec, first_block, job.mark, job.staged)
-                else:
-                    staged = self.w.copy_out(job.spec.block_ids[first_block:], job.mark)
-            except Exception:
-                log.exception("kvdock: copying the KV of %s out of vLLM's pages failed", rid)
+        try:
+            if job.ready is not None:  # (several groups, GPU) the window layers' download, enqueued in the step
+                job.ready.synchronize()
+            if skip:
+                pass
+            elif job.staged is not None:  # (several groups: the sliding-window layers are in it)
+                assert self.w.hybrid is not None
+                staged = self.w.hybrid.copy_rest(job.spec, first_block, job.mark, job.staged)
+            else:
+                staged = self.w.copy_out(job.spec.block_ids[first_block:], job.mark)
+        except Exception:
+            log.exception("kvdock: copying the KV of %s out of vLLM's pages failed", rid)
         with self._cv:
             if rid in self._cancelled:  # preempted meanwhile: what was read may be another's KV
                 staged = None

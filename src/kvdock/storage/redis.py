@@ -29,8 +29,9 @@ from kvdock.keys import ObjectKey, storage_namespace
 from kvdock.layout import KVGeometry
 from kvdock.redisurl import CLUSTER_SCHEMES, redacted
 from kvdock.storage import _redisstage, coherence, objfile
-from kvdock.storage._coherence_lua import FLOOR_MIN_MS, INCARNATION_KEY, OBJECT_TTL_MS, SHARD_SCRIPT, UNKEEP_SCRIPT
+from kvdock.storage._coherence_lua import FLOOR_MIN_MS, INCARNATION_KEY, OBJECT_TTL_MS
 from kvdock.storage._redisclient import ERRORS, cluster_nodes, eval_each, make_client, ping_primaries, run_waited
+from kvdock.storage._redisholding import FloorScripts, floor_key
 from kvdock.storage._redisread import FALLBACK, read_fast, read_heads, read_plain
 from kvdock.storage.budget import Budget
 from kvdock.storage.coherence import DELETE_SCRIPT, Coherence, Fence
@@ -62,12 +63,7 @@ def redis_key(key: ObjectKey, identity: str = "") -> bytes:
     return f"kvdock:v2:{{{ns}:{key.chunk.hex()}}}".encode()
 
 
-def floor_key(rkey: bytes) -> bytes:
-    """The key of an object's floor (kvdock.storage.coherence: fenced writes)."""
-    return rkey + b":f"
-
-
-class RedisTier(StorageTier):
+class RedisTier(FloorScripts, StorageTier):
     """L3 on one Redis/Valkey server (see the module docstring)."""
 
     name = "l3"
@@ -319,50 +315,6 @@ class RedisTier(StorageTier):
         after the read, only while not vouching."""
         c = self.coherence
         return c is not None and not c.vouched() and c.client().get(INCARNATION_KEY) != c.incarnation
-
-    def floored(self, keys: list[ObjectKey]) -> set[ObjectKey]:
-        """[worker, reader] Those of ``keys`` (a plain store's heads found no value of them) whose
-        floor is live (an overwrite raised it, or a holder keeps it: storage.keeping): an
-        overwrite's version not written down yet, or not at all, or written since those heads were
-        read (the store would write over it: R-KEEP 1). One round trip; empty without the fleet's
-        coherence."""
-        if self.coherence is None or not keys:
-            return set()
-        pipe = self._redis.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(floor_key(self._key(k)))
-        return {k for k, floor in zip(keys, pipe.execute(), strict=True) if floor}
-
-    def keep(self, items: list[tuple[ObjectKey, str, bytes]]) -> list[int]:
-        """[worker] KEEP_SCRIPT for each (key, its overwrite's E2, the mark of the version held),
-        pipelined (_redisclient.eval_each): 1 serve on, 0 write it again, -1 drop it
-        (storage.keeping). (A script's error for one key, OOM say, drops that key only: R-KEEP 3.)"""
-        if self.coherence is None or not items:
-            return []
-        ttl = self.coherence.floor_ttl_ms
-        calls = [(2, self._key(key), floor_key(self._key(key)), e2, mark, ttl) for key, e2, mark in items]
-        done = eval_each(self._redis, coherence.KEEP_SCRIPT, calls)
-        return [-1 if isinstance(r, Exception) else int(r) for r in done]
-
-    def shards_kept(self, items: list[tuple[ObjectKey, str]]) -> list[int]:
-        """[worker] SHARD_SCRIPT for each (key, an overwrite's E2), pipelined: 1 that shard is
-        still that overwrite's, -1 not (storage.keeping: a sibling shard of a held one)."""
-        if self.coherence is None or not items:
-            return [1] * len(items)
-        calls = [(2, self._key(key), floor_key(self._key(key)), e2) for key, e2 in items]
-        done = eval_each(self._redis, SHARD_SCRIPT, calls)
-        return [-1 if isinstance(r, Exception) else int(r) for r in done]
-
-    def unkeep(self, items: list[tuple[ObjectKey, str]]) -> list[int]:
-        """[worker] UNKEEP_SCRIPT for each (key, its overwrite's E2), pipelined: that overwrite's
-        version of each goes from L3 and its floor is poisoned (storage.keeping: a shard dropped
-        with its chunk); one answer per item (values deleted; -1: that key's script failed)."""
-        if self.coherence is None or not items:
-            return []
-        ttl = self.coherence.floor_ttl_ms
-        calls = [(2, self._key(key), floor_key(self._key(key)), e2, ttl) for key, e2 in items]
-        done = eval_each(self._redis, UNKEEP_SCRIPT, calls)
-        return [-1 if isinstance(r, Exception) else int(r) for r in done]
 
     def delete(self, key: ObjectKey) -> None:
         """DEL (on a cluster, WAITed for by a replica: _redisclient.run_waited); with the default appendfsync

@@ -74,7 +74,8 @@ async def _prepare_later(
         below = list(found)
         if mgr.coherence is not None:  # (an overwrite elsewhere not in L3 yet: storage.redis.floored)
             for keys, held in zip(lacking, found, strict=True):
-                pending |= await mgr.chains.pending_overwrites([k for k in keys if k not in held])
+                absent = [k for k in keys if k not in held]
+                pending |= await mgr.chains.pending_overwrites(absent, client.model.geometry.shards)
         check_free(state, client, sids)
     if writeback.needs_wait(mgr, keysets, client.model.slot_nbytes, req.overwrite):
         await writeback.wait_for_room(mgr, keysets, client.model.slot_nbytes, req.overwrite)

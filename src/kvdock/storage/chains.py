@@ -112,16 +112,22 @@ class Chains:
                     return found
         return []
 
-    async def pending_overwrites(self, keys: list[ObjectKey]) -> set[ObjectKey]:
+    async def pending_overwrites(self, keys: list[ObjectKey], shards: int = 1) -> set[ObjectKey]:
         """Those of ``keys`` that a shared tier says an overwrite is writing (a live floor, no
         value yet: storage.redis ``floored``), for the manager's ``prepare_store(pending=)``: a plain
         store of them here would keep other bytes than that overwrite once it lands (R-FLEET; one
-        round trip)."""
-        found: set[ObjectKey] = set()
+        round trip). Of a model stored in ``shards`` shards, a key is pending while the floor of
+        any shard of its chunk is live: an overwrite's other shards are held (their floors kept)
+        or on their way, and this shard beside them would make a chunk of two versions (F-SHARD2)."""
+        chunk = {
+            k: [ObjectKey(k.model, r, k.salt, k.chunk) for r in range(shards)] if shards > 1 else [k] for k in keys
+        }
+        probe = list(dict.fromkeys(s for sibs in chunk.values() for s in sibs))
+        live: set[ObjectKey] = set()
         for lane in self.lanes:
             if not lane.tier.indexed and lane.tier.up():
-                found |= await lane.on_reader(lane.tier.floored, keys, default=set())
-        return found
+                live |= await lane.on_reader(lane.tier.floored, probe, default=set())
+        return {k for k, sibs in chunk.items() if any(s in live for s in sibs)}
 
     def store_run(self, keys: list[ObjectKey], below: dict[ObjectKey, Head] | None) -> StoreRun:
         """The leading run of ``keys`` a plain store dedups now (the same checks as the manager's

@@ -108,19 +108,27 @@ def start_inprocess(
     http_port: int = 0,
 ) -> InProcessServer:
     """``start_server``'s server (same arguments and defaults) in this process; ``env`` may name
-    fault variables only (needs_process)."""
-    log_path = tmp_path / f"server-{time.monotonic_ns()}.log"
-    return InProcessServer.start(
-        *_disk_flags(extra),
-        *extra,
-        l1_size=l1_size,
-        chunk_size=chunk_size,
-        log_path=log_path,
-        timeout=30,
-        env=env,
-        port=port,
-        http_port=http_port,
-    )
+    fault variables only (needs_process). Ports it picked itself (free_port) that something else
+    took meanwhile (an ephemeral port of another test's connection: EADDRINUSE) are picked again,
+    twice at most."""
+    for attempt in range(3):
+        log_path = tmp_path / f"server-{time.monotonic_ns()}.log"
+        try:
+            return InProcessServer.start(
+                *_disk_flags(extra),
+                *extra,
+                l1_size=l1_size,
+                chunk_size=chunk_size,
+                log_path=log_path,
+                timeout=30,
+                env=env,
+                port=port,
+                http_port=http_port,
+            )
+        except RuntimeError as e:
+            if port or http_port or attempt == 2 or "address already in use" not in str(e):
+                raise
+    raise AssertionError("unreachable")
 
 
 @contextmanager

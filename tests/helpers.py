@@ -277,3 +277,19 @@ class SlowLink:
     def release(self) -> None:
         self.go.set()
         self.tier.write_from = self.real
+
+
+def miss_or(got: torch.Tensor | None, want: torch.Tensor, replaced: torch.Tensor, who: str) -> None:
+    """``got`` (a retrieve: a leading run of chunks, or None) is None or a prefix of ``want``;
+    AssertionError naming ``replaced`` (a version an acknowledged overwrite replaced) if it is a
+    prefix of that, or other bytes."""
+    if got is None:
+        return
+    n = got.shape[2]
+    assert n % CHUNK == 0 and n > 0, f"{who} retrieved {n} tokens"
+    if torch.equal(got, want[:, :, :n]):
+        return
+    assert not torch.equal(got, replaced[:, :, :n]), (
+        f"{who} serves {n // CHUNK} chunk(s) of the version an acknowledged overwrite replaced"
+    )
+    raise AssertionError(f"{who} serves bytes of no store")

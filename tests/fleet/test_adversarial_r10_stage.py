@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import redis as redis_py
 import torch
-from tests.helpers import CHUNK, MODEL, RedisProc, SlowLink, free_port, make_kv, make_tokens, wait_for
+from tests.helpers import CHUNK, MODEL, RedisProc, SlowLink, free_port, make_kv, make_tokens, miss_or, wait_for
 
 import kvdock.sdk as kvd
 from kvdock.errors import TierUnavailableError
@@ -72,20 +72,6 @@ class _Hold:
         setattr(self.tier, self.attr, self.real)
 
 
-def _miss_or(got: torch.Tensor | None, want: torch.Tensor, replaced: torch.Tensor, who: str) -> None:
-    """``got`` is None or a leading run of ``want``'s chunks; never ``replaced``'s, never other bytes."""
-    if got is None:
-        return
-    n = got.shape[2]
-    assert n % CHUNK == 0 and n > 0, f"{who} retrieved {n} tokens"
-    if torch.equal(got, want[:, :, :n]):
-        return
-    assert not torch.equal(got, replaced[:, :, :n]), (
-        f"{who} serves {n // CHUNK} chunk(s) of the version an acknowledged overwrite replaced"
-    )
-    raise AssertionError(f"{who} serves bytes of no store")
-
-
 def _fresh_read(make_server: Any, url: str, tokens: list[int]) -> torch.Tensor | None:
     c = _vouching(make_server, url)
     with kvd.connect(c.url, c.http_url, MODEL, timeout=10) as cc:
@@ -129,9 +115,9 @@ def test_an_overwrite_while_a_write_down_is_held_between_its_stage_and_its_commi
         raw.delete(*_floors_and_values(raw))
         hold.release()
         wait_for(lambda: _backlog(b) == 0, "B's write-down")
-        _miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
-        _miss_or(kvd.retrieve(cb, tokens), v2, v1, "B")
-        _miss_or(kvd.retrieve(ca, tokens), v2, v1, "A")
+        miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
+        miss_or(kvd.retrieve(cb, tokens), v2, v1, "B")
+        miss_or(kvd.retrieve(ca, tokens), v2, v1, "A")
     finally:
         hold.release()
         raw.close()
@@ -170,8 +156,8 @@ def test_l3_losing_the_stream_while_a_write_down_is_staged_then_takes_write_down
             raw.delete(*_floors_and_values(raw))
         hold.release()
         wait_for(lambda: _backlog(b) == 0, "B's write-down")
-        _miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
-        _miss_or(kvd.retrieve(cb, tokens), v2, v1, "B")
+        miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
+        miss_or(kvd.retrieve(cb, tokens), v2, v1, "B")
         # liveness: L3 takes B's write-downs again
         later, v3 = make_tokens(2 * CHUNK, start=102_500_000), make_kv(2 * CHUNK, seed=105)
         deadline = time.monotonic() + 15
@@ -239,8 +225,8 @@ def test_the_streams_master_killed_between_a_stage_and_its_check(make_server, re
         wait_for(lambda: _backlog(a) == 0, "A's write-down of v2", 20)
         hold.release()
         wait_for(lambda: _backlog(b) == 0, "B's write-down", 20)
-        _miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
-        _miss_or(kvd.retrieve(cb, tokens), v2, v1, "B")
+        miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
+        miss_or(kvd.retrieve(cb, tokens), v2, v1, "B")
         later, v3 = make_tokens(2 * CHUNK, start=103_500_000), make_kv(2 * CHUNK, seed=108)
         deadline = time.monotonic() + 20
         while True:
@@ -341,7 +327,7 @@ def test_a_stream_made_again_with_a_first_id_not_past_an_older_position_commits_
             tx.execute()
         link.release()
         wait_for(lambda: _backlog(b) == 0, "B's write-down")
-        _miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
+        miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
     finally:
         link.release()
         raw.close()
@@ -374,9 +360,9 @@ def test_two_servers_writing_down_one_prefix_while_a_third_overwrites_it(make_se
         hold.release()
         wait_for(lambda: _backlog(a) == 0 and _backlog(b) == 0, "A's and B's write-downs")
         assert not [k for k in _objects(raw) if k.endswith(b"}")], "L3 holds a value of the replaced version"
-        _miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
+        miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
         for who, ctx in zip("ABC", ctxs, strict=True):
-            _miss_or(kvd.retrieve(ctx, tokens), v2, v1, who)
+            miss_or(kvd.retrieve(ctx, tokens), v2, v1, who)
     finally:
         hold.release()
         link.release()

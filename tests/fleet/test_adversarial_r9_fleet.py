@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import redis as redis_py
 import torch
-from tests.helpers import CHUNK, MODEL, RedisProc, SlowLink, free_port, make_kv, make_tokens, wait_for
+from tests.helpers import CHUNK, MODEL, RedisProc, SlowLink, free_port, make_kv, make_tokens, miss_or, wait_for
 
 import kvdock.sdk as kvd
 
@@ -50,21 +50,6 @@ def _vouching(make_server: Any, url: str, *flags: str) -> Any:
 
 def _floors(raw: redis_py.Redis) -> list[bytes]:
     return sorted(k for k in raw.keys("kvdock:v2:{*}:f"))
-
-
-def _miss_or(got: torch.Tensor | None, want: torch.Tensor, replaced: torch.Tensor, who: str) -> None:
-    """``got`` (a retrieve: a leading run of chunks, or None) is a prefix of ``want``; AssertionError
-    naming ``replaced`` if it is a prefix of that."""
-    if got is None:
-        return
-    n = got.shape[2]
-    assert n % CHUNK == 0 and n > 0, f"{who} retrieved {n} tokens"
-    if torch.equal(got, want[:, :, :n]):
-        return
-    assert not torch.equal(got, replaced[:, :, :n]), (
-        f"{who} serves {n // CHUNK} chunk(s) of v1, which an acknowledged overwrite replaced"
-    )
-    raise AssertionError(f"{who} serves bytes of no store")
 
 
 def _late_write_after_an_overwrite(
@@ -103,8 +88,8 @@ def _late_write_after_an_overwrite(
         c = _vouching(make_server, url, *flags)  # reads L3 alone
         with kvd.connect(c.url, c.http_url, MODEL, timeout=10) as cc:
             got = kvd.retrieve(cc, tokens)
-        _miss_or(got, v2, v1, "a fresh server")
-        _miss_or(kvd.retrieve(cb, tokens), v2, v1, "B")
+        miss_or(got, v2, v1, "a fresh server")
+        miss_or(kvd.retrieve(cb, tokens), v2, v1, "B")
         return True
     finally:
         link.release()

@@ -4,7 +4,10 @@
 
 CONFIG_JSON: ``{"kvdock": {kv_connector_extra_config} or null (no connector), "llm": {more LLM
 kwargs}}``; with ``"time_connector": true`` each generate also reports the seconds spent inside
-each of the connector's hooks (engine core and worker share this process, so one timer sees all).
+each of the connector's hooks (engine core and worker share this process, so one timer sees all);
+``"plugin": "/path/to/file.py"`` (tests) loads that file and calls its ``install()`` before vLLM
+starts: it may patch anything in this process, and returns more ops (``{"op name": fn(llm, cmd)
+-> answer}``).
 The engine is ``LLM(..., skip_tokenizer_init=True, enforce_eager=True, block_size=32)`` in this one
 process (engine core and worker in-process: ~20 s less to start). With ``tensor_parallel_size``
 above 1 the ranks are worker processes (vLLM's ``mp`` executor; on CPU each rank's OpenMP threads
@@ -89,6 +92,7 @@ def main() -> None:
         sys.stdout.write("@@" + json.dumps(obj) + "\n")
         sys.stdout.flush()
 
+    ops = _plugin(cfg["plugin"]) if cfg.get("plugin") else {}
     try:
         llm = LLM(model=model, **kwargs)
     except BaseException as e:  # say why at once: a failed vLLM start can hang in its teardown
@@ -147,8 +151,21 @@ def main() -> None:
                     llm.llm_engine.step()
                 res["settle_seconds"] = time.perf_counter() - start
             answer(res)
+        elif op in ops:
+            answer(ops[op](llm, cmd))
         else:
             answer({"error": f"unknown op {op!r}"})
+
+
+def _plugin(path: str) -> dict[str, Any]:
+    """The ops a plugin file's ``install()`` adds (see the module)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvdock_engine_plugin", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return dict(module.install())
 
 
 def drain_kvdock(worker: Any = None, timeout: float = 120.0) -> bool:
@@ -269,9 +286,11 @@ class EngineProcess:
         log: Path,
         start_timeout: float = 240.0,
         time_connector: bool = False,
+        plugin: Path | str | None = None,
         **llm: Any,
     ) -> None:
-        cfg = json.dumps({"kvdock": kvdock, "llm": llm, "time_connector": time_connector})
+        more = {"plugin": str(plugin)} if plugin is not None else {}
+        cfg = json.dumps({"kvdock": kvdock, "llm": llm, "time_connector": time_connector, **more})
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.log_path = log
         self._log = open(log, "ab")  # noqa: SIM115 (closed in stop)

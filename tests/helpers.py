@@ -293,3 +293,20 @@ def miss_or(got: torch.Tensor | None, want: torch.Tensor, replaced: torch.Tensor
         f"{who} serves {n // CHUNK} chunk(s) of the version an acknowledged overwrite replaced"
     )
     raise AssertionError(f"{who} serves bytes of no store")
+
+
+def l3_coherence(srv: Any) -> dict[str, Any]:
+    """A server's /status of its fleet coherence (its L3 tier's ``coherence``)."""
+    return dict(srv.get("/status")["tiers"]["l3"]["coherence"])
+
+
+def backlog(srv: Any) -> int:
+    """A server's write-downs not done yet, in bytes (/status ``writeback_backlog_bytes``)."""
+    return int(srv.get("/status")["tiers"]["writeback_backlog_bytes"])
+
+
+def vouching(make_server: Callable[..., Any], url: str, *flags: str) -> Any:
+    """A server on the L3 at ``url`` (no L2), once it vouches (its first poll is applied)."""
+    srv = make_server("--redis-url", url, "--no-disk", *flags)
+    wait_for(lambda: l3_coherence(srv)["vouched"], "the server to vouch", 30)
+    return srv

@@ -19,7 +19,20 @@ from typing import Any
 import pytest
 import redis as redis_py
 import torch
-from tests.helpers import CHUNK, MODEL, RedisProc, SlowLink, free_port, make_kv, make_tokens, miss_or, wait_for
+from tests.helpers import (
+    CHUNK,
+    MODEL,
+    RedisProc,
+    SlowLink,
+    backlog,
+    free_port,
+    l3_coherence,
+    make_kv,
+    make_tokens,
+    miss_or,
+    vouching,
+    wait_for,
+)
 
 import kvdock.sdk as kvd
 from kvdock.errors import TierUnavailableError
@@ -27,22 +40,8 @@ from kvdock.errors import TierUnavailableError
 STREAM = b"kvdock:v2:{invalidations}"
 
 
-def _coh(srv: Any) -> dict:
-    return srv.get("/status")["tiers"]["l3"]["coherence"]
-
-
 def _l3(srv: Any) -> dict:
     return srv.get("/status")["tiers"]["l3"]
-
-
-def _backlog(srv: Any) -> int:
-    return int(srv.get("/status")["tiers"]["writeback_backlog_bytes"])
-
-
-def _vouching(make_server: Any, url: str, *flags: str) -> Any:
-    srv = make_server("--redis-url", url, "--no-disk", *flags)
-    wait_for(lambda: _coh(srv)["vouched"], "the server to vouch", 30)
-    return srv
 
 
 def _tier(srv: Any) -> Any:
@@ -73,7 +72,7 @@ class _Hold:
 
 
 def _fresh_read(make_server: Any, url: str, tokens: list[int]) -> torch.Tensor | None:
-    c = _vouching(make_server, url)
+    c = vouching(make_server, url)
     with kvd.connect(c.url, c.http_url, MODEL, timeout=10) as cc:
         return kvd.retrieve(cc, tokens)
 
@@ -100,7 +99,7 @@ def test_an_overwrite_while_a_write_down_is_held_between_its_stage_and_its_commi
     Redis loses the overwrite's floors and values (evicted: DEL), then B's write goes on. Every
     server misses or serves v2, never v1."""
     url = redis_server.url
-    a, b = _vouching(make_server, url), _vouching(make_server, url)
+    a, b = vouching(make_server, url), vouching(make_server, url)
     tokens = make_tokens(2 * CHUNK, start=101_000_000)
     v1, v2 = make_kv(2 * CHUNK, seed=101), make_kv(2 * CHUNK, seed=102)
     hold = _Hold(b, step)
@@ -111,10 +110,10 @@ def test_an_overwrite_while_a_write_down_is_held_between_its_stage_and_its_commi
         assert kvd.store(cb, v1, tokens)
         assert hold.waiting.wait(30), "B's write-down did not reach its hold"
         assert kvd.store(ca, v2, tokens, overwrite=True)
-        wait_for(lambda: _backlog(a) == 0, "A's write-down of v2")
+        wait_for(lambda: backlog(a) == 0, "A's write-down of v2")
         raw.delete(*_floors_and_values(raw))
         hold.release()
-        wait_for(lambda: _backlog(b) == 0, "B's write-down")
+        wait_for(lambda: backlog(b) == 0, "B's write-down")
         miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
         miss_or(kvd.retrieve(cb, tokens), v2, v1, "B")
         miss_or(kvd.retrieve(ca, tokens), v2, v1, "A")
@@ -134,7 +133,7 @@ def test_l3_losing_the_stream_while_a_write_down_is_staged_then_takes_write_down
     be served; and a prefix stored afterwards (through B) must reach L3 (a fresh server reads it)
     within 15 s."""
     url = redis_server.url
-    a, b = _vouching(make_server, url), _vouching(make_server, url)
+    a, b = vouching(make_server, url), vouching(make_server, url)
     tokens = make_tokens(2 * CHUNK, start=102_000_000)
     v1, v2 = make_kv(2 * CHUNK, seed=103), make_kv(2 * CHUNK, seed=104)
     hold = _Hold(b, "settle")
@@ -145,7 +144,7 @@ def test_l3_losing_the_stream_while_a_write_down_is_staged_then_takes_write_down
         assert kvd.store(cb, v1, tokens)
         assert hold.waiting.wait(30)
         assert kvd.store(ca, v2, tokens, overwrite=True)
-        wait_for(lambda: _backlog(a) == 0, "A's write-down of v2")
+        wait_for(lambda: backlog(a) == 0, "A's write-down of v2")
         if loss == "flushall":
             raw.flushall()
         elif loss == "del-stream":
@@ -155,16 +154,16 @@ def test_l3_losing_the_stream_while_a_write_down_is_staged_then_takes_write_down
             raw.xtrim(STREAM, maxlen=0, approximate=False)
             raw.delete(*_floors_and_values(raw))
         hold.release()
-        wait_for(lambda: _backlog(b) == 0, "B's write-down")
+        wait_for(lambda: backlog(b) == 0, "B's write-down")
         miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
         miss_or(kvd.retrieve(cb, tokens), v2, v1, "B")
         # liveness: L3 takes B's write-downs again
         later, v3 = make_tokens(2 * CHUNK, start=102_500_000), make_kv(2 * CHUNK, seed=105)
         deadline = time.monotonic() + 15
         while True:
-            wait_for(lambda: _coh(b)["vouched"], "B to vouch again", 15)
+            wait_for(lambda: l3_coherence(b)["vouched"], "B to vouch again", 15)
             kvd.store(cb, v3, later)
-            wait_for(lambda: _backlog(b) == 0, "B's write-down of v3")
+            wait_for(lambda: backlog(b) == 0, "B's write-down of v3")
             got = _fresh_read(make_server, url, later)
             if got is not None and torch.equal(got, v3):
                 break
@@ -202,7 +201,7 @@ def test_the_streams_master_killed_between_a_stage_and_its_check(make_server, re
     cluster is ok; B's check goes on. Nothing replaced is served; B's write-downs land again
     within 20 s (a fresh server reads what B stores then)."""
     url = redis_cluster.url
-    a, b = _vouching(make_server, url), _vouching(make_server, url)
+    a, b = vouching(make_server, url), vouching(make_server, url)
     tokens = make_tokens(2 * CHUNK, start=103_000_000)
     v1, v2 = make_kv(2 * CHUNK, seed=106), make_kv(2 * CHUNK, seed=107)
     hold = _Hold(b, "settle")
@@ -222,17 +221,17 @@ def test_the_streams_master_killed_between_a_stage_and_its_check(make_server, re
                 pass
             assert time.monotonic() < deadline, "A's overwrite is refused after the failover"
             time.sleep(0.5)
-        wait_for(lambda: _backlog(a) == 0, "A's write-down of v2", 20)
+        wait_for(lambda: backlog(a) == 0, "A's write-down of v2", 20)
         hold.release()
-        wait_for(lambda: _backlog(b) == 0, "B's write-down", 20)
+        wait_for(lambda: backlog(b) == 0, "B's write-down", 20)
         miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
         miss_or(kvd.retrieve(cb, tokens), v2, v1, "B")
         later, v3 = make_tokens(2 * CHUNK, start=103_500_000), make_kv(2 * CHUNK, seed=108)
         deadline = time.monotonic() + 20
         while True:
-            if _coh(b)["vouched"] and _l3(b)["up"]:
+            if l3_coherence(b)["vouched"] and _l3(b)["up"]:
                 kvd.store(cb, v3, later)
-                wait_for(lambda: _backlog(b) == 0, "B's write-down of v3", 20)
+                wait_for(lambda: backlog(b) == 0, "B's write-down of v3", 20)
                 got = _fresh_read(make_server, url, later)
                 if got is not None and torch.equal(got, v3):
                     break
@@ -251,7 +250,7 @@ def test_staging_under_noeviction_oom_stores_nothing_wrong_and_recovers(make_ser
     proc = RedisProc(free_port(), extra=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")).start()
     raw = redis_py.Redis.from_url(proc.url)
     try:
-        b = _vouching(make_server, proc.url)
+        b = vouching(make_server, proc.url)
         blob = b"x" * 64 * 1024
         n = 0
         while True:
@@ -267,7 +266,7 @@ def test_staging_under_noeviction_oom_stores_nothing_wrong_and_recovers(make_ser
         v1 = make_kv(8 * CHUNK, seed=109)
         with kvd.connect(b.url, b.http_url, MODEL, timeout=10) as cb:
             assert kvd.store(cb, v1, tokens)
-            wait_for(lambda: _backlog(b) == 0, "B's write-down (refused: OOM)", 15)
+            wait_for(lambda: backlog(b) == 0, "B's write-down (refused: OOM)", 15)
             got = kvd.retrieve(cb, tokens)
             assert got is not None and torch.equal(got, v1)
             got = _fresh_read(make_server, proc.url, tokens)
@@ -276,9 +275,9 @@ def test_staging_under_noeviction_oom_stores_nothing_wrong_and_recovers(make_ser
             later, v2 = make_tokens(2 * CHUNK, start=104_500_000), make_kv(2 * CHUNK, seed=110)
             deadline = time.monotonic() + 15
             while True:
-                if _coh(b)["vouched"] and _l3(b)["up"]:
+                if l3_coherence(b)["vouched"] and _l3(b)["up"]:
                     kvd.store(cb, v2, later)
-                    wait_for(lambda: _backlog(b) == 0, "B's write-down of v2", 15)
+                    wait_for(lambda: backlog(b) == 0, "B's write-down of v2", 15)
                     got = _fresh_read(make_server, proc.url, later)
                     if got is not None and torch.equal(got, v2):
                         break
@@ -303,7 +302,7 @@ def test_a_stream_made_again_with_a_first_id_not_past_an_older_position_commits_
     proof); a lost stream starts a new incarnation again, and B's write, issued under the old one,
     is never committed."""
     url = redis_server.url
-    a, b = _vouching(make_server, url), _vouching(make_server, url)
+    a, b = vouching(make_server, url), vouching(make_server, url)
     tokens = make_tokens(2 * CHUNK, start=105_000_000)
     v1, v2 = make_kv(2 * CHUNK, seed=111), make_kv(2 * CHUNK, seed=112)
     raw = redis_py.Redis.from_url(url)
@@ -316,7 +315,7 @@ def test_a_stream_made_again_with_a_first_id_not_past_an_older_position_commits_
         assert link.waiting.wait(30), "B's write-down did not start"
         assert raw.xrevrange(STREAM, count=1)[0][0] == tip  # B's position is the tip (nothing since)
         assert kvd.store(ca, v2, tokens, overwrite=True)
-        wait_for(lambda: _backlog(a) == 0, "A's write-down of v2")
+        wait_for(lambda: backlog(a) == 0, "A's write-down of v2")
         inc = b"%032x" % 0x5EED  # (what POLL_SCRIPT does on a lost stream, with Redis' clock stepped back)
         assert raw.get(STREAM + b":incarnation") != inc
         first = tip.split(b"-")[0] + b"-0"  # (the same millisecond as B's position)
@@ -326,7 +325,7 @@ def test_a_stream_made_again_with_a_first_id_not_past_an_older_position_commits_
             tx.xadd(STREAM, {b"k": b"\x90", b"i": inc}, id=first)
             tx.execute()
         link.release()
-        wait_for(lambda: _backlog(b) == 0, "B's write-down")
+        wait_for(lambda: backlog(b) == 0, "B's write-down")
         miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
     finally:
         link.release()
@@ -341,7 +340,7 @@ def test_two_servers_writing_down_one_prefix_while_a_third_overwrites_it(make_se
     written down); Redis evicts the floors and values; B's stage then lands (nothing refuses it
     there) and both go on. No server serves v1; L3 holds v2 or nothing."""
     url = redis_server.url
-    a, b, c = (_vouching(make_server, url) for _ in range(3))
+    a, b, c = (vouching(make_server, url) for _ in range(3))
     tokens = make_tokens(2 * CHUNK, start=106_000_000)
     v1, v2 = make_kv(2 * CHUNK, seed=113), make_kv(2 * CHUNK, seed=114)
     raw = redis_py.Redis.from_url(url)
@@ -353,12 +352,12 @@ def test_two_servers_writing_down_one_prefix_while_a_third_overwrites_it(make_se
         assert kvd.store(ctxs[1], v1, tokens)
         assert link.waiting.wait(30), "B's write-down did not start"
         assert kvd.store(ctxs[2], v2, tokens, overwrite=True)
-        wait_for(lambda: _backlog(c) == 0, "C's write-down of v2")
+        wait_for(lambda: backlog(c) == 0, "C's write-down of v2")
         raw.delete(*_floors_and_values(raw))
         link.release()
-        wait_for(lambda: any(k.endswith(b":s") for k in _objects(raw)) or _backlog(b) == 0, "B's stage")
+        wait_for(lambda: any(k.endswith(b":s") for k in _objects(raw)) or backlog(b) == 0, "B's stage")
         hold.release()
-        wait_for(lambda: _backlog(a) == 0 and _backlog(b) == 0, "A's and B's write-downs")
+        wait_for(lambda: backlog(a) == 0 and backlog(b) == 0, "A's and B's write-downs")
         assert not [k for k in _objects(raw) if k.endswith(b"}")], "L3 holds a value of the replaced version"
         miss_or(_fresh_read(make_server, url, tokens), v2, v1, "a fresh server")
         for who, ctx in zip("ABC", ctxs, strict=True):

@@ -17,26 +17,12 @@ from typing import Any
 
 import redis as redis_py
 import torch
-from tests.helpers import CHUNK, MODEL, make_kv, make_tokens, wait_for
+from tests.helpers import CHUNK, MODEL, backlog, l3_coherence, make_kv, make_tokens, vouching, wait_for
 
 import kvdock.sdk as kvd
 
 STREAM = b"kvdock:v2:{invalidations}"
 INCARNATION = STREAM + b":incarnation"
-
-
-def _coh(srv: Any) -> dict:
-    return srv.get("/status")["tiers"]["l3"]["coherence"]
-
-
-def _backlog(srv: Any) -> int:
-    return int(srv.get("/status")["tiers"]["writeback_backlog_bytes"])
-
-
-def _vouching(make_server: Any, url: str) -> Any:
-    srv = make_server("--redis-url", url, "--no-disk")
-    wait_for(lambda: _coh(srv)["vouched"], "the server to vouch", 30)
-    return srv
 
 
 def test_a_server_with_a_late_poller_never_serves_from_l3_what_an_overwrite_under_a_new_incarnation_replaced(
@@ -48,7 +34,7 @@ def test_a_server_with_a_late_poller_never_serves_from_l3_what_an_overwrite_unde
     the chunk with v2 (acknowledged). D's retrieve, more than the bound later, waits ten bounds
     for a poll, then reads L3 alone: it must miss or serve v2, never v1."""
     url = redis_server.url
-    a, c, d = (_vouching(make_server, url) for _ in range(3))
+    a, c, d = (vouching(make_server, url) for _ in range(3))
     tokens = make_tokens(2 * CHUNK, start=107_000_000)
     v1, v2 = make_kv(2 * CHUNK, seed=115), make_kv(2 * CHUNK, seed=116)
     raw = redis_py.Redis.from_url(url)
@@ -64,15 +50,15 @@ def test_a_server_with_a_late_poller_never_serves_from_l3_what_an_overwrite_unde
     cd = kvd.connect(d.url, d.http_url, MODEL, timeout=10)
     try:
         assert kvd.store(ca, v1, tokens)
-        wait_for(lambda: _backlog(a) == 0, "A's write-down of v1")
+        wait_for(lambda: backlog(a) == 0, "A's write-down of v1")
         old = raw.get(INCARNATION)
         coherence.poll = late_poll
-        wait_for(lambda: not _coh(d)["vouched"], "D to stop vouching")
+        wait_for(lambda: not l3_coherence(d)["vouched"], "D to stop vouching")
         raw.delete(STREAM, INCARNATION)  # (evicted: the objects' values stay)
         wait_for(lambda: raw.get(INCARNATION) not in (None, old), "a new incarnation")
         wait_for(lambda: c.state.manager.coherence.incarnation == raw.get(INCARNATION), "C to follow it")
         assert kvd.store(cc, v2, tokens, overwrite=True)  # acknowledged: v1 is replaced
-        wait_for(lambda: _backlog(c) == 0, "C's write-down of v2")
+        wait_for(lambda: backlog(c) == 0, "C's write-down of v2")
         got = kvd.retrieve(cd, tokens)  # (D waits ten bounds for a poll, then reads L3 alone)
         if got is not None:
             n = got.shape[2]

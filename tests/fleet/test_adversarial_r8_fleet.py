@@ -28,7 +28,7 @@ import pytest
 import redis as redis_py
 import torch
 import zmq
-from tests.helpers import CHUNK, GEOMETRY, MODEL, wait_for
+from tests.helpers import CHUNK, GEOMETRY, MODEL, backlog, l3_coherence, wait_for
 
 import kvdock.sdk as kvd
 
@@ -161,8 +161,8 @@ class Fleet:
         for i in range(n):
             self.servers.append(self._start(i, register="bfloat16"))
         for s in self.servers:
-            wait_for(lambda s=s: _coh(s)["vouched"], "the server to vouch", 30)
-            assert _coh(s)["bound_ms"] == BOUND_S * 1000
+            wait_for(lambda s=s: l3_coherence(s)["vouched"], "the server to vouch", 30)
+            assert l3_coherence(s)["bound_ms"] == BOUND_S * 1000
 
     def _flags(self, i: int) -> list[str]:
         disk = ["--disk-dir", str(self.tmp_path / f"l2-{i}"), "--disk-size", "64MiB"] if self.disk else ["--no-disk"]
@@ -190,10 +190,6 @@ class Fleet:
         with self.lock:
             s, g = self.servers[i], self.gen[i]
         return kvd.connect(s.url, s.http_url, MODEL, timeout=30), g
-
-
-def _coh(srv: Any) -> dict:
-    return srv.get("/status")["tiers"]["l3"]["coherence"]
 
 
 class Worker(threading.Thread):
@@ -274,7 +270,7 @@ def quiescent_check(fleet: Fleet, ledger: Ledger, prefixes: list[int], what: str
     everywhere, and not a replaced one. Then one overwrite per prefix through server 0: every
     server serves it or misses. Returns the version agreed on per prefix."""
     for s in fleet.servers:
-        wait_for(lambda s=s: _coh(s)["vouched"], f"{what}: vouching", 60)
+        wait_for(lambda s=s: l3_coherence(s)["vouched"], f"{what}: vouching", 60)
         wait_for(lambda s=s: s.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, f"{what}: write-downs", 60)
     last = max((op.end for op in ledger.ops.values()), default=0.0)
     while time.monotonic() < last + 3 * BOUND_S:
@@ -336,7 +332,7 @@ def quiescent_check(fleet: Fleet, ledger: Ledger, prefixes: list[int], what: str
 def fresh_reader_check(make_server, redis_url: str, ledger: Ledger, prefixes: list[int]) -> None:
     """A new server (empty L1, no L2) reads L3 alone: what it serves passes the ledger too."""
     srv = make_server("--redis-url", redis_url, "--no-disk")
-    wait_for(lambda: _coh(srv)["vouched"], "the fresh server to vouch", 30)
+    wait_for(lambda: l3_coherence(srv)["vouched"], "the fresh server to vouch", 30)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=30) as c:
         for prefix in prefixes:
             start = time.monotonic()
@@ -412,10 +408,6 @@ def test_concurrent_overwrites_of_one_prefix_through_three_servers_with_sigstop_
             assert kvd.check_server_integrity(c) == []
 
 
-def _backlog(srv: Any) -> int:
-    return int(srv.get("/status")["tiers"]["writeback_backlog_bytes"])
-
-
 def test_a_plain_store_between_an_overwrites_second_entry_and_its_commit_is_replaced_by_it(
     make_server, redis_server
 ) -> None:
@@ -433,19 +425,19 @@ def test_a_plain_store_between_an_overwrites_second_entry_and_its_commit_is_repl
     a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": "2"})
     b = make_server("--redis-url", redis_server.url, "--no-disk")
     for s in (a, b):
-        wait_for(lambda s=s: _coh(s)["vouched"], "the server to vouch", 30)
+        wait_for(lambda s=s: l3_coherence(s)["vouched"], "the server to vouch", 30)
     tokens = tokens_of(7)
     ca = kvd.connect(a.url, a.http_url, MODEL, timeout=30)
     cb = kvd.connect(b.url, b.http_url, MODEL, timeout=30)
     try:
         assert kvd.store(ca, pattern(1, 7), tokens)
-        wait_for(lambda: _backlog(a) == 0, "A's write-down")
+        wait_for(lambda: backlog(a) == 0, "A's write-down")
         wait_for(lambda: decode(kvd.retrieve(cb, tokens), 7) == [1] * CHUNKS, "B to serve version 1")
-        applied = _coh(b)["entries_applied"]
+        applied = l3_coherence(b)["entries_applied"]
         result: list[object] = []
         t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 7), tokens, overwrite=True)))
         t.start()
-        wait_for(lambda: _coh(b)["entries_applied"] >= applied + 2, "B to apply A's E1 and E2", 10)
+        wait_for(lambda: l3_coherence(b)["entries_applied"] >= applied + 2, "B to apply A's E1 and E2", 10)
         assert t.is_alive(), "A acknowledged before B's plain store: the window was missed"
         # A's overwrite may not be in L3 yet: in flight. The SDK asks again for CONFLICT_WAIT_S (2 s, as
         # long as A's copy): on a loaded machine A's version may land meanwhile, and B's store then
@@ -458,11 +450,11 @@ def test_a_plain_store_between_an_overwrites_second_entry_and_its_commit_is_repl
         assert result == [True]
         acked = time.monotonic()
         for s in (a, b):
-            wait_for(lambda s=s: _backlog(s) == 0, "write-downs")
+            wait_for(lambda s=s: backlog(s) == 0, "write-downs")
         while time.monotonic() < acked + 3 * BOUND_S:
             time.sleep(0.05)
         c = make_server("--redis-url", redis_server.url, "--no-disk")  # reads L3 alone
-        wait_for(lambda: _coh(c)["vouched"], "C to vouch", 30)
+        wait_for(lambda: l3_coherence(c)["vouched"], "C to vouch", 30)
         with kvd.connect(c.url, c.http_url, MODEL, timeout=30) as cc:
             served = {
                 name: decode(kvd.retrieve(ctx, tokens), 7) for name, ctx in (("A", ca), ("B", cb), ("L3 via C", cc))
@@ -485,7 +477,7 @@ def test_concurrent_overwrites_while_redis_is_flushed_killed_and_restarted_empty
     fleet = Fleet(make_server, redis_server.url, 2, tmp_path, disk=True)
     fleet.servers.append(make_server("--redis-url", redis_server.url, "--no-disk"))  # no L2
     fleet.gen.append(0)
-    wait_for(lambda: _coh(fleet.servers[2])["vouched"], "the server to vouch", 30)
+    wait_for(lambda: l3_coherence(fleet.servers[2])["vouched"], "the server to vouch", 30)
     ledger = Ledger()
     prefixes = [3, 4]
     rng = random.Random(81)
@@ -598,7 +590,7 @@ def test_garbage_on_the_control_socket_while_overwrites_run_through_two_servers(
 
     fleet = Two()
     for s in fleet.servers:
-        wait_for(lambda s=s: _coh(s)["vouched"], "the server to vouch", 30)
+        wait_for(lambda s=s: l3_coherence(s)["vouched"], "the server to vouch", 30)
     ledger = Ledger()
     prefixes = [5, 6]
     stop, gstop = threading.Event(), threading.Event()
@@ -644,30 +636,30 @@ def test_of_two_overlapping_overwrites_the_slow_earlier_one_is_not_committed_and
     a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": "2"})
     b = make_server("--redis-url", redis_server.url, "--no-disk")
     for s in (a, b):
-        wait_for(lambda s=s: _coh(s)["vouched"], "the server to vouch", 30)
+        wait_for(lambda s=s: l3_coherence(s)["vouched"], "the server to vouch", 30)
     tokens = tokens_of(8)
     ca = kvd.connect(a.url, a.http_url, MODEL, timeout=30)
     cb = kvd.connect(b.url, b.http_url, MODEL, timeout=30)
     try:
         assert kvd.store(ca, pattern(1, 8), tokens)
-        wait_for(lambda: _backlog(a) == 0, "A's write-down")
+        wait_for(lambda: backlog(a) == 0, "A's write-down")
         wait_for(lambda: decode(kvd.retrieve(cb, tokens), 8) == [1] * CHUNKS, "B to serve version 1")
-        published = _coh(a)["published"]
+        published = l3_coherence(a)["published"]
         result: list[object] = []
         t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 8), tokens, overwrite=True)))
         t.start()
-        wait_for(lambda: _coh(a)["published"] >= published + 2, "A's E1 and E2", 10)
+        wait_for(lambda: l3_coherence(a)["published"] >= published + 2, "A's E1 and E2", 10)
         assert kvd.store(cb, pattern(3, 8), tokens, overwrite=True) is True
         acked = time.monotonic()
         assert t.is_alive(), "A committed before B's overwrite: the overlap was missed"
         t.join(30)
         assert result == [False], f"A's earlier overwrite, committed after B's later one: {result}"
         for s in (a, b):
-            wait_for(lambda s=s: _backlog(s) == 0, "write-downs")
+            wait_for(lambda s=s: backlog(s) == 0, "write-downs")
         while time.monotonic() < acked + 3 * BOUND_S:
             time.sleep(0.05)
         c = make_server("--redis-url", redis_server.url, "--no-disk")
-        wait_for(lambda: _coh(c)["vouched"], "C to vouch", 30)
+        wait_for(lambda: l3_coherence(c)["vouched"], "C to vouch", 30)
         with kvd.connect(c.url, c.http_url, MODEL, timeout=30) as cc:
             served = {n: decode(kvd.retrieve(x, tokens), 8) for n, x in (("A", ca), ("B", cb), ("L3 via C", cc))}
         assert all(set(v) <= {3} for v in served.values()), served
@@ -690,26 +682,24 @@ def test_an_engine_save_through_another_server_never_extends_a_users_edit_it_lea
     a = make_server("--redis-url", redis_server.url, "--no-disk")
     b = make_server("--redis-url", redis_server.url, "--no-disk")
     for s in (a, b):
-        wait_for(lambda s=s: _coh(s)["vouched"], "the server to vouch", 30)
+        wait_for(lambda s=s: l3_coherence(s)["vouched"], "the server to vouch", 30)
     tokens = tokens_of(9)
     with (
         kvd.connect(a.url, a.http_url, MODEL, timeout=30) as ca,
         kvd.connect(b.url, b.http_url, MODEL, timeout=30) as cb,
     ):
         assert kvd.store(ca, pattern(10, 9, chunks=2), tokens[: 2 * CHUNK])
-        wait_for(lambda: _backlog(a) == 0, "A's write-down")
+        wait_for(lambda: backlog(a) == 0, "A's write-down")
         if b_read_it:
             assert decode(kvd.retrieve(cb, tokens), 9) == [10, 10]
         got = kvd.store_chunks(cb, pattern(11, 9), tokens, edited=False)
         assert got.stored_chunks == 0, f"the engine's save through B wrote past the user's edit: {got}"
-        wait_for(lambda: _backlog(b) == 0, "B's write-downs")
+        wait_for(lambda: backlog(b) == 0, "B's write-downs")
         for name, c in (("A", ca), ("B", cb)):
             assert decode(kvd.retrieve(c, tokens), 9) == [10, 10], name
 
 
-def test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused(
-    make_server, redis_server
-) -> None:
+def test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused(make_server, redis_server) -> None:
     """As test_a_plain_store_between_an_overwrites_second_entry_and_its_commit_is_replaced_by_it,
     with A's commit 13 s after its entries and B's plain store past RECENT_MS after them: B's
     refusal window is over, the store was kept (True). Was a strict xfail (A then acknowledged its
@@ -721,19 +711,19 @@ def test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused(
     a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": "13"})
     b = make_server("--redis-url", redis_server.url, "--no-disk")
     for s in (a, b):
-        wait_for(lambda s=s: _coh(s)["vouched"], "the server to vouch", 30)
+        wait_for(lambda s=s: l3_coherence(s)["vouched"], "the server to vouch", 30)
     tokens = tokens_of(12)
     ca = kvd.connect(a.url, a.http_url, MODEL, timeout=60)
     cb = kvd.connect(b.url, b.http_url, MODEL, timeout=30)
     try:
         with kvd.connect(b.url, b.http_url, MODEL, timeout=30) as c0:  # version 1, written down
             assert kvd.store(c0, pattern(1, 12), tokens)
-        wait_for(lambda: _backlog(b) == 0, "B's write-down")
-        applied = _coh(b)["entries_applied"]
+        wait_for(lambda: backlog(b) == 0, "B's write-down")
+        applied = l3_coherence(b)["entries_applied"]
         result: list[object] = []
         t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 12), tokens, overwrite=True)))
         t.start()
-        wait_for(lambda: _coh(b)["entries_applied"] >= applied + 2, "B to apply A's E1 and E2", 10)
+        wait_for(lambda: l3_coherence(b)["entries_applied"] >= applied + 2, "B to apply A's E1 and E2", 10)
         seen = time.monotonic()
         stored: list[object] = []
 
@@ -753,7 +743,7 @@ def test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused(
         assert result == [False]  # too late after its entries: not committed
         done = time.monotonic()
         for s in (a, b):
-            wait_for(lambda s=s: _backlog(s) == 0, "write-downs")
+            wait_for(lambda s=s: backlog(s) == 0, "write-downs")
         while time.monotonic() < done + 3 * BOUND_S:
             time.sleep(0.05)
         served = {n: decode(kvd.retrieve(x, tokens), 12) for n, x in (("A", ca), ("B", cb))}
@@ -778,34 +768,34 @@ def test_a_server_started_during_a_slow_overwrite_does_not_keep_a_plain_store_it
     serve different versions."""
     delay = "5" if how == "fresh" else "6"
     a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": delay})
-    wait_for(lambda: _coh(a)["vouched"], "A to vouch", 30)
+    wait_for(lambda: l3_coherence(a)["vouched"], "A to vouch", 30)
     c_flags = ["--redis-url", redis_server.url]
     c_flags += ["--no-disk"] if how == "fresh" else ["--disk-dir", str(tmp_path / "l2-c"), "--disk-size", "64MiB"]
     if how != "fresh":
         c0_srv = make_server(*c_flags)
-        wait_for(lambda: _coh(c0_srv)["vouched"], "C to vouch", 30)
+        wait_for(lambda: l3_coherence(c0_srv)["vouched"], "C to vouch", 30)
         pos = tmp_path / "l2-c" / "coherence.pos"
     tokens = tokens_of(13)
     ca = kvd.connect(a.url, a.http_url, MODEL, timeout=60)
     try:
         with kvd.connect(a.url, a.http_url, MODEL, timeout=30) as c0:
             assert kvd.store(c0, pattern(1, 13), tokens)  # (8 s: the inline copy)
-        wait_for(lambda: _backlog(a) == 0, "A's write-down")
-        published = _coh(a)["published"]
+        wait_for(lambda: backlog(a) == 0, "A's write-down")
+        published = l3_coherence(a)["published"]
         before = pos.read_bytes() if how != "fresh" and pos.exists() else b""
         result: list[object] = []
         t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 13), tokens, overwrite=True)))
         t.start()
-        wait_for(lambda: _coh(a)["published"] >= published + 2, "A's E1 and E2", 10)
+        wait_for(lambda: l3_coherence(a)["published"] >= published + 2, "A's E1 and E2", 10)
         if how == "fresh":
             c = make_server(*c_flags)
         else:  # C applied both entries and kept a position past them; then SIGKILL, and back on its L2
-            wait_for(lambda: _coh(c0_srv)["entries_applied"] >= 2, "C to apply A's entries", 10)
+            wait_for(lambda: l3_coherence(c0_srv)["entries_applied"] >= 2, "C to apply A's entries", 10)
             wait_for(lambda: pos.exists() and pos.read_bytes() != before, "C to keep its position", 10)
             c0_srv.proc.kill()
             c0_srv.proc.wait()
             c = make_server(*c_flags, register=None)
-        wait_for(lambda: _coh(c)["vouched"], "C to vouch", 30)
+        wait_for(lambda: l3_coherence(c)["vouched"], "C to vouch", 30)
         with kvd.connect(c.url, c.http_url, MODEL, timeout=30) as cc:
             try:
                 stored = kvd.store(cc, pattern(3, 13), tokens)
@@ -816,7 +806,7 @@ def test_a_server_started_during_a_slow_overwrite_does_not_keep_a_plain_store_it
             assert stored is False or not in_window, "C kept a plain store made during A's overwrite"
             acked = time.monotonic()
             for s in (a, c):
-                wait_for(lambda s=s: _backlog(s) == 0, "write-downs")
+                wait_for(lambda s=s: backlog(s) == 0, "write-downs")
             while time.monotonic() < acked + 3 * BOUND_S:
                 time.sleep(0.05)
             served = {n: decode(kvd.retrieve(x, tokens), 13) for n, x in (("A", ca), ("C", cc))}
@@ -838,21 +828,21 @@ def test_a_plain_store_after_l3_was_flushed_during_a_slow_overwrite_is_not_kept_
     a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": "4"})
     b = make_server("--redis-url", redis_server.url, "--no-disk")
     for s in (a, b):
-        wait_for(lambda s=s: _coh(s)["vouched"], "the server to vouch", 30)
+        wait_for(lambda s=s: l3_coherence(s)["vouched"], "the server to vouch", 30)
     tokens = tokens_of(14)
     ca = kvd.connect(a.url, a.http_url, MODEL, timeout=60)
     cb = kvd.connect(b.url, b.http_url, MODEL, timeout=30)
     raw = redis_py.Redis(port=redis_server.port)
     try:
         assert kvd.store(cb, pattern(1, 14), tokens)
-        wait_for(lambda: _backlog(b) == 0, "B's write-down")
-        applied, drops = _coh(b)["entries_applied"], _coh(b)["full_drops"]
+        wait_for(lambda: backlog(b) == 0, "B's write-down")
+        applied, drops = l3_coherence(b)["entries_applied"], l3_coherence(b)["full_drops"]
         result: list[object] = []
         t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 14), tokens, overwrite=True)))
         t.start()
-        wait_for(lambda: _coh(b)["entries_applied"] >= applied + 2, "B to apply A's E1 and E2", 10)
+        wait_for(lambda: l3_coherence(b)["entries_applied"] >= applied + 2, "B to apply A's E1 and E2", 10)
         raw.flushall()
-        wait_for(lambda: _coh(b)["full_drops"] > drops and _coh(b)["vouched"], "B to see the gap", 10)
+        wait_for(lambda: l3_coherence(b)["full_drops"] > drops and l3_coherence(b)["vouched"], "B to see the gap", 10)
         try:
             stored: object = kvd.store(cb, pattern(3, 14), tokens)
         except kvd.StoreConflictError as e:
@@ -862,11 +852,11 @@ def test_a_plain_store_after_l3_was_flushed_during_a_slow_overwrite_is_not_kept_
         assert result == [True]
         acked = time.monotonic()
         for s in (a, b):
-            wait_for(lambda s=s: _backlog(s) == 0, "write-downs")
+            wait_for(lambda s=s: backlog(s) == 0, "write-downs")
         while time.monotonic() < acked + 3 * BOUND_S:
             time.sleep(0.05)
         c = make_server("--redis-url", redis_server.url, "--no-disk")
-        wait_for(lambda: _coh(c)["vouched"], "C to vouch", 30)
+        wait_for(lambda: l3_coherence(c)["vouched"], "C to vouch", 30)
         with kvd.connect(c.url, c.http_url, MODEL, timeout=30) as cc:
             served = {n: decode(kvd.retrieve(x, tokens), 14) for n, x in (("A", ca), ("B", cb), ("L3 via C", cc))}
         assert all(set(v) <= {2} for v in served.values()), f"B's plain store: {stored}; served: {served}"

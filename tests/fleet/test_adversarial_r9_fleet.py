@@ -29,23 +29,22 @@ from typing import Any
 import pytest
 import redis as redis_py
 import torch
-from tests.helpers import CHUNK, MODEL, RedisProc, SlowLink, free_port, make_kv, make_tokens, miss_or, wait_for
+from tests.helpers import (
+    CHUNK,
+    MODEL,
+    RedisProc,
+    SlowLink,
+    backlog,
+    free_port,
+    l3_coherence,
+    make_kv,
+    make_tokens,
+    miss_or,
+    vouching,
+    wait_for,
+)
 
 import kvdock.sdk as kvd
-
-
-def _coh(srv: Any) -> dict:
-    return srv.get("/status")["tiers"]["l3"]["coherence"]
-
-
-def _backlog(srv: Any) -> int:
-    return int(srv.get("/status")["tiers"]["writeback_backlog_bytes"])
-
-
-def _vouching(make_server: Any, url: str, *flags: str) -> Any:
-    srv = make_server("--redis-url", url, "--no-disk", *flags)
-    wait_for(lambda: _coh(srv)["vouched"], "the server to vouch", 30)
-    return srv
 
 
 def _floors(raw: redis_py.Redis) -> list[bytes]:
@@ -60,8 +59,8 @@ def _late_write_after_an_overwrite(
     holds it and keeps its floor every TTL / 6), ``floor_gone(raw)`` makes the floor go (False:
     it took the invalidation stream too, the run proves nothing and this returns False); then
     B's write lands. A fresh server must not serve v1."""
-    a = _vouching(make_server, url, *flags)
-    b = _vouching(make_server, url, *flags)
+    a = vouching(make_server, url, *flags)
+    b = vouching(make_server, url, *flags)
     tokens = make_tokens(2 * CHUNK, start=91_000_000)
     v1, v2 = make_kv(2 * CHUNK, seed=91), make_kv(2 * CHUNK, seed=92)
     link = SlowLink(b)
@@ -71,21 +70,21 @@ def _late_write_after_an_overwrite(
     try:
         assert kvd.store(cb, v1, tokens)  # acknowledged; its write-down is on its way
         assert link.waiting.wait(30), "B's write-down did not start"
-        applied = _coh(b)["entries_applied"]
+        applied = l3_coherence(b)["entries_applied"]
         assert kvd.store(ca, v2, tokens, overwrite=True)  # acknowledged: v1 is replaced
-        wait_for(lambda: _backlog(a) == 0, "A's write-down of v2")
-        wait_for(lambda: _coh(b)["entries_applied"] >= applied + 2, "B to apply A's entries")
+        wait_for(lambda: backlog(a) == 0, "A's write-down of v2")
+        wait_for(lambda: l3_coherence(b)["entries_applied"] >= applied + 2, "B to apply A's entries")
         assert len(_floors(raw)) == 2
         if leave:
             kvd.close(ca)
             assert a.stop() == 0  # A leaves the fleet (scale-in, a restart): nobody holds v2 now
         else:
-            assert _coh(a)["held"] == 2
+            assert l3_coherence(a)["held"] == 2
         if floor_gone(raw) is False:
             return False
         link.release()  # B's write-down of v1 reaches L3 (issued < 10 s ago)
-        wait_for(lambda: _backlog(b) == 0, "B's write-down")
-        c = _vouching(make_server, url, *flags)  # reads L3 alone
+        wait_for(lambda: backlog(b) == 0, "B's write-down")
+        c = vouching(make_server, url, *flags)  # reads L3 alone
         with kvd.connect(c.url, c.http_url, MODEL, timeout=10) as cc:
             got = kvd.retrieve(cc, tokens)
         miss_or(got, v2, v1, "a fresh server")
@@ -199,12 +198,12 @@ def test_a_server_with_a_slow_l2_serves_an_overwritten_key_from_l3_soon_after_th
     it 60 times (a hot, edited prefix). Once A stops, B must serve A's last version from L3 within
     10 s (120 needless L2 deletions take 24 s on that disk; B's soak counterpart in
     test_adversarial_r9_soak waited 30 s in vain with 20 ms per operation)."""
-    a = _vouching(make_server, redis_server.url)
+    a = vouching(make_server, redis_server.url)
     b = make_server(
         "--redis-url", redis_server.url, "--disk-dir", str(tmp_path / "l2-b"), "--disk-size", "64MiB",
         env={"KVDOCK_FAULT_L2_WRITE_DELAY_S": "0.2"},
     )  # fmt: skip
-    wait_for(lambda: _coh(b)["vouched"], "B to vouch", 30)
+    wait_for(lambda: l3_coherence(b)["vouched"], "B to vouch", 30)
     tokens = make_tokens(CHUNK, start=93_000_000)
     versions = [make_kv(CHUNK, seed=1000 + i) for i in range(60)]
     ca = kvd.connect(a.url, a.http_url, MODEL, timeout=10)
@@ -212,7 +211,7 @@ def test_a_server_with_a_slow_l2_serves_an_overwritten_key_from_l3_soon_after_th
     try:
         for v in versions:
             assert kvd.store(ca, v, tokens, overwrite=True)
-        wait_for(lambda: _backlog(a) == 0, "A's write-downs")
+        wait_for(lambda: backlog(a) == 0, "A's write-downs")
         last = versions[-1]
         deadline = time.monotonic() + 10
         got = kvd.retrieve(cb, tokens)
@@ -259,7 +258,7 @@ def test_a_server_keeps_serving_its_l1_while_another_applications_keys_make_redi
     lru = RedisProc(free_port(), extra=("--maxmemory", "6mb", "--maxmemory-policy", policy)).start()
     raw = redis_py.Redis.from_url(lru.url)
     try:
-        srv = _vouching(make_server, lru.url)
+        srv = vouching(make_server, lru.url)
         tokens = make_tokens(2 * CHUNK, start=94_000_000)
         kv = make_kv(2 * CHUNK, seed=94)
         with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as ctx:
@@ -268,16 +267,16 @@ def test_a_server_keeps_serving_its_l1_while_another_applications_keys_make_redi
             blob = os.urandom(48 * 1024)
             deadline = time.monotonic() + 10
             n = 0
-            while time.monotonic() < deadline and _coh(srv)["full_drops"] == 0:
+            while time.monotonic() < deadline and l3_coherence(srv)["full_drops"] == 0:
                 for _ in range(20):
                     raw.set(f"other-app:{n}", blob, px=3_600_000 if policy.startswith("volatile") else None)
                     n += 1
                 time.sleep(0.05)
             assert int(raw.info("stats")["evicted_keys"]) > 0
-            wait_for(lambda: _coh(srv)["vouched"], "the server to vouch", 30)
+            wait_for(lambda: l3_coherence(srv)["vouched"], "the server to vouch", 30)
             got = kvd.retrieve(ctx, tokens)
             assert got is not None and torch.equal(got, kv), (
-                f"the server lost a prefix nothing overwrote: {_coh(srv)['full_drops']} full drop(s) "
+                f"the server lost a prefix nothing overwrote: {l3_coherence(srv)['full_drops']} full drop(s) "
                 f"after {n} keys of another application (the stream's incarnation {incarnation!r} is now "
                 f"{raw.get('kvdock:v2:{invalidations}:incarnation')!r})"
             )

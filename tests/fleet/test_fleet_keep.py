@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis as redis_py
 import torch
-from tests.helpers import CHUNK, MODEL, make_kv, make_tokens, wait_for
+from tests.helpers import CHUNK, MODEL, backlog, l3_coherence, make_kv, make_tokens, wait_for
 
 import kvdock.sdk as kvd
 
@@ -25,19 +25,11 @@ REFRESH_S, LEASE_S = TTL_MS / 6000, TTL_MS / 2000
 FLAGS = ("--no-disk", "--l3-floor-ttl-ms", str(TTL_MS))
 
 
-def _coh(srv: Any) -> dict:
-    return srv.get("/status")["tiers"]["l3"]["coherence"]
-
-
 def _servers(make_server: Any, url: str, n: int, **kw: Any) -> list[Any]:
     servers = [make_server("--redis-url", url, *FLAGS, **kw) for _ in range(n)]
     for s in servers:
-        wait_for(lambda s=s: _coh(s)["vouched"], "the server to vouch", 30)
+        wait_for(lambda s=s: l3_coherence(s)["vouched"], "the server to vouch", 30)
     return servers
-
-
-def _backlog(srv: Any) -> int:
-    return int(srv.get("/status")["tiers"]["writeback_backlog_bytes"])
 
 
 def _objects(raw: Any) -> list[bytes]:
@@ -95,39 +87,41 @@ def test_an_overwrite_written_down_past_its_floors_ttl_never_lets_a_plain_store_
     cb = kvd.connect(b.url, b.http_url, MODEL, timeout=10)
     raw = redis_py.Redis.from_url(redis_server.url)
     try:
-        applied = _coh(b)["entries_applied"]
+        applied = l3_coherence(b)["entries_applied"]
         assert kvd.store(ca, v2, tokens, overwrite=True)  # acknowledged; its write-down waits
-        wait_for(lambda: _coh(b)["entries_applied"] >= applied + 2, "B to apply A's entries")
+        wait_for(lambda: l3_coherence(b)["entries_applied"] >= applied + 2, "B to apply A's entries")
         _forget_recent(b)
         time.sleep(TTL_MS / 1000 * 1.5)  # past the floor's TTL: only A's rounds keep it
         with pytest.raises(kvd.StoreConflictError, match="being written by another client"):
             kvd.store(cb, v1, tokens)
-        assert _coh(a)["keep_rounds"] >= 3 and _coh(a)["held"] == 2
+        assert l3_coherence(a)["keep_rounds"] >= 3 and l3_coherence(a)["held"] == 2
         assert _same(kvd.retrieve(ca, tokens), v2)
         go.set()
-        wait_for(lambda: _backlog(a) == 0, "A's write-down")
+        wait_for(lambda: backlog(a) == 0, "A's write-down")
         assert not kvd.store(cb, v1, tokens)  # dedups against the overwrite in L3: nothing stored
         assert _same(kvd.retrieve(cb, tokens), v2) and _same(kvd.retrieve(ca, tokens), v2)
 
         # A stops keeping (cut off for its rounds) while a second overwrite's write-down waits
         go.clear()
         assert kvd.store(ca, v3, tokens, overwrite=True)
-        wait_for(lambda: _coh(b)["entries_applied"] >= applied + 4, "B to apply A's second entries")
+        wait_for(lambda: l3_coherence(b)["entries_applied"] >= applied + 4, "B to apply A's second entries")
         _forget_recent(b)
 
         def cut_off(*args: Any, **kw: Any) -> Any:
             raise redis_py.ConnectionError("A's keeping rounds cannot reach L3 (test)")
 
         l3.keep = cut_off
-        wait_for(lambda: not _coh(a)["vouched"], "A's lease to run out", LEASE_S + 10)
+        wait_for(lambda: not l3_coherence(a)["vouched"], "A's lease to run out", LEASE_S + 10)
         got = kvd.retrieve(ca, tokens)  # (not vouched: L3 alone, which has no value)
         assert got is None, "A served its overwrite past its lease"
         wait_for(lambda: not [k for k in raw.keys("kvdock:v2:{*}:f")], "the floors to expire", TTL_MS / 1000 + 10)
         assert kvd.store(cb, v1, tokens)  # no floor, no value: a plain store lands
         l3.keep = real_keep  # A's next round finds another version under no floor: drops v3
-        wait_for(lambda: _coh(a)["keep_dropped"] >= 2 and _coh(a)["vouched"], "A to drop v3", REFRESH_S + 10)
+        wait_for(
+            lambda: l3_coherence(a)["keep_dropped"] >= 2 and l3_coherence(a)["vouched"], "A to drop v3", REFRESH_S + 10
+        )
         go.set()
-        wait_for(lambda: _backlog(a) == 0 and _backlog(b) == 0, "A's write-down (refused) and B's")
+        wait_for(lambda: backlog(a) == 0 and backlog(b) == 0, "A's write-down (refused) and B's")
         for ctx in (ca, cb):
             assert _same(kvd.retrieve(ctx, tokens), v1), "two truths after A dropped its overwrite"
         assert kvd.check_server_integrity(ca) == [] and kvd.check_server_integrity(cb) == []
@@ -154,10 +148,10 @@ def test_an_overwrites_value_evicted_from_l3_is_kept_by_its_holders_until_they_d
     v1, v2 = make_kv(2 * CHUNK, seed=41), make_kv(2 * CHUNK, seed=42)
     ca, cb, cc = (kvd.connect(s.url, s.http_url, MODEL, timeout=10) for s in (a, b, c))
     try:
-        applied = _coh(c)["entries_applied"]
+        applied = l3_coherence(c)["entries_applied"]
         assert kvd.store(ca, v2, tokens, overwrite=True)
-        wait_for(lambda: _backlog(a) == 0, "A's write-down")
-        wait_for(lambda: _coh(c)["entries_applied"] >= applied + 2, "C to apply A's entries")  # (else it
+        wait_for(lambda: backlog(a) == 0, "A's write-down")
+        wait_for(lambda: l3_coherence(c)["entries_applied"] >= applied + 2, "C to apply A's entries")  # (else it
         # drops what it loads before applying them: a load older than an entry)
         assert _same(kvd.retrieve(cc, tokens), v2)  # C loads it from L3 (KEEP first): held there too
         time.sleep(TTL_MS / 1000 * 1.5)
@@ -172,9 +166,9 @@ def test_an_overwrites_value_evicted_from_l3_is_kept_by_its_holders_until_they_d
         assert not stored, "B stored other bytes while A and C serve the overwrite"
         floors = _keys(raw, "kvdock:v2:{*}:f")
         assert len(floors) == 2 and all(raw.pttl(f) > 0 for f in floors), "the holders let the floors expire"
-        assert _coh(a)["held"] == 2 and _coh(c)["held"] == 2, (_coh(a), _coh(c))
+        assert l3_coherence(a)["held"] == 2 and l3_coherence(c)["held"] == 2, (l3_coherence(a), l3_coherence(c))
         wait_for(lambda: len(_objects(raw)) == 2, "a holder to write v2 again", REFRESH_S + 10)
-        assert _coh(a)["keep_repaired"] + _coh(c)["keep_repaired"] >= 2
+        assert l3_coherence(a)["keep_repaired"] + l3_coherence(c)["keep_repaired"] >= 2
         for ctx in (ca, cb, cc):
             assert _same(kvd.retrieve(ctx, tokens), v2)
         assert _same(kvd.retrieve(cb, tokens), v2)  # B too (from L3)
@@ -184,9 +178,9 @@ def test_an_overwrites_value_evicted_from_l3_is_kept_by_its_holders_until_they_d
         for ctx in (ca, cc):
             wait_for(lambda ctx=ctx: kvd.retrieve(ctx, tokens) is None, "the holder to drop v2", REFRESH_S + 10)
         assert time.monotonic() - lost < REFRESH_S + LEASE_S + 5
-        wait_for(lambda: not _coh(b)["held"], "B to hold nothing")
+        wait_for(lambda: not l3_coherence(b)["held"], "B to hold nothing")
         assert kvd.store(cb, v1, tokens)  # no floor, no value: lands
-        wait_for(lambda: _backlog(b) == 0, "B's write-down")
+        wait_for(lambda: backlog(b) == 0, "B's write-down")
         for ctx in (ca, cb, cc):
             assert _same(kvd.retrieve(ctx, tokens), v1), "two truths after the holders dropped v2"
         for ctx in (ca, cb, cc):
@@ -212,7 +206,7 @@ def test_a_holder_paused_past_its_lease_serves_nothing_it_holds_until_its_round(
     raw = redis_py.Redis.from_url(redis_server.url)
     try:
         assert kvd.store(fast, v2, tokens, overwrite=True)
-        wait_for(lambda: _backlog(a) == 0, "A's write-down")
+        wait_for(lambda: backlog(a) == 0, "A's write-down")
         assert _same(kvd.retrieve(fast, tokens), v2) and _same(kvd.retrieve(slow, tokens), v2)
         os.kill(a.proc.pid, signal.SIGSTOP)
         try:
@@ -222,7 +216,7 @@ def test_a_holder_paused_past_its_lease_serves_nothing_it_holds_until_its_round(
             os.kill(a.proc.pid, signal.SIGCONT)
         for ctx in (fast, slow, fast, slow):
             assert kvd.retrieve(ctx, tokens) is None, "A served an overwrite whose floor it no longer kept"
-        wait_for(lambda: _coh(a)["keep_dropped"] >= 2 and _coh(a)["held"] == 0, "A's round to drop v2")
+        wait_for(lambda: l3_coherence(a)["keep_dropped"] >= 2 and l3_coherence(a)["held"] == 0, "A's round to drop v2")
         assert a.metric("kvdock_coherence_keep_dropped_total") >= 2
         assert a.metric("kvdock_coherence_keep_rounds_total") >= 1
         assert kvd.check_server_integrity(slow) == []

@@ -45,7 +45,6 @@ bound.
 from __future__ import annotations
 
 import argparse
-import bisect
 import contextlib
 import functools
 import json
@@ -53,7 +52,6 @@ import multiprocessing as mp
 import os
 import pickle
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -67,6 +65,9 @@ import kvdock.sdk as kvd
 from kvdock.errors import KVDockError
 from kvdock.storage.coherence import STREAM_KEY
 from kvdock.testing import RedisCluster, ServerProcess, cluster_ports, start_server
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fleet_analysis import analyze, pct
 
 MODEL = "fleet"
 GEOMETRY: dict[str, Any] = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
@@ -175,116 +176,6 @@ def writer(urls: list[tuple[str, str]], prompts: int, hot: Any, ready: Any, go: 
     for c in ctxs:
         kvd.close(c)
     Path(out).write_bytes(pickle.dumps(recs))
-
-
-# --- analysis -----------------------------------------------------------------------------------
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
-
-
-def analyze(writes: list[tuple], reads: dict[int, list[tuple]], bound: float, phase_of: Any) -> dict[str, Any]:
-    """Count reads per (phase, server) and their violations; the invalidation windows."""
-    acks: dict[int, list[tuple[float, int]]] = defaultdict(list)  # prompt -> (ack time, version)
-    sent: dict[tuple[int, int], float] = {}
-    refused: set[tuple[int, int]] = set()
-    for p, v, _s, t0, t1, outcome in writes:
-        sent[p, v] = t0
-        if outcome == "ok":
-            acks[p].append((t1, v))
-        elif outcome.startswith("refused"):
-            refused.add((p, v))
-    times = {p: [t for t, _ in a] for p, a in acks.items()}
-    rows: dict[tuple[str, Any], dict[str, Any]] = defaultdict(lambda: defaultdict(int))
-    bad: list[str] = []
-    for s, recs in reads.items():
-        for t0, t1, p, res, *_kind in recs:
-            row, tot = rows[phase_of(t0), s], rows[phase_of(t0), "all"]
-            for r in (row, tot):
-                r["reads"] += 1
-            if res is None:
-                kind = "misses"
-            elif isinstance(res, str):
-                kind = "errors"
-            else:
-                kind = "hits"
-                vs = [x for x in res if isinstance(x, int)]
-                why = ""
-                if len(vs) < len(res) or any((p, v) not in sent and v != 0 for v in vs):
-                    why = "foreign"
-                elif any(v and sent[p, v] > t1 for v in vs):
-                    why = "foreign"  # a version sent after the read ended
-                elif len(set(vs)) > 1:
-                    why = "mixed"
-                else:
-                    i = bisect.bisect_right(times[p], t0 - bound)
-                    if i and min(vs) < acks[p][i - 1][1]:
-                        why = "stale_after_bound"
-                    j = bisect.bisect_right(times[p], t0)
-                    if j and min(vs) < acks[p][j - 1][1]:
-                        for r in (row, tot):
-                            r["stale_within_bound"] += 1
-                if any((p, v) in refused for v in vs):
-                    for r in (row, tot):
-                        r["refused_served"] += 1
-                if why:
-                    for r in (row, tot):
-                        r[why] += 1
-                    j = bisect.bisect_right(times[p], t0)
-                    last = acks[p][j - 1] if j else None
-                    bad.append(f"{why}: server {s} prompt {p} read {t0:.4f}-{t1:.4f} got {res}; "
-                               f"last ack before it {last}")  # fmt: skip
-            for r in (row, tot):
-                r[kind] += 1
-    windows: dict[tuple[str, Any], list[float]] = defaultdict(list)
-    found, gaps = _windows(acks, reads)
-    for (s, t_ack), w in found.items():
-        windows[phase_of(t_ack), s].append(w)
-        windows[phase_of(t_ack), "all"].append(w)
-    latency: dict[tuple[str, Any], list[float]] = defaultdict(list)
-    for _p, v, s, _t0, t1, outcome in writes:
-        if v == 0:  # (the versions stored before the run are no overwrites)
-            continue
-        key = "acked" if outcome == "ok" else "partial" if outcome.startswith("partial") else "refused"
-        for who in (s, "all"):  # (the latency of every overwrite call, whatever its outcome)
-            rows[phase_of(t1), who][key] += 1
-            latency[phase_of(t1), who].append(t1 - _t0)
-    reasons = sorted({o.split(":")[0] for *_, o in writes if o != "ok"})
-    gap = statistics.median(gaps) * 1e3 if gaps else None
-    return {"rows": rows, "windows": windows, "latency": latency, "bad": bad, "gap_p50_ms": gap, "refusals": reasons}
-
-
-def _windows(
-    acks: dict[int, list[tuple[float, int]]], reads: dict[int, list[tuple]]
-) -> tuple[dict[tuple[int, float], float], list[float]]:
-    """Per (server, ack): seconds from the ack to the first read of the prompt after which no read
-    (until the next ack of the prompt) served an older version; and the gaps between that read
-    and the read before it (the resolution)."""
-    out: dict[tuple[int, float], float] = {}
-    gaps: list[float] = []
-    for s, recs in reads.items():
-        by_p: dict[int, list[tuple]] = defaultdict(list)
-        for r in recs:
-            by_p[r[2]].append(r)
-        for p, a in acks.items():
-            rs = sorted(by_p[p])
-            starts = [r[0] for r in rs]
-            for k, (t_ack, v) in enumerate(a):
-                if v == 0:
-                    continue
-                end = a[k + 1][0] if k + 1 < len(a) else float("inf")
-                lo, hi = bisect.bisect_left(starts, t_ack), bisect.bisect_left(starts, end)
-                span = rs[lo:hi]
-                olds = [i for i, r in enumerate(span) if isinstance(r[3], tuple) and
-                        any(isinstance(x, int) and x < v for x in r[3])]  # fmt: skip
-                first = olds[-1] + 1 if olds else 0
-                if first < len(span):
-                    out[s, t_ack] = span[first][0] - t_ack
-                    before = span[first - 1][0] if first else (rs[lo - 1][0] if lo else t_ack)
-                    gaps.append(span[first][0] - max(before, t_ack))
-    return out, gaps
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -456,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         n = len(res["windows"].get(("before", "all"), []))
         total = sum(len(w) for k, w in res["windows"].items() if k[1] == "all")
         print(f"windows measured: {n} before the kill, {total} in all; resolution (median gap between the reads "
-              f"that close one): {res['gap_p50_ms']:.1f} ms")
+              f"that close one): {res['gap_p50_ms']:.1f} ms")  # fmt: skip
     if res["refusals"]:
         print("overwrites not acknowledged: " + "; ".join(res["refusals"]))
     for i, t in enumerate(statuses):

@@ -16,6 +16,7 @@ With neither, every fault is off (:data:`NONE`)."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -25,7 +26,8 @@ COPY_DELAY_ENV = "KVDOCK_FAULT_COPY_DELAY_S"  # seconds each inline copy of the 
 RETRIEVE_MISS_ENV = "KVDOCK_FAULT_RETRIEVE_MISS"  # "1": every retrieve finds nothing (no fast reads either)
 L2_WRITE_DELAY_ENV = "KVDOCK_FAULT_L2_WRITE_DELAY_S"  # seconds each L2 write or delete sleeps first
 FAIL_LOADS_ENV = "KVDOCK_FAULT_FAIL_LOADS"  # "salt@rank,...": a vLLM worker's loads under salt fail on rank
-ENV_NAMES = (COPY_DELAY_ENV, RETRIEVE_MISS_ENV, L2_WRITE_DELAY_ENV, FAIL_LOADS_ENV)
+COPY_GATE_ENV = "KVDOCK_FAULT_COPY_GATE"  # a path: while a file is there, each inline copy waits first
+ENV_NAMES = (COPY_DELAY_ENV, RETRIEVE_MISS_ENV, L2_WRITE_DELAY_ENV, FAIL_LOADS_ENV, COPY_GATE_ENV)
 
 
 @dataclass(frozen=True)
@@ -38,12 +40,15 @@ class Faults:
     apart on demand); a server built with it offers no fast reads, so every read reaches it.
     ``l2_write_delay_s``: each L2 write or delete sleeps that long first (a slow disk).
     ``fail_loads``: (cache_salt, global rank as a string) pairs whose vLLM loads fail on that
-    rank (an engine's ranks failing apart)."""
+    rank (an engine's ranks failing apart). ``copy_gate``: a path; while a file is there, each
+    inline copy waits (after its ``copy_delay_s``): a test holds copies for exactly as long as
+    it needs (another server's window) instead of a fixed delay, then removes the file."""
 
     copy_delay_s: float = 0.0
     retrieve_miss: bool = False
     l2_write_delay_s: float = 0.0
     fail_loads: frozenset[tuple[str, str]] = frozenset()
+    copy_gate: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], strict: bool = False) -> Faults:
@@ -60,6 +65,7 @@ class Faults:
             retrieve_miss=env.get(RETRIEVE_MISS_ENV) == "1",
             l2_write_delay_s=float(env.get(L2_WRITE_DELAY_ENV, "") or 0),
             fail_loads=frozenset((salt, rank) for salt, rank in loads),
+            copy_gate=env.get(COPY_GATE_ENV, ""),
         )
 
 
@@ -73,6 +79,15 @@ def current() -> Faults:
     it builds what reads it)."""
     faults = _injected.get()
     return faults if faults is not None else Faults.from_env(os.environ)
+
+
+GATE_POLL_S = 0.01
+
+
+def wait_at_gate(gate: str) -> None:
+    """[a copier thread] Wait while the file ``gate`` is there (``copy_gate``; "" for none)."""
+    while gate and os.path.exists(gate):
+        time.sleep(GATE_POLL_S)
 
 
 @contextmanager

@@ -31,6 +31,7 @@ import zmq
 from tests.helpers import CHUNK, GEOMETRY, MODEL, backlog, l3_coherence, wait_for
 
 import kvdock.sdk as kvd
+from kvdock.faults import COPY_GATE_ENV
 
 BOUND_S = 0.1  # --l3-coherence-ms's default (asserted on each server)
 CHUNKS = 3  # chunks per prefix
@@ -72,6 +73,21 @@ def decode(got: torch.Tensor | None, prefix: int) -> list[int]:
         assert (idx, pre) == (c, prefix), f"chunk {c} of prefix {prefix} holds chunk {idx} of prefix {pre}"
         out.append(hi << 8 | lo)
     return out
+
+
+class Gate:
+    """A file that holds a server's inline copies while it is there (``KVDOCK_FAULT_COPY_GATE``):
+    a slow copy that lasts exactly until the test has done what must happen meanwhile."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.path = tmp_path / "copy-gate"
+        self.env = {COPY_GATE_ENV: str(self.path)}
+
+    def close(self) -> None:
+        self.path.touch()
+
+    def open(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def tokens_of(prefix: int) -> list[int]:
@@ -409,9 +425,10 @@ def test_concurrent_overwrites_of_one_prefix_through_three_servers_with_sigstop_
 
 
 def test_a_plain_store_between_an_overwrites_second_entry_and_its_commit_is_replaced_by_it(
-    make_server, redis_server
+    make_server, redis_server, tmp_path
 ) -> None:
-    """A's overwrite (version 2) is slow to commit (a 2 s inline copy); its deletions and both
+    """A's overwrite (version 2) is slow to commit (its inline copy held at a gate until B's
+    plain store has answered); its deletions and both
     stream entries are done at once. B applies them (drops version 1), then a client stores
     version 3 through B, plain: the key is missing everywhere, so it is stored (True), with B's
     epoch past A's E2. A then commits and acknowledges version 2. The only order consistent with
@@ -422,7 +439,8 @@ def test_a_plain_store_between_an_overwrites_second_entry_and_its_commit_is_repl
     RECENT_MS ago (in flight: StoreConflictError from the SDK), so only version 2 remains.
     (Left open: an overwrite whose commit or write-down comes more than RECENT_MS after its
     entries: docs/architecture.md, known limits.)"""
-    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": "2"})
+    gate = Gate(tmp_path)
+    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env=gate.env)
     b = make_server("--redis-url", redis_server.url, "--no-disk")
     for s in (a, b):
         wait_for(lambda s=s: l3_coherence(s)["vouched"], "the server to vouch", 30)
@@ -435,17 +453,20 @@ def test_a_plain_store_between_an_overwrites_second_entry_and_its_commit_is_repl
         wait_for(lambda: decode(kvd.retrieve(cb, tokens), 7) == [1] * CHUNKS, "B to serve version 1")
         applied = l3_coherence(b)["entries_applied"]
         result: list[object] = []
+        gate.close()
         t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 7), tokens, overwrite=True)))
         t.start()
         wait_for(lambda: l3_coherence(b)["entries_applied"] >= applied + 2, "B to apply A's E1 and E2", 10)
         assert t.is_alive(), "A acknowledged before B's plain store: the window was missed"
-        # A's overwrite may not be in L3 yet: in flight. The SDK asks again for CONFLICT_WAIT_S (2 s, as
-        # long as A's copy): on a loaded machine A's version may land meanwhile, and B's store then
-        # dedups against it (False). Either way B stores nothing.
+        # A's overwrite is not in L3 yet: in flight. The SDK asks again for CONFLICT_WAIT_S (2 s);
+        # had A's version landed meanwhile, B's store would dedup against it (False). Either way
+        # B stores nothing.
         try:
             assert kvd.store(cb, pattern(3, 7), tokens) is False, "B stored version 3"
         except kvd.StoreConflictError as e:
             assert "being written by another client" in str(e)
+        assert t.is_alive(), "A acknowledged before B's plain store answered: the window was missed"
+        gate.open()
         t.join(30)
         assert result == [True]
         acked = time.monotonic()
@@ -463,6 +484,7 @@ def test_a_plain_store_between_an_overwrites_second_entry_and_its_commit_is_repl
             f"after overwrite 2 was acknowledged (and 3 before it): {served}"
         )
     finally:
+        gate.open()
         kvd.close(ca)
         kvd.close(cb)
 
@@ -627,13 +649,14 @@ def test_garbage_on_the_control_socket_while_overwrites_run_through_two_servers(
 
 
 def test_of_two_overlapping_overwrites_the_slow_earlier_one_is_not_committed_and_the_later_one_wins(
-    make_server, redis_server
+    make_server, redis_server, tmp_path
 ) -> None:
-    """A's overwrite (version 2) publishes both entries at once but commits 2 s later (a slow
-    inline copy); meanwhile B's overwrite (version 3) publishes later entries and is
+    """A's overwrite (version 2) publishes both entries at once but commits later (its inline
+    copy held at a gate); meanwhile B's overwrite (version 3) publishes later entries and is
     acknowledged. A's commit saw B's later entry: it is not committed (False), and A, B, and a
     fresh server reading L3 serve version 3 (or miss), never 2 or a mix."""
-    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": "2"})
+    gate = Gate(tmp_path)
+    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env=gate.env)
     b = make_server("--redis-url", redis_server.url, "--no-disk")
     for s in (a, b):
         wait_for(lambda s=s: l3_coherence(s)["vouched"], "the server to vouch", 30)
@@ -646,12 +669,14 @@ def test_of_two_overlapping_overwrites_the_slow_earlier_one_is_not_committed_and
         wait_for(lambda: decode(kvd.retrieve(cb, tokens), 8) == [1] * CHUNKS, "B to serve version 1")
         published = l3_coherence(a)["published"]
         result: list[object] = []
+        gate.close()
         t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 8), tokens, overwrite=True)))
         t.start()
         wait_for(lambda: l3_coherence(a)["published"] >= published + 2, "A's E1 and E2", 10)
         assert kvd.store(cb, pattern(3, 8), tokens, overwrite=True) is True
         acked = time.monotonic()
         assert t.is_alive(), "A committed before B's overwrite: the overlap was missed"
+        gate.open()
         t.join(30)
         assert result == [False], f"A's earlier overwrite, committed after B's later one: {result}"
         for s in (a, b):
@@ -667,6 +692,7 @@ def test_of_two_overlapping_overwrites_the_slow_earlier_one_is_not_committed_and
         for x in (ca, cb):
             assert kvd.check_server_integrity(x) == []
     finally:
+        gate.open()
         kvd.close(ca)
         kvd.close(cb)
 
@@ -699,16 +725,20 @@ def test_an_engine_save_through_another_server_never_extends_a_users_edit_it_lea
             assert decode(kvd.retrieve(c, tokens), 9) == [10, 10], name
 
 
-def test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused(make_server, redis_server) -> None:
+def test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused(
+    make_server, redis_server, tmp_path
+) -> None:
     """As test_a_plain_store_between_an_overwrites_second_entry_and_its_commit_is_replaced_by_it,
-    with A's commit 13 s after its entries and B's plain store past RECENT_MS after them: B's
-    refusal window is over, the store was kept (True). Was a strict xfail (A then acknowledged its
-    overwrite and B served the version it replaced for good); now B still refuses it (the key's
-    L3 floor is live with no value: an overwrite on its way), and A's commit, past
-    RECENT_MS - COMMIT_MARGIN_MS after its entries, is refused (False): every server misses."""
+    with A's commit over RECENT_MS after its entries (its copy held at a gate until then) and B's
+    plain store past RECENT_MS after them: B's refusal window is over, the store was kept (True).
+    Was a strict xfail (A then acknowledged its overwrite and B served the version it replaced for
+    good); now B still refuses it (the key's L3 floor is live with no value: an overwrite on its
+    way), and A's commit, past RECENT_MS - COMMIT_MARGIN_MS after its entries, is refused (False):
+    every server misses."""
     from kvdock.storage.coherence import RECENT_MS
 
-    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": "13"})
+    gate = Gate(tmp_path)
+    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env=gate.env)
     b = make_server("--redis-url", redis_server.url, "--no-disk")
     for s in (a, b):
         wait_for(lambda s=s: l3_coherence(s)["vouched"], "the server to vouch", 30)
@@ -721,6 +751,7 @@ def test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused(make
         wait_for(lambda: backlog(b) == 0, "B's write-down")
         applied = l3_coherence(b)["entries_applied"]
         result: list[object] = []
+        gate.close()
         t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 12), tokens, overwrite=True)))
         t.start()
         wait_for(lambda: l3_coherence(b)["entries_applied"] >= applied + 2, "B to apply A's E1 and E2", 10)
@@ -739,6 +770,7 @@ def test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused(make
         # A's overwrite is still not in L3 (live floors, no value): refused all the same
         assert plain() is False and stored == []
         assert t.is_alive(), "A answered before B's plain store: the window was missed"
+        gate.open()
         t.join(30)
         assert result == [False]  # too late after its entries: not committed
         done = time.monotonic()
@@ -749,6 +781,7 @@ def test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused(make
         served = {n: decode(kvd.retrieve(x, tokens), 12) for n, x in (("A", ca), ("B", cb))}
         assert served == {"A": [], "B": []}, served  # neither version: misses
     finally:
+        gate.open()
         kvd.close(ca)
         kvd.close(cb)
 
@@ -757,7 +790,8 @@ def test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused(make
 def test_a_server_started_during_a_slow_overwrite_does_not_keep_a_plain_store_it_replaces(
     make_server, redis_server, tmp_path, how: str
 ) -> None:
-    """A's overwrite (version 2) publishes its entries, then commits 8 s later. C starts
+    """A's overwrite (version 2) publishes its entries, then commits later (its inline copy held
+    at a gate until C's plain store has answered). C starts
     meanwhile (its position: the stream's end, past A's entries, so it never applies them nor
     remembers the key as recently overwritten) and a client stores version 3 through C, plain:
     stored (the key is gone from L3). A acknowledges version 2; C keeps serving 3. Restarted:
@@ -766,8 +800,8 @@ def test_a_server_started_during_a_slow_overwrite_does_not_keep_a_plain_store_it
     server's first poll reads the last RECENT_MS of the stream, so C refuses the plain store, and
     whatever A's answer (committed within the window, or refused as too late), no two servers
     serve different versions."""
-    delay = "5" if how == "fresh" else "6"
-    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": delay})
+    gate = Gate(tmp_path)
+    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env=gate.env)
     wait_for(lambda: l3_coherence(a)["vouched"], "A to vouch", 30)
     c_flags = ["--redis-url", redis_server.url]
     c_flags += ["--no-disk"] if how == "fresh" else ["--disk-dir", str(tmp_path / "l2-c"), "--disk-size", "64MiB"]
@@ -779,11 +813,12 @@ def test_a_server_started_during_a_slow_overwrite_does_not_keep_a_plain_store_it
     ca = kvd.connect(a.url, a.http_url, MODEL, timeout=60)
     try:
         with kvd.connect(a.url, a.http_url, MODEL, timeout=30) as c0:
-            assert kvd.store(c0, pattern(1, 13), tokens)  # (8 s: the inline copy)
+            assert kvd.store(c0, pattern(1, 13), tokens)
         wait_for(lambda: backlog(a) == 0, "A's write-down")
         published = l3_coherence(a)["published"]
         before = pos.read_bytes() if how != "fresh" and pos.exists() else b""
         result: list[object] = []
+        gate.close()
         t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 13), tokens, overwrite=True)))
         t.start()
         wait_for(lambda: l3_coherence(a)["published"] >= published + 2, "A's E1 and E2", 10)
@@ -802,6 +837,7 @@ def test_a_server_started_during_a_slow_overwrite_does_not_keep_a_plain_store_it
             except kvd.StoreConflictError:  # refused: what a fix may do
                 stored = False
             in_window = t.is_alive()
+            gate.open()
             t.join(30)
             assert stored is False or not in_window, "C kept a plain store made during A's overwrite"
             acked = time.monotonic()
@@ -815,17 +851,20 @@ def test_a_server_started_during_a_slow_overwrite_does_not_keep_a_plain_store_it
             f"A's overwrite answered {result}, C's plain store {stored}: {served}"
         )
     finally:
+        gate.open()
         kvd.close(ca)
 
 
 def test_a_plain_store_after_l3_was_flushed_during_a_slow_overwrite_is_not_kept_against_it(
-    make_server, redis_server
+    make_server, redis_server, tmp_path
 ) -> None:
-    """A's overwrite (version 2) publishes its entries and commits 4 s later; B applies them; L3
+    """A's overwrite (version 2) publishes its entries and commits later (its inline copy held at
+    a gate until B's plain store has answered); B applies them; L3
     is FLUSHALLed (stream, floors, values: B sees a gap and drops everything); a client stores
     version 3 through B, plain. Once A acknowledged 2, neither A, B nor a fresh server serves 3
     (B refused the store, or it is replaced)."""
-    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env={"KVDOCK_FAULT_COPY_DELAY_S": "4"})
+    gate = Gate(tmp_path)
+    a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env=gate.env)
     b = make_server("--redis-url", redis_server.url, "--no-disk")
     for s in (a, b):
         wait_for(lambda s=s: l3_coherence(s)["vouched"], "the server to vouch", 30)
@@ -838,6 +877,7 @@ def test_a_plain_store_after_l3_was_flushed_during_a_slow_overwrite_is_not_kept_
         wait_for(lambda: backlog(b) == 0, "B's write-down")
         applied, drops = l3_coherence(b)["entries_applied"], l3_coherence(b)["full_drops"]
         result: list[object] = []
+        gate.close()
         t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 14), tokens, overwrite=True)))
         t.start()
         wait_for(lambda: l3_coherence(b)["entries_applied"] >= applied + 2, "B to apply A's E1 and E2", 10)
@@ -848,6 +888,7 @@ def test_a_plain_store_after_l3_was_flushed_during_a_slow_overwrite_is_not_kept_
         except kvd.StoreConflictError as e:
             stored = repr(e)
         assert t.is_alive(), "A acknowledged before B's plain store: the window was missed"
+        gate.open()
         t.join(30)
         assert result == [True]
         acked = time.monotonic()
@@ -861,6 +902,7 @@ def test_a_plain_store_after_l3_was_flushed_during_a_slow_overwrite_is_not_kept_
             served = {n: decode(kvd.retrieve(x, tokens), 14) for n, x in (("A", ca), ("B", cb), ("L3 via C", cc))}
         assert all(set(v) <= {2} for v in served.values()), f"B's plain store: {stored}; served: {served}"
     finally:
+        gate.open()
         raw.close()
         kvd.close(ca)
         kvd.close(cb)

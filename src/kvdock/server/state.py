@@ -92,6 +92,7 @@ class ServerState:
     reply_buffers: ReplyBuffers = field(default_factory=lambda: ReplyBuffers(1 << 30))
     # fault injection for tests: each inline copy sleeps first (a copy can't be made slow on demand)
     fault_copy_delay_s: float = field(default_factory=lambda: faults.current().copy_delay_s)
+    fault_copy_gate: str = field(default_factory=lambda: faults.current().copy_gate)  # ... and waits at a gate
     # ... and every retrieve finds nothing, as if evicted right after a lookup found it (an
     # engine's lookup and load cannot be split apart on demand)
     fault_retrieve_miss: bool = field(default_factory=fault_retrieve_miss)
@@ -104,6 +105,7 @@ class ServerState:
     def _copy(self, fn: Callable[..., None], args: tuple[object, ...]) -> None:
         if self.fault_copy_delay_s:
             time.sleep(self.fault_copy_delay_s)
+        faults.wait_at_gate(self.fault_copy_gate)
         fn(*args)
 
     @property

@@ -652,9 +652,10 @@ def test_of_two_overlapping_overwrites_the_slow_earlier_one_is_not_committed_and
     make_server, redis_server, tmp_path
 ) -> None:
     """A's overwrite (version 2) publishes both entries at once but commits later (its inline
-    copy held at a gate); meanwhile B's overwrite (version 3) publishes later entries and is
-    acknowledged. A's commit saw B's later entry: it is not committed (False), and A, B, and a
-    fresh server reading L3 serve version 3 (or miss), never 2 or a mix."""
+    copy held at a gate until A has applied B's entries); meanwhile B's overwrite (version 3)
+    publishes later entries and is acknowledged. A's commit saw B's later entry: it is not
+    committed (False), and A, B, and a fresh server reading L3 serve version 3 (or miss), never 2
+    or a mix."""
     gate = Gate(tmp_path)
     a = make_server("--redis-url", redis_server.url, "--no-disk", "--no-shm", env=gate.env)
     b = make_server("--redis-url", redis_server.url, "--no-disk")
@@ -667,7 +668,7 @@ def test_of_two_overlapping_overwrites_the_slow_earlier_one_is_not_committed_and
         assert kvd.store(ca, pattern(1, 8), tokens)
         wait_for(lambda: backlog(a) == 0, "A's write-down")
         wait_for(lambda: decode(kvd.retrieve(cb, tokens), 8) == [1] * CHUNKS, "B to serve version 1")
-        published = l3_coherence(a)["published"]
+        published, applied = l3_coherence(a)["published"], l3_coherence(a)["entries_applied"]
         result: list[object] = []
         gate.close()
         t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 8), tokens, overwrite=True)))
@@ -676,6 +677,9 @@ def test_of_two_overlapping_overwrites_the_slow_earlier_one_is_not_committed_and
         assert kvd.store(cb, pattern(3, 8), tokens, overwrite=True) is True
         acked = time.monotonic()
         assert t.is_alive(), "A committed before B's overwrite: the overlap was missed"
+        # A's commit comes once A has seen B's entries (within the bound; a fixed 2 s copy before)
+        wait_for(lambda: l3_coherence(a)["entries_applied"] >= applied + 4, "A to apply its and B's entries", 10)
+        assert t.is_alive(), "A committed before it saw B's overwrite: the overlap was missed"
         gate.open()
         t.join(30)
         assert result == [False], f"A's earlier overwrite, committed after B's later one: {result}"

@@ -22,6 +22,7 @@ import kvdock.sdk as kvd
 
 TTL_MS = 6000
 REFRESH_S, LEASE_S = TTL_MS / 6000, TTL_MS / 2000
+NEARLY_MS = 4000  # a floor's TTL all but run out (_keep_past_ttl)
 FLAGS = ("--no-disk", "--l3-floor-ttl-ms", str(TTL_MS))
 
 
@@ -55,6 +56,18 @@ def _l3(request: pytest.FixtureRequest, kind: str) -> tuple[str, Any]:
 
 def _same(got: torch.Tensor | None, want: torch.Tensor) -> bool:
     return got is not None and torch.equal(got, want)
+
+
+def _keep_past_ttl(raw: Any, n: int) -> None:
+    """As if the ``n`` floors' TTL had all but run out: each is cut to NEARLY_MS (less than the
+    TTL_MS a round sets, more than a lease); a holder's round must set it back up, else it expires.
+    (Waiting the TTL out proved nothing here: an overwrite's floor lives at least FLOOR_MIN_MS,
+    15 s, longer than TTL_MS.)"""
+    floors = _keys(raw, "kvdock:v2:{*}:f")
+    assert len(floors) == n, floors
+    for f in floors:
+        raw.pexpire(f, NEARLY_MS)
+    wait_for(lambda: all(raw.pttl(f) > NEARLY_MS for f in floors), "a holder's round to keep the floors", 15)
 
 
 def _forget_recent(srv: Any) -> None:
@@ -91,7 +104,8 @@ def test_an_overwrite_written_down_past_its_floors_ttl_never_lets_a_plain_store_
         assert kvd.store(ca, v2, tokens, overwrite=True)  # acknowledged; its write-down waits
         wait_for(lambda: l3_coherence(b)["entries_applied"] >= applied + 2, "B to apply A's entries")
         _forget_recent(b)
-        time.sleep(TTL_MS / 1000 * 1.5)  # past the floor's TTL: only A's rounds keep it
+        _keep_past_ttl(raw, 2)  # past the floor's TTL: only A's rounds keep it
+        wait_for(lambda: l3_coherence(a)["keep_rounds"] >= 3, "A's rounds", 15)
         with pytest.raises(kvd.StoreConflictError, match="being written by another client"):
             kvd.store(cb, v1, tokens)
         assert l3_coherence(a)["keep_rounds"] >= 3 and l3_coherence(a)["held"] == 2
@@ -154,7 +168,7 @@ def test_an_overwrites_value_evicted_from_l3_is_kept_by_its_holders_until_they_d
         wait_for(lambda: l3_coherence(c)["entries_applied"] >= applied + 2, "C to apply A's entries")  # (else it
         # drops what it loads before applying them: a load older than an entry)
         assert _same(kvd.retrieve(cc, tokens), v2)  # C loads it from L3 (KEEP first): held there too
-        time.sleep(TTL_MS / 1000 * 1.5)
+        _keep_past_ttl(raw, 2)  # past the floor's TTL: only the holders' rounds keep it
         objects = _objects(raw)
         assert len(objects) == 2
         raw.delete(*objects)  # evicted

@@ -279,12 +279,15 @@ class StorageManager:
         (RequestError ``tier_unavailable``) and stores nothing."""
         return self.commit_stores(client_id, [(session_id, indexes)], deletes_ok)
 
-    def commit_stores(self, client_id: str, work: list[tuple[str, list[int]]], deletes_ok: bool = True) -> int:
+    def commit_stores(
+        self, client_id: str, work: list[tuple[str, list[int]]], deletes_ok: bool = True, part: bool = False
+    ) -> int:
         """:meth:`commit_store` of several sessions (one request's shards) in one step, their
         chunks committed and written down chunk-major (chunk 0 of every shard, then chunk 1...):
         write-downs and dirty evictions (newest first) then never keep one shard's tail while
         another shard's head goes (issue 28 R3). An overwrite commits all its shards or none, a plain
-        store each chunk in all shards or none (storage.commits)."""
+        store each chunk in all shards or none (storage.commits). ``part``: a part of a plain
+        store (CommitStore ``more``): the sessions stay open for the rest, noting what it settled."""
         # every shard or none (storage.commits: R-KEEP 2 and 5)
         ordered = sorted(to_commit(self, client_id, work, deletes_ok), key=lambda r: (r[0], r[1]))
         units: dict[int, int] = {}  # a chunk's shards: dirty evictions take them together (L1Object.unit)
@@ -295,11 +298,15 @@ class StorageManager:
         if self.holdings is not None:  # (an overwrite's: its floor was raised before the commit)
             self.holdings.add(objs)
         self._write_down(objs)
-        for sid, indexes in work:
+        for shard, (sid, indexes) in enumerate(work):
             session = self.sessions.get(client_id, sid)
-            committed = set(indexes)
-            session.reserved = {i: o for i, o in session.reserved.items() if i not in committed}
-            self.end_session(client_id, sid)
+            settled = set(indexes)
+            session.reserved = {i: o for i, o in session.reserved.items() if i not in settled}
+            if part:
+                session.parted |= settled
+                session.parted_committed += sum(1 for _, s, _ in ordered if s == shard)
+            else:
+                self.end_session(client_id, sid)
         return len(objs)
 
     def _write_down(self, objs: list[L1Object], lanes: list[TierLane] | None = None) -> None:

@@ -53,6 +53,10 @@ class Session:
     deletes: list[asyncio.Future[int | None]] = field(default_factory=list)  # an overwrite's, awaited at commit
     busy: int = 0  # server-side work in progress for the session: the lease waits for it
     committing: bool = False  # a CommitStore is in progress: a second one is refused
+    # a store committed in parts (CommitStore ``more``): the chunks its parts settled (committed
+    # or dropped) and how many of them they committed; the last CommitStore counts, not redoes, them
+    parted: set[int] = field(default_factory=set)
+    parted_committed: int = 0
     release_pending: bool | None = None  # ended while busy: released (quarantine or not) when idle
     job: Any = None  # the prefetch filling ``pinned`` from lower tiers (owned by the manager)
     open: bool = True
@@ -135,6 +139,11 @@ class SessionTable:
         for s in sessions:
             s.committing = True
         return sessions
+
+    def parted(self, client_id: str, session_id: str) -> Session | None:
+        """The open session if a part of its store was committed already (else None)."""
+        session = self._open.get((client_id, session_id))
+        return session if session is not None and session.parted else None
 
     def renew(self, session: Session) -> None:
         session.deadline = self._clock() + self.ttl
@@ -249,7 +258,7 @@ class SessionTable:
         pins: dict[int, int] = {}
         held = 0
         for s in self._open.values():
-            assert s.reserved or s.pinned or s.job is not None, "an open session holds nothing"
+            assert s.reserved or s.pinned or s.job is not None or s.parted, "an open session holds nothing"
             assert s.open
             for obj in s.reserved.values():
                 assert self._l1.reservation(obj.key) is obj, "a session's reservation is not the key's"

@@ -361,7 +361,8 @@ def test_pages_copy_in_one_planned_step_or_page_by_page(mla: bool, layout: str, 
     """A batch's pages move between slots and the pool as one vectorized plan of runs when a page
     reduces to runs (one plan per pool), page by page otherwise: the same bytes either way, both
     ways, whichever order the transfer hands the pages in."""
-    from kvdock.integrations.sglang.pools import HostPages, Pages
+    from kvdock.integrations.sglang.ends import Pages
+    from kvdock.integrations.sglang.pools import HostPages
 
     pool = host_pool(mla, layout, heads=heads)
     fill(pool, seed=30)

@@ -15,7 +15,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 import kvdock.sdk as kvd
 from conftest import LAYOUTS, PAGE, host_pool, storage_config
 from kvdock.integrations.sglang import KvdockHiCacheStorage
-from kvdock.integrations.sglang.pools import HostPages, Pages
+from kvdock.integrations.sglang.ends import Pages
+from kvdock.integrations.sglang.pools import HostPages
 from kvdock.keying import sglang_page_hashes
 from kvdock.keys import normalize_tokens
 from kvdock.testing import ServerProcess

@@ -57,9 +57,10 @@ import torch
 import kvdock.sdk as kvd
 from kvdock.errors import KVCacheSDKError, PrefixMissingError, UnknownModelError
 from kvdock.integrations.sglang.config import BackendConfig
+from kvdock.integrations.sglang.ends import Flat, Pages
 from kvdock.integrations.sglang.hybrid import NoExtraPools
 from kvdock.integrations.sglang.identity import model_fingerprint
-from kvdock.integrations.sglang.pools import Flat, HostPages, Pages
+from kvdock.integrations.sglang.pools import HostPages
 from kvdock.integrations.sglang.versions import Loaded, Seen
 from kvdock.keying import KVDOCK, key_tokens
 from kvdock.sdk.chunks import ChunkSink, ChunkSource

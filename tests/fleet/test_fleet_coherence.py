@@ -69,7 +69,9 @@ def test_an_overwrite_through_one_server_is_served_by_the_others_within_the_boun
 
 
 def test_a_server_cut_off_from_l3_serves_nothing_it_cannot_vouch_for(make_server, redis_server) -> None:
-    srv = make_server("--redis-url", redis_server.url, "--no-disk")
+    # (the lookup after the SIGSTOP waits out the L3 client's timeout: 1 s here, the default 5 s
+    # took 6 s; the same path either way)
+    srv = make_server("--redis-url", redis_server.url, "--no-disk", "--redis-timeout-s", "1")
     _wait_vouched(srv)
     tokens = make_tokens(2 * CHUNK, start=8_000_000)
     kv = make_kv(2 * CHUNK, seed=5)

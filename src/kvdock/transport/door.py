@@ -23,7 +23,6 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import shutil
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 from kvdock.protocol.limits import DOOR_MAX_FDS as MAX_FDS
 from kvdock.protocol.limits import DOOR_MAX_REPLY as MAX_REPLY
 from kvdock.protocol.limits import DOOR_MAX_REQUEST as MAX_REQUEST
-from kvdock.transport.listener import ACCEPT_PAUSE_S, DOOR_SOCKET_NAME, listen_private
+from kvdock.transport.listener import DOOR_SOCKET_NAME, accept_or_pause, listen_private
 from kvdock.transport.local import SCHEME, peer_creds
 
 log = logging.getLogger("kvdock.transport")
@@ -108,18 +107,8 @@ class PoolDoor:
     def _accept(self) -> None:
         assert self._loop is not None
         for _ in range(MAX_ACCEPTS):  # (the rest wait in the backlog for the next turn)
-            try:
-                conn, _ = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                # out of descriptors: the caller stays in the backlog and the socket reads as
-                # ready at once, so stop watching it for a moment instead of spinning (review)
-                out_of_room = e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-                log.warning("pool door: accept failed (%s)%s", e, f"; pausing {ACCEPT_PAUSE_S:g} s" * out_of_room)
-                if out_of_room:
-                    self._loop.remove_reader(self._sock.fileno())
-                    self._loop.call_later(ACCEPT_PAUSE_S, self._resume)
+            conn = accept_or_pause(self._sock, self._loop, self._resume, "pool door")  # (review: no spinning)
+            if conn is None:
                 return
             try:
                 caller = Caller(*peer_creds(conn))

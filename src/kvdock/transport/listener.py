@@ -89,6 +89,30 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
+def accept_or_pause(
+    listener: socket.socket,
+    loop: asyncio.AbstractEventLoop,
+    resume: Callable[[], None],
+    what: str,
+) -> socket.socket | None:
+    """The next connection in ``listener``'s backlog (non-blocking), or None: none waiting, or
+    accepting failed (logged, naming ``what``). Out of descriptors the connection stays in the
+    backlog and the listener reads as ready at once, so it is not watched for ``ACCEPT_PAUSE_S``
+    (then ``resume`` is called) instead of spinning. Shared by the listener and the pool door."""
+    try:
+        sock, _ = listener.accept()
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as e:
+        out_of_room = e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+        log.warning("%s: accept failed (%s)%s", what, e, f"; pausing {ACCEPT_PAUSE_S:g} s" * out_of_room)
+        if out_of_room:
+            loop.remove_reader(listener.fileno())
+            loop.call_later(ACCEPT_PAUSE_S, resume)
+        return None
+    return sock
+
+
 @dataclass(eq=False)
 class _Conn:
     sock: socket.socket
@@ -216,20 +240,8 @@ class LocalListener:
     def _accept(self) -> None:
         assert self._loop is not None
         while True:
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                # out of descriptors: the connection stays in the backlog and the listener reads
-                # as ready at once, so stop watching it for a moment instead of spinning
-                out_of_room = e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-                log.warning(
-                    "local control channel: accept failed (%s)%s", e, f"; pausing {ACCEPT_PAUSE_S:g} s" * out_of_room
-                )
-                if out_of_room:
-                    self._loop.remove_reader(self._listener.fileno())
-                    self._loop.call_later(ACCEPT_PAUSE_S, self._resume_accepting)
+            sock = accept_or_pause(self._listener, self._loop, self._resume_accepting, "local control channel")
+            if sock is None:
                 return
             try:
                 refused = peer_creds(sock)[1] != os.geteuid() or len(self._conns) >= MAX_CONNECTIONS

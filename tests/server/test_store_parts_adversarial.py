@@ -154,7 +154,7 @@ def _store(ctx: kvd.KVCacheContext, src: Held, tokens: list[int]) -> object:
     reason="a store's committed parts are not pinned until its last CommitStore: another store "
     "meanwhile evicts them, and the parts committed after the hole are unreachable (the store "
     "says 64 stored, 2 are found); in one step the whole reservation is unevictable and the "
-    "other store gets pool_full instead",
+    "other store gets PoolFullError instead",
 )
 def test_a_store_in_parts_keeps_its_committed_parts_until_its_last_commit(
     make_server: Callable[..., AnyServer],

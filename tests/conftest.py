@@ -15,6 +15,7 @@ import kvdock.sdk as kvd
 from helpers import (
     CHUNK,
     GEOMETRY,
+    L1_SIZE,
     MODEL,
     AnyServer,
     InProcessServer,
@@ -213,7 +214,7 @@ def make_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Call
 
     def make(
         *extra: str,
-        l1_size: str = "64MiB",
+        l1_size: str = L1_SIZE,
         register: str | None = "bfloat16",
         env: dict[str, str] | None = None,
         **kw: object,
@@ -240,7 +241,7 @@ def make_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Call
 
 @pytest.fixture
 def server(make_server: Callable[..., AnyServer]) -> AnyServer:
-    """A fresh server: 64 MiB pool, chunk_size 16, model MODEL registered in bfloat16."""
+    """A fresh server: an L1_SIZE pool, chunk_size 16, model MODEL registered in bfloat16."""
     return make_server()
 
 

@@ -23,6 +23,7 @@ from kvdock.testing import start_server as start
 __all__ = [
     "CHUNK",
     "GEOMETRY",
+    "L1_SIZE",
     "MODEL",
     "AnyServer",
     "InProcessServer",
@@ -40,6 +41,10 @@ __all__ = [
 MODEL = "tiny"
 GEOMETRY = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 8}
 CHUNK = 16  # chunk_size of test servers
+# the pool of a test server unless the test asks for another: ~2,700 chunks of MODEL, more than a
+# test that does not mean to fill it stores. Small on purpose: the kernel zeroes and maps every
+# page of a pool at start and every client maps it: ~60 ms of system time per server at 64 MiB
+L1_SIZE = "8MiB"
 
 
 def make_kv(tokens: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
@@ -76,7 +81,7 @@ def _disk_flags(extra: tuple[str, ...]) -> list[str]:
 def start_server(
     tmp_path: Path,
     *extra: str,
-    l1_size: str = "64MiB",
+    l1_size: str = L1_SIZE,
     chunk_size: int = 16,
     env: dict[str, str] | None = None,
     port: int = 0,
@@ -101,7 +106,7 @@ def start_server(
 def start_inprocess(
     tmp_path: Path,
     *extra: str,
-    l1_size: str = "64MiB",
+    l1_size: str = L1_SIZE,
     chunk_size: int = 16,
     env: dict[str, str] | None = None,
     port: int = 0,

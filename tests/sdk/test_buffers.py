@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, make_kv, make_tokens
+from helpers import CHUNK, MODEL, make_kv, make_tokens
 from kvdock.sdk.buffers import GRAIN, MIN_POOLED, BufferPool
 
 MIB = 1 << 20
@@ -99,7 +99,13 @@ def test_resize_trim_and_blocks_freed_from_other_threads() -> None:
         pool.resize(-1)
 
 
-def test_retrieve_draws_from_the_pool_and_a_reused_block_holds_only_the_new_bytes(server, ctx) -> None:
+def test_retrieve_draws_from_the_pool_and_a_reused_block_holds_only_the_new_bytes(make_server) -> None:
+    srv = make_server(l1_size="16MiB")  # both objects below (12 MiB)
+    with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as ctx:
+        _retrieve_draws_from_the_pool(ctx)
+
+
+def _retrieve_draws_from_the_pool(ctx: kvd.KVCacheContext) -> None:
     pool = kvd.buffer_pool()
     pool.resize(256 * MIB)
     n = 2048 * CHUNK  # 2048 chunks of 3 KiB: 6 MiB per retrieve

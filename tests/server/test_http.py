@@ -11,22 +11,24 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens
+from helpers import CHUNK, GEOMETRY, L1_SIZE, MODEL, make_kv, make_tokens
 from kvdock.protocol.messages import PROTOCOL_VERSION
+from kvdock.sizes import parse_size
 
 
 def test_config_and_status_documents(server, ctx) -> None:
     cfg = server.get("/config")
     assert cfg["chunk_size"] == CHUNK and cfg["protocol_version"] == PROTOCOL_VERSION
     assert cfg["zmq_url"] == server.url and cfg["transports"] == ["shm", "inline"]
-    assert cfg["l1"]["shm_enabled"] is True and cfg["l1"]["size_bytes"] == 64 * 2**20
+    pool = parse_size(L1_SIZE)
+    assert cfg["l1"]["shm_enabled"] is True and cfg["l1"]["size_bytes"] == pool
     assert kvd.store(ctx, make_kv(2 * CHUNK), make_tokens(2 * CHUNK))
     st = server.get("/status")
     assert st["health"] == "ok" and st["sessions"] == 0 and st["clients"] == 1
     assert st["l1"] == {
-        "capacity_bytes": 64 * 2**20,
+        "capacity_bytes": pool,
         "used_bytes": 8192,
-        "free_bytes": 64 * 2**20 - 8192,
+        "free_bytes": pool - 8192,
         "objects": 2,
         "evictions": 0,
         "quarantined_bytes": 0,

@@ -580,7 +580,7 @@ def test_absurd_geometry_is_refused_in_milliseconds_and_never_persisted(make_ser
     with pytest.raises(kvd.ServerError) as err:
         kvd.register_layout(srv.url, srv.http_url, big, timeout=10)
     assert err.value.message == (
-        "one chunk of 'big' (16 tokens) is 16384.00 GiB, more than the whole L1 pool (64.00 MiB; see --l1-size)"
+        "one chunk of 'big' (16 tokens) is 16384.00 GiB, more than the whole L1 pool (8.00 MiB; see --l1-size)"
     )
     # the SDK refuses it before it reaches any server
     with pytest.raises(kvd.InvalidInputError, match=r"^num_layers must be between 1 and 4096, got 1099511627776$"):

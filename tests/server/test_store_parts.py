@@ -6,6 +6,7 @@ CommitStore names every chunk and decides; an overwrite and an inline client com
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -16,6 +17,7 @@ import kvdock.sdk as kvd
 from helpers import CHUNK, MODEL, AnyServer, make_kv, make_tokens
 from kvdock.errors import BadRequestError
 from kvdock.keys import TOKEN_DTYPE
+from kvdock.memcpy import ENV_THREADS
 from kvdock.protocol import messages as m
 from kvdock.sdk import _storeparts as storeparts
 from kvdock.sdk.chunks import TensorChunks
@@ -61,11 +63,22 @@ def test_a_large_store_commits_in_parts(checked: kvd.KVCacheContext, parts: list
 
 
 def test_bounds_keep_a_chunks_shards_together() -> None:
-    slots = [m.SlotRef(i, 0, 0) for i in range(10)]  # 5 chunks of 2 shards
-    assert storeparts.bounds(slots, 2, storeparts.PART_BYTES) == [0, 2, 4, 6, 10]
-    assert storeparts.bounds(slots[1:], 2, storeparts.PART_BYTES) == [0, 1, 3, 5, 9]  # (chunk 0 deduped in shard 0)
-    assert storeparts.bounds(slots[:3], 1, storeparts.PART_BYTES // 2) == [0, 3]  # too small: one part
-    assert storeparts.bounds(slots[:3], 1, storeparts.PART_BYTES) == [0, 1, 2, 3]
+    slots, least = [m.SlotRef(i, 0, 0) for i in range(10)], storeparts.AUTO_PART_BYTES  # 5 chunks of 2 shards
+    assert storeparts.bounds(slots, 2, least) == [0, 2, 4, 6, 10]
+    assert storeparts.bounds(slots[1:], 2, least) == [0, 1, 3, 5, 9]  # (chunk 0 deduped in shard 0)
+    assert storeparts.bounds(slots[:3], 1, least // 2) == [0, 3]  # too small: one part
+    assert storeparts.bounds(slots[:3], 1, least) == [0, 1, 2, 3]
+
+
+def test_parts_only_where_a_cpu_is_left_for_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setenv(ENV_THREADS, str(cpus))  # every CPU copies: no parts
+    assert storeparts.part_bytes() is None
+    if cpus > 1:
+        monkeypatch.setenv(ENV_THREADS, str(cpus - 1))
+        assert storeparts.part_bytes() == storeparts.AUTO_PART_BYTES
+    monkeypatch.setattr(storeparts, "PART_BYTES", 5)  # (set: always)
+    assert storeparts.part_bytes() == 5
 
 
 def _prepare(ctx: kvd.KVCacheContext, tokens: list[int], sid: str, overwrite: bool = False) -> list[m.SlotRef]:

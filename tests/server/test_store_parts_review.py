@@ -1,24 +1,21 @@
 """Review of a store committed in parts (CommitStore ``more``: sdk._storeparts,
-server.storing._commit_part), through real in-process servers, shared memory and a real client
-process: what happens between two parts when the lease runs out, another client overwrites the
-part's prefix, the part is evicted, or the client is killed. Each must leave whole chunks of one
-version (the part, bytes exact) or a miss, and the server's books straight. Lease ends use the
-session table's injected clock, never sleeps. The strict xfail is a finding of the review."""
+server.storing._commit_part), through real in-process servers and shared memory: what happens
+between two parts when the lease runs out while the client still copies, another client
+overwrites the part's prefix, or other stores fill the pool. Each must leave whole chunks of one
+version (the part, bytes exact) or a miss, and the server's books straight. The lease ends on the
+session table's injected clock, never a sleep. (A client killed between parts, forged parts, and
+the two strict xfails of this change: tests/server/test_store_parts_adversarial.py.)"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, MODEL, AnyServer, InProcessServer, make_kv, make_tokens, wait_for
+from helpers import CHUNK, MODEL, AnyServer, InProcessServer, RedisProc, make_kv, make_tokens, wait_for
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
 from kvdock.sdk.chunks import TensorChunks
@@ -97,27 +94,6 @@ def test_a_lease_run_out_between_parts_keeps_the_rest_quarantined_until_the_last
     assert same(kvd.retrieve(ctx, tokens), kv[:, :, : 2 * CHUNK])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after a part, a lease run out makes the last CommitStore say 'nothing was stored' "
-    "(storage.manager.reservations, storing._check_group) while the parts' chunks are stored",
-)
-def test_the_last_commit_refused_after_parts_does_not_say_nothing_was_stored(
-    two: Two,
-) -> None:
-    srv, ctx, _ = two
-    clock = Clock(srv)
-    tokens, kv = make_tokens(N * CHUNK, 150), make_kv(N * CHUNK, seed=9)
-    slots = _prepare(ctx, tokens, "s9")
-    _write(ctx, slots, kv)
-    assert ctx.ask(m.CommitStore(ctx.client_id, "s9", [0, 1], more=True)).committed == 2
-    assert clock.expire() == 1
-    with pytest.raises(kvd.LeaseExpiredError) as refused:
-        ctx.ask(m.CommitStore(ctx.client_id, "s9", list(range(N))))
-    assert kvd.lookup(ctx, tokens) == 2 * CHUNK  # stored: the part
-    assert "nothing was stored" not in str(refused.value)
-
-
 def test_an_overwrite_of_the_parts_prefix_between_parts_leaves_no_mix(
     two: Two,
 ) -> None:
@@ -138,7 +114,10 @@ def test_an_overwrite_of_the_parts_prefix_between_parts_leaves_no_mix(
 
 
 def test_a_part_evicted_while_the_rest_is_copied(make_server: Callable[..., AnyServer]) -> None:
-    srv = make_server(l1_size="64KiB")  # ~20 slots: B's stores evict A's committed part
+    """Other stores fill the pool between A's parts: they evict A's committed part (today; or
+    find no room, should parts be pinned until the last commit). Either way A's chunks read back
+    are an exact prefix or a miss, and B's are B's (A's copy never lands in a slot reused)."""
+    srv = make_server(l1_size="64KiB")  # ~20 slots
     with (
         kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as a,
         kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as b,
@@ -147,67 +126,68 @@ def test_a_part_evicted_while_the_rest_is_copied(make_server: Callable[..., AnyS
         slots = _prepare(a, tokens, "s3")
         _write(a, slots[:2], kv)
         assert a.ask(m.CommitStore(a.client_id, "s3", [0, 1], more=True)).committed == 2
-        others = [(make_tokens(4 * CHUNK, 10_000 * (k + 1)), make_kv(4 * CHUNK, seed=10 + k)) for k in range(4)]
-        for toks, other in others:
-            assert kvd.store(b, other, toks)
-        assert kvd.lookup(a, tokens) == 0  # the part went (its slots reused by B's chunks)
+        stored = []
+        for k in range(4):
+            toks, other = make_tokens(4 * CHUNK, 10_000 * (k + 1)), make_kv(4 * CHUNK, seed=10 + k)
+            try:
+                if kvd.store(b, other, toks):
+                    stored.append((toks, other))
+            except kvd.PoolFullError:
+                pass
+        assert stored, "no store of B got room"
         _write(a, slots[2:], kv)  # (A's own slots: still reserved)
         assert a.ask(m.CommitStore(a.client_id, "s3", list(range(N)))).committed == N
-        assert kvd.retrieve(a, tokens) is None  # the rest has no prefix: a miss
-        for toks, other in others[-2:]:  # B's newest chunks, untouched by A's copy
-            assert same(kvd.retrieve(b, toks), other)
+        got = kvd.retrieve(a, tokens)
+        assert got is None or same(got, kv[:, :, : got.shape[2]])
+        for toks, other in stored:  # B's chunks still held are B's bytes
+            back = kvd.retrieve(b, toks)
+            assert back is None or same(back, other[:, :, : back.shape[2]])
+        assert same(kvd.retrieve(b, stored[-1][0]), stored[-1][1])  # (the newest: not evicted)
         assert kvd.check_server_integrity(a) == []
 
 
-CHILD = textwrap.dedent(
-    """
-    import sys, time
-    sys.path.insert(0, "tests")
-    import kvdock.sdk as kvd
-    from kvdock.sdk import _storeparts
-    from helpers import CHUNK, make_kv, make_tokens
-    url, http_url, model = sys.argv[1:4]
-    _storeparts.PART_BYTES = 1  # every store in parts: [0, 1], [2, 3], ...
-    kv = make_kv(8 * CHUNK, seed=5)
-
-    class Stalls:  # copies chunks 0 and 1, then stalls in the second part's copy
-        def put(self, index, dst):
-            if index == 2:
-                print("stalled", flush=True)
-                time.sleep(600)
-            dst.copy_(kv[:, :, index * CHUNK : (index + 1) * CHUNK])
-
-    ctx = kvd.connect(url, http_url, model, timeout=5)
-    kvd.store_from(ctx, Stalls(), make_tokens(8 * CHUNK, 400))
-    """
-)
-
-
-def test_a_client_killed_between_parts_leaves_the_part_only(
-    make_server: Callable[..., AnyServer], tmp_path: Path
+def test_an_overwrite_elsewhere_between_parts_leaves_no_mix_in_the_fleet(
+    make_server: Callable[..., AnyServer], redis_server: RedisProc
 ) -> None:
-    srv = make_server()
-    assert isinstance(srv, InProcessServer)
-    clock = Clock(srv)
-    tokens, kv = make_tokens(N * CHUNK, 400), make_kv(N * CHUNK, seed=5)
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, srv.url, srv.http_url, MODEL], stdout=subprocess.PIPE, text=True
-    )
+    """Servers sharing an L3: A's part (chunks 0-1) is written down and read by C through L3;
+    then B overwrites those two chunks through another server; then A's copy goes on and commits.
+    Every server, a fresh one included (L3 only), serves B's two chunks and nothing of A's after
+    them; before it has applied B's overwrite, at most A's part (whole), never more."""
+    flags = ("--redis-url", redis_server.url, "--no-disk")
+    servers = [make_server(*flags) for _ in range(3)]
+    for s in servers:
+        wait_for(lambda s=s: s.get("/status")["tiers"]["l3"]["coherence"]["vouched"], "vouched")
+    a, b, c = [kvd.connect(s.url, s.http_url, MODEL, timeout=10) for s in servers]
+    tokens, kv, new = make_tokens(N * CHUNK, 5_000_000), make_kv(N * CHUNK, seed=6), make_kv(2 * CHUNK, seed=7)
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "stalled"
-        with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as ctx:
-            wait_for(lambda: kvd.lookup(ctx, tokens) == 2 * CHUNK, "the first part, committed without waiting")
-            child.kill()
-            child.wait()
-            assert clock.expire() == 1
-            assert srv.call(clock.sessions.reap_quarantine) == N - 2  # its writer is gone
-            assert clock.quarantined() == 0
-            assert same(kvd.retrieve(ctx, tokens), kv[:, :, : 2 * CHUNK])
-            r = kvd.store_chunks(ctx, kv, tokens)  # the rest stores later, after the part
-            assert (r.stored_chunks, r.deduped_chunks) == (N - 2, 2)
-            assert same(kvd.retrieve(ctx, tokens), kv)
-            assert kvd.check_server_integrity(ctx) == []
+        slots = _prepare(a, tokens, "f1")
+        _write(a, slots[:2], kv)
+        assert a.ask(m.CommitStore(a.client_id, "f1", [0, 1], more=True)).committed == 2
+        _written_down(servers[0])
+        assert same(kvd.retrieve(c, tokens), kv[:, :, : 2 * CHUNK])  # the part, through L3
+        assert kvd.store(b, new, tokens[: 2 * CHUNK], overwrite=True)  # acknowledged
+        _write(a, slots[2:4], kv)
+        assert a.ask(m.CommitStore(a.client_id, "f1", [2, 3], more=True)).committed == 2
+        _write(a, slots[4:], kv)
+        assert a.ask(m.CommitStore(a.client_id, "f1", list(range(N)))).committed == N
+        for s in servers:
+            _written_down(s)
+        fresh = make_server(*flags)
+        wait_for(lambda: fresh.get("/status")["tiers"]["l3"]["coherence"]["vouched"], "vouched")
+        with kvd.connect(fresh.url, fresh.http_url, MODEL, timeout=10) as d:
+            for ctx in (a, b, c, d):
+
+                def served(ctx: kvd.KVCacheContext = ctx) -> bool:
+                    got = kvd.retrieve(ctx, tokens)
+                    assert got is None or got.shape[2] <= 2 * CHUNK, "A's chunks after B's overwrite"
+                    assert got is None or same(got, new[:, :, : got.shape[2]]) or same(got, kv[:, :, : 2 * CHUNK])
+                    return got is not None and same(got, new)
+
+                wait_for(served, "B's version")
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        for ctx in (a, b, c):
+            ctx.close()
+
+
+def _written_down(srv: AnyServer) -> None:
+    wait_for(lambda: srv.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, "write-downs")

@@ -4,7 +4,8 @@ between two parts when the lease runs out while the client still copies, another
 overwrites the part's prefix, or other stores fill the pool. Each must leave whole chunks of one
 version (the part, bytes exact) or a miss, and the server's books straight. The lease ends on the
 session table's injected clock, never a sleep. (A client killed between parts, forged parts, and
-the two strict xfails of this change: tests/server/test_store_parts_adversarial.py.)"""
+the two strict xfails of this change: tests/server/test_store_parts_adversarial.py; an overwrite
+through another server of a fleet between parts: tests/fleet/test_store_parts_fleet.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, MODEL, AnyServer, InProcessServer, RedisProc, make_kv, make_tokens, wait_for
+from helpers import CHUNK, MODEL, AnyServer, InProcessServer, make_kv, make_tokens
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import messages as m
 from kvdock.sdk.chunks import TensorChunks
@@ -144,50 +145,3 @@ def test_a_part_evicted_while_the_rest_is_copied(make_server: Callable[..., AnyS
             assert back is None or same(back, other[:, :, : back.shape[2]])
         assert same(kvd.retrieve(b, stored[-1][0]), stored[-1][1])  # (the newest: not evicted)
         assert kvd.check_server_integrity(a) == []
-
-
-def test_an_overwrite_elsewhere_between_parts_leaves_no_mix_in_the_fleet(
-    make_server: Callable[..., AnyServer], redis_server: RedisProc
-) -> None:
-    """Servers sharing an L3: A's part (chunks 0-1) is written down and read by C through L3;
-    then B overwrites those two chunks through another server; then A's copy goes on and commits.
-    Every server, a fresh one included (L3 only), serves B's two chunks and nothing of A's after
-    them; before it has applied B's overwrite, at most A's part (whole), never more."""
-    flags = ("--redis-url", redis_server.url, "--no-disk")
-    servers = [make_server(*flags) for _ in range(3)]
-    for s in servers:
-        wait_for(lambda s=s: s.get("/status")["tiers"]["l3"]["coherence"]["vouched"], "vouched")
-    a, b, c = [kvd.connect(s.url, s.http_url, MODEL, timeout=10) for s in servers]
-    tokens, kv, new = make_tokens(N * CHUNK, 5_000_000), make_kv(N * CHUNK, seed=6), make_kv(2 * CHUNK, seed=7)
-    try:
-        slots = _prepare(a, tokens, "f1")
-        _write(a, slots[:2], kv)
-        assert a.ask(m.CommitStore(a.client_id, "f1", [0, 1], more=True)).committed == 2
-        _written_down(servers[0])
-        assert same(kvd.retrieve(c, tokens), kv[:, :, : 2 * CHUNK])  # the part, through L3
-        assert kvd.store(b, new, tokens[: 2 * CHUNK], overwrite=True)  # acknowledged
-        _write(a, slots[2:4], kv)
-        assert a.ask(m.CommitStore(a.client_id, "f1", [2, 3], more=True)).committed == 2
-        _write(a, slots[4:], kv)
-        assert a.ask(m.CommitStore(a.client_id, "f1", list(range(N)))).committed == N
-        for s in servers:
-            _written_down(s)
-        fresh = make_server(*flags)
-        wait_for(lambda: fresh.get("/status")["tiers"]["l3"]["coherence"]["vouched"], "vouched")
-        with kvd.connect(fresh.url, fresh.http_url, MODEL, timeout=10) as d:
-            for ctx in (a, b, c, d):
-
-                def served(ctx: kvd.KVCacheContext = ctx) -> bool:
-                    got = kvd.retrieve(ctx, tokens)
-                    assert got is None or got.shape[2] <= 2 * CHUNK, "A's chunks after B's overwrite"
-                    assert got is None or same(got, new[:, :, : got.shape[2]]) or same(got, kv[:, :, : 2 * CHUNK])
-                    return got is not None and same(got, new)
-
-                wait_for(served, "B's version")
-    finally:
-        for ctx in (a, b, c):
-            ctx.close()
-
-
-def _written_down(srv: AnyServer) -> None:
-    wait_for(lambda: srv.get("/status")["tiers"]["writeback_backlog_bytes"] == 0, "write-downs")

@@ -213,10 +213,11 @@ def _check_group(state: ServerState, client: ClientEntry, sids: list[str], chunk
     distinct and in range."""
     sessions = state.manager.sessions
     if not all(sessions.has(client.client_id, sid) for sid in sids):
+        lost = sessions.lost(client.client_id, sids)
         expired = sum(sessions.release_quarantine(client.client_id, sid) for sid in sids)
         end_all(state, client, sids)
         if expired:
-            raise SessionError(f"session {sids[0]!r}: its lease ran out before the commit; nothing was stored")
+            raise SessionError(f"session {sids[0]!r}: its lease ran out before the commit; {lost}")
         raise SessionError(f"no open session {sids[0]!r} for every shard (never opened, ended, or its lease ran out)")
     if len(set(chunks)) != len(chunks) or any(c < 0 or c >= 2**62 for c in chunks):
         end_all(state, client, sids)

@@ -250,8 +250,9 @@ class StorageManager:
 
         Raises SessionError for an unknown session or an index it did not reserve; a session
         whose lease ran out has its quarantined slots released here (its copy is over)."""
+        lost = self.sessions.lost(client_id, [session_id])
         if self.sessions.release_quarantine(client_id, session_id):
-            raise SessionError(f"session {session_id!r}: its lease ran out before the commit; nothing was stored")
+            raise SessionError(f"session {session_id!r}: its lease ran out before the commit; {lost}")
         session = self.sessions.get(client_id, session_id)
         if len(set(indexes)) != len(indexes):
             raise SessionError(f"chunk indexes repeat in {indexes}")
@@ -286,8 +287,8 @@ class StorageManager:
         chunks committed and written down chunk-major (chunk 0 of every shard, then chunk 1...):
         write-downs and dirty evictions (newest first) then never keep one shard's tail while
         another shard's head goes (issue 28 R3). An overwrite commits all its shards or none, a plain
-        store each chunk in all shards or none (storage.commits). ``part``: a part of a plain
-        store (CommitStore ``more``): the sessions stay open for the rest, noting what it settled."""
+        store each chunk in all shards or none (storage.commits). ``part`` (CommitStore ``more``):
+        the sessions stay open, noting what it settled, its chunks pinned until the last commit."""
         # every shard or none (storage.commits: R-KEEP 2 and 5)
         ordered = sorted(to_commit(self, client_id, work, deletes_ok), key=lambda r: (r[0], r[1]))
         units: dict[int, int] = {}  # a chunk's shards: dirty evictions take them together (L1Object.unit)
@@ -299,12 +300,15 @@ class StorageManager:
             self.holdings.add(objs)
         self._write_down(objs)
         for shard, (sid, indexes) in enumerate(work):
-            session = self.sessions.get(client_id, sid)
-            settled = set(indexes)
+            session, settled = self.sessions.get(client_id, sid), set(indexes)
             session.reserved = {i: o for i, o in session.reserved.items() if i not in settled}
-            if part:
+            if part:  # (pinned: no hole under the later parts)
                 session.parted |= settled
-                session.parted_committed += sum(1 for _, s, _ in ordered if s == shard)
+                for _, s, obj in ordered:
+                    if s == shard:
+                        self.l1.pin(obj)
+                        session.pinned.append(obj)
+                        session.parted_committed += 1
             else:
                 self.end_session(client_id, sid)
         return len(objs)

@@ -78,6 +78,7 @@ class Quarantined:
     session_id: str
     writer: Writer
     objs: list[L1Object]
+    parted: int = 0  # what the store's parts had committed (storage.manager: the refusal says so)
 
 
 class SessionTable:
@@ -221,6 +222,11 @@ class SessionTable:
         group = [sid for cid, sid in self.quarantine if cid == client_id and sid.startswith(session_id + "/")]
         return sum(self.release_quarantine(client_id, sid) for sid in [session_id, *group])
 
+    def lost(self, client_id: str, session_ids: list[str]) -> str:
+        """What a commit refused for quarantined sessions (their lease ran out) says was stored."""
+        parted = sum(q.parted for sid in session_ids if (q := self.quarantine.get((client_id, sid))) is not None)
+        return f"only the {parted} chunk(s) its parts committed were stored" if parted else "nothing was stored"
+
     def release_quarantine(self, client_id: str, session_id: str) -> bool:
         """Free the slots quarantined for a session (its writer is done); False if none were."""
         q = self.quarantine.pop((client_id, session_id), None)
@@ -243,7 +249,8 @@ class SessionTable:
             for obj in objs:
                 self._l1.detach(obj)
             key = (session.client_id, session.session_id)
-            self.quarantine[key] = Quarantined(session.client_id, session.session_id, session.writer, objs)
+            q = Quarantined(session.client_id, session.session_id, session.writer, objs, session.parted_committed)
+            self.quarantine[key] = q
         else:
             for obj in session.reserved.values():
                 self._l1.abort(obj)

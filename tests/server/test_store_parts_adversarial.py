@@ -112,12 +112,6 @@ def test_a_client_killed_between_parts_leaves_its_committed_parts_whole(
             proc.wait()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a store whose lease ran out after some of its parts were committed raises "
-    "LeaseExpiredError 'its lease ran out before the commit; nothing was stored' although those "
-    "parts' chunks are stored and served (the caller is told nothing was stored)",
-)
 def test_a_lease_that_runs_out_between_parts_does_not_say_nothing_was_stored(
     make_server: Callable[..., AnyServer],
 ) -> None:
@@ -149,13 +143,6 @@ def _store(ctx: kvd.KVCacheContext, src: Held, tokens: list[int]) -> object:
         return e
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a store's committed parts are not pinned until its last CommitStore: another store "
-    "meanwhile evicts them, and the parts committed after the hole are unreachable (the store "
-    "says 64 stored, 2 are found); in one step the whole reservation is unevictable and the "
-    "other store gets PoolFullError instead",
-)
 def test_a_store_in_parts_keeps_its_committed_parts_until_its_last_commit(
     make_server: Callable[..., AnyServer],
 ) -> None:

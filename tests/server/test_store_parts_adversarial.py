@@ -1,7 +1,9 @@
 """Adversarial tests of a store committed in parts (CommitStore ``more``, sdk._storeparts,
 server.storing._commit_part; issue 26), through real servers, real shared memory and, where a
-process boundary matters, a client process that is killed between parts. Each
-``xfail(strict=True)`` pins a bug found; the others pin what held.
+process boundary matters, a client process that is killed between parts. Two of them pinned
+bugs (strict xfails until a7b6bd5): a lease that ran out between parts made the store say
+"nothing was stored" although its parts were; a part's committed chunks were evictable until the
+last CommitStore (another store punched a hole under the later parts).
 
 Every store here splits (``PART_BYTES`` = 1 in this process and in the client process): 8 chunks
 copy in parts of 2, and the SDK commits the first three parts (``more``) before its last

@@ -43,8 +43,6 @@ def main() -> None:
     p.add_argument("--pages", type=int, default=32, help="pages per batch")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--file-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    p.add_argument("--parts", action="store_true", help="also time each round's set committed in parts "
-                   "(kvdock.sdk._storeparts, forced on), its ratio to a memcpy in one more column")  # fmt: skip
     args = p.parse_args()
 
     import conftest as sg  # the tests' host pools and storage config
@@ -65,62 +63,49 @@ def main() -> None:
     print("memcpy: kvdock.memcpy.copy of one contiguous buffer of the batch's bytes; each round times a memcpy")
     print("right before the set and the get it is compared with (medians over the rounds: the ratios hold under load)")
     print(f"{'layout':<18} {'memcpy':>7} {'set GB/s':>9} {'x memcpy':>9} {'get GB/s':>9} {'x memcpy':>9}   "
-          f"{'file set':>9} {'file get':>9}" + ("   set in parts x memcpy" if args.parts else ""))  # fmt: skip
+          f"{'file set':>9} {'file get':>9}")  # fmt: skip
     # a server per layout, whose L1 holds every round's pages: each row is timed without eviction
     # (one server for all three evicted during the last layout's rounds, which then paid for it)
-    l1 = f"{((args.rounds + 1) * (2 if args.parts else 1) + 3) * total // 2**20 + 256}MiB"
+    l1 = f"{(args.rounds + 4) * total // 2**20 + 256}MiB"
     for layout in sg.LAYOUTS:
         srv = start_server("--no-disk", chunk_size=args.page, l1_size=l1)
         try:
             pool = sg.host_pool(False, layout, heads=args.heads, pages=4 * n)
             pool.kv_buffer.view(torch.int16).random_(-1000, 1000)
             src_idx, dst_idx = pool.alloc(n * args.page), pool.alloc(n * args.page)
-            memcpy = lambda: copy(dst, src)  # noqa: E731
-            r = kvdock_backend(sg, srv, layout, pool, src_idx, dst_idx, n, args.rounds, memcpy, args.parts)
+            r = kvdock_backend(sg, srv, layout, pool, src_idx, dst_idx, n, args.rounds, lambda: copy(dst, src))
         finally:
             srv.stop()
         f_set, f_get = file_backend(sg, pool, src_idx, dst_idx, n, args)
         gb = [total / t / 1e9 for t in (r["memcpy"], r["set"], r["get"], f_set, f_get)]
         print(f"{layout:<18} {gb[0]:>7.2f} {gb[1]:>9.2f} {r['x_set']:>9.2f} {gb[2]:>9.2f} {r['x_get']:>9.2f}   "
-              f"{gb[3]:>9.2f} {gb[4]:>9.2f}" + (f"   {r['x_parts']:>22.2f}" if args.parts else ""),
-              flush=True)  # fmt: skip
+              f"{gb[3]:>9.2f} {gb[4]:>9.2f}", flush=True)  # fmt: skip
 
 
 def kvdock_backend(
     sg: Any, srv: Any, layout: str, pool: Any, src_idx: torch.Tensor, dst_idx: torch.Tensor, n: int, rounds: int,
-    memcpy: Any, parts: bool = False,
+    memcpy: Any,
 ) -> dict[str, float]:  # fmt: skip
     """kvdock's backend on its zero-copy path, as SGLang's cache controller calls it: the median
-    time of a set, a get and a memcpy, and the median ratios to the memcpy timed next to each;
-    with ``parts``, that ratio too of a set committed in parts (``x_parts``: A/B in one run)."""
+    time of a set, a get and a memcpy, and the median ratios to the memcpy timed next to each."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
     from kvdock.integrations.sglang import KvdockHiCacheStorage
-    from kvdock.sdk import _storeparts
 
     cfg = sg.storage_config(srv, **{"kvdock.model_name": f"bench-{layout}", "kvdock.timeout": 60})
     b = KvdockHiCacheStorage(cfg, {})
     b.register_mem_pool_host(pool)
     prefaulted(b)
     none = HiCacheStorageExtraInfo(prefix_keys=[])
-    rows: list[tuple[float, float, float, float, float]] = []
+    rows: list[tuple[float, float, float, float]] = []
     try:
         for r in range(rounds + 1):  # (round 0 warms up)
             keys = [f"{r:032x}{i:032x}" for i in range(n)]  # new pages every round
             m1, t_set = timed(memcpy), timed(lambda k=keys: all(b.batch_set_v1(k, src_idx, none)) or fail(b.stats))
             m2, t_get = timed(memcpy), timed(lambda k=keys: all(b.batch_get_v1(k, dst_idx, none)) or fail(b.stats))
             settled(b)  # (untimed: the get's reads reported, their server work done before the next round)
-            x_parts = 0.0
-            if parts:
-                _storeparts.PART_BYTES, more = _storeparts.AUTO_PART_BYTES, [f"{r:032x}{i + n:032x}" for i in range(n)]
-                try:
-                    m3 = timed(memcpy)
-                    t_parts = timed(lambda k=more: all(b.batch_set_v1(k, src_idx, none)) or fail(b.stats))
-                finally:
-                    _storeparts.PART_BYTES = None
-                x_parts = m3 / t_parts
             if r:
-                rows.append((m1, t_set, m2, t_get, x_parts))
+                rows.append((m1, t_set, m2, t_get))
         assert b.pages is not None
         for j in range(n):  # every page arrived, bit for bit (NaNs too)
             got, want = (b.pages.page(int(i[j * sg.PAGE])).view(torch.int16) for i in (dst_idx, src_idx))
@@ -134,7 +119,6 @@ def kvdock_backend(
         "get": float(np.median(a[:, 3])),
         "x_set": float(np.median(a[:, 0] / a[:, 1])),
         "x_get": float(np.median(a[:, 2] / a[:, 3])),
-        "x_parts": float(np.median(a[:, 4])),
     }
 
 

@@ -116,14 +116,11 @@ class PrepareStore(RequestBase[StorePrepared], frozen=True):
 
 
 class CommitStore(RequestBase[StoreCommitted], frozen=True):
-    """Makes the listed chunks visible; inline clients send one frame per chunk, in order.
-    ``more``: a part of a plain shared-memory store (its client copies the rest meanwhile): the
-    session stays open; the last CommitStore names every chunk and counts what parts committed."""
+    """Makes the listed chunks visible; inline clients send one frame per chunk, in order."""
 
     client_id: str
     session_id: str
     chunks: list[int]
-    more: bool = False
 
 
 class PrepareRetrieve(RequestBase[RetrievePrepared], frozen=True):

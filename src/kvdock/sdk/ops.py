@@ -16,7 +16,6 @@ from kvdock.protocol import messages as m
 from kvdock.sdk import _edits as edits
 from kvdock.sdk import _fastpath as fastpath
 from kvdock.sdk import _retry
-from kvdock.sdk import _storeparts as storeparts
 from kvdock.sdk import _validate as validate
 from kvdock.sdk._requests import Landing, keyed, prepare, shards_of, whole_chunks
 from kvdock.sdk._retry import CONFLICT_WAIT_S
@@ -153,8 +152,7 @@ def _store_once(
     over: list[int] | None = None,
     edited: bool = False,
 ) -> tuple[m.StorePrepared, int]:
-    """One PrepareStore / copy / CommitStore (a large plain store's copy commits in parts meanwhile:
-    sdk._storeparts); returns the plan and how many chunks were committed."""
+    """One PrepareStore / copy / CommitStore; returns the plan and how many chunks were committed."""
     sid = ctx.new_session_id()
     msg = m.PrepareStore(ctx.client_id, sid, whole, cache_salt, overwrite, over, edited)
     prep, _ = prepare(ctx, sid, msg)
@@ -163,8 +161,8 @@ def _store_once(
     cid = ctx._answered_client_id()  # the session's client, even if another thread registers again
     committed = False
     try:
-        with ctx.transfer() as t:  # (a plain store's copy in parts: sdk._storeparts)
-            payload = storeparts.write(ctx, t, prep.slots, source, None if overwrite else (cid, sid))
+        with ctx.transfer() as t:
+            payload = t.write(prep.slots, source)
         n = ctx.ask(m.CommitStore(cid, sid, [s.index for s in prep.slots]), payload).committed
         committed = True
     finally:

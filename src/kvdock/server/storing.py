@@ -10,12 +10,7 @@ A request of several shards has a session per shard (even one that reserved noth
 deletions of older versions are still waited for) and commits all of them in one step, or none:
 any refusal of its CommitStore ends every shard's session. A request of one shard keeps its
 session when its CommitStore is refused for the chunks it names (the client may send a correct
-one), but not for its payload.
-
-A plain shared-memory store may commit in parts (CommitStore ``more``, :func:`_commit_part`):
-the client commits the chunks it copied while it copies the next ones, and its last CommitStore
-names them all; each chunk still commits in every shard or in none, and the chunks of a part
-are visible (whole, one version) before the rest, which at worst (the client gone) never come."""
+one), but not for its payload."""
 
 from __future__ import annotations
 
@@ -138,16 +133,10 @@ def commit_store(state: ServerState, req: m.CommitStore, payload: Payload) -> Ou
     mgr = state.manager
     shards = len(shards_of(client))
     sids = session_ids(req.session_id, shards)
-    if req.more:
-        return _commit_part(state, client, sids, req.chunks, payload)
     if shards > 1:
         _check_group(state, client, sids, req.chunks)
     interleave = Interleave(shards)
     chunks = interleave.chunks(req.chunks)
-    # a store committed in parts: the chunks they settled are counted, not committed again
-    parted = [mgr.sessions.parted(client.client_id, sid) for sid in sids]
-    before = sum(p.parted_committed for p in parted if p is not None)
-    chunks = [c if p is None else [i for i in c if i not in p.parted] for c, p in zip(chunks, parted, strict=True)]
     try:
         objs = [mgr.reservations(client.client_id, sid, c) for sid, c in zip(sids, chunks, strict=True)]
         if client.transport == "shm" and payload:
@@ -163,40 +152,8 @@ def commit_store(state: ServerState, req: m.CommitStore, payload: Payload) -> Ou
         raise
     work = list(zip(sids, chunks, strict=True))
     if client.transport == "inline" or any(session.deletes for session in sessions):
-        objs_all, frames_all = [o for run in objs for o in run], [f for fs in frames for f in fs]
-        return _commit_later(state, client, work, objs_all, frames_all, before)
-    return _commit(state, client, work, True, before)
-
-
-def _commit_part(
-    state: ServerState, client: ClientEntry, sids: list[str], chunks: list[int], payload: Payload
-) -> Reply:
-    """A CommitStore with ``more``: the named chunks of a plain shared-memory store commit now
-    (each in every shard or in none, as a whole store's do) while its client copies the rest;
-    the sessions stay open, and the last CommitStore (all the chunks) counts what this settled.
-    A refusal leaves the sessions as they were (the client sends this without waiting for the
-    answer: its last CommitStore decides)."""
-    mgr = state.manager
-    if client.transport != "shm" or payload:
-        raise RequestError("only a shared-memory client commits a store in parts")
-    if len(set(chunks)) != len(chunks) or any(c < 0 or c >= 2**62 for c in chunks):
-        raise SessionError(f"chunks {chunks[:8]} repeat or are out of range")
-    sessions = [mgr.sessions.get(client.client_id, sid) for sid in sids]  # SessionError if one is not open
-    if any(s.overwrite or s.deletes or s.committing for s in sessions):
-        raise RequestError("an overwrite (or a store being committed) commits in one step")
-    work = list(zip(sids, Interleave(len(sids)).chunks(chunks), strict=True))
-    # (not mgr.reservations: a part never releases quarantined slots, its client is still copying)
-    for session, (_, indexes) in zip(sessions, work, strict=True):
-        if any(i not in session.reserved for i in indexes):
-            raise SessionError(f"a chunk of {indexes[:8]} is not reserved by session {session.session_id!r}")
-    n = mgr.commit_stores(client.client_id, work, True, part=True)
-    _count(state, client, n)
-    return Reply(m.StoreCommitted(n))
-
-
-def _count(state: ServerState, client: ClientEntry, n: int) -> None:
-    state.metrics.stored_chunks.inc(n)
-    state.metrics.stored_bytes.inc(n * client.model.slot_nbytes)
+        return _commit_later(state, client, work, [o for run in objs for o in run], [f for fs in frames for f in fs])
+    return _commit(state, client, work, True)
 
 
 def _abort(state: ServerState, client: ClientEntry, sids: list[str]) -> None:
@@ -213,11 +170,10 @@ def _check_group(state: ServerState, client: ClientEntry, sids: list[str], chunk
     distinct and in range."""
     sessions = state.manager.sessions
     if not all(sessions.has(client.client_id, sid) for sid in sids):
-        lost = sessions.lost(client.client_id, sids)
         expired = sum(sessions.release_quarantine(client.client_id, sid) for sid in sids)
         end_all(state, client, sids)
         if expired:
-            raise SessionError(f"session {sids[0]!r}: its lease ran out before the commit; {lost}")
+            raise SessionError(f"session {sids[0]!r}: its lease ran out before the commit; nothing was stored")
         raise SessionError(f"no open session {sids[0]!r} for every shard (never opened, ended, or its lease ran out)")
     if len(set(chunks)) != len(chunks) or any(c < 0 or c >= 2**62 for c in chunks):
         end_all(state, client, sids)
@@ -243,7 +199,6 @@ async def _commit_later(
     work: list[tuple[str, list[int]]],
     objs: list[L1Object],
     frames: list[memoryview],
-    before: int = 0,
 ) -> Reply:
     """The inline copies and every shard's deletions, with every shard's session held (none can
     expire while another's deletions are awaited: a commit of some shards only would leave two
@@ -265,7 +220,7 @@ async def _commit_later(
     finally:
         for session in sessions:
             mgr.sessions.unhold(session)
-    return _commit(state, client, work, ok, before)
+    return _commit(state, client, work, ok)
 
 
 def copy_frames(views: list[memoryview], frames: Payload) -> None:
@@ -275,13 +230,10 @@ def copy_frames(views: list[memoryview], frames: Payload) -> None:
     copier.run()  # without the GIL
 
 
-def _commit(
-    state: ServerState, client: ClientEntry, work: list[tuple[str, list[int]]], deletes_ok: bool, before: int = 0
-) -> Reply:
+def _commit(state: ServerState, client: ClientEntry, work: list[tuple[str, list[int]]], deletes_ok: bool) -> Reply:
     """Commit every shard's session in this one step, or none: every session must still be open
     (one ended meanwhile, by the client or its lease, refuses them all), and when a lower tier
-    could not delete an older version the first refusal ends them all. ``before``: what the
-    store's parts committed (counted in the reply)."""
+    could not delete an older version the first refusal ends them all."""
     mgr = state.manager
     try:
         if deletes_ok and len(work) > 1:
@@ -291,8 +243,9 @@ def _commit(
     finally:
         _abort(state, client, [sid for sid, _ in work])
     state.metrics.stores.inc()
-    _count(state, client, n)
-    return Reply(m.StoreCommitted(before + n))
+    state.metrics.stored_chunks.inc(n)
+    state.metrics.stored_bytes.inc(n * client.model.slot_nbytes)
+    return Reply(m.StoreCommitted(n))
 
 
 def end_session(state: ServerState, req: m.EndSession, payload: Payload) -> Reply:

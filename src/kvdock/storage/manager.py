@@ -250,9 +250,8 @@ class StorageManager:
 
         Raises SessionError for an unknown session or an index it did not reserve; a session
         whose lease ran out has its quarantined slots released here (its copy is over)."""
-        lost = self.sessions.lost(client_id, [session_id])
         if self.sessions.release_quarantine(client_id, session_id):
-            raise SessionError(f"session {session_id!r}: its lease ran out before the commit; {lost}")
+            raise SessionError(f"session {session_id!r}: its lease ran out before the commit; nothing was stored")
         session = self.sessions.get(client_id, session_id)
         if len(set(indexes)) != len(indexes):
             raise SessionError(f"chunk indexes repeat in {indexes}")
@@ -280,15 +279,12 @@ class StorageManager:
         (RequestError ``tier_unavailable``) and stores nothing."""
         return self.commit_stores(client_id, [(session_id, indexes)], deletes_ok)
 
-    def commit_stores(
-        self, client_id: str, work: list[tuple[str, list[int]]], deletes_ok: bool = True, part: bool = False
-    ) -> int:
+    def commit_stores(self, client_id: str, work: list[tuple[str, list[int]]], deletes_ok: bool = True) -> int:
         """:meth:`commit_store` of several sessions (one request's shards) in one step, their
         chunks committed and written down chunk-major (chunk 0 of every shard, then chunk 1...):
         write-downs and dirty evictions (newest first) then never keep one shard's tail while
         another shard's head goes (issue 28 R3). An overwrite commits all its shards or none, a plain
-        store each chunk in all shards or none (storage.commits). ``part`` (CommitStore ``more``):
-        the sessions stay open, noting what it settled, its chunks pinned until the last commit."""
+        store each chunk in all shards or none (storage.commits)."""
         # every shard or none (storage.commits: R-KEEP 2 and 5)
         ordered = sorted(to_commit(self, client_id, work, deletes_ok), key=lambda r: (r[0], r[1]))
         units: dict[int, int] = {}  # a chunk's shards: dirty evictions take them together (L1Object.unit)
@@ -299,18 +295,11 @@ class StorageManager:
         if self.holdings is not None:  # (an overwrite's: its floor was raised before the commit)
             self.holdings.add(objs)
         self._write_down(objs)
-        for shard, (sid, indexes) in enumerate(work):
-            session, settled = self.sessions.get(client_id, sid), set(indexes)
-            session.reserved = {i: o for i, o in session.reserved.items() if i not in settled}
-            if part:  # (pinned: no hole under the later parts)
-                session.parted |= settled
-                for _, s, obj in ordered:
-                    if s == shard:
-                        self.l1.pin(obj)
-                        session.pinned.append(obj)
-                        session.parted_committed += 1
-            else:
-                self.end_session(client_id, sid)
+        for sid, indexes in work:
+            session = self.sessions.get(client_id, sid)
+            committed = set(indexes)
+            session.reserved = {i: o for i, o in session.reserved.items() if i not in committed}
+            self.end_session(client_id, sid)
         return len(objs)
 
     def _write_down(self, objs: list[L1Object], lanes: list[TierLane] | None = None) -> None:

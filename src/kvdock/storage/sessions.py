@@ -53,10 +53,6 @@ class Session:
     deletes: list[asyncio.Future[int | None]] = field(default_factory=list)  # an overwrite's, awaited at commit
     busy: int = 0  # server-side work in progress for the session: the lease waits for it
     committing: bool = False  # a CommitStore is in progress: a second one is refused
-    # a store committed in parts (CommitStore ``more``): the chunks its parts settled (committed
-    # or dropped) and how many of them they committed; the last CommitStore counts, not redoes, them
-    parted: set[int] = field(default_factory=set)
-    parted_committed: int = 0
     release_pending: bool | None = None  # ended while busy: released (quarantine or not) when idle
     job: Any = None  # the prefetch filling ``pinned`` from lower tiers (owned by the manager)
     open: bool = True
@@ -78,7 +74,6 @@ class Quarantined:
     session_id: str
     writer: Writer
     objs: list[L1Object]
-    parted: int = 0  # what the store's parts had committed (storage.manager: the refusal says so)
 
 
 class SessionTable:
@@ -140,11 +135,6 @@ class SessionTable:
         for s in sessions:
             s.committing = True
         return sessions
-
-    def parted(self, client_id: str, session_id: str) -> Session | None:
-        """The open session if a part of its store was committed already (else None)."""
-        session = self._open.get((client_id, session_id))
-        return session if session is not None and session.parted else None
 
     def renew(self, session: Session) -> None:
         session.deadline = self._clock() + self.ttl
@@ -222,11 +212,6 @@ class SessionTable:
         group = [sid for cid, sid in self.quarantine if cid == client_id and sid.startswith(session_id + "/")]
         return sum(self.release_quarantine(client_id, sid) for sid in [session_id, *group])
 
-    def lost(self, client_id: str, session_ids: list[str]) -> str:
-        """What a commit refused for quarantined sessions (their lease ran out) says was stored."""
-        parted = sum(q.parted for sid in session_ids if (q := self.quarantine.get((client_id, sid))) is not None)
-        return f"only the {parted} chunk(s) its parts committed were stored" if parted else "nothing was stored"
-
     def release_quarantine(self, client_id: str, session_id: str) -> bool:
         """Free the slots quarantined for a session (its writer is done); False if none were."""
         q = self.quarantine.pop((client_id, session_id), None)
@@ -249,8 +234,7 @@ class SessionTable:
             for obj in objs:
                 self._l1.detach(obj)
             key = (session.client_id, session.session_id)
-            q = Quarantined(session.client_id, session.session_id, session.writer, objs, session.parted_committed)
-            self.quarantine[key] = q
+            self.quarantine[key] = Quarantined(session.client_id, session.session_id, session.writer, objs)
         else:
             for obj in session.reserved.values():
                 self._l1.abort(obj)
@@ -265,7 +249,7 @@ class SessionTable:
         pins: dict[int, int] = {}
         held = 0
         for s in self._open.values():
-            assert s.reserved or s.pinned or s.job is not None or s.parted, "an open session holds nothing"
+            assert s.reserved or s.pinned or s.job is not None, "an open session holds nothing"
             assert s.open
             for obj in s.reserved.values():
                 assert self._l1.reservation(obj.key) is obj, "a session's reservation is not the key's"

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, start_server
+from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, miss_or, start_server
 from kvdock.keys import normalize_tokens
 from kvdock.protocol import messages as m
 
@@ -126,7 +126,12 @@ def test_overwrite_is_refused_while_redis_is_down(make_server, redis_server) -> 
             raise AssertionError("the overwrite was accepted although Redis could not delete the old version")
         except kvd.ServerError as e:
             assert e.code == "tier_unavailable" and "overwrite refused: l3" in e.message, e
-        assert torch.equal(kvd.retrieve(c, tokens), old)  # nothing was lost either
+        # nothing was lost either: L1 still holds the old version; a read gets it, or a miss once the
+        # server, cut off from the fleet's invalidations, no longer vouches for its L1 (by design:
+        # docs/scale-out.md; under load the wait above can pass that bound), never the new bytes
+        status = srv.get("/status")["l1"]
+        assert (status["objects"], status["evictions"]) == (4, 0), status
+        miss_or(kvd.retrieve(c, tokens), old, new, "the server after the refused overwrite")
         assert kvd.check_server_integrity(c) == []
 
 
@@ -156,7 +161,9 @@ def test_crash_consistency_under_concurrent_overwrites(tmp_path: Path) -> None:
     kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
     kills = found = 0
     try:
-        while kills < 10:
+        # ten kills, and more (up to 25) while fewer than 5 restarts found data on disk to check: on
+        # a loaded machine the write-downs of the first ten may not have landed before their kills
+        while kills < 10 or (found < 5 and kills < 25):
             stop = threading.Event()
 
             def writer(url: str, http_url: str, stop: threading.Event, mine: list[int]) -> None:

@@ -121,11 +121,21 @@ def test_an_overwrite_written_down_past_its_floors_ttl_never_lets_a_plain_store_
         wait_for(lambda: l3_coherence(b)["entries_applied"] >= applied + 4, "B to apply A's second entries")
         _forget_recent(b)
 
+        cut = threading.Event()
+
         def cut_off(*args: Any, **kw: Any) -> Any:
+            cut.set()
             raise redis_py.ConnectionError("A's keeping rounds cannot reach L3 (test)")
 
         l3.keep = cut_off
-        wait_for(lambda: not l3_coherence(a)["vouched"], "A's lease to run out", LEASE_S + 10)
+        # The lease runs out: a round failed (rounds run one at a time, so none sent before the
+        # cut-off is left to renew it) and the last one that kept the floors was sent more than a
+        # lease ago. (Waiting for 'not vouched' alone was not enough under load: a poll a little
+        # late clears it for a moment, while the lease still runs, and the read then rightly got v3.)
+        wait_for(
+            lambda: cut.is_set() and l3_coherence(a)["keep_round_age_s"] > LEASE_S, "A's lease to run out", LEASE_S + 10
+        )
+        assert not l3_coherence(a)["vouched"]
         got = kvd.retrieve(ca, tokens)  # (not vouched: L3 alone, which has no value)
         assert got is None, "A served its overwrite past its lease"
         # the floors' TTL runs out (cut to 1.5 s: a floor lives at least FLOOR_MIN_MS, 15 s, as an

@@ -7,15 +7,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from kvdock.integrations.sglang import KvdockHiCacheStorage
+from kvdock.keys import normalize_tokens
 from kvdock.testing import ServerProcess, start_server
 
 PAGE = 16  # SGLang's page size = kvdock's chunk size in these tests
@@ -26,6 +28,28 @@ HEAD_DIM = 32
 LATENT = 64 + 16  # kv_lora_rank + qk_rope_head_dim
 DTYPE = torch.bfloat16
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def prompt(n_pages: int, seed: int, tail: int = 5) -> np.ndarray:
+    """``n_pages`` whole pages of random token ids (``seed``) and ``tail`` more (a partial page)."""
+    return normalize_tokens(np.random.default_rng(seed).integers(0, 50_000, n_pages * PAGE + tail).tolist())
+
+
+def fill(pool: Any, seed: int) -> None:
+    """Random KV (``seed``) in every page of the host pool ``pool``."""
+    g = torch.Generator().manual_seed(seed)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(pool.kv_buffer.dtype))
+
+
+def pages_kv(b: KvdockHiCacheStorage, idx: torch.Tensor) -> torch.Tensor:
+    """The host pool's pages at ``idx`` (one index per token) as ``[planes, L, T, D]``."""
+    assert b.pages is not None
+    return torch.cat([b.pages.page(int(i)).flatten(3) for i in idx[::PAGE]], dim=2)
+
+
+def extra(prefix: list[str]) -> HiCacheStorageExtraInfo:
+    """SGLang's extra info of a call whose keys are chained after ``prefix`` (its prefix_keys)."""
+    return HiCacheStorageExtraInfo(prefix_keys=prefix)
 
 
 def host_pool(mla: bool, layout: str, heads: int = HEADS, pages: int = 32, groups: int = 1) -> Any:

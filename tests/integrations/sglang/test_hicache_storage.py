@@ -8,42 +8,32 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
 
 import kvdock.sdk as kvd
-from conftest import DTYPE, HEAD_DIM, HEADS, LAYERS, LAYOUTS, PAGE, host_pool, storage_config
+from conftest import (
+    DTYPE,
+    HEAD_DIM,
+    HEADS,
+    LAYERS,
+    LAYOUTS,
+    PAGE,
+    extra,
+    fill,
+    host_pool,
+    pages_kv,
+    prompt,
+    storage_config,
+)
 from kvdock.errors import PrefixMissingError
 from kvdock.integrations.sglang import KvdockHiCacheStorage
 from kvdock.keying import key_tokens, sglang_namespace_seed, sglang_page_hashes
-from kvdock.keys import normalize_tokens
 from kvdock.testing import ServerProcess, start_server
 
 Make = Callable[..., KvdockHiCacheStorage]
-
-
-def prompt(n_pages: int, seed: int, tail: int = 5) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return normalize_tokens(rng.integers(0, 50_000, n_pages * PAGE + tail).tolist())
-
-
-def fill(pool: Any, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(pool.kv_buffer.dtype))
-
-
-def pages_kv(b: KvdockHiCacheStorage, idx: torch.Tensor) -> torch.Tensor:
-    """The host pool's pages at ``idx`` (one index per token) as ``[planes, L, T, D]``."""
-    assert b.pages is not None
-    return torch.cat([b.pages.page(int(i)).flatten(3) for i in idx[::PAGE]], dim=2)
-
-
-def extra(prefix: list[str]) -> HiCacheStorageExtraInfo:
-    return HiCacheStorageExtraInfo(prefix_keys=prefix)
 
 
 # -- SGLang's page hash, byte for byte -------------------------------------------------------------

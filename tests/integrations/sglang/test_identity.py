@@ -11,33 +11,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
 import kvdock.sdk as kvd
-from conftest import PAGE, host_pool, storage_config
+from conftest import PAGE, extra, host_pool, pages_kv, prompt, storage_config
 from kvdock.errors import PermissionDeniedError
 from kvdock.integrations.sglang import KvdockHiCacheStorage, SGLangKV
 from kvdock.integrations.sglang.identity import fingerprint_of, model_fingerprint
 from kvdock.keying import sglang_page_hashes, sglang_tokens
-from kvdock.keys import normalize_tokens
 from kvdock.testing import ServerProcess, start_server
 
 Make = Callable[..., KvdockHiCacheStorage]
 ACME, BETA, ADMIN = "acme-token-0123456789", "beta-token-0123456789", "admin-token-0123456789"
 NAME = "sgl-tenant"
-
-
-def prompt(n_pages: int, seed: int) -> np.ndarray:
-    return normalize_tokens(np.random.default_rng(seed).integers(0, 50_000, n_pages * PAGE + 2).tolist())
-
-
-def pages_kv(b: KvdockHiCacheStorage, idx: torch.Tensor) -> torch.Tensor:
-    assert b.pages is not None
-    return torch.cat([b.pages.page(int(i)).flatten(3) for i in idx[::PAGE]], dim=2)
-
-
-def info(prefix: list[str]) -> HiCacheStorageExtraInfo:
-    return HiCacheStorageExtraInfo(prefix_keys=prefix)
 
 
 @pytest.fixture
@@ -71,13 +56,13 @@ def test_an_engine_of_a_tenant_files_its_pages_under_its_salt(tenants_server: Se
     b = backend(storage_config(srv, **acme), pool)
     assert b.off == "" and b._ctx is not None
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=torch.Generator().manual_seed(1)))
-    tokens = prompt(3, seed=2)
+    tokens = prompt(3, seed=2, tail=2)
     keys = sglang_page_hashes(tokens, PAGE)
     src = pool.alloc(3 * PAGE)
-    assert b.batch_set_v1(keys, src, info([])) == [True] * 3
-    assert b.batch_exists(keys, info([])) == 3
+    assert b.batch_set_v1(keys, src, extra([])) == [True] * 3
+    assert b.batch_exists(keys, extra([])) == 3
     dst = pool.alloc(3 * PAGE)
-    assert b.batch_get_v1(keys, dst, info([])) == [True] * 3
+    assert b.batch_get_v1(keys, dst, extra([])) == [True] * 3
     assert torch.equal(pages_kv(b, dst), pages_kv(b, src))
     # the SDK, as the tenant: SGLang's key tokens under the engine's kvdock salt
     with kvd.connect(srv.url, srv.http_url, NAME, token=ACME) as ctx:
@@ -94,18 +79,18 @@ def test_an_engine_of_a_tenant_files_its_pages_under_its_salt(tenants_server: Se
         assert sg.lookup(tokens) == 3 * PAGE and sg.retrieve(tokens, cache_salt="") is None
     # another salt of the tenant: another namespace; a salt it does not own: refused, a counted miss
     other = backend(storage_config(srv, **{**acme, "kvdock.cache_salt": "acme/other"}), host_pool(False, "page_first"))
-    assert other.batch_exists(keys, info([])) == 0
+    assert other.batch_exists(keys, extra([])) == 0
     beta = backend(storage_config(srv, **{**acme, "kvdock.token": BETA}), host_pool(False, "page_first"))
-    assert beta.batch_exists(keys, info([])) == 0
-    assert beta.batch_set_v1(keys, beta.mem_pool_host.alloc(3 * PAGE), info([])) == [False] * 3
+    assert beta.batch_exists(keys, extra([])) == 0
+    assert beta.batch_set_v1(keys, beta.mem_pool_host.alloc(3 * PAGE), extra([])) == [False] * 3
     assert beta.stats["exists_failed"] + beta.stats["exists_unavailable"] >= 1
     assert beta.stats["set_failed"] + beta.stats["set_unavailable"] >= 1
     # an engine without the tenant's token is refused everything: misses, never an exception
     anon = backend(
         storage_config(srv, **{"kvdock.model_name": NAME, "kvdock.retry_s": 0}), host_pool(False, "page_first")
     )
-    assert anon.batch_exists(keys, info([])) == 0
-    assert b.batch_exists(keys, info([])) == 3  # and the tenant's pages are still its own
+    assert anon.batch_exists(keys, extra([])) == 0
+    assert b.batch_exists(keys, extra([])) == 3  # and the tenant's pages are still its own
 
 
 def checkpoint(root: Path, seed: int, rope_theta: float = 10000.0) -> Path:
@@ -165,6 +150,6 @@ def test_a_name_kvdock_holds_with_another_fingerprint_turns_kvdock_off(
         host_pool(False, "page_first"),
     )
     assert "another model" in other.off and "fingerprint" in other.off
-    keys = sglang_page_hashes(prompt(1, seed=3), PAGE)
-    assert other.batch_set_v1(keys, other.mem_pool_host.alloc(PAGE), info([])) == [False]
-    assert other.batch_exists(keys, info([])) == 0
+    keys = sglang_page_hashes(prompt(1, seed=3, tail=2), PAGE)
+    assert other.batch_set_v1(keys, other.mem_pool_host.alloc(PAGE), extra([])) == [False]
+    assert other.batch_exists(keys, extra([])) == 0

@@ -10,36 +10,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
 import kvdock.sdk as kvd
-from conftest import LAYOUTS, PAGE, host_pool, storage_config
+from conftest import LAYOUTS, PAGE, extra, fill, host_pool, pages_kv, prompt, storage_config
 from kvdock.integrations.sglang import KvdockHiCacheStorage
 from kvdock.integrations.sglang.ends import Pages
 from kvdock.integrations.sglang.pools import HostPages
 from kvdock.keying import sglang_page_hashes
-from kvdock.keys import normalize_tokens
 from kvdock.testing import ServerProcess
 
 Make = Callable[..., KvdockHiCacheStorage]
-
-
-def prompt(n_pages: int, seed: int) -> np.ndarray:
-    return normalize_tokens(np.random.default_rng(seed).integers(0, 50_000, n_pages * PAGE + 1).tolist())
-
-
-def fill(pool: Any, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(pool.kv_buffer.dtype))
-
-
-def pages_kv(b: KvdockHiCacheStorage, idx: torch.Tensor) -> torch.Tensor:
-    assert b.pages is not None
-    return torch.cat([b.pages.page(int(i)).flatten(3) for i in idx[::PAGE]], dim=2)
-
-
-def info(prefix: list[str]) -> HiCacheStorageExtraInfo:
-    return HiCacheStorageExtraInfo(prefix_keys=prefix)
 
 
 @pytest.mark.parametrize(("mla", "layout"), [(False, x) for x in LAYOUTS] + [(True, "layer_first")])
@@ -59,15 +39,15 @@ def test_a_batch_moves_in_one_planned_copy_without_a_view_per_slot(
     pool = host_pool(mla, layout)
     b = backend(storage_config(sgl_server, mla=mla, **{"kvdock.model_name": name}), pool)
     fill(pool, seed=40)
-    tokens = prompt(5, seed=41)
+    tokens = prompt(5, seed=41, tail=1)
     keys = sglang_page_hashes(tokens, PAGE)
     src = pool.alloc(5 * PAGE)
-    assert b.batch_set_v1(keys[:2], src[: 2 * PAGE], info([])) == [True, True]
-    assert b.batch_set_v1(keys[2:], src[2 * PAGE :], info(keys[:2])) == [True] * 3
+    assert b.batch_set_v1(keys[:2], src[: 2 * PAGE], extra([])) == [True, True]
+    assert b.batch_set_v1(keys[2:], src[2 * PAGE :], extra(keys[:2])) == [True] * 3
     dst = pool.alloc(5 * PAGE)
-    assert b.batch_exists(keys, info([])) == 5
-    assert b.batch_get_v1(keys[:1], dst[:PAGE], info([])) == [True]
-    assert b.batch_get_v1(keys[1:], dst[PAGE:], info(keys[:1])) == [True] * 4
+    assert b.batch_exists(keys, extra([])) == 5
+    assert b.batch_get_v1(keys[:1], dst[:PAGE], extra([])) == [True]
+    assert b.batch_get_v1(keys[1:], dst[PAGE:], extra(keys[:1])) == [True] * 4
     assert torch.equal(pages_kv(b, dst), pages_kv(b, src))
     with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
         kv = kvd.retrieve(ctx, tokens)
@@ -109,7 +89,7 @@ def test_a_single_page_is_a_batch_of_one(sgl_server: ServerProcess, backend: Mak
     name = f"sgl-one-{single}"
     pool = host_pool(False, "page_first")
     b = backend(storage_config(sgl_server, v1=not single, **{"kvdock.model_name": name}), pool)
-    tokens = prompt(1, seed=42)
+    tokens = prompt(1, seed=42, tail=1)
     (key,) = sglang_page_hashes(tokens, PAGE)
     edit = torch.randn(2, *pages_kv(b, pool.alloc(PAGE)).shape[1:], generator=torch.Generator().manual_seed(43))
     edit = edit.to(pool.dtype)
@@ -122,8 +102,8 @@ def test_a_single_page_is_a_batch_of_one(sgl_server: ServerProcess, backend: Mak
         assert flat is not None
         pool.set_from_flat_data_page(int(dst[0]), flat)
     else:
-        assert b.batch_exists([key], info([])) == 1
-        assert b.batch_get_v1([key], dst, info([])) == [True]
+        assert b.batch_exists([key], extra([])) == 1
+        assert b.batch_get_v1([key], dst, extra([])) == [True]
     assert torch.equal(pages_kv(b, dst), edit)
     assert b.stats["get_vouched"] == 1 and b.stats["pages_loaded"] == 1
     assert len(b.loaded) == 1  # what the sets after it extend the edit over
@@ -131,19 +111,19 @@ def test_a_single_page_is_a_batch_of_one(sgl_server: ServerProcess, backend: Mak
     if single:
         assert b.set(key, pool.get_data_page(int(dst[0]), flat=True))
     else:
-        assert b.batch_set_v1([key], dst, info([])) == [True]
+        assert b.batch_set_v1([key], dst, extra([])) == [True]
     assert len(b.loaded) == 0 and b.stats["pages_stored"] == 0 and b.stats["set_over_loaded"] == 0
     # a page of its own: stored, the same way
     other = pool.alloc(PAGE)
     fill(pool, seed=44)
-    (new,) = sglang_page_hashes(prompt(1, seed=45), PAGE)
+    (new,) = sglang_page_hashes(prompt(1, seed=45, tail=1), PAGE)
     if single:
         assert b.set(new, pool.get_data_page(int(other[0]), flat=True))
     else:
-        assert b.batch_set_v1([new], other, info([])) == [True]
+        assert b.batch_set_v1([new], other, extra([])) == [True]
     assert b.stats["pages_stored"] == 1
     dst2 = pool.alloc(PAGE)
-    assert b.batch_get_v1([new], dst2, info([])) == [True]
+    assert b.batch_get_v1([new], dst2, extra([])) == [True]
     assert torch.equal(pages_kv(b, dst2), pages_kv(b, other))
 
 
@@ -152,13 +132,13 @@ def test_every_call_before_the_pool_is_registered_is_a_miss(sgl_server: ServerPr
     one path is a counted miss."""
     b = KvdockHiCacheStorage(storage_config(sgl_server, **{"kvdock.model_name": "sgl-unregistered"}), {})
     try:
-        (key,) = sglang_page_hashes(prompt(1, seed=46), PAGE)
+        (key,) = sglang_page_hashes(prompt(1, seed=46, tail=1), PAGE)
         idx = torch.arange(PAGE)
         assert b.get(key) is None and b.batch_get([key]) == [None]
         assert b.set(key, torch.zeros(8)) is False and b.batch_set([key], [torch.zeros(8)]) is False
-        assert b.batch_exists([key], info([])) == 0 and not b.exists(key)
-        assert b.batch_get_v1([key], idx, info([])) == [False]
-        assert b.batch_set_v1([key], idx, info([])) == [False]
+        assert b.batch_exists([key], extra([])) == 0 and not b.exists(key)
+        assert b.batch_get_v1([key], idx, extra([])) == [False]
+        assert b.batch_set_v1([key], idx, extra([])) == [False]
         assert b.stats["get_unavailable"] == 3 and b.stats["set_unavailable"] == 3
     finally:
         b.close()
@@ -175,15 +155,15 @@ def test_the_inline_transport_moves_the_same_pages_slot_by_slot(backend: Make, t
         b = backend(storage_config(srv, **{"kvdock.model_name": "sgl-inline"}), pool)
         assert b._ctx is not None and b._ctx.transport == "inline"
         fill(pool, seed=47)
-        keys = sglang_page_hashes(prompt(3, seed=48), PAGE)
+        keys = sglang_page_hashes(prompt(3, seed=48, tail=1), PAGE)
         src = pool.alloc(3 * PAGE)
-        assert b.batch_set_v1(keys[:1], src[:PAGE], info([])) == [True]
-        assert b.batch_set_v1(keys[1:], src[PAGE:], info(keys[:1])) == [True, True]
+        assert b.batch_set_v1(keys[:1], src[:PAGE], extra([])) == [True]
+        assert b.batch_set_v1(keys[1:], src[PAGE:], extra(keys[:1])) == [True, True]
         dst = pool.alloc(3 * PAGE)
-        assert b.batch_exists(keys, info([])) == 3
-        assert b.batch_get_v1(keys[1:], dst[PAGE:], info(keys[:1])) == [True, True]
+        assert b.batch_exists(keys, extra([])) == 3
+        assert b.batch_get_v1(keys[1:], dst[PAGE:], extra(keys[:1])) == [True, True]
         assert torch.equal(pages_kv(b, dst[PAGE:]), pages_kv(b, src[PAGE:]))
-        (one,) = sglang_page_hashes(prompt(1, seed=49), PAGE)
+        (one,) = sglang_page_hashes(prompt(1, seed=49, tail=1), PAGE)
         assert b.set(one, pool.get_data_page(int(src[0]), flat=True))
         flat = b.get(one)
         assert flat is not None and torch.equal(flat, pool.get_data_page(int(src[0]), flat=True))

@@ -11,36 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
 import kvdock.sdk as kvd
-from conftest import DTYPE, HEAD_DIM, HEADS, LAYERS, PAGE, host_pool, storage_config
+from conftest import DTYPE, HEAD_DIM, HEADS, LAYERS, PAGE, extra, fill, host_pool, prompt, storage_config
 from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.sglang import KvdockHiCacheStorage
 from kvdock.keying import sglang_page_hashes
-from kvdock.keys import normalize_tokens
 from kvdock.testing import ServerProcess
 
 Make = Callable[..., KvdockHiCacheStorage]
 CASES = [(False, 1), (False, 2), (False, 4), (True, 1)]  # (mla, head groups)
 IDS = ["mha-g1", "mha-g2", "mha-g4", "mla"]
-
-
-def _tokens(n_pages: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return normalize_tokens(rng.integers(0, 50_000, n_pages * PAGE + 3).tolist())
-
-
-def _fill(pool: Any, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(pool.kv_buffer.dtype))
-
-
-def _info(prefix: list[str]) -> HiCacheStorageExtraInfo:
-    return HiCacheStorageExtraInfo(prefix_keys=prefix)
 
 
 def sglang_page(pool: Any, start: int) -> torch.Tensor:
@@ -72,13 +55,13 @@ def test_sglang_stores_a_page_unified_pool_the_sdk_reads_edits_and_sglang_loads_
     assert pool.page_unified_layout.head_group_num == groups
     b = backend(storage_config(sgl_server, mla=mla, **{"kvdock.model_name": name}), pool)
     assert b.off == "" and b.pages is not None and b.pages.layout == "page_unified"
-    _fill(pool, seed=1)
-    tokens = _tokens(4, seed=2)
+    fill(pool, seed=1)
+    tokens = prompt(4, seed=2, tail=3)
     keys = sglang_page_hashes(tokens, PAGE)
     idx = pool.alloc(4 * PAGE)
-    assert b.batch_set_v1(keys[:1], idx[:PAGE], _info([])) == [True]
-    assert b.batch_set_v1(keys[1:], idx[PAGE:], _info(keys[:1])) == [True] * 3
-    assert b.batch_exists(keys, _info([])) == 4
+    assert b.batch_set_v1(keys[:1], idx[:PAGE], extra([])) == [True]
+    assert b.batch_set_v1(keys[1:], idx[PAGE:], extra(keys[:1])) == [True] * 3
+    assert b.batch_exists(keys, extra([])) == 4
 
     with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
         assert ctx.layout.engine.attention_backend == "hicache/page_unified"
@@ -89,14 +72,14 @@ def test_sglang_stores_a_page_unified_pool_the_sdk_reads_edits_and_sglang_loads_
         edited = kv.clone()
         edited[:, :, :PAGE] *= -1
         edited[..., :HEAD_DIM] += 1  # (the first head of every head group moves differently)
-        other = _tokens(4, seed=3)
+        other = prompt(4, seed=3, tail=3)
         assert kvd.store(ctx, edited, other)
 
     other_keys = sglang_page_hashes(other, PAGE)
-    assert b.batch_exists(other_keys, _info([])) == 4
+    assert b.batch_exists(other_keys, extra([])) == 4
     before = pool.kv_buffer.clone()
     dst = pool.alloc(4 * PAGE)
-    assert b.batch_get_v1(other_keys, dst, _info([])) == [True] * 4
+    assert b.batch_get_v1(other_keys, dst, extra([])) == [True] * 4
     assert torch.equal(sglang_pages(pool, dst), edited)
     # nothing but the loaded page blocks changed
     touched = torch.zeros(pool.kv_buffer.shape[0], dtype=torch.bool)
@@ -104,7 +87,7 @@ def test_sglang_stores_a_page_unified_pool_the_sdk_reads_edits_and_sglang_loads_
     assert torch.equal(pool.kv_buffer[~touched], before[~touched])
     # from a prefix on, only the call's pages are copied
     dst2 = pool.alloc(2 * PAGE)
-    assert b.batch_get_v1(other_keys[2:], dst2, _info(other_keys[:2])) == [True, True]
+    assert b.batch_get_v1(other_keys[2:], dst2, extra(other_keys[:2])) == [True, True]
     assert torch.equal(sglang_pages(pool, dst2), edited[:, :, 2 * PAGE :])
 
 
@@ -119,24 +102,24 @@ def test_another_layout_loads_what_page_unified_stored_and_back(
     plain = host_pool(mla, other)
     bu = backend(storage_config(sgl_server, mla=mla, **{"kvdock.model_name": name}), unified)
     bp = backend(storage_config(sgl_server, mla=mla, **{"kvdock.model_name": name}), plain)
-    _fill(unified, seed=4)
-    _fill(plain, seed=5)
-    keys = sglang_page_hashes(_tokens(3, seed=6), PAGE)
+    fill(unified, seed=4)
+    fill(plain, seed=5)
+    keys = sglang_page_hashes(prompt(3, seed=6, tail=3), PAGE)
     src = unified.alloc(3 * PAGE)
-    assert bu.batch_set_v1(keys, src, _info([])) == [True] * 3
-    assert bp.batch_exists(keys, _info([])) == 3
+    assert bu.batch_set_v1(keys, src, extra([])) == [True] * 3
+    assert bp.batch_exists(keys, extra([])) == 3
     dst = plain.alloc(3 * PAGE)
-    assert bp.batch_get_v1(keys, dst, _info([])) == [True] * 3
+    assert bp.batch_get_v1(keys, dst, extra([])) == [True] * 3
     assert bp.pages is not None
     got = torch.cat([bp.pages.page(int(i)).flatten(3) for i in dst[::PAGE]], dim=2)
     assert torch.equal(got, sglang_pages(unified, src))
     # and back: the other layout stores, page_unified loads
-    keys2 = sglang_page_hashes(_tokens(2, seed=7), PAGE)
+    keys2 = sglang_page_hashes(prompt(2, seed=7, tail=3), PAGE)
     src2 = plain.alloc(2 * PAGE)
-    assert bp.batch_set_v1(keys2, src2, _info([])) == [True] * 2
-    assert bu.batch_exists(keys2, _info([])) == 2
+    assert bp.batch_set_v1(keys2, src2, extra([])) == [True] * 2
+    assert bu.batch_exists(keys2, extra([])) == 2
     dst2 = unified.alloc(2 * PAGE)
-    assert bu.batch_get_v1(keys2, dst2, _info([])) == [True] * 2
+    assert bu.batch_get_v1(keys2, dst2, extra([])) == [True] * 2
     want = torch.cat([bp.pages.page(int(i)).flatten(3) for i in src2[::PAGE]], dim=2)
     assert torch.equal(sglang_pages(unified, dst2), want)
 
@@ -153,8 +136,8 @@ def test_the_generic_path_moves_a_page_unified_page_block(
         pool.get_data_page(0)
     name = f"pu-gen-{'mla' if mla else 'mha'}"
     b = backend(storage_config(sgl_server, mla=mla, v1=False, **{"kvdock.model_name": name}), pool)
-    _fill(pool, seed=8)
-    keys = sglang_page_hashes(_tokens(2, seed=9), PAGE)
+    fill(pool, seed=8)
+    keys = sglang_page_hashes(prompt(2, seed=9, tail=3), PAGE)
     src = pool.alloc(2 * PAGE)
     flats = [pool.kv_buffer[int(i) // PAGE].flatten() for i in src[::PAGE]]
     assert b.batch_set(keys, flats)
@@ -163,10 +146,10 @@ def test_the_generic_path_moves_a_page_unified_page_block(
     assert all(g is not None and torch.equal(g, f) for g, f in zip(got, flats, strict=True))
     # the zero-copy get of what the generic set stored (each generic page: a chain of one)
     dst = pool.alloc(PAGE)
-    assert b.batch_get_v1(keys[:1], dst, _info([])) == [True]
+    assert b.batch_get_v1(keys[:1], dst, extra([])) == [True]
     assert torch.equal(sglang_pages(pool, dst), sglang_pages(pool, src[:PAGE]))
     with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
-        kv = kvd.retrieve(ctx, _tokens(2, seed=9)[:PAGE])
+        kv = kvd.retrieve(ctx, prompt(2, seed=9, tail=3)[:PAGE])
         assert kv is not None and torch.equal(kv, sglang_pages(pool, src[:PAGE]))
 
 

@@ -14,7 +14,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host
 
-from conftest import HEADS, LAYOUTS, PAGE, host_pool, storage_config
+from conftest import HEADS, LAYOUTS, PAGE, fill, host_pool, storage_config
 from kvdock.errors import UnsupportedLayoutError
 from kvdock.integrations.sglang import KvdockHiCacheStorage
 from kvdock.keying import sglang_page_hashes
@@ -27,11 +27,6 @@ Make = Callable[..., KvdockHiCacheStorage]
 def _tokens(n_pages: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return normalize_tokens(rng.integers(0, 50_000, n_pages * PAGE).tolist())
-
-
-def _fill(pool: Any, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(pool.kv_buffer.dtype))
 
 
 def _pages(b: KvdockHiCacheStorage, idx: torch.Tensor) -> torch.Tensor:
@@ -53,7 +48,7 @@ def _two_ranks_never_share_pages(srv: ServerProcess, backend: Make, mla: bool, c
     ranks = []
     for r, cfg in enumerate(configs):
         pool = host_pool(mla, "page_first")
-        _fill(pool, seed=100 + r)
+        fill(pool, seed=100 + r)
         ranks.append(backend(cfg, pool))
     keys = sglang_page_hashes(_tokens(2, seed=77), PAGE)
     info = HiCacheStorageExtraInfo(prefix_keys=[])
@@ -100,7 +95,7 @@ def test_the_generic_and_zero_copy_paths_agree_on_every_layout(
     pool = host_pool(mla, layout)
     name = f"r4-paths-{'mla' if mla else 'mha'}-{layout}"
     b = backend(storage_config(sgl_server, mla=mla, v1=False, **{"kvdock.model_name": name}), pool)
-    _fill(pool, seed=21)
+    fill(pool, seed=21)
     k = [sglang_page_hashes(_tokens(1, seed=s), PAGE)[0] for s in (31, 32)]
     src = pool.alloc(2 * PAGE)
     # generic set, zero-copy get
@@ -136,7 +131,7 @@ def test_sglangs_prefetch_and_backup_threads_share_one_backend(sgl_server: Serve
     every page reported loaded holds exactly the bytes stored under its key, and nothing raises."""
     pool = host_pool(False, "page_first_direct", pages=64)
     b = backend(storage_config(sgl_server, **{"kvdock.model_name": "r4-threads"}), pool)
-    _fill(pool, seed=41)
+    fill(pool, seed=41)
     prompts = [sglang_page_hashes(_tokens(2, seed=500 + i), PAGE) for i in range(12)]
     srcs = [pool.alloc(2 * PAGE) for _ in prompts]
     info = HiCacheStorageExtraInfo(prefix_keys=[])
@@ -187,7 +182,7 @@ def test_a_kvdock_restart_between_calls_re_registers_and_never_serves_stale_page
     pool = host_pool(False, "layer_first")
     settings = {"kvdock.model_name": "r4-restart", "kvdock.timeout": 5, "kvdock.retry_s": 0}
     b = backend(storage_config(srv, **settings), pool)
-    _fill(pool, seed=51)
+    fill(pool, seed=51)
     keys = sglang_page_hashes(_tokens(2, seed=52), PAGE)
     info = HiCacheStorageExtraInfo(prefix_keys=[])
     src = pool.alloc(2 * PAGE)
@@ -218,7 +213,7 @@ def test_an_engine_of_another_tensor_parallel_degree_loads_the_heads_in_order(
     ranks = []
     for r in range(2):
         pool = host_pool(False, "page_head", heads=HEADS // 2)
-        _fill(pool, seed=60 + r)
+        fill(pool, seed=60 + r)
         ranks.append(backend(storage_config(sgl_server, tp_rank=r, tp_size=2, **{"kvdock.model_name": name}), pool))
     one_pool = host_pool(False, "page_first")
     one = backend(storage_config(sgl_server, **{"kvdock.model_name": name}), one_pool)
@@ -232,7 +227,7 @@ def test_an_engine_of_another_tensor_parallel_degree_loads_the_heads_in_order(
     whole = torch.cat([_pages(b, s) for b, s in zip(ranks, src, strict=True)], dim=3)
     assert torch.equal(_pages(one, dst), whole)
     # the other way: the TP=1 engine stores, each rank loads its heads
-    _fill(one_pool, seed=62)
+    fill(one_pool, seed=62)
     keys2 = sglang_page_hashes(_tokens(2, seed=63), PAGE)
     src1 = one_pool.alloc(2 * PAGE)
     assert one.batch_set_v1(keys2, src1, info) == [True, True]

@@ -16,29 +16,19 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
 
 import kvdock.sdk as kvd
-from conftest import PAGE, host_pool, storage_config
+from conftest import PAGE, host_pool, pages_kv, prompt, storage_config
 from kvdock.errors import InvalidInputError
 from kvdock.integrations.sglang import KvdockHiCacheStorage, SGLangKV
 from kvdock.integrations.sglang.reads import key_tokens, page_keys
-from kvdock.keys import normalize_tokens
 from kvdock.testing import ServerProcess
 
 SALT, USER, LORA = "engine-a", "alice", "lora-7"
-
-
-def prompt(n_pages: int, seed: int) -> np.ndarray:
-    return normalize_tokens(np.random.default_rng(seed).integers(0, 50_000, n_pages * PAGE + 5).tolist())
 
 
 def sglang_keys(tokens: np.ndarray, cache_salt: str | None, extra_key: str | None) -> list[str]:
     """SGLang's own page hashes of a request (its whole pages)."""
     seed = storage_namespace_seed(extra_key, cache_salt)
     return get_hash_str(tokens.tolist(), seed, page_size=PAGE)[: len(tokens) // PAGE]
-
-
-def pages_kv(b: KvdockHiCacheStorage, idx: torch.Tensor) -> torch.Tensor:
-    assert b.pages is not None
-    return torch.cat([b.pages.page(int(i)).flatten(3) for i in idx[::PAGE]], dim=2)
 
 
 @pytest.fixture

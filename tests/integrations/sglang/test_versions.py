@@ -6,38 +6,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
 import kvdock.sdk as kvd
-from conftest import HEAD_DIM, HEADS, LAYERS, PAGE, host_pool, storage_config
+from conftest import HEAD_DIM, HEADS, LAYERS, PAGE, extra, host_pool, pages_kv, prompt, storage_config
 from kvdock.integrations.sglang import KvdockHiCacheStorage
 from kvdock.integrations.sglang.versions import Loaded, Seen
 from kvdock.keying import key_tokens, sglang_page_hashes
-from kvdock.keys import normalize_tokens
 from kvdock.testing import ServerProcess
 
 Make = Callable[..., KvdockHiCacheStorage]
 HALF = HEADS // 2 * HEAD_DIM  # one rank's share of D
 
 
-def prompt(n_pages: int, seed: int) -> np.ndarray:
-    return normalize_tokens(np.random.default_rng(seed).integers(0, 50_000, n_pages * PAGE + 3).tolist())
-
-
 def kv_of(seed: int, n_pages: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(2, LAYERS, n_pages * PAGE, HEADS * HEAD_DIM, generator=g).to(torch.bfloat16)
-
-
-def pages_kv(b: KvdockHiCacheStorage, idx: torch.Tensor) -> torch.Tensor:
-    assert b.pages is not None
-    return torch.cat([b.pages.page(int(i)).flatten(3) for i in idx[::PAGE]], dim=2)
-
-
-def info(prefix: list[str]) -> HiCacheStorageExtraInfo:
-    return HiCacheStorageExtraInfo(prefix_keys=prefix)
 
 
 def two_ranks(srv: ServerProcess, backend: Make, name: str, v1: bool = True) -> list[KvdockHiCacheStorage]:
@@ -69,7 +53,7 @@ def load_both(
     for r in which:
         b = ranks[r]
         dst = b.mem_pool_host.alloc(n * PAGE)
-        got = b.batch_get_v1(keys[r][:n], dst, info([]))
+        got = b.batch_get_v1(keys[r][:n], dst, extra([]))
         assert got in ([True] * n, [False] * n), got
         out.append(version_of(pages_kv(b, dst), r, versions, n) if got[0] else None)
         b.mem_pool_host.free(dst)
@@ -83,7 +67,7 @@ def never_mixed(loaded: list[str | None]) -> None:
 def test_an_overwrite_between_two_ranks_loads_never_mixes_versions(sgl_server: ServerProcess, backend: Make) -> None:
     name = "sgl-tips-tp2"
     ranks = two_ranks(sgl_server, backend, name)
-    tokens = prompt(3, seed=1)
+    tokens = prompt(3, seed=1, tail=3)
     versions = {"old": kv_of(2, 3), "new": kv_of(3, 3)}
     with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
         assert kvd.store(ctx, versions["old"], tokens)
@@ -96,37 +80,37 @@ def test_an_overwrite_between_two_ranks_loads_never_mixes_versions(sgl_server: S
 
         # 1. every rank's exists, the overwrite, then the gets: both miss (their versions are gone)
         keys = hashes()
-        assert [b.batch_exists(k, info([])) for b, k in zip(ranks, keys, strict=True)] == [3, 3]
+        assert [b.batch_exists(k, extra([])) for b, k in zip(ranks, keys, strict=True)] == [3, 3]
         overwrite("new")
         assert load_both(ranks, keys, 3, versions) == [None, None]
         assert [b.stats["get_stale"] for b in ranks] == [1, 1]
 
         # 2. the overwrite lands between rank 0's get and rank 1's: rank 0 the old bytes, rank 1 a miss
         keys = hashes()
-        assert [b.batch_exists(k, info([])) for b, k in zip(ranks, keys, strict=True)] == [3, 3]
+        assert [b.batch_exists(k, extra([])) for b, k in zip(ranks, keys, strict=True)] == [3, 3]
         first = load_both(ranks, keys, 3, versions, which=(0,))
         overwrite("old")
         dst = ranks[1].mem_pool_host.alloc(3 * PAGE)
-        assert ranks[1].batch_get_v1(keys[1], dst, info([])) == [False] * 3
+        assert ranks[1].batch_get_v1(keys[1], dst, extra([])) == [False] * 3
         assert first == ["new"]
 
         # 3. nothing in between: both load the version their exists saw
         keys = hashes()
-        assert [b.batch_exists(k, info([])) for b, k in zip(ranks, keys, strict=True)] == [3, 3]
+        assert [b.batch_exists(k, extra([])) for b, k in zip(ranks, keys, strict=True)] == [3, 3]
         assert load_both(ranks, keys, 3, versions) == ["old", "old"]
 
         # 4. fewer pages than exists saw (SGLang's MIN over the ranks, or its host memory cut):
         #    kvdock is asked for the whole chain exists saw, only the pages asked for are copied
         keys = hashes()
-        assert [b.batch_exists(k, info([])) for b, k in zip(ranks, keys, strict=True)] == [3, 3]
+        assert [b.batch_exists(k, extra([])) for b, k in zip(ranks, keys, strict=True)] == [3, 3]
         assert load_both(ranks, keys, 2, versions) == ["old", "old"]
         keys = hashes()
-        assert [b.batch_exists(k, info([])) for b, k in zip(ranks, keys, strict=True)] == [3, 3]
+        assert [b.batch_exists(k, extra([])) for b, k in zip(ranks, keys, strict=True)] == [3, 3]
         overwrite("new")
         assert load_both(ranks, keys, 2, versions) == [None, None]
 
         # 5. a get no exists of its operation saw (equal page hashes, hashed anew): a miss
-        assert [b.batch_exists(k, info([])) for b, k in zip(ranks, hashes(), strict=True)] == [3, 3]
+        assert [b.batch_exists(k, extra([])) for b, k in zip(ranks, hashes(), strict=True)] == [3, 3]
         assert load_both(ranks, hashes(), 3, versions) == [None, None]
         assert [b.stats["get_unvouched"] for b in ranks] == [1, 1]
 
@@ -140,7 +124,7 @@ def test_an_overwrite_between_two_ranks_loads_never_mixes_versions(sgl_server: S
                 if i == where:
                     overwrite("new" if step % 2 else "old")
                 if what == "exists":
-                    assert ranks[r].batch_exists(keys[r], info([])) == 3
+                    assert ranks[r].batch_exists(keys[r], extra([])) == 3
                 else:
                     loaded[r] = load_both(ranks, keys, 3, versions, which=(r,))[0]
             never_mixed(loaded)
@@ -150,7 +134,7 @@ def test_an_overwrite_between_two_ranks_loads_never_mixes_versions(sgl_server: S
 def test_the_generic_path_of_two_ranks_loads_only_what_exists_saw(sgl_server: ServerProcess, backend: Make) -> None:
     name = "sgl-tips-generic"
     ranks = two_ranks(sgl_server, backend, name, v1=False)
-    tokens = prompt(2, seed=4)
+    tokens = prompt(2, seed=4, tail=3)
     versions = {"old": kv_of(5, 2), "new": kv_of(6, 2)}
     keys = [sglang_page_hashes(tokens, PAGE) for _ in ranks]
     for r, b in enumerate(ranks):  # each rank stores its heads of the old version, page by page
@@ -184,14 +168,14 @@ def test_a_continuation_of_a_prefix_loaded_from_kvdock_is_stored(sgl_server: Ser
     name = "sgl-over"
     pool = host_pool(False, "page_first")
     b = backend(storage_config(sgl_server, **{"kvdock.model_name": name}), pool)
-    tokens = prompt(6, seed=7)
+    tokens = prompt(6, seed=7, tail=3)
     edit = kv_of(8, 4)
     with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
         assert kvd.store(ctx, edit, tokens[: 4 * PAGE], overwrite=True)
     keys = sglang_page_hashes(tokens, PAGE)
-    assert b.batch_exists(keys, info([])) == 4
+    assert b.batch_exists(keys, extra([])) == 4
     dst = pool.alloc(4 * PAGE)
-    assert b.batch_get_v1(keys[:4], dst, info([])) == [True] * 4
+    assert b.batch_get_v1(keys[:4], dst, extra([])) == [True] * 4
     assert torch.equal(pages_kv(b, dst), edit)
     # SGLang's continuation (computed over the loaded edit), backed up after the prefix's keys
     cont = pool.alloc(2 * PAGE)
@@ -199,13 +183,13 @@ def test_a_continuation_of_a_prefix_loaded_from_kvdock_is_stored(sgl_server: Ser
     for i in cont[::PAGE]:
         page = b.pages.page(int(i))  # type: ignore[union-attr]
         page.copy_(torch.randn(page.shape, generator=g).to(page.dtype))
-    assert b.batch_set_v1(keys[4:], cont, info(keys[:4])) == [True, True]
+    assert b.batch_set_v1(keys[4:], cont, extra(keys[:4])) == [True, True]
     assert b.stats["set_over_loaded"] == 1 and b.stats["pages_diverged"] == 0
     assert b.stats["get_vouched"] == 1  # (the edit's tips: a single rank reads with them only for an edit)
-    plain = sglang_page_hashes(prompt(2, seed=12), PAGE)  # SGLang's own pages: no edit, the plain read
-    assert b.batch_set_v1(plain, cont, info([])) == [True, True]
-    assert b.batch_exists(plain, info([])) == 2
-    assert b.batch_get_v1(plain, pool.alloc(2 * PAGE), info([])) == [True, True]
+    plain = sglang_page_hashes(prompt(2, seed=12, tail=3), PAGE)  # SGLang's own pages: no edit, the plain read
+    assert b.batch_set_v1(plain, cont, extra([])) == [True, True]
+    assert b.batch_exists(plain, extra([])) == 2
+    assert b.batch_get_v1(plain, pool.alloc(2 * PAGE), extra([])) == [True, True]
     assert b.stats["get_vouched"] == 1 and len(b.loaded) == 1
     with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
         kv = kvd.retrieve(ctx, tokens)
@@ -214,32 +198,32 @@ def test_a_continuation_of_a_prefix_loaded_from_kvdock_is_stored(sgl_server: Ser
         assert torch.equal(kv[:, :, 4 * PAGE :], pages_kv(b, cont))
 
     # another engine that computed an edited prefix itself (never loaded it): its continuation is dropped
-    other = prompt(6, seed=10)
+    other = prompt(6, seed=10, tail=3)
     with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
         assert kvd.store(ctx, kv_of(11, 4), other[: 4 * PAGE], overwrite=True)
     b2 = backend(storage_config(sgl_server, **{"kvdock.model_name": name}), host_pool(False, "page_first"))
     okeys = sglang_page_hashes(other, PAGE)
-    assert b2.batch_set_v1(okeys[4:], b2.mem_pool_host.alloc(2 * PAGE), info(okeys[:4])) == [False, False]
+    assert b2.batch_set_v1(okeys[4:], b2.mem_pool_host.alloc(2 * PAGE), extra(okeys[:4])) == [False, False]
     assert b2.stats["pages_diverged"] == 2 and b2.stats["set_over_loaded"] == 0
     # and a rank that loaded it, then set those pages itself (SGLang computed them): forgotten, dropped
-    assert b.batch_exists(okeys, info([])) == 4
-    assert b.batch_get_v1(okeys[:4], pool.alloc(4 * PAGE), info([])) == [True] * 4
-    assert b.batch_set_v1(okeys[3:4], pool.alloc(PAGE), info(okeys[:3])) == [True]  # (deduped)
-    assert b.batch_set_v1(okeys[4:], pool.alloc(2 * PAGE), info(okeys[:4])) == [False, False]
+    assert b.batch_exists(okeys, extra([])) == 4
+    assert b.batch_get_v1(okeys[:4], pool.alloc(4 * PAGE), extra([])) == [True] * 4
+    assert b.batch_set_v1(okeys[3:4], pool.alloc(PAGE), extra(okeys[:3])) == [True]  # (deduped)
+    assert b.batch_set_v1(okeys[4:], pool.alloc(2 * PAGE), extra(okeys[:4])) == [False, False]
     with kvd.connect(sgl_server.url, sgl_server.http_url, name) as ctx:
         assert kvd.lookup(ctx, other) == 4 * PAGE
 
 
 def test_the_records_are_bounded_and_match_only_their_own_operation() -> None:
     seen = Seen(limit=4)
-    keys = sglang_page_hashes(prompt(3, seed=12), PAGE)
+    keys = sglang_page_hashes(prompt(3, seed=12, tail=3), PAGE)
     seen.note([], keys, 3, (7,))
     assert seen.vouch([], keys) is not None and seen.vouch([], keys).tips == (7,)  # type: ignore[union-attr]
     assert seen.vouch([], keys[:1]).extra == keys[1:]  # type: ignore[union-attr]
     assert seen.vouch(keys[:1], keys[1:2]).extra == keys[2:]  # type: ignore[union-attr]
     assert seen.vouch([], [str(k[:10]) + str(k[10:]) for k in keys]) is None  # equal, not the same objects
     assert seen.vouch(keys[:1], keys[:2]) is None  # another place in the chain
-    more = sglang_page_hashes(prompt(2, seed=13), PAGE)
+    more = sglang_page_hashes(prompt(2, seed=13, tail=3), PAGE)
     seen.note(["x" * 64], more, 2, (8,))
     assert len(seen) == 4  # the oldest keys dropped: their gets miss
     assert seen.vouch([], keys[:1]) is None and seen.vouch([], keys) is not None

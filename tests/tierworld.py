@@ -16,13 +16,14 @@ from kvdock.layout import KVGeometry
 from kvdock.shm.pool import FlatMemory
 from kvdock.shm.slots import ALIGN, SlotAllocator
 from kvdock.storage import objfile
-from kvdock.storage.coherence import Coherence, PollResult
+from kvdock.storage.coherence import Coherence
 from kvdock.storage.disk import DiskTier
 from kvdock.storage.lane import TierLane
 from kvdock.storage.manager import StorageManager
 from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.redis import RedisTier
 from kvdock.storage.sessions import Session
+from kvdock.storage.stream import PollResult
 from kvdock.storage.tier import Head
 
 SHAPE = [2, 3, 16, 10]

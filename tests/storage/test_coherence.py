@@ -15,20 +15,9 @@ from helpers import RedisProc
 from kvdock.errors import WriteFenced
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
-from kvdock.storage.coherence import (
-    COMMIT_MARGIN_MS,
-    DELETE_SCRIPT,
-    RECENT_MS,
-    STREAM_KEY,
-    Coherence,
-    Fence,
-    PollResult,
-    decode_keys,
-    encode_keys,
-    pos_int,
-    pos_text,
-)
+from kvdock.storage.coherence import COMMIT_MARGIN_MS, DELETE_SCRIPT, RECENT_MS, STREAM_KEY, Coherence
 from kvdock.storage.following import SavedPosition, follow, load_position, save_position
+from kvdock.storage.stream import Fence, PollResult, decode_keys, encode_keys, pos_int, pos_text
 from tierworld import CHUNK, GEO, SHAPE, World, payload, until
 from tierworld import NB as CHUNK_NB
 from tierworld import K as WK

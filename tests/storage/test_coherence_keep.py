@@ -16,8 +16,9 @@ from helpers import RedisProc
 from kvdock.errors import WriteFenced
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
-from kvdock.storage.coherence import KEEP_SCRIPT, pos_int
+from kvdock.storage.coherence import KEEP_SCRIPT
 from kvdock.storage.redis import floor_key
+from kvdock.storage.stream import pos_int
 from tierworld import CHUNK, GEO, SHAPE, World, payload
 from tierworld import K as WK
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from helpers import RedisProc
 from kvdock.keys import ObjectKey
 from kvdock.storage import objfile
-from kvdock.storage.coherence import pos_text
 from kvdock.storage.redis import floor_key
+from kvdock.storage.stream import pos_text
 from tierworld import NB, World, payload
 
 

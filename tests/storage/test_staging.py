@@ -16,8 +16,9 @@ from kvdock.errors import WriteFenced, WriteLate
 from kvdock.storage import objfile
 from kvdock.storage._coherence_lua import INCARNATION_KEY, OBJECT_TTL_MS, STAGED_TTL_MS
 from kvdock.storage._redisstage import staged_keys
-from kvdock.storage.coherence import STREAM_KEY, Fence, decode_keys
+from kvdock.storage.coherence import STREAM_KEY
 from kvdock.storage.redis import floor_key
+from kvdock.storage.stream import Fence, decode_keys
 from tierworld import CHUNK, GEO, SHAPE, World, payload
 from tierworld import K as WK
 

@@ -39,7 +39,7 @@ from kvdock.storage._coherence_lua import (
     STREAM_KEY,
     WRITE_SCRIPT,
 )
-from kvdock.storage.coherence import Fence, decode_keys, pos_int, pos_text
+from kvdock.storage.stream import Fence, decode_keys, pos_int, pos_text
 
 __all__ = [
     "CHECK_COUNT",

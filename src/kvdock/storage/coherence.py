@@ -95,14 +95,7 @@ __all__ = [
     "WRITE_SCRIPT",
     "Coherence",
     "CoherenceCounters",
-    "Fence",
-    "Invalidation",
-    "PollResult",
-    "decode_keys",
-    "encode_keys",
-    "pos_int",
-    "pos_text",
-]  # (the stream's entries, storage.stream, stay importable from here)
+]
 
 
 @dataclass

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kvdock.storage.coherence import Coherence, PollResult, pos_text
+from kvdock.storage.coherence import Coherence
+from kvdock.storage.stream import PollResult, pos_text
 
 __all__ = ["POSITION_FILE", "SavedPosition", "follow", "load_position", "save_position", "until_vouched"]
 

@@ -10,12 +10,13 @@ import logging
 from collections.abc import Awaitable
 
 from kvdock.keys import ObjectKey
-from kvdock.storage.coherence import Coherence, PollResult
+from kvdock.storage.coherence import Coherence
 from kvdock.storage.deletions import Deletions
 from kvdock.storage.lane import TierLane
 from kvdock.storage.loads import Loads
 from kvdock.storage.memory import L1Store
 from kvdock.storage.plans import OVERWRITING, SUPERSEDED
+from kvdock.storage.stream import PollResult
 
 __all__ = ["apply_invalidations"]
 

@@ -62,10 +62,11 @@ from typing import Any
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.storage import objfile
-from kvdock.storage.coherence import Coherence, pos_int, pos_text
+from kvdock.storage.coherence import Coherence
 from kvdock.storage.deletions import Deletions
 from kvdock.storage.lane import TierLane
 from kvdock.storage.memory import L1Object, L1Store
+from kvdock.storage.stream import pos_int, pos_text
 from kvdock.storage.tier import Head
 
 __all__ = ["Holdings"]

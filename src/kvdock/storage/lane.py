@@ -42,8 +42,8 @@ from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.storage._lanejobs import SharedHeader as SharedHeader  # (re-exported: the manager makes them)
 from kvdock.storage._lanejobs import _Batch, _Call, _Write
-from kvdock.storage.coherence import Fence
 from kvdock.storage.memory import L1Object, L1Store
+from kvdock.storage.stream import Fence
 from kvdock.storage.tier import Head, StorageTier
 from kvdock.storage.writeback import BatchSizer
 

@@ -41,7 +41,7 @@ from kvdock.errors import SessionError
 from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 from kvdock.storage.chains import Chains
-from kvdock.storage.coherence import Coherence, PollResult, pos_text
+from kvdock.storage.coherence import Coherence
 from kvdock.storage.commits import to_commit
 from kvdock.storage.deletions import Deletion, Deletions
 from kvdock.storage.drain import drain_lanes
@@ -53,6 +53,7 @@ from kvdock.storage.memory import L1Object, L1Store
 from kvdock.storage.plans import OVERWRITING, SUPERSEDED, Chain, Placement, StorePlan
 from kvdock.storage.reservations import reserve
 from kvdock.storage.sessions import PrefetchJob, Session, SessionTable, Writer
+from kvdock.storage.stream import PollResult, pos_text
 from kvdock.storage.tier import Head
 
 log = logging.getLogger(__name__)

@@ -34,9 +34,10 @@ from kvdock.storage._redisclient import ERRORS, cluster_nodes, eval_each, make_c
 from kvdock.storage._redisholding import FloorScripts, floor_key
 from kvdock.storage._redisread import FALLBACK, read_fast, read_heads, read_plain
 from kvdock.storage.budget import Budget
-from kvdock.storage.coherence import DELETE_SCRIPT, Coherence, Fence
+from kvdock.storage.coherence import DELETE_SCRIPT, Coherence
 from kvdock.storage.policy import Policy
 from kvdock.storage.shares import Shares
+from kvdock.storage.stream import Fence, pos_text
 from kvdock.storage.tier import Head, StorageTier, TierCounters
 
 __all__ = ["ERRORS", "RedisTier", "floor_key", "make_client", "redis_key"]
@@ -355,7 +356,7 @@ class RedisTier(FloorScripts, StorageTier):
         ttl = self.coherence.floor_ttl_ms if self.coherence is not None else coherence.FLOOR_TTL_MS
         ttl = max(ttl, FLOOR_MIN_MS)  # (a write-down issued before it lands within ISSUE_LIMIT_MS)
         keys = (final, floor_key(final), *_redisstage.staged_keys(final))
-        args = (DELETE_SCRIPT, 4, *keys, coherence.pos_text(floor), ttl)
+        args = (DELETE_SCRIPT, 4, *keys, pos_text(floor), ttl)
         if self.cluster:
             run_waited(self._redis, final, *args)
         else:

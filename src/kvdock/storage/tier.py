@@ -26,7 +26,7 @@ from kvdock.keys import ObjectKey
 from kvdock.layout import KVGeometry
 
 if TYPE_CHECKING:
-    from kvdock.storage.coherence import Fence
+    from kvdock.storage.stream import Fence
 
 
 class Head(NamedTuple):

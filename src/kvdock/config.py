@@ -23,15 +23,17 @@ from kvdock import __version__
 from kvdock.errors import ConfigError
 from kvdock.redisurl import check_redis_url
 
-# byte sizes and the automatic L1 and L2 sizes (kvdock.sizes) stay importable from here
-from kvdock.sizes import DISK_DEFAULT as DISK_DEFAULT
-from kvdock.sizes import L1_AUTO_FRACTION as L1_AUTO_FRACTION
-from kvdock.sizes import L1_AUTO_MAX as L1_AUTO_MAX
-from kvdock.sizes import auto_disk_size as auto_disk_size
-from kvdock.sizes import auto_l1_size as auto_l1_size
-from kvdock.sizes import default_disk_dir as default_disk_dir
-from kvdock.sizes import format_size as format_size
-from kvdock.sizes import parse_size as parse_size
+# byte sizes and the automatic L1 and L2 sizes (their own module, kvdock.sizes)
+from kvdock.sizes import (
+    DISK_DEFAULT,
+    L1_AUTO_FRACTION,
+    L1_AUTO_MAX,
+    auto_disk_size,
+    auto_l1_size,
+    default_disk_dir,
+    format_size,
+    parse_size,
+)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 5555

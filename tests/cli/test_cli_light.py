@@ -22,8 +22,9 @@ import kvdock.sdk as kvd
 from helpers import CHUNK, GEOMETRY, free_port, make_kv, make_tokens
 from kvdock.cli.main import build_parser
 from kvdock.cli.serve import flag
-from kvdock.config import DEFAULT_HTTP_URL, DISK_DEFAULT, ServerConfig, auto_disk_size
+from kvdock.config import DEFAULT_HTTP_URL, ServerConfig
 from kvdock.errors import KVDockError
+from kvdock.sizes import DISK_DEFAULT, auto_disk_size
 
 # run `kvdock ARGS` in a fresh interpreter, then say which heavy modules it imported
 PROBE = """
@@ -210,7 +211,7 @@ def test_serve_says_what_it_takes_in_one_line(tmp_path) -> None:
 def test_default_sizes_suit_a_laptop(tmp_path) -> None:
     """L1 at most 2 GiB however much memory there is; L2 a fixed 8 GiB (half the free space when
     less is free), not a fraction of the disk recomputed at every start."""
-    from kvdock.config import L1_AUTO_MAX, auto_l1_size
+    from kvdock.sizes import L1_AUTO_MAX, auto_l1_size
 
     assert 0 < auto_l1_size() <= L1_AUTO_MAX == 2 * 2**30
     st = os.statvfs(tmp_path)

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvdock.config import parse_size
 from kvdock.errors import ConfigError
 from kvdock.memcpy import populate
+from kvdock.sizes import parse_size
 
 MIN_POOLED = 1 << 20  # smaller tensors come from malloc's own free lists without new faults
 GRAIN = 2 << 20  # blocks are whole huge pages

@@ -12,14 +12,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from kvdock.config import (
-    L1_AUTO_FRACTION,
-    ServerConfig,
-    auto_disk_size,
-    auto_l1_size,
-    default_disk_dir,
-    format_size,
-)
+from kvdock.config import ServerConfig
 from kvdock.errors import ConfigError, DiskInUseError
 from kvdock.server.events import ChunkEvents, subscription_topic
 from kvdock.server.metrics import Metrics
@@ -29,6 +22,7 @@ from kvdock.server.tenants import Tenants
 from kvdock.shm import cleanup_stale
 from kvdock.shm.directory import Directory
 from kvdock.shm.pool import Pool
+from kvdock.sizes import L1_AUTO_FRACTION, auto_disk_size, auto_l1_size, default_disk_dir, format_size
 from kvdock.storage import DiskTier, L1Store, StorageManager, TierLane
 from kvdock.storage.coherence import Coherence
 from kvdock.storage.following import follow, load_position

@@ -17,7 +17,7 @@ import zmq
 from aiohttp import web
 
 from kvdock import memcpy
-from kvdock.config import ServerConfig, format_size
+from kvdock.config import ServerConfig
 from kvdock.errors import ConfigError, ProtocolError
 from kvdock.keys import TOKEN_DTYPE
 from kvdock.protocol import ErrorCode, decode_request, encode
@@ -31,6 +31,7 @@ from kvdock.server.pools import open_door, open_pool
 from kvdock.server.resources import keep_freed_memory, raise_fd_limit
 from kvdock.server.state import Outcome, Reply, ServerState
 from kvdock.server.tenants import load_tenants
+from kvdock.sizes import format_size
 from kvdock.transport.curve import ServerCurve
 from kvdock.transport.server import ControlServer, Incoming
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvdock.config import MAX_CLIENTS, ServerConfig, format_size
+from kvdock.config import MAX_CLIENTS, ServerConfig
 from kvdock.errors import RegistrationError
 from kvdock.layout import KVGeometry
 from kvdock.protocol.codes import ErrorCode
@@ -35,6 +35,7 @@ from kvdock.protocol.messages import ModelLayout, Transport
 from kvdock.server.layouts import check_engine, check_same
 from kvdock.server.modelfile import ModelFile
 from kvdock.server.tenants import Tenant
+from kvdock.sizes import format_size
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvdock.config import parse_size
 from kvdock.errors import ConfigError
 from kvdock.protocol.limits import MAX_SALT_LEN, MAX_TOKEN_LEN, MIN_TOKEN_LEN
+from kvdock.sizes import parse_size
 from kvdock.transport.curve import load_public
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")

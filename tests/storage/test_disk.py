@@ -682,6 +682,30 @@ def test_second_store_on_the_same_dir_is_refused(store: DiskTier) -> None:
     again.close()  # harmless twice
 
 
+def test_a_closed_dir_is_free_though_a_forked_child_still_holds_its_lock_descriptor(store: DiskTier) -> None:
+    """Regression (seen once under --cov: DiskInUseError on a reopen): a child forked while the
+    tier was open holds a copy of the lock's descriptor, and a flock belongs to the open file, so
+    closing ours alone left the directory locked until the child exited. close() unlocks first."""
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: holds every descriptor of the parent, the lock's too, until told
+        os.write(ready_w, b"x")
+        os.read(done_r, 1)
+        os._exit(0)
+    try:
+        assert os.read(ready_r, 1) == b"x"
+        again = reopen(store)  # the child still runs with its copy of the descriptor
+        assert again.scan() == ScanReport(0, 0, 0)
+        with pytest.raises(DiskInUseError, match="in use"):  # and the new owner's lock holds
+            DiskTier(store.root, capacity=FILE)
+    finally:
+        os.write(done_w, b"x")
+        assert os.waitpid(pid, 0)[1] == 0
+        for fd in (ready_r, ready_w, done_r, done_w):
+            os.close(fd)
+
+
 # ---------------------------------------------------------------- through the manager and a lane
 
 

@@ -122,8 +122,11 @@ class DiskTier(StorageTier):
         return self.space.full
 
     def close(self) -> None:
-        """Release the directory lock; harmless twice."""
+        """Release the directory lock; harmless twice. Unlocked before the close: a lock of
+        ``flock`` belongs to the open file, which a child forked meanwhile (a subprocess between
+        its fork and exec, a forked worker) still holds after this process closes its descriptor."""
         if self._lock_fd >= 0:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = -1
 

@@ -42,15 +42,12 @@ def chunk_hashes(tokens: np.ndarray, chunk_size: int) -> list[bytes]:
     ``tokens`` must be a 1-D array of dtype ``TOKEN_DTYPE``.
     """
     assert tokens.dtype == TOKEN_DTYPE and tokens.ndim == 1
-    n = len(tokens) // chunk_size
-    raw = tokens.view(np.uint8)
     step = chunk_size * TOKEN_DTYPE.itemsize
+    raw = tokens[: len(tokens) // chunk_size * chunk_size].tobytes()  # (one copy: no per-chunk views)
     prev = SEED
     out: list[bytes] = []
-    for i in range(n):
-        h = blake3(prev)
-        h.update(raw[i * step : (i + 1) * step].data)
-        prev = h.digest()
+    for start in range(0, len(raw), step):
+        prev = blake3(prev + raw[start : start + step]).digest()
         out.append(prev)
     return out
 

@@ -650,3 +650,6 @@ def test_interleave_numbers_a_requests_slots_chunk_major() -> None:
     one = Interleave(1)
     assert one.merge([[m.SlotRef(0, 5), m.SlotRef(1, 9)]]) == [m.SlotRef(0, 5), m.SlotRef(1, 9)]
     assert one.chunks([3, 1]) == [[3, 1]] and one.split(3) == (3, 0)
+    assert one.route([3, 1], ["x", "y"]) == [["x", "y"]]
+    with pytest.raises(ValueError):  # as zip(strict=True) of several shards
+        one.route([3, 1], ["x"])

@@ -55,3 +55,17 @@ def test_a_chunk_chained_onto_an_edit_is_derived_not_edited() -> None:
     assert after & DERIVED and not after & EDITED and depends_on_edit(after) and not is_edited(after)
     assert after_after & DERIVED and depends_on_edit(after_after)
     assert all(0 < v < 2**63 for v in (plain, edit, after, after_after))
+
+
+def test_random_bits_are_the_random_part_of_a_version() -> None:
+    """A store draws its new versions' random parts at once (random_bits: one read of the OS's
+    randomness); each is a version's random part as secrets.randbits(61) would be."""
+    from kvdock.storage.plans import DERIVED, random_bits
+
+    bits = random_bits(4000)
+    assert len(bits) == 4000 and all(type(b) is int and 0 <= b < 2**61 for b in bits)
+    assert len(set(bits)) == 4000 and max(bits) >= 2**60  # random, all 61 bits used
+    assert random_bits(0) == []
+    assert new_version(False, 0, 6) == 7  # never 0: the low bit is set
+    assert new_version(True, 0, 6) == EDITED | 7
+    assert new_version(False, EDITED | 3, 2**64 - 1) == DERIVED | (2**61 - 1)  # only the random bits kept

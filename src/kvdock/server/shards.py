@@ -74,6 +74,10 @@ class Interleave:
 
     def route(self, indexes: Sequence[int], items: Sequence[T]) -> list[list[T]]:
         """``items[k]`` (of slot ``indexes[k]``) by shard, in their order."""
+        if self.shards == 1:  # (the common case: every slot is the shard's, numbered by chunk)
+            if len(indexes) != len(items):
+                raise ValueError(f"{len(indexes)} slot indexes for {len(items)} items")
+            return [list(items)]
         out: list[list[T]] = [[] for _ in range(self.shards)]
         for index, item in zip(indexes, items, strict=True):
             out[self.split(index)[1]].append(item)
@@ -81,6 +85,8 @@ class Interleave:
 
     def chunks(self, indexes: Sequence[int]) -> list[list[int]]:
         """Each shard's chunks of slots ``indexes``, in their order."""
+        if self.shards == 1:
+            return [list(indexes)]
         return self.route(indexes, [self.split(index)[0] for index in indexes])
 
 

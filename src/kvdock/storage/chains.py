@@ -135,13 +135,14 @@ class Chains:
         a key being written stops it), with its tip and its versions from its last EDITED one on."""
         parent, n = 0, 0
         since_edit: list[int] = []
+        indexed = self.indexed()
         for key in keys:
             if self.l1.reservation(key) is not None:
                 break
             present = self.l1.get(key)
             head = Head(present.version, present.parent) if present is not None else None
             if head is None or head.parent != parent:
-                head = None if key in self.deletions else self.lower_head(key, parent, below)
+                head = None if key in self.deletions else self.lower_head(key, parent, below, indexed)
             if head is None:
                 break
             parent, n = head.version, n + 1
@@ -151,10 +152,25 @@ class Chains:
                 since_edit.append(parent)
         return StoreRun(n, parent, tuple(since_edit))
 
-    def lower_head(self, key: ObjectKey, parent: int, below: dict[ObjectKey, Head] | None) -> Head | None:
+    def indexed(self) -> list[TierLane]:
+        """The tiers with an index that reads may use now (L2): what :meth:`lower_head` asks. A
+        caller asking for many keys in one step of the event loop takes it once."""
+        return [lane for lane in self.readable() if lane.tier.indexed]
+
+    def lower_head(
+        self,
+        key: ObjectKey,
+        parent: int,
+        below: dict[ObjectKey, Head] | None,
+        indexed: list[TierLane] | None = None,
+    ) -> Head | None:
         """The head of ``key`` in a lower tier if it continues ``parent``'s chain: from an indexed
-        tier's index (L2), or from ``below`` (heads already read from the others)."""
-        local = [lane for lane in self.readable() if lane.tier.indexed and not self.deletions.blocks(key, lane)]
-        heads = [lane.tier.knows(key) for lane in local]
-        heads.append((below or {}).get(key))
-        return next((h for h in heads if h is not None and h.parent == parent), None)
+        tier's index (L2: ``indexed``, default :meth:`indexed`), or from ``below`` (heads already
+        read from the others)."""
+        for lane in self.indexed() if indexed is None else indexed:
+            if not self.deletions.blocks(key, lane):
+                head = lane.tier.knows(key)
+                if head is not None and head.parent == parent:
+                    return head
+        found = below.get(key) if below else None
+        return found if found is not None and found.parent == parent else None

@@ -6,6 +6,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvdock.storage.memory import L1Object
 from kvdock.storage.tier import Head
 
@@ -21,6 +23,7 @@ __all__ = [
     "depends_on_edit",
     "is_edited",
     "new_version",
+    "random_bits",
     "write_limit",
 ]
 
@@ -109,13 +112,25 @@ def write_limit(runs: list[StoreRun], over: list[int] | None, edited: bool = Fal
     return None
 
 
-def new_version(edited: bool = False, parent: int = 0) -> int:
+def new_version(edited: bool = False, parent: int = 0, bits: int | None = None) -> int:
     """A version id for a newly stored object: random, so versions from other servers (sharing
     L3) or from before a restart never collide in practice; never 0 (the chain's start); below
     2**63, with the :data:`EDITED` bit set exactly when ``edited`` (an overwrite's object), and
-    :data:`DERIVED` when it is not and chains onto ``parent``, an edit or derived from one."""
+    :data:`DERIVED` when it is not and chains onto ``parent``, an edit or derived from one.
+    ``bits``: its random part, one of :func:`random_bits` (default: drawn now)."""
     derived = not edited and bool(parent & (EDITED | DERIVED))
-    return secrets.randbits(61) | 1 | (EDITED if edited else 0) | (DERIVED if derived else 0)
+    random = secrets.randbits(61) if bits is None else bits & _RANDOM
+    return random | 1 | (EDITED if edited else 0) | (DERIVED if derived else 0)
+
+
+_RANDOM = (1 << 61) - 1  # the random bits of a version id (below DERIVED and EDITED)
+
+
+def random_bits(n: int) -> list[int]:
+    """``n`` random parts of :func:`new_version`, from one read of the OS's randomness (as
+    ``secrets.randbits``, without a read for each of a store's chunks)."""
+    words = np.frombuffer(secrets.token_bytes(8 * n), dtype="<u8") & np.uint64(_RANDOM)
+    return [int(w) for w in words.tolist()]
 
 
 def depends_on_edit(version: int) -> bool:

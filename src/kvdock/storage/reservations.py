@@ -16,7 +16,7 @@ from kvdock.storage.chains import Chains
 from kvdock.storage.deletions import Deletions
 from kvdock.storage.loads import Loads
 from kvdock.storage.memory import L1Object, L1Store
-from kvdock.storage.plans import OVERWRITING, StorePlan, new_version
+from kvdock.storage.plans import OVERWRITING, StorePlan, new_version, random_bits
 from kvdock.storage.tier import Head
 
 __all__ = ["Reserved", "reserve"]
@@ -57,6 +57,9 @@ def reserve(
     slots: list[tuple[int, L1Object]] = []
     deduped = in_flight = pool_full = diverged = 0
     parent = 0  # the version chain: each chunk names the version of the one before it
+    indexed = chains.indexed()  # (the lower tiers' indexes, taken once for the request's keys)
+    lowers = bool(indexed or below) and not overwrite  # whether a lower tier could hold a key
+    bits: list[int] = []  # the new versions' random bits, drawn at the first reservation for all
     for i, key in enumerate(keys):
         pending = l1.reservation(key)
         if pending is not None and pending in loads and overwrite:
@@ -74,7 +77,7 @@ def reserve(
                 l1.pin(present)
                 out.kept.append(present)
             continue
-        lower = None if overwrite or key in deletions else chains.lower_head(key, parent, below)
+        lower = chains.lower_head(key, parent, below, indexed) if lowers and key not in deletions else None
         if lower is not None:  # a lower tier holds this very version: stored already
             deduped += 1
             parent = lower.version
@@ -93,7 +96,8 @@ def reserve(
             if overwrite:
                 l1.remove(key)  # it will not be rewritten: its old version must not stay
         else:
-            obj.version, obj.parent = new_version(overwrite or edited, parent), parent
+            bits = bits or random_bits(len(keys) - i)
+            obj.version, obj.parent = new_version(overwrite or edited, parent, bits.pop()), parent
             # what it was decided against: apply supersedes a plain store's reservation older than
             # an invalidation; an overwrite's is the new version (its epoch is set at the commit)
             obj.epoch = OVERWRITING if overwrite else epoch

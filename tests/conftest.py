@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import cpu_table
 import kvdock.sdk as kvd
 from helpers import (
     CHUNK,
@@ -54,6 +55,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    cpu_table.register(config)  # KVDOCK_TEST_CPU=DIR: a table of each test's CPU (tests/cpu_table.py)
     config.addinivalue_line(
         "markers",
         "subprocess_server: make_server / server start a `kvdock serve` process for this test, not an in-process "

@@ -4,6 +4,7 @@ what needs a process boundary), and wait until it answers."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import threading
@@ -19,6 +20,8 @@ import torch
 from kvdock.inprocess import InProcessServer
 from kvdock.testing import ServerProcess, free_port, server_binary
 from kvdock.testing import start_server as start
+from zygote import SERVER
+from zygote import Popen as ZygotePopen
 
 __all__ = [
     "CHUNK",
@@ -88,7 +91,8 @@ def start_server(
     http_port: int = 0,
 ) -> ServerProcess:
     """Start ``kvdock serve`` with a small pool and small chunks; raises if it does not come up.
-    No L2 unless the test asks for one: the default directory is shared by the whole machine."""
+    No L2 unless the test asks for one: the default directory is shared by the whole machine.
+    The process is forked from a python that imported the server already (tests/zygote.py)."""
     log_path = tmp_path / f"server-{time.monotonic_ns()}.log"
     return start(
         *_disk_flags(extra),
@@ -100,6 +104,7 @@ def start_server(
         env=env,
         port=port,
         http_port=http_port,
+        popen=functools.partial(ZygotePopen, preload=SERVER),
     )
 
 

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -142,13 +143,15 @@ def launch_server(
     port: int = 0,
     http_port: int = 0,
     env: dict[str, str] | None = None,
+    popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen,
 ) -> ServerProcess:
     """Start ``kvdock serve`` on free loopback ports without waiting for it (see wait_ready).
 
     ``extra`` are more CLI flags. KVDOCK_* variables of this process are not passed on, so only
     the flags decide, plus ``env`` (e.g. a fault-injection variable). The output goes to
     ``log_path`` (default: a temporary file). Ports default to free ones (give them to restart a
-    server where its clients expect it)."""
+    server where its clients expect it). ``popen`` starts the process (subprocess.Popen's
+    arguments; the tests fork it from a pre-imported python: tests/zygote.py)."""
     port, http_port = port or free_port(), http_port or free_port()
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"kvdock-serve-{port}-", suffix=".log")
@@ -161,7 +164,7 @@ def launch_server(
     ]  # fmt: skip
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")} | (env or {})
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=child_env)
+        proc = popen(args, stdout=log, stderr=subprocess.STDOUT, env=child_env)
     return ServerProcess(proc, port, http_port, log_path, args)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
+import zygote
 from helpers import CHUNK, ServerProc
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -29,7 +30,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 def run_example(script: str, srv: ServerProc, *extra: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
     cmd = [sys.executable, str(EXAMPLES / script), "--url", srv.url, "--http-url", srv.http_url, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    proc = zygote.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"{script} exited {proc.returncode}\nstderr:\n{proc.stderr}\nstdout:\n{proc.stdout}"
     return json.loads(proc.stdout), proc
 
@@ -194,7 +195,7 @@ def test_examples_with_a_local_model_directory(make_server: Callable[..., Server
         "token_dropping.py": ["--cache-salt", "b", "--max-new-tokens", "8", "--prompt-tokens", "100"],
     }
     procs = {
-        script: subprocess.Popen(
+        script: zygote.Popen(
             [sys.executable, str(EXAMPLES / script), *common, *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -7,7 +7,6 @@ Every test starts its own ``kvdock serve`` (chunk size 16) and registers the mod
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from hf_models import LOGIT_ATOL, full_cache, last_logits, prompt, reference, ti
 
 import kvdock.integrations.hf as kvhf
 import kvdock.sdk as kvd
+import zygote
 from helpers import CHUNK, ServerProc
 from kvdock.layout import KVGeometry
 
@@ -182,7 +182,7 @@ def test_registration_and_kv_2ltd_seen_from_another_process(
             g = ctx.geometry
             print(json.dumps([g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, ctx.chunk_size]))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    proc = zygote.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [2, 2, 16, "bfloat16", CHUNK]
     kv = torch.load(out)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
+import zygote
 from helpers import (
     ALWAYS_PROCESS,
     CHUNK,
@@ -285,7 +286,6 @@ def test_a_huge_sparse_file_is_refused_from_its_header_without_reading_it(bundle
     """Issue 29 (8): read_bundle read the whole file before looking at its header, so a 4 GiB
     sparse file gave a bare MemoryError under a memory limit. The header, the tensors it declares
     (against the manifest's geometry) and the file's size are checked before the data is read."""
-    import subprocess
     import sys
 
     path, _ = bundle
@@ -296,7 +296,7 @@ def test_a_huge_sparse_file_is_refused_from_its_header_without_reading_it(bundle
     grown.write_bytes(path.read_bytes())
     with open(grown, "r+b") as f:
         f.truncate(4 << 30)
-    out = subprocess.run(
+    out = zygote.run(
         [sys.executable, "-c", UNDER_A_MEMORY_LIMIT, str(zeros), str(grown), str(path)],
         capture_output=True,
         text=True,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
+import zygote
 from helpers import CHUNK, MODEL, make_tokens
 
 WORKER = textwrap.dedent(
@@ -53,7 +54,7 @@ WORKER = textwrap.dedent(
 def test_four_concurrent_clients(make_server, transport: str) -> None:
     srv = make_server(*(["--no-shm"] if transport == "inline" else []))
     procs = [
-        subprocess.Popen(
+        zygote.Popen(
             [sys.executable, "-c", WORKER, srv.url, srv.http_url, MODEL, str(w)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -154,7 +155,7 @@ CLOSE_WORKER = COPIER + textwrap.dedent(
 
 
 def _run(script: str, *args: str, timeout: float = 240) -> tuple[int, int]:
-    p = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
+    p = zygote.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"the copying process exited with {p.returncode}:\n{p.stderr[-4000:]}"
     complete, sdk_errors, wrong = p.stdout.strip().split(" ", 2)
     assert wrong == "[]", wrong

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
+import zygote
 from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, start_server, wait_written
 from kvdock.protocol import messages as m
 from kvdock.sdk._handshake import watch_creator
@@ -160,7 +161,7 @@ def test_reads_racing_overwrites_in_another_process_never_mix_versions(server) -
     script = WRITER.format(tests=str(Path(__file__).parent.parent))
     with kvd.connect(server.url, server.http_url, MODEL) as c:
         kvd.store(c, torch.zeros(2, 3, 4 * CHUNK, 16, dtype=torch.bfloat16), tokens)
-        p = subprocess.Popen(
+        p = zygote.Popen(
             [sys.executable, "-c", script, server.url, server.http_url, MODEL, "300"], stdout=subprocess.PIPE, text=True
         )
         seen: set[float] = set()
@@ -426,7 +427,7 @@ UNCLOSED = textwrap.dedent(
 def test_a_context_dropped_without_close_is_freed_with_its_reporter(server) -> None:
     """Regression (both reviews): the reporter referred to its context, which then lived on as
     long as the reporter's thread did, and was freed only by a GC pass that hung in zmq."""
-    p = subprocess.run(
+    p = zygote.run(
         [sys.executable, "-c", UNCLOSED, server.url, server.http_url, MODEL], capture_output=True, text=True, timeout=60
     )
     assert p.returncode == 0, p.stderr[-3000:]
@@ -607,7 +608,7 @@ def test_a_fast_read_spanning_a_server_restart_never_returns_the_replaced_versio
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
         assert kvd.store(c, old, tokens)
         wait_written(srv, "l2", 3)  # the new server finds the old version in L2: a real overwrite
-    child = subprocess.Popen(
+    child = zygote.Popen(
         [sys.executable, PAUSED, srv.url, srv.http_url, MODEL, "read", "12000", str(3 * CHUNK), str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
+import zygote
 from helpers import CHUNK, MODEL, make_kv, make_tokens, open_sessions, wait_sessions
 from kvdock.protocol import messages as m
 
@@ -71,7 +72,7 @@ def test_a_write_into_a_view_kills_the_writer_not_the_cache(server, ctx, tmp_pat
         "print(v.num_tokens, flush=True)\n"
         "v.chunk(0).fill_(1.0)\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    p = zygote.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == str(CHUNK), p.stderr
     assert p.returncode == -signal.SIGSEGV
     assert torch.equal(kvd.retrieve(ctx, toks), kv)
@@ -134,7 +135,7 @@ def test_a_view_paused_past_its_lease_raises_instead_of_passing_off_other_bytes(
     a, b = make_tokens(4 * CHUNK), make_tokens(12 * CHUNK, start=50_000)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
         kvd.store(c, make_kv(4 * CHUNK, seed=1), a)
-        child = subprocess.Popen(
+        child = zygote.Popen(
             [sys.executable, PAUSED, srv.url, srv.http_url, MODEL, "view", "0", str(4 * CHUNK), "-"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -18,6 +18,7 @@ import torch
 from tests.cli.test_cli import kvdock  # kvdock ARGS in this process, output captured
 
 import kvdock.sdk as kvd
+import zygote
 from helpers import CHUNK, GEOMETRY, MODEL, InProcessServer, free_port, make_kv, make_tokens, start_inprocess
 from kvdock.errors import PermissionDeniedError
 from kvdock.transport import curve
@@ -133,7 +134,7 @@ def test_keys_from_the_environment_and_the_cli(tmp_path: Path, keys: Keys) -> No
             f"    assert kvd.store(c, kv, list(range(7, 7 + {2 * CHUNK})))\n"
         )
         torch.save(kv, tmp_path / "kv.pt")
-        r = subprocess.run(
+        r = zygote.run(
             [sys.executable, "-c", code, srv.url, srv.http_url, str(tmp_path / "kv.pt")],
             env=env,
             capture_output=True,

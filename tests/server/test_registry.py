@@ -21,6 +21,7 @@ import torch
 import zmq
 
 import kvdock.sdk as kvd
+import zygote
 from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens
 from kvdock.config import MAX_CLIENTS, ServerConfig
 from kvdock.errors import RegistrationError
@@ -629,7 +630,7 @@ def test_a_100m_token_request_is_refused_quickly_while_others_keep_their_latency
     kv = make_kv(4 * CHUNK)
     assert kvd.store(ctx, kv, make_tokens(4 * CHUNK))
     stop = tmp_path / "stop"
-    other = subprocess.Popen(
+    other = zygote.Popen(
         [sys.executable, "-c", OTHER_CLIENT, server.url, server.http_url, MODEL, str(4 * CHUNK), str(stop)],
         stdout=subprocess.PIPE,
     )

@@ -11,6 +11,7 @@ import time
 import torch
 
 import kvdock.sdk as kvd
+import zygote
 from helpers import CHUNK, MODEL, make_kv, make_tokens
 from kvdock.keys import normalize_tokens
 
@@ -41,7 +42,7 @@ def test_a_client_that_never_reads_pins_nothing(make_server) -> None:
     kv = make_kv(1024 * CHUNK, seed=1)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
         assert kvd.store(c, kv, tokens)
-        child = subprocess.Popen(
+        child = zygote.Popen(
             [sys.executable, "-c", STALLED, srv.url, MODEL, "30"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -96,7 +97,7 @@ def test_pipelined_retrieves_of_a_client_that_never_reads_stay_under_the_unsent_
     with kvd.connect(srv.url, srv.http_url, "big", timeout=30) as c:
         d = BIG["num_kv_heads"] * BIG["head_dim"]
         assert kvd.store(c, torch.ones(2, BIG["num_layers"], len(tokens), d, dtype=torch.bfloat16), tokens)
-        child = subprocess.Popen(
+        child = zygote.Popen(
             [sys.executable, "-c", STALLED, srv.url, "big", "14"],  # 14 retrieves, sent at once
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -170,7 +171,7 @@ def test_a_batch_reply_buffer_is_not_reused_while_a_paused_client_has_not_read_i
             kvd.store(ctx, make_kv(len(other), seed=2), other)
         before, batch = srv.metric("kvdock_retrieved_bytes_total"), (n + 16) * ctx.geometry.chunk_nbytes(CHUNK) // CHUNK
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, os.environ.get("PYTHONPATH", "")])}
-        child = subprocess.Popen(
+        child = zygote.Popen(
             [sys.executable, "-c", BATCH_READER, srv.url, srv.http_url, str(n)],
             stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
+import zygote
 from helpers import CHUNK, MODEL, make_kv, make_tokens
 
 CHILD = textwrap.dedent(
@@ -40,7 +41,7 @@ CHILD = textwrap.dedent(
 
 
 def _run_child(srv, what: str) -> subprocess.Popen[str]:
-    p = subprocess.Popen(
+    p = zygote.Popen(
         [sys.executable, "-c", CHILD, srv.url, srv.http_url, MODEL, what], stdout=subprocess.PIPE, text=True
     )
     assert p.stdout is not None
@@ -98,7 +99,7 @@ PAUSED = str(Path(__file__).parent.parent / "paused_client.py")
 
 
 def _paused_child(srv, what: str, start: int, n: int, arg: str, fast_reads: bool = True) -> subprocess.Popen[str]:
-    p = subprocess.Popen(
+    p = zygote.Popen(
         [sys.executable, PAUSED, srv.url, srv.http_url, MODEL, what, str(start), str(n), arg],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kvdock.sdk as kvd
+import zygote
 from helpers import CHUNK, GEOMETRY, MODEL, assert_fast_reads_refused, make_kv, make_tokens, start_server
 from kvdock.protocol import encode
 from kvdock.protocol import messages as m
@@ -126,7 +127,7 @@ with kvd.connect({srv.url!r}, {srv.http_url!r}, MODEL, 10, token={ACME!r}) as a:
     assert torch.equal(kvd.retrieve(a, make_tokens(2 * CHUNK), "acme"), kv)
     print(a.transport, ",".join(_kvdock_maps(os.getpid())))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = zygote.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["shm", "kvdock-acme-meta,kvdock-acme-slots"]
 
@@ -247,7 +248,7 @@ with kvd.connect({srv.url!r}, {srv.http_url!r}, MODEL, 10, token={ACME!r}) as a:
     got = kvd.retrieve(a, make_tokens(2 * CHUNK), "acme")
     print(os.getuid(), a.transport, a._conn.channel, torch.equal(got, kv))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = zygote.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["65534", "shm", "zmq", "True"]
     with kvd.connect(srv.url, srv.http_url, MODEL, 10, token=ACME) as a:

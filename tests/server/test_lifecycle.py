@@ -22,18 +22,44 @@ SHM = Path("/dev/shm")
 
 def segments_created_by(pid: int) -> set[str]:
     """kvdock segments in /dev/shm whose header names ``pid`` as their creator (other servers'
-    segments -- other tests may run in parallel -- do not count)."""
+    segments -- other tests may run in parallel -- do not count). Reads each segment's header
+    only: it once read whole segments, and another process's pool of 9 GiB in /dev/shm got the
+    test process killed for running out of memory."""
     found = set()
     for name in os.listdir(SHM):
         if not name.startswith(PREFIX):
             continue
         try:
-            head = (SHM / name).read_bytes()[: _V1.size]
+            with open(SHM / name, "rb") as f:
+                head = f.read(_V1.size)
         except OSError:
             continue  # removed meanwhile
         if len(head) == _V1.size and _V1.unpack(head)[0] == MAGIC and _V1.unpack(head)[2] == pid:
             found.add(name)
     return found
+
+
+def test_segments_created_by_reads_headers_only(tmp_path) -> None:
+    """segments_created_by once read every kvdock segment in /dev/shm whole: another process's 9 GiB
+    pool took the test process past the machine's memory. A 256 MiB segment (sparse: no memory
+    until read) naming a pid of its own is found, and reading it costs no more than its header."""
+    import secrets
+    import tracemalloc
+
+    name = f"{PREFIX}{secrets.token_hex(16)}"
+    fake_pid = 2**31 - 7  # above pid_max: no real server's
+    with open(SHM / name, "wb") as f:
+        f.write(_V1.pack(MAGIC, 1, fake_pid, 0, bytes(32), 0))
+        f.truncate(256 << 20)
+    tracemalloc.start()
+    try:
+        found = segments_created_by(fake_pid)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        (SHM / name).unlink()
+    assert found == {name}
+    assert peak < 1 << 20, peak
 
 
 def _segment(srv) -> Path:

@@ -128,7 +128,6 @@ LONGEST: tuple[str, ...] = (
     "fleet/test_adversarial_r8_fleet.py::test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused",
     "server/test_cluster_server.py::test_a_master_killed_under_load_costs_no_errors_no_wrong_bytes_and_l3_comes_back",
     "fleet/test_adversarial_r8_fleet.py::test_garbage_on_the_control_socket_while_overwrites_run_through_two_servers",
-    "server/test_lifecycle.py::test_busy_port_fails_cleanly_without_leaking_memory",
     "server/test_retrieval.py::test_a_batch_reply_buffer_is_not_reused_while_a_paused_client_has_not_read_it",
     "server/test_adversarial_r3.py::test_an_overwrite_under_write_pressure_answers_within_a_bound",
     "fleet/test_fleet_keep.py::test_an_overwrites_value_evicted_from_l3_is_kept_by_its_holders_until_they_drop_it",

@@ -122,3 +122,20 @@ def test_off_it_is_a_plain_subprocess(monkeypatch: pytest.MonkeyPatch) -> None:
     code = "import os, sys; print(os.getppid(), 'torch' in sys.modules)"
     r = zygote.run([PY, "-c", code], capture_output=True, text=True)
     assert r.stdout.split() == [str(os.getpid()), "False"]
+
+
+def test_a_dead_zygote_fails_its_childrens_waits_and_a_new_one_takes_over() -> None:
+    """Its children's exit statuses die with it: wait raises (it never hangs), and the next child
+    comes from a new zygote (a preload set of this test's own: the shared zygotes are left alone)."""
+    own = ("json",)
+    p = zygote.Popen([PY, "-c", "import time; time.sleep(60)"], preload=own)
+    first = zygote.Zygote.get(own)
+    try:
+        first.proc.kill()
+        first.proc.wait(30)
+        with pytest.raises(RuntimeError, match=f"exit status of its child {p.pid} is lost"):
+            p.wait(30)
+        r = zygote.run([PY, "-c", "print('again')"], preload=own, capture_output=True, text=True, timeout=60)
+        assert r.stdout == "again\n" and zygote.Zygote.get(own) is not first
+    finally:
+        os.kill(p.pid, signal.SIGKILL)

@@ -72,7 +72,9 @@ class Zygote:
         theirs.close()
         self.sock = ours
         self.send_lock = threading.Lock()
-        self.pids: list[int] = []  # answers to requests, in order
+        self.requests = 0
+        self.pids: dict[int, int] = {}  # request number -> the pid of its child
+        self.dead = False  # the zygote hung up: its children's statuses are lost
         self.status: dict[int, int] = {}  # pid -> wait status, once reaped
         self.commands: dict[int, str] = {}  # pid -> its command (tests/cpu_table.py)
         self.changed = threading.Condition()
@@ -104,12 +106,12 @@ class Zygote:
                 msg = b""
             with self.changed:
                 if not msg:  # the zygote is gone: its children's statuses with it
-                    self.pids.append(-1)
+                    self.dead = True
                     self.changed.notify_all()
                     return
                 kind, pid, status, *cpu = msg.decode().split()
-                if kind == "pid":
-                    self.pids.append(int(pid))
+                if kind == "pid":  # ("pid CHILD REQUEST")
+                    self.pids[int(status)] = int(pid)
                 else:
                     self.status[int(pid)] = int(status)
                     REAPED.append((self.commands.pop(int(pid), ""), float(cpu[0])))
@@ -117,19 +119,24 @@ class Zygote:
 
     def fork(self, request: dict[str, Any], fds: list[int]) -> int:
         with self.send_lock, self.changed:
-            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
-            self.changed.wait_for(lambda: bool(self.pids), timeout=60)
-            if not self.pids or self.pids[0] < 0:
+            self.requests += 1
+            number = self.requests
+            socket.send_fds(self.sock, [json.dumps(request | {"number": number}).encode()], fds)
+            self.changed.wait_for(lambda: number in self.pids or self.dead, timeout=120)
+            if number not in self.pids:
                 raise RuntimeError("the test zygote did not fork a child (see its output above)")
-            pid = self.pids.pop(0)
+            pid = self.pids.pop(number)
             argv = request["argv"]
             self.commands[pid] = " ".join([sys.executable, *argv[: 1 if argv[0] == "-c" else 3]]).replace("\n", " ")
             return pid
 
     def wait(self, pid: int, timeout: float | None) -> int | None:
-        """The child's wait status once reaped (None if not within ``timeout``)."""
+        """The child's wait status once reaped (None if not within ``timeout``); RuntimeError if
+        the zygote died first (no one can tell it then)."""
         with self.changed:
-            self.changed.wait_for(lambda: pid in self.status, timeout=timeout)
+            self.changed.wait_for(lambda: pid in self.status or self.dead, timeout=timeout)
+            if pid not in self.status and self.dead:
+                raise RuntimeError(f"the test zygote died: the exit status of its child {pid} is lost")
             return self.status.get(pid)
 
 
@@ -173,7 +180,12 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         if self._zygote is None:
             return super()._internal_poll(_deadstate, *args)  # type: ignore[misc, no-any-return]
         if self.returncode is None:
-            status = self._zygote.wait(self.pid, 0)
+            try:
+                status = self._zygote.wait(self.pid, 0)
+            except RuntimeError:
+                if _deadstate is None:
+                    raise
+                status = None  # (Popen's __del__ and cleanup of a child the zygote took along)
             if status is not None:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
@@ -249,7 +261,7 @@ def _serve(sock: socket.socket) -> dict[str, Any]:
                 return dict(json.loads(msg))
             for fd in fds:
                 os.close(fd)
-            sock.send(f"pid {pid} 0".encode())
+            sock.send(f"pid {pid} {json.loads(msg)['number']}".encode())
 
 
 def _child(request: dict[str, Any]) -> None:

@@ -136,7 +136,7 @@ def start_inprocess(
                 http_port=http_port,
             )
         except RuntimeError as e:
-            if port or http_port or attempt == 2 or "address already in use" not in str(e):
+            if port or http_port or attempt == 2 or "address already in use" not in str(e).lower():
                 raise
     raise AssertionError("unreachable")
 

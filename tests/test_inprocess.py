@@ -142,3 +142,32 @@ def test_config_from_args_is_the_cli_s() -> None:
     assert (cfg.port, cfg.no_shm, cfg.l1_size, cfg.session_ttl, cfg.no_disk) == (7000, True, 1 << 20, 2.0, False)
     with pytest.raises(RuntimeError, match="l3_coherence_ms must be positive"):  # a 0 given is a 0
         InProcessServer.start("--redis-url", "redis://127.0.0.1:1/0", "--l3-coherence-ms", "0")
+
+
+def test_a_picked_port_taken_meanwhile_is_picked_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (a port race at -n 4: "cannot listen on tcp://127.0.0.1:53129: Address already
+    in use"): the retry of tests' start_inprocess compared the message case-sensitively and never
+    retried. The first port it picks here is held by a real listening socket."""
+    import socket
+
+    import kvdock.inprocess as inprocess
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])
+    real = inprocess.free_port
+    monkeypatch.setattr(inprocess, "free_port", lambda: next(picks, None) or real())
+    try:
+        srv = start_inprocess(tmp_path)
+        try:
+            assert srv.port != taken.getsockname()[1]
+            kvd.register_model(srv.url, srv.http_url, MODEL, dtype="bfloat16", **GEOMETRY, timeout=10)
+            with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as ctx:
+                kv, tokens = make_kv(2 * CHUNK), make_tokens(2 * CHUNK)
+                assert kvd.store(ctx, kv, tokens) is True
+                assert torch.equal(kvd.retrieve(ctx, tokens), kv)
+        finally:
+            assert srv.stop() == 0
+    finally:
+        taken.close()

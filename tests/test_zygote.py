@@ -139,3 +139,57 @@ def test_a_dead_zygote_fails_its_childrens_waits_and_a_new_one_takes_over() -> N
         assert r.stdout == "again\n" and zygote.Zygote.get(own) is not first
     finally:
         os.kill(p.pid, signal.SIGKILL)
+
+
+def test_a_child_of_a_reused_pid_gets_its_own_exit_status() -> None:
+    """Regression (R-ZYG): statuses were kept by pid, so a child that got the pid of an earlier,
+    reaped child of the zygote was at once 'exited' with the earlier one's status (a failing child
+    reported 0). The kernel hands out the pid we ask for through ns_last_pid (root, as in CI)."""
+    first = zygote.Popen([PY, "-c", "pass"])
+    assert first.wait(30) == 0
+    for _ in range(20):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(first.pid - 1))
+        code = "import sys, time; time.sleep(0.3); print('failing', file=sys.stderr); sys.exit(1)"
+        again = zygote.Popen([PY, "-c", code], stderr=subprocess.PIPE, text=True)
+        _, err = again.communicate(timeout=30)
+        if again.pid == first.pid:
+            assert (again.returncode, err.strip()) == (1, "failing")
+            return
+    raise AssertionError(f"no child got pid {first.pid} again in 20 tries")
+
+
+def test_umask_and_limits_are_the_test_processs_at_the_fork() -> None:
+    """Regression (R-ZYG): a child had the zygote's umask and resource limits (those of the test
+    process when the zygote started), not the test process's now, as an exec'd child has."""
+    import resource
+
+    zygote.run([PY, "-c", "pass"], timeout=30)  # (the zygote exists before the changes)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    old = os.umask(0o077)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        code = "import os, resource; print(oct(os.umask(0)), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+        r = zygote.run([PY, "-c", code], capture_output=True, text=True, timeout=30)
+    finally:
+        os.umask(old)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert r.stdout.split() == ["0o77", "256"], r.stderr
+
+
+def test_a_variable_read_at_start_that_differs_gets_a_fresh_interpreter() -> None:
+    """Regression (R-ZYG): PYTHONWARNINGS, OMP_NUM_THREADS ... are read when python or torch starts,
+    which a forked child never does: such a child now gets a fresh python (its parent is us)."""
+    code = "import os, sys; print(os.getppid(), sys.warnoptions)"
+    r = zygote.run(
+        [PY, "-c", code], capture_output=True, text=True, timeout=30, env=os.environ | {"PYTHONWARNINGS": "error"}
+    )
+    assert r.stdout.strip().split(maxsplit=1) == [str(os.getpid()), "['error']"], r.stderr
+    r = zygote.run([PY, "-c", code], capture_output=True, text=True, timeout=30)
+    assert r.stdout.split()[0] != str(os.getpid())  # (the same variables: forked by the zygote)
+
+
+def test_what_a_fork_cannot_give_is_refused() -> None:
+    for kw in ({"umask": 0o077}, {"user": 65534}, {"restore_signals": False}):
+        with pytest.raises(ValueError, match="umask, user or group"):
+            zygote.Popen([PY, "-c", "pass"], **kw)

@@ -28,12 +28,14 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import resource
 import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 CLIENT = ("torch", "numpy", "zmq", "msgspec")
@@ -41,6 +43,28 @@ SERVER = ("kvdock.cli.main", "kvdock.cli.serve", "kvdock.server.launch", "kvdock
 # (command, CPU seconds) of each child the zygote reaped, for tests/cpu_table.py to take
 REAPED: list[tuple[str, float]] = []
 _MAX = 1 << 20  # one request: argv, environment, working directory
+
+
+# read by the interpreter or a preloaded library when it starts (a forked child would keep the
+# zygote's): a child whose value differs from the zygote's is started as a fresh interpreter
+_AT_START = ("PYTHON", "OMP_", "MKL_", "MALLOC_", "LD_", "TORCH_", "PYTORCH_", "LC_", "LANG", "GLIBC_TUNABLES")
+# the process attributes a child gets from the test process at its fork, as an exec'd child would
+_LIMITS = ("RLIMIT_NOFILE", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_CORE", "RLIMIT_STACK")
+
+
+def _at_start(name: str) -> bool:
+    return name.startswith(_AT_START) and name != "PYTHONPATH"
+
+
+@dataclass
+class Child:
+    """One forked child: its pid once forked, its wait status once reaped. A record per child,
+    not per pid: a later child of the same pid (reused once the earlier one was reaped) never
+    sees the earlier one's status."""
+
+    command: str
+    pid: int = 0
+    status: int | None = None
 
 
 def enabled() -> bool:
@@ -72,11 +96,11 @@ class Zygote:
         theirs.close()
         self.sock = ours
         self.send_lock = threading.Lock()
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}  # (the zygote's)
         self.requests = 0
-        self.pids: dict[int, int] = {}  # request number -> the pid of its child
+        self.forking: dict[int, Child] = {}  # request number -> its child, until its pid is known
+        self.live: dict[int, Child] = {}  # pid -> the child of that pid not reaped yet
         self.dead = False  # the zygote hung up: its children's statuses are lost
-        self.status: dict[int, int] = {}  # pid -> wait status, once reaped
-        self.commands: dict[int, str] = {}  # pid -> its command (tests/cpu_table.py)
         self.changed = threading.Condition()
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
 
@@ -110,34 +134,37 @@ class Zygote:
                     self.changed.notify_all()
                     return
                 kind, pid, status, *cpu = msg.decode().split()
-                if kind == "pid":  # ("pid CHILD REQUEST")
-                    self.pids[int(status)] = int(pid)
+                if kind == "pid":  # ("pid CHILD REQUEST"; a pid's exit comes before its reuse's pid)
+                    child = self.forking.pop(int(status))
+                    child.pid = int(pid)
+                    self.live[child.pid] = child
                 else:
-                    self.status[int(pid)] = int(status)
-                    REAPED.append((self.commands.pop(int(pid), ""), float(cpu[0])))
+                    child = self.live.pop(int(pid))
+                    child.status = int(status)
+                    REAPED.append((child.command, float(cpu[0])))
                 self.changed.notify_all()
 
-    def fork(self, request: dict[str, Any], fds: list[int]) -> int:
+    def fork(self, request: dict[str, Any], fds: list[int]) -> Child:
+        argv = request["argv"]
+        child = Child(" ".join([sys.executable, *argv[: 1 if argv[0] == "-c" else 3]]).replace("\n", " "))
         with self.send_lock, self.changed:
             self.requests += 1
             number = self.requests
+            self.forking[number] = child
             socket.send_fds(self.sock, [json.dumps(request | {"number": number}).encode()], fds)
-            self.changed.wait_for(lambda: number in self.pids or self.dead, timeout=120)
-            if number not in self.pids:
+            self.changed.wait_for(lambda: child.pid != 0 or self.dead, timeout=120)
+            if not child.pid:
                 raise RuntimeError("the test zygote did not fork a child (see its output above)")
-            pid = self.pids.pop(number)
-            argv = request["argv"]
-            self.commands[pid] = " ".join([sys.executable, *argv[: 1 if argv[0] == "-c" else 3]]).replace("\n", " ")
-            return pid
+            return child
 
-    def wait(self, pid: int, timeout: float | None) -> int | None:
+    def wait(self, child: Child, timeout: float | None) -> int | None:
         """The child's wait status once reaped (None if not within ``timeout``); RuntimeError if
         the zygote died first (no one can tell it then)."""
         with self.changed:
-            self.changed.wait_for(lambda: pid in self.status or self.dead, timeout=timeout)
-            if pid not in self.status and self.dead:
-                raise RuntimeError(f"the test zygote died: the exit status of its child {pid} is lost")
-            return self.status.get(pid)
+            self.changed.wait_for(lambda: child.status is not None or self.dead, timeout=timeout)
+            if child.status is None and self.dead:
+                raise RuntimeError(f"the test zygote died: the exit status of its child {child.pid} is lost")
+            return child.status
 
 
 class Popen(subprocess.Popen):  # type: ignore[type-arg]
@@ -146,6 +173,12 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
 
     def __init__(self, args: list[str], preload: tuple[str, ...] = CLIENT, **kw: Any) -> None:
         self._zygote = Zygote.get(preload) if enabled() else None
+        env = os.environ if kw.get("env") is None else kw["env"]
+        if self._zygote is not None and any(
+            env.get(k) != self._zygote.env.get(k) for k in {*env, *self._zygote.env} if _at_start(k)
+        ):
+            self._zygote = None  # (a variable read at start differs from the zygote's: a fresh python)
+        self._child: Child | None = None
         super().__init__(args, **kw)
 
     def _execute_child(  # type: ignore[override]
@@ -159,19 +192,22 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
                 p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest,
             )  # fmt: skip
         argv = [os.fsdecode(a) for a in args]
-        start_new_session, process_group = rest[-2:]
+        restore_signals, gid, gids, uid, umask, start_new_session, process_group = rest[-7:]
         if argv[0] != sys.executable or shell or preexec_fn or pass_fds or executable or start_new_session:
             raise ValueError(f"zygote.Popen runs [sys.executable, ...] only, not {argv[:2]}")
-        if process_group not in (None, -1):
-            raise ValueError("zygote.Popen: no process_group")
+        if process_group not in (None, -1) or not restore_signals or umask != -1 or (gid, gids, uid) != (None,) * 3:
+            raise ValueError("zygote.Popen: no process_group, restore_signals=False, umask, user or group")
         std = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
         request = {
             "argv": argv[1:],
             "env": dict(os.environ if env is None else env),
             "cwd": os.fsdecode(cwd) if cwd is not None else os.getcwd(),
+            "umask": _umask(),
+            "limits": {name: resource.getrlimit(getattr(resource, name)) for name in _LIMITS},
         }
         try:
-            self.pid = self._zygote.fork(request, std)
+            self._child = self._zygote.fork(request, std)
+            self.pid = self._child.pid
             self._child_created = True
         finally:
             self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]
@@ -181,7 +217,8 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             return super()._internal_poll(_deadstate, *args)  # type: ignore[misc, no-any-return]
         if self.returncode is None:
             try:
-                status = self._zygote.wait(self.pid, 0)
+                assert self._child is not None
+                status = self._zygote.wait(self._child, 0)
             except RuntimeError:
                 if _deadstate is None:
                     raise
@@ -194,7 +231,8 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         if self._zygote is None:
             return super()._wait(timeout)  # type: ignore[misc, no-any-return]
         if self.returncode is None:
-            status = self._zygote.wait(self.pid, timeout)
+            assert self._child is not None
+            status = self._zygote.wait(self._child, timeout)
             if status is None:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0)
             self.returncode = os.waitstatus_to_exitcode(status)
@@ -272,6 +310,9 @@ def _child(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    for name, limits in request["limits"].items():  # (lower than the zygote's, or equal: it is the test's)
+        resource.setrlimit(getattr(resource, name), tuple(limits))
     argv: list[str] = request["argv"]
     # sys.path as python makes it: the script's place, PYTHONPATH (the child's), the rest
     if argv[0] == "-c":
@@ -295,6 +336,12 @@ def _child(request: dict[str, Any]) -> None:
     else:
         sys.argv = list(argv)
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask would, for a moment, in every thread)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
 
 
 def _preload(names: list[str]) -> None:

@@ -83,7 +83,13 @@ def engine(args: argparse.Namespace, model: str, url: str, http_url: str) -> Any
         "interface_v1": 1, "hicache_storage_pass_prefix_keys": True, "prefetch_threshold": args.page_size,
         "kvdock.url": url, "kvdock.http_url": http_url, "kvdock.model_name": args.model_name,
     }  # fmt: skip
-    cpu = {"attention_backend": "torch_native", "dtype": "float32", "mem_fraction_static": 0.05}
+    # (the KV pool capped: a fraction of the memory free at start, with another engine beside it, may be none)
+    cpu = {
+        "attention_backend": "torch_native",
+        "dtype": "float32",
+        "mem_fraction_static": 0.3,
+        "max_total_tokens": 16384,
+    }
     return sgl.Engine(
         model_path=model, device=args.device, skip_tokenizer_init=True, page_size=args.page_size,
         disable_cuda_graph=args.device == "cpu", log_level="warning", enable_hierarchical_cache=True,

@@ -24,6 +24,10 @@ from kvdock.testing import ServerProcess, start_server
 STANDINS = str(Path(__file__).parent / "standins")
 PAGE = 16
 MODEL = "sgl-engine-tiny"
+# the engine's KV pool, in tokens: SGLang sizes it from the memory free at its start (mem_fraction_static), so
+# another engine or test starting beside it could leave it no room ("Loaded weights leave no GPU memory"); a
+# larger fraction capped here gives a small pool whatever the machine has free
+MAX_TOKENS = 16384
 
 
 def tiny_llama(path: Path) -> str:
@@ -55,7 +59,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Serv
     eng = sgl.Engine(
         model_path=tiny_llama(root / "model"), device="cpu", attention_backend="torch_native",
         skip_tokenizer_init=True, page_size=PAGE, dtype="float32", disable_cuda_graph=True,
-        mem_fraction_static=0.05, log_level="warning", enable_hierarchical_cache=True, hicache_ratio=2.0,
+        mem_fraction_static=0.3, max_total_tokens=MAX_TOKENS, log_level="warning", enable_hierarchical_cache=True,
+        hicache_ratio=2.0,
         hicache_write_policy="write_through", hicache_storage_backend="dynamic",
         hicache_storage_backend_extra_config=json.dumps(extra),
     )  # fmt: skip

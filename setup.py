@@ -1,6 +1,6 @@
-"""The native parts of kvdock: src/kvdock/_native.c (multi-threaded copies, page helpers, token
-packing) and src/kvdock/_directory.c (the pool directory's seqlocked entries). Everything else
-about the package is in pyproject.toml.
+"""The native parts of kvdock: src/kvdock/_native.c with _copy.c (multi-threaded copies, page
+helpers, token packing) and src/kvdock/_directory.c (the pool directory's seqlocked entries).
+Everything else about the package is in pyproject.toml.
 
 Building them needs a C compiler and Python's headers: without them the build stops with
 :data:`NO_COMPILER`, which says what to install, instead of a bare "No such file or directory: 'gcc'"."""
@@ -37,7 +37,12 @@ class BuildExt(build_ext):
 setup(
     cmdclass={"build_ext": BuildExt},
     ext_modules=[
-        Extension("kvdock._native", ["src/kvdock/_native.c"], extra_compile_args=FLAGS),
+        Extension(
+            "kvdock._native",
+            ["src/kvdock/_native.c", "src/kvdock/_copy.c"],
+            depends=["src/kvdock/_copy.h"],
+            extra_compile_args=FLAGS,
+        ),
         Extension("kvdock._directory", ["src/kvdock/_directory.c"], extra_compile_args=FLAGS),
     ],
 )

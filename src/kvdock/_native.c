@@ -1,6 +1,7 @@
 /* kvdock._native: the few things Python does too slowly for kvdock's data plane.
  *
- * - copy_runs: copies of contiguous runs of bytes, split across threads, without the GIL;
+ * - copy_runs: copies of contiguous runs of bytes, split across threads, without the GIL (the
+ *   copy engine, its streaming loops and its kept worker threads, is _copy.c);
  * - populate / blank: faulting a range of pages in, and replacing one with zero pages;
  * - pack_tokens: a list of Python ints as uint32 token ids, checked, in one pass;
  * - copy_grid: the copies between a tensor's chunks and pool slots, planned once per chunk;
@@ -9,7 +10,8 @@
  * A KV chunk is 2*L contiguous runs (one per K/V plane and layer) in a [2, L, T, D] tensor, and
  * one contiguous block in a pool slot. torch's copy_ of such strided views runs at 0.6-0.7x of
  * glibc's memcpy at the same thread count on our machines; this module hands each run to glibc's
- * memcpy and splits the bytes evenly across a few threads (the calling thread is one of them).
+ * memcpy (or a streaming loop) and splits the bytes evenly across a few threads (the calling
+ * thread is one of them).
  *
  * The caller passes raw addresses (from tensors' data_ptr() and mapped buffers it keeps alive for
  * the call): nothing here checks that they are valid. kvdock.memcpy is the only caller of the
@@ -18,11 +20,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include "_copy.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
@@ -31,125 +34,7 @@
 #define MADV_POPULATE_WRITE 23
 #endif
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
-#define MAX_THREADS 64
-
-/* A copy with non-temporal (streaming) stores: the destination bypasses the caches, so a large
- * copy neither reads the destination's lines first nor evicts everything else. On the AMD EPYC
- * VMs we run on it beats glibc's memcpy on large copies by 1.3-1.7x; below a few MiB, where the
- * destination may still be in cache when it is read, the caller uses memcpy instead. */
-#if defined(__x86_64__)
-__attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, size_t n) {
-    for (size_t i = 0; i < n; i += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
-        __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
-        _mm256_stream_si256((__m256i *)(d + i), a);
-        _mm256_stream_si256((__m256i *)(d + i + 32), b);
-        _mm256_stream_si256((__m256i *)(d + i + 64), c);
-        _mm256_stream_si256((__m256i *)(d + i + 96), e);
-    }
-}
-
-static void stream_sse2(char *d, const char *s, size_t n) {
-    for (size_t i = 0; i < n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), a);
-        _mm_stream_si128((__m128i *)(d + i + 16), b);
-        _mm_stream_si128((__m128i *)(d + i + 32), c);
-        _mm_stream_si128((__m128i *)(d + i + 48), e);
-    }
-}
-
-static int have_avx2;
-#endif
-
-static void copy_stream(char *d, const char *s, size_t n) {
-#if defined(__x86_64__)
-    size_t head = (32 - ((uintptr_t)d & 31)) & 31;
-    if (head > n) head = n;
-    memcpy(d, s, head);
-    d += head, s += head, n -= head;
-    size_t body = n & ~(size_t)127;
-    if (have_avx2)
-        stream_avx2(d, s, body);
-    else
-        stream_sse2(d, s, body);
-    memcpy(d + body, s + body, n - body);
-#else
-    memcpy(d, s, n);
-#endif
-}
-
-typedef struct {
-    const uint64_t *dst;
-    const uint64_t *src;
-    uint64_t run; /* bytes per run */
-    uint64_t from, to; /* byte range [from, to) of the concatenated runs */
-    int stream;        /* non-temporal stores */
-} part_t;
-
-static void *copy_part(void *arg) {
-    const part_t *p = (const part_t *)arg;
-    uint64_t at = p->from;
-    while (at < p->to) {
-        uint64_t i = at / p->run, off = at % p->run;
-        uint64_t n = p->run - off;
-        if (n > p->to - at) n = p->to - at;
-        char *d = (char *)(uintptr_t)p->dst[i] + off;
-        const char *s = (const char *)(uintptr_t)p->src[i] + off;
-        if (p->stream)
-            copy_stream(d, s, n);
-        else
-            memcpy(d, s, n);
-        at += n;
-    }
-#if defined(__x86_64__)
-    if (p->stream) _mm_sfence(); /* streaming stores are weakly ordered: done before we return */
-#endif
-    return NULL;
-}
-
-/* Copy runs[i] for all i on up to `threads` threads (fewer when a thread would get less than
- * `min_part` bytes), with streaming stores if there are `stream_min` bytes or more in all. The
- * calling thread does the first part. */
-static void copy_runs(const uint64_t *dst, const uint64_t *src, uint64_t count, uint64_t run, int threads,
-                      uint64_t min_part, uint64_t stream_min) {
-    uint64_t total = count * run;
-    if (total == 0) return;
-    uint64_t want = min_part ? total / min_part : (uint64_t)threads;
-    if (want < 1) want = 1;
-    if (want < (uint64_t)threads) threads = (int)want;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    part_t parts[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS];
-    for (int t = 0; t < threads; t++) {
-        /* cut the concatenated runs at multiples of 4 KiB: a run that starts page-aligned (as
-         * slots and large tensors do) is split at page boundaries, not mid cache line */
-        uint64_t from = total / threads * t, to = t + 1 == threads ? total : total / threads * (t + 1);
-        parts[t] = (part_t){dst, src, run, from & ~(uint64_t)4095, t + 1 == threads ? to : to & ~(uint64_t)4095,
-                            total >= stream_min};
-        if (t) parts[t].from = parts[t - 1].to;
-    }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&tids[t], NULL, copy_part, &parts[t]) == 0;
-    copy_part(&parts[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(tids[t], NULL);
-        else
-            copy_part(&parts[t]); /* no thread to be had: do it here */
-    }
-}
+#define MAX_THREADS KVDOCK_MAX_THREADS
 
 static int get_u64s(PyObject *obj, Py_buffer *view, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
@@ -184,7 +69,7 @@ static PyObject *py_copy_runs(PyObject *self, PyObject *args) {
     if (dst.len != src.len) {
         PyErr_SetString(PyExc_ValueError, "dst and src must hold as many addresses");
     } else {
-        Py_BEGIN_ALLOW_THREADS copy_runs((const uint64_t *)dst.buf, (const uint64_t *)src.buf,
+        Py_BEGIN_ALLOW_THREADS kvdock_copy_runs((const uint64_t *)dst.buf, (const uint64_t *)src.buf,
                                          (uint64_t)dst.len / 8, run, threads, min_part, stream_min);
         Py_END_ALLOW_THREADS
     }
@@ -306,7 +191,7 @@ static PyObject *py_copy_grid(PyObject *self, PyObject *args) {
                     dst[i * nk + k] = taking ? t : sl;
                     src[i * nk + k] = taking ? sl : t;
                 }
-            Py_BEGIN_ALLOW_THREADS copy_runs(dst, src, n, run, threads, min_part, stream_min);
+            Py_BEGIN_ALLOW_THREADS kvdock_copy_runs(dst, src, n, run, threads, min_part, stream_min);
             Py_END_ALLOW_THREADS result = Py_None;
             Py_INCREF(result);
         }
@@ -367,7 +252,18 @@ static PyObject *py_moved(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(moved);
 }
 
+static PyObject *py_copy_mode(PyObject *self, PyObject *args) {
+    int pool = -1, avx2 = -1;
+    if (!PyArg_ParseTuple(args, "|ii", &pool, &avx2)) return NULL;
+    kvdock_copy_mode(&pool, &avx2);
+    return Py_BuildValue("(OO)", pool ? Py_True : Py_False, avx2 ? Py_True : Py_False);
+}
+
 static PyMethodDef methods[] = {
+    {"_copy_mode", py_copy_mode, METH_VARARGS,
+     "_copy_mode(pool=-1, avx2=-1) -> (pool, avx2) as they were: whether copies on several threads\n"
+     "use the kept workers (else a thread per part, started and joined per call) and AVX2 (else\n"
+     "SSE2; never where the CPU lacks it); -1 leaves one as it is. For tests and A/B only."},
     {"moved", py_moved, METH_VARARGS, moved_doc},
     {"copy_grid", py_copy_grid, METH_VARARGS, copy_grid_doc},
     {"pack_tokens", py_pack_tokens, METH_O, pack_tokens_doc},
@@ -381,10 +277,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvdock._native",
                                     "Native helpers of kvdock's data plane (see kvdock.memcpy).", -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    have_avx2 = __builtin_cpu_supports("avx2");
-#endif
+    kvdock_copy_init();
     PyObject *mod = PyModule_Create(&module);
     if (mod && PyModule_AddIntConstant(mod, "MAX_THREADS", MAX_THREADS) < 0) {
         Py_DECREF(mod);

@@ -42,12 +42,14 @@ def _rand(n: int, seed: int) -> np.ndarray:
 
 def test_streamed_copies_of_every_length_and_alignment_are_exact(mode: tuple[bool, bool]) -> None:
     """stream_min 0: every copy streams, so the head (to 32-byte alignment), the 256-byte body
-    and the tail meet at every length and offset."""
-    src = _rand(4096, 1)
-    lengths = [*range(1, 70), *range(220, 300), *range(500, 530), 1000, 1024, 2047]
+    (the part prefetched a page ahead, then the last page's) and the tail meet at every length
+    and offset."""
+    src = _rand(16384, 1)
+    page = [4096 + 256 + k for k in (-257, -256, -255, -1, 0, 1, 31, 32, 33, 255, 256, 257)]
+    lengths = [*range(1, 70), *range(220, 300), *range(500, 530), 1000, 1024, 2047, *page, 8192 + 37, 12000]
     for n in lengths:
         for so, do in [(0, 0), (1, 0), (0, 1), (3, 31), (31, 33), (64, 7), (17, 96)]:
-            dst = np.zeros(4096, np.uint8)
+            dst = np.zeros(16384, np.uint8)
             _copy(dst, src, [do], [so], n, 1)
             assert np.array_equal(dst[do : do + n], src[so : so + n]), (n, so, do)
             assert not dst[:do].any() and not dst[do + n :].any(), (n, so, do)

@@ -29,10 +29,11 @@
 #define AHEAD 4096
 
 #if defined(__x86_64__)
-/* n: a multiple of 256 */
-__attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, size_t n) {
+/* n: a multiple of 256; pf: prefetch the source AHEAD bytes ahead (all of it lies in the run) */
+__attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, size_t n, int pf) {
     for (size_t i = 0; i < n; i += 256) {
-        for (int k = 0; k < 4; k++) _mm_prefetch(s + i + AHEAD + 64 * k, _MM_HINT_NTA);
+        if (pf)
+            for (int k = 0; k < 4; k++) _mm_prefetch(s + i + AHEAD + 64 * k, _MM_HINT_NTA);
 #define LD(k) __m256i r##k = _mm256_loadu_si256((const __m256i *)(s + i + 32 * k))
 #define ST(k) _mm256_stream_si256((__m256i *)(d + i + 32 * k), r##k)
         LD(0); LD(1); LD(2); LD(3); LD(4); LD(5); LD(6); LD(7);
@@ -42,9 +43,10 @@ __attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, 
     }
 }
 
-static void stream_sse2(char *d, const char *s, size_t n) {
+static void stream_sse2(char *d, const char *s, size_t n, int pf) {
     for (size_t i = 0; i < n; i += 256) {
-        for (int k = 0; k < 4; k++) _mm_prefetch(s + i + AHEAD + 64 * k, _MM_HINT_NTA);
+        if (pf)
+            for (int k = 0; k < 4; k++) _mm_prefetch(s + i + AHEAD + 64 * k, _MM_HINT_NTA);
         for (int k = 0; k < 256; k += 64) {
             __m128i a = _mm_loadu_si128((const __m128i *)(s + i + k));
             __m128i b = _mm_loadu_si128((const __m128i *)(s + i + k + 16));
@@ -63,8 +65,9 @@ static int cpu_avx2, have_avx2; /* what the CPU has, what copies use */
 static int use_pool = 1;
 
 /* n bytes from s to d with streaming stores: a head up to d's 32-byte alignment and a tail under
- * 256 bytes by memcpy, the body streamed (prefetchnta ahead; prefetches never fault, so reading
- * ahead past the run is harmless). */
+ * 256 bytes by memcpy, the body streamed, its source prefetched (prefetchnta) AHEAD bytes ahead
+ * up to the run's end: never past it (a run of 128 KiB whose next run lies elsewhere would read
+ * 3% more for nothing). */
 static void copy_stream(char *d, const char *s, size_t n) {
 #if defined(__x86_64__)
     size_t head = (32 - ((uintptr_t)d & 31)) & 31;
@@ -72,10 +75,14 @@ static void copy_stream(char *d, const char *s, size_t n) {
     memcpy(d, s, head);
     d += head, s += head, n -= head;
     size_t body = n & ~(size_t)255;
-    if (have_avx2)
-        stream_avx2(d, s, body);
-    else
-        stream_sse2(d, s, body);
+    size_t ahead = body > AHEAD ? body - AHEAD : 0; /* (a multiple of 256) */
+    if (have_avx2) {
+        stream_avx2(d, s, ahead, 1);
+        stream_avx2(d + ahead, s + ahead, body - ahead, 0);
+    } else {
+        stream_sse2(d, s, ahead, 1);
+        stream_sse2(d + ahead, s + ahead, body - ahead, 0);
+    }
     memcpy(d + body, s + body, n - body);
 #else
     memcpy(d, s, n);

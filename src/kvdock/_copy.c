@@ -160,7 +160,7 @@ static int grow(int want) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_attr_setstacksize(&attr, 64 << 10);
+    pthread_attr_setstacksize(&attr, 256 << 10); /* a copy needs little; >= PTHREAD_STACK_MIN everywhere */
     for (; started < want; started++) {
         pthread_t tid;
         sem_init(&go[started], 0, 0);

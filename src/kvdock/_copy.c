@@ -1,9 +1,9 @@
 /* kvdock._native's copy engine (declared in _copy.h): runs of bytes copied on a few threads.
  *
- * - Large copies stream: non-temporal stores, and source lines fetched with prefetchnta, so a
- *   128 MiB copy neither reads the destination's lines first nor leaves the caches full of the
- *   source: the next request's Python (server and client) then runs on warm caches (measured on
- *   our 2-vCPU EPYC VM: docs/benchmarks.md).
+ * - Large copies stream: non-temporal stores (the destination's lines are neither read first nor
+ *   cached), the source prefetched a page ahead. The source still passes through the caches: on
+ *   our 2-vCPU EPYC VM a 128 MiB copy leaves them as cold whatever the hint (prefetchnta, even
+ *   clflushopt of each line read: docs/benchmarks.md).
  * - The threads are kept: a pool of workers, started at the first copy that wants them and woken
  *   per call (a semaphore each), instead of a pthread_create and pthread_join per thread per
  *   call. A forked child never uses its parent's workers (they do not exist there): a
@@ -21,7 +21,6 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
-
 
 /* How far ahead of the loads the source is prefetched: a page. The hardware prefetchers stop at
  * 4 KiB pages; asking for the next page early overlaps its TLB walk and first lines with this

@@ -198,6 +198,17 @@ def test_normalize_non_contiguous_input_becomes_contiguous() -> None:
     _check_out(normalize_tokens(t), [0, 3, 6, 9])
 
 
+def test_normalize_returns_a_contiguous_uint32_array_itself() -> None:
+    """Every uint32 is a token id: such an array is returned as it is (no copy, no range check);
+    a strided or big-endian one is still made a contiguous little-endian copy."""
+    arr = np.array([0, 7, MAX_TOKEN_ID], dtype=TOKEN_DTYPE)
+    assert normalize_tokens(arr) is arr
+    _check_out(normalize_tokens(np.arange(10, dtype=TOKEN_DTYPE)[::3]), [0, 3, 6, 9])
+    _check_out(normalize_tokens(np.array([1, MAX_TOKEN_ID], dtype=">u4")), [1, MAX_TOKEN_ID])
+    with pytest.raises(ValueError, match="one-dimensional"):
+        normalize_tokens(np.zeros((2, 2), dtype=TOKEN_DTYPE))
+
+
 def test_normalize_float_tensor_requiring_grad_is_a_type_error() -> None:
     # .numpy() on such a tensor raises RuntimeError; normalize must detach first and report the dtype
     t = torch.tensor([4.0, 5.0], requires_grad=True)

@@ -83,8 +83,8 @@ def key_tokens(keys: Sequence[str], page_size: int) -> np.ndarray:
         raise ValueError(f"SGLang keys need a page size of at least {KEY_WORDS} tokens, got {page_size}")
     out = np.zeros((len(keys), page_size), dtype=TOKEN_DTYPE)
     if keys:
-        try:
-            raw = b"".join(bytes.fromhex(k) if len(k) == 64 else b"" for k in keys)
+        try:  # (one fromhex of them all: no whitespace passes, a key of it would be short)
+            raw = bytes.fromhex("".join(keys)) if all(len(k) == 64 for k in keys) else b""
         except (TypeError, ValueError):
             raw = b""
         if len(raw) != 32 * len(keys):

@@ -201,3 +201,17 @@ def test_threads_that_retry_the_local_socket_at_once_all_get_their_replies(make_
             for t in threads:
                 t.join(60)
             assert errors == [] and c._conn.channel == "local"
+
+
+def test_session_ids_are_random_version_4_uuids() -> None:
+    """A session id is ``uuid.uuid4().hex`` in form (version 4, RFC 4122 variant), made from
+    os.urandom without the UUID object; never the same twice."""
+    import uuid
+
+    ids = [kvd.KVCacheContext.new_session_id() for _ in range(2000)]
+    assert len(set(ids)) == len(ids)
+    for sid in ids:
+        u = uuid.UUID(hex=sid)
+        assert u.hex == sid and u.version == 4 and u.variant == uuid.RFC_4122
+    assert {sid[12] for sid in ids} == {"4"} and {sid[16] for sid in ids} == set("89ab")
+    assert len({sid[13] for sid in ids}) == 16 and len({sid[17] for sid in ids}) == 16  # (the rest is random)

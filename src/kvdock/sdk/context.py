@@ -10,9 +10,9 @@ what an application reads of it are its properties."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
@@ -253,7 +253,12 @@ class KVCacheContext:
 
     @staticmethod
     def new_session_id() -> str:
-        return uuid.uuid4().hex
+        """A random version 4 UUID's 32 hex digits: ``uuid.uuid4().hex``, without the UUID object
+        (its ~25 us, cold, are a tenth of a store's own Python)."""
+        b = bytearray(os.urandom(16))
+        b[6] = b[6] & 0x0F | 0x40  # the version (4)
+        b[8] = b[8] & 0x3F | 0x80  # the variant (RFC 4122)
+        return b.hex()
 
     def _track_view(self, lease: Any) -> None:
         """Remember the lease of an open zero-copy view (anything with ``revoke()``), which

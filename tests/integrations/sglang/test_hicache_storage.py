@@ -62,6 +62,16 @@ def test_key_tokens_hold_each_hash_and_refuse_what_is_not_one() -> None:
         key_tokens(keys, 4)
 
 
+def test_key_tokens_refuse_keys_with_whitespace_or_of_other_types() -> None:
+    """The keys are read in one ``bytes.fromhex``, which skips whitespace between digit pairs: a
+    64-character key holding any is refused, as before, and so is one that is no str."""
+    keys = sglang_page_hashes(prompt(3, seed=3), PAGE)
+    for bad in (keys[1][:62] + " a", keys[1][:31] + " " + keys[1][32:], keys[1].encode(), 7):
+        with pytest.raises(ValueError, match="sha256 hex digests"):
+            key_tokens([keys[0], bad, keys[2]], PAGE)  # type: ignore[list-item]
+    assert key_tokens(keys, PAGE).tobytes() == b"".join(bytes.fromhex(k) + bytes(4 * (PAGE - 8)) for k in keys)
+
+
 # -- SGLang stores, the SDK reads by token ids, and back ------------------------------------------
 
 

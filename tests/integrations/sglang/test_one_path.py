@@ -80,6 +80,22 @@ def test_pages_refuse_host_indices_outside_the_pool_before_any_copy() -> None:
     assert pages.starts(2, torch.cat([torch.arange(PAGE) + 2 * PAGE, torch.arange(PAGE)])).tolist() == [2 * PAGE, 0]
 
 
+def test_host_indices_of_any_integer_dtype_or_layout_give_the_same_starts() -> None:
+    """SGLang's int64 CPU indices are read as they are (no torch op); others are converted
+    first: the same pages, the same refusals."""
+    pages = HostPages(host_pool(False, "layer_first"))
+    idx = torch.cat([torch.arange(PAGE) + 3 * PAGE, torch.arange(PAGE) + PAGE])
+    strided = torch.stack([idx, idx], dim=1)[:, 0]  # (int64, not contiguous)
+    assert not strided.is_contiguous()
+    for given in (idx, idx.to(torch.int32), strided, idx.view(2, PAGE)):
+        got = pages.starts(2, given)
+        assert got.dtype == np.int64 and got.tolist() == [3 * PAGE, PAGE]
+    with pytest.raises(ValueError, match="not whole pages"):
+        pages.starts(2, idx.flip(0).to(torch.int32))
+    with pytest.raises(ValueError, match="host indices for 2 pages"):
+        pages.starts(2, idx[1:])
+
+
 @pytest.mark.parametrize("single", [True, False], ids=["single-page-calls", "batch-of-one"])
 def test_a_single_page_is_a_batch_of_one(sgl_server: ServerProcess, backend: Make, single: bool) -> None:
     """SGLang's generic ``exists`` / ``get`` / ``set`` of one page and the zero-copy calls of a

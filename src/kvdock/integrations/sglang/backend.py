@@ -257,7 +257,7 @@ class KvdockHiCacheStorage(NoExtraPools, _Base):  # type: ignore[misc,valid-type
 
     def _pages(self, n: int, host_indices: torch.Tensor, first: int) -> Pages:
         pages = self._host_pages()
-        return Pages(pages, pages.starts(n, host_indices), first)
+        return Pages(pages, pages.starts(n, host_indices), first, checked=True)
 
     # -- the one exists, load and store of every call (a single page is a batch of one) ---------
 

@@ -25,28 +25,35 @@ class Pages:
 
     direct_slots = True  # ShmTransfer may call add_slots (kvdock.sdk._transfer)
 
-    def __init__(self, pages: HostPages, starts: list[int] | np.ndarray, first: int) -> None:
+    def __init__(self, pages: HostPages, starts: list[int] | np.ndarray, first: int, *, checked: bool = False) -> None:
+        """``checked``: ``starts`` comes from :meth:`HostPages.starts`, which checked it."""
         self.pages, self.first = pages, first
-        self.starts = np.asarray(starts, dtype=np.int64).reshape(-1)
-        pages.check_starts(self.starts)
+        if checked:
+            self.starts = np.asarray(starts)
+        else:
+            self.starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+            pages.check_starts(self.starts)
         self.copier = Copier()
         self._plan: Plan | None = None
-        self._slots: list[int] = []  # the queued slots' first bytes
+        self._slots: list[int] = []  # the slots queued one by one: their first bytes
         self._at: list[int] = []  # ... and their pages' numbers in the pool
         self._keep: list[torch.Tensor] = []
         self._taking = False
 
-    def _index(self, chunks: np.ndarray, taking: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(which of ``chunks`` this end copies, their positions among ``starts``): a put of a
-        chunk before ``first`` is PrefixMissingError, of one past the pages ValueError; a take
-        skips both."""
-        j = chunks - self.first
-        mine = (j >= 0) & (j < len(self.starts))
+    def _index(self, chunks: np.ndarray, taking: bool) -> tuple[np.ndarray | None, np.ndarray]:
+        """(which of ``chunks`` this end copies, None: all of them; their positions among
+        ``starts``): a put of a chunk before ``first`` is PrefixMissingError, of one past the
+        pages ValueError; a take skips both."""
+        j = chunks - self.first if self.first else chunks
+        n = len(self.starts)
+        if len(j) and j.min() >= 0 and j.max() < n:  # (the usual: this call's pages, a numpy op or two)
+            return None, j
+        mine = (j >= 0) & (j < n)
         if not taking and not mine.all():
             bad = int(chunks[np.flatnonzero(~mine)[0]])
             if bad < self.first:
                 raise PrefixMissingError(bad)
-            raise ValueError(f"chunk {bad} is past the {len(self.starts)} pages of this call")
+            raise ValueError(f"chunk {bad} is past the {n} pages of this call")
         return mine, j[mine]
 
     def put(self, index: int, dst: torch.Tensor) -> None:
@@ -71,10 +78,16 @@ class Pages:
         if plan is None or (self._plan is not None and self._plan is not plan) or not len(chunks):
             return False
         mine, j = self._index(np.asarray(chunks, np.int64), taking)
-        self._plan, self._taking = plan, taking
-        self._slots.extend(np.asarray(slots, np.int64)[mine].tolist())
-        self._at.extend((self.starts[j] // hp.page_size).tolist())
+        slots = np.ascontiguousarray(slots if mine is None else slots[mine], np.int64)
+        self._grid(plan, taking, slots, self.starts[j] // hp.page_size, hp.buffer)
         return True
+
+    def _grid(self, plan: Plan, taking: bool, slots: np.ndarray, at: np.ndarray, keep: object) -> None:
+        """Queue the copies of pages ``at`` (numbers in the pool) to or from the slots at
+        addresses ``slots`` (int64) as runs planned per page by ``plan``: the Copier computes
+        their addresses natively (a set reads each page in the page's order, a get in the slot's)."""
+        in_slot, in_page = (plan.in_slot, plan.in_page) if taking else (plan.page_slot, plan.page_page)
+        self.copier.add_grid(plan.ptr0, plan.step, at, slots, in_page, in_slot, plan.run, taking, keep)
 
     def _queue(self, start: int, slot: torch.Tensor, taking: bool) -> None:
         plan = self.pages.plan(slot)
@@ -90,12 +103,8 @@ class Pages:
     def finish(self) -> None:
         plan, self._plan = self._plan, None
         if plan is not None and self._slots:
-            in_slot, in_page = (plan.in_slot, plan.in_page) if self._taking else (plan.page_slot, plan.page_page)
-            slots = np.array(self._slots, np.int64)[:, None] + in_slot[None, :]
-            pages = plan.ptr0 + np.array(self._at, np.int64)[:, None] * plan.step + in_page[None, :]
-            s, p = slots.reshape(-1).view(np.uint64), pages.reshape(-1).view(np.uint64)
-            dst, src = (p, s) if self._taking else (s, p)
-            self.copier.add_runs(plan.run, dst, src, (self.pages.buffer, self._keep))
+            at = np.array(self._at, np.int64)
+            self._grid(plan, self._taking, np.array(self._slots, np.int64), at, (self.pages.buffer, self._keep))
         self._slots, self._at, self._keep = [], [], []
         self.copier.run()
 

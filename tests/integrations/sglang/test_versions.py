@@ -237,3 +237,22 @@ def test_the_records_are_bounded_and_match_only_their_own_operation() -> None:
     loaded.note(more[0], (3,))
     loaded.note(more[1], (4,))
     assert len(loaded) == 2 and loaded.over(keys[:1], more[1:]) is None
+
+
+def test_an_exists_noted_again_makes_its_keys_the_newest() -> None:
+    """Keys an exists notes again (the same objects: SGLang asks again) hold the new record and
+    are dropped last; a key twice in one call keeps its last place."""
+    seen = Seen(limit=4)
+    old = sglang_page_hashes(prompt(2, seed=14, tail=3), PAGE)
+    new = sglang_page_hashes(prompt(2, seed=15, tail=3), PAGE)
+    seen.note([], old, 2, (1,))
+    seen.note([], new, 2, (2,))
+    seen.note([], old, 2, (3,))  # (already there: moved last, with tips 3)
+    assert seen.vouch([], old).tips == (3,)  # type: ignore[union-attr]
+    seen.note(["z" * 64], [new[0], new[0]], 2, (4,))  # one key twice: one entry, at its second place
+    assert len(seen) == 4
+    assert seen.vouch(["z" * 64, new[0]], [new[0]]).tips == (4,)  # type: ignore[union-attr]
+    more = sglang_page_hashes(prompt(2, seed=16, tail=3), PAGE)
+    seen.note([], more, 2, (5,))  # drops the two oldest: new[1], then old[0]
+    assert seen.vouch([], new) is None and seen.vouch([], old[:1]) is None
+    assert seen.vouch(old[:1], old[1:]).tips == (3,) and seen.vouch([], more).tips == (5,)  # type: ignore[union-attr]

@@ -91,10 +91,12 @@ class Seen:
         if hit <= 0 or not tips:
             return
         rec = _Exists(len(prefix), prefix[-1] if prefix else None, tuple(keys[:hit]), tips)
-        with self._lock:
-            for pos, key in enumerate(rec.keys):  # (the record holds each key: its id stays its own)
-                self._index[id(key)] = (rec, pos)
-                self._index.move_to_end(id(key))
+        with self._lock:  # (the record holds each key: its id stays its own)
+            before = len(self._index)
+            self._index.update((id(key), (rec, pos)) for pos, key in enumerate(rec.keys))
+            if len(self._index) - before != len(rec.keys):  # some were there: last, in this call's order
+                for key in rec.keys:
+                    self._index.move_to_end(id(key))
             while len(self._index) > self.limit:
                 self._index.popitem(last=False)
 

@@ -252,12 +252,9 @@ class KVCacheContext:
         self.notify(m.EndSession(client_id or self.client_id, session_id))
 
     @staticmethod
-    def new_session_id() -> str:
-        """A random version 4 UUID's 32 hex digits: ``uuid.uuid4().hex``, without the UUID object
-        (its ~25 us, cold, are a tenth of a store's own Python)."""
+    def new_session_id() -> str:  # uuid.uuid4().hex, without the UUID object (~25 us cold)
         b = bytearray(os.urandom(16))
-        b[6] = b[6] & 0x0F | 0x40  # the version (4)
-        b[8] = b[8] & 0x3F | 0x80  # the variant (RFC 4122)
+        b[6], b[8] = b[6] & 0x0F | 0x40, b[8] & 0x3F | 0x80  # version 4, variant RFC 4122
         return b.hex()
 
     def _track_view(self, lease: Any) -> None:

@@ -189,6 +189,26 @@ def test_batch_exists_counts_only_a_consecutive_prefix(sgl_server: ServerProcess
     assert got == [True, True, False, False]
 
 
+def test_a_load_into_one_host_page_twice_is_a_miss_that_writes_nothing(
+    sgl_server: ServerProcess, backend: Make
+) -> None:
+    """Review R-CLI: a batch_get_v1 whose host indices name one page twice copied two chunks
+    into it at once, on two copy threads: the page could end a mix of both (torn pages seen with
+    32 pages of 4 KiB runs). It is now refused before any copy: a miss, counted, the pool as it was."""
+    pool = host_pool(False, "layer_first")
+    b = backend(storage_config(sgl_server, **{"kvdock.model_name": "sgl-twice"}), pool)
+    fill(pool, seed=13)
+    keys = sglang_page_hashes(prompt(2, seed=14), PAGE)
+    assert b.batch_set_v1(keys, pool.alloc(2 * PAGE), extra([])) == [True, True]
+    dst = pool.alloc(PAGE)
+    before = pool.kv_buffer.clone()
+    assert b.batch_get_v1(keys, torch.cat([dst, dst]), extra([])) == [False, False]
+    assert b.stats["get_failed"] == 1
+    assert torch.equal(pool.kv_buffer.view(torch.int16), before.view(torch.int16))
+    other = pool.alloc(2 * PAGE)  # the same pages into two distinct pages load as ever
+    assert b.batch_get_v1(keys, other, extra([])) == [True, True]
+
+
 def test_a_dead_server_gives_misses_never_an_exception(
     backend: Make, tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

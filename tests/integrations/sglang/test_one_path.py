@@ -78,6 +78,10 @@ def test_pages_refuse_host_indices_outside_the_pool_before_any_copy() -> None:
     with pytest.raises(ValueError, match="not whole pages"):
         pages.starts(2, torch.cat([torch.arange(PAGE), torch.arange(PAGE).flip(0) + PAGE]))
     assert pages.starts(2, torch.cat([torch.arange(PAGE) + 2 * PAGE, torch.arange(PAGE)])).tolist() == [2 * PAGE, 0]
+    twice = torch.cat([torch.arange(PAGE) + PAGE, torch.arange(PAGE) + PAGE])
+    assert pages.starts(2, twice).tolist() == [PAGE, PAGE]  # (a store may read one page twice)
+    with pytest.raises(ValueError, match="name a page twice"):
+        pages.starts(2, twice, distinct=True)  # (a load may not write one twice)
 
 
 def test_host_indices_of_any_integer_dtype_or_layout_give_the_same_starts() -> None:

@@ -242,7 +242,7 @@ class KvdockHiCacheStorage(NoExtraPools, _Base):  # type: ignore[misc,valid-type
         """Load the pages of ``keys`` into the host pool at ``host_indices``; True for each
         page loaded (a prefix of ``keys``). On a rank of several: only the versions this
         operation's ``batch_exists`` saw, else nothing (:mod:`.versions`)."""
-        n = self._load(keys, _prefix(extra_info), lambda first: self._pages(len(keys), host_indices, first))
+        n = self._load(keys, _prefix(extra_info), lambda first: self._pages(len(keys), host_indices, first, True))
         return [True] * n + [False] * (len(keys) - n)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
@@ -255,9 +255,10 @@ class KvdockHiCacheStorage(NoExtraPools, _Base):  # type: ignore[misc,valid-type
         assert self.pages is not None, "register_mem_pool_host was not called"
         return self.pages
 
-    def _pages(self, n: int, host_indices: torch.Tensor, first: int) -> Pages:
+    def _pages(self, n: int, host_indices: torch.Tensor, first: int, into: bool = False) -> Pages:
+        """The pages at ``host_indices``; ``into``: a load writes them (no page may come twice)."""
         pages = self._host_pages()
-        return Pages(pages, pages.starts(n, host_indices), first, checked=True)
+        return Pages(pages, pages.starts(n, host_indices, distinct=into), first, checked=True)
 
     # -- the one exists, load and store of every call (a single page is a batch of one) ---------
 

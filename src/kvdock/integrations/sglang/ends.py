@@ -72,7 +72,8 @@ class Pages:
         """Queue the copies of chunks ``chunks`` to or from (``taking``) the slots at addresses
         ``slots`` (one per chunk, each a contiguous ``shape`` chunk of ``dtype``), all at once;
         False (nothing queued: the caller puts or takes each) unless they are this pool's whole
-        chunks and its pages reduce to runs."""
+        chunks and its pages reduce to runs. ``slots`` is read when the copies run (:meth:`finish`):
+        it must not change before."""
         hp = self.pages
         plan = hp.slot_plan() if dtype == hp.dtype and tuple(shape) == hp.shape and layers == slice(None) else None
         if plan is None or (self._plan is not None and self._plan is not plan) or not len(chunks):

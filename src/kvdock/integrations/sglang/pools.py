@@ -185,9 +185,11 @@ class HostPages:
             return self._ungroup(flat.view(self.groups, L, 2, P, H // self.groups, D))
         return flat.view(2, L, P, H, D)
 
-    def starts(self, pages: int, host_indices: torch.Tensor) -> np.ndarray:
+    def starts(self, pages: int, host_indices: torch.Tensor, distinct: bool = False) -> np.ndarray:
         """The host index of each of ``pages`` pages at ``host_indices`` (int64); ValueError unless
-        they are one whole page of consecutive slots per page, each page inside the pool."""
+        they are one whole page of consecutive slots per page, each page inside the pool, and (when
+        ``distinct``: pages a load writes) no page twice: two chunks copied into one page at once
+        would leave it a mix of both (review R-CLI)."""
         P = self.page_size
         if host_indices.dtype == torch.int64 and host_indices.is_cpu and not host_indices.requires_grad:
             idx = host_indices.numpy()  # (SGLang's: one call, no torch op; a cold torch op costs ~40 us)
@@ -200,6 +202,8 @@ class HostPages:
         if pages and not (grid - first[:, None] == self._in_page).all():
             raise ValueError("host indices are not whole pages of consecutive slots")
         self.check_starts(first)
+        if distinct and len(set(first.tolist())) != pages:
+            raise ValueError("host indices name a page twice: a load into it would mix two pages")
         return first
 
     def check_starts(self, starts: np.ndarray) -> None:

@@ -87,6 +87,9 @@ def test_default_threads_come_from_the_environment_or_the_cpus(monkeypatch) -> N
     monkeypatch.setenv(memcpy.ENV_THREADS, "zero")
     with pytest.raises(ValueError, match="KVDOCK_COPY_THREADS='zero'"):
         memcpy.default_threads()
+    monkeypatch.setenv(memcpy.ENV_THREADS, "\u00b2")  # (a digit to str.isdigit, not to int(): review R-NAT)
+    with pytest.raises(ValueError, match="expected a whole number of threads"):
+        memcpy.default_threads()
     monkeypatch.delenv(memcpy.ENV_THREADS)
     import os
 

@@ -206,3 +206,63 @@ def test_the_mode_switch_reports_and_restores() -> None:
     finally:
         _native._copy_mode(*was)
     assert _native._copy_mode() == was and was[0] is True
+
+
+_FAULT = r"""
+import ctypes, faulthandler, mmap, sys
+import numpy as np
+from kvdock import _native
+faulthandler.enable()
+_native._copy_mode(int(sys.argv[1]), -1)
+P = mmap.PAGESIZE
+mm = mmap.mmap(-1, 1024 * P)
+a = np.frombuffer(mm, np.uint8)
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+assert libc.mprotect(a.ctypes.data + 1000 * P, 24 * P, 1) == 0  # read-only: the second thread's part
+src = np.zeros(1024 * P, np.uint8)
+_native.copy_runs(np.array([a.ctypes.data], np.uint64), np.array([src.ctypes.data], np.uint64), 1024 * P, 2, 1, 0)
+"""
+
+
+@pytest.mark.parametrize("pool", [0, 1], ids=["threads-per-call", "kept-workers"])
+def test_a_fault_in_a_workers_part_is_reported_by_faulthandler(pool: int) -> None:
+    """Review R-NAT: a copy into a read-only mapping (a PrefixView's tensor is one) faults where
+    a worker copies. The process dies either way, but the kept workers blocked every signal, so
+    SIGSEGV killed it with no report; faults now reach faulthandler as on any thread."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _FAULT, str(pool)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == -11, p.stderr
+    assert "Fatal Python error: Segmentation fault" in p.stderr
+
+
+_AFFINITY = r"""
+import os, threading
+import numpy as np
+from kvdock import _native
+a = lambda x: np.array([x.ctypes.data], np.uint64)
+src = np.ones(8 << 20, np.uint8); dst = np.empty_like(src)
+def first():
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    _native.copy_runs(a(dst), a(src), len(src), 4, 1 << 20, 0)
+t = threading.Thread(target=first); t.start(); t.join()
+allowed = os.sched_getaffinity(0)
+_native.copy_runs(a(dst), a(src), len(src), 4, 1 << 20, 0)
+assert (dst == 1).all()
+me = threading.get_native_id()
+print(sum(os.sched_getaffinity(t) != allowed for t in map(int, os.listdir("/proc/self/task")) if t != me))
+"""
+
+
+def test_workers_run_on_the_callers_cpus_not_those_of_the_thread_that_started_them() -> None:
+    """Review R-NAT: the kept workers inherited the affinity of the caller that started them: a
+    first copy from a thread pinned to one CPU left every later copy's workers on that CPU."""
+    import subprocess
+    import sys
+
+    assert len(os.sched_getaffinity(0)) >= 2, "needs 2 CPUs"
+    p = subprocess.run([sys.executable, "-c", _AFFINITY], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "0", f"{p.stdout.strip()} copy workers still pinned to the first caller's CPU"

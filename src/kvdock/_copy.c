@@ -9,10 +9,16 @@
  *   call. A forked child never uses its parent's workers (they do not exist there): a
  *   pthread_atfork handler and a pid check make it start its own. A second caller while the pool
  *   is busy (copies from two Python threads at once) starts and joins threads of its own.
+ *   The workers stay for the process's life (parked on their semaphore): on Python 3.12+ a later
+ *   os.fork() warns that the process is multi-threaded, as after any thread of a library.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* pthread_{get,set}affinity_np */
+#endif
 #include "_copy.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <semaphore.h>
 #include <signal.h>
 #include <string.h>
@@ -127,6 +133,10 @@ static sem_t go[KVDOCK_MAX_THREADS], done;
 static const part_t *job[KVDOCK_MAX_THREADS];
 static int started = 1; /* workers 1 .. started-1 exist in this process */
 static pid_t pool_pid;
+#if defined(__linux__)
+static pthread_t tid_of[KVDOCK_MAX_THREADS];
+static cpu_set_t pool_cpus; /* the CPUs the workers may run on: their last caller's */
+#endif
 
 static void *worker(void *arg) {
     int w = (int)(intptr_t)arg;
@@ -145,16 +155,29 @@ static void forget_workers(void) { /* in a forked child: the workers stayed in t
     pool_pid = 0;
 }
 
-/* Workers 1 .. want-1, started as needed with every signal blocked (signals are the main
+/* Workers 1 .. want-1, started as needed with every signal but a fault blocked (signals are the main
  * thread's); how many exist after (fewer if the system refuses threads). Holds pool_mu. */
 static int grow(int want) {
     if (pool_pid != getpid()) {
         started = 1, pool_pid = getpid();
         sem_init(&done, 0, 0);
     }
+#if defined(__linux__)
+    /* the workers run where the caller may (review R-NAT): they inherited the affinity of the
+     * caller that started them; one syscall a call, a re-pin only when it differs */
+    cpu_set_t mine;
+    if (pthread_getaffinity_np(pthread_self(), sizeof mine, &mine) == 0 && !CPU_EQUAL(&mine, &pool_cpus)) {
+        for (int w = 1; w < started; w++) pthread_setaffinity_np(tid_of[w], sizeof mine, &mine);
+        pool_cpus = mine;
+    }
+#endif
     if (started >= want) return started;
     sigset_t all, old;
     sigfillset(&all);
+    /* faults stay deliverable (review R-NAT): a fault in a worker's part (a copy into a read-only
+     * mapping) is reported by faulthandler as on any thread, not a silent kill */
+    static const int faults[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGSYS, SIGABRT};
+    for (size_t k = 0; k < sizeof faults / sizeof *faults; k++) sigdelset(&all, faults[k]);
     pthread_sigmask(SIG_BLOCK, &all, &old);
     pthread_attr_t attr;
     pthread_attr_init(&attr);
@@ -164,6 +187,9 @@ static int grow(int want) {
         pthread_t tid;
         sem_init(&go[started], 0, 0);
         if (pthread_create(&tid, &attr, worker, (void *)(intptr_t)started) != 0) break;
+#if defined(__linux__)
+        tid_of[started] = tid;
+#endif
     }
     pthread_attr_destroy(&attr);
     pthread_sigmask(SIG_SETMASK, &old, NULL);

@@ -43,7 +43,7 @@ def default_threads() -> int:
 @functools.lru_cache(maxsize=8)
 def _threads_for(raw: str) -> int:
     if raw:
-        if not raw.isdigit() or not 0 < int(raw) <= _native.MAX_THREADS:
+        if not (raw.isascii() and raw.isdigit()) or not 0 < int(raw) <= _native.MAX_THREADS:
             raise ValueError(f"{ENV_THREADS}={raw!r}: expected a whole number of threads in 1..{_native.MAX_THREADS}")
         return int(raw)
     return max(1, min(len(os.sched_getaffinity(0)), MAX_DEFAULT_THREADS))

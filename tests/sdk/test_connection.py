@@ -204,8 +204,7 @@ def test_threads_that_retry_the_local_socket_at_once_all_get_their_replies(make_
 
 
 def test_session_ids_are_random_version_4_uuids() -> None:
-    """A session id is ``uuid.uuid4().hex`` in form (version 4, RFC 4122 variant), made from
-    os.urandom without the UUID object; never the same twice."""
+    """A session id is a ``uuid.uuid4().hex`` (version 4, RFC 4122 variant); never the same twice."""
     import uuid
 
     ids = [kvd.KVCacheContext.new_session_id() for _ in range(2000)]

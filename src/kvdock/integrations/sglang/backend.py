@@ -242,7 +242,7 @@ class KvdockHiCacheStorage(NoExtraPools, _Base):  # type: ignore[misc,valid-type
         """Load the pages of ``keys`` into the host pool at ``host_indices``; True for each
         page loaded (a prefix of ``keys``). On a rank of several: only the versions this
         operation's ``batch_exists`` saw, else nothing (:mod:`.versions`)."""
-        n = self._load(keys, _prefix(extra_info), lambda first: self._pages(len(keys), host_indices, first, True))
+        n = self._load(keys, _prefix(extra_info), lambda first: self._pages(len(keys), host_indices, first, into=True))
         return [True] * n + [False] * (len(keys) - n)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:

@@ -167,6 +167,7 @@ class RedisProc:
     password: str = ""
     extra: tuple[str, ...] = ()  # more redis-server flags
     server: str = "redis"  # or "valkey": kvdock.testing.server_binary
+    started: bool = False  # once started, the port is in its URL: a restart keeps it
 
     @property
     def url(self) -> str:
@@ -175,7 +176,20 @@ class RedisProc:
 
     def start(self) -> RedisProc:
         """Start redis-server (valkey-server for ``server="valkey"``; no persistence) on ``port``
-        and wait until it answers PING."""
+        and wait until it answers PING. The server that answers must be this one: a port that
+        another test's server took meanwhile (free_port picked it for both) made ours exit while
+        the other answered, and the test then used (and saw paused) another test's Redis. A first
+        start then takes another free port; a restart keeps its port (its URL is in use)."""
+        for attempt in range(3):
+            if self._launch():
+                self.started = True
+                return self
+            assert not self.started and attempt < 2, f"{self.server}: port {self.port} is another process's"
+            self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _launch(self) -> bool:
+        """Start the server on ``port``; False if it exited while another process answers there."""
         import redis
 
         auth = ["--requirepass", self.password] if self.password else []
@@ -198,14 +212,23 @@ class RedisProc:
         )
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2, password=self.password or None)
         deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                client.close()
-                return self
-            except redis.RedisError:
-                assert self.proc.poll() is None and time.monotonic() < deadline, f"{self.server} did not start"
-                time.sleep(0.05)
+        try:
+            while True:
+                try:
+                    pid = int(client.info("server")["process_id"])
+                except redis.RedisError:
+                    if self.proc.poll() is not None:
+                        return False  # (it could not bind: the port is taken)
+                    assert time.monotonic() < deadline, f"{self.server} did not start"
+                    time.sleep(0.05)
+                    continue
+                if pid == self.proc.pid:
+                    return True
+                self.proc.kill()  # (another's server answers: ours cannot have bound the port)
+                self.proc.wait()
+                return False
+        finally:
+            client.close()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

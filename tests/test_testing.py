@@ -47,3 +47,32 @@ def test_a_foreign_socket_on_the_http_port_is_not_a_server_that_is_up(tmp_path: 
         stop.set()
         thread.join()
         foreign.close()
+
+
+def test_a_redis_whose_port_another_redis_took_starts_on_another_port_and_is_its_own() -> None:
+    """CI flake (test_control_client's L3 write-down timed out): free_port gave two tests' Redis
+    the same port, ours could not bind and exited, the other answered its PING, and the test used
+    (and saw paused) another test's Redis. A first start now checks that the server answering is
+    its own process and takes another port if not; a restart keeps its port and says so."""
+    from helpers import RedisProc
+    from kvdock.testing import free_port
+
+    other = RedisProc(free_port()).start()
+    try:
+        ours = RedisProc(other.port)
+        ours.start()
+        try:
+            assert ours.port != other.port and ours.proc is not None and ours.proc.poll() is None
+            import redis
+
+            c = redis.Redis(port=ours.port)
+            assert int(c.info("server")["process_id"]) == ours.proc.pid
+            c.close()
+            ours.stop()
+            ours.port = other.port  # (a restart on a port another server holds now)
+            with pytest.raises(AssertionError, match=f"port {other.port} is another process's"):
+                ours.start()
+        finally:
+            ours.stop()
+    finally:
+        other.stop()

@@ -46,6 +46,16 @@ def created() -> Iterator[list[PoolSegment]]:
         s.unlink()
 
 
+@pytest.fixture
+def own_shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Segments made under a directory of this test's own instead of /dev/shm. For tests that
+    expect cleanup_stale to name a dead segment: a server starting in another xdist worker runs
+    its own cleanup_stale and may take the segment first (CI saw it with the door's directories).
+    Request it before ``created``, so segments are unlinked while the directory is still in use."""
+    monkeypatch.setattr(seg_mod, "SHM_DIR", tmp_path)
+    return tmp_path
+
+
 def _create(created: list[PoolSegment], data_size: int = 2 * 4096) -> PoolSegment:
     s = PoolSegment.create(data_size)
     created.append(s)
@@ -353,10 +363,11 @@ def test_cleanup_keeps_a_live_segment(created: list[PoolSegment]) -> None:
     assert (SHM_DIR / s.name).exists()
 
 
-def test_cleanup_removes_segment_of_sigkilled_creator() -> None:
+def test_cleanup_removes_segment_of_sigkilled_creator(own_shm: Path) -> None:
     code = (
-        "import sys, time; from kvdock.shm.segment import PoolSegment\n"
-        "s = PoolSegment.create(4096)\n"
+        "import sys, time; from pathlib import Path; from kvdock.shm import segment\n"
+        f"segment.SHM_DIR = Path({str(own_shm)!r})\n"
+        "s = segment.PoolSegment.create(4096)\n"
         "print(s.name, flush=True)\n"
         "time.sleep(120)\n"
     )
@@ -366,7 +377,7 @@ def test_cleanup_removes_segment_of_sigkilled_creator() -> None:
         assert proc.stdout is not None
         name = proc.stdout.readline().strip()
         assert NAME_RE.fullmatch(name), name
-        path = SHM_DIR / name
+        path = own_shm / name
         assert _header(path)[2] == proc.pid
         assert name not in cleanup_stale()  # creator still alive: kept
         assert path.exists()
@@ -382,28 +393,28 @@ def test_cleanup_removes_segment_of_sigkilled_creator() -> None:
             proc.wait()
         if name:
             with contextlib.suppress(FileNotFoundError, OSError):
-                (SHM_DIR / name).unlink()
+                (own_shm / name).unlink()
 
 
-def test_cleanup_removes_segment_whose_header_pid_is_dead(created: list[PoolSegment]) -> None:
+def test_cleanup_removes_segment_whose_header_pid_is_dead(own_shm: Path, created: list[PoolSegment]) -> None:
     stale = _create(created)
     live = _create(created)
-    _rewrite_header(SHM_DIR / stale.name, pid=_dead_pid())
+    _rewrite_header(own_shm / stale.name, pid=_dead_pid())
     removed = cleanup_stale()
     assert stale.name in removed
     assert live.name not in removed
-    assert not (SHM_DIR / stale.name).exists()
-    assert (SHM_DIR / live.name).exists()
+    assert not (own_shm / stale.name).exists()
+    assert (own_shm / live.name).exists()
 
 
-def test_cleanup_removes_segment_when_pid_was_reused(created: list[PoolSegment]) -> None:
+def test_cleanup_removes_segment_when_pid_was_reused(own_shm: Path, created: list[PoolSegment]) -> None:
     # same pid as a live process, but another start time: the creator is gone, the pid recycled
     s = _create(created)
     start = seg_mod.proc_start_time(os.getpid())
     assert start is not None
-    _rewrite_header(SHM_DIR / s.name, start=start + 1)
+    _rewrite_header(own_shm / s.name, start=start + 1)
     assert s.name in cleanup_stale()
-    assert not (SHM_DIR / s.name).exists()
+    assert not (own_shm / s.name).exists()
 
 
 def test_cleanup_with_unknown_start_time_trusts_live_pid(created: list[PoolSegment]) -> None:

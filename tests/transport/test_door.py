@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -220,7 +222,12 @@ def test_descriptors_a_caller_sends_are_never_taken_in(served: Served) -> None:
     assert open_fds() == before  # the door kept none of them
 
 
-def test_a_dead_servers_door_directory_is_cleaned_up(tmp_path: Path) -> None:
+def test_a_dead_servers_door_directory_is_cleaned_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed server's door directory goes, a live one's stays. Under a temporary directory of
+    the test's own: CI once saw another test's starting server (its own cleanup_stale, in another
+    xdist worker) remove the dead directory first, so this test's call found nothing."""
+    root = tempfile.mkdtemp(prefix="kd")  # short: a socket path has at most 107 bytes
+    monkeypatch.setattr(listener.tempfile, "gettempdir", lambda: root)
     code = f"""
 import sys, time
 sys.path[:0] = {sys.path!r}
@@ -229,17 +236,21 @@ door = PoolDoor()
 print(door.path, flush=True)
 time.sleep(60)
 """
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "TMPDIR": root}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None
         path = Path(proc.stdout.readline().strip())
-        assert path.exists()
+        assert path.exists() and str(path.parent.parent) == root
         assert str(path.parent) not in listener.cleanup_stale()  # alive: left alone
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert str(path.parent) in listener.cleanup_stale()
-    assert not path.parent.exists()
+    try:
+        assert listener.cleanup_stale() == [str(path.parent)]
+        assert not path.parent.exists()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_out_of_descriptors_the_door_pauses_instead_of_spinning() -> None:

@@ -114,35 +114,61 @@ static int check_buckets(unsigned long long nbuckets) {
 }
 
 PyDoc_STRVAR(publish_doc,
-             "publish(addr, nbuckets, ns, chunk, offset, gen, nbytes, version, parent) -> int\n\n"
-             "Write the entry of key (ns, chunk) into a free entry of its bucket and return the\n"
-             "entry's number, or -1 if the bucket is full. The caller is the only writer and knows\n"
-             "the key is not published already. ``offset`` must not be 0.");
+             "publish(addr, nbuckets, items) -> list[int]\n\n"
+             "Write each of ``items`` ((ns, chunk, offset, gen, nbytes, version, parent) tuples), in\n"
+             "order, into a free entry of its key's bucket and return each one's entry number, or -1\n"
+             "where the bucket is full. The caller is the only writer and knows no key is published\n"
+             "already (nor named twice). ``offset`` must not be 0. Every item is checked before any is\n"
+             "written: on an error nothing is.");
 
 static PyObject *py_publish(PyObject *self, PyObject *args) {
     unsigned long long addr, nbuckets;
-    PyObject *ns_obj, *chunk_obj;
-    fields_t f;
-    unsigned long long offset, gen, nbytes, version, parent;
-    if (!PyArg_ParseTuple(args, "KKOOKKKKK", &addr, &nbuckets, &ns_obj, &chunk_obj, &offset, &gen, &nbytes, &version,
-                          &parent))
-        return NULL;
-    if (check_buckets(nbuckets) < 0 || get_digest(ns_obj, f.ns, "ns") < 0 || get_digest(chunk_obj, f.chunk, "chunk") < 0)
-        return NULL;
-    if (offset == 0) {
-        PyErr_SetString(PyExc_ValueError, "an object's offset cannot be 0");
-        return NULL;
+    PyObject *items, *seq, *out = NULL;
+    if (!PyArg_ParseTuple(args, "KKO", &addr, &nbuckets, &items)) return NULL;
+    if (check_buckets(nbuckets) < 0) return NULL;
+    if (!(seq = PySequence_Fast(items, "publish takes a sequence of entries"))) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    fields_t *fs = PyMem_Malloc(sizeof(fields_t) * (size_t)(n ? n : 1));
+    if (fs == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
     }
-    f.offset = offset, f.gen = gen, f.nbytes = nbytes, f.version = version, f.parent = parent;
-    entry_t *entries = (entry_t *)(uintptr_t)addr;
-    uint64_t first = bucket_of(f.ns, f.chunk, nbuckets) * BUCKET;
-    for (uint64_t i = first; i < first + BUCKET; i++) {
-        if (LOAD(&entries[i].offset) == 0) {
-            write_entry(&entries[i], &f);
-            return PyLong_FromUnsignedLongLong(i);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *ns_obj, *chunk_obj;
+        unsigned long long offset, gen, nbytes, version, parent;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "OOKKKKK", &ns_obj, &chunk_obj, &offset, &gen,
+                              &nbytes, &version, &parent) ||
+            get_digest(ns_obj, fs[k].ns, "ns") < 0 || get_digest(chunk_obj, fs[k].chunk, "chunk") < 0)
+            goto done;
+        if (offset == 0) {
+            PyErr_SetString(PyExc_ValueError, "an object's offset cannot be 0");
+            goto done;
         }
+        fs[k].offset = offset, fs[k].gen = gen, fs[k].nbytes = nbytes, fs[k].version = version, fs[k].parent = parent;
     }
-    return PyLong_FromLong(-1);
+    if (!(out = PyList_New(n))) goto done;
+    entry_t *entries = (entry_t *)(uintptr_t)addr;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        long long got = -1;
+        uint64_t first = bucket_of(fs[k].ns, fs[k].chunk, nbuckets) * BUCKET;
+        for (uint64_t i = first; i < first + BUCKET; i++) {
+            if (LOAD(&entries[i].offset) == 0) {
+                write_entry(&entries[i], &fs[k]);
+                got = (long long)i;
+                break;
+            }
+        }
+        PyObject *entry = PyLong_FromLongLong(got);
+        if (entry == NULL) { /* (the entries stay written: out of memory, the server fails anyway) */
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, k, entry);
+    }
+done:
+    PyMem_Free(fs);
+    Py_DECREF(seq);
+    return out;
 }
 
 PyDoc_STRVAR(rewrite_doc,

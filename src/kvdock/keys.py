@@ -46,8 +46,11 @@ def chunk_hashes(tokens: np.ndarray, chunk_size: int) -> list[bytes]:
     raw = tokens[: len(tokens) // chunk_size * chunk_size].tobytes()  # (one copy: no per-chunk views)
     prev = SEED
     out: list[bytes] = []
+    h = blake3()  # (one hasher, reset for each chunk: cheaper than a new one each)
     for start in range(0, len(raw), step):
-        prev = blake3(prev + raw[start : start + step]).digest()
+        h.reset()
+        h.update(prev + raw[start : start + step])
+        prev = h.digest()
         out.append(prev)
     return out
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -74,7 +75,7 @@ def test_a_published_chain_is_found_with_its_slots(seg: PoolSegment, pair) -> No
     hashes = [digest(i) for i in range(3)]
     versions = [11, 22, 33]
     entries = [
-        d.publish(NS, h, slot(i, seg), 5 + i, SLOT, versions[i], versions[i - 1] if i else 0)
+        d.publish([(NS, h, slot(i, seg), 5 + i, SLOT, versions[i], versions[i - 1] if i else 0)])[0]
         for i, h in enumerate(hashes)
     ]
     assert all(e >= 0 for e in entries)
@@ -95,12 +96,12 @@ def test_a_published_chain_is_found_with_its_slots(seg: PoolSegment, pair) -> No
 def test_lookups_stop_at_an_absent_a_broken_or_an_unsure_chunk(seg: PoolSegment, pair) -> None:
     d, r = pair
     h = [digest(i) for i in range(4)]
-    d.publish(NS, h[0], slot(0, seg), 0, SLOT, 1, 0)
-    d.publish(NS, h[1], slot(1, seg), 0, SLOT, 2, 1)
-    d.publish(NS, h[3], slot(3, seg), 0, SLOT, 4, 3)
+    d.publish([(NS, h[0], slot(0, seg), 0, SLOT, 1, 0)])[0]
+    d.publish([(NS, h[1], slot(1, seg), 0, SLOT, 2, 1)])[0]
+    d.publish([(NS, h[3], slot(3, seg), 0, SLOT, 4, 3)])[0]
     found = r.find(NS, b"".join(h), SLOT)
     assert (found.count, found.ended) == (2, "absent")
-    d.publish(NS, h[2], slot(2, seg), 0, SLOT, 9, 7)  # present, but its parent is not chunk 1's version
+    d.publish([(NS, h[2], slot(2, seg), 0, SLOT, 9, 7)])[0]  # present, but its parent is not chunk 1's version
     found = r.find(NS, b"".join(h), SLOT)
     assert (found.count, found.ended) == (2, "broken")
     assert r.find(NS, b"".join(h[:2]), SLOT + 4096).ended == "unsure"  # another slot size: not this model's
@@ -110,7 +111,7 @@ def test_lookups_stop_at_an_absent_a_broken_or_an_unsure_chunk(seg: PoolSegment,
 
 def test_a_first_chunk_must_have_no_parent(seg: PoolSegment, pair) -> None:
     d, r = pair
-    d.publish(NS, digest(0), slot(0, seg), 0, SLOT, 1, 77)  # a chunk 1 of some other prefix, at position 0
+    d.publish([(NS, digest(0), slot(0, seg), 0, SLOT, 1, 77)])[0]  # a chunk 1 of some other prefix, at position 0
     assert (r.find(NS, digest(0), SLOT).count, r.find(NS, digest(0), SLOT).ended) == (0, "broken")
 
 
@@ -122,7 +123,7 @@ def test_an_entry_outside_the_slot_area_is_never_handed_out(seg: PoolSegment, pa
         "past the pool": seg.size - SLOT + 4096,
         "not page-aligned": slot(1, seg) + 64,
     }[where]
-    d.publish(NS, digest(0), offset, 0, SLOT, 1, 0)
+    d.publish([(NS, digest(0), offset, 0, SLOT, 1, 0)])[0]
     assert (r.find(NS, digest(0), SLOT).count, r.find(NS, digest(0), SLOT).ended) == (0, "unsure")
 
 
@@ -130,20 +131,20 @@ def test_unpublish_frees_the_entry_and_a_full_bucket_refuses(seg: PoolSegment, p
     d, r = pair
     same = in_bucket(0, d.nbuckets, NS)
     hashes = [next(same) for _ in range(BUCKET + 1)]
-    entries = [d.publish(NS, h, slot(i, seg), 0, SLOT, i + 1, 0) for i, h in enumerate(hashes[:BUCKET])]
+    entries = d.publish([(NS, h, slot(i, seg), 0, SLOT, i + 1, 0) for i, h in enumerate(hashes[:BUCKET])])
     assert sorted(entries) == list(range(BUCKET))  # bucket 0 is entries 0..7
-    assert d.publish(NS, hashes[BUCKET], slot(BUCKET, seg), 0, SLOT, 99, 0) == -1  # no room: the caller counts it
+    assert d.publish([(NS, hashes[BUCKET], slot(BUCKET, seg), 0, SLOT, 99, 0)]) == [-1]  # no room: the caller counts it
     d.check_integrity(BUCKET)
     d.unpublish(entries[3])
     assert r.find(NS, hashes[3], SLOT).ended == "absent" and d.read(entries[3]) is None
-    assert d.publish(NS, hashes[BUCKET], slot(BUCKET, seg), 0, SLOT, 99, 0) == entries[3]  # the freed entry
+    assert d.publish([(NS, hashes[BUCKET], slot(BUCKET, seg), 0, SLOT, 99, 0)])[0] == entries[3]  # the freed entry
     assert r.find(NS, hashes[BUCKET], SLOT).offsets.tolist() == [slot(BUCKET, seg)]
     d.check_integrity(BUCKET)
 
 
 def test_rewrite_replaces_an_entry_of_the_same_key_only(seg: PoolSegment, pair) -> None:
     d, r = pair
-    entry = d.publish(NS, digest(0), slot(0, seg), 3, SLOT, 1, 0)
+    entry = d.publish([(NS, digest(0), slot(0, seg), 3, SLOT, 1, 0)])[0]
     d.rewrite(entry, NS, digest(0), slot(4, seg), 8, SLOT, 2, 0)
     found = r.find(NS, digest(0), SLOT)
     assert (found.entries.tolist(), found.offsets.tolist(), found.gens.tolist()) == ([entry], [slot(4, seg)], [8])
@@ -192,7 +193,7 @@ def test_a_segment_without_entries_has_no_directory_and_entries_are_bounds_check
 
 def test_check_integrity_finds_a_miscount_and_an_entry_out_of_its_bucket(seg: PoolSegment, pair) -> None:
     d, _ = pair
-    d.publish(NS, next(in_bucket(0, d.nbuckets, NS)), slot(0, seg), 0, SLOT, 1, 0)
+    d.publish([(NS, next(in_bucket(0, d.nbuckets, NS)), slot(0, seg), 0, SLOT, 1, 0)])[0]
     with pytest.raises(AssertionError, match="1 directory entries in use, 2 published"):
         d.check_integrity(2)
     d.check_integrity(1)
@@ -231,15 +232,60 @@ def test_a_reader_in_another_process_never_sees_half_an_entry(seg: PoolSegment, 
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     a = (slot(2, seg), 1111)
     b = (slot(5, seg), 2222)
-    entry = d.publish(NS, h, *a, SLOT, 1, 0)
+    entry = d.publish([(NS, h, *a, SLOT, 1, 0)])[0]
     flips = 0
     while p.poll() is None:
         d.unpublish(entry)
         off, gen = b if flips % 2 == 0 else a
-        entry = d.publish(NS, h, off, gen, SLOT, 1, 0)
+        entry = d.publish([(NS, h, off, gen, SLOT, 1, 0)])[0]
         flips += 1
     out = p.stdout.read().strip()
     assert p.returncode == 0, out
     seen = {tuple(pair) for pair in json.loads(out)}  # the (offset, gen) pairs the reader saw
     assert seen and seen <= {a, b}, (seen, flips)
     assert flips > 1000
+
+
+def test_publish_of_many_is_one_at_a_time_in_one_write(seg: PoolSegment) -> None:
+    """One publish of many items leaves the same entries, byte for byte, as one publish each, in
+    order: a full bucket's extra item gets -1 in both, and an item whose bucket has room takes the
+    same free entry (L1Store.commit publishes a store's chunks in one call)."""
+    twin = PoolSegment.create(64 * SLOT, 16)
+    try:
+        many, one = Directory(seg, complete=True), Directory(twin, complete=True)
+        full = list(itertools.islice(in_bucket(0, many.nbuckets, NS), BUCKET + 2))
+        a, b = itertools.islice(in_bucket(1, many.nbuckets, NS), 2)  # (the other bucket: room)
+        items = [(NS, h, slot(i, seg), i, SLOT, i + 1, i) for i, h in enumerate([a, *full, b])]
+        got = many.publish(items)
+        assert got == [one.publish([item])[0] for item in items]
+        assert got.count(-1) == 2 and len(set(got) - {-1}) == len(items) - 2
+        assert bytes(seg.meta[seg.directory_offset : seg.directory_offset + many.entries * 128]) == bytes(
+            twin.meta[twin.directory_offset : twin.directory_offset + one.entries * 128]
+        )
+        many.check_integrity(len(items) - 2)
+        assert many.read(got[0]) == one.read(got[0]) and many.read(got[0]) is not None
+        assert many.publish([]) == []
+        many.close()
+        one.close()
+    finally:
+        twin.close()
+        twin.unlink()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [(NS, digest(9), 0, 0, SLOT, 1, 0), (NS, b"short", SLOT, 0, SLOT, 1, 0), (NS[:31], digest(9), SLOT, 0, SLOT, 1, 0)],
+)
+def test_publish_checks_every_item_before_writing_any(seg: PoolSegment, bad: tuple) -> None:  # type: ignore[type-arg]
+    """A bad item anywhere in a publish (offset 0, a digest not of 32 bytes) is a ValueError and
+    nothing is written, not even the good items before it: the owner's bookkeeping (Listings)
+    never misses an entry that is in the directory."""
+    d = Directory(seg, complete=True)
+    good = [(NS, digest(i), slot(i, seg), 0, SLOT, i + 1, 0) for i in range(3)]
+    with pytest.raises(ValueError):
+        d.publish([*good, bad])
+    d.check_integrity(0)
+    entries = d.publish(good)  # (then the good ones go in, and only they)
+    assert min(entries) >= 0
+    d.check_integrity(3)
+    d.close()

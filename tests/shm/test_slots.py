@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from kvdock.shm.slots import ALIGN, SlotAllocator, aligned
+from kvdock.shm.slots import ALIGN, Partitions, SlotAllocator, aligned
 
 P = ALIGN  # one page
 
@@ -305,3 +305,25 @@ def test_recarve_moves_every_generation_on_and_carves_anew() -> None:
     assert list(gens) == [2, 2, 2, 2]  # a reader of any old slot sees it moved
     assert (a.alloc(2 * ALIGN), a.alloc(2 * ALIGN), a.alloc(1)) == (ALIGN, 3 * ALIGN, None)
     a.check_integrity()
+
+
+def test_generations_are_each_slots_generation() -> None:
+    """generations(offsets) reads what generation(offset) reads, offset by offset and in order,
+    over one pool and over regions (a run of one region's offsets finds it once; here the runs
+    alternate), after frees moved some generations on."""
+    table = np.zeros(64, dtype="<u8")
+    shared, tenant = SlotAllocator(0, 32 * ALIGN, table[:32]), SlotAllocator(32 * ALIGN, 32 * ALIGN, table[32:])
+    parts = Partitions({None: shared, "t": tenant})
+    offsets = [parts.alloc(ALIGN, None) for _ in range(6)] + [parts.alloc(ALIGN, "t") for _ in range(6)]
+    assert None not in offsets
+    for off in offsets[::3]:
+        parts.free(off)  # (generation 1)
+        assert parts.alloc(ALIGN, parts.name_of(off)) == off
+    parts.free(offsets[1])
+    parts.free(offsets[7])
+    mixed = [offsets[i] for i in (0, 7, 1, 6, 3, 9, 2)]
+    assert parts.generations(mixed) == [parts.generation(o) for o in mixed] == [1, 1, 1, 1, 1, 1, 0]
+    assert shared.generations(offsets[:6]) == [shared.generation(o) for o in offsets[:6]] == [1, 1, 0, 1, 0, 0]
+    assert all(type(g) is int for g in parts.generations(mixed))
+    assert parts.generations([]) == []
+    assert list(table[:6]) == [1, 1, 0, 1, 0, 0]  # (the table's own words: what clients read)

@@ -162,7 +162,7 @@ def test_touch_moves_only_the_object_still_in_the_slot_it_was_read_from(w: World
 
 def test_check_integrity_finds_an_entry_the_store_does_not_know(w: World) -> None:
     w.put(K(1))
-    w.directory.publish(namespace_digest("m", 0, ""), K(9).chunk, w.seg.data_offset, 0, SIZE, 1, 0)
+    w.directory.publish([(namespace_digest("m", 0, ""), K(9).chunk, w.seg.data_offset, 0, SIZE, 1, 0)])[0]
     with pytest.raises(AssertionError, match="2 directory entries in use, 1 published"):
         w.store.check_integrity()
 
@@ -170,7 +170,7 @@ def test_check_integrity_finds_an_entry_the_store_does_not_know(w: World) -> Non
 def test_check_integrity_finds_a_wrong_entry(w: World) -> None:
     obj = w.put(K(1))
     w.directory.unpublish(obj.entry)
-    entry = w.directory.publish(namespace_digest("m", 0, ""), K(1).chunk, obj.offset, 7, SIZE, 1, 0)
+    entry = w.directory.publish([(namespace_digest("m", 0, ""), K(1).chunk, obj.offset, 7, SIZE, 1, 0)])[0]
     assert entry == obj.entry
     with pytest.raises(AssertionError, match="a directory entry is wrong"):
         w.store.check_integrity()

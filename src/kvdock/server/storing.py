@@ -117,10 +117,12 @@ def _prepare(
         )
     if shards > 1 and not any(p.slots for p in plans):
         end_all(state, client, sids)
-    alloc = mgr.l1.allocator
-    slots = Interleave(shards).merge(
-        [[m.SlotRef(i, obj.offset, alloc.generation(obj.offset)) for i, obj in p.slots] for p in plans]
-    )
+    gens = mgr.l1.allocator.generations
+    refs = []
+    for p in plans:
+        offsets = [obj.offset for _, obj in p.slots]
+        refs.append([m.SlotRef(i, off, gen) for (i, _), off, gen in zip(p.slots, offsets, gens(offsets), strict=True)])
+    slots = Interleave(shards).merge(refs)
     deduped, pool_full = sum(p.deduped for p in plans), sum(p.pool_full for p in plans)
     state.metrics.deduped_chunks.inc(deduped)
     state.metrics.pool_full_chunks.inc(pool_full)

@@ -31,6 +31,7 @@ The state words live in the segment header (:data:`kvdock.shm.segment.STATE_OFFS
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,8 @@ COMPLETE = 2  # the server has no lower tier: what L1 does not hold is not cache
 W_FLAGS, W_UNINDEXED = 0, 1  # the state words
 BYTES_PER_ENTRY = 16 << 10  # one entry per 16 KiB of slot area
 MIN_ENTRIES = 1024
+# one object to publish (Directory.publish): ns, chunk, offset, gen, nbytes, version, parent
+Listed = tuple[bytes, bytes, int, int, int, int, int]
 
 
 def entries_for(data_size: int) -> int:
@@ -135,11 +138,13 @@ class Directory(_Mapped):
         super().__init__(segment)
         self.state[W_FLAGS] = LIVE | (COMPLETE if complete else 0)
 
-    def publish(self, ns: bytes, chunk: bytes, offset: int, gen: int, nbytes: int, version: int, parent: int) -> int:
-        """Publish key (``ns``, ``chunk``), which must not be published now; its entry number, or
-        -1 if its bucket is full (the caller then counts it as unindexed)."""
-        self._entry(0)
-        return int(_directory.publish(self.addr, self.nbuckets, ns, chunk, offset, gen, nbytes, version, parent))
+    def publish(self, items: Sequence[Listed]) -> list[int]:
+        """Publish each of ``items``, in order: (ns, chunk, offset, gen, nbytes, version, parent),
+        key (``ns``, ``chunk``) not published now; each one's entry number, or -1 where its bucket
+        is full (the caller then counts it as unindexed). ValueError for a bad item before any
+        is written."""
+        self._entry(0)  # (closed: ValueError)
+        return list(_directory.publish(self.addr, self.nbuckets, items))
 
     def rewrite(
         self, entry: int, ns: bytes, chunk: bytes, offset: int, gen: int, nbytes: int, version: int, parent: int

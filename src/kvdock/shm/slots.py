@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import sys
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,6 +42,8 @@ class SlotAllocator:
         pages = -(-capacity // ALIGN)
         self._gens = np.zeros(pages, dtype="<u8") if generations is None else generations
         assert len(self._gens) >= pages, "generation table too small for the pool"
+        assert sys.byteorder == "little" and self._gens.dtype == np.dtype("<u8")
+        self._words = self._gens.data.cast("B").cast("Q")  # the same words, read as Python ints
         self._bump = 0  # bytes carved so far
         self._free: dict[int, list[int]] = {}  # slot size -> free offsets
         self._used: dict[int, int] = {}  # offset -> slot size
@@ -74,13 +78,18 @@ class SlotAllocator:
 
     def generation(self, offset: int) -> int:
         """The current generation of the slot at ``offset``."""
-        return int(self._gens[(offset - self.base) // ALIGN])
+        return self._words[(offset - self.base) // ALIGN]
+
+    def generations(self, offsets: Sequence[int]) -> list[int]:
+        """:meth:`generation` of each of ``offsets``, in their order."""
+        words, base = self._words, self.base
+        return [words[(off - base) // ALIGN] for off in offsets]
 
     def free(self, offset: int) -> None:
         """Return a slot (KeyError if ``offset`` is not an allocated slot); its generation moves on
         before anyone can allocate it again, so readers of its old bytes can tell."""
         size = self._used.pop(offset)
-        self._gens[(offset - self.base) // ALIGN] += 1
+        self._words[(offset - self.base) // ALIGN] += 1
         self.used_bytes -= size
         self._free.setdefault(size, []).append(offset)
 
@@ -150,6 +159,18 @@ class Partitions:
 
     def generation(self, offset: int) -> int:
         return self.region_of(offset).generation(offset)
+
+    def generations(self, offsets: Sequence[int]) -> list[int]:
+        """:meth:`generation` of each of ``offsets``, in their order (a run of one region's
+        offsets, as one request's slots are, finds its region once)."""
+        out: list[int] = []
+        start = end = 0  # the range of the region found last (none yet)
+        for off in offsets:
+            if not start <= off < end:
+                area = self.region_of(off)
+                start, end, words = area.base, area.base + area.capacity, area._words
+            out.append(words[(off - start) // ALIGN])
+        return out
 
     def free(self, offset: int) -> None:
         self.region_of(offset).free(offset)

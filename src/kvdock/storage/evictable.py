@@ -21,7 +21,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, cast
 
@@ -137,10 +137,7 @@ class Evictable:
 
     def add(self, obj: L1Object, new: bool) -> None:
         """``obj`` became evictable (committed, unpinned, written down)."""
-        key = bucket_of(obj)
-        b = self._buckets.get(key)
-        if b is None:
-            b = self._buckets[key] = _Bucket(cast(Policy[ObjectKey], self._make_policy()))
+        b = self._bucket(obj)
         if obj.dirty:
             b.dirty[obj.key] = obj
             heapq.heappush(b.heap, (-obj.seq, next(self._tiebreak), obj))
@@ -150,6 +147,32 @@ class Evictable:
         else:
             b.clean[obj.key] = obj
             b.policy.insert(obj.key, new=new, before=self._prefixes.parent_key(obj))
+
+    def _bucket(self, obj: L1Object) -> _Bucket:
+        """``obj``'s bucket, made now if there is none."""
+        key = (obj.region, aligned(obj.nbytes))  # (bucket_of)
+        b = self._buckets.get(key)
+        if b is None:
+            b = self._buckets[key] = _Bucket(cast(Policy[ObjectKey], self._make_policy()))
+        return b
+
+    def enter(self, objs: Iterable[L1Object]) -> None:
+        """Each of ``objs`` in turn was committed (READY now): a chunk of its prompt
+        (storage.prefixes), evictable as new (:meth:`add`); an orphan goes first (:meth:`demote`)."""
+        prefix, parent_of, bucket = self._prefixes.add, self._prefixes.parent, self._bucket
+        for obj in objs:
+            orphan = prefix(obj)
+            if obj.dirty:
+                self.add(obj, new=True)
+                if orphan:
+                    self.demote(obj)
+                continue
+            b = bucket(obj)  # (add and demote of a clean object, inline)
+            b.clean[obj.key] = obj
+            parent = parent_of(obj)
+            b.policy.insert(obj.key, new=True, before=None if parent is None else parent.key)
+            if orphan:
+                b.policy.demote(obj.key)
 
     def redirty(self, obj: L1Object, delta: int) -> None:
         """One more (+1) or one fewer (-1) write-down of ``obj`` pending; an evictable object moves

@@ -14,7 +14,7 @@ Owned by :class:`kvdock.storage.memory.L1Store`, on the event loop (not thread-s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvdock.keys import namespace_digest
@@ -40,20 +40,31 @@ class Listings:
         """The object published at ``entry`` of ``region``'s directory, if any."""
         return self._published.get((region, entry))
 
-    def publish(self, obj: L1Object, gen: int) -> None:
-        """``obj`` (slot generation ``gen``) became READY, a new key: into its region's directory,
-        or counted there as unindexed when its bucket is full (nothing when its region has none)."""
-        d = self._directories.get(obj.region)
-        if d is None:
-            return
-        k = obj.key
-        ns = namespace_digest(k.model, k.rank, k.salt)
-        obj.entry = d.publish(ns, k.chunk, obj.offset, gen, obj.nbytes, obj.version, obj.parent)
-        if obj.entry >= 0:
-            self._published[(obj.region, obj.entry)] = obj
-        else:
-            self._unindexed[obj.region] += 1
-            d.set_unindexed(self._unindexed[obj.region])
+    def publish(self, objs: Sequence[L1Object], gens: Sequence[int]) -> None:
+        """``objs`` (their slots of generations ``gens``) became READY, new keys: each into its
+        region's directory, in order (one write of all of a region's), or counted there as
+        unindexed when its bucket is full (nothing when its region has none)."""
+        regions: dict[str | None, list[tuple[L1Object, int]]] = {}
+        for obj, gen in zip(objs, gens, strict=True):
+            regions.setdefault(obj.region, []).append((obj, gen))
+        for region, mine in regions.items():
+            d = self._directories.get(region)
+            if d is None:
+                continue
+            items = [
+                (namespace_digest(k.model, k.rank, k.salt), k.chunk, o.offset, g, o.nbytes, o.version, o.parent)
+                for o, g in mine
+                for k in (o.key,)
+            ]
+            published, unindexed = self._published, self._unindexed[region]
+            for (obj, _), entry in zip(mine, d.publish(items), strict=True):
+                obj.entry = entry
+                if entry >= 0:
+                    published[(region, entry)] = obj
+                else:
+                    unindexed += 1
+                    d.set_unindexed(unindexed)
+            self._unindexed[region] = unindexed
 
     def hand_over(self, old: L1Object, new: L1Object, gen: int) -> None:
         """``new`` (slot generation ``gen``) replaces ``old`` (READY, live, same key) in the

@@ -288,11 +288,11 @@ class StorageManager:
         store each chunk in all shards or none (storage.commits)."""
         # every shard or none (storage.commits: R-KEEP 2 and 5)
         ordered = sorted(to_commit(self, client_id, work, deletes_ok), key=lambda r: (r[0], r[1]))
+        objs = [obj for _, _, obj in ordered]
+        self.l1.commit(*objs)  # (in this order, each as if alone)
         units: dict[int, int] = {}  # a chunk's shards: dirty evictions take them together (L1Object.unit)
         for i, _, obj in ordered:
-            self.l1.commit(obj)
             obj.unit = units.setdefault(i, obj.seq) if len(work) > 1 else 0
-        objs = [obj for _, _, obj in ordered]
         if self.holdings is not None:  # (an overwrite's: its floor was raised before the commit)
             self.holdings.add(objs)
         self._write_down(objs)

@@ -29,6 +29,7 @@ from kvdock.keys import ObjectKey
 from kvdock.shm.directory import Directory
 from kvdock.shm.pool import SlotMemory
 from kvdock.shm.slots import Partitions, SlotAllocator, aligned
+from kvdock.storage._l1checks import check_store
 from kvdock.storage.evictable import Evictable, L1Counters
 from kvdock.storage.l1object import L1Object, L1Watcher, State
 from kvdock.storage.listings import Listings
@@ -237,25 +238,41 @@ class L1Store:
     def _evictable_now(self, obj: L1Object) -> bool:
         return obj.state is State.READY and obj.live and not obj.pins + obj.holds and self._ready.get(obj.key) is obj
 
-    def commit(self, obj: L1Object) -> None:
-        """RESERVED → READY (most recently used). Replaces an older READY version of the key."""
-        assert obj.state is State.RESERVED and self._reserved.get(obj.key) is obj
-        del self._reserved[obj.key]
-        old = self._ready.get(obj.key)
-        if old is not None:
-            self._retire(old, successor=obj)
-        obj.state = State.READY
-        self._seq += 1
-        obj.seq = self._seq
-        self._ready[obj.key] = obj
-        orphan = self._prefixes.add(obj)
-        self._evictable.add(obj, new=True)
-        if orphan:
-            self._evictable.demote(obj)
-        if old is None:
-            self._listings.publish(obj, self.allocator.generation(obj.offset))
-        if self._watcher:
-            self._watcher.stored(obj)
+    def commit(self, *objs: L1Object) -> None:
+        """RESERVED → READY (most recently used), in order, each as if committed alone: each
+        replaces an older READY version of its key. Runs of new keys enter the evictable set
+        together; the new keys go into the directory together once all are READY (one write),
+        then the watcher hears of each."""
+        gens = self.allocator.generations([obj.offset for obj in objs])  # (a reserved slot's cannot move)
+        reserved, ready = self._reserved, self._ready
+        run: list[L1Object] = []  # READY, to enter the evictable set (before any older version retires)
+        fresh: list[int] = []  # which of objs are new keys (no older version to hand its entry over)
+        done = 0
+        try:
+            for obj, gen in zip(objs, gens, strict=True):
+                key = obj.key
+                assert obj.state is State.RESERVED and reserved.get(key) is obj
+                del reserved[key]
+                old = ready.get(key)
+                if old is not None:
+                    entering, run = run, []
+                    self._evictable.enter(entering)
+                    self._retire(old, successor=obj, gen=gen)
+                else:
+                    fresh.append(done)
+                obj.state = State.READY
+                self._seq += 1
+                obj.seq = self._seq
+                ready[key] = obj
+                run.append(obj)
+                done += 1
+        finally:  # (an object committed is evictable, published and told, even if a later one fails)
+            entering, run = run, []
+            self._evictable.enter(entering)
+            self._listings.publish([objs[i] for i in fresh], [gens[i] for i in fresh])
+            if self._watcher:
+                for obj in objs[:done]:
+                    self._watcher.stored(obj)
 
     def abort(self, obj: L1Object) -> None:
         """Drop a reservation (or a detached one) and free its slot."""
@@ -338,14 +355,15 @@ class L1Store:
             self._watcher.cleared()
         return len(objs)
 
-    def _retire(self, obj: L1Object, successor: L1Object | None = None) -> None:
+    def _retire(self, obj: L1Object, successor: L1Object | None = None, gen: int = 0) -> None:
         """``obj`` (READY and live, maybe no longer in ``_ready``: clear) stops being readable;
-        ``successor``, a new version of its key, takes its place in the directory."""
+        ``successor``, a new version of its key (its slot of generation ``gen``), takes its place
+        in the directory."""
         if self._ready.get(obj.key) is obj:
             del self._ready[obj.key]
         self._orphaned(obj)
         if successor is not None:
-            self._listings.hand_over(obj, successor, self.allocator.generation(successor.offset))
+            self._listings.hand_over(obj, successor, gen)
         else:
             self._listings.unpublish(obj)
         obj.live = False
@@ -372,28 +390,4 @@ class L1Store:
 
     def check_integrity(self) -> None:
         """Assert the invariants in the module docstring and the allocator's own."""
-        self.allocator.check_integrity()
-        for key, obj in self._ready.items():
-            assert obj.key == key and obj.state is State.READY and obj.live
-            assert (obj in self._evictable) == (not obj.pins + obj.holds), "evictable membership wrong"
-        if isinstance(self.allocator, Partitions):
-            for obj in (*self._ready.values(), *self._reserved.values(), *self._retired, *self._detached):
-                assert self.allocator.name_of(obj.offset) == obj.region, "an object's slot is outside its region"
-                assert obj.region is None or self.shares is None or self.shares.owner(obj.key) == obj.region
-        self._prefixes.check(self._ready.values())
-        self._evictable.check(self._evictable_now)
-        assert len(self._evictable) == sum(not o.pins + o.holds for o in self._ready.values()), "evictables drifted"
-        for key, obj in self._reserved.items():
-            assert obj.key == key and obj.state is State.RESERVED and obj.pins == 0
-        for obj in self._retired:
-            assert not obj.live and obj.pins + obj.holds > 0
-        for obj in self._detached:
-            assert obj.state is State.RESERVED and obj.pins == 0
-        held = (*self._ready.values(), *self._reserved.values(), *self._retired, *self._detached)
-        offsets = [o.offset for o in held]
-        assert len(offsets) == len(set(offsets)), "two objects share a slot"
-        total = sum(aligned(o.nbytes) for o in held)
-        assert total == self.allocator.used_bytes, (
-            f"objects hold {total} bytes, allocator says {self.allocator.used_bytes}"
-        )
-        self._listings.check(self._ready.values(), self.allocator.generation)
+        check_store(self)

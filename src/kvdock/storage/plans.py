@@ -130,7 +130,7 @@ def random_bits(n: int) -> list[int]:
     """``n`` random parts of :func:`new_version`, from one read of the OS's randomness (as
     ``secrets.randbits``, without a read for each of a store's chunks)."""
     words = np.frombuffer(secrets.token_bytes(8 * n), dtype="<u8") & np.uint64(_RANDOM)
-    return [int(w) for w in words.tolist()]
+    return list(words.tolist())  # (Python ints)
 
 
 def depends_on_edit(version: int) -> bool:

@@ -125,8 +125,11 @@ class Queue(Generic[K]):
 
     def push(self, key: K, before: K | None = None) -> None:
         """Add ``key`` at the back (goes last), or just ahead of ``before`` if that is here."""
-        assert key not in self._next, "pushed twice"
-        self._link(key, before if before is not None and before in self._next else None)
+        nexts, prevs = self._next, self._prev
+        assert key not in nexts, "pushed twice"
+        nxt = before if before is not None and before in nexts else None
+        prev = prevs[nxt]  # (self._link, inline)
+        nexts[prev], prevs[key], nexts[key], prevs[nxt] = key, prev, nxt, key
 
     def push_front(self, key: K) -> None:
         self._link(key, self._next[None])
@@ -248,7 +251,8 @@ class S3FIFO(Policy[K]):
     def insert(self, key: K, new: bool = True, before: K | None = None) -> None:
         assert key not in self._freq, "inserted twice"
         self._before[key] = before
-        self._peak = max(self._peak, len(self._freq) + 1)
+        if len(self._freq) >= self._peak:
+            self._peak = len(self._freq) + 1
         if not new:
             self._freq[key] = 1
             self._main.push(key, before)

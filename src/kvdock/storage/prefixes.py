@@ -32,13 +32,14 @@ class Prefixes:
 
     def add(self, obj: L1Object) -> bool:
         """``obj`` became READY; whether it is an orphan (its predecessor is not in L1)."""
-        prev = self.parent(obj)
+        parent = obj.parent
+        prev = self._versions.get(parent) if parent else None  # (self.parent)
         obj.depth = prev.depth + 1 if prev is not None else 0
         if obj.version:
             self._versions[obj.version] = obj
-        if obj.parent:
-            self._children.setdefault(obj.parent, {})[obj.key] = obj
-        return bool(obj.parent) and prev is None
+        if parent:
+            self._children.setdefault(parent, {})[obj.key] = obj
+        return bool(parent) and prev is None
 
     def discard(self, obj: L1Object) -> list[L1Object]:
         """``obj`` stopped being READY; the objects it leaves orphaned."""

@@ -60,8 +60,9 @@ def reserve(
     indexed = chains.indexed()  # (the lower tiers' indexes, taken once for the request's keys)
     lowers = bool(indexed or below) and not overwrite  # whether a lower tier could hold a key
     bits: list[int] = []  # the new versions' random bits, drawn at the first reservation for all
+    reservation, present_of, reserve_slot = l1.reservation, l1.get, l1.reserve
     for i, key in enumerate(keys):
-        pending = l1.reservation(key)
+        pending = reservation(key)
         if pending is not None and pending in loads and overwrite:
             l1.detach(pending)  # the load's bytes are the older version: thrown away
         elif pending is not None or in_flight:
@@ -69,7 +70,7 @@ def reserve(
             # after it cannot name their predecessor's version
             in_flight += 1
             continue
-        present = l1.get(key)
+        present = present_of(key)
         if not overwrite and present is not None and present.parent == parent:
             deduped += 1
             parent = present.version
@@ -88,7 +89,7 @@ def reserve(
         if limit is not None and i >= limit:
             diverged = len(keys) - i
             break
-        obj = None if pool_full else l1.reserve(key, nbytes)
+        obj = None if pool_full else reserve_slot(key, nbytes)
         if overwrite:
             out.replaced.append(key)
         if obj is None:

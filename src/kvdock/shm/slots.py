@@ -91,7 +91,11 @@ class SlotAllocator:
         size = self._used.pop(offset)
         self._words[(offset - self.base) // ALIGN] += 1
         self.used_bytes -= size
-        self._free.setdefault(size, []).append(offset)
+        free = self._free.get(size)
+        if free is None:
+            self._free[size] = [offset]
+        else:
+            free.append(offset)
 
     def recarve(self) -> None:
         """Forget how the empty area was carved, so that slots of any size can be carved anew.

@@ -75,6 +75,8 @@ def to_commit(
             else:
                 obj.epoch, obj.overwrite = epoch, e2 if session.overwrite else 0
             picked.append((i, shard, obj))
+    if not dropped:
+        return picked
     out = []
     for i, shard, obj in picked:
         if i in dropped:  # (in every shard)

@@ -160,6 +160,8 @@ class Evictable:
         """Each of ``objs`` in turn was committed (READY now): a chunk of its prompt
         (storage.prefixes), evictable as new (:meth:`add`); an orphan goes first (:meth:`demote`)."""
         prefix, parent_of, bucket = self._prefixes.add, self._prefixes.parent, self._bucket
+        b: _Bucket | None = None  # the bucket of the last clean one, of (region, nbytes) last: a store's are alike
+        last: tuple[str | None, int] = (None, 0)
         for obj in objs:
             orphan = prefix(obj)
             if obj.dirty:
@@ -167,8 +169,9 @@ class Evictable:
                 if orphan:
                     self.demote(obj)
                 continue
-            b = bucket(obj)  # (add and demote of a clean object, inline)
-            b.clean[obj.key] = obj
+            if b is None or last != (obj.region, obj.nbytes):  # (no bucket goes while objects enter)
+                b, last = bucket(obj), (obj.region, obj.nbytes)
+            b.clean[obj.key] = obj  # (add and demote of a clean object, inline)
             parent = parent_of(obj)
             b.policy.insert(obj.key, new=True, before=None if parent is None else parent.key)
             if orphan:
@@ -238,7 +241,7 @@ class Evictable:
 
     def evict(self, obj: L1Object) -> None:
         """``obj`` (a victim) is evicted: dropped, remembered by a policy with history."""
-        key = bucket_of(obj)
+        key = (obj.region, aligned(obj.nbytes))  # (bucket_of)
         b = self._buckets[key]
         if b.clean.get(obj.key) is obj:
             del b.clean[obj.key]

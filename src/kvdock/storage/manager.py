@@ -36,6 +36,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from operator import itemgetter
 
 from kvdock.errors import SessionError
 from kvdock.keys import ObjectKey
@@ -287,7 +288,7 @@ class StorageManager:
         another shard's head goes (issue 28 R3). An overwrite commits all its shards or none, a plain
         store each chunk in all shards or none (storage.commits)."""
         # every shard or none (storage.commits: R-KEEP 2 and 5)
-        ordered = sorted(to_commit(self, client_id, work, deletes_ok), key=lambda r: (r[0], r[1]))
+        ordered = sorted(to_commit(self, client_id, work, deletes_ok), key=itemgetter(0, 1))  # (chunk, shard)
         objs = [obj for _, _, obj in ordered]
         self.l1.commit(*objs)  # (in this order, each as if alone)
         units: dict[int, int] = {}  # a chunk's shards: dirty evictions take them together (L1Object.unit)

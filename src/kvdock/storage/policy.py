@@ -244,9 +244,9 @@ class S3FIFO(Policy[K]):
         return key in self._freq
 
     def _queue(self, key: K) -> Queue[K]:
-        if key in self._small:
+        if key in self._small._next:  # (key in self._small: a key is never None)
             return self._small
-        return self._orphans if key in self._orphans else self._main
+        return self._orphans if key in self._orphans._next else self._main
 
     def insert(self, key: K, new: bool = True, before: K | None = None) -> None:
         assert key not in self._freq, "inserted twice"
@@ -277,10 +277,12 @@ class S3FIFO(Policy[K]):
         del self._freq[key], self._before[key]
 
     def evict(self, key: K) -> None:
-        if key in self._small:
-            self._ghost[key] = None
-            while len(self._ghost) > max(int(self.GHOST * len(self._freq)), 16):
-                self._ghost.popitem(last=False)
+        if key in self._small._next:  # (key in self._small)
+            ghost = self._ghost
+            ghost[key] = None
+            bound = max(int(self.GHOST * len(self._freq)), 16)
+            while len(ghost) > bound:
+                ghost.popitem(last=False)
         self.remove(key)
 
     def victim(self) -> K | None:

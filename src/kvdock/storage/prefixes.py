@@ -52,7 +52,8 @@ class Prefixes:
                 del self._children[obj.parent]
         if not obj.version or self._versions.get(obj.version) is not None:
             return []
-        return list(self._children.get(obj.version, {}).values())
+        kids = self._children.get(obj.version)
+        return [] if kids is None else list(kids.values())
 
     def clear(self) -> None:
         self._versions.clear()

@@ -32,16 +32,29 @@ WRITER = textwrap.dedent(
     tokens = make_tokens(N * C, start=7000)
     rng = random.Random(5)
     with kvd.connect(url, http, model) as c, open(out, "w") as log:
-        for v in range(1, n + 1):
+        v = 0
+        while v < n:
+            v += 1
             r = rng.random()
-            if r < 0.5:  # the whole prompt, one value
+            if r < 0.4:  # the whole prompt, one value
                 kvd.store(c, torch.full((2, 3, N * C, 16), float(v), dtype=torch.bfloat16), tokens, overwrite=True)
                 log.write(f"{{v}} {{N}}\\n")
-            elif r < 0.7:  # a prefix of it: the old tail no longer chains
+            elif r < 0.55:  # a prefix of it: the old tail no longer chains
                 k = rng.randint(1, N - 1)
                 kv = torch.full((2, 3, k * C, 16), float(v), dtype=torch.bfloat16)
                 kvd.store(c, kv, tokens[: k * C], overwrite=True)
                 log.write(f"{{v}} {{k}}\\n")
+            elif r < 0.75 and v < n:  # a prefix, its orphaned next chunk evicted, then the whole prompt:
+                k = rng.randint(1, N - 2)  # new keys between replaced ones in one commit
+                kv = torch.full((2, 3, k * C, 16), float(v), dtype=torch.bfloat16)
+                kvd.store(c, kv, tokens[: k * C], overwrite=True)
+                log.write(f"{{v}} {{k}}\\n")
+                log.flush()
+                other = make_tokens(C, start=100000 + rng.randint(0, 10**6))
+                kvd.store(c, torch.full((2, 3, C, 16), -1.0, dtype=torch.bfloat16), other)
+                v += 1
+                kvd.store(c, torch.full((2, 3, N * C, 16), float(v), dtype=torch.bfloat16), tokens, overwrite=True)
+                log.write(f"{{v}} {{N}}\\n")
             else:  # other prompts: evict some of the prompt's chunks
                 for _ in range(rng.randint(1, 4)):
                     other = make_tokens(3 * C, start=100000 + rng.randint(0, 10**6))

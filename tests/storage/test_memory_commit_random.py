@@ -126,9 +126,28 @@ def _step(rng: random.Random, twins: tuple[RTwin, RTwin], versions: Iterator[int
                 if objs[i] is not None:
                     twin.store.abort(objs[i])
         live = [[o for i, o in enumerate(objs) if o is not None and i not in drop] for objs in batches]
-        bulk.store.commit(*live[0])
-        for obj in live[1]:
-            each.store.commit(obj)
+        bad = rng.randint(0, len(live[0])) if live[0] and rng.random() < 0.15 else None
+        if bad is not None:  # a READY object (committed already) at position ``bad``: the commit fails there
+            for twin, objs in zip(twins, live, strict=True):
+                ready = sorted(twin.store._ready.values(), key=lambda o: o.seq)
+                if not ready:
+                    bad = None
+                    break
+                objs.insert(bad, ready[len(ready) // 2])
+        if bad is None:
+            bulk.store.commit(*live[0])
+            for obj in live[1]:
+                each.store.commit(obj)
+            return
+        with pytest.raises(AssertionError):
+            bulk.store.commit(*live[0])
+        with pytest.raises(AssertionError):
+            for obj in live[1]:
+                each.store.commit(obj)
+        for twin, objs in zip(twins, live, strict=True):  # the ones after it are still reservations
+            for obj in objs[bad + 1 :]:
+                assert twin.store.reservation(obj.key) is obj
+                twin.store.abort(obj)
     elif op < 0.7:  # pin / unpin / hold / release
         key = K(rng.randint(0, 20), salt)
         kind = rng.choice(["pin", "unpin", "hold", "release"])

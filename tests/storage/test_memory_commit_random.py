@@ -100,13 +100,13 @@ def _step(rng: random.Random, twins: tuple[RTwin, RTwin], versions: Iterator[int
         keys = [K(start + j, salt) for j in range(n)]
         if rng.random() < 0.3:
             rng.shuffle(keys)
-        parent = rng.choice([0, 0, 7, bulk_version(bulk, keys[0])])
+        parent = rng.choice([0, 0, 7, bulk_version(bulk, keys[0]), some_version(bulk, rng)])
         sizes = rng.choice([[1000], [5000], [1000, 5000]])
         plan = []
         for key in keys:
             v = next(versions)
             plan.append((key, rng.choice(sizes), v, parent))
-            parent = v if rng.random() < 0.9 else rng.choice([0, 3])
+            parent = v if rng.random() < 0.85 else rng.choice([0, 3, some_version(bulk, rng)])
         batches = []
         for twin in twins:
             objs = []
@@ -190,6 +190,12 @@ def _step(rng: random.Random, twins: tuple[RTwin, RTwin], versions: Iterator[int
 def bulk_version(t: RTwin, key: ObjectKey) -> int:
     obj = t.store.get(key)
     return obj.parent if obj is not None else 0
+
+
+def some_version(t: RTwin, rng: random.Random) -> int:
+    """The version of a READY object (a chain that continues it), 0 if none."""
+    ready = sorted(t.store._ready.values(), key=lambda o: o.seq)
+    return rng.choice(ready).version if ready else 0
 
 
 @pytest.mark.parametrize("seed", range(40))

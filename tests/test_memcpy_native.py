@@ -272,3 +272,69 @@ def test_workers_run_on_the_callers_cpus_not_those_of_the_thread_that_started_th
     workers, pinned = map(int, p.stdout.split())
     assert workers == 3, p.stdout  # (the kept workers of a 4-thread copy: the ones checked)
     assert pinned == 0, f"{pinned} copy workers still pinned to the first caller's CPU"
+
+
+# ---------------------------------------------------------------- page_starts
+
+
+def _page_starts_reference(idx: np.ndarray, page: int, capacity: int, distinct: bool) -> tuple[int, int, list[int]]:
+    """What HostPages.starts checked with numpy before the native call (the same order)."""
+    grid = idx.reshape(-1, page)
+    first = grid[:, 0].copy()
+    bad_run = np.flatnonzero((grid - first[:, None] != np.arange(page)).any(axis=1))
+    if len(bad_run):
+        return 1, int(bad_run[0]), []
+    bad = (first % page != 0) | (first < 0) | (first > capacity - page)
+    if bad.any():
+        return 2, int(first[np.flatnonzero(bad)[0]]), []
+    if distinct:
+        seen: set[int] = set()
+        for s in first.tolist():
+            if s in seen:
+                return 3, s, []
+            seen.add(s)
+    return 0, 0, first.tolist()
+
+
+def test_page_starts_equals_the_numpy_checks_it_replaced() -> None:
+    """Random host indices (whole pages, torn runs, off-page, outside the pool, negative, repeated
+    pages): the same verdict, the same index named, the same starts as the numpy checks."""
+    rng = np.random.default_rng(7)
+    seen_codes = set()
+    for case in range(3000):
+        page = int(rng.choice([1, 2, 4, 16, 64]))
+        capacity = page * int(rng.integers(1, 40)) + int(rng.integers(0, page))  # (not always whole pages)
+        pages = int(rng.integers(0, 12))
+        starts = rng.integers(-1, capacity // page + 1, pages) * page
+        kind = case % 5
+        if kind == 1 and pages:
+            starts[rng.integers(pages)] += int(rng.integers(1, page + 1))  # off a page boundary
+        idx = (starts[:, None] + np.arange(page)).reshape(-1).astype(np.int64)
+        if kind == 2 and idx.size > 1:
+            idx[rng.integers(1, idx.size)] += 1  # a torn run (or a first index moved)
+        if kind == 3 and pages > 1:
+            idx[page : 2 * page] = idx[:page]  # a page named twice
+        distinct = bool(case % 2)
+        want = _page_starts_reference(idx, page, capacity, distinct)
+        out = np.full(pages, -7, np.int64)
+        code, at = _native.page_starts(idx, out, page, capacity, distinct)
+        assert (code, at) == want[:2], (case, page, capacity, idx.tolist())
+        if code == 0:
+            assert out.tolist() == want[2]
+        seen_codes.add(code)
+    assert seen_codes == {0, 1, 2, 3}  # every verdict was reached
+
+
+def test_page_starts_refuses_mismatched_buffers() -> None:
+    idx = np.arange(8, dtype=np.int64)
+    with pytest.raises(ValueError, match="one item per page"):
+        _native.page_starts(idx, np.empty(3, np.int64), 4, 64, False)
+    readonly = np.empty(2, np.int64)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        _native.page_starts(idx, readonly, 4, 64, False)
+    with pytest.raises(TypeError, match="64-bit integers"):
+        _native.page_starts(idx.astype(np.int32), np.empty(2, np.int64), 4, 64, False)
+    with pytest.raises(ValueError, match="page_size must be positive"):
+        _native.page_starts(idx, np.empty(2, np.int64), 0, 64, False)
+    assert _native.page_starts(np.empty(0, np.int64), np.empty(0, np.int64), 4, 64, True) == (0, 0)

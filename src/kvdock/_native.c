@@ -202,6 +202,74 @@ static PyObject *py_copy_grid(PyObject *self, PyObject *args) {
     return result;
 }
 
+PyDoc_STRVAR(page_starts_doc,
+             "page_starts(idx, out, page_size, capacity, distinct) -> (code, at)\n\n"
+             "Checks that ``idx`` (int64 host indices) is whole pages of ``page_size`` consecutive\n"
+             "slots and writes each page's first index into ``out`` (int64, one item a page). Returns\n"
+             "(0, 0) when they are, each page inside ``[0, capacity)`` and starting at a multiple of\n"
+             "``page_size``, and (with ``distinct``) no page named twice; else the first failed check,\n"
+             "in this order over all pages: (1, page) not consecutive, (2, start) a start not a page of\n"
+             "the pool, (3, start) a page named twice. One call for what takes several cold numpy\n"
+             "operations (kvdock.integrations.sglang.pools.HostPages.starts).");
+
+static PyObject *py_page_starts(PyObject *self, PyObject *args) {
+    PyObject *idx_obj, *out_obj;
+    long long page, capacity;
+    int distinct;
+    if (!PyArg_ParseTuple(args, "OOLLp", &idx_obj, &out_obj, &page, &capacity, &distinct)) return NULL;
+    if (page <= 0 || capacity < 0) {
+        PyErr_SetString(PyExc_ValueError, "page_size must be positive and capacity not negative");
+        return NULL;
+    }
+    Py_buffer idx, out;
+    if (get_u64s(idx_obj, &idx, "idx") < 0) return NULL;
+    if (get_u64s(out_obj, &out, "out") < 0) {
+        PyBuffer_Release(&idx);
+        return NULL;
+    }
+    long long code = 0, at = 0;
+    Py_ssize_t pages = out.len / 8;
+    Py_ssize_t items = idx.len / 8;
+    if (out.readonly || (pages ? items % pages || items / pages != page : items != 0)) {
+        PyErr_SetString(PyExc_ValueError, "out must be writable, with one item per page of idx");
+        code = -1;
+    }
+    const int64_t *ix = (const int64_t *)idx.buf;
+    int64_t *starts = (int64_t *)out.buf;
+    for (Py_ssize_t i = 0; code == 0 && i < pages; i++) {
+        const int64_t *run = ix + i * page, first = run[0];
+        for (long long j = 1; j < page; j++)
+            if (run[j] != first + j) {
+                code = 1, at = i;
+                break;
+            }
+        starts[i] = first;
+    }
+    for (Py_ssize_t i = 0; code == 0 && i < pages; i++)
+        if (starts[i] < 0 || starts[i] % page || starts[i] > capacity - page) code = 2, at = starts[i];
+    if (code == 0 && distinct && pages > 1) {
+        size_t n = (size_t)(capacity / page), words = n / 64 + 1;
+        uint64_t *seen = calloc(words, sizeof *seen);
+        if (!seen) {
+            PyErr_NoMemory();
+            code = -1;
+        }
+        for (Py_ssize_t i = 0; seen && i < pages; i++) {
+            size_t k = (size_t)(starts[i] / page);
+            if (seen[k / 64] >> (k % 64) & 1) {
+                code = 3, at = starts[i];
+                break;
+            }
+            seen[k / 64] |= 1ULL << (k % 64);
+        }
+        free(seen);
+    }
+    PyBuffer_Release(&idx);
+    PyBuffer_Release(&out);
+    if (code < 0) return NULL;
+    return Py_BuildValue("(LL)", code, at);
+}
+
 PyDoc_STRVAR(moved_doc,
              "moved(table, entries, base, offsets, gens, mask) -> int\n\n"
              "After a copy out of pool slots: how many of them were freed since their generations\n"
@@ -270,6 +338,7 @@ static PyMethodDef methods[] = {
     {"blank", py_blank, METH_VARARGS, blank_doc},
     {"copy_runs", py_copy_runs, METH_VARARGS, copy_runs_doc},
     {"populate", py_populate, METH_VARARGS, populate_doc},
+    {"page_starts", py_page_starts, METH_VARARGS, page_starts_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -239,7 +239,7 @@ static PyObject *py_page_starts(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; code == 0 && i < pages; i++) {
         const int64_t *run = ix + i * page, first = run[0];
         for (long long j = 1; j < page; j++)
-            if (run[j] != first + j) {
+            if ((uint64_t)run[j] != (uint64_t)first + (uint64_t)j) { /* (unsigned: no overflow near INT64_MAX) */
                 code = 1, at = i;
                 break;
             }

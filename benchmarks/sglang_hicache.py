@@ -13,7 +13,8 @@ layout, whose L1 holds them all: no eviction); every get loads all of them, and 
 handled the report of its reads (untimed) before the next round (else that report, the get's own
 server work, rode on the next set's first request). Each round starts once the backend's mapping
 of kvdock's pool is prefaulted (the steady state of an engine). Prints one table row per layout:
-GB/s and the ratio to memcpy.
+GB/s and the ratio to memcpy. The server has no L2 tier (``--no-disk``) unless ``--l2-dir`` is
+given: then each set's pages are also written down to disk behind it, while the next rounds run.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def main() -> None:
     p.add_argument("--pages", type=int, default=32, help="pages per batch")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--file-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    p.add_argument("--l2-dir", help="give the kvdock server an L2 disk tier in a new directory under this one "
+                   "(default: none, --no-disk): every set is then written down to disk behind it")  # fmt: skip
     args = p.parse_args()
 
     import conftest as sg  # the tests' host pools and storage config
@@ -68,7 +71,10 @@ def main() -> None:
     # (one server for all three evicted during the last layout's rounds, which then paid for it)
     l1 = f"{(args.rounds + 4) * total // 2**20 + 256}MiB"
     for layout in sg.LAYOUTS:
-        srv = start_server("--no-disk", chunk_size=args.page, l1_size=l1)
+        tier = ["--no-disk"]
+        if args.l2_dir:
+            tier = ["--disk-dir", tempfile.mkdtemp(prefix="kvdock-l2-", dir=args.l2_dir), "--disk-size", l1]
+        srv = start_server(*tier, chunk_size=args.page, l1_size=l1)
         try:
             pool = sg.host_pool(False, layout, heads=args.heads, pages=4 * n)
             pool.kv_buffer.view(torch.int16).random_(-1000, 1000)
@@ -76,6 +82,8 @@ def main() -> None:
             r = kvdock_backend(sg, srv, layout, pool, src_idx, dst_idx, n, args.rounds, lambda: copy(dst, src))
         finally:
             srv.stop()
+            if args.l2_dir:
+                shutil.rmtree(tier[1], ignore_errors=True)
         f_set, f_get = file_backend(sg, pool, src_idx, dst_idx, n, args)
         gb = [total / t / 1e9 for t in (r["memcpy"], r["set"], r["get"], f_set, f_get)]
         print(f"{layout:<18} {gb[0]:>7.2f} {gb[1]:>9.2f} {r['x_set']:>9.2f} {gb[2]:>9.2f} {r['x_get']:>9.2f}   "

@@ -97,9 +97,9 @@ class Book:
                     break
 
 
-def serve(make_server, redis_url: str, tmp_path: Path, i: int, disk: bool = True, **kw: object):
+def serve(make_server, redis_url: str, tmp_path: Path, i: int, *extra: str, disk: bool = True, **kw: object):
     flags = ["--disk-dir", str(tmp_path / f"l2-{i}"), "--disk-size", "64MiB"] if disk else ["--no-disk"]
-    srv = make_server("--redis-url", redis_url, *flags, **kw)
+    srv = make_server("--redis-url", redis_url, *flags, *extra, **kw)
     wait_for(lambda: l3_coherence(srv)["vouched"], "the server to vouch", 30)
     assert l3_coherence(srv)["bound_ms"] == BOUND_S * 1000
     return srv
@@ -128,7 +128,7 @@ def plain_storer(srv, book: Book, stop: threading.Event, seed: int, counts: dict
     rng = random.Random(seed)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=30) as c:
         while not stop.is_set():
-            prefix, k = rng.randint(10, 13), rng.randint(1, N)
+            prefix, k = rng.randint(10, 21), rng.randint(1, N)
             try:
                 kvd.store(c, plain_kv(prefix, k), toks(prefix, k))
             except kvd.StoreConflictError:
@@ -141,7 +141,7 @@ def reader(srv, server: int, book: Book, prefixes: list[int], stop: threading.Ev
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=30) as c:
         while not stop.is_set():
             if rng.random() < 0.3:  # a plain chain: exactly its bytes, any length
-                prefix, k = rng.randint(10, 13), rng.randint(1, N)
+                prefix, k = rng.randint(10, 21), rng.randint(1, N)
                 got = kvd.retrieve(c, toks(prefix, k))
                 counts["plain_reads"] += 1
                 if got is not None and not torch.equal(got, plain_kv(prefix, k)[:, :, : got.shape[2]]):
@@ -168,8 +168,13 @@ def settle(servers: list) -> None:
     time.sleep(3 * BOUND_S)
 
 
-def test_bulk_overwrites_of_long_chains_read_across_a_fleet(make_server, redis_server, tmp_path) -> None:
-    servers = [serve(make_server, redis_server.url, tmp_path, i) for i in range(3)]
+@pytest.mark.parametrize(
+    ("policy", "l1"), [("lru", "8MiB"), ("s3fifo", "384KiB"), ("prefix-lru", "384KiB")]
+)  # a small L1: evictions (of dirty chunks too) between and inside the bulk commits
+def test_bulk_overwrites_of_long_chains_read_across_a_fleet(make_server, redis_server, tmp_path, policy, l1) -> None:
+    servers = [
+        serve(make_server, redis_server.url, tmp_path, i, "--eviction-policy", policy, l1_size=l1) for i in range(3)
+    ]
     book = Book()
     counts = {"overwrites": 0, "conflicts": 0, "plain": 0, "plain_reads": 0}
     prefixes = [1, 2]
@@ -203,13 +208,14 @@ def test_bulk_overwrites_of_long_chains_read_across_a_fleet(make_server, redis_s
     with kvd.connect(fresh.url, fresh.http_url, MODEL, timeout=30) as c:
         for prefix in prefixes:
             book.check(9, prefix, time.monotonic(), decode(kvd.retrieve(c, toks(prefix)), prefix))
-        for prefix in range(10, 14):
+        for prefix in range(10, 22):
             got = kvd.retrieve(c, toks(prefix))
             assert got is None or torch.equal(got, plain_kv(prefix, N)[:, :, : got.shape[2]])
     for s in [*servers, fresh]:
         with kvd.connect(s.url, s.http_url, MODEL, timeout=30) as c:
             assert kvd.check_server_integrity(c) == []
-    print(f"\nA-BULK fleet: {counts}, checked reads {book.reads} (hits {book.hits})")
+    evictions = [s.get("/status")["l1"]["evictions"] for s in servers]
+    print(f"\nA-BULK fleet {policy}: {counts}, checked reads {book.reads} (hits {book.hits}), evictions {evictions}")
     assert book.errors == [], f"{len(book.errors)} problems ({counts}):\n" + "\n".join(book.errors[:20])
     assert book.hits > 50 and counts["overwrites"] > 20, (book.hits, counts)
 

@@ -140,6 +140,7 @@ def reader(srv, server: int, book: Book, prefixes: list[int], stop: threading.Ev
     rng = random.Random(seed)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=30) as c:
         while not stop.is_set():
+            counts[f"reads{server}"] = counts.get(f"reads{server}", 0) + 1
             if rng.random() < 0.3:  # a plain chain: exactly its bytes, any length
                 prefix, k = rng.randint(10, 21), rng.randint(1, N)
                 got = kvd.retrieve(c, toks(prefix, k))
@@ -169,9 +170,13 @@ def settle(servers: list) -> None:
 
 
 @pytest.mark.parametrize(
-    ("policy", "l1"), [("lru", "8MiB"), ("s3fifo", "384KiB"), ("prefix-lru", "384KiB")]
-)  # a small L1: evictions (of dirty chunks too) between and inside the bulk commits
-def test_bulk_overwrites_of_long_chains_read_across_a_fleet(make_server, redis_server, tmp_path, policy, l1) -> None:
+    ("policy", "l1", "second"),
+    [("lru", "8MiB", 0), ("s3fifo", "384KiB", 0), ("prefix-lru", "384KiB", 0), ("lru", "8MiB", 1)],
+)  # a small L1: evictions (of dirty chunks too) between and inside the bulk commits; ``second``: the
+# server of the second overwriter (1: the two race each other's overwrites across the fleet)
+def test_bulk_overwrites_of_long_chains_read_across_a_fleet(
+    make_server, redis_server, tmp_path, policy, l1, second
+) -> None:
     servers = [
         serve(make_server, redis_server.url, tmp_path, i, "--eviction-policy", policy, l1_size=l1) for i in range(3)
     ]
@@ -181,7 +186,7 @@ def test_bulk_overwrites_of_long_chains_read_across_a_fleet(make_server, redis_s
     stop = threading.Event()
     threads = [
         threading.Thread(target=overwriter, args=(servers[0], book, prefixes, stop, 1, counts)),
-        threading.Thread(target=overwriter, args=(servers[0], book, prefixes, stop, 2, counts)),
+        threading.Thread(target=overwriter, args=(servers[second], book, prefixes, stop, 2, counts)),
         threading.Thread(target=plain_storer, args=(servers[1], book, stop, 3, counts)),
         threading.Thread(target=plain_storer, args=(servers[2], book, stop, 4, counts)),
         *[
@@ -196,7 +201,21 @@ def test_bulk_overwrites_of_long_chains_read_across_a_fleet(make_server, redis_s
     for t in threads:
         t.join(60)
     settle(servers)
-    # quiescent: every server serves the last acknowledged overwrite of each prefix, or misses
+    # quiescent: every server serves one version, the same; then after one overwrite alone (two
+    # overlapping ones may end in either order) every server serves it, or misses
+    for prefix in prefixes:
+        served = set()
+        for s in servers:
+            with kvd.connect(s.url, s.http_url, MODEL, timeout=30) as c:
+                served |= set(decode(kvd.retrieve(c, toks(prefix)), prefix))
+        assert len(served) <= 1, f"prefix {prefix}: the servers serve versions {served}"
+    with kvd.connect(servers[second].url, servers[second].http_url, MODEL, timeout=30) as c:
+        for prefix in prefixes:
+            w = book.new(prefix, N)
+            w.ok = kvd.store(c, pattern(w.version, prefix, N), toks(prefix), overwrite=True)
+            w.end = time.monotonic()
+            assert w.ok is True
+    settle(servers)
     for prefix in prefixes:
         last = max((w for w in book.writes.values() if w.prefix == prefix and w.ok is True), key=lambda w: w.end)
         for i, s in enumerate(servers):
@@ -215,7 +234,13 @@ def test_bulk_overwrites_of_long_chains_read_across_a_fleet(make_server, redis_s
         with kvd.connect(s.url, s.http_url, MODEL, timeout=30) as c:
             assert kvd.check_server_integrity(c) == []
     evictions = [s.get("/status")["l1"]["evictions"] for s in servers]
-    print(f"\nA-BULK fleet {policy}: {counts}, checked reads {book.reads} (hits {book.hits}), evictions {evictions}")
+    slow = [s.metric('kvdock_requests_total{op="PrepareRetrieve"}', 0.0) for s in servers]
+    print(f"reads per server {[counts.get(f'reads{i}') for i in range(3)]}, PrepareRetrieve per server {slow}")
+    assert slow[0] < counts["reads0"], "no fast read on the writer's server"
+    print(
+        f"\nA-BULK fleet {policy} second writer on {second}: {counts}, checked reads {book.reads} "
+        f"(hits {book.hits}), evictions {evictions}"
+    )
     assert book.errors == [], f"{len(book.errors)} problems ({counts}):\n" + "\n".join(book.errors[:20])
     assert book.hits > 50 and counts["overwrites"] > 20, (book.hits, counts)
 

@@ -320,6 +320,31 @@ def test_sigkill_mid_bulk_commits_then_restart_on_l2(make_server, redis_server, 
         finally:
             fresh.stop()
 
+    def watcher(stop: threading.Event) -> None:  # server 1 reads throughout (L3, through the kills)
+        rng = random.Random(9)
+        with kvd.connect(s1.url, s1.http_url, MODEL, timeout=30) as c:
+            while not stop.is_set():
+                if next_chain[0] and rng.random() < 0.5:
+                    p = rng.randrange(next_chain[0])
+                    got = kvd.retrieve(c, chain_toks(p))
+                    stats["s1_chain_reads"] += 1
+                    if got is not None and not torch.equal(got, chain_kv(p)[:, :, : got.shape[2]]):
+                        with book.lock:
+                            book.errors.append(f"server 1 during the kills: chain {p}: wrong bytes")
+                    continue
+                start = time.monotonic()
+                try:
+                    versions = decode(kvd.retrieve(c, toks(1, rng.randint(1, N))), 1)
+                except AssertionError as e:
+                    with book.lock:
+                        book.errors.append(f"server 1 during the kills: {e}")
+                    continue
+                book.check(1, 1, start, versions)
+
+    stats["s1_chain_reads"] = 0
+    watching = threading.Event()
+    watch = threading.Thread(target=watcher, args=(watching,))
+    watch.start()
     for round_ in range(3):
         # a version written down to L2 and L3 first: the overwrites after it must keep it from coming back
         with kvd.connect(s0.url, s0.http_url, MODEL, timeout=30) as c:
@@ -351,6 +376,8 @@ def test_sigkill_mid_bulk_commits_then_restart_on_l2(make_server, redis_server, 
             t.join(30)
         settle([s0, s1])
         check_all(f"after kill {round_}")
+    watching.set()
+    watch.join(30)
     stats["acked_chains"] = len(acked)
     print(f"\nA-BULK kill: {stats}, reads checked {book.reads} (hits {book.hits})")
     print("\n".join(missing[:40]))

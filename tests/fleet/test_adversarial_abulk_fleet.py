@@ -256,11 +256,13 @@ def restart(make_server, redis_url: str, tmp_path: Path, old, i: int):
 
 
 def test_sigkill_mid_bulk_commits_then_restart_on_l2(make_server, redis_server, tmp_path) -> None:
-    """Server 0 takes 32-chunk plain stores (each chain its own tokens, bytes a function of them)
-    and 12-chunk overwrites of prefix 1 from two clients and is SIGKILLed at a random moment,
-    three times, restarted on its L2 each time. After each restart, on it, on server 1 (L3) and on
-    a fresh server: every chain is its exact bytes or a miss, prefix 1 one version not older than
-    the last acknowledged overwrite."""
+    """Server 0 takes 32-chunk plain stores from two clients (each chain its own tokens, bytes a
+    function of them) and overwrites of prefix 1 (12 chunks or a prefix of them) from a third, and
+    is SIGKILLed at a random moment, three times, restarted on its L2 each time; server 1 reads
+    throughout. After each restart, on it, on server 1 (L3) and on a fresh server: every chain is
+    its exact bytes or a miss, prefix 1 one version not older than the last acknowledged
+    overwrite. (Acknowledged chains not yet written down when killed are misses: the documented
+    crash loss, docs/architecture.md; they are counted, not asserted.)"""
     rng = random.Random(7)
     s0 = serve(make_server, redis_server.url, tmp_path, 0)
     s1 = serve(make_server, redis_server.url, tmp_path, 1)
@@ -289,10 +291,12 @@ def test_sigkill_mid_bulk_commits_then_restart_on_l2(make_server, redis_server, 
 
     def over(srv, stop: threading.Event) -> None:
         with contextlib.suppress(Exception), kvd.connect(srv.url, srv.http_url, MODEL, timeout=5) as c:
+            orng = random.Random(11)
             while not stop.is_set():
-                w = book.new(1, N)
+                k = N if orng.random() < 0.6 else orng.randint(1, N - 1)  # a prefix: the old tail unchained
+                w = book.new(1, k)
                 try:
-                    w.ok = kvd.store(c, pattern(w.version, 1, N), toks(1), overwrite=True)
+                    w.ok = kvd.store(c, pattern(w.version, 1, N)[:, :, : k * CHUNK], toks(1, k), overwrite=True)
                 finally:
                     w.end = time.monotonic()
                 stats["overwrites"] += 1

@@ -189,6 +189,7 @@ def test_bulk_overwrites_of_long_chains_read_across_a_fleet(
         threading.Thread(target=overwriter, args=(servers[second], book, prefixes, stop, 2, counts)),
         threading.Thread(target=plain_storer, args=(servers[1], book, stop, 3, counts)),
         threading.Thread(target=plain_storer, args=(servers[2], book, stop, 4, counts)),
+        threading.Thread(target=plain_storer, args=(servers[1], book, stop, 5, counts)),  # in flight on one server
         *[
             threading.Thread(target=reader, args=(servers[i], i, book, prefixes, stop, 10 + i, counts))
             for i in range(3)

@@ -236,6 +236,18 @@ class RedisProc:
             self.proc.wait()
 
 
+def run_for(threads: list[threading.Thread], stop: threading.Event, seconds: float, join_s: float = 60) -> None:
+    """Start ``threads``, let them run ``seconds`` (a soak's length, not a wait for something),
+    set ``stop`` and join them, each within ``join_s``; AssertionError for one still running."""
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(join_s)
+    assert not any(t.is_alive() for t in threads), "a thread did not stop"
+
+
 def wait_for(cond: Callable[[], object], what: str, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():

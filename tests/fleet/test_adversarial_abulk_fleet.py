@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from tests.fleet.test_adversarial_r8_fleet import BOUND_S, decode, pattern
-from tests.helpers import CHUNK, GEOMETRY, MODEL, backlog, l3_coherence, make_kv, wait_for
+from tests.helpers import CHUNK, GEOMETRY, MODEL, backlog, l3_coherence, make_kv, run_for, wait_for
 
 import kvdock.sdk as kvd
 
@@ -67,6 +67,19 @@ class Book:
             self._next += 1
             w = self.writes[v] = W(v, prefix, chunks, time.monotonic())
             return w
+
+    def overwrite(self, c: kvd.KVCacheContext, prefix: int, k: int, kv_of, counts: dict) -> None:
+        """One logged overwrite of ``k`` chunks of chain ``prefix`` with ``kv_of(version)``: its
+        result (or the conflict that refused it) and when it was acknowledged."""
+        w = self.new(prefix, k)
+        try:
+            w.ok = kvd.store(c, kv_of(w.version), toks(prefix, k), overwrite=True)
+        except kvd.StoreConflictError as e:
+            w.ok = repr(e)
+            counts["conflicts"] += 1
+        finally:
+            w.end = time.monotonic()
+        counts["overwrites"] += 1
 
     def check(self, server: int, prefix: int, start: float, versions: list[int]) -> None:
         """One version, of a write that covered that many chunks, that no overwrite acknowledged
@@ -111,15 +124,7 @@ def overwriter(srv, book: Book, prefixes: list[int], stop: threading.Event, seed
         while not stop.is_set():
             prefix = rng.choice(prefixes)
             k = N if rng.random() < 0.6 else rng.randint(1, N - 1)  # the whole chain or a prefix of it
-            w = book.new(prefix, k)
-            try:
-                w.ok = kvd.store(c, pattern(w.version, prefix, N)[:, :, : k * CHUNK], toks(prefix, k), overwrite=True)
-            except kvd.StoreConflictError as e:
-                w.ok = repr(e)
-                counts["conflicts"] += 1
-            finally:
-                w.end = time.monotonic()
-            counts["overwrites"] += 1
+            book.overwrite(c, prefix, k, lambda v, p=prefix, k=k: pattern(v, p, N)[:, :, : k * CHUNK], counts)
 
 
 def plain_storer(srv, book: Book, stop: threading.Event, seed: int, counts: dict) -> None:
@@ -195,12 +200,7 @@ def test_bulk_overwrites_of_long_chains_read_across_a_fleet(
             for i in range(3)
         ],
     ]
-    for t in threads:
-        t.start()
-    time.sleep(6)
-    stop.set()
-    for t in threads:
-        t.join(60)
+    run_for(threads, stop, 6, join_s=60)
     settle(servers)
     # quiescent: every server serves one version, the same; then after one overwrite alone (two
     # overlapping ones may end in either order) every server serves it, or misses

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from tests.fleet.test_adversarial_abulk_fleet import Book, settle, toks
-from tests.helpers import CHUNK, l3_coherence, wait_for
+from tests.helpers import CHUNK, l3_coherence, run_for, wait_for
 
 import kvdock.sdk as kvd
 
@@ -43,16 +43,8 @@ def test_sharded_bulk_overwrites_across_a_fleet(make_server, redis_server, tmp_p
             assert c.shards == 2
             while not stop.is_set():
                 k = N if rng.random() < 0.6 else rng.randint(1, N - 1)
-                w = book.new(1, k)
-                kv = torch.full(c.geometry.chunk_shape(k * CHUNK), float(w.version), dtype=torch.float32)
-                try:
-                    w.ok = kvd.store(c, kv, toks(1, k), overwrite=True)
-                except kvd.StoreConflictError as e:
-                    w.ok = repr(e)
-                    counts["conflicts"] += 1
-                finally:
-                    w.end = time.monotonic()
-                counts["overwrites"] += 1
+                shape = c.geometry.chunk_shape(k * CHUNK)
+                book.overwrite(c, 1, k, lambda v, shape=shape: torch.full(shape, float(v), dtype=torch.float32), counts)
 
     def reader(srv, i: int, rank: int | None, seed: int) -> None:
         rng = random.Random(seed)
@@ -79,12 +71,7 @@ def test_sharded_bulk_overwrites_across_a_fleet(make_server, redis_server, tmp_p
         for i in range(2)
         for j, rank in enumerate((None, None, 0, 1))
     ]
-    for t in threads:
-        t.start()
-    time.sleep(5)
-    stop.set()
-    for t in threads:
-        t.join(60)
+    run_for(threads, stop, 5, join_s=60)
     settle(servers)
     with kvd.connect(servers[0].url, servers[0].http_url, TP, timeout=30) as c:
         w = book.new(1, N)

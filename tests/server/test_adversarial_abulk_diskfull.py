@@ -19,7 +19,7 @@ from tests.fleet.test_adversarial_r8_fleet import decode, pattern
 from tests.server.test_disk_full import tmpfs
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, MODEL, backlog, make_kv, start_server, tier, wait_for
+from helpers import CHUNK, GEOMETRY, MODEL, backlog, make_kv, run_for, start_server, tier, wait_for
 
 N = 12
 BIG = 16
@@ -90,12 +90,7 @@ def test_bulk_commits_into_a_full_l2(tmp_path: Path) -> None:
 
             threads = [threading.Thread(target=f, args=a) for f, a in ((storer, ()), (storer, ()), (overwriter, ()))]
             threads += [threading.Thread(target=reader, args=(i,)) for i in range(2)]
-            for t in threads:
-                t.start()
-            time.sleep(5)
-            stop.set()
-            for t in threads:
-                t.join(30)
+            run_for(threads, stop, 5, join_s=30)
             wait_for(lambda: backlog(srv) == 0, "the write-downs", 60)
             l2 = tier(srv, "l2")
             assert l2["disk_full"] is True and l2["writes_skipped"] > 0, l2

@@ -150,7 +150,7 @@ class Evictable:
 
     def _bucket(self, obj: L1Object) -> _Bucket:
         """``obj``'s bucket, made now if there is none."""
-        key = (obj.region, aligned(obj.nbytes))  # (bucket_of)
+        key = bucket_of(obj)
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = _Bucket(cast(Policy[ObjectKey], self._make_policy()))
@@ -159,23 +159,11 @@ class Evictable:
     def enter(self, objs: Iterable[L1Object]) -> None:
         """Each of ``objs`` in turn was committed (READY now): a chunk of its prompt
         (storage.prefixes), evictable as new (:meth:`add`); an orphan goes first (:meth:`demote`)."""
-        prefix, parent_of, bucket = self._prefixes.add, self._prefixes.parent, self._bucket
-        b: _Bucket | None = None  # the bucket of the last clean one, of (region, nbytes) last: a store's are alike
-        last: tuple[str | None, int] = (None, 0)
         for obj in objs:
-            orphan = prefix(obj)
-            if obj.dirty:
-                self.add(obj, new=True)
-                if orphan:
-                    self.demote(obj)
-                continue
-            if b is None or last != (obj.region, obj.nbytes):  # (no bucket goes while objects enter)
-                b, last = bucket(obj), (obj.region, obj.nbytes)
-            b.clean[obj.key] = obj  # (add and demote of a clean object, inline)
-            parent = parent_of(obj)
-            b.policy.insert(obj.key, new=True, before=None if parent is None else parent.key)
+            orphan = self._prefixes.add(obj)
+            self.add(obj, new=True)
             if orphan:
-                b.policy.demote(obj.key)
+                self.demote(obj)
 
     def redirty(self, obj: L1Object, delta: int) -> None:
         """One more (+1) or one fewer (-1) write-down of ``obj`` pending; an evictable object moves
@@ -241,7 +229,7 @@ class Evictable:
 
     def evict(self, obj: L1Object) -> None:
         """``obj`` (a victim) is evicted: dropped, remembered by a policy with history."""
-        key = (obj.region, aligned(obj.nbytes))  # (bucket_of)
+        key = bucket_of(obj)
         b = self._buckets[key]
         if b.clean.get(obj.key) is obj:
             del b.clean[obj.key]

@@ -56,15 +56,16 @@ class Listings:
                 for o, g in mine
                 for k in (o.key,)
             ]
-            published, unindexed = self._published, self._unindexed[region]
+            full = 0  # (their buckets full: counted unindexed, once the write is done)
             for (obj, _), entry in zip(mine, d.publish(items), strict=True):
                 obj.entry = entry
                 if entry >= 0:
-                    published[(region, entry)] = obj
+                    self._published[(region, entry)] = obj
                 else:
-                    unindexed += 1
-                    d.set_unindexed(unindexed)
-            self._unindexed[region] = unindexed
+                    full += 1
+            if full:
+                self._unindexed[region] += full
+                d.set_unindexed(self._unindexed[region])
 
     def hand_over(self, old: L1Object, new: L1Object, gen: int) -> None:
         """``new`` (slot generation ``gen``) replaces ``old`` (READY, live, same key) in the

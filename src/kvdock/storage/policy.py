@@ -125,11 +125,8 @@ class Queue(Generic[K]):
 
     def push(self, key: K, before: K | None = None) -> None:
         """Add ``key`` at the back (goes last), or just ahead of ``before`` if that is here."""
-        nexts, prevs = self._next, self._prev
-        assert key not in nexts, "pushed twice"
-        nxt = before if before is not None and before in nexts else None
-        prev = prevs[nxt]  # (self._link, inline)
-        nexts[prev], prevs[key], nexts[key], prevs[nxt] = key, prev, nxt, key
+        assert key not in self._next, "pushed twice"
+        self._link(key, before if before is not None and before in self._next else None)
 
     def push_front(self, key: K) -> None:
         self._link(key, self._next[None])
@@ -244,9 +241,9 @@ class S3FIFO(Policy[K]):
         return key in self._freq
 
     def _queue(self, key: K) -> Queue[K]:
-        if key in self._small._next:  # (key in self._small: a key is never None)
+        if key in self._small:
             return self._small
-        return self._orphans if key in self._orphans._next else self._main
+        return self._orphans if key in self._orphans else self._main
 
     def insert(self, key: K, new: bool = True, before: K | None = None) -> None:
         assert key not in self._freq, "inserted twice"
@@ -277,7 +274,7 @@ class S3FIFO(Policy[K]):
         del self._freq[key], self._before[key]
 
     def evict(self, key: K) -> None:
-        if key in self._small._next:  # (key in self._small)
+        if key in self._small:
             ghost = self._ghost
             ghost[key] = None
             bound = max(int(self.GHOST * len(self._freq)), 16)

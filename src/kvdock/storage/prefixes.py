@@ -33,7 +33,7 @@ class Prefixes:
     def add(self, obj: L1Object) -> bool:
         """``obj`` became READY; whether it is an orphan (its predecessor is not in L1)."""
         parent = obj.parent
-        prev = self._versions.get(parent) if parent else None  # (self.parent)
+        prev = self.parent(obj)
         obj.depth = prev.depth + 1 if prev is not None else 0
         if obj.version:
             self._versions[obj.version] = obj

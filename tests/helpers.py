@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvdock.inprocess import InProcessServer
-from kvdock.testing import ServerProcess, free_port, server_binary
+from kvdock.testing import ServerProcess, free_port, free_ports, server_binary
 from kvdock.testing import start_server as start
 from zygote import SERVER
 from zygote import Popen as ZygotePopen
@@ -33,6 +33,7 @@ __all__ = [
     "RedisProc",
     "ServerProc",
     "free_port",
+    "free_ports",
     "make_kv",
     "make_tokens",
     "needs_process",

@@ -156,8 +156,8 @@ def test_a_picked_port_taken_meanwhile_is_picked_again(tmp_path: Path, monkeypat
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     picks = iter([taken.getsockname()[1]])
-    real = inprocess.free_port
-    monkeypatch.setattr(inprocess, "free_port", lambda: next(picks, None) or real())
+    real = inprocess.free_ports
+    monkeypatch.setattr(inprocess, "free_ports", lambda n, avoid=(): [next(picks, None) or p for p in real(n, avoid)])
     try:
         srv = start_inprocess(tmp_path)
         try:

@@ -76,3 +76,35 @@ def test_a_redis_whose_port_another_redis_took_starts_on_another_port_and_is_its
             ours.stop()
     finally:
         other.stop()
+
+
+def test_free_ports_are_distinct_and_free() -> None:
+    """CI flake (test_adversarial_r10_stage): ``free_port(), free_port()`` returned one port
+    twice (the kernel hands a just-closed port out again) and the in-process server refused
+    "port 44389, http_port 44389 ... must differ". free_ports holds every socket open until all
+    are picked."""
+    import socket
+
+    from kvdock.testing import free_ports
+
+    for _ in range(200):
+        a, b = free_ports(2)
+        assert a != b
+    many = free_ports(50)
+    assert len(set(many)) == 50
+    for port in many:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # still free: nothing kept it
+
+
+def test_free_ports_avoid_the_ports_named_in_cli_flags() -> None:
+    """A test that picks a --kv-events-port and then starts a server: the server's own two ports
+    must not be that one (it was closed, so the kernel may hand it out again)."""
+    from kvdock.testing import free_port, free_ports
+
+    for _ in range(100):
+        events = free_port()
+        picked = free_ports(2, avoid=("--kv-events-port", str(events), "--l1-size", "8MiB"))
+        assert events not in picked and len(set(picked)) == 2
+    everything_but_one = free_ports(20)
+    assert not set(free_ports(5, avoid=everything_but_one)) & set(everything_but_one)

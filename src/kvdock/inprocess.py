@@ -40,7 +40,7 @@ from kvdock.server.launch import _run
 from kvdock.server.resources import raise_fd_limit
 from kvdock.server.state import ServerState
 from kvdock.server.tenants import load_tenants
-from kvdock.testing import HttpDocs, free_port
+from kvdock.testing import HttpDocs, free_ports
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 CLIENT_LOGGERS = ("kvdock.sdk", "kvdock.vllm", "kvdock.integrations")  # the test's side: not the server's log
@@ -143,7 +143,8 @@ class InProcessServer(HttpDocs):
         error) if it fails to.
         ``env`` may name ``KVDOCK_FAULT_*`` variables only (ValueError otherwise: anything else
         needs a process of its own)."""
-        port, http_port = port or free_port(), http_port or free_port()
+        picked = free_ports(2, avoid=extra)
+        port, http_port = port or picked[0], http_port or picked[1]
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"kvdock-inprocess-{port}-", suffix=".log")
             os.close(fd)

@@ -15,6 +15,7 @@ instead (``kvdock.inprocess.InProcessServer``, the same surface as ServerProcess
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import importlib.util
 import json
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -37,9 +38,25 @@ from typing import Any
 
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int, avoid: Iterable[str | int] = ()) -> list[int]:
+    """``n`` distinct TCP ports that were free on 127.0.0.1 a moment ago, none of them a port
+    in ``avoid`` (ports picked earlier for something that is not listening yet: a server's
+    ``--kv-events-port``; values that are not numbers are ignored, so CLI flags can be passed
+    as they are). All are held open until the last is picked: two free_port() calls in a row
+    may return the same port (the kernel hands a just-closed port out again)."""
+    skip = {int(v) for v in avoid if str(v).isdigit()}
+    picked: list[int] = []
+    with contextlib.ExitStack() as stack:
+        while len(picked) < n:
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            if port not in skip:
+                picked.append(port)
+    return picked
 
 
 class HttpDocs:
@@ -152,7 +169,8 @@ def launch_server(
     ``log_path`` (default: a temporary file). Ports default to free ones (give them to restart a
     server where its clients expect it). ``popen`` starts the process (subprocess.Popen's
     arguments; the tests fork it from a pre-imported python: tests/zygote.py)."""
-    port, http_port = port or free_port(), http_port or free_port()
+    picked = free_ports(2, avoid=extra)
+    port, http_port = port or picked[0], http_port or picked[1]
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"kvdock-serve-{port}-", suffix=".log")
         os.close(fd)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, ServerProc, free_port, make_tokens, start_inprocess, start_server
+from helpers import CHUNK, ServerProc, free_port, free_ports, make_tokens, start_inprocess, start_server
 from kvdock.cli.main import main
 
 
@@ -124,7 +124,7 @@ def test_serve_precedence_cli_over_env_over_file(tmp_path) -> None:
     conf.write_text('chunk_size = 64\nsession_ttl = 7.5\nl1_size = "8MiB"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCK_")}
     env.update(KVDOCK_CONFIG=str(conf), KVDOCK_CHUNK_SIZE="32", KVDOCK_CLIENT_TTL="9", KVDOCK_MAX_REQUEST_TOKENS="512")
-    port, http_port = free_port(), free_port()
+    port, http_port = free_ports(2)
     p = subprocess.Popen(
         [sys.executable, "-m", "kvdock.cli.main", "serve", "--port", str(port), "--http-port", str(http_port)],
         env=env,

@@ -19,7 +19,7 @@ import torch
 from tests.cli.test_cli import kvdock as _run  # kvdock ARGS in this process, output captured
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, free_port, make_kv, make_tokens
+from helpers import CHUNK, GEOMETRY, free_port, free_ports, make_kv, make_tokens
 from kvdock.cli.main import build_parser
 from kvdock.cli.serve import flag
 from kvdock.config import DEFAULT_HTTP_URL, ServerConfig
@@ -183,7 +183,7 @@ def test_retrieve_then_store_a_prompt_that_does_not_end_on_a_chunk(server, tmp_p
 
 
 def test_serve_says_what_it_takes_in_one_line(tmp_path) -> None:
-    port, http_port = free_port(), free_port()
+    port, http_port = free_ports(2)
     env = _env(XDG_CACHE_HOME=str(tmp_path / "cache"))
     p = subprocess.Popen(
         [sys.executable, "-m", "kvdock.cli.main", "serve", "--port", str(port), "--http-port", str(http_port),

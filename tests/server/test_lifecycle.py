@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port, start_server
+from helpers import free_port, free_ports, start_server
 from kvdock.shm.directory import entries_for
 from kvdock.shm.segment import _V1, HEADER_SIZE, MAGIC, PREFIX, directory_bytes, table_bytes
 
@@ -152,7 +152,7 @@ def test_no_shm_server_shares_no_memory(tmp_path) -> None:
 
 
 def test_default_l1_size_is_printed(tmp_path) -> None:
-    port, http_port = free_port(), free_port()
+    port, http_port = free_ports(2)
     env = {**os.environ, "KVDOCK_L1_SIZE": "0"}
     p = subprocess.Popen(
         [sys.executable, "-m", "kvdock.cli.main", "serve", "--port", str(port), "--http-port", str(http_port)],

@@ -25,7 +25,7 @@ from engines import CHUNK, Engine, make_tiny_model
 from test_connector import MODEL, prompt
 
 import kvdock.sdk as kvd
-from kvdock.testing import ServerProcess, free_port, start_server
+from kvdock.testing import ServerProcess, free_ports, start_server
 
 WORKER_HOOKS = ("start_load_kv", "wait_for_save", "get_finished", "handle_preemptions", "wait_for_layer_load")
 
@@ -54,7 +54,7 @@ def lookup(srv: ServerProcess, tokens: list[int]) -> int:
 def test_a_server_started_after_the_engine_or_restarted_caches_the_first_requests_after_it_is_up(
     model_dir: Path, plain: Engine, tmp_path: Path
 ) -> None:
-    port, http = free_port(), free_port()
+    port, http = free_ports(2)
     quick = {"kvdock.timeout": 2.0, "kvdock.retry_s": 0.5}
     with Engine(model_dir, "float32", config(f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http}", **quick),
                 tmp_path / "engine.log") as e:  # fmt: skip

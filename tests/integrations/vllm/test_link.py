@@ -13,7 +13,7 @@ from kvdock.integrations.vllm.config import ConnectorConfig
 from kvdock.integrations.vllm.link import Link
 from kvdock.layout import KVGeometry
 from kvdock.protocol.messages import EngineInfo, ModelLayout
-from kvdock.testing import free_port, start_server
+from kvdock.testing import free_ports, start_server
 
 LAYOUT = ModelLayout("linked", KVGeometry(2, 2, 32, "float32"), 32, EngineInfo(name="vllm"))
 
@@ -31,7 +31,7 @@ def config(url: str, http_url: str, name: str = "linked") -> ConnectorConfig:
 
 
 def test_a_down_server_is_a_miss_tried_again_only_after_retry_s() -> None:
-    port, http = free_port(), free_port()
+    port, http = free_ports(2)
     clock = Clock()
     link = Link(config(f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http}"), LAYOUT, clock)
     assert link.run("lookup", lambda ctx: 1, 0) == 0

@@ -162,3 +162,22 @@ def test_a_grid_copy_copies_each_chunks_runs_in_either_direction() -> None:
     tensor[:] = 7
     _native.copy_grid(tensor.ctypes.data, 32, *grid, 8, False, 1, 1 << 20, 8 << 20)
     assert all((s == 7).all() for s in slots)
+
+
+@pytest.mark.parametrize("shift", [1024, -1024, 4])
+def test_overlapping_source_and_destination_are_never_copied_wrong(shift: int) -> None:
+    """Before: copy(buf[k:], buf[:-k]) ran as long runs (threads, streaming stores, forward) and
+    read bytes it had already overwritten. numpy's copyto copies overlapping arrays as memmove
+    does; torch's copy_ refuses them: either is right, a silent mix is not."""
+    n = 4 << 20
+    buf = np.arange(n + abs(shift), dtype=np.uint32).view(np.uint8)[: n + abs(shift)].copy()
+    want = buf.copy()
+    k = abs(shift)
+    dst, src = (buf[k:], buf[:-k]) if shift > 0 else (buf[:-k], buf[k:])
+    want_dst = (want[:-k] if shift > 0 else want[k:]).copy()
+    memcpy.copy(dst, src)
+    assert np.array_equal(dst, want_dst)
+    t = torch.arange(n, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        memcpy.copy(t[k:], t[:-k])
+    assert torch.equal(t, torch.arange(n, dtype=torch.int32))  # refused: nothing half-copied

@@ -114,6 +114,11 @@ def _disjoint(addr: np.ndarray, run: int) -> bool:
     return bool((np.diff(np.sort(addr)) >= run).all())
 
 
+def _overlapping(dst: np.ndarray, src: np.ndarray, run: int) -> bool:
+    """Whether the bytes the runs of ``run`` bytes at ``dst`` span meet those at ``src`` span."""
+    return bool(int(dst.min()) < int(src.max()) + run and int(src.min()) < int(dst.max()) + run)
+
+
 class Copier:
     """The copies of one transfer, run together. Not thread-safe: one per transfer.
 
@@ -196,7 +201,10 @@ class Copier:
         d = ld.addresses(outer)
         if not _disjoint(d, run):
             return None
-        return run, d, ls.addresses(outer)
+        s = ls.addresses(outer)
+        if _overlapping(d, s, run):  # the runs would read bytes already written: copy_'s to do or refuse
+            return None
+        return run, d, s
 
     def run(self) -> None:
         """Run the pending copies (the GIL is released meanwhile). Harmless twice."""

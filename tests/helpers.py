@@ -28,6 +28,7 @@ __all__ = [
     "GEOMETRY",
     "L1_SIZE",
     "MODEL",
+    "NOTHING_ELSE",
     "AnyServer",
     "InProcessServer",
     "RedisProc",
@@ -49,6 +50,10 @@ CHUNK = 16  # chunk_size of test servers
 # test that does not mean to fill it stores. Small on purpose: the kernel zeroes and maps every
 # page of a pool at start and every client maps it: ~60 ms of system time per server at 64 MiB
 L1_SIZE = "8MiB"
+
+
+# the outcomes of a store (StoreResult, as the CLI prints it) besides stored, deduped and pool full
+NOTHING_ELSE = {"in_flight_chunks": 0, "diverged_chunks": 0, "superseded_chunks": 0}
 
 
 def make_kv(tokens: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:

@@ -19,7 +19,7 @@
         ├── UnknownModelError       model not registered with the server
         ├── InvalidInputError       wrong shape, dtype, length, token ids or absurd sizes
         ├── PoolFullError           the server's L1 pool had no room for a store
-        ├── StoreConflictError      chunks are being written by another client right now
+        ├── StoreConflictError      chunks being written by another client now; an overwrite superseded
         ├── LeaseExpiredError       a transfer outlived its lease; its bytes were not used
         ├── PermissionDeniedError   no right to it: admin token, CURVE key, tenant's models or salts
         └── ServerError             any other refusal; ``code`` says which
@@ -148,7 +148,8 @@ class PoolFullError(KVCacheSDKError):
 
 class StoreConflictError(KVCacheSDKError):
     """Chunks of a store are being written by another client (its reservation is still open), so
-    this store could neither write nor dedup them. Retry later."""
+    this store could neither write nor dedup them; or an overwrite was not kept whole (a later
+    overwrite of its chunks through another server of the fleet). Retry later."""
 
 
 class LeaseExpiredError(KVCacheSDKError):

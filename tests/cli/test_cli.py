@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, ServerProc, free_port, free_ports, make_tokens, start_inprocess, start_server
+from helpers import CHUNK, NOTHING_ELSE, ServerProc, free_port, free_ports, make_tokens, start_inprocess, start_server
 from kvdock.cli.main import main
 
 
@@ -171,9 +171,9 @@ def test_store_and_retrieve_commands_round_trip_files(server, tmp_path) -> None:
     flags = ["--url", server.url, "--http-url", server.http_url, "--model", "tiny"]
     r = kvdock("store", *flags, "--kv", str(tmp_path / "kv.pt"), "--tokens-file", str(tmp_path / "tokens.json"))
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"stored_chunks": 3, "deduped_chunks": 0, "pool_full_chunks": 0}
+    assert json.loads(r.stdout) == {"stored_chunks": 3, "deduped_chunks": 0, "pool_full_chunks": 0, **NOTHING_ELSE}
     r = kvdock("store", *flags, "--kv", str(tmp_path / "kv.pt"), "--tokens-file", str(tmp_path / "tokens.json"))
-    assert json.loads(r.stdout) == {"stored_chunks": 0, "deduped_chunks": 3, "pool_full_chunks": 0}
+    assert json.loads(r.stdout) == {"stored_chunks": 0, "deduped_chunks": 3, "pool_full_chunks": 0, **NOTHING_ELSE}
     toks = ",".join(map(str, make_tokens(4 * CHUNK, start=5)))
     r = kvdock("retrieve", *flags, "--out", str(tmp_path / "out.pt"), toks)
     assert r.returncode == 0, r.stderr
@@ -213,7 +213,7 @@ def test_export_and_import_move_a_prefix_between_servers(server, tmp_path) -> No
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout) == {
             "model_name": "tiny", "tokens": 4 * CHUNK, "dropped_tokens": 0, "stored_chunks": 2,
-            "deduped_chunks": 0, "pool_full_chunks": 0, "note": "from A",
+            "deduped_chunks": 0, "pool_full_chunks": 0, **NOTHING_ELSE, "note": "from A",
         }  # fmt: skip
         with kvd.connect(b.url, b.http_url, "tiny", timeout=10) as c:
             got = kvd.retrieve(c, tokens, cache_salt="s")

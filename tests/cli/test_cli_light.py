@@ -19,7 +19,7 @@ import torch
 from tests.cli.test_cli import kvdock as _run  # kvdock ARGS in this process, output captured
 
 import kvdock.sdk as kvd
-from helpers import CHUNK, GEOMETRY, free_port, free_ports, make_kv, make_tokens
+from helpers import CHUNK, GEOMETRY, NOTHING_ELSE, free_port, free_ports, make_kv, make_tokens
 from kvdock.cli.main import build_parser
 from kvdock.cli.serve import flag
 from kvdock.config import DEFAULT_HTTP_URL, ServerConfig
@@ -176,7 +176,7 @@ def test_retrieve_then_store_a_prompt_that_does_not_end_on_a_chunk(server, tmp_p
     torch.save(edited, tmp_path / "kv.pt")
     r = _run("store", *flags, str(tmp_path / "t.json"), "--kv", str(tmp_path / "kv.pt"), "--overwrite")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"stored_chunks": 2, "deduped_chunks": 0, "pool_full_chunks": 0}
+    assert json.loads(r.stdout) == {"stored_chunks": 2, "deduped_chunks": 0, "pool_full_chunks": 0, **NOTHING_ELSE}
     with kvd.connect(server.url, server.http_url, "tiny", timeout=10) as c:
         got = kvd.retrieve(c, tokens)
         assert got is not None and torch.equal(got, edited)

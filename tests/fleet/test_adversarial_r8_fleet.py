@@ -20,6 +20,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -648,6 +649,14 @@ def test_garbage_on_the_control_socket_while_overwrites_run_through_two_servers(
             assert kvd.check_server_integrity(c) == []
 
 
+def outcome(store: Callable[[], bool]) -> object:
+    """What a store returned, or the type of the SDK error it raised."""
+    try:
+        return store()
+    except kvd.KVCacheSDKError as e:
+        return type(e)
+
+
 def test_of_two_overlapping_overwrites_the_slow_earlier_one_is_not_committed_and_the_later_one_wins(
     make_server, redis_server, tmp_path
 ) -> None:
@@ -671,7 +680,8 @@ def test_of_two_overlapping_overwrites_the_slow_earlier_one_is_not_committed_and
         published, applied = l3_coherence(a)["published"], l3_coherence(a)["entries_applied"]
         result: list[object] = []
         gate.close()
-        t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 8), tokens, overwrite=True)))
+        overwrite = lambda: kvd.store(ca, pattern(2, 8), tokens, overwrite=True)  # noqa: E731
+        t = threading.Thread(target=lambda: result.append(outcome(overwrite)))
         t.start()
         wait_for(lambda: l3_coherence(a)["published"] >= published + 2, "A's E1 and E2", 10)
         assert kvd.store(cb, pattern(3, 8), tokens, overwrite=True) is True
@@ -682,7 +692,8 @@ def test_of_two_overlapping_overwrites_the_slow_earlier_one_is_not_committed_and
         assert t.is_alive(), "A committed before it saw B's overwrite: the overlap was missed"
         gate.open()
         t.join(30)
-        assert result == [False], f"A's earlier overwrite, committed after B's later one: {result}"
+        # (once a False return: "nothing new stored", as if the overwrite were there)
+        assert result == [kvd.StoreConflictError], f"A's earlier overwrite, committed after B's later one: {result}"
         for s in (a, b):
             wait_for(lambda s=s: backlog(s) == 0, "write-downs")
         while time.monotonic() < acked + 3 * BOUND_S:
@@ -756,7 +767,8 @@ def test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused(
         applied = l3_coherence(b)["entries_applied"]
         result: list[object] = []
         gate.close()
-        t = threading.Thread(target=lambda: result.append(kvd.store(ca, pattern(2, 12), tokens, overwrite=True)))
+        overwrite = lambda: kvd.store(ca, pattern(2, 12), tokens, overwrite=True)  # noqa: E731
+        t = threading.Thread(target=lambda: result.append(outcome(overwrite)))
         t.start()
         wait_for(lambda: l3_coherence(b)["entries_applied"] >= applied + 2, "B to apply A's E1 and E2", 10)
         seen = time.monotonic()
@@ -776,7 +788,7 @@ def test_an_overwrite_committed_past_recent_ms_after_its_entries_is_refused(
         assert t.is_alive(), "A answered before B's plain store: the window was missed"
         gate.open()
         t.join(30)
-        assert result == [False]  # too late after its entries: not committed
+        assert result == [kvd.StoreConflictError]  # too late after its entries: not committed, and said so
         done = time.monotonic()
         for s in (a, b):
             wait_for(lambda s=s: backlog(s) == 0, "write-downs")

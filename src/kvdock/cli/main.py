@@ -4,6 +4,7 @@ inspect, diff, events."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pickle
@@ -125,15 +126,7 @@ def _store(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot load a tensor from {args.kv}: {e}") from None
     with sdk.connect(args.url, args.http_url, args.model, args.timeout, **keys(args)) as ctx:
         r = sdk.store_chunks(ctx, kv, tokens, args.cache_salt, overwrite=args.overwrite)
-    print(
-        json.dumps(
-            {
-                "stored_chunks": r.stored_chunks,
-                "deduped_chunks": r.deduped_chunks,
-                "pool_full_chunks": r.pool_full_chunks,
-            }
-        )
-    )
+    print(json.dumps(dataclasses.asdict(r)))  # every outcome, in flight and superseded too
     return 0
 
 
@@ -183,9 +176,7 @@ def _import(args: argparse.Namespace) -> int:
         "model_name": model,
         "tokens": r.tokens,
         "dropped_tokens": r.dropped_tokens,
-        "stored_chunks": r.stored.stored_chunks,
-        "deduped_chunks": r.stored.deduped_chunks,
-        "pool_full_chunks": r.stored.pool_full_chunks,
+        **dataclasses.asdict(r.stored),
         "note": manifest.note,
     }
     if args.register:

@@ -31,13 +31,16 @@ class StoreResult:
     being written by another client when this store stopped waiting for it (``in_flight``: not
     stored by this call, and not known to be stored at all), or not written because they would
     extend an edited prefix the KV was not computed over (``diverged``: see :func:`store`'s
-    ``over``)."""
+    ``over``), or written but not kept (``superseded``: an overwrite of those chunks through
+    another server of the fleet came after this store was planned, or this overwrite reached
+    its commit too late to be kept; kvdock holds the other overwrite's bytes or nothing)."""
 
     stored_chunks: int
     deduped_chunks: int
     pool_full_chunks: int
     in_flight_chunks: int = 0
     diverged_chunks: int = 0
+    superseded_chunks: int = 0
 
 
 def store_chunks(
@@ -114,11 +117,19 @@ def _store(
     total = len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size * ctx.shards
     pauses = _retry.conflict_pauses(conflict_wait_s, ctx.timeout)
 
+    written = 0  # chunks copied into reserved slots (committed or superseded)
+
+    def once(tips: list[int] | None) -> tuple[m.StorePrepared, int]:
+        nonlocal written
+        prep, n = _store_once(ctx, source, whole, cache_salt, overwrite, tips, edited)
+        written += len(prep.slots)
+        return prep, n
+
     def attempt(tips: list[int] | None) -> tuple[m.StorePrepared, int]:
-        prep, stored = _store_once(ctx, source, whole, cache_salt, overwrite, tips, edited)
+        prep, stored = once(tips)
         if prep.in_flight and not overwrite:  # another client is writing some: ask again (_retry)
             for _ in pauses:
-                prep, n = _store_once(ctx, source, whole, cache_salt, overwrite, tips, edited)
+                prep, n = once(tips)
                 stored += n
                 if not prep.in_flight:
                     break
@@ -139,8 +150,13 @@ def _store(
         )
     if prep.pool_full:
         log.warning("pool full: stored %d chunk(s), %d did not fit", stored, prep.pool_full)
-    unresolved = prep.pool_full + prep.in_flight + prep.diverged
-    return StoreResult(stored, total - stored - unresolved, prep.pool_full, prep.in_flight, prep.diverged)
+    superseded = written - stored  # (the server commits a chunk in every shard or in none)
+    if superseded:
+        log.warning("%d chunk(s) written but not kept: a later overwrite elsewhere superseded them", superseded)
+    unresolved = prep.pool_full + prep.in_flight + prep.diverged + superseded
+    return StoreResult(
+        stored, total - stored - unresolved, prep.pool_full, prep.in_flight, prep.diverged, superseded
+    )
 
 
 def _store_once(
@@ -210,12 +226,20 @@ def store(
     ``edited=False`` (the KV is the model's own for ``tokens``) only a prefix holding an edit is
     checked, against ``over``.
     Raises InvalidInputError (shape, dtype, length, token ids), PoolFullError, StoreConflictError
-    (nothing written because another client is still writing those chunks), KVCacheSDKError."""
+    (nothing written because another client is still writing those chunks; or an overwrite not
+    kept whole: an overwrite of some of its chunks through another server of the fleet came
+    after it, or it reached its commit too late), KVCacheSDKError."""
     result = store_chunks(ctx, kv, tokens, cache_salt, overwrite, over=over, edited=edited)
     if not result.stored_chunks and result.in_flight_chunks:
         raise StoreConflictError(
             f"{result.in_flight_chunks} chunk(s) are being written by another client (its store has not "
             f"committed within {CONFLICT_WAIT_S:g}s); nothing was stored by this call, retry later"
+        )
+    if overwrite and result.superseded_chunks:
+        raise StoreConflictError(
+            f"{result.superseded_chunks} chunk(s) of this overwrite were not kept: an overwrite of them through "
+            "another server came after it, or it reached its commit too late (kvdock holds the other "
+            "overwrite's bytes or nothing there); retry if this overwrite must be the one kept"
         )
     return result.stored_chunks > 0
 

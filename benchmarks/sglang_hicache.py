@@ -1,8 +1,10 @@
 """Throughput of kvdock as SGLang's HiCache storage backend (run in ``.venv-sglang``).
 
 ``batch_set_v1`` (host pool pages -> kvdock) and ``batch_get_v1`` (kvdock -> other host pages)
-of one batch of pages, against a plain multi-threaded memcpy of the same bytes
-(:func:`kvdock.memcpy.copy` of one contiguous buffer) and against SGLang's own ``file`` backend
+of one batch of pages, against two copies of the same bytes between two contiguous buffers --
+``memcpy``: kvdock's own (:func:`kvdock.memcpy.copy`: streaming stores, two threads here), the
+fastest copy this machine does; ``glibc``: a plain glibc ``memmove``, half of the bytes on each of
+two threads (one of them kept waiting: no thread start timed) -- and against SGLang's own ``file`` backend
 (its generic ``batch_set`` / ``batch_get`` of flat pages, as SGLang's cache controller calls
 them, files under ``--file-dir``: by default a tmpfs, so the page cache is not the difference)::
 
@@ -13,13 +15,15 @@ layout, whose L1 holds them all: no eviction); every get loads all of them, and 
 handled the report of its reads (untimed) before the next round (else that report, the get's own
 server work, rode on the next set's first request). Each round starts once the backend's mapping
 of kvdock's pool is prefaulted (the steady state of an engine). Prints one table row per layout:
-GB/s and the ratio to memcpy. The server has no L2 tier (``--no-disk``) unless ``--l2-dir`` is
+GB/s and the ratios to both copies. The server has no L2 tier (``--no-disk``) unless ``--l2-dir`` is
 given: then each set's pages are also written down to disk behind it, while the next rounds run.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import ctypes
 import os
 import shutil
 import sys
@@ -63,10 +67,14 @@ def main() -> None:
     dst = torch.empty(total, dtype=torch.uint8)
     src.random_(0, 255)
     copy(dst, src)
-    print("memcpy: kvdock.memcpy.copy of one contiguous buffer of the batch's bytes; each round times a memcpy")
-    print("right before the set and the get it is compared with (medians over the rounds: the ratios hold under load)")
-    print(f"{'layout':<18} {'memcpy':>7} {'set GB/s':>9} {'x memcpy':>9} {'get GB/s':>9} {'x memcpy':>9}   "
-          f"{'file set':>9} {'file get':>9}")  # fmt: skip
+    half = total // 2
+    runs = [(dst.data_ptr(), src.data_ptr(), half), (dst.data_ptr() + half, src.data_ptr() + half, total - half)]
+    glibc = Glibc()
+    print("memcpy: kvdock.memcpy.copy of one contiguous buffer of the batch's bytes, timed in each round right")
+    print("before the set and the get it is compared with (medians of the ratios: they hold under load); glibc:")
+    print("glibc memmove of the buffer's halves on two threads, in rounds of its own (ratios of the medians)")
+    print(f"{'layout':<18} {'memcpy':>7} {'glibc':>6} {'set GB/s':>9} {'x memcpy':>9} {'x glibc':>8} {'get GB/s':>9} "
+          f"{'x memcpy':>9} {'x glibc':>8}   {'file set':>9} {'file get':>9}")  # fmt: skip
     # a server per layout, whose L1 holds every round's pages: each row is timed without eviction
     # (one server for all three evicted during the last layout's rounds, which then paid for it)
     l1 = f"{(args.rounds + 4) * total // 2**20 + 256}MiB"
@@ -79,23 +87,26 @@ def main() -> None:
             pool = sg.host_pool(False, layout, heads=args.heads, pages=4 * n)
             pool.kv_buffer.view(torch.int16).random_(-1000, 1000)
             src_idx, dst_idx = pool.alloc(n * args.page), pool.alloc(n * args.page)
-            r = kvdock_backend(sg, srv, layout, pool, src_idx, dst_idx, n, args.rounds, lambda: copy(dst, src))
+            baselines = (lambda: copy(dst, src), lambda: glibc(runs))
+            r = kvdock_backend(sg, srv, layout, pool, src_idx, dst_idx, n, args.rounds, baselines)
         finally:
             srv.stop()
             if args.l2_dir:
                 shutil.rmtree(tier[1], ignore_errors=True)
         f_set, f_get = file_backend(sg, pool, src_idx, dst_idx, n, args)
-        gb = [total / t / 1e9 for t in (r["memcpy"], r["set"], r["get"], f_set, f_get)]
-        print(f"{layout:<18} {gb[0]:>7.2f} {gb[1]:>9.2f} {r['x_set']:>9.2f} {gb[2]:>9.2f} {r['x_get']:>9.2f}   "
-              f"{gb[3]:>9.2f} {gb[4]:>9.2f}", flush=True)  # fmt: skip
+        gb = [total / t / 1e9 for t in (r["memcpy"], r["glibc"], r["set"], r["get"], f_set, f_get)]
+        print(f"{layout:<18} {gb[0]:>7.2f} {gb[1]:>6.2f} {gb[2]:>9.2f} {r['x_set']:>9.2f} {r['g_set']:>8.2f} "
+              f"{gb[3]:>9.2f} {r['x_get']:>9.2f} {r['g_get']:>8.2f}   {gb[4]:>9.2f} {gb[5]:>9.2f}",
+              flush=True)  # fmt: skip
 
 
 def kvdock_backend(
     sg: Any, srv: Any, layout: str, pool: Any, src_idx: torch.Tensor, dst_idx: torch.Tensor, n: int, rounds: int,
-    memcpy: Any,
+    baselines: tuple[Any, Any],
 ) -> dict[str, float]:  # fmt: skip
     """kvdock's backend on its zero-copy path, as SGLang's cache controller calls it: the median
-    time of a set, a get and a memcpy, and the median ratios to the memcpy timed next to each."""
+    time of a set, a get and each baseline copy (kvdock's memcpy, glibc's); the median ratios to
+    the memcpy timed right before each, and the ratios of the medians to glibc's."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
     from kvdock.integrations.sglang import KvdockHiCacheStorage
@@ -105,12 +116,18 @@ def kvdock_backend(
     b.register_mem_pool_host(pool)
     prefaulted(b)
     none = HiCacheStorageExtraInfo(prefix_keys=[])
+    memcpy, glibc = baselines
+    # glibc's copy in rounds of its own first: timed between the set and the memcpy before it, it
+    # slowed the sets (the server then idle longer before each), so only the medians are compared
+    g = float(np.median([timed(glibc) for _ in range(rounds + 1)][1:]))
     rows: list[tuple[float, float, float, float]] = []
     try:
         for r in range(rounds + 1):  # (round 0 warms up)
             keys = [f"{r:032x}{i:032x}" for i in range(n)]  # new pages every round
-            m1, t_set = timed(memcpy), timed(lambda k=keys: all(b.batch_set_v1(k, src_idx, none)) or fail(b.stats))
-            m2, t_get = timed(memcpy), timed(lambda k=keys: all(b.batch_get_v1(k, dst_idx, none)) or fail(b.stats))
+            m1 = timed(memcpy)
+            t_set = timed(lambda k=keys: all(b.batch_set_v1(k, src_idx, none)) or fail(b.stats))
+            m2 = timed(memcpy)
+            t_get = timed(lambda k=keys: all(b.batch_get_v1(k, dst_idx, none)) or fail(b.stats))
             settled(b)  # (untimed: the get's reads reported, their server work done before the next round)
             if r:
                 rows.append((m1, t_set, m2, t_get))
@@ -127,7 +144,24 @@ def kvdock_backend(
         "get": float(np.median(a[:, 3])),
         "x_set": float(np.median(a[:, 0] / a[:, 1])),
         "x_get": float(np.median(a[:, 2] / a[:, 3])),
+        "glibc": g,
+        "g_set": g / float(np.median(a[:, 1])),
+        "g_get": g / float(np.median(a[:, 3])),
     }
+
+
+class Glibc:
+    """glibc ``memmove`` (through ctypes, which releases the GIL) of two runs, the second on a
+    thread that waits for it (started once, so no thread start is timed)."""
+
+    def __init__(self) -> None:
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def __call__(self, runs: list[tuple[int, int, int]]) -> None:
+        (d1, s1, n1), (d2, s2, n2) = runs
+        other = self.pool.submit(ctypes.memmove, d2, s2, n2)
+        ctypes.memmove(d1, s1, n1)
+        other.result()
 
 
 def settled(b: Any) -> None:

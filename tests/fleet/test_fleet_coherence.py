@@ -31,10 +31,16 @@ def _wait_vouched(srv) -> None:
     wait_for(lambda: _status(srv)["vouched"], "the server to vouch for its L1")
 
 
-def test_an_overwrite_through_one_server_is_served_by_the_others_within_the_bound(make_server, redis_server) -> None:
-    servers = [make_server("--redis-url", redis_server.url, "--no-disk") for _ in range(3)]
+def fleet(make_server, redis_server, n: int) -> list:  # type: ignore[no-untyped-def]
+    """``n`` servers (no disk) sharing ``redis_server`` as their L3, each vouching for its L1."""
+    servers = [make_server("--redis-url", redis_server.url, "--no-disk") for _ in range(n)]
     for s in servers:
         _wait_vouched(s)
+    return servers
+
+
+def test_an_overwrite_through_one_server_is_served_by_the_others_within_the_bound(make_server, redis_server) -> None:
+    servers = fleet(make_server, redis_server, 3)
     tokens = make_tokens(3 * CHUNK, start=7_000_000)
     old, new = make_kv(3 * CHUNK, seed=1), make_kv(3 * CHUNK, seed=2)
     ctxs = [kvd.connect(s.url, s.http_url, MODEL, timeout=10) for s in servers]
@@ -236,10 +242,7 @@ def test_a_plain_store_through_another_server_waits_for_an_overwrite_still_on_it
     the chunks in flight; once A's write lands, B serves the overwrite."""
     import threading
 
-    a = make_server("--redis-url", redis_server.url, "--no-disk")
-    b = make_server("--redis-url", redis_server.url, "--no-disk")
-    for s in (a, b):
-        _wait_vouched(s)
+    a, b = fleet(make_server, redis_server, 2)
     tokens = make_tokens(2 * CHUNK, start=8_000_000)
     new, other = make_kv(2 * CHUNK, seed=3), make_kv(2 * CHUNK, seed=4)
     l3 = next(lane.tier for lane in a.state.manager.lanes if lane.name == "l3")

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from tests.fleet.test_fleet_coherence import _retrieve, _status, _wait_vouched
+from tests.fleet.test_fleet_coherence import _retrieve, _status, fleet
 from tests.helpers import CHUNK, MODEL, make_kv, make_tokens, wait_for
 
 import kvdock.sdk as kvd
@@ -66,10 +66,7 @@ def test_a_plain_store_superseded_mid_copy_is_reported_superseded_not_deduped(
     """B's plain store is paused mid-copy while A's overwrite of the same tokens is acknowledged
     and B applies its entries; then B's store goes on and commits nothing. Before:
     StoreResult(0, 2, 0, 0, 0), "both chunks already stored", for chunks B had just dropped."""
-    a = make_server("--redis-url", redis_server.url, "--no-disk")
-    b = make_server("--redis-url", redis_server.url, "--no-disk")
-    for s in (a, b):
-        _wait_vouched(s)
+    a, b = fleet(make_server, redis_server, 2)
     tokens = make_tokens(2 * CHUNK, start=9_000_000)
     mine, theirs = make_kv(2 * CHUNK, seed=5), make_kv(2 * CHUNK, seed=6)
     ca = kvd.connect(a.url, a.http_url, MODEL, timeout=10)
@@ -98,8 +95,7 @@ def test_an_overwrite_not_kept_raises_instead_of_reporting_nothing_new(make_serv
     writer was stopped ~8 s; the clock is the fault injected here) is not committed. Before:
     ``store(..., overwrite=True)`` returned False ("every chunk already stored"), and the
     caller believed its bytes were there."""
-    b = make_server("--redis-url", redis_server.url, "--no-disk")
-    _wait_vouched(b)
+    (b,) = fleet(make_server, redis_server, 1)
     tokens = make_tokens(2 * CHUNK, start=9_100_000)
     old, mine = make_kv(2 * CHUNK, seed=7), make_kv(2 * CHUNK, seed=8)
     cb = kvd.connect(b.url, b.http_url, MODEL, timeout=10)

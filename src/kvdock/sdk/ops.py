@@ -105,8 +105,7 @@ def _store(
     edited: bool = False,
     kv: torch.Tensor | None = None,
 ) -> StoreResult:
-    """The stores of :func:`store_chunks` (``kv``: its tensor, for the read-back of
-    :func:`kvdock.sdk._edits.vouch`) and :func:`store_from`."""
+    """The stores of :func:`store_chunks` (``kv``: its tensor, for _edits.vouch) and :func:`store_from`."""
     cache_salt, overwrite = validate.cache_salt(cache_salt), validate.overwrite(overwrite)
     tips = validate.tips(ctx, over)  # (the same shape as retrieve_into's tips: one per shard)
     edited = validate.flag("edited", edited)
@@ -116,24 +115,17 @@ def _store(
         return StoreResult(0, 0, 0)
     total = len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size * ctx.shards
     pauses = _retry.conflict_pauses(conflict_wait_s, ctx.timeout)
-
-    written = 0  # chunks copied into reserved slots (committed or superseded)
-
-    def once(tips: list[int] | None) -> tuple[m.StorePrepared, int]:
-        nonlocal written
-        prep, n = _store_once(ctx, source, whole, cache_salt, overwrite, tips, edited)
-        written += len(prep.slots)
-        return prep, n
+    written = 0  # chunks copied into reserved slots: committed, or superseded at the commit
 
     def attempt(tips: list[int] | None) -> tuple[m.StorePrepared, int]:
-        prep, stored = once(tips)
-        if prep.in_flight and not overwrite:  # another client is writing some: ask again (_retry)
-            for _ in pauses:
-                prep, n = once(tips)
-                stored += n
-                if not prep.in_flight:
-                    break
-        return prep, stored
+        nonlocal written
+        stored = 0
+        # while another client is writing some, ask again (_retry); an overwrite does not wait
+        while True:
+            prep, n = _store_once(ctx, source, whole, cache_salt, overwrite, tips, edited)
+            stored, written = stored + n, written + len(prep.slots)
+            if not prep.in_flight or overwrite or next(pauses, None) is None:
+                return prep, stored
 
     prep, stored = attempt(tips)
     if prep.diverged and tips is None and kv is not None:
@@ -151,12 +143,8 @@ def _store(
     if prep.pool_full:
         log.warning("pool full: stored %d chunk(s), %d did not fit", stored, prep.pool_full)
     superseded = written - stored  # (the server commits a chunk in every shard or in none)
-    if superseded:
-        log.warning("%d chunk(s) written but not kept: a later overwrite elsewhere superseded them", superseded)
     unresolved = prep.pool_full + prep.in_flight + prep.diverged + superseded
-    return StoreResult(
-        stored, total - stored - unresolved, prep.pool_full, prep.in_flight, prep.diverged, superseded
-    )
+    return StoreResult(stored, total - stored - unresolved, prep.pool_full, prep.in_flight, prep.diverged, superseded)
 
 
 def _store_once(

@@ -181,3 +181,36 @@ def test_overlapping_source_and_destination_are_never_copied_wrong(shift: int) -
     with pytest.raises(RuntimeError, match="refer to a single memory location"):
         memcpy.copy(t[k:], t[:-k])
     assert torch.equal(t, torch.arange(n, dtype=torch.int32))  # refused: nothing half-copied
+
+
+@pytest.mark.parametrize("up", [True, False])
+@pytest.mark.parametrize("view", ["reversed rows", "reversed both", "every other row"])
+def test_overlapping_views_with_negative_or_gapped_strides_are_copied_as_memmove(view: str, up: bool) -> None:
+    """The overlap check covers views whose outer strides are negative or leave gaps: the span
+    of their runs, not the first and last address, is what meets."""
+    buf = np.arange(1 << 20, dtype=np.uint32).view(np.uint8).reshape(4096, 1024)
+    pick = {
+        "reversed rows": lambda b: (b[4:][::-1], b[:-4][::-1]),
+        "reversed both": lambda b: (b[4:][::-1, ::-1], b[:-4][::-1, ::-1]),
+        "every other row": lambda b: (b[3::2], b[:-3:2]),
+    }[view]
+    want = buf.copy()
+    dst, src = pick(want)
+    np.copyto(*((dst, src) if up else (src, dst)))  # (numpy copies overlapping arrays as memmove does)
+    dst, src = pick(buf)
+    memcpy.copy(*((dst, src) if up else (src, dst)))
+    assert np.array_equal(buf, want)
+
+
+def test_the_span_of_a_layouts_runs_is_that_of_its_addresses() -> None:
+    """_Layout.bounds (from the shape alone) == the first address and the last one plus a run."""
+    base = np.zeros(1 << 16, np.uint8)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        dims = int(rng.integers(1, 4))
+        shape = tuple(int(n) for n in rng.integers(1, 5, dims))
+        strides = tuple(int(s) for s in rng.integers(-600, 600, dims))
+        layout = memcpy._Layout(base.ctypes.data + (1 << 15), shape, strides, 1)
+        run = int(rng.integers(1, 300))
+        addr = layout.addresses(dims).view(np.int64)
+        assert layout.bounds(dims, run) == (int(addr.min()), int(addr.max()) + run)

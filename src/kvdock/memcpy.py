@@ -92,6 +92,17 @@ class _Layout:
             addr = (addr[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
         return addr.view(np.uint64)
 
+    def bounds(self, dims: int, run: int) -> tuple[int, int]:
+        """The first byte and one past the last that the runs of :meth:`addresses` (``run``
+        bytes each) span, from the shape alone (no pass over the addresses)."""
+        lo = hi = self.addr
+        for n, st in zip(self.shape[:dims], self.strides[:dims], strict=True):
+            if st < 0:
+                lo += (n - 1) * st
+            else:
+                hi += (n - 1) * st
+        return lo, hi + run
+
 
 def _layout(x: Array, writing: bool) -> _Layout | None:
     """``x``'s layout, or None where only copy_ / copyto know what a copy means (a lazily
@@ -114,9 +125,9 @@ def _disjoint(addr: np.ndarray, run: int) -> bool:
     return bool((np.diff(np.sort(addr)) >= run).all())
 
 
-def _overlapping(dst: np.ndarray, src: np.ndarray, run: int) -> bool:
-    """Whether the bytes the runs of ``run`` bytes at ``dst`` span meet those at ``src`` span."""
-    return bool(int(dst.min()) < int(src.max()) + run and int(src.min()) < int(dst.max()) + run)
+def _overlapping(dst: tuple[int, int], src: tuple[int, int]) -> bool:
+    """Whether two byte spans (:meth:`_Layout.bounds`) meet."""
+    return dst[0] < src[1] and src[0] < dst[1]
 
 
 class Copier:
@@ -201,10 +212,9 @@ class Copier:
         d = ld.addresses(outer)
         if not _disjoint(d, run):
             return None
-        s = ls.addresses(outer)
-        if _overlapping(d, s, run):  # the runs would read bytes already written: copy_'s to do or refuse
-            return None
-        return run, d, s
+        if _overlapping(ld.bounds(outer, run), ls.bounds(outer, run)):  # runs would read bytes already
+            return None  # written: copy_'s to do or refuse
+        return run, d, ls.addresses(outer)
 
     def run(self) -> None:
         """Run the pending copies (the GIL is released meanwhile). Harmless twice."""

@@ -27,13 +27,12 @@ log = logging.getLogger("kvdock.sdk")
 
 @dataclass(frozen=True)
 class StoreResult:
-    """What a store did, chunk by chunk: written, already there (dedup), refused (pool full), or
-    being written by another client when this store stopped waiting for it (``in_flight``: not
-    stored by this call, and not known to be stored at all), or not written because they would
-    extend an edited prefix the KV was not computed over (``diverged``: see :func:`store`'s
-    ``over``), or written but not kept (``superseded``: an overwrite of those chunks through
-    another server of the fleet came after this store was planned, or this overwrite reached
-    its commit too late to be kept; kvdock holds the other overwrite's bytes or nothing)."""
+    """What a store did, each chunk counted once, as its last attempt found it: written, already
+    there (dedup), refused (pool full), being written by another client when this store stopped
+    waiting (``in_flight``: not known to be stored at all), not written because they would extend
+    an edited prefix the KV was not computed over (``diverged``: :func:`store`'s ``over``), or
+    written but not kept (``superseded``: a later overwrite of them through another server of the
+    fleet, or this overwrite came to its commit too late; kvdock holds the other's bytes or none)."""
 
     stored_chunks: int
     deduped_chunks: int
@@ -115,25 +114,23 @@ def _store(
         return StoreResult(0, 0, 0)
     total = len(whole) // TOKEN_DTYPE.itemsize // ctx.chunk_size * ctx.shards
     pauses = _retry.conflict_pauses(conflict_wait_s, ctx.timeout)
-    written = 0  # chunks copied into reserved slots: committed, or superseded at the commit
 
-    def attempt(tips: list[int] | None) -> tuple[m.StorePrepared, int]:
-        nonlocal written
+    def attempt(tips: list[int] | None) -> tuple[m.StorePrepared, int, int]:  # (last plan, committed, superseded)
         stored = 0
         # while another client is writing some, ask again (_retry); an overwrite does not wait
         while True:
             prep, n = _store_once(ctx, source, whole, cache_salt, overwrite, tips, edited)
-            stored, written = stored + n, written + len(prep.slots)
+            stored += n
             if not prep.in_flight or overwrite or next(pauses, None) is None:
-                return prep, stored
+                return prep, stored, len(prep.slots) - n  # (each chunk counted as the last plan found it)
 
-    prep, stored = attempt(tips)
+    prep, stored, superseded = attempt(tips)
     if prep.diverged and tips is None and kv is not None:
         # the stored prefix holds an edit: KV of exactly its bytes extends it (sdk._edits)
         read: edits.Read = lambda w, sink, t: _retrieve_with_retry(ctx, w, cache_salt, sink, tips=t)  # noqa: E731
         vouched = edits.vouch(ctx, kv, whole, cache_salt, read)
         if vouched is not None:
-            prep, n = attempt(vouched)
+            prep, n, superseded = attempt(vouched)
             stored += n
     if not stored and prep.pool_full and not prep.slots:
         raise PoolFullError(
@@ -142,7 +139,6 @@ def _store(
         )
     if prep.pool_full:
         log.warning("pool full: stored %d chunk(s), %d did not fit", stored, prep.pool_full)
-    superseded = written - stored  # (the server commits a chunk in every shard or in none)
     unresolved = prep.pool_full + prep.in_flight + prep.diverged + superseded
     return StoreResult(stored, total - stored - unresolved, prep.pool_full, prep.in_flight, prep.diverged, superseded)
 
@@ -214,9 +210,8 @@ def store(
     ``edited=False`` (the KV is the model's own for ``tokens``) only a prefix holding an edit is
     checked, against ``over``.
     Raises InvalidInputError (shape, dtype, length, token ids), PoolFullError, StoreConflictError
-    (nothing written because another client is still writing those chunks; or an overwrite not
-    kept whole: an overwrite of some of its chunks through another server of the fleet came
-    after it, or it reached its commit too late), KVCacheSDKError."""
+    (nothing written: another client is still writing those chunks; or an overwrite not kept
+    whole: ``StoreResult.superseded_chunks``), KVCacheSDKError."""
     result = store_chunks(ctx, kv, tokens, cache_salt, overwrite, over=over, edited=edited)
     if not result.stored_chunks and result.in_flight_chunks:
         raise StoreConflictError(
@@ -226,8 +221,8 @@ def store(
     if overwrite and result.superseded_chunks:
         raise StoreConflictError(
             f"{result.superseded_chunks} chunk(s) of this overwrite were not kept: an overwrite of them through "
-            "another server came after it, or it reached its commit too late (kvdock holds the other "
-            "overwrite's bytes or nothing there); retry if this overwrite must be the one kept"
+            "another server came after it, or it reached its commit too late (kvdock holds the other overwrite's bytes "
+            "or nothing there); retry if this overwrite must be the one kept"
         )
     return result.stored_chunks > 0
 
@@ -382,9 +377,8 @@ class Tips:
 
 
 def lookup_tips(ctx: KVCacheContext, tokens: object, cache_salt: str = "") -> Tips:
-    """:func:`lookup`, with the versions that :func:`retrieve_into` ``tips=`` then loads (or
-    nothing): what the scheduler of a tensor-parallel engine hands its ranks. Always asks the
-    server."""
+    """:func:`lookup`, with the versions that :func:`retrieve_into` ``tips=`` then loads (or nothing):
+    what the scheduler of a tensor-parallel engine hands its ranks. Always asks the server."""
     ctx = checked(ctx)
     arr, cache_salt = keyed(ctx, validate.tokens(tokens), validate.cache_salt(cache_salt))
     whole = whole_chunks(ctx, arr)

@@ -108,3 +108,18 @@ def test_free_ports_avoid_the_ports_named_in_cli_flags() -> None:
         assert events not in picked and len(set(picked)) == 2
     everything_but_one = free_ports(20)
     assert not set(free_ports(5, avoid=everything_but_one)) & set(everything_but_one)
+
+
+def test_a_server_given_one_port_picks_another_for_the_other(tmp_path) -> None:
+    """Review of f348a6d: a restart that names only ``port`` could get ``http_port == port``
+    (the port the caller gives is not listening yet, so the kernel may hand it out again)."""
+    from kvdock.inprocess import InProcessServer
+    from kvdock.testing import free_port
+
+    for _ in range(3):
+        port = free_port()
+        srv = InProcessServer.start("--no-disk", l1_size="8MiB", port=port, log_path=tmp_path / f"{port}.log")
+        try:
+            assert srv.port == port and srv.http_port != port
+        finally:
+            assert srv.stop() == 0

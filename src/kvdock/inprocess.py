@@ -143,7 +143,7 @@ class InProcessServer(HttpDocs):
         error) if it fails to.
         ``env`` may name ``KVDOCK_FAULT_*`` variables only (ValueError otherwise: anything else
         needs a process of its own)."""
-        picked = free_ports(2, avoid=extra)
+        picked = free_ports(2, avoid=(*extra, port, http_port))  # (a port given: the other is not it)
         port, http_port = port or picked[0], http_port or picked[1]
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"kvdock-inprocess-{port}-", suffix=".log")

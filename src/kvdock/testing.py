@@ -169,7 +169,7 @@ def launch_server(
     ``log_path`` (default: a temporary file). Ports default to free ones (give them to restart a
     server where its clients expect it). ``popen`` starts the process (subprocess.Popen's
     arguments; the tests fork it from a pre-imported python: tests/zygote.py)."""
-    picked = free_ports(2, avoid=extra)
+    picked = free_ports(2, avoid=(*extra, port, http_port))  # (a port given: the other is not it)
     port, http_port = port or picked[0], http_port or picked[1]
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"kvdock-serve-{port}-", suffix=".log")

@@ -5,6 +5,8 @@ counting them as already stored. Real servers sharing one real Redis."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +17,7 @@ from tests.fleet.test_fleet_coherence import _retrieve, _status, fleet
 from tests.helpers import CHUNK, MODEL, make_kv, make_tokens, wait_for
 
 import kvdock.sdk as kvd
+from kvdock.cli.main import main
 from kvdock.sdk import _transfer
 
 
@@ -100,28 +103,40 @@ def test_a_plain_store_superseded_mid_copy_is_reported_superseded_not_deduped(
         kvd.close(cb)
 
 
-def test_an_overwrite_not_kept_raises_instead_of_reporting_nothing_new(make_server, redis_server, monkeypatch) -> None:
+@pytest.mark.parametrize("via", ["sdk", "cli"])
+def test_an_overwrite_not_kept_raises_instead_of_reporting_nothing_new(
+    make_server, redis_server, monkeypatch, capsys, tmp_path, via: str
+) -> None:
     """An overwrite paused mid-copy past the fleet's window (storage.coherence.too_late: its
     writer was stopped ~8 s; the clock is the fault injected here) is not committed. Before:
     ``store(..., overwrite=True)`` returned False ("every chunk already stored"), and the
-    caller believed its bytes were there."""
+    caller believed its bytes were there; ``kvdock store --overwrite`` exited 0."""
     (b,) = fleet(make_server, redis_server, 1)
-    tokens = make_tokens(2 * CHUNK, start=9_100_000)
+    tokens = make_tokens(2 * CHUNK, start=9_100_000 + 10_000 * (via == "cli"))
     old, mine = make_kv(2 * CHUNK, seed=7), make_kv(2 * CHUNK, seed=8)
     cb = kvd.connect(b.url, b.http_url, MODEL, timeout=10)
+    torch.save(mine, tmp_path / "kv.pt")
+    (tmp_path / "tokens.json").write_text(json.dumps(tokens))
+    flags = ["--url", b.url, "--http-url", b.http_url, "--model", MODEL, "--kv", str(tmp_path / "kv.pt")]
+    cli = ["store", *flags, "--tokens-file", str(tmp_path / "tokens.json"), "--overwrite"]
     try:
         assert kvd.store(cb, old, tokens)
         with gated(monkeypatch) as gate:
-            out = _in_thread(gate, lambda: kvd.store(cb, mine, tokens, overwrite=True))
+            overwrite = (lambda: main(cli)) if via == "cli" else (lambda: kvd.store(cb, mine, tokens, overwrite=True))
+            out = _in_thread(gate, overwrite)
             coherence = b.state.manager.coherence
             b.call(lambda: setattr(coherence, "too_late", lambda position: True))
             gate.go.set()
             assert gate.thread is not None
             gate.thread.join(30)
-        assert set(out) == {"error"}, out
-        err = out["error"]
-        assert isinstance(err, kvd.StoreConflictError)
-        assert "2 chunk(s) of this overwrite were not kept" in str(err)
+        if via == "cli":
+            assert out == {"result": 1}, out
+            assert json.loads(capsys.readouterr().out) == dataclasses.asdict(kvd.StoreResult(0, 0, 0, 0, 0, 2))
+        else:
+            assert set(out) == {"error"}, out
+            err = out["error"]
+            assert isinstance(err, kvd.StoreConflictError)
+            assert "2 chunk(s) of this overwrite were not kept" in str(err)
         # a refused overwrite kept none of its bytes; the older version is gone once B applies its
         # own E1 and E2 (storage.commits: "older versions stay gone, a miss"), or still there before
         got = _retrieve(cb, tokens)

@@ -127,7 +127,7 @@ def _store(args: argparse.Namespace) -> int:
     with sdk.connect(args.url, args.http_url, args.model, args.timeout, **keys(args)) as ctx:
         r = sdk.store_chunks(ctx, kv, tokens, args.cache_salt, overwrite=args.overwrite)
     print(json.dumps(dataclasses.asdict(r)))  # every outcome, in flight and superseded too
-    return 0
+    return 1 if args.overwrite and r.superseded_chunks else 0  # (an overwrite not kept whole, as store() raises)
 
 
 def _lookup(args: argparse.Namespace) -> int:
@@ -182,7 +182,7 @@ def _import(args: argparse.Namespace) -> int:
     if args.register:
         out["registered"] = registered
     print(json.dumps(out))
-    return 0
+    return 1 if args.overwrite and r.stored.superseded_chunks else 0
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -269,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--out", required=True, help="where to write the tensor (.pt)")
     so = token_cmd("store", "store a KV tensor file ([2, L, T, D], torch.save) under token ids", _store)
     so.add_argument("--kv", required=True, help="the tensor file (.pt)")
-    so.add_argument("--overwrite", action="store_true", help="replace chunks that are already stored")
+    so.add_argument(
+        "--overwrite", action="store_true", help="replace chunks that are already stored (exit 1 if not kept whole)"
+    )
     ex = token_cmd("export", "write the cached prefix to a KV bundle (.kvb); exit 1 on a miss", _export)
     ex.add_argument("-o", "--out", required=True, help="the bundle file to write")
     ex.add_argument("--note", default="", help="free text kept in the bundle (e.g. the edit that made it)")
@@ -283,7 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("bundle", help="the bundle file (.kvb)")
     im.add_argument("--model", help="the model to store under (default: the bundle's)")
     im.add_argument("--cache-salt", help="namespace (default: the bundle's)")
-    im.add_argument("--overwrite", action="store_true", help="replace chunks that are already stored")
+    im.add_argument(
+        "--overwrite", action="store_true", help="replace chunks that are already stored (exit 1 if not kept whole)"
+    )
     im.add_argument(
         "--allow-other-model", action="store_true", help="store under --model although the bundle names another"
     )

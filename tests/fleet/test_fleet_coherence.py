@@ -31,9 +31,10 @@ def _wait_vouched(srv) -> None:
     wait_for(lambda: _status(srv)["vouched"], "the server to vouch for its L1")
 
 
-def fleet(make_server, redis_server, n: int) -> list:  # type: ignore[no-untyped-def]
-    """``n`` servers (no disk) sharing ``redis_server`` as their L3, each vouching for its L1."""
-    servers = [make_server("--redis-url", redis_server.url, "--no-disk") for _ in range(n)]
+def fleet(make_server, redis_server, n: int, *extra: str) -> list:  # type: ignore[no-untyped-def]
+    """``n`` servers (no disk; ``extra``: more flags) sharing ``redis_server`` as their L3, each
+    vouching for its L1."""
+    servers = [make_server("--redis-url", redis_server.url, "--no-disk", *extra) for _ in range(n)]
     for s in servers:
         _wait_vouched(s)
     return servers

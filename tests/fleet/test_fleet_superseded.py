@@ -22,8 +22,8 @@ from kvdock.sdk import _transfer
 
 
 class Gate:
-    """Holds the shared-memory copy of one thread's store (its slots reserved, its commit not
-    sent) until ``go`` is set: a client paused mid-store, which no real part does on demand."""
+    """Holds the copy of one thread's store (its slots reserved, its commit not sent) until
+    ``go`` is set: a client paused mid-store, which no real part does on demand."""
 
     def __init__(self) -> None:
         self.entered, self.go = threading.Event(), threading.Event()
@@ -31,9 +31,12 @@ class Gate:
 
 
 @contextmanager
-def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+def gated(
+    monkeypatch: pytest.MonkeyPatch, transfer: type[_transfer.Transfer] = _transfer.ShmTransfer
+) -> Iterator[Gate]:
+    """A Gate on ``transfer``'s writes (InlineTransfer: a client of a --no-shm server)."""
     gate = Gate()
-    real = _transfer.ShmTransfer.write
+    real = transfer.write
 
     def write(self, slots, source):  # type: ignore[no-untyped-def]
         if threading.current_thread() is gate.thread:
@@ -41,7 +44,7 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
             assert gate.go.wait(30)
         return real(self, slots, source)
 
-    monkeypatch.setattr(_transfer.ShmTransfer, "write", write)
+    monkeypatch.setattr(transfer, "write", write)
     try:
         yield gate
     finally:

@@ -5,12 +5,10 @@ overwrite's bytes are what both servers return. Real servers sharing one real Re
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from tests.fleet.test_fleet_coherence import _retrieve, _status, _wait_vouched
-from tests.fleet.test_fleet_superseded import chunks_of
+from tests.fleet.test_fleet_coherence import _retrieve, _status, fleet
+from tests.fleet.test_fleet_superseded import _in_thread, chunks_of, gated
 from tests.helpers import CHUNK, MODEL, make_tokens, wait_for
 
 import kvdock.sdk as kvd
@@ -27,14 +25,11 @@ def test_a_superseded_store_is_counted_exactly(
 ) -> None:
     """B's store (a plain one, or an overwrite) is paused mid-copy while A's overwrite of the same
     tokens is acknowledged and B applies its entries: B keeps none of it, in any shard."""
-    flags = ("--redis-url", redis_server.url, "--no-disk", *(("--no-shm",) if transport == "inline" else ()))
-    a, b = make_server(*flags), make_server(*flags)
+    a, b = fleet(make_server, redis_server, 2, *(("--no-shm",) if transport == "inline" else ()))
     model = MODEL if shards == 1 else TP
-    for s in (a, b):
-        if shards == 2:
-            kvd.register_model(s.url, s.http_url, TP, num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16",
-                               world_size=2, rank=1, timeout=10)  # fmt: skip
-        _wait_vouched(s)
+    for s in (a, b) if shards == 2 else ():
+        kvd.register_model(s.url, s.http_url, TP, num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16",
+                           world_size=2, rank=1, timeout=10)  # fmt: skip
     ca = kvd.connect(a.url, a.http_url, model, timeout=10)
     cb = kvd.connect(b.url, b.http_url, model, timeout=10)
     assert cb.transport == transport and cb.shards == shards
@@ -44,30 +39,18 @@ def test_a_superseded_store_is_counted_exactly(
     try:
         mine = torch.randn(shape, generator=g).to(torch.bfloat16)
         theirs = torch.randn(shape, generator=g).to(torch.bfloat16)
-        entered, go = threading.Event(), threading.Event()
-        cls = _transfer.InlineTransfer if transport == "inline" else _transfer.ShmTransfer
-        real = cls.write
-        out: dict[str, object] = {}
-
-        def write(self, slots, source):  # type: ignore[no-untyped-def]
-            if threading.current_thread() is t:
-                entered.set()
-                assert go.wait(30)
-            return real(self, slots, source)
-
-        monkeypatch.setattr(cls, "write", write)
         published, applied = _status(b)["published"], _status(b)["entries_applied"]
-        t = threading.Thread(target=lambda: out.update(r=kvd.store_chunks(cb, mine, tokens, overwrite=overwrite)))
-        t.start()
-        assert entered.wait(30), out
-        if overwrite:  # (B's E1 and E2 first: A's overwrite is the later one)
-            wait_for(lambda: _status(b)["published"] >= published + 2, "B's entries")
-        assert kvd.store(ca, theirs, tokens, overwrite=True)
-        mine_too = 2 if overwrite else 0  # (B applies its own E1 and E2 too)
-        wait_for(lambda: _status(b)["entries_applied"] >= applied + mine_too + 2, "B to apply A's entries")
-        go.set()
-        t.join(30)
-        assert out == {"r": kvd.StoreResult(0, 0, 0, 0, 0, 2 * shards)}
+        with gated(monkeypatch, _transfer.InlineTransfer if transport == "inline" else _transfer.ShmTransfer) as gate:
+            out = _in_thread(gate, lambda: kvd.store_chunks(cb, mine, tokens, overwrite=overwrite))
+            if overwrite:  # (B's E1 and E2 first: A's overwrite is the later one)
+                wait_for(lambda: _status(b)["published"] >= published + 2, "B's entries")
+            assert kvd.store(ca, theirs, tokens, overwrite=True)
+            mine_too = 2 if overwrite else 0  # (B applies its own E1 and E2 too)
+            wait_for(lambda: _status(b)["entries_applied"] >= applied + mine_too + 2, "B to apply A's entries")
+            gate.go.set()
+            assert gate.thread is not None
+            gate.thread.join(30)
+        assert out == {"result": kvd.StoreResult(0, 0, 0, 0, 0, 2 * shards)}
         got = _retrieve(cb, tokens)
         assert got is None or torch.equal(got, theirs[:, :, : got.shape[2]]), chunks_of(got, mine=mine, theirs=theirs)
         assert torch.equal(_retrieve(ca, tokens), theirs)

@@ -110,16 +110,25 @@ def test_free_ports_avoid_the_ports_named_in_cli_flags() -> None:
     assert not set(free_ports(5, avoid=everything_but_one)) & set(everything_but_one)
 
 
-def test_a_server_given_one_port_picks_another_for_the_other(tmp_path) -> None:
+def test_a_server_given_one_port_picks_another_for_the_other(tmp_path, monkeypatch) -> None:
     """Review of f348a6d: a restart that names only ``port`` could get ``http_port == port``
-    (the port the caller gives is not listening yet, so the kernel may hand it out again)."""
+    (the port the caller gives is not listening yet, so the kernel may hand it out again). The
+    picker is told to avoid it (free_ports' own test shows it then never returns it)."""
+    import kvdock.inprocess as inprocess
     from kvdock.inprocess import InProcessServer
-    from kvdock.testing import free_port
+    from kvdock.testing import free_port, free_ports
 
-    for _ in range(3):
-        port = free_port()
-        srv = InProcessServer.start("--no-disk", l1_size="8MiB", port=port, log_path=tmp_path / f"{port}.log")
-        try:
-            assert srv.port == port and srv.http_port != port
-        finally:
-            assert srv.stop() == 0
+    avoided: list[set[str]] = []
+
+    def picker(n, avoid=()):  # type: ignore[no-untyped-def]
+        avoided.append({str(v) for v in avoid})
+        return free_ports(n, avoid)
+
+    monkeypatch.setattr(inprocess, "free_ports", picker)
+    port = free_port()
+    srv = InProcessServer.start("--no-disk", l1_size="8MiB", port=port, log_path=tmp_path / f"{port}.log")
+    try:
+        assert srv.port == port and srv.http_port != port
+        assert avoided and str(port) in avoided[-1]
+    finally:
+        assert srv.stop() == 0

@@ -93,7 +93,10 @@ def test_bulk_commits_into_a_full_l2(tmp_path: Path) -> None:
             run_for(threads, stop, 5, join_s=30)
             wait_for(lambda: backlog(srv) == 0, "the write-downs", 60)
             l2 = tier(srv, "l2")
-            assert l2["disk_full"] is True and l2["writes_skipped"] > 0, l2
+            # the disk filled (ENOSPC cut L2's capacity under its 64 MiB budget). Whether it is
+            # still full now is a race: once writes evicted older files, a re-probe finds room and
+            # clears disk_full (storage.diskspace), the capacity staying bounded by the disk's size
+            assert l2["capacity_bytes"] < 64 << 20 and l2["writes_skipped"] > 0, l2
             with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
                 assert kvd.check_server_integrity(c) == []
                 clear = urllib.request.Request(srv.http_url + "/admin/clear?tier=l1", method="POST")

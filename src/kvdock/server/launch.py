@@ -69,6 +69,7 @@ def _serve_one(state: ServerState, control: ControlServer, msg: Incoming, waitin
         except Exception as e:  # a bug must not take the server down for everyone else
             out = _internal_error(state, req, e)
     if isinstance(req, UNANSWERED) and isinstance(out, Reply):
+        state.metrics.observe_request(state.registry, req, started)  # (handled; no reply goes out)
         return
     if isinstance(out, Reply):
         state.metrics.observe_request(state.registry, req, started)

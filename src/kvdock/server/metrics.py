@@ -3,11 +3,13 @@
 Latency histograms (buckets :data:`LATENCY_BUCKETS`, 10 µs to 10 s), all measured on the server:
 
 * ``kvdock_request_duration_seconds{operation, request, transport}``: from a request's arrival to
-  its reply being handed to the transport (a reply that waits for a lower tier included).
+  its reply being handed to the transport (a reply that waits for a lower tier included), or to
+  the end of its handling for a message no reply answers (``FastReads``).
   ``operation`` is ``lookup``, ``retrieve``, ``store`` or ``other`` (:data:`OPERATIONS`), ``request``
   the message (a retrieve is PrepareRetrieve, then CommitRetrieve), ``transport`` the client's
-  (``shm``, ``inline``; ``none`` before it registered). Fast reads never reach the server and are
-  not in it (``kvdock_fast_reads_total`` counts them).
+  (``shm``, ``inline``; ``none`` before it registered). Fast reads never reach the server
+  (``kvdock_fast_reads_total`` counts them); the reports a client sends of them later
+  (``FastReads``, operation ``other``: the server's LRU touches of what was read) are in it.
 * ``kvdock_tier_read_duration_seconds{tier}`` / ``kvdock_tier_write_duration_seconds{tier}``: one
   read (hit or miss) or write-down of one object by the tier's client, on its thread.
 

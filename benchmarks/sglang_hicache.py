@@ -3,8 +3,8 @@
 ``batch_set_v1`` (host pool pages -> kvdock) and ``batch_get_v1`` (kvdock -> other host pages)
 of one batch of pages, against two copies of the same bytes between two contiguous buffers --
 ``memcpy``: kvdock's own (:func:`kvdock.memcpy.copy`: streaming stores, two threads here), the
-fastest copy this machine does; ``glibc``: a plain glibc ``memmove``, half of the bytes on each of
-two threads (one of them kept waiting: no thread start timed) -- and against SGLang's own ``file`` backend
+fastest copy this machine does; ``glibc``: a plain glibc ``memmove``, a part of the bytes on each
+of as many threads (kept waiting: no thread start timed) -- and against SGLang's own ``file`` backend
 (its generic ``batch_set`` / ``batch_get`` of flat pages, as SGLang's cache controller calls
 them, files under ``--file-dir``: by default a tmpfs, so the page cache is not the difference)::
 
@@ -53,7 +53,7 @@ def main() -> None:
     args = p.parse_args()
 
     import conftest as sg  # the tests' host pools and storage config
-    from kvdock.memcpy import copy
+    from kvdock.memcpy import copy, default_threads
     from kvdock.testing import start_server
 
     sg.PAGE, sg.LAYERS, sg.HEAD_DIM = args.page, args.layers, args.head_dim
@@ -67,12 +67,10 @@ def main() -> None:
     dst = torch.empty(total, dtype=torch.uint8)
     src.random_(0, 255)
     copy(dst, src)
-    half = total // 2
-    runs = [(dst.data_ptr(), src.data_ptr(), half), (dst.data_ptr() + half, src.data_ptr() + half, total - half)]
-    glibc = Glibc()
+    glibc = Glibc(default_threads())
     print("memcpy: kvdock.memcpy.copy of one contiguous buffer of the batch's bytes, timed in each round right")
     print("before the set and the get it is compared with (medians of the ratios: they hold under load); glibc:")
-    print("glibc memmove of the buffer's halves on two threads, in rounds of its own (ratios of the medians)")
+    print("glibc memmove of the buffer in parts on as many threads, in rounds of its own (ratios of the medians)")
     print(f"{'layout':<18} {'memcpy':>7} {'glibc':>6} {'set GB/s':>9} {'x memcpy':>9} {'x glibc':>8} {'get GB/s':>9} "
           f"{'x memcpy':>9} {'x glibc':>8}   {'file set':>9} {'file get':>9}")  # fmt: skip
     # a server per layout, whose L1 holds every round's pages: each row is timed without eviction
@@ -87,7 +85,7 @@ def main() -> None:
             pool = sg.host_pool(False, layout, heads=args.heads, pages=4 * n)
             pool.kv_buffer.view(torch.int16).random_(-1000, 1000)
             src_idx, dst_idx = pool.alloc(n * args.page), pool.alloc(n * args.page)
-            baselines = (lambda: copy(dst, src), lambda: glibc(runs))
+            baselines = (lambda: copy(dst, src), lambda: glibc(dst.data_ptr(), src.data_ptr(), total))
             r = kvdock_backend(sg, srv, layout, pool, src_idx, dst_idx, n, args.rounds, baselines)
         finally:
             srv.stop()
@@ -151,17 +149,21 @@ def kvdock_backend(
 
 
 class Glibc:
-    """glibc ``memmove`` (through ctypes, which releases the GIL) of two runs, the second on a
-    thread that waits for it (started once, so no thread start is timed)."""
+    """glibc ``memmove`` (through ctypes, which releases the GIL) of ``n`` bytes in ``threads``
+    parts, one on the calling thread and one on each of the others, which wait for them (started
+    once, so no thread start is timed): as many threads as kvdock's copy uses."""
 
-    def __init__(self) -> None:
-        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
 
-    def __call__(self, runs: list[tuple[int, int, int]]) -> None:
-        (d1, s1, n1), (d2, s2, n2) = runs
-        other = self.pool.submit(ctypes.memmove, d2, s2, n2)
-        ctypes.memmove(d1, s1, n1)
-        other.result()
+    def __call__(self, dst: int, src: int, n: int) -> None:
+        part = -(-n // self.threads)
+        parts = [(dst + at, src + at, min(part, n - at)) for at in range(0, n, part)]
+        others = [self.pool.submit(ctypes.memmove, *p) for p in parts[1:]] if self.pool else []
+        ctypes.memmove(*parts[0])
+        for f in others:
+            f.result()
 
 
 def settled(b: Any) -> None:

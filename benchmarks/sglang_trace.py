@@ -10,17 +10,24 @@ pages (its storage hit query), ``batch_get_v1`` of the pages found (its prefetch
 pages, each call's keys chained after the ones before it (``prefix_keys``). The server's L1
 (``--l1``) holds a few dozen requests' pages: it evicts, as a real one does.
 
-Every get and set is paired with kvdock's memcpy of the same number of bytes between two
-contiguous buffers, timed right before it (kvdock.memcpy.copy: streaming stores, two threads, the
-fastest copy this machine does); glibc's ``memmove`` (two threads, half the bytes each) of the same
-sequence of sizes is timed in a pass of its own. The ratios are of the sums: bytes moved over the
-time the calls took, against the same bytes copied -- the throughput the trace's mix of call sizes
-sees, small calls and their fixed cost included. Before each memcpy an untimed Ping waits for
-the server's work left by the call before, so that the memcpy shares the CPUs with nothing; that
-work is the read report a get sends before the context's next request (after a set the Ping waits
-no longer than a bare round trip), and its handler seconds (the server's ``/metrics``) are added
-to the gets' time. ``batch_exists`` moves no bytes and is reported beside. Every page a get
-returns is checked byte for byte against the page it was stored from::
+Every get and set is paired with two copies of the same number of bytes between two contiguous
+buffers, just before it, in turns (each right before the call every other call): kvdock's memcpy
+(kvdock.memcpy.copy: streaming stores, its threads; the fastest copy this machine does) and
+glibc's ``memmove`` (the bytes in parts on as many threads). The ratios are of the sums: bytes
+moved over the time the calls took, against the same bytes copied -- the throughput the trace's
+mix of call sizes sees, small calls and their fixed cost included. Before the copies, the read
+report the last get left is sent (timed, added to that get: in SGLang the next request pays it)
+and an untimed Ping waits until the server has handled it, so that the copies share the CPUs
+with nothing; the server's seconds on the reports (its ``/metrics``) are added to the gets.
+``batch_exists`` moves no bytes and is reported beside. Each stored page carries a stamp of its
+own (written untimed before its set) and each page a get fills is first stamped as no stored
+page is: every page a get returns is checked byte for byte against the page it was stored from;
+every set must write all its pages (none deduplicated) and every get load all of its.
+
+Not modelled: SGLang's device and host caches (every request's storage query starts at its
+first page, where SGLang's starts past what its radix caches hold: a real engine's calls start
+later in the prompt), the backup of output tokens, a pinned host pool; and the server has no L2
+(``--no-disk``: nothing is written down behind the sets)::
 
     .venv-sglang/bin/python benchmarks/sglang_trace.py [--requests 150 --layout page_first_direct]
 """
@@ -28,6 +35,7 @@ returns is checked byte for byte against the page it was stored from::
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -52,7 +60,8 @@ class Call(NamedTuple):
     kind: str  # "get", "set" or "exists"
     pages: int  # (0 for exists)
     seconds: float
-    memcpy_s: float  # kvdock's memcpy of the same bytes, right before (0 for exists)
+    memcpy_s: float  # kvdock's memcpy of the same bytes, just before (0 for exists)
+    glibc_s: float  # glibc's memmove of them, just before (0 for exists)
 
 
 SIZES = ((1, 8), (9, 32), (33, 64), (65, 127), (128, 128))  # pages per call, for the table by size
@@ -98,52 +107,70 @@ def main() -> None:
             reports = server_seconds(srv, "FastReads") - before
         finally:
             srv.stop()
-        report(layout, calls, reports, page_bytes, src, dst)
+        report(layout, calls, reports, page_bytes)
 
 
 def replay(
     sg: Any, srv: Any, layout: str, pool: Any, reqs: list[Request], P: int, page_bytes: int,
     src: torch.Tensor, dst: torch.Tensor,
 ) -> list[Call]:  # fmt: skip
-    """The trace's calls through the backend; a row (kind, pages, seconds, memcpy seconds) each."""
+    """The trace's calls through the backend, a :class:`Call` each."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
     from sglang.srt.mem_cache.utils import get_hash_str
 
     from kvdock.integrations.sglang import KvdockHiCacheStorage
-    from kvdock.memcpy import copy
+    from kvdock.memcpy import copy, default_threads
     from kvdock.protocol.requests import Ping
 
     cfg = sg.storage_config(srv, **{"kvdock.model_name": f"trace-{layout}", "kvdock.timeout": 60})
     b = KvdockHiCacheStorage(cfg, {})
     b.register_mem_pool_host(pool)
     prefaulted(b)
-    assert b.pages is not None
+    pages = b.pages
+    assert pages is not None
     src_idx, dst_idx = pool.alloc(BATCH * P), pool.alloc(BATCH * P)
-    origin: dict[str, int] = {}  # key -> the host page (of src_idx) it was stored from
+    origin: dict[str, tuple[int, int]] = {}  # key -> (the host page of src_idx it was stored from, its stamp)
     calls: list[Call] = []
-
     ctx = b._context()
     assert ctx is not None, b.stats
+    glibc = Glibc(default_threads())
+
+    def stamp(host: int, value: int) -> None:
+        """Write ``value`` into the first 8 bytes of host page ``host`` (untimed): every stored
+        page has bytes of its own, so a get that copied nothing (or another page) fails the check."""
+        v = pages.page(host).view(torch.int16)
+        v[(0,) * (v.dim() - 1)][:4] = torch.from_numpy(np.array([value], np.int64).view(np.int16))
 
     def settle() -> None:
-        """Wait (untimed) until the server has handled what the last call left it -- the read
-        report a get sends before the context's next request, anything done past a reply -- so
-        that the memcpy after it shares the CPUs with nothing (it would be slowed, the ratio
-        flattered). That work is not lost: the reports' handler seconds are added to the gets
-        (``server_seconds``)."""
+        """Before the baselines of a call: send the read report the last get left (the client's
+        cost of it, timed and added to that get: in SGLang the next request pays it), then wait,
+        untimed, until the server has handled it (its handler seconds are added to the gets from
+        ``/metrics``), so that the copies after share the CPUs with nothing. (After a set the Ping
+        waits for no server work: nothing is done past a CommitStore's reply without an L2.)"""
+        t = time.perf_counter()
+        ctx.reporter.flush()
+        sent = time.perf_counter() - t
+        if calls and calls[-1].kind == "get":
+            calls[-1] = calls[-1]._replace(seconds=calls[-1].seconds + sent)
         ctx.ask(Ping())
 
     def call(kind: str, fn: Any, n: int) -> Any:
+        """``fn()`` timed, after kvdock's memcpy and glibc's memmove of its bytes (in turns, each
+        right before it every other call)."""
         nb = n * page_bytes
         settle()
-        t = time.perf_counter()
-        copy(dst[:nb], src[:nb])
-        m = time.perf_counter() - t
+        timed = {}
+        order = ("memcpy", "glibc") if len(calls) % 2 else ("glibc", "memcpy")
+        for base in order:
+            t = time.perf_counter()
+            copy(dst[:nb], src[:nb]) if base == "memcpy" else glibc(dst.data_ptr(), src.data_ptr(), nb)
+            timed[base] = time.perf_counter() - t
         t = time.perf_counter()
         out = fn()
-        calls.append(Call(kind, n, time.perf_counter() - t, m))
+        calls.append(Call(kind, n, time.perf_counter() - t, timed["memcpy"], timed["glibc"]))
         return out
 
+    stamps = itertools.count(1)
     try:
         for req in reqs:
             tokens = [blk * BLOCK + j for blk in req.blocks for j in range(BLOCK)]
@@ -153,24 +180,33 @@ def replay(
                 batch, info = keys[hit : hit + BATCH], HiCacheStorageExtraInfo(prefix_keys=keys[:hit])
                 t = time.perf_counter()
                 found = b.batch_exists(batch, info)
-                calls.append(Call("exists", 0, time.perf_counter() - t, 0.0))
+                calls.append(Call("exists", 0, time.perf_counter() - t, 0.0, 0.0))
                 hit += found
                 if found < len(batch):
                     break
             for at in range(0, hit, BATCH):  # the prefetch
                 batch, info = keys[at : min(hit, at + BATCH)], HiCacheStorageExtraInfo(prefix_keys=keys[:at])
                 idx = dst_idx[: len(batch) * P]
+                for j in range(len(batch)):
+                    stamp(int(idx[j * P]), -1)  # (no stored page's)
                 got = call("get", lambda k=batch, i=idx, e=info: b.batch_get_v1(k, i, e), len(batch))
                 assert all(got), (got, b.stats)
                 for j, k in enumerate(batch):  # each page as it was stored (untimed)
-                    want = b.pages.page(int(src_idx[origin[k] * P])).view(torch.int16)
-                    assert torch.equal(b.pages.page(int(idx[j * P])).view(torch.int16), want), (layout, k)
+                    host, value = origin[k]
+                    stamp(int(src_idx[host * P]), value)
+                    want = pages.page(int(src_idx[host * P])).view(torch.int16)
+                    assert torch.equal(pages.page(int(idx[j * P])).view(torch.int16), want), (layout, k)
             for at in range(hit, len(keys), BATCH):  # the backup
                 batch, info = keys[at : at + BATCH], HiCacheStorageExtraInfo(prefix_keys=keys[:at])
+                for j, k in enumerate(batch):
+                    origin[k] = (j, next(stamps))
+                    stamp(int(src_idx[j * P]), origin[k][1])
                 done = call("set", lambda k=batch, e=info: b.batch_set_v1(k, src_idx[: len(k) * P], e), len(batch))
                 assert all(done), (done, b.stats)
-                origin.update((k, j) for j, k in enumerate(batch))
         settle()
+        # every set wrote all its pages (none deduplicated: no byte counted that was not moved)
+        assert b.stats["pages_stored"] == sum(c.pages for c in calls if c.kind == "set"), b.stats
+        assert b.stats["pages_loaded"] == sum(c.pages for c in calls if c.kind == "get"), b.stats
     finally:
         b.close()
     return calls
@@ -190,26 +226,12 @@ def server_seconds(srv: Any, request: str) -> float:
     )
 
 
-def report(
-    layout: str, calls: list[Call], reports: float, page_bytes: int, src: torch.Tensor, dst: torch.Tensor
-) -> None:
-    """Bytes, GB/s and the ratios of the sums (kvdock's memcpy paired; glibc's in a pass of its
-    own over the same sizes), for gets (``reports``: the server's seconds on their read reports,
-    added), sets, all of them (``batch_exists`` time added too) and sets by size."""
-    glibc = Glibc()
-    g: list[float] = []
-    for kind, n, _, _ in calls:
-        if kind == "exists":  # (no bytes)
-            g.append(0.0)
-            continue
-        half = n * page_bytes // 2
-        runs = [(dst.data_ptr(), src.data_ptr(), half), (dst.data_ptr() + half, src.data_ptr() + half, half)]
-        t = time.perf_counter()
-        glibc(runs)
-        g.append(time.perf_counter() - t)
-    a = np.array([(n, t, m) for _, n, t, m in calls])
-    gl = np.array(g)
-    kinds = np.array([k for k, _, _, _ in calls])
+def report(layout: str, calls: list[Call], reports: float, page_bytes: int) -> None:
+    """Bytes, GB/s and the ratios of the sums to both baselines, for gets (``reports``: the
+    server's seconds on their read reports, added), sets, all of them (``batch_exists`` time
+    added too) and sets by size."""
+    a = np.array([(c.pages, c.seconds, c.memcpy_s, c.glibc_s) for c in calls])
+    kinds = np.array([c.kind for c in calls])
     exists_s = float(a[kinds == "exists", 1].sum())
     print(f"{layout}: {int((kinds == 'exists').sum())} batch_exists calls, {exists_s * 1e3:.0f} ms in all; "
           f"the gets' read reports {reports * 1e3:.0f} ms of server work")  # fmt: skip
@@ -221,9 +243,9 @@ def report(
         if not sel.any():
             continue
         nb = float(a[sel, 0].sum()) * page_bytes
-        t, m, gg = float(a[sel, 1].sum()) + extra, float(a[sel, 2].sum()), float(gl[sel].sum())
+        t, m, g = float(a[sel, 1].sum()) + extra, float(a[sel, 2].sum()), float(a[sel, 3].sum())
         print(f"  {name:<22} {int(sel.sum()):>5} {nb / 2**30:>7.1f} {nb / t / 1e9:>7.2f} {nb / m / 1e9:>7.2f} "
-              f"{nb / gg / 1e9:>7.2f} {m / t:>9.2f} {gg / t:>8.2f}", flush=True)  # fmt: skip
+              f"{nb / g / 1e9:>7.2f} {m / t:>9.2f} {g / t:>8.2f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvdock.sdk as kvd
 from helpers import CHUNK, GEOMETRY, MODEL, make_kv, make_tokens, wait_for
+from kvdock.protocol.requests import Ping
 from kvdock.server.metrics import LATENCY_BUCKETS
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana-dashboard.json"
@@ -77,26 +78,24 @@ def test_request_and_tier_latency_histograms(make_server, tmp_path) -> None:
 
 
 def test_the_reports_of_fast_reads_are_timed_as_requests_of_their_own(make_server) -> None:
-    """A fast read never reaches the server, but the report of it does (before the client's next
-    request) and takes the server's time (the LRU touches): it is in the request histogram as
-    ``FastReads`` (operation ``other``), once per report (here one of both reads), and nothing of
-    it as a retrieve."""
+    """A fast read never reaches the server, but the report of it does (at the latest before the
+    client's next request: when exactly is the reporter's timing, not asserted) and takes the
+    server's time (the LRU touches): it is in the request histogram as ``FastReads`` (operation
+    ``other``), one observation per report, and nothing of it as a retrieve."""
     srv = make_server("--no-disk")
     tokens = make_tokens(2 * CHUNK)
     with kvd.connect(srv.url, srv.http_url, MODEL, timeout=10) as c:
         assert kvd.store(c, make_kv(2 * CHUNK), tokens)
         assert torch.equal(kvd.retrieve(c, tokens), make_kv(2 * CHUNK))  # from the pool directory
-        assert torch.equal(kvd.retrieve(c, tokens), make_kv(2 * CHUNK))
-        found = samples(srv)  # (the report is not sent yet)
-        assert _count(found, "kvdock_fast_reads_total", op="retrieve") == 0
-        assert _count(found, "kvdock_request_duration_seconds_count", request="FastReads") == 0
-        assert kvd.lookup(c, tokens) == 2 * CHUNK  # (the report goes out before it)
-    found = samples(srv)
-    assert _count(found, "kvdock_fast_reads_total", op="retrieve") == 2
+        c.ask(Ping())  # what is held is reported before it, on the same connection: handled when it answers
+        found = samples(srv)
+    assert _count(found, "kvdock_fast_reads_total", op="retrieve") == 1
     assert _count(found, "kvdock_request_duration_seconds_count", operation="retrieve") == 0
     one = {"request": "FastReads", "operation": "other", "transport": "shm"}
-    assert _count(found, "kvdock_request_duration_seconds_count", **one) == 1  # one report of both reads
-    assert _count(found, "kvdock_request_duration_seconds_count", request="FastReads") == 1
+    reports = _count(found, "kvdock_request_duration_seconds_count", **one)
+    reads = _count(found, "kvdock_fast_reads_total")  # (the store's own lookup may be one too)
+    assert 1 <= reports <= reads, (reports, reads)
+    assert _count(found, "kvdock_request_duration_seconds_count", request="FastReads") == reports
     assert _count(found, "kvdock_request_duration_seconds_sum", **one) > 0
 
 

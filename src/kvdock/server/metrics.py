@@ -9,7 +9,8 @@ Latency histograms (buckets :data:`LATENCY_BUCKETS`, 10 µs to 10 s), all measur
   the message (a retrieve is PrepareRetrieve, then CommitRetrieve), ``transport`` the client's
   (``shm``, ``inline``; ``none`` before it registered). Fast reads never reach the server
   (``kvdock_fast_reads_total`` counts them); the reports a client sends of them later
-  (``FastReads``, operation ``other``: the server's LRU touches of what was read) are in it.
+  (``FastReads``, operation ``other``: the server's LRU touches of what was read) are in it, and
+  in ``kvdock_tenant_requests_total{operation="other"}``.
 * ``kvdock_tier_read_duration_seconds{tier}`` / ``kvdock_tier_write_duration_seconds{tier}``: one
   read (hit or miss) or write-down of one object by the tier's client, on its thread.
 
@@ -104,7 +105,8 @@ class Metrics:
         self.models = Gauge("kvdock_models", "Registered models", registry=r)
         self.request_seconds = Histogram(
             "kvdock_request_duration_seconds",
-            "Seconds from a request's arrival to its reply, on the server, by operation, message and client transport",
+            "Seconds from a request's arrival to its reply (to its handling's end for a message no reply answers), "
+            "on the server, by operation, message and client transport",
             ["operation", "request", "transport"],
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -141,7 +143,8 @@ class Metrics:
         self._tenant_children: dict[tuple[str, str], Any] = {}
 
     def observe_request(self, registry: Registry, req: object, started: float) -> None:
-        """Record one answered request that arrived at ``started`` (time.perf_counter)."""
+        """Record one request that arrived at ``started`` (time.perf_counter), answered now or, a
+        message no reply answers (FastReads), handled now; a tenant's counts it too."""
         elapsed = time.perf_counter() - started
         name = type(req).__name__
         client = registry.clients.get(getattr(req, "client_id", None) or "")

@@ -68,12 +68,10 @@ def _serve_one(state: ServerState, control: ControlServer, msg: Incoming, waitin
             out = handle(state, req, msg.payload, msg.key)
         except Exception as e:  # a bug must not take the server down for everyone else
             out = _internal_error(state, req, e)
-    if isinstance(req, UNANSWERED) and isinstance(out, Reply):
-        state.metrics.observe_request(state.registry, req, started)  # (handled; no reply goes out)
-        return
     if isinstance(out, Reply):
         state.metrics.observe_request(state.registry, req, started)
-        _send(state, control, msg, out, waiting, reserved)
+        if not isinstance(req, UNANSWERED):  # (one no reply answers: handled, nothing goes out)
+            _send(state, control, msg, out, waiting, reserved)
         return
     _spawn(waiting, _reply_later(state, control, msg, req, out, waiting, reserved, started))
 

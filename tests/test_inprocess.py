@@ -150,14 +150,14 @@ def test_a_picked_port_taken_meanwhile_is_picked_again(tmp_path: Path, monkeypat
     retried. The first port it picks here is held by a real listening socket."""
     import socket
 
-    import kvdock.inprocess as inprocess
+    import kvdock.testing as testing
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     picks = iter([taken.getsockname()[1]])
-    real = inprocess.free_ports
-    monkeypatch.setattr(inprocess, "free_ports", lambda n, avoid=(): [next(picks, None) or p for p in real(n, avoid)])
+    real = testing.free_ports  # (InProcessServer.start picks through it: server_ports)
+    monkeypatch.setattr(testing, "free_ports", lambda n, avoid=(): [next(picks, None) or p for p in real(n, avoid)])
     try:
         srv = start_inprocess(tmp_path)
         try:

@@ -114,7 +114,7 @@ def test_a_server_given_one_port_picks_another_for_the_other(tmp_path, monkeypat
     """Review of f348a6d: a restart that names only ``port`` could get ``http_port == port``
     (the port the caller gives is not listening yet, so the kernel may hand it out again). The
     picker is told to avoid it (free_ports' own test shows it then never returns it)."""
-    import kvdock.inprocess as inprocess
+    import kvdock.testing as testing
     from kvdock.inprocess import InProcessServer
     from kvdock.testing import free_port, free_ports
 
@@ -124,7 +124,7 @@ def test_a_server_given_one_port_picks_another_for_the_other(tmp_path, monkeypat
         avoided.append({str(v) for v in avoid})
         return free_ports(n, avoid)
 
-    monkeypatch.setattr(inprocess, "free_ports", picker)
+    monkeypatch.setattr(testing, "free_ports", picker)  # (server_ports picks through it)
     port = free_port()
     srv = InProcessServer.start("--no-disk", l1_size="8MiB", port=port, log_path=tmp_path / f"{port}.log")
     try:

@@ -40,7 +40,7 @@ from kvdock.server.launch import _run
 from kvdock.server.resources import raise_fd_limit
 from kvdock.server.state import ServerState
 from kvdock.server.tenants import load_tenants
-from kvdock.testing import HttpDocs, free_ports
+from kvdock.testing import HttpDocs, server_ports
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 CLIENT_LOGGERS = ("kvdock.sdk", "kvdock.vllm", "kvdock.integrations")  # the test's side: not the server's log
@@ -143,8 +143,7 @@ class InProcessServer(HttpDocs):
         error) if it fails to.
         ``env`` may name ``KVDOCK_FAULT_*`` variables only (ValueError otherwise: anything else
         needs a process of its own)."""
-        picked = free_ports(2, avoid=(*extra, port, http_port))  # (a port given: the other is not it)
-        port, http_port = port or picked[0], http_port or picked[1]
+        port, http_port = server_ports(port, http_port, extra)
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"kvdock-inprocess-{port}-", suffix=".log")
             os.close(fd)

@@ -59,6 +59,14 @@ def free_ports(n: int, avoid: Iterable[str | int] = ()) -> list[int]:
     return picked
 
 
+def server_ports(port: int, http_port: int, extra: Iterable[str] = ()) -> tuple[int, int]:
+    """A server's control and HTTP ports: those given (non-zero), free ones for the others, never
+    one given or named in its CLI flags ``extra`` (a restart that names only ``port``: the kernel
+    may hand that port out again, as it is not listening yet)."""
+    picked = free_ports(2, avoid=(*extra, port, http_port))
+    return port or picked[0], http_port or picked[1]
+
+
 class HttpDocs:
     """What a test reads of a server over HTTP and its log, whichever way it runs (a process
     here, a thread: ``kvdock.inprocess.InProcessServer``): ``port``, ``http_port`` and
@@ -169,8 +177,7 @@ def launch_server(
     ``log_path`` (default: a temporary file). Ports default to free ones (give them to restart a
     server where its clients expect it). ``popen`` starts the process (subprocess.Popen's
     arguments; the tests fork it from a pre-imported python: tests/zygote.py)."""
-    picked = free_ports(2, avoid=(*extra, port, http_port))  # (a port given: the other is not it)
-    port, http_port = port or picked[0], http_port or picked[1]
+    port, http_port = server_ports(port, http_port, extra)
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"kvdock-serve-{port}-", suffix=".log")
         os.close(fd)

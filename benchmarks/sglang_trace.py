@@ -39,6 +39,7 @@ import itertools
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -82,6 +83,7 @@ def main() -> None:
     from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
 
     import conftest as sg  # the tests' host pools and storage config
+    from kvdock.memcpy import copy
     from kvdock.testing import start_server
 
     assert STORAGE_BATCH_SIZE == BATCH, STORAGE_BATCH_SIZE
@@ -94,8 +96,6 @@ def main() -> None:
           f"({page_bytes / 2**20:.1f} MiB), L1 {args.l1}, {os.cpu_count()} CPUs, load {load_now:.2f}")  # fmt: skip
     src = torch.empty(BATCH * page_bytes, dtype=torch.uint8).random_(0, 255)
     dst = torch.empty_like(src)
-    from kvdock.memcpy import copy
-
     copy(dst, src)  # (its pages faulted in before any copy is timed)
     for layout in args.layout or sg.LAYOUTS:
         srv = start_server("--no-disk", chunk_size=args.page, l1_size=args.l1)
@@ -159,11 +159,14 @@ def replay(
         right before it every other call)."""
         nb = n * page_bytes
         settle()
-        timed = {}
-        order = ("memcpy", "glibc") if len(calls) % 2 else ("glibc", "memcpy")
-        for base in order:
+        baselines: dict[str, Callable[[], None]] = {
+            "memcpy": lambda: copy(dst[:nb], src[:nb]),
+            "glibc": lambda: glibc(dst.data_ptr(), src.data_ptr(), nb),
+        }
+        timed: dict[str, float] = {}
+        for base in ("memcpy", "glibc") if len(calls) % 2 else ("glibc", "memcpy"):  # (each last in turn)
             t = time.perf_counter()
-            copy(dst[:nb], src[:nb]) if base == "memcpy" else glibc(dst.data_ptr(), src.data_ptr(), nb)
+            baselines[base]()
             timed[base] = time.perf_counter() - t
         t = time.perf_counter()
         out = fn()
@@ -217,12 +220,15 @@ def server_seconds(srv: Any, request: str) -> float:
     ``kvdock_request_duration_seconds`` sum, from ``/metrics``)."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(f"{srv.http_url}/metrics", timeout=10) as r:
         text = r.read().decode()
     return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("kvdock_request_duration_seconds_sum{") and f'request="{request}"' in line
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "kvdock_request_duration_seconds_sum" and s.labels.get("request") == request
     )
 
 
